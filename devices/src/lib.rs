@@ -1,0 +1,25 @@
+//! Emulated devices of a Musubi VM.
+//!
+//! Devices know nothing of KVM: they see guest memory through `vm-memory`, raise interrupts
+//! through [`Irq`], and are reached through the `vm-device` bus traits, so each can be tested
+//! with mock memory and a counting interrupt line.
+
+pub mod irq;
+pub mod legacy;
+pub mod virtio;
+
+pub use irq::{EventFdIrq, Irq};
+
+/// How the VM ends when a device asks it to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmExitRequest {
+    /// The guest wrote its exit status to the exit port.
+    Status(u8),
+    /// The guest reset the machine (i8042 reset line): treated as a clean shutdown.
+    Reset,
+}
+
+/// Receives the guest's request to end the VM; implemented by the VMM's run control.
+pub trait ExitSink: Send + Sync {
+    fn request_exit(&self, request: VmExitRequest);
+}

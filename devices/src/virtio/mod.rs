@@ -1,0 +1,1 @@
+//! virtio over MMIO: the transport and the devices behind it.

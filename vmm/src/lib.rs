@@ -1,0 +1,1 @@
+//! The Musubi VMM.
