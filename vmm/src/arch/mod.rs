@@ -1,0 +1,3 @@
+//! Architecture-specific parts of the VM: layout, boot structures and CPU set-up.
+
+pub mod x86_64;

@@ -1,0 +1,3 @@
+//! x86-64: memory layout, firmware tables, boot protocols and vCPU register set-up.
+
+pub mod layout;
