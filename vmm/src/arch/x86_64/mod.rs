@@ -1,3 +1,6 @@
 //! x86-64: memory layout, firmware tables, boot protocols and vCPU register set-up.
 
 pub mod layout;
+pub mod linux;
+pub mod mptable;
+pub mod pvh;
