@@ -1,0 +1,256 @@
+//! Builds a VM from its configuration in one readable sequence, runs it, and tears it down
+//! so that nothing the guest wrote is lost.
+
+use crate::arch::x86_64::layout::{self, CMDLINE_MAX_SIZE, CMDLINE_START, PVH_INFO_START};
+use crate::arch::x86_64::{linux, mptable, pvh, regs};
+use crate::config::VmConfig;
+use crate::control::{Outcome, RunControl};
+use crate::device_manager::{create_devices, Devices};
+use crate::loader::{load_kernel, EntryPoint};
+use crate::metrics::{summarize, ExitSummary, VcpuMetrics};
+use crate::vstate::memory::create_guest_memory;
+use crate::vstate::vcpu::{install_kick_handler, kick_signal, Vcpu};
+use crate::vstate::vm::Vm;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vmm_sys_util::signal::Killable;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("{0}")]
+    Msg(String),
+}
+
+fn err(e: impl std::fmt::Display) -> BuildError {
+    BuildError::Msg(e.to_string())
+}
+
+/// Options that change how a VM is observed, not what it is.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Keep a copy of everything the guest writes to COM1 in the report.
+    pub capture_serial: bool,
+    /// Stop the VM (outcome [`Outcome::VmmError`]) if it runs longer than this.
+    pub timeout: Option<Duration>,
+}
+
+/// What happened during one VM run.
+#[derive(Debug)]
+pub struct RunReport {
+    pub outcome: Outcome,
+    pub exits: Vec<ExitSummary>,
+    pub total_exits: u64,
+    pub interrupts: u64,
+    pub serial: Vec<u8>,
+    /// From the start of [`run_vm`] to the BSP's first KVM_RUN.
+    pub to_first_run: Option<Duration>,
+    pub wall: Duration,
+}
+
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_terminate(sig: libc::c_int) {
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+/// SIGTERM and SIGINT end the VM through the normal teardown, so disks are flushed.
+fn install_terminate_handlers() {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { libc::signal(sig, on_terminate as *const () as libc::sighandler_t) };
+    }
+}
+
+/// Builds and runs the VM described by `config` until it ends.
+pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildError> {
+    let started = Instant::now();
+    install_terminate_handlers();
+    install_kick_handler()
+        .map_err(|e| err(format!("cannot install the vCPU kick handler: {e}")))?;
+
+    // 1. The VM and its memory.
+    let mut vm = Vm::new().map_err(err)?;
+    let mem = create_guest_memory(config.memory).map_err(err)?;
+    vm.register_memory(&mem).map_err(err)?;
+
+    // 2. The kernel.
+    let (entry, _kernel_end) = load_kernel(&mem, &config.kernel).map_err(err)?;
+
+    // 3. Devices, and the command line that announces them.
+    let control = Arc::new(RunControl::default());
+    let capture = opts
+        .capture_serial
+        .then(|| Arc::new(Mutex::new(Vec::new())));
+    let devices = create_devices(
+        &vm,
+        &mem,
+        &config.serial,
+        capture.clone(),
+        &config.disks,
+        control.clone(),
+    )
+    .map_err(err)?;
+    let cmdline = build_cmdline(&config.cmdline, &devices)?;
+    mem.write_slice(&cmdline, GuestAddress(CMDLINE_START))
+        .map_err(|e| err(format!("cannot write the command line: {e}")))?;
+
+    // 4. Firmware tables and boot structures.
+    mptable::write_mptable(&mem, config.cpus).map_err(err)?;
+    let e820 = layout::e820_map(config.memory);
+    let initrd = load_initrd(&mem, config, &entry)?;
+    match entry {
+        EntryPoint::Pvh(_) => {
+            pvh::write_start_info(&mem, &e820, CMDLINE_START, None).map_err(err)?;
+        }
+        EntryPoint::Linux64 { header, .. } => {
+            linux::write_boot_params(
+                &mem,
+                header,
+                &e820,
+                CMDLINE_START,
+                cmdline.len() - 1,
+                initrd,
+            )
+            .map_err(err)?;
+            linux::write_boot_gdt_and_page_tables(&mem).map_err(err)?;
+        }
+    }
+
+    // 5. vCPUs: the BSP gets the entry state; APs wait for INIT/SIPI in the kernel.
+    let mut vcpus = Vec::new();
+    for id in 0..config.cpus {
+        vcpus.push(Vcpu::new(vm.kvm(), vm.fd(), id, config.cpus).map_err(err)?);
+    }
+    match entry {
+        EntryPoint::Pvh(rip) => {
+            vcpus[0].set_regs(&regs::pvh_regs(rip, PVH_INFO_START), regs::pvh_sregs)
+        }
+        EntryPoint::Linux64 { entry, .. } => {
+            vcpus[0].set_regs(&linux::long_mode_regs(entry), linux::long_mode_sregs)
+        }
+    }
+    .map_err(err)?;
+
+    // 6. Run until an outcome is recorded.
+    let outcome;
+    let metrics: Vec<Arc<VcpuMetrics>> = (0..config.cpus).map(|_| Arc::default()).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let first_run: Arc<OnceLock<Instant>> = Arc::default();
+    let mut handles = Vec::new();
+    for (vcpu, m) in vcpus.into_iter().zip(&metrics) {
+        let (io, control, stop, m, first_run) = (
+            devices.io.clone(),
+            control.clone(),
+            stop.clone(),
+            m.clone(),
+            first_run.clone(),
+        );
+        let h = std::thread::Builder::new()
+            .name(format!("vcpu{}", vcpu.id))
+            .spawn(move || {
+                if vcpu.id == 0 {
+                    let _ = first_run.set(Instant::now());
+                }
+                vcpu.run(io, control, stop, m)
+            })
+            .map_err(|e| err(format!("cannot start a vCPU thread: {e}")))?;
+        handles.push(h);
+    }
+    let deadline = opts.timeout.map(|t| started + t);
+    outcome = control.wait(Duration::from_millis(20), || {
+        let s = SIGNALLED.load(Ordering::SeqCst);
+        if s != 0 {
+            return Some(Outcome::Signal(s));
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Some(Outcome::VmmError(format!(
+                "the VM did not finish within {:?}",
+                opts.timeout.unwrap_or_default()
+            )));
+        }
+        None
+    });
+
+    // 7. Stop every vCPU, then make the guest's writes durable.
+    stop.store(true, Ordering::Release);
+    stop_vcpus(handles);
+    devices.flush();
+    let report = RunReport {
+        exits: summarize(&metrics),
+        total_exits: metrics.iter().map(|m| m.total()).sum(),
+        interrupts: devices.interrupts(),
+        serial: capture
+            .map(|c| std::mem::take(&mut *c.lock().unwrap_or_else(|e| e.into_inner())))
+            .unwrap_or_default(),
+        to_first_run: first_run.get().map(|t| t.duration_since(started)),
+        wall: started.elapsed(),
+        outcome,
+    };
+    drop(devices);
+    // The VM fd goes before the memory it maps.
+    drop(vm);
+    drop(mem);
+    Ok(report)
+}
+
+/// Kicks vCPU threads out of KVM_RUN until each has returned. A kick can land just before a
+/// thread re-enters the guest and be missed, so it is repeated.
+fn stop_vcpus(mut handles: Vec<std::thread::JoinHandle<()>>) {
+    while !handles.is_empty() {
+        for h in &handles {
+            let _ = h.kill(kick_signal());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+        let (done, rest): (Vec<_>, Vec<_>) = handles.into_iter().partition(|h| h.is_finished());
+        for h in done {
+            let _ = h.join();
+        }
+        handles = rest;
+    }
+}
+
+fn build_cmdline(base: &str, devices: &Devices) -> Result<Vec<u8>, BuildError> {
+    let mut s = base.trim().to_string();
+    for f in &devices.cmdline_fragments {
+        if !s.is_empty() {
+            s.push(' ');
+        }
+        s.push_str(f);
+    }
+    let mut bytes = s.into_bytes();
+    bytes.push(0);
+    if bytes.len() > CMDLINE_MAX_SIZE {
+        return Err(err(format!(
+            "--cmdline: the command line with device fragments is {} bytes; at most {} fit",
+            bytes.len() - 1,
+            CMDLINE_MAX_SIZE - 1
+        )));
+    }
+    Ok(bytes)
+}
+
+fn load_initrd(
+    mem: &GuestMemoryMmap,
+    config: &VmConfig,
+    entry: &EntryPoint,
+) -> Result<Option<(u64, u64)>, BuildError> {
+    let Some(path) = &config.initrd else {
+        return Ok(None);
+    };
+    let data = std::fs::read(path).map_err(|e| err(format!("--initrd {}: {e}", path.display())))?;
+    let header = match entry {
+        EntryPoint::Linux64 { header, .. } => header.as_ref(),
+        EntryPoint::Pvh(_) => None,
+    };
+    let top = layout::ram_ranges(config.memory)[0].1;
+    let addr = linux::initrd_address(top, data.len() as u64, header).map_err(err)?;
+    mem.write_slice(&data, GuestAddress(addr)).map_err(|e| {
+        err(format!(
+            "--initrd {}: cannot place it in guest memory: {e}",
+            path.display()
+        ))
+    })?;
+    Ok(Some((addr, data.len() as u64)))
+}

@@ -1,0 +1,331 @@
+//! What a user asks a VM to be: parsed from flags and JSON, validated before any KVM call.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::path::PathBuf;
+
+/// Errors in the user's description of a VM; each names the flag or field and the value.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("{flag}: invalid size {value:?}: expected a number with an optional K, M, G or T suffix (e.g. 256M, 2G)")]
+    BadSize { flag: String, value: String },
+    #[error("{flag}: {value} is too small: {why}")]
+    TooSmall {
+        flag: String,
+        value: String,
+        why: String,
+    },
+    #[error("{flag}: {value} is more than this host has ({host_mib} MiB of RAM in /proc/meminfo)")]
+    MoreThanHost {
+        flag: String,
+        value: String,
+        host_mib: u64,
+    },
+    #[error("--disk {spec:?}: {why}; expected path=FILE[,readonly=on|off][,cache=writeback|none]")]
+    BadDisk { spec: String, why: String },
+    #[error("--serial {0:?}: expected stdio, off or file=PATH")]
+    BadSerial(String),
+    #[error("--cpus {0}: expected 1 to {max}", max = MAX_VCPUS)]
+    BadCpus(u64),
+}
+
+/// The MP table and KVM's default limit both allow more, but the probe guest and the tests
+/// are sized for a small machine.
+pub const MAX_VCPUS: u64 = 64;
+
+/// Host page cache policy for a disk image.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheMode {
+    /// Reads and writes go through the host page cache.
+    #[default]
+    Writeback,
+    /// The image is opened with O_DIRECT: the host page cache is bypassed.
+    None,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    #[serde(default)]
+    pub readonly: bool,
+    #[serde(default)]
+    pub cache: CacheMode,
+}
+
+impl std::str::FromStr for DiskConfig {
+    type Err = ConfigError;
+
+    fn from_str(spec: &str) -> Result<Self, ConfigError> {
+        let bad = |why: String| ConfigError::BadDisk {
+            spec: spec.to_string(),
+            why,
+        };
+        let mut path = None;
+        let mut readonly = false;
+        let mut cache = CacheMode::Writeback;
+        for part in spec.split(',') {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| bad(format!("{part:?} is not key=value")))?;
+            match key {
+                "path" if !value.is_empty() => path = Some(PathBuf::from(value)),
+                "path" => return Err(bad("path is empty".into())),
+                "readonly" => {
+                    readonly = parse_on_off(value)
+                        .ok_or_else(|| bad(format!("readonly={value:?} is not on or off")))?
+                }
+                "cache" => {
+                    cache = match value {
+                        "writeback" => CacheMode::Writeback,
+                        "none" => CacheMode::None,
+                        _ => return Err(bad(format!("cache={value:?} is not writeback or none"))),
+                    }
+                }
+                _ => return Err(bad(format!("unknown key {key:?}"))),
+            }
+        }
+        let path = path.ok_or_else(|| bad("path= is missing".into()))?;
+        Ok(DiskConfig {
+            path,
+            readonly,
+            cache,
+        })
+    }
+}
+
+fn parse_on_off(v: &str) -> Option<bool> {
+    match v {
+        "on" | "true" | "yes" | "1" => Some(true),
+        "off" | "false" | "no" | "0" => Some(false),
+        _ => None,
+    }
+}
+
+/// Where the guest's COM1 output goes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum SerialMode {
+    #[default]
+    Stdio,
+    Off,
+    File(PathBuf),
+}
+
+impl std::str::FromStr for SerialMode {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        match s {
+            "stdio" => Ok(SerialMode::Stdio),
+            "off" => Ok(SerialMode::Off),
+            _ => match s.strip_prefix("file=") {
+                Some(p) if !p.is_empty() => Ok(SerialMode::File(PathBuf::from(p))),
+                _ => Err(ConfigError::BadSerial(s.to_string())),
+            },
+        }
+    }
+}
+
+impl fmt::Display for SerialMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SerialMode::Stdio => write!(f, "stdio"),
+            SerialMode::Off => write!(f, "off"),
+            SerialMode::File(p) => write!(f, "file={}", p.display()),
+        }
+    }
+}
+
+impl Serialize for SerialMode {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for SerialMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A kernel image: a file, or bytes the binary carries (the bundled probe guest).
+#[derive(Clone)]
+pub enum KernelImage {
+    File(PathBuf),
+    Bytes {
+        name: String,
+        data: std::sync::Arc<[u8]>,
+    },
+}
+
+impl fmt::Debug for KernelImage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.name())
+    }
+}
+
+impl KernelImage {
+    pub fn name(&self) -> String {
+        match self {
+            KernelImage::File(p) => p.display().to_string(),
+            KernelImage::Bytes { name, .. } => name.clone(),
+        }
+    }
+}
+
+/// Everything needed to build one VM.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub kernel: KernelImage,
+    pub cmdline: String,
+    pub initrd: Option<PathBuf>,
+    pub cpus: u8,
+    pub memory: u64,
+    pub disks: Vec<DiskConfig>,
+    pub serial: SerialMode,
+}
+
+/// Parses `256M`, `2G`, `1048576`, `512K`, `1T` (binary multiples).
+pub fn parse_size(flag: &str, value: &str) -> Result<u64, ConfigError> {
+    let bad = || ConfigError::BadSize {
+        flag: flag.to_string(),
+        value: value.to_string(),
+    };
+    let v = value.trim();
+    let (digits, shift) = match v.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(bad()),
+            };
+            (&v[..i], shift)
+        }
+        _ => (v, 0),
+    };
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
+/// Bytes of RAM the host has, from /proc/meminfo.
+pub fn host_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The smallest RAM the VM can boot with: the boot structures and a kernel at 1 MiB.
+pub const MIN_MEMORY: u64 = 8 << 20;
+
+/// Checks a guest memory size against what the VM needs and the host has.
+pub fn check_memory(flag: &str, value: &str, bytes: u64) -> Result<(), ConfigError> {
+    if bytes < MIN_MEMORY {
+        return Err(ConfigError::TooSmall {
+            flag: flag.into(),
+            value: value.into(),
+            why: format!("a VM needs at least {} MiB", MIN_MEMORY >> 20),
+        });
+    }
+    if bytes % 4096 != 0 {
+        return Err(ConfigError::TooSmall {
+            flag: flag.into(),
+            value: value.into(),
+            why: "the size must be a whole number of 4 KiB pages".into(),
+        });
+    }
+    if let Some(host) = host_memory_bytes() {
+        if bytes > host {
+            return Err(ConfigError::MoreThanHost {
+                flag: flag.into(),
+                value: value.into(),
+                host_mib: host >> 20,
+            });
+        }
+    }
+    Ok(())
+}
+
+pub fn check_cpus(n: u64) -> Result<u8, ConfigError> {
+    if n == 0 || n > MAX_VCPUS {
+        return Err(ConfigError::BadCpus(n));
+    }
+    Ok(n as u8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("--memory", "256M").unwrap(), 256 << 20);
+        assert_eq!(parse_size("--memory", "2g").unwrap(), 2 << 30);
+        assert_eq!(parse_size("--memory", "4096").unwrap(), 4096);
+        assert_eq!(parse_size("--memory", "512K").unwrap(), 512 << 10);
+        for bad in ["", "M", "12X", "-1G", "1.5G", "99999999999999T"] {
+            let e = parse_size("--memory", bad).unwrap_err();
+            assert!(e.to_string().contains("--memory"), "{e}");
+        }
+    }
+
+    #[test]
+    fn zero_and_huge_memory_are_refused_with_the_flag_named() {
+        let e = check_memory("--memory", "0", 0).unwrap_err().to_string();
+        assert!(e.contains("--memory") && e.contains("at least"), "{e}");
+        let e = check_memory("--memory", "1T", 1 << 40)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than this host has"), "{e}");
+        check_memory("--memory", "64M", 64 << 20).unwrap();
+    }
+
+    #[test]
+    fn disk_specs_parse() {
+        let d: DiskConfig = "path=/tmp/a.img,readonly=on,cache=none".parse().unwrap();
+        assert_eq!(d.path, PathBuf::from("/tmp/a.img"));
+        assert!(d.readonly);
+        assert_eq!(d.cache, CacheMode::None);
+        let d: DiskConfig = "path=x".parse().unwrap();
+        assert!(!d.readonly);
+        assert_eq!(d.cache, CacheMode::Writeback);
+    }
+
+    #[test]
+    fn malformed_disk_specs_name_the_problem() {
+        for (spec, needle) in [
+            ("readonly=on", "path= is missing"),
+            ("path=", "path is empty"),
+            ("path=a,cache=maybe", "cache=\"maybe\""),
+            ("path=a,readonly=perhaps", "readonly=\"perhaps\""),
+            ("path=a,colour=red", "unknown key"),
+            ("/tmp/a.img", "not key=value"),
+        ] {
+            let e = spec.parse::<DiskConfig>().unwrap_err().to_string();
+            assert!(e.contains(needle), "{spec}: {e}");
+            assert!(e.contains("--disk"), "{e}");
+        }
+    }
+
+    #[test]
+    fn serial_modes_parse() {
+        assert_eq!("stdio".parse::<SerialMode>().unwrap(), SerialMode::Stdio);
+        assert_eq!("off".parse::<SerialMode>().unwrap(), SerialMode::Off);
+        assert_eq!(
+            "file=/tmp/x".parse::<SerialMode>().unwrap(),
+            SerialMode::File("/tmp/x".into())
+        );
+        assert!("tty".parse::<SerialMode>().is_err());
+    }
+
+    #[test]
+    fn cpu_bounds() {
+        assert!(check_cpus(0).is_err());
+        assert_eq!(check_cpus(2).unwrap(), 2);
+        assert!(check_cpus(MAX_VCPUS + 1).is_err());
+    }
+}

@@ -1,0 +1,114 @@
+//! How a running VM ends: the first reason recorded wins, and the waiting thread is woken.
+
+use devices::{ExitSink, VmExitRequest};
+use std::sync::{Condvar, Mutex};
+
+/// Why the VM stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The guest wrote this status to the exit port.
+    GuestExit(u8),
+    /// The guest reset or powered off the machine.
+    Shutdown,
+    /// The guest did something no CPU survives (a triple fault, an unemulatable instruction).
+    GuestCrash(String),
+    /// The VMM itself failed.
+    VmmError(String),
+    /// A signal asked the VMM to stop (SIGTERM, SIGINT).
+    Signal(i32),
+}
+
+impl Outcome {
+    /// The process exit status `musubi run` returns for this outcome.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Outcome::GuestExit(n) => *n as i32,
+            Outcome::Shutdown => 0,
+            Outcome::GuestCrash(_) => 125,
+            Outcome::VmmError(_) => 126,
+            Outcome::Signal(s) => 128 + s,
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct RunControl {
+    outcome: Mutex<Option<Outcome>>,
+    changed: Condvar,
+}
+
+impl RunControl {
+    /// Records `o` unless an earlier outcome is already set.
+    pub fn finish(&self, o: Outcome) {
+        let mut g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(o);
+            self.changed.notify_all();
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.outcome
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Blocks until an outcome is recorded, checking `poll` every `tick` (for signals).
+    pub fn wait(
+        &self,
+        tick: std::time::Duration,
+        mut poll: impl FnMut() -> Option<Outcome>,
+    ) -> Outcome {
+        let mut g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(o) = g.clone() {
+                return o;
+            }
+            if let Some(o) = poll() {
+                *g = Some(o.clone());
+                return o;
+            }
+            g = self
+                .changed
+                .wait_timeout(g, tick)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl ExitSink for RunControl {
+    fn request_exit(&self, request: VmExitRequest) {
+        self.finish(match request {
+            VmExitRequest::Status(n) => Outcome::GuestExit(n),
+            VmExitRequest::Reset => Outcome::Shutdown,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn first_outcome_wins() {
+        let c = RunControl::default();
+        c.request_exit(VmExitRequest::Status(7));
+        c.finish(Outcome::Shutdown);
+        assert_eq!(
+            c.wait(Duration::from_millis(1), || None),
+            Outcome::GuestExit(7)
+        );
+        assert_eq!(Outcome::GuestExit(7).exit_code(), 7);
+    }
+
+    #[test]
+    fn poll_can_end_the_wait() {
+        let c = RunControl::default();
+        let o = c.wait(Duration::from_millis(1), || Some(Outcome::Signal(15)));
+        assert_eq!(o.exit_code(), 143);
+        assert!(c.is_finished());
+    }
+}

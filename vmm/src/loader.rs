@@ -1,0 +1,172 @@
+//! Puts a kernel image into guest memory and says how to enter it.
+
+use crate::arch::x86_64::layout::HIGH_MEMORY_START;
+use crate::config::KernelImage;
+use linux_loader::bootparam::setup_header;
+use linux_loader::loader::bzimage::BzImage;
+use linux_loader::loader::elf::{Elf, PvhBootCapability};
+use linux_loader::loader::KernelLoader;
+use std::io::{Cursor, Read, Seek, SeekFrom};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+/// How the BSP enters the loaded kernel.
+#[derive(Clone, Copy, Debug)]
+pub enum EntryPoint {
+    /// 32-bit protected mode with EBX = `hvm_start_info`.
+    Pvh(u64),
+    /// 64-bit Linux boot protocol with RSI = `boot_params`.
+    Linux64 {
+        entry: u64,
+        header: Option<setup_header>,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("kernel {path}: {source}")]
+    Open {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("kernel {0}: not a kernel image: expected an x86-64 ELF (vmlinux, the probe guest) or a bzImage")]
+    NotAKernel(String),
+    #[error("kernel {path}: {what} image rejected: {source}")]
+    Load {
+        path: String,
+        what: &'static str,
+        source: linux_loader::loader::Error,
+    },
+}
+
+/// What `bytes` at the start of a file look like.
+fn sniff(head: &[u8]) -> Option<&'static str> {
+    if head.len() >= 4 && &head[..4] == b"\x7fELF" {
+        Some("ELF")
+    } else if head.len() >= 0x206 && &head[0x202..0x206] == b"HdrS" {
+        Some("bzImage")
+    } else {
+        None
+    }
+}
+
+/// Loads `kernel` at 1 MiB and returns its entry point and the end of the loaded image.
+pub fn load_kernel(
+    mem: &GuestMemoryMmap,
+    kernel: &KernelImage,
+) -> Result<(EntryPoint, u64), LoadError> {
+    let path = kernel.name();
+    match kernel {
+        KernelImage::File(p) => {
+            let mut f = std::fs::File::open(p).map_err(|source| LoadError::Open {
+                path: path.clone(),
+                source,
+            })?;
+            load_image(mem, path, &mut f)
+        }
+        KernelImage::Bytes { data, .. } => load_image(mem, path, &mut Cursor::new(data.clone())),
+    }
+}
+
+fn load_image<F: Read + Seek + vm_memory::ReadVolatile>(
+    mem: &GuestMemoryMmap,
+    path: String,
+    image: &mut F,
+) -> Result<(EntryPoint, u64), LoadError> {
+    let mut head = vec![0u8; 0x400];
+    let n = read_up_to(image, &mut head).map_err(|source| LoadError::Open {
+        path: path.clone(),
+        source,
+    })?;
+    head.truncate(n);
+    image
+        .seek(SeekFrom::Start(0))
+        .map_err(|source| LoadError::Open {
+            path: path.clone(),
+            source,
+        })?;
+    let high = Some(GuestAddress(HIGH_MEMORY_START));
+    match sniff(&head) {
+        Some("ELF") => {
+            let r = Elf::load(mem, None, image, high).map_err(|source| LoadError::Load {
+                path: path.clone(),
+                what: "ELF",
+                source,
+            })?;
+            let entry = match r.pvh_boot_cap {
+                PvhBootCapability::PvhEntryPresent(a) => EntryPoint::Pvh(a.0),
+                _ => EntryPoint::Linux64 {
+                    entry: r.kernel_load.0,
+                    header: None,
+                },
+            };
+            Ok((entry, r.kernel_end))
+        }
+        Some(_) => {
+            let r = BzImage::load(mem, None, image, high).map_err(|source| LoadError::Load {
+                path: path.clone(),
+                what: "bzImage",
+                source,
+            })?;
+            // The 64-bit entry of a bzImage's protected-mode code is 0x200 past its start.
+            Ok((
+                EntryPoint::Linux64 {
+                    entry: r.kernel_load.0 + 0x200,
+                    header: r.setup_header,
+                },
+                r.kernel_end,
+            ))
+        }
+        None => Err(LoadError::NotAKernel(path)),
+    }
+}
+
+fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 16 << 20)]).unwrap()
+    }
+
+    #[test]
+    fn text_is_not_a_kernel() {
+        let k = KernelImage::Bytes {
+            name: "notes.txt".into(),
+            data: Arc::from(&b"hello, this is not a kernel\n"[..]),
+        };
+        let e = load_kernel(&mem(), &k).unwrap_err().to_string();
+        assert!(
+            e.contains("notes.txt") && e.contains("not a kernel image"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn missing_file_is_named() {
+        let k = KernelImage::File("/nonexistent/vmlinux".into());
+        let e = load_kernel(&mem(), &k).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/vmlinux"), "{e}");
+    }
+
+    #[test]
+    fn truncated_elf_is_rejected_not_panicking() {
+        let k = KernelImage::Bytes {
+            name: "short.elf".into(),
+            data: Arc::from(&b"\x7fELF\x02\x01\x01"[..]),
+        };
+        let e = load_kernel(&mem(), &k).unwrap_err().to_string();
+        assert!(e.contains("short.elf"), "{e}");
+    }
+}

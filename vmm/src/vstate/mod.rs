@@ -1,0 +1,5 @@
+//! KVM state of a VM, kept apart from devices: the VM fd, guest memory and vCPUs.
+
+pub mod memory;
+pub mod vcpu;
+pub mod vm;

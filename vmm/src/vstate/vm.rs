@@ -1,0 +1,119 @@
+//! The KVM VM: memory slots, the in-kernel interrupt controllers and PIT, and irqfds.
+
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Cap, Kvm, VmFd};
+use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("cannot open /dev/kvm: {0} (is KVM enabled, and may this user open /dev/kvm?)")]
+    OpenKvm(kvm_ioctls::Error),
+    #[error("KVM API version {0} is not the expected 12")]
+    ApiVersion(i32),
+    #[error("this host's KVM lacks {0:?}, which Musubi needs")]
+    MissingCap(Cap),
+    #[error("KVM_CREATE_VM failed: {0}")]
+    CreateVm(kvm_ioctls::Error),
+    #[error("{what} failed: {source}")]
+    Ioctl {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("the VM needs {needed} memory slots but KVM offers {available}")]
+    TooManySlots { needed: usize, available: usize },
+}
+
+/// Address of the three pages KVM needs for the TSS on Intel; just below the BIOS area at
+/// the top of 4 GiB, where no RAM or device is placed.
+const KVM_TSS_ADDRESS: usize = 0xfffb_d000;
+
+pub struct Vm {
+    kvm: Kvm,
+    fd: VmFd,
+    next_slot: u32,
+}
+
+impl Vm {
+    pub fn new() -> Result<Self, VmError> {
+        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        let v = kvm.get_api_version();
+        if v != kvm_bindings::KVM_API_VERSION as i32 {
+            return Err(VmError::ApiVersion(v));
+        }
+        for cap in [
+            Cap::Irqchip,
+            Cap::UserMemory,
+            Cap::SetTssAddr,
+            Cap::Pit2,
+            Cap::Irqfd,
+            Cap::Ioeventfd,
+            Cap::ImmediateExit,
+        ] {
+            if !kvm.check_extension(cap) {
+                return Err(VmError::MissingCap(cap));
+            }
+        }
+        let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
+        let ioctl = |what| move |source| VmError::Ioctl { what, source };
+        fd.set_tss_address(KVM_TSS_ADDRESS)
+            .map_err(ioctl("KVM_SET_TSS_ADDR"))?;
+        fd.create_irq_chip().map_err(ioctl("KVM_CREATE_IRQCHIP"))?;
+        let pit = kvm_pit_config {
+            // The speaker port is answered in the kernel, so a guest probing it costs no exit.
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        fd.create_pit2(pit).map_err(ioctl("KVM_CREATE_PIT2"))?;
+        Ok(Self {
+            kvm,
+            fd,
+            next_slot: 0,
+        })
+    }
+
+    pub fn kvm(&self) -> &Kvm {
+        &self.kvm
+    }
+
+    pub fn fd(&self) -> &VmFd {
+        &self.fd
+    }
+
+    /// Registers every region of `mem` as a KVM memory slot.
+    pub fn register_memory(&mut self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+        let available = self.kvm.get_nr_memslots();
+        let needed = self.next_slot as usize + mem.num_regions();
+        if needed > available {
+            return Err(VmError::TooManySlots { needed, available });
+        }
+        for region in mem.iter() {
+            let slot = kvm_userspace_memory_region {
+                slot: self.next_slot,
+                flags: 0,
+                guest_phys_addr: region.start_addr().raw_value(),
+                memory_size: region.len(),
+                userspace_addr: region.as_ptr() as u64,
+            };
+            // SAFETY: the region's host mapping lives in `mem`, which the VM keeps for as
+            // long as the VM fd exists (the builder owns both and drops the VM first).
+            unsafe { self.fd.set_user_memory_region(slot) }.map_err(|source| VmError::Ioctl {
+                what: "KVM_SET_USER_MEMORY_REGION",
+                source,
+            })?;
+            self.next_slot += 1;
+        }
+        Ok(())
+    }
+
+    /// Routes an eventfd to an IOAPIC pin: a write then raises the interrupt without any
+    /// return to user space.
+    pub fn register_irqfd(&self, fd: &EventFd, gsi: u32) -> Result<(), VmError> {
+        self.fd
+            .register_irqfd(fd, gsi)
+            .map_err(|source| VmError::Ioctl {
+                what: "KVM_IRQFD",
+                source,
+            })
+    }
+}
