@@ -1,1 +1,110 @@
 //! virtio over MMIO: the transport and the devices behind it.
+//!
+//! The transport ([`MmioTransport`]) owns the register file, the queues and the interrupt
+//! line; a device ([`VirtioDevice`]) only turns descriptor chains into work. Keeping the two
+//! apart lets a device be driven by another thread later (an I/O thread calling
+//! [`MmioTransport::process_queue`]) without touching the register emulation.
+
+pub mod block;
+pub mod mmio;
+
+pub use block::{Block, BlockConfig, BlockError, CacheMode};
+pub use mmio::MmioTransport;
+
+use std::fmt;
+use std::io;
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+
+/// Largest queue the transport offers. 256 keeps a full ring's bookkeeping small while being
+/// what Linux asks for on virtio-blk anyway.
+pub const QUEUE_MAX_SIZE: u16 = 256;
+
+/// Counters the benchmarks read; plain numbers so they can be copied out under a lock and
+/// compared between runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VirtioStats {
+    /// Descriptor chains completed (returned to the used ring), whatever their status.
+    pub requests: u64,
+    /// Bytes copied from the backing store to the guest.
+    pub bytes_read: u64,
+    /// Bytes copied from the guest to the backing store.
+    pub bytes_written: u64,
+    /// Flush requests served.
+    pub flushes: u64,
+    /// Requests that completed with an error status or were dropped as malformed.
+    pub errors: u64,
+    /// Used-buffer and configuration-change interrupts raised by the transport.
+    pub interrupts: u64,
+}
+
+/// Why a queue can no longer be trusted. The transport answers it by setting NEEDS_RESET,
+/// since the driver is the only party that can rebuild the ring.
+#[derive(Debug)]
+pub struct QueueCorrupt(pub String);
+
+impl fmt::Display for QueueCorrupt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for QueueCorrupt {}
+
+/// A device as the transport sees it.
+///
+/// Everything guest-controlled arrives through `process_queue`, so that is the one place a
+/// device has to be defensive; the transport has already checked that the queue is ready
+/// and that its rings lie in guest memory.
+pub trait VirtioDevice {
+    /// Device type from the virtio spec (2 for block).
+    fn device_type(&self) -> u32;
+
+    /// Number of virtqueues the device uses.
+    fn num_queues(&self) -> usize;
+
+    /// Feature bits offered, including `VIRTIO_F_VERSION_1`.
+    fn features(&self) -> u64;
+
+    /// Copies device configuration space from `offset` into `data`; bytes past the end of
+    /// the configuration read as zero.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+
+    /// Handles a driver write to configuration space. The default ignores it, which is right
+    /// for devices whose configuration is read-only.
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        tracing::debug!(
+            offset,
+            len = data.len(),
+            "ignored write to read-only config space"
+        );
+    }
+
+    /// Called when the driver sets DRIVER_OK, with the features it accepted.
+    fn activate(&mut self, _acked_features: u64) {}
+
+    /// Called when the driver resets the device (status 0).
+    fn reset(&mut self) {}
+
+    /// Serves the chains the driver has made available on `queue` and returns how many were
+    /// put on the used ring. An error means the ring itself is unusable.
+    fn process_queue(
+        &mut self,
+        index: u16,
+        queue: &mut Queue,
+        mem: &GuestMemoryMmap,
+    ) -> Result<usize, QueueCorrupt>;
+
+    /// Makes everything the guest has written durable.
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// Device-side counters; the transport adds the interrupt count.
+    fn stats(&self) -> VirtioStats {
+        VirtioStats::default()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,447 @@
+//! The virtio-mmio transport (virtio 1.x, register layout version 2).
+//!
+//! Queue registers written by the driver are kept as shadow values and only handed to the
+//! `Queue` when the driver sets QueueReady, after all of them have been checked together.
+//! That way a half-written or nonsensical configuration never reaches the ring code, and a
+//! bad one is refused in one place (the device then reports NEEDS_RESET).
+
+use super::{VirtioDevice, VirtioStats, QUEUE_MAX_SIZE};
+use crate::Irq;
+use std::io;
+use std::sync::Arc;
+use tracing::{debug, warn};
+use virtio_bindings::virtio_config::{
+    VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FEATURES_OK,
+    VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_VERSION_1,
+};
+use virtio_bindings::virtio_mmio::*;
+use virtio_queue::{Queue, QueueT};
+use vm_device::bus::{MmioAddress, MmioAddressOffset};
+use vm_device::MutDeviceMmio;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+/// "virt" in little-endian, as the spec requires.
+pub const MMIO_MAGIC: u32 = 0x7472_6976;
+/// Register layout of virtio 1.x; version 1 is the legacy layout, which Musubi does not offer.
+pub const MMIO_VERSION: u32 = 2;
+/// Vendor id reported to the guest ("MUSB"); drivers do not interpret it.
+pub const MMIO_VENDOR_ID: u32 = 0x4253_554d;
+/// Bytes of MMIO space each device occupies.
+pub const MMIO_SIZE: u64 = 0x1000;
+
+/// Spec alignment of the split-ring parts (2.7: descriptor table 16, avail 2, used 4).
+const DESC_ALIGN: u64 = 16;
+const AVAIL_ALIGN: u64 = 2;
+const USED_ALIGN: u64 = 4;
+
+/// What the driver has written to a queue's registers; applied to the `Queue` on ready.
+#[derive(Clone, Copy, Debug, Default)]
+struct QueueRegs {
+    size: u32,
+    desc: u64,
+    avail: u64,
+    used: u64,
+}
+
+/// A virtio device reachable at one 4 KiB MMIO window.
+pub struct MmioTransport {
+    device: Box<dyn VirtioDevice + Send>,
+    mem: GuestMemoryMmap,
+    irq: Arc<dyn Irq>,
+    queues: Vec<Queue>,
+    regs: Vec<QueueRegs>,
+    queue_sel: u32,
+    device_features_sel: u32,
+    driver_features_sel: u32,
+    acked_features: u64,
+    /// Status as written by the driver; NEEDS_RESET is tracked apart because it is the
+    /// device's to set and only a reset clears it.
+    status: u32,
+    needs_reset: bool,
+    interrupt_status: u32,
+    interrupts: u64,
+}
+
+fn set_half(value: &mut u64, high: bool, half: u32) {
+    if high {
+        *value = (*value & 0xffff_ffff) | (u64::from(half) << 32);
+    } else {
+        *value = (*value & !0xffff_ffff) | u64::from(half);
+    }
+}
+
+impl MmioTransport {
+    pub fn new(
+        device: Box<dyn VirtioDevice + Send>,
+        mem: GuestMemoryMmap,
+        irq: Arc<dyn Irq>,
+    ) -> MmioTransport {
+        let n = device.num_queues();
+        let queues = (0..n)
+            .map(|_| Queue::new(QUEUE_MAX_SIZE).expect("QUEUE_MAX_SIZE is a valid queue size"))
+            .collect();
+        let regs = vec![QueueRegs::default(); n];
+        MmioTransport {
+            device,
+            mem,
+            irq,
+            queues,
+            regs,
+            queue_sel: 0,
+            device_features_sel: 0,
+            driver_features_sel: 0,
+            acked_features: 0,
+            status: 0,
+            needs_reset: false,
+            interrupt_status: 0,
+            interrupts: 0,
+        }
+    }
+
+    /// Serves queue `index` now. Notify calls this and nothing else, so moving queue work to
+    /// another thread later means calling this from there instead.
+    pub fn process_queue(&mut self, index: u16) {
+        let i = usize::from(index);
+        if i >= self.queues.len() {
+            debug!(index, "notify of a queue the device does not have");
+            return;
+        }
+        if self.needs_reset
+            || self.status & VIRTIO_CONFIG_S_DRIVER_OK == 0
+            || !self.queues[i].ready()
+        {
+            debug!(
+                index,
+                status = self.status,
+                "notify of a queue that is not live"
+            );
+            return;
+        }
+        let before = self.queues[i].next_used();
+        let result = self
+            .device
+            .process_queue(index, &mut self.queues[i], &self.mem);
+        if self.queues[i].next_used() != before {
+            // Without EVENT_IDX (never offered) this is always true; asking keeps the code
+            // correct should the feature be offered later.
+            let notify = self.queues[i].needs_notification(&self.mem).unwrap_or(true);
+            if notify {
+                self.raise(VIRTIO_MMIO_INT_VRING);
+            }
+        }
+        if let Err(e) = result {
+            warn!(index, "virtio queue unusable, device needs reset: {e}");
+            self.mark_needs_reset();
+        }
+    }
+
+    /// Makes all completed guest writes durable; the VMM calls it before exiting.
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.device.flush()
+    }
+
+    /// Device counters plus the interrupts this transport raised.
+    pub fn stats(&self) -> VirtioStats {
+        let mut s = self.device.stats();
+        s.interrupts = self.interrupts;
+        s
+    }
+
+    /// Device status as the driver reads it.
+    pub fn status(&self) -> u32 {
+        self.status
+            | if self.needs_reset {
+                VIRTIO_CONFIG_S_NEEDS_RESET
+            } else {
+                0
+            }
+    }
+
+    /// Current interrupt status register (bit 0 used buffer, bit 1 configuration change).
+    pub fn interrupt_status(&self) -> u32 {
+        self.interrupt_status
+    }
+
+    fn raise(&mut self, bit: u32) {
+        self.interrupt_status |= bit;
+        self.interrupts += 1;
+        if let Err(e) = self.irq.trigger() {
+            warn!("virtio-mmio interrupt injection failed: {e}");
+        }
+    }
+
+    /// The spec asks for a configuration-change interrupt so a driver that is running notices.
+    fn mark_needs_reset(&mut self) {
+        if self.needs_reset {
+            return;
+        }
+        self.needs_reset = true;
+        if self.status & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
+            self.raise(VIRTIO_MMIO_INT_CONFIG);
+        }
+    }
+
+    fn reset(&mut self) {
+        self.device.reset();
+        for q in &mut self.queues {
+            q.reset();
+        }
+        self.regs.iter_mut().for_each(|r| *r = QueueRegs::default());
+        self.queue_sel = 0;
+        self.device_features_sel = 0;
+        self.driver_features_sel = 0;
+        self.acked_features = 0;
+        self.status = 0;
+        self.needs_reset = false;
+        self.interrupt_status = 0;
+    }
+
+    fn selected(&self) -> Option<usize> {
+        let i = self.queue_sel as usize;
+        (i < self.queues.len()).then_some(i)
+    }
+
+    fn read_reg(&self, offset: u32) -> u32 {
+        match offset {
+            VIRTIO_MMIO_MAGIC_VALUE => MMIO_MAGIC,
+            VIRTIO_MMIO_VERSION => MMIO_VERSION,
+            VIRTIO_MMIO_DEVICE_ID => self.device.device_type(),
+            VIRTIO_MMIO_VENDOR_ID => MMIO_VENDOR_ID,
+            VIRTIO_MMIO_DEVICE_FEATURES => match self.device_features_sel {
+                0 => self.device.features() as u32,
+                1 => (self.device.features() >> 32) as u32,
+                _ => 0,
+            },
+            VIRTIO_MMIO_QUEUE_NUM_MAX => self.selected().map_or(0, |_| QUEUE_MAX_SIZE.into()),
+            VIRTIO_MMIO_QUEUE_READY => self
+                .selected()
+                .map_or(0, |i| u32::from(self.queues[i].ready())),
+            VIRTIO_MMIO_INTERRUPT_STATUS => self.interrupt_status,
+            VIRTIO_MMIO_STATUS => self.status(),
+            // The configuration never changes after creation.
+            VIRTIO_MMIO_CONFIG_GENERATION => 0,
+            // No shared memory regions: the spec's answer for a missing one is a length of -1.
+            VIRTIO_MMIO_SHM_LEN_LOW | VIRTIO_MMIO_SHM_LEN_HIGH => u32::MAX,
+            VIRTIO_MMIO_SHM_BASE_LOW | VIRTIO_MMIO_SHM_BASE_HIGH => u32::MAX,
+            _ => {
+                debug!(
+                    offset,
+                    "read of a write-only or unknown virtio-mmio register"
+                );
+                0
+            }
+        }
+    }
+
+    fn write_reg(&mut self, offset: u32, value: u32) {
+        match offset {
+            VIRTIO_MMIO_DEVICE_FEATURES_SEL => self.device_features_sel = value,
+            VIRTIO_MMIO_DRIVER_FEATURES_SEL => self.driver_features_sel = value,
+            VIRTIO_MMIO_DRIVER_FEATURES => self.write_driver_features(value),
+            VIRTIO_MMIO_QUEUE_SEL => self.queue_sel = value,
+            VIRTIO_MMIO_QUEUE_NUM
+            | VIRTIO_MMIO_QUEUE_DESC_LOW
+            | VIRTIO_MMIO_QUEUE_DESC_HIGH
+            | VIRTIO_MMIO_QUEUE_AVAIL_LOW
+            | VIRTIO_MMIO_QUEUE_AVAIL_HIGH
+            | VIRTIO_MMIO_QUEUE_USED_LOW
+            | VIRTIO_MMIO_QUEUE_USED_HIGH => self.write_queue_reg(offset, value),
+            VIRTIO_MMIO_QUEUE_READY => self.write_queue_ready(value),
+            VIRTIO_MMIO_QUEUE_NOTIFY => match u16::try_from(value) {
+                Ok(index) => self.process_queue(index),
+                Err(_) => debug!(value, "notify of an out-of-range queue index"),
+            },
+            VIRTIO_MMIO_INTERRUPT_ACK => self.interrupt_status &= !value,
+            VIRTIO_MMIO_STATUS => self.write_status(value),
+            VIRTIO_MMIO_SHM_SEL => {}
+            _ => debug!(
+                offset,
+                value, "write to a read-only or unknown virtio-mmio register"
+            ),
+        }
+    }
+
+    fn write_driver_features(&mut self, value: u32) {
+        // Features may only change between DRIVER and FEATURES_OK (3.1.1).
+        if self.status & VIRTIO_CONFIG_S_DRIVER == 0
+            || self.status & VIRTIO_CONFIG_S_FEATURES_OK != 0
+        {
+            debug!(
+                status = self.status,
+                "driver features written outside feature negotiation"
+            );
+            return;
+        }
+        let shift = match self.driver_features_sel {
+            0 => 0,
+            1 => 32,
+            sel => {
+                debug!(sel, value, "driver features written to an unknown page");
+                return;
+            }
+        };
+        self.acked_features =
+            (self.acked_features & !(0xffff_ffffu64 << shift)) | (u64::from(value) << shift);
+    }
+
+    fn write_queue_reg(&mut self, offset: u32, value: u32) {
+        let Some(i) = self.selected() else {
+            debug!(
+                queue = self.queue_sel,
+                offset, "queue register written for a queue the device does not have"
+            );
+            return;
+        };
+        if self.queues[i].ready() {
+            debug!(
+                queue = i,
+                offset, "queue register written while the queue is ready"
+            );
+            return;
+        }
+        let r = &mut self.regs[i];
+        match offset {
+            VIRTIO_MMIO_QUEUE_NUM => r.size = value,
+            VIRTIO_MMIO_QUEUE_DESC_LOW => set_half(&mut r.desc, false, value),
+            VIRTIO_MMIO_QUEUE_DESC_HIGH => set_half(&mut r.desc, true, value),
+            VIRTIO_MMIO_QUEUE_AVAIL_LOW => set_half(&mut r.avail, false, value),
+            VIRTIO_MMIO_QUEUE_AVAIL_HIGH => set_half(&mut r.avail, true, value),
+            VIRTIO_MMIO_QUEUE_USED_LOW => set_half(&mut r.used, false, value),
+            VIRTIO_MMIO_QUEUE_USED_HIGH => set_half(&mut r.used, true, value),
+            _ => unreachable!("write_queue_reg called for offset {offset:#x}"),
+        }
+    }
+
+    fn write_queue_ready(&mut self, value: u32) {
+        let Some(i) = self.selected() else {
+            debug!(
+                queue = self.queue_sel,
+                "QueueReady written for a missing queue"
+            );
+            return;
+        };
+        if value == 0 {
+            // Drivers clear QueueReady only when tearing the queue down; start afresh.
+            self.queues[i].reset();
+            return;
+        }
+        if self.queues[i].ready() {
+            return;
+        }
+        match self.configure_queue(i) {
+            Ok(()) => {}
+            Err(why) => {
+                warn!(queue = i, "driver enabled a queue with a bad layout: {why}");
+                self.queues[i].reset();
+                self.mark_needs_reset();
+            }
+        }
+    }
+
+    fn configure_queue(&mut self, i: usize) -> Result<(), String> {
+        let r = self.regs[i];
+        let size = u16::try_from(r.size)
+            .ok()
+            .filter(|s| *s != 0 && *s <= QUEUE_MAX_SIZE && s.is_power_of_two())
+            .ok_or_else(|| format!("queue size {} (max {QUEUE_MAX_SIZE})", r.size))?;
+        for (what, addr, align) in [
+            ("descriptor table", r.desc, DESC_ALIGN),
+            ("available ring", r.avail, AVAIL_ALIGN),
+            ("used ring", r.used, USED_ALIGN),
+        ] {
+            if addr % align != 0 {
+                return Err(format!("{what} at {addr:#x} is not {align}-byte aligned"));
+            }
+        }
+        let q = &mut self.queues[i];
+        q.try_set_size(size).map_err(|e| e.to_string())?;
+        q.try_set_desc_table_address(GuestAddress(r.desc))
+            .map_err(|e| e.to_string())?;
+        q.try_set_avail_ring_address(GuestAddress(r.avail))
+            .map_err(|e| e.to_string())?;
+        q.try_set_used_ring_address(GuestAddress(r.used))
+            .map_err(|e| e.to_string())?;
+        q.set_event_idx(false);
+        q.set_ready(true);
+        if !q.is_valid(&self.mem) {
+            return Err(format!(
+                "rings (desc {:#x}, avail {:#x}, used {:#x}, size {size}) are not in guest memory",
+                r.desc, r.avail, r.used
+            ));
+        }
+        Ok(())
+    }
+
+    fn write_status(&mut self, value: u32) {
+        if value == 0 {
+            self.reset();
+            return;
+        }
+        let mut value = value & !VIRTIO_CONFIG_S_NEEDS_RESET;
+        let newly = value & !self.status;
+        if newly & VIRTIO_CONFIG_S_FEATURES_OK != 0 {
+            let offered = self.device.features();
+            let version_1 = 1u64 << VIRTIO_F_VERSION_1;
+            if self.acked_features & version_1 == 0 || self.acked_features & !offered != 0 {
+                debug!(
+                    acked = self.acked_features,
+                    offered, "refusing FEATURES_OK: VERSION_1 missing or unknown features"
+                );
+                value &= !VIRTIO_CONFIG_S_FEATURES_OK;
+            }
+        }
+        if newly & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
+            if value & VIRTIO_CONFIG_S_FEATURES_OK == 0 {
+                debug!("DRIVER_OK without FEATURES_OK; device stays inactive");
+                value &= !VIRTIO_CONFIG_S_DRIVER_OK;
+            } else {
+                self.device.activate(self.acked_features);
+            }
+        }
+        self.status = value;
+    }
+}
+
+impl MutDeviceMmio for MmioTransport {
+    fn mmio_read(&mut self, _base: MmioAddress, offset: MmioAddressOffset, data: &mut [u8]) {
+        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
+            data.fill(0);
+            if offset < MMIO_SIZE {
+                self.device
+                    .read_config(offset - u64::from(VIRTIO_MMIO_CONFIG), data);
+            }
+            return;
+        }
+        if data.len() != 4 || !offset.is_multiple_of(4) {
+            debug!(
+                offset,
+                len = data.len(),
+                "virtio-mmio register read that is not 32-bit aligned"
+            );
+            data.fill(0);
+            return;
+        }
+        let v = self.read_reg(offset as u32);
+        data.copy_from_slice(&v.to_le_bytes());
+    }
+
+    fn mmio_write(&mut self, _base: MmioAddress, offset: MmioAddressOffset, data: &[u8]) {
+        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
+            if offset < MMIO_SIZE {
+                self.device
+                    .write_config(offset - u64::from(VIRTIO_MMIO_CONFIG), data);
+            }
+            return;
+        }
+        if data.len() != 4 || !offset.is_multiple_of(4) {
+            debug!(
+                offset,
+                len = data.len(),
+                "virtio-mmio register write that is not 32-bit aligned"
+            );
+            return;
+        }
+        let v = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
+        self.write_reg(offset as u32, v);
+    }
+}
