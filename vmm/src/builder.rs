@@ -46,6 +46,9 @@ pub struct RunReport {
     pub serial: Vec<u8>,
     /// From the start of [`run_vm`] to the BSP's first KVM_RUN.
     pub to_first_run: Option<Duration>,
+    /// CLOCK_MONOTONIC at the BSP's first KVM_RUN, comparable across processes, so a parent
+    /// can measure from its own spawn of the VMM.
+    pub first_run_monotonic_ns: Option<u64>,
     pub wall: Duration,
 }
 
@@ -134,10 +137,9 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     .map_err(err)?;
 
     // 6. Run until an outcome is recorded.
-    let outcome;
     let metrics: Vec<Arc<VcpuMetrics>> = (0..config.cpus).map(|_| Arc::default()).collect();
     let stop = Arc::new(AtomicBool::new(false));
-    let first_run: Arc<OnceLock<Instant>> = Arc::default();
+    let first_run: Arc<OnceLock<(Instant, u64)>> = Arc::default();
     let mut handles = Vec::new();
     for (vcpu, m) in vcpus.into_iter().zip(&metrics) {
         let (io, control, stop, m, first_run) = (
@@ -151,7 +153,7 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
             .name(format!("vcpu{}", vcpu.id))
             .spawn(move || {
                 if vcpu.id == 0 {
-                    let _ = first_run.set(Instant::now());
+                    let _ = first_run.set((Instant::now(), monotonic_ns()));
                 }
                 vcpu.run(io, control, stop, m)
             })
@@ -159,7 +161,7 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
         handles.push(h);
     }
     let deadline = opts.timeout.map(|t| started + t);
-    outcome = control.wait(Duration::from_millis(20), || {
+    let mut outcome = control.wait(Duration::from_millis(20), || {
         let s = SIGNALLED.load(Ordering::SeqCst);
         if s != 0 {
             return Some(Outcome::Signal(s));
@@ -176,7 +178,13 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     // 7. Stop every vCPU, then make the guest's writes durable.
     stop.store(true, Ordering::Release);
     stop_vcpus(handles);
-    devices.flush();
+    let flush_errors = devices.flush();
+    if !flush_errors.is_empty() {
+        outcome = Outcome::VmmError(format!(
+            "guest writes may not be on disk: {}",
+            flush_errors.join("; ")
+        ));
+    }
     let report = RunReport {
         exits: summarize(&metrics),
         total_exits: metrics.iter().map(|m| m.total()).sum(),
@@ -184,7 +192,8 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
         serial: capture
             .map(|c| std::mem::take(&mut *c.lock().unwrap_or_else(|e| e.into_inner())))
             .unwrap_or_default(),
-        to_first_run: first_run.get().map(|t| t.duration_since(started)),
+        to_first_run: first_run.get().map(|t| t.0.duration_since(started)),
+        first_run_monotonic_ns: first_run.get().map(|t| t.1),
         wall: started.elapsed(),
         outcome,
     };
@@ -193,6 +202,17 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     drop(vm);
     drop(mem);
     Ok(report)
+}
+
+/// CLOCK_MONOTONIC in nanoseconds.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Kicks vCPU threads out of KVM_RUN until each has returned. A kick can land just before a

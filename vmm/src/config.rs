@@ -231,7 +231,7 @@ pub fn check_memory(flag: &str, value: &str, bytes: u64) -> Result<(), ConfigErr
             why: format!("a VM needs at least {} MiB", MIN_MEMORY >> 20),
         });
     }
-    if bytes % 4096 != 0 {
+    if !bytes.is_multiple_of(4096) {
         return Err(ConfigError::TooSmall {
             flag: flag.into(),
             value: value.into(),

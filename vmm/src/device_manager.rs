@@ -40,21 +40,28 @@ pub struct Devices {
     pub io: Arc<IoManager>,
     pub serial: Arc<Mutex<Serial>>,
     pub disks: Vec<Arc<Mutex<MmioTransport>>>,
+    /// The image behind each entry of `disks`, for messages.
+    pub disk_paths: Vec<std::path::PathBuf>,
     /// `virtio_mmio.device=` fragments announcing the virtio devices to the guest.
     pub cmdline_fragments: Vec<String>,
     pub irqs: Vec<Arc<EventFdIrq>>,
 }
 
 impl Devices {
-    /// Flushes everything the guest wrote to its disks to the host files.
-    pub fn flush(&self) {
-        for d in &self.disks {
-            d.lock().unwrap_or_else(|e| e.into_inner()).flush();
+    /// Makes everything the guest wrote to its disks durable in the host files; returns
+    /// one message per disk that could not be synced.
+    pub fn flush(&self) -> Vec<String> {
+        let mut errors = Vec::new();
+        for (d, path) in self.disks.iter().zip(&self.disk_paths) {
+            if let Err(e) = d.lock().unwrap_or_else(|e| e.into_inner()).flush() {
+                errors.push(format!("--disk {}: sync failed: {e}", path.display()));
+            }
         }
         self.serial
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .flush();
+        errors
     }
 
     /// Interrupts raised by all devices so far.
@@ -160,6 +167,7 @@ pub fn create_devices(
         io: Arc::new(io),
         serial,
         disks: transports,
+        disk_paths: disks.iter().map(|d| d.path.clone()).collect(),
         cmdline_fragments: fragments,
         irqs,
     })

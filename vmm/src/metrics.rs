@@ -93,7 +93,7 @@ pub fn summarize(vcpus: &[std::sync::Arc<VcpuMetrics>]) -> Vec<ExitSummary> {
         })
         .filter(|s| s.count > 0)
         .collect();
-    out.sort_by(|a, b| b.count.cmp(&a.count));
+    out.sort_by_key(|s| std::cmp::Reverse(s.count));
     out
 }
 

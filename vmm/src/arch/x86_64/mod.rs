@@ -1,5 +1,6 @@
 //! x86-64: memory layout, firmware tables, boot protocols and vCPU register set-up.
 
+pub mod acpi;
 pub mod cpuid;
 pub mod layout;
 pub mod linux;
