@@ -1,0 +1,87 @@
+//! The system-call interface between user tasks and the kernel (`int 0x80`).
+//!
+//! Number in RAX, arguments in RDI, RSI, RDX, R10, R8; result in RAX. Every other register is
+//! preserved. Results at or above `ERR_BASE` are errors (`-code` as i64).
+
+pub const SYS_EXIT: u64 = 0;
+pub const SYS_WRITE: u64 = 1;
+pub const SYS_DISK_COUNT: u64 = 2;
+pub const SYS_DISK_CAPACITY: u64 = 3;
+pub const SYS_BLK_READ: u64 = 4;
+pub const SYS_BLK_WRITE: u64 = 5;
+pub const SYS_BLK_FLUSH: u64 = 6;
+pub const SYS_TSC_HZ: u64 = 7;
+pub const SYS_BLK_GET_ID: u64 = 8;
+
+pub const ERR_BASE: u64 = (-4096i64) as u64;
+
+/// Errors a system call (mostly a block request) can return.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u64)]
+pub enum Error {
+    /// The device answered VIRTIO_BLK_S_IOERR.
+    IoErr = 1,
+    /// The device answered VIRTIO_BLK_S_UNSUPP.
+    Unsupported = 2,
+    /// No used-ring entry within the bound; the disk is then out of service until reset.
+    Timeout = 3,
+    /// A buffer outside the task's memory, or a length that is not a whole number of sectors.
+    BadArgument = 4,
+    NoSuchDisk = 5,
+    /// The device completed the request without writing a known status byte.
+    BadStatus = 6,
+    /// The disk failed to initialise or an earlier request timed out.
+    NotReady = 7,
+    /// Sectors beyond the disk's capacity.
+    OutOfRange = 8,
+    NoSuchCall = 9,
+}
+
+impl Error {
+    pub fn from_code(c: u64) -> Error {
+        match c {
+            1 => Error::IoErr,
+            2 => Error::Unsupported,
+            3 => Error::Timeout,
+            4 => Error::BadArgument,
+            5 => Error::NoSuchDisk,
+            6 => Error::BadStatus,
+            7 => Error::NotReady,
+            8 => Error::OutOfRange,
+            _ => Error::NoSuchCall,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Error::IoErr => "ioerr",
+            Error::Unsupported => "unsupported",
+            Error::Timeout => "timeout",
+            Error::BadArgument => "bad-argument",
+            Error::NoSuchDisk => "no-such-disk",
+            Error::BadStatus => "bad-status",
+            Error::NotReady => "not-ready",
+            Error::OutOfRange => "out-of-range",
+            Error::NoSuchCall => "no-such-call",
+        }
+    }
+
+    pub fn encode(self) -> u64 {
+        (self as u64).wrapping_neg()
+    }
+}
+
+/// Splits a raw system-call result into a value or an error.
+pub fn decode(r: u64) -> Result<u64, Error> {
+    if r >= ERR_BASE {
+        Err(Error::from_code(r.wrapping_neg()))
+    } else {
+        Ok(r)
+    }
+}
+
+/// Task exit statuses that the kernel turns into the VM's exit status.
+pub const STATUS_UNKNOWN_TASK: u8 = 2;
+pub const STATUS_BLK_FAILED: u8 = 3;
+pub const STATUS_USER_FAULT: u8 = 4;
+pub const STATUS_KERNEL_FAULT: u8 = 101;

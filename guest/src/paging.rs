@@ -1,0 +1,106 @@
+//! Identity page tables.
+//!
+//! The 32-bit boot stub (boot.rs) maps 0..4 GiB with 2 MiB pages: 2 MiB..3 GiB user
+//! accessible, 3..4 GiB (the MMIO hole) kernel-only and uncached, the first 2 MiB kernel-only.
+//! `init` then refines the first 2 MiB with 4 KiB pages (page 0 absent to catch null
+//! pointers; kernel text and rodata readable by user tasks, which run code from the kernel
+//! image; everything else kernel-only) and maps RAM above 4 GiB.
+
+use crate::arch::{cpuid, write_cr3};
+use crate::bootinfo::BootInfo;
+use crate::global::Global;
+
+pub const P: u64 = 1;
+pub const RW: u64 = 1 << 1;
+pub const US: u64 = 1 << 2;
+pub const PS: u64 = 1 << 7;
+
+const GIB: u64 = 1 << 30;
+const MIB2: u64 = 1 << 21;
+
+#[repr(C, align(4096))]
+pub struct Table(pub [u64; 512]);
+
+/// PDs for RAM above 4 GiB when the CPU has no 1 GiB pages: covers RAM up to 64 GiB.
+const POOL_PDS: usize = 60;
+
+#[link_section = ".noinit.pml4"]
+pub static PML4: Global<Table> = Global::new(Table([0; 512]));
+#[link_section = ".noinit.pdpt"]
+pub static PDPT: Global<Table> = Global::new(Table([0; 512]));
+#[link_section = ".noinit.pds"]
+pub static PDS: Global<[Table; 4]> = Global::new([const { Table([0; 512]) }; 4]);
+#[link_section = ".noinit.pt0"]
+static PT0: Global<Table> = Global::new(Table([0; 512]));
+#[link_section = ".noinit.pool"]
+static POOL: Global<[Table; POOL_PDS]> = Global::new([const { Table([0; 512]) }; POOL_PDS]);
+
+extern "C" {
+    static __kernel_start: u8;
+    static __user_ro_end: u8;
+}
+
+pub fn user_ro_range() -> (u64, u64) {
+    (
+        core::ptr::addr_of!(__kernel_start) as u64,
+        core::ptr::addr_of!(__user_ro_end) as u64,
+    )
+}
+
+/// Returns the end of the identity mapping of RAM.
+pub fn init(info: &BootInfo) -> u64 {
+    let (ro_start, ro_end) = user_ro_range();
+    // SAFETY: boot-time, single CPU, no other reference to the tables is live.
+    let (pt0, pds, pdpt, pool) = unsafe { (PT0.get(), PDS.get(), PDPT.get(), POOL.get()) };
+    for (i, e) in pt0.0.iter_mut().enumerate() {
+        let a = i as u64 * 4096;
+        *e = if i == 0 {
+            0
+        } else if a >= ro_start && a < ro_end {
+            a | P | US
+        } else {
+            a | P | RW
+        };
+    }
+    pds[0].0[0] = PT0.addr() | P | RW | US;
+
+    let top = info
+        .memmap()
+        .iter()
+        .filter(|e| e.kind == 1 || e.kind == 12)
+        .map(|e| e.addr.saturating_add(e.size))
+        .max()
+        .unwrap_or(0);
+    let gigs = top.div_ceil(GIB).min(512);
+    let has_1g =
+        cpuid(0x8000_0000, 0).eax >= 0x8000_0001 && cpuid(0x8000_0001, 0).edx & (1 << 26) != 0;
+    let mut used_pool = 0;
+    let mut mapped_end = top.min(4 * GIB);
+    for g in 4..gigs {
+        let (lo, hi) = (g * GIB, (g + 1) * GIB);
+        let wanted = info
+            .memmap()
+            .iter()
+            .any(|e| (e.kind == 1 || e.kind == 12) && e.addr < hi && e.addr + e.size > lo);
+        if !wanted {
+            continue;
+        }
+        if has_1g {
+            pdpt.0[g as usize] = lo | P | RW | US | PS;
+        } else if used_pool < POOL_PDS {
+            let pd = &mut pool[used_pool];
+            used_pool += 1;
+            for (i, e) in pd.0.iter_mut().enumerate() {
+                *e = (lo + i as u64 * MIB2) | P | RW | US | PS;
+            }
+            pdpt.0[g as usize] = pd as *const Table as u64 | P | RW | US;
+        } else {
+            crate::kprintln!("probe: RAM above {:#x} is not mapped", lo);
+            break;
+        }
+        mapped_end = hi.min(top);
+    }
+    // SAFETY: the new tables still identity-map everything the kernel uses.
+    unsafe { write_cr3(PML4.addr()) };
+    mapped_end
+}

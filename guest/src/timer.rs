@@ -1,0 +1,150 @@
+//! TSC calibration, the LAPIC tick, and bounded waiting.
+
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::apic;
+use crate::arch::{cpuid, inb, outb, pause, rdtsc, sti_hlt_cli};
+use crate::global::Global;
+
+pub const TIMER_VECTOR: u64 = 0x20;
+pub const TICK_HZ: u64 = 100;
+
+static TICKS: AtomicU64 = AtomicU64::new(0);
+static TSC_HZ: AtomicU64 = AtomicU64::new(1_000_000_000);
+static LAPIC_HZ: AtomicU64 = AtomicU64::new(0);
+static TIMER_OK: AtomicBool = AtomicBool::new(false);
+static SOURCE: Global<&'static str> = Global::new("assumed");
+
+pub fn tick() {
+    TICKS.fetch_add(1, Ordering::Relaxed);
+}
+
+pub fn ticks() -> u64 {
+    TICKS.load(Ordering::Relaxed)
+}
+
+pub fn tsc_hz() -> u64 {
+    TSC_HZ.load(Ordering::Relaxed)
+}
+
+pub fn lapic_hz() -> u64 {
+    LAPIC_HZ.load(Ordering::Relaxed)
+}
+
+pub fn timer_ok() -> bool {
+    TIMER_OK.load(Ordering::Relaxed)
+}
+
+pub fn source() -> &'static str {
+    unsafe { SOURCE.get() }
+}
+
+pub fn cycles_to_ns(c: u64) -> u64 {
+    (c as u128 * 1_000_000_000 / tsc_hz().max(1) as u128) as u64
+}
+
+/// Determines the TSC rate: CPUID leaves when they state it, else PIT channel 2.
+pub fn calibrate_tsc() {
+    let (hz, src) = tsc_from_cpuid().unwrap_or_else(|| match pit_measure() {
+        Some(hz) => (hz, "pit"),
+        None => (1_000_000_000, "assumed"),
+    });
+    TSC_HZ.store(hz, Ordering::Relaxed);
+    unsafe { *SOURCE.get() = src };
+}
+
+fn tsc_from_cpuid() -> Option<(u64, &'static str)> {
+    if cpuid(1, 0).ecx & (1 << 31) != 0 && cpuid(0x4000_0000, 0).eax >= 0x4000_0010 {
+        let khz = cpuid(0x4000_0010, 0).eax as u64;
+        if khz != 0 {
+            return Some((khz * 1000, "cpuid-0x40000010"));
+        }
+    }
+    if cpuid(0, 0).eax >= 0x15 {
+        let r = cpuid(0x15, 0);
+        if r.eax != 0 && r.ebx != 0 && r.ecx != 0 {
+            return Some((r.ecx as u64 * r.ebx as u64 / r.eax as u64, "cpuid-0x15"));
+        }
+    }
+    None
+}
+
+/// Counts TSC cycles over 50 ms of PIT channel 2 (mode 0, gate on, speaker off). Each read
+/// of port 0x61 is a VM exit, which bounds the resolution to about 0.2 %.
+fn pit_measure() -> Option<u64> {
+    const MS: u64 = 50;
+    let count = (1_193_182 * MS / 1000) as u16;
+    outb(0x61, (inb(0x61) & 0xfc) | 0x01);
+    outb(0x43, 0xb0);
+    outb(0x42, count as u8);
+    outb(0x42, (count >> 8) as u8);
+    let t0 = rdtsc();
+    loop {
+        let t = rdtsc();
+        if inb(0x61) & 0x20 != 0 {
+            let hz = (t - t0) * 1000 / MS;
+            return (hz > 1_000_000).then_some(hz);
+        }
+        if t - t0 > 20_000_000_000 {
+            return None;
+        }
+    }
+}
+
+pub fn delay_us(us: u64) {
+    let end = rdtsc() + us * tsc_hz() / 1_000_000;
+    while rdtsc() < end {
+        pause();
+    }
+}
+
+/// Measures the LAPIC timer against the TSC, then starts it periodic at `TICK_HZ`.
+/// The tick is only relied on (for `hlt` in waits) once one has been seen.
+pub fn start_lapic_timer() {
+    apic::write(apic::REG_TIMER_DIV, 0x3); // divide by 16
+    apic::write(apic::REG_LVT_TIMER, (1 << 16) | TIMER_VECTOR as u32);
+    apic::write(apic::REG_TIMER_INIT, u32::MAX);
+    let t0 = rdtsc();
+    let span = tsc_hz() / 50;
+    while rdtsc() - t0 < span {
+        pause();
+    }
+    let t1 = rdtsc();
+    let elapsed = u32::MAX - apic::read(apic::REG_TIMER_CUR);
+    let hz = elapsed as u64 * tsc_hz() / (t1 - t0).max(1);
+    LAPIC_HZ.store(hz, Ordering::Relaxed);
+    let period = (hz / TICK_HZ).clamp(1, u32::MAX as u64) as u32;
+    apic::write(apic::REG_LVT_TIMER, (1 << 17) | TIMER_VECTOR as u32);
+    apic::write(apic::REG_TIMER_INIT, period);
+    let end = rdtsc() + tsc_hz() / 5;
+    let before = ticks();
+    unsafe { core::arch::asm!("sti") };
+    while ticks() == before && rdtsc() < end {
+        pause();
+    }
+    unsafe { core::arch::asm!("cli") };
+    TIMER_OK.store(ticks() != before, Ordering::Relaxed);
+}
+
+/// Sleeps until the next interrupt if the tick works, else spins briefly.
+pub fn idle() {
+    if timer_ok() {
+        sti_hlt_cli();
+    } else {
+        pause();
+    }
+}
+
+/// Waits until `done` holds or `ms` milliseconds pass; true if `done` held.
+pub fn wait_for(ms: u64, mut done: impl FnMut() -> bool) -> bool {
+    let end = rdtsc() + ms * tsc_hz() / 1000;
+    loop {
+        if done() {
+            return true;
+        }
+        if rdtsc() >= end {
+            return done();
+        }
+        idle();
+    }
+}

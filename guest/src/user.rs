@@ -1,0 +1,207 @@
+//! User-mode (CPL3) tasks: entering them, their system calls, and their faults.
+//!
+//! A task runs on the BSP with `iretq` into the user code segment and interrupts enabled.
+//! `run_user` saves the kernel's callee-saved registers and stack pointer; the exit system
+//! call and a CPL3 fault come back through `resume_kernel`, which drops whatever was on the
+//! kernel stack below that point and returns from `run_user`.
+//!
+//! Memory: a task owns one arena of RAM above 2 MiB (user pages); it also reads and executes
+//! the kernel's text and rodata (user, read-only). Everything else in the first 2 MiB is
+//! kernel-only. Block requests hand arena addresses straight to the device (identity
+//! mapping): the kernel copies nothing.
+
+use crate::abi::{self, Error};
+use crate::bootinfo::BootInfo;
+use crate::cpu::{self, TrapFrame, UCODE, UDATA};
+use crate::global::Global;
+use crate::{paging, serial, timer, virtio};
+
+/// Set by `run_user`: the kernel stack pointer to resume at.
+static KSAVE: Global<u64> = Global::new(0);
+static ARENA: Global<(u64, u64)> = Global::new((0, 0));
+static FAULT: Global<Option<FaultInfo>> = Global::new(None);
+
+const USER_STACK: u64 = 256 * 1024;
+const MAX_ARENA: u64 = 256 << 20;
+const FAULTED: u64 = u64::MAX;
+
+#[derive(Clone, Copy)]
+pub struct FaultInfo {
+    pub vector: u64,
+    pub error: u64,
+    pub rip: u64,
+    pub cr2: u64,
+}
+
+pub enum Outcome {
+    Exit(u8),
+    Fault(FaultInfo),
+}
+
+/// Entry of a user task: (arena base, arena bytes usable for data, task parameter).
+pub type UserEntry = extern "C" fn(u64, u64, u64) -> !;
+
+core::arch::global_asm!(
+    r#"
+    .section .text.user, "ax"
+    .code64
+    .global run_user_asm
+run_user_asm:
+    push %rbx
+    push %rbp
+    push %r12
+    push %r13
+    push %r14
+    push %r15
+    mov %rsp, {ksave}
+    mov %rsp, {tss}+4
+    pushq ${udata}
+    push %rsi
+    pushq $0x202
+    pushq ${ucode}
+    push %rdi
+    mov %rdx, %rdi
+    mov %rcx, %rsi
+    mov %r8, %rdx
+    xor %eax, %eax
+    xor %ebx, %ebx
+    xor %ecx, %ecx
+    xor %ebp, %ebp
+    xor %r8d, %r8d
+    xor %r9d, %r9d
+    xor %r10d, %r10d
+    xor %r11d, %r11d
+    xor %r12d, %r12d
+    xor %r13d, %r13d
+    xor %r14d, %r14d
+    xor %r15d, %r15d
+    iretq
+
+    .global resume_kernel_asm
+resume_kernel_asm:
+    mov {ksave}, %rsp
+    mov %rdi, %rax
+    pop %r15
+    pop %r14
+    pop %r13
+    pop %r12
+    pop %rbp
+    pop %rbx
+    ret
+    "#,
+    ksave = sym KSAVE,
+    tss = sym cpu::TSS_AREA,
+    udata = const UDATA,
+    ucode = const UCODE,
+    options(att_syntax)
+);
+
+extern "C" {
+    fn run_user_asm(entry: u64, rsp: u64, a0: u64, a1: u64, a2: u64) -> u64;
+    fn resume_kernel_asm(code: u64) -> !;
+}
+
+/// Picks the task arena: the largest usable-RAM stretch between 2 MiB and 3 GiB.
+pub fn init(info: &BootInfo, mapped_end: u64) {
+    let mut best = (0u64, 0u64);
+    for e in info.memmap().iter().filter(|e| e.kind == 1) {
+        let lo = e.addr.max(2 << 20).next_multiple_of(1 << 21);
+        let hi = (e.addr + e.size).min(3 << 30).min(mapped_end);
+        if hi > lo && hi - lo > best.1 {
+            best = (lo, (hi - lo).min(MAX_ARENA));
+        }
+    }
+    unsafe { *ARENA.get() = best };
+}
+
+pub fn arena() -> (u64, u64) {
+    unsafe { *ARENA.get() }
+}
+
+/// Runs `entry` at CPL3 until it exits or faults.
+pub fn run(entry: UserEntry, param: u64) -> Outcome {
+    let (base, len) = arena();
+    if len < USER_STACK * 2 {
+        return Outcome::Exit(abi::STATUS_USER_FAULT);
+    }
+    let top = (base + len) & !15;
+    // A zero return address, so the entry sees the stack alignment of a called function.
+    unsafe { core::ptr::write_volatile((top - 8) as *mut u64, 0) };
+    unsafe { *FAULT.get() = None };
+    let code = unsafe {
+        run_user_asm(
+            entry as usize as u64,
+            top - 8,
+            base,
+            len - USER_STACK,
+            param,
+        )
+    };
+    match unsafe { *FAULT.get() } {
+        Some(f) if code == FAULTED => Outcome::Fault(f),
+        _ => Outcome::Exit(code as u8),
+    }
+}
+
+/// Ends the current task after a CPL3 exception (already reported by the trap path).
+pub fn fault(f: &TrapFrame, cr2: u64) -> ! {
+    unsafe {
+        *FAULT.get() = Some(FaultInfo {
+            vector: f.vector,
+            error: f.error,
+            rip: f.rip,
+            cr2,
+        });
+        resume_kernel_asm(FAULTED)
+    }
+}
+
+fn in_arena(addr: u64, len: u64) -> bool {
+    let (base, alen) = arena();
+    addr >= base && len <= alen && addr - base <= alen - len
+}
+
+/// What the task may have the kernel read: its arena, or kernel text/rodata (string literals).
+fn readable(addr: u64, len: u64) -> bool {
+    let (lo, hi) = paging::user_ro_range();
+    in_arena(addr, len) || (addr >= lo && len <= hi - lo && addr - lo <= hi - lo - len)
+}
+
+pub fn syscall(f: &mut TrapFrame) {
+    let (a0, a1, a2, a3) = (f.rdi, f.rsi, f.rdx, f.r10);
+    let result: Result<u64, Error> = match f.rax {
+        abi::SYS_EXIT => unsafe { resume_kernel_asm(a0 & 0xff) },
+        abi::SYS_WRITE => {
+            if readable(a0, a1) {
+                serial::write(unsafe { core::slice::from_raw_parts(a0 as *const u8, a1 as usize) });
+                Ok(a1)
+            } else {
+                Err(Error::BadArgument)
+            }
+        }
+        abi::SYS_DISK_COUNT => Ok(virtio::count() as u64),
+        abi::SYS_DISK_CAPACITY => virtio::capacity(a0 as usize),
+        abi::SYS_BLK_READ | abi::SYS_BLK_WRITE => {
+            let write = f.rax == abi::SYS_BLK_WRITE;
+            if in_arena(a2, a3) {
+                virtio::rw(a0 as usize, write, a1, a2, a3).map(|_| 0)
+            } else {
+                Err(Error::BadArgument)
+            }
+        }
+        abi::SYS_BLK_FLUSH => virtio::flush(a0 as usize).map(|_| 0),
+        abi::SYS_BLK_GET_ID => {
+            if in_arena(a1, virtio::ID_LEN) {
+                virtio::get_id(a0 as usize, a1).map(|_| virtio::ID_LEN)
+            } else {
+                Err(Error::BadArgument)
+            }
+        }
+        abi::SYS_TSC_HZ => Ok(timer::tsc_hz()),
+        _ => Err(Error::NoSuchCall),
+    };
+    f.rax = match result {
+        Ok(v) => v,
+        Err(e) => e.encode(),
+    };
+}
