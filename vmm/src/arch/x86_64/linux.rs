@@ -183,6 +183,23 @@ fn below_4g(what: &'static str, addr: u64, len: u64) -> Result<u32, LinuxBootErr
     }
 }
 
+/// Records the RSDP's address in the `boot_params` that `write_boot_params` wrote, so it
+/// must be called after that (which rewrites the whole zero page).
+///
+/// Linux scans `0xe0000..0x100000` for the RSDP when this field is 0, so it is not
+/// strictly needed; but the field (boot protocol 2.14) is the documented way to pass
+/// it, and kernels that do not scan the BIOS area, or a future RSDP elsewhere, need it.
+/// Older kernels ignore it.
+pub fn set_acpi_rsdp_addr(mem: &GuestMemoryMmap, rsdp: u64) -> Result<(), LinuxBootError> {
+    let addr = ZERO_PAGE_START + std::mem::offset_of!(boot_params, acpi_rsdp_addr) as u64;
+    mem.write_obj(rsdp, GuestAddress(addr))
+        .map_err(|source| LinuxBootError::Write {
+            what: "boot_params.acpi_rsdp_addr",
+            addr,
+            source,
+        })
+}
+
 /// Where to load an initrd of `initrd_size` bytes: as high as possible in the RAM below
 /// `ram_top_below_hole` (exclusive), page aligned, and ending at or below the kernel's
 /// `initrd_addr_max` when the header has one. High placement keeps it clear of the
@@ -504,6 +521,24 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn rsdp_address_reaches_the_zero_page() {
+        let mem = guest_mem();
+        let map = e820_map(64 << 20);
+        let h = Some(bzimage_header());
+        write_boot_params(&mem, h, &map, CMDLINE_START, 20, None).unwrap();
+        assert_eq!({ read_params(&mem).acpi_rsdp_addr }, 0);
+        set_acpi_rsdp_addr(&mem, 0xe0000).unwrap();
+        let p = read_params(&mem);
+        assert_eq!({ p.acpi_rsdp_addr }, 0xe0000);
+        // Offset 0x70 in the zero page, as the boot protocol documents it.
+        assert_eq!(read_u64(&mem, ZERO_PAGE_START + 0x70), 0xe0000);
+        // Nothing else moved.
+        assert_eq!(p.hdr.setup_sects, 39);
+        assert_eq!(usize::from(p.e820_entries), map.len());
+        assert_eq!({ p.hdr.cmd_line_ptr }, CMDLINE_START as u32);
     }
 
     #[test]
