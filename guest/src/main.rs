@@ -36,6 +36,10 @@ extern "C" fn kmain(start_info: u32) -> ! {
     cpu::init_bsp();
     unsafe { bootinfo::parse(start_info as u64) };
     let info = bootinfo::get();
+    kprintln!(
+        "probe: command line: {}",
+        core::str::from_utf8(info.cmdline()).unwrap_or("(not UTF-8)")
+    );
     let mapped_end = paging::init(info);
     user::init(info, mapped_end);
     apic::pic_disable();

@@ -317,7 +317,7 @@ pub fn start_aps(p: &Platform, bsp: u32) -> u32 {
             .filter(move |&id| id != bsp)
     };
     let expected = 1 + targets().count() as u32;
-    if expected == 1 {
+    if expected == 1 && p.ncpus > 0 {
         return 1;
     }
     unsafe {
@@ -325,11 +325,31 @@ pub fn start_aps(p: &Platform, bsp: u32) -> u32 {
         let len = core::ptr::addr_of!(tramp_end) as usize - start as usize;
         core::ptr::copy_nonoverlapping(start, TRAMPOLINE as *mut u8, len);
     }
+    let sipi = 0x4600 | (TRAMPOLINE >> 12) as u32;
+    if p.ncpus == 0 {
+        // No table names the CPUs (QEMU microvm with acpi=off): start whoever is there
+        // with the all-excluding-self shorthand, then count who reports in until the
+        // count stops changing.
+        const ALL_BUT_SELF: u32 = 3 << 18;
+        apic::send_ipi(0, ALL_BUT_SELF | 0x4500);
+        timer::delay_us(10_000);
+        apic::send_ipi(0, ALL_BUT_SELF | sipi);
+        timer::delay_us(200);
+        apic::send_ipi(0, ALL_BUT_SELF | sipi);
+        let mut last = 0;
+        timer::wait_for(500, || {
+            timer::delay_us(20_000);
+            let now = ONLINE.load(Ordering::SeqCst);
+            let settled = now == last && now > 1;
+            last = now;
+            settled
+        });
+        return ONLINE.load(Ordering::SeqCst);
+    }
     for id in targets() {
         apic::send_ipi(id, 0x4500);
     }
     timer::delay_us(10_000);
-    let sipi = 0x4600 | (TRAMPOLINE >> 12) as u32;
     for id in targets() {
         apic::send_ipi(id, sipi);
     }

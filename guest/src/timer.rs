@@ -69,15 +69,22 @@ fn tsc_from_cpuid() -> Option<(u64, &'static str)> {
     None
 }
 
+const PIT_HZ: u64 = 1_193_182;
+
 /// Counts TSC cycles over 50 ms of PIT channel 2 (mode 0, gate on, speaker off). Each read
-/// of port 0x61 is a VM exit, which bounds the resolution to about 0.2 %.
+/// of port 0x61 is a VM exit, which bounds the resolution to about 0.2 %. Machines without
+/// the speaker port (QEMU microvm) fall back to reading channel 0's counter back.
 fn pit_measure() -> Option<u64> {
     const MS: u64 = 50;
-    let count = (1_193_182 * MS / 1000) as u16;
+    let count = (PIT_HZ * MS / 1000) as u16;
     outb(0x61, (inb(0x61) & 0xfc) | 0x01);
     outb(0x43, 0xb0);
     outb(0x42, count as u8);
     outb(0x42, (count >> 8) as u8);
+    if inb(0x61) & 0x20 != 0 {
+        // OUT2 must be low right after a mode-0 count is written: no usable port 0x61.
+        return pit_readback_measure();
+    }
     let t0 = rdtsc();
     loop {
         let t = rdtsc();
@@ -87,6 +94,37 @@ fn pit_measure() -> Option<u64> {
         }
         if t - t0 > 20_000_000_000 {
             return None;
+        }
+    }
+}
+
+/// Channel 0 in mode 0 from 0xffff, latched and read back until 50 ms have passed.
+fn pit_readback_measure() -> Option<u64> {
+    let read = || {
+        let t = rdtsc();
+        outb(0x43, 0x00);
+        let lo = inb(0x40) as u64;
+        let hi = inb(0x40) as u64;
+        (t, hi << 8 | lo)
+    };
+    outb(0x43, 0x30);
+    outb(0x40, 0xff);
+    outb(0x40, 0xff);
+    let (mut t0, mut c0) = read();
+    let start = t0;
+    loop {
+        let (t, c) = read();
+        if t - start > 20_000_000_000 {
+            return None;
+        }
+        if c > c0 {
+            // Read before the count was loaded, or wrapped: start over from here.
+            (t0, c0) = (t, c);
+            continue;
+        }
+        if c0 - c >= PIT_HZ / 20 {
+            let hz = (t - t0) as u128 * PIT_HZ as u128 / (c0 - c) as u128;
+            return (hz > 1_000_000).then_some(hz as u64);
         }
     }
 }
