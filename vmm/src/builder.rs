@@ -2,7 +2,7 @@
 //! so that nothing the guest wrote is lost.
 
 use crate::arch::x86_64::layout::{self, CMDLINE_MAX_SIZE, CMDLINE_START, PVH_INFO_START};
-use crate::arch::x86_64::{linux, mptable, pvh, regs};
+use crate::arch::x86_64::{acpi, linux, mptable, pvh, regs};
 use crate::config::VmConfig;
 use crate::control::{Outcome, RunControl};
 use crate::device_manager::{create_devices, Devices};
@@ -100,23 +100,20 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
         .map_err(|e| err(format!("cannot write the command line: {e}")))?;
 
     // 4. Firmware tables and boot structures.
+    // Both CPU tables: the MP table for simple guests, ACPI for kernels built without
+    // MP-table parsing (Debian's cloud kernel among them).
     mptable::write_mptable(&mem, config.cpus).map_err(err)?;
+    let rsdp = acpi::write_acpi_tables(&mem, config.cpus).map_err(err)?;
     let e820 = layout::e820_map(config.memory);
     let initrd = load_initrd(&mem, config, &entry)?;
     match entry {
         EntryPoint::Pvh(_) => {
-            pvh::write_start_info(&mem, &e820, CMDLINE_START, None).map_err(err)?;
+            pvh::write_start_info(&mem, &e820, CMDLINE_START, Some(rsdp)).map_err(err)?;
         }
         EntryPoint::Linux64 { header, .. } => {
-            linux::write_boot_params(
-                &mem,
-                header,
-                &e820,
-                CMDLINE_START,
-                cmdline.len() - 1,
-                initrd,
-            )
-            .map_err(err)?;
+            linux::write_boot_params(&mem, header, &e820, CMDLINE_START, cmdline.len(), initrd)
+                .map_err(err)?;
+            linux::set_acpi_rsdp_addr(&mem, rsdp).map_err(err)?;
             linux::write_boot_gdt_and_page_tables(&mem).map_err(err)?;
         }
     }
