@@ -1,0 +1,520 @@
+//! `musubi bench boot`: how fast a VM starts and how much memory the VMM itself costs,
+//! Musubi beside QEMU on the same probe guest image, measured the same way from outside.
+
+use super::report::{cell, figures_table, median_min, mib, ms, Csv, Figure, Table};
+use super::stats::{max, ratio, Summary};
+use super::watch::{observe, tail, Observed, Watch};
+use super::{find_on_path, plot, BenchArgs, Harness};
+use crate::probe;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+const GUEST_BYTES: u64 = 128 << 20;
+const HELLO_MARKER: &str = "{\"probe\":\"hello\"";
+const QEMU: &str = "qemu-system-x86_64";
+/// Every few ms: fine enough to catch a VM that lives tens of ms, coarse enough that
+/// reading smaps does not steal a core from the VM on a two-core machine.
+const SAMPLE_EVERY: Duration = Duration::from_millis(3);
+const RUN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Musubi's own targets and Firecracker's published figures.
+const TARGET_FIRST_RUN_MS: f64 = 5.0;
+const TARGET_OVERHEAD_MIB: f64 = 3.0;
+const FC_STARTUP_CPU_MS: f64 = 8.0;
+const FC_OVERHEAD_MIB: f64 = 5.0;
+const FC_SOURCE: &str = "Firecracker's published specification";
+
+#[derive(Clone, Debug)]
+enum Hv {
+    Musubi {
+        exe: PathBuf,
+    },
+    Qemu {
+        exe: PathBuf,
+        machine: &'static str,
+        elf: PathBuf,
+    },
+}
+
+impl Hv {
+    fn name(&self) -> String {
+        match self {
+            Hv::Musubi { .. } => "musubi".into(),
+            Hv::Qemu { machine, .. } => format!("qemu ({machine})"),
+        }
+    }
+}
+
+/// One run, all times from the parent's spawn of the hypervisor.
+#[derive(Clone, Debug)]
+struct Sample {
+    to_first_run_ns: Option<u64>,
+    /// The part of `to_first_run_ns` spent inside the VMM's VM setup (the report's own
+    /// `to_first_run_ns`); the rest is exec, dynamic loading and argument parsing.
+    setup_ns: Option<u64>,
+    to_hello_ns: u64,
+    to_exit_ns: u64,
+    max_overhead: Option<u64>,
+    max_private_overhead: Option<u64>,
+    mem_samples: u32,
+    exits: Option<u64>,
+    status: i32,
+}
+
+pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
+    if !Path::new("/dev/kvm").exists() {
+        return Err("/dev/kvm does not exist: this benchmark boots VMs and needs KVM".into());
+    }
+    let reps = if h.quick { 3 } else { 10 };
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find the musubi binary: {e}"))?;
+    let elf =
+        probe::materialize().map_err(|e| format!("cannot write the probe guest's ELF: {e}"))?;
+    let qemu = match args.compare.as_deref() {
+        Some("qemu") => Some(find_on_path(QEMU).ok_or_else(|| {
+            format!(
+                "--compare qemu: {QEMU} is not on PATH (Debian: apt-get install qemu-system-x86)"
+            )
+        })?),
+        Some(other) => {
+            return Err(format!(
+                "--compare {other:?}: the only hypervisor to compare with is `qemu`"
+            ))
+        }
+        None => {
+            let q = find_on_path(QEMU);
+            if q.is_none() {
+                println!("QEMU: skipped, {QEMU} is not on PATH");
+            }
+            q
+        }
+    };
+
+    println!(
+        "boot: probe guest (probe.tasks=hello), 1 vCPU, 128 MiB; {reps} runs per hypervisor, interleaved"
+    );
+    let mut configs = vec![Hv::Musubi { exe }];
+    if let Some(q) = qemu {
+        configs.push(pick_qemu_machine(&q, &elf)?);
+    }
+    // One discarded run each, so the first measured run does not pay for cold caches.
+    for c in &configs {
+        one_run(c).map_err(|e| format!("{} warm-up run: {e}", c.name()))?;
+    }
+    let runs = h.run_schedule(&configs, reps, Hv::name, |_, c| one_run(c))?;
+
+    let mut csv = Csv::new(&[
+        "run",
+        "rep",
+        "hypervisor",
+        "to_first_kvm_run_ms",
+        "vm_setup_ms",
+        "to_hello_ms",
+        "to_exit_ms",
+        "max_overhead_mib",
+        "max_private_overhead_mib",
+        "memory_samples",
+        "total_exits",
+        "exit_status",
+    ]);
+    for (i, (rep, c, s)) in runs.iter().enumerate() {
+        csv.row([
+            (i + 1).to_string(),
+            (rep + 1).to_string(),
+            configs[*c].name(),
+            cell(s.to_first_run_ns.map(|n| ms(n as f64))),
+            cell(s.setup_ns.map(|n| ms(n as f64))),
+            ms(s.to_hello_ns as f64),
+            ms(s.to_exit_ns as f64),
+            cell(s.max_overhead.map(|b| mib(b as f64))),
+            cell(s.max_private_overhead.map(|b| mib(b as f64))),
+            s.mem_samples.to_string(),
+            cell(s.exits),
+            s.status.to_string(),
+        ]);
+    }
+    let csv_path = h.write_csv("boot.csv", &csv)?;
+
+    let per: Vec<Vec<&Sample>> = (0..configs.len())
+        .map(|c| runs.iter().filter(|r| r.1 == c).map(|r| &r.2).collect())
+        .collect();
+    let sums: Vec<Sums> = per.iter().map(|s| Sums::of(s)).collect();
+
+    let mut t = Table::new(&[
+        "hypervisor",
+        ">first KVM_RUN ms (med / min)",
+        ">hello ms (med / min)",
+        ">max overhead MiB",
+        ">of it private",
+        ">exits (run)",
+    ]);
+    for (c, s) in configs.iter().zip(&sums) {
+        t.row([
+            c.name(),
+            median_min(s.first_run, ms),
+            median_min(s.hello, ms),
+            s.overhead_text(),
+            s.private.map(mib).unwrap_or_else(|| "n/a".into()),
+            s.exits
+                .map(|e| format!("{e:.0}"))
+                .unwrap_or_else(|| "n/a".into()),
+        ]);
+    }
+    if sums.len() == 2 {
+        let (m, q) = (&sums[0], &sums[1]);
+        let r = |a: Option<f64>, b: Option<f64>| {
+            a.zip(b)
+                .and_then(|(a, b)| ratio(a, b))
+                .map(|x| format!("{x:.2}x"))
+                .unwrap_or_else(|| "n/a".into())
+        };
+        t.row([
+            "musubi / qemu".to_string(),
+            "n/a".into(),
+            format!(
+                "{} / {}",
+                r(m.hello.map(|s| s.median), q.hello.map(|s| s.median)),
+                r(m.hello.map(|s| s.min), q.hello.map(|s| s.min))
+            ),
+            r(m.overhead, q.overhead),
+            r(m.private, q.private),
+            "n/a".into(),
+        ]);
+    }
+    println!();
+    print!("{}", t.render());
+    println!("first KVM_RUN: not observable for QEMU without tracing (n/a). exits: the whole run,");
+    println!("  i.e. hello plus the exit-port write; QEMU's are not counted (n/a).");
+    if let (Some(all), Some(setup)) = (sums[0].first_run, sums[0].setup) {
+        println!(
+            "musubi's first KVM_RUN, median: {} ms in VM setup (run_vm to KVM_RUN), {} ms before it",
+            ms(setup.median),
+            ms(all.median - setup.median)
+        );
+        println!("  (exec, dynamic loading, argument parsing).");
+    }
+    for (c, s) in configs.iter().zip(&per) {
+        let missed = s.iter().filter(|x| x.max_overhead.is_none()).count();
+        if missed > 0 {
+            println!(
+                "{}: memory sampling missed {missed} of {} runs (the VM ended before /proc/PID/smaps was read)",
+                c.name(),
+                s.len()
+            );
+        }
+    }
+
+    let m = &sums[0];
+    let figs = vec![
+        Figure {
+            what: "time to first KVM_RUN (median)".into(),
+            ours: m
+                .first_run
+                .map(|s| format!("{} ms", ms(s.median)))
+                .unwrap_or("n/a".into()),
+            reference: format!("<= {TARGET_FIRST_RUN_MS} ms"),
+            source: "Musubi target".into(),
+            met: m.first_run.map(|s| s.median / 1e6 <= TARGET_FIRST_RUN_MS),
+        },
+        Figure {
+            what: "memory overhead (max)".into(),
+            ours: m
+                .overhead
+                .map(|b| format!("{} MiB", mib(b)))
+                .unwrap_or("n/a".into()),
+            reference: format!("< {TARGET_OVERHEAD_MIB} MiB"),
+            source: "Musubi target".into(),
+            met: m.overhead.map(|b| in_mib(b) < TARGET_OVERHEAD_MIB),
+        },
+        Figure {
+            what: "start-up (ours: wall ms to first KVM_RUN)".into(),
+            ours: m
+                .first_run
+                .map(|s| format!("{} ms", ms(s.median)))
+                .unwrap_or("n/a".into()),
+            reference: format!("<= {FC_STARTUP_CPU_MS} CPU ms to API socket"),
+            source: FC_SOURCE.into(),
+            met: m.first_run.map(|s| s.median / 1e6 <= FC_STARTUP_CPU_MS),
+        },
+        Figure {
+            what: "memory overhead (max)".into(),
+            ours: m
+                .overhead
+                .map(|b| format!("{} MiB", mib(b)))
+                .unwrap_or("n/a".into()),
+            reference: format!("<= {FC_OVERHEAD_MIB} MiB"),
+            source: FC_SOURCE.into(),
+            met: m.overhead.map(|b| in_mib(b) <= FC_OVERHEAD_MIB),
+        },
+    ];
+    println!();
+    print!("{}", figures_table(&figs));
+    println!();
+    println!(
+        "This machine runs KVM nested: guest code at CPL0 goes through KVM's instruction emulator"
+    );
+    println!(
+        "(a few million instructions/s) and each VM exit costs ~85 us. Time to hello is dominated"
+    );
+    println!(
+        "by that, so it and the musubi/qemu hello ratio measure the nested KVM and the guest more"
+    );
+    println!("than the VMM. Time to first KVM_RUN and memory overhead are host-native and not distorted.");
+    println!(
+        "Overhead = Rss of the VMM process minus Rss of its guest-RAM mapping, max over samples"
+    );
+    println!(
+        "every {} ms; shared libraries count in full. \"of it private\": Private_Clean+Private_Dirty,",
+        SAMPLE_EVERY.as_millis()
+    );
+    println!(
+        "  the pages no other process shares. The targets are checked against the full overhead."
+    );
+
+    let bars = |f: &dyn Fn(&Sums) -> Option<Summary>| -> Vec<plot::Bar> {
+        configs
+            .iter()
+            .zip(&sums)
+            .filter_map(|(c, s)| {
+                f(s).map(|x| plot::Bar {
+                    label: c.name(),
+                    value: x.median,
+                    low: Some(x.min),
+                })
+            })
+            .collect()
+    };
+    let panels = vec![
+        plot::Panel {
+            title: "time to first KVM_RUN (median, min)".into(),
+            unit: "ms".into(),
+            bars: bars(&|s| s.first_run.map(|x| x.scaled(1e-6))),
+        },
+        plot::Panel {
+            title: "time to hello (median, min)".into(),
+            unit: "ms".into(),
+            bars: bars(&|s| s.hello.map(|x| x.scaled(1e-6))),
+        },
+        plot::Panel {
+            title: "VMM memory overhead (max)".into(),
+            unit: "MiB".into(),
+            bars: configs
+                .iter()
+                .zip(&sums)
+                .filter_map(|(c, s)| {
+                    s.overhead.map(|b| plot::Bar {
+                        label: c.name(),
+                        value: in_mib(b),
+                        low: None,
+                    })
+                })
+                .collect(),
+        },
+    ];
+    let svg_path = h.write_chart("boot.svg", "musubi bench boot", &panels)?;
+    println!();
+    println!("wrote {} and {}", csv_path.display(), svg_path.display());
+    Ok(())
+}
+
+fn in_mib(bytes: f64) -> f64 {
+    bytes / (1u64 << 20) as f64
+}
+
+struct Sums {
+    first_run: Option<Summary>,
+    setup: Option<Summary>,
+    hello: Option<Summary>,
+    overhead: Option<f64>,
+    private: Option<f64>,
+    exits: Option<f64>,
+}
+
+impl Sums {
+    fn of(s: &[&Sample]) -> Sums {
+        let f = |g: &dyn Fn(&Sample) -> Option<f64>| -> Vec<f64> {
+            s.iter().filter_map(|x| g(x)).collect()
+        };
+        Sums {
+            first_run: Summary::of(&f(&|x| x.to_first_run_ns.map(|n| n as f64))),
+            setup: Summary::of(&f(&|x| x.setup_ns.map(|n| n as f64))),
+            hello: Summary::of(&f(&|x| Some(x.to_hello_ns as f64))),
+            overhead: max(&f(&|x| x.max_overhead.map(|b| b as f64))),
+            private: max(&f(&|x| x.max_private_overhead.map(|b| b as f64))),
+            exits: super::stats::median(&f(&|x| x.exits.map(|e| e as f64))),
+        }
+    }
+
+    fn overhead_text(&self) -> String {
+        match self.overhead {
+            Some(b) => mib(b),
+            None => "not sampled".into(),
+        }
+    }
+}
+
+fn one_run(hv: &Hv) -> Result<Sample, String> {
+    match hv {
+        Hv::Musubi { exe } => run_musubi(exe),
+        Hv::Qemu { exe, machine, elf } => run_qemu(exe, machine, elf),
+    }
+}
+
+fn watch() -> Watch<'static> {
+    Watch {
+        marker: HELLO_MARKER,
+        guest_bytes: GUEST_BYTES,
+        timeout: RUN_TIMEOUT,
+        sample_every: SAMPLE_EVERY,
+    }
+}
+
+fn run_musubi(exe: &Path) -> Result<Sample, String> {
+    let dir = tempfile::tempdir().map_err(|e| format!("cannot make a temporary directory: {e}"))?;
+    let report = dir.path().join("report.json");
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "run",
+        "--kernel",
+        "probe",
+        "--cpus",
+        "1",
+        "--memory",
+        "128M",
+        "--cmdline",
+        "probe.tasks=hello",
+        "--serial",
+        "stdio",
+        "--report",
+    ])
+    .arg(&report);
+    let o = observe(cmd, &watch()).map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
+    let hello = check(&o, 0, "musubi")?;
+    let text = std::fs::read_to_string(&report)
+        .map_err(|e| format!("musubi wrote no --report file {}: {e}", report.display()))?;
+    let r: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| format!("--report {}: not JSON: {e}", report.display()))?;
+    let first = r["first_run_monotonic_ns"].as_u64().ok_or_else(|| {
+        format!(
+            "--report {} has no first_run_monotonic_ns: {text}",
+            report.display()
+        )
+    })?;
+    Ok(Sample {
+        to_first_run_ns: Some(first.saturating_sub(o.spawn_ns)),
+        setup_ns: r["to_first_run_ns"].as_u64(),
+        to_hello_ns: hello,
+        to_exit_ns: o.end_ns - o.spawn_ns,
+        max_overhead: o.max_overhead,
+        max_private_overhead: o.max_private_overhead,
+        mem_samples: o.samples,
+        exits: r["total_exits"].as_u64(),
+        status: 0,
+    })
+}
+
+fn qemu_command(exe: &Path, machine: &str, elf: &Path) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "-M",
+        machine,
+        "-enable-kvm",
+        "-cpu",
+        "host",
+        "-m",
+        "128M",
+        "-smp",
+        "1",
+    ])
+    .args([
+        "-nodefaults",
+        "-no-user-config",
+        "-nographic",
+        "-serial",
+        "stdio",
+    ])
+    .arg("-kernel")
+    .arg(elf)
+    .args(["-append", "probe.tasks=hello"])
+    .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"]);
+    cmd
+}
+
+/// QEMU reports exit-port value N as status (N << 1) | 1; the probe writes 0 after its tasks.
+const QEMU_CLEAN_STATUS: i32 = 1;
+
+fn run_qemu(exe: &Path, machine: &str, elf: &Path) -> Result<Sample, String> {
+    let o = observe(qemu_command(exe, machine, elf), &watch())
+        .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
+    let hello = check(&o, QEMU_CLEAN_STATUS, "qemu")?;
+    Ok(Sample {
+        to_first_run_ns: None,
+        setup_ns: None,
+        to_hello_ns: hello,
+        to_exit_ns: o.end_ns - o.spawn_ns,
+        max_overhead: o.max_overhead,
+        max_private_overhead: o.max_private_overhead,
+        mem_samples: o.samples,
+        exits: None,
+        status: QEMU_CLEAN_STATUS,
+    })
+}
+
+/// microvm boots a PVH ELF with `-kernel` and has the least device model, so it is the fair
+/// comparison; `-M pc` is the fallback if this QEMU's microvm cannot boot the probe.
+fn pick_qemu_machine(exe: &Path, elf: &Path) -> Result<Hv, String> {
+    let mut errors = Vec::new();
+    for machine in ["microvm", "pc"] {
+        match run_qemu(exe, machine, elf) {
+            Ok(_) => {
+                if machine != "microvm" {
+                    println!(
+                        "QEMU: -M microvm failed ({}); using -M {machine}",
+                        errors.join("; ")
+                    );
+                }
+                return Ok(Hv::Qemu {
+                    exe: exe.to_path_buf(),
+                    machine,
+                    elf: elf.to_path_buf(),
+                });
+            }
+            Err(e) => errors.push(format!("-M {machine}: {e}")),
+        }
+    }
+    Err(format!(
+        "QEMU cannot boot the probe guest {}: {}",
+        elf.display(),
+        errors.join("; ")
+    ))
+}
+
+/// The time to hello, or why the run does not count.
+fn check(o: &Observed, want_status: i32, who: &str) -> Result<u64, String> {
+    let said = || {
+        format!(
+            "\n--- console (last lines) ---\n{}\n--- stderr (last lines) ---\n{}",
+            tail(&o.stdout, 10),
+            tail(&o.stderr, 10)
+        )
+    };
+    if o.timed_out {
+        return Err(format!(
+            "{who} did not finish within {} s and was killed{}",
+            RUN_TIMEOUT.as_secs(),
+            said()
+        ));
+    }
+    let code = o.status.and_then(|s| s.code());
+    if code != Some(want_status) {
+        return Err(format!(
+            "{who} exited with {:?}, expected status {want_status}{}",
+            o.status,
+            said()
+        ));
+    }
+    let at = o
+        .marker_ns
+        .ok_or_else(|| format!("{who} printed no {HELLO_MARKER}...}} line{}", said()))?;
+    Ok(at.saturating_sub(o.spawn_ns))
+}

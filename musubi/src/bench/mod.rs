@@ -1,0 +1,194 @@
+//! `musubi bench`: runs the papers' experiments end to end and reports them beside the
+//! papers' figures.
+//!
+//! The pieces every experiment shares live here: an interleaved schedule with a progress
+//! bar ([`Harness::run_schedule`]), summaries ([`stats`]), tables and CSV ([`report`]),
+//! SVG charts ([`plot`]) and outside observation of a hypervisor process ([`watch`]).
+
+mod boot;
+pub mod plot;
+pub mod report;
+pub mod stats;
+pub mod watch;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Experiment to run: boot.
+    pub experiment: String,
+    /// A short run that finishes in seconds (for smoke tests).
+    #[arg(long)]
+    pub quick: bool,
+    /// Directory for the CSV and plot files.
+    #[arg(long, value_name = "DIR", default_value = "bench-out")]
+    pub out: PathBuf,
+    /// Also run the same guest under another hypervisor in the same run.
+    #[arg(long, value_name = "qemu")]
+    pub compare: Option<String>,
+}
+
+const EXPERIMENTS: &[&str] = &["boot"];
+
+pub fn run(args: &BenchArgs) -> ExitCode {
+    let result = match args.experiment.as_str() {
+        "boot" => Harness::new(args).and_then(|h| boot::run(&h, args)),
+        other => {
+            eprintln!(
+                "musubi bench: unknown experiment {other:?}; available: {}",
+                EXPERIMENTS.join(", ")
+            );
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("musubi bench {}: {e}", args.experiment);
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// What an experiment needs from the command line, checked once.
+pub struct Harness {
+    pub out: PathBuf,
+    pub quick: bool,
+}
+
+impl Harness {
+    fn new(args: &BenchArgs) -> Result<Harness, String> {
+        std::fs::create_dir_all(&args.out).map_err(|e| {
+            format!(
+                "--out {}: cannot create the directory: {e}",
+                args.out.display()
+            )
+        })?;
+        Ok(Harness {
+            out: args.out.clone(),
+            quick: args.quick,
+        })
+    }
+
+    pub fn out_file(&self, name: &str) -> PathBuf {
+        self.out.join(name)
+    }
+
+    /// Runs `reps` repetitions of each configuration interleaved (A B A B ...), showing
+    /// progress, and stops at the first failed run: a benchmark built on a failed run
+    /// would report a figure that was never measured.
+    pub fn run_schedule<C, R>(
+        &self,
+        configs: &[C],
+        reps: usize,
+        name: impl Fn(&C) -> String,
+        mut one: impl FnMut(usize, &C) -> Result<R, String>,
+    ) -> Result<Vec<(usize, usize, R)>, String> {
+        let schedule = stats::interleaved(configs.len(), reps);
+        let bar = progress(schedule.len() as u64);
+        let mut out = Vec::with_capacity(schedule.len());
+        for (rep, c) in schedule {
+            bar.set_message(format!("{} #{}", name(&configs[c]), rep + 1));
+            let r = one(rep, &configs[c]).map_err(|e| {
+                bar.abandon();
+                format!("{} run {}: {e}", name(&configs[c]), rep + 1)
+            })?;
+            out.push((rep, c, r));
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        Ok(out)
+    }
+
+    /// Writes the CSV and says where it went.
+    pub fn write_csv(&self, name: &str, csv: &report::Csv) -> Result<PathBuf, String> {
+        let p = self.out_file(name);
+        csv.write(&p)?;
+        Ok(p)
+    }
+
+    pub fn write_chart(
+        &self,
+        name: &str,
+        title: &str,
+        panels: &[plot::Panel],
+    ) -> Result<PathBuf, String> {
+        let p = self.out_file(name);
+        plot::bar_chart(&p, title, panels)?;
+        Ok(p)
+    }
+}
+
+/// A progress bar on stderr; indicatif hides it when stderr is not a terminal, so logs and
+/// tests see only the results.
+fn progress(len: u64) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template("{bar:30} {pos}/{len} runs  {elapsed}  {msg}") {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// The first executable named `name` on `PATH`.
+pub fn find_on_path(name: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| {
+            std::fs::metadata(p)
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_runs_configurations_alternately_and_stops_on_failure() {
+        let h = Harness {
+            out: std::env::temp_dir(),
+            quick: true,
+        };
+        let mut order = Vec::new();
+        let r = h
+            .run_schedule(
+                &["a", "b"],
+                2,
+                |c| c.to_string(),
+                |rep, c| {
+                    order.push(format!("{c}{rep}"));
+                    Ok(rep)
+                },
+            )
+            .unwrap();
+        assert_eq!(order, ["a0", "b0", "a1", "b1"]);
+        assert_eq!(r.len(), 4);
+        let e = h
+            .run_schedule(
+                &["a", "b"],
+                2,
+                |c| c.to_string(),
+                |rep, c| {
+                    if *c == "b" {
+                        Err("no hello".to_string())
+                    } else {
+                        Ok(rep)
+                    }
+                },
+            )
+            .unwrap_err();
+        assert_eq!(e, "b run 1: no hello");
+    }
+
+    #[test]
+    fn sh_is_on_path() {
+        assert!(find_on_path("sh").is_some());
+        assert!(find_on_path("no-such-program-here").is_none());
+    }
+}

@@ -1,0 +1,84 @@
+//! `musubi bench boot` end to end: it boots real VMs, writes one CSV row per run and a chart.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+#[test]
+fn bench_boot_quick_writes_csv_and_svg() {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    );
+    let out = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_musubi"))
+        .args(["bench", "boot", "--quick", "--out"])
+        .arg(out.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("musubi starts");
+    let so = child.stdout.take().unwrap();
+    let se = child.stderr.take().unwrap();
+    let t_out = std::thread::spawn(move || std::io::read_to_string(so).unwrap_or_default());
+    let t_err = std::thread::spawn(move || std::io::read_to_string(se).unwrap_or_default());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("musubi bench boot --quick did not finish within {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = t_out.join().unwrap();
+    let stderr = t_err.join().unwrap();
+    let explain = format!("status {status:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(status.success(), "{explain}");
+
+    let csv = std::fs::read_to_string(out.path().join("boot.csv"))
+        .unwrap_or_else(|e| panic!("boot.csv: {e}\n{explain}"));
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().expect("a header").split(',').collect();
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .unwrap_or_else(|| panic!("no {name} column in {header:?}"))
+    };
+    let (hv, hello, first) = (
+        col("hypervisor"),
+        col("to_hello_ms"),
+        col("to_first_kvm_run_ms"),
+    );
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    let musubi: Vec<_> = rows.iter().filter(|r| r[hv] == "musubi").collect();
+    assert_eq!(musubi.len(), 3, "three quick runs of musubi\n{csv}");
+    for r in &musubi {
+        let h: f64 = r[hello].parse().unwrap();
+        let f: f64 = r[first].parse().unwrap();
+        assert!(f > 0.0 && h >= f, "first KVM_RUN comes before hello: {r:?}");
+    }
+    let qemu = rows.iter().filter(|r| r[hv].starts_with("qemu")).count();
+    assert!(
+        qemu == 0 || qemu == 3,
+        "QEMU runs all or none: {qemu}\n{csv}"
+    );
+    assert_eq!(rows.len(), 3 + qemu, "{csv}");
+    if qemu == 0 {
+        assert!(stdout.contains("QEMU: skipped"), "{explain}");
+    }
+
+    let svg = std::fs::read_to_string(out.path().join("boot.svg")).expect("boot.svg");
+    assert!(svg.starts_with("<svg") && svg.contains("musubi"), "{svg}");
+    assert!(
+        stdout.contains("MET") || stdout.contains("MISSED"),
+        "{explain}"
+    );
+}
