@@ -1,4 +1,4 @@
-//! The system-call interface between user tasks and the kernel (`int 0x80`).
+//! The system-call interface between user tasks and the kernel (the `ud2` gate, user.rs).
 //!
 //! Number in RAX, arguments in RDI, RSI, RDX, R10, R8; result in RAX. Every other register is
 //! preserved. Results at or above `ERR_BASE` are errors (`-code` as i64).

@@ -94,7 +94,7 @@ pvh_start:
     or $0x80010001, %eax
     mov %eax, %cr0
     lgdt boot_gdt_ptr
-    ljmp $0x08, $long_entry
+    ljmp ${kcode}, $long_entry
 
     .p2align 3
 boot_gdt_ptr:
@@ -103,7 +103,7 @@ boot_gdt_ptr:
 
     .code64
 long_entry:
-    mov $0x10, %ax
+    mov ${kdata}, %ax
     mov %ax, %ds
     mov %ax, %es
     mov %ax, %ss
@@ -127,5 +127,7 @@ long_entry:
     stack = sym BSP_STACK,
     stack_size = const BSP_STACK_SIZE,
     kmain = sym crate::kmain,
+    kcode = const crate::cpu::KCODE,
+    kdata = const crate::cpu::KDATA,
     options(att_syntax)
 );

@@ -5,30 +5,35 @@ use core::sync::atomic::{AtomicBool, Ordering};
 use crate::abi::STATUS_KERNEL_FAULT;
 use crate::arch::{cpuid, exit_vm, read_cr2};
 use crate::global::Global;
-use crate::{apic, kprintln, timer, user, virtio};
+use crate::{apic, kprintln, timer, ulib, user, virtio};
 
 pub const MAX_CPUS: usize = 32;
 
-pub const KCODE: u64 = 0x08;
-pub const UDATA: u64 = 0x18 | 3;
-pub const UCODE: u64 = 0x20 | 3;
-const TSS_SEL0: u16 = 0x30;
+// The layout is Linux's (0x10 kernel code, 0x18 kernel data, 0x2b user data, 0x33 user
+// code): SYSCALL/SYSRET need user data right below user code, and PVM (the paging-based KVM
+// on the development machines) accepts only these user selectors in MSR_STAR.
+pub const KCODE32: u64 = 0x08;
+pub const KCODE: u64 = 0x10;
+pub const KDATA: u64 = 0x18;
+pub const UDATA: u64 = 0x28 | 3;
+pub const UCODE: u64 = 0x30 | 3;
+const TSS_SEL0: u16 = 0x40;
 
-const GDT_LEN: usize = 6 + 2 * MAX_CPUS;
+const GDT_LEN: usize = 8 + 2 * MAX_CPUS;
 pub const GDT_BYTES: usize = GDT_LEN * 8;
 
-pub const SYSCALL_VECTOR: u64 = 0x80;
 pub const SPURIOUS_VECTOR: u64 = 0xff;
 /// Where the legacy PICs are parked (masked) so a stray IRQ cannot look like an exception.
 pub const PIC_VECTOR_BASE: u64 = 0xe0;
 
 const fn gdt_init() -> [u64; GDT_LEN] {
     let mut g = [0u64; GDT_LEN];
-    g[1] = 0x00af_9a00_0000_ffff; // 0x08 kernel code, 64-bit
-    g[2] = 0x00cf_9200_0000_ffff; // 0x10 kernel data
-    g[3] = 0x00cf_f200_0000_ffff; // 0x18 user data
-    g[4] = 0x00af_fa00_0000_ffff; // 0x20 user code, 64-bit
-    g[5] = 0x00cf_9a00_0000_ffff; // 0x28 kernel code, 32-bit (AP trampoline)
+    g[1] = 0x00cf_9b00_0000_ffff; // 0x08 kernel code, 32-bit (boot stub, AP trampoline)
+    g[2] = 0x00af_9b00_0000_ffff; // 0x10 kernel code, 64-bit
+    g[3] = 0x00cf_9300_0000_ffff; // 0x18 kernel data
+    g[4] = 0x00cf_fb00_0000_ffff; // 0x20 user code, 32-bit (unused; SYSRET layout)
+    g[5] = 0x00cf_f300_0000_ffff; // 0x28 user data
+    g[6] = 0x00af_fb00_0000_ffff; // 0x30 user code, 64-bit
     g
 }
 
@@ -98,6 +103,7 @@ core::arch::global_asm!(
     .code64
     .p2align 4
     .global trap_vectors
+    .global trap_common
 trap_vectors:
     .set vec, 0
     .rept 256
@@ -170,21 +176,17 @@ pub fn init_bsp() {
             core::ptr::write_unaligned((t + 0x66) as *mut u16, iomap as u16);
         }
         let limit = iomap + 8192;
-        gdt[6 + 2 * cpu] = (limit & 0xffff)
+        gdt[8 + 2 * cpu] = (limit & 0xffff)
             | ((t & 0xff_ffff) << 16)
             | (0x89 << 40)
             | (((limit >> 16) & 0xf) << 48)
             | (((t >> 24) & 0xff) << 56);
-        gdt[7 + 2 * cpu] = t >> 32;
+        gdt[9 + 2 * cpu] = t >> 32;
     }
     let base = core::ptr::addr_of!(trap_vectors) as u64;
     for (v, e) in idt.0.iter_mut().enumerate() {
         let h = base + v as u64 * 16;
-        let kind: u64 = if v as u64 == SYSCALL_VECTOR {
-            0xee
-        } else {
-            0x8e
-        };
+        let kind: u64 = 0x8e;
         let ist: u64 = if matches!(v, 2 | 8 | 18) { 1 } else { 0 };
         e[0] = (h & 0xffff)
             | (KCODE << 16)
@@ -247,7 +249,10 @@ pub fn exception_name(v: u64) -> &'static str {
 
 extern "C" fn trap_dispatch(f: &mut TrapFrame) {
     match f.vector {
-        SYSCALL_VECTOR => user::syscall(f),
+        6 if f.cs & 3 == 3 && f.rip == ulib::syscall_gate() => {
+            f.rip += 2;
+            user::syscall(f);
+        }
         timer::TIMER_VECTOR => {
             timer::tick();
             apic::eoi();

@@ -51,10 +51,10 @@ tramp_start:
     mov %cr0, %eax
     or $1, %eax
     mov %eax, %cr0
-    ljmpl $0x28, $(tr_pm32 - tramp_start + 0x8000)
+    ljmpl ${kcode32}, $(tr_pm32 - tramp_start + 0x8000)
     .code32
 tr_pm32:
-    mov $0x10, %ax
+    mov ${kdata}, %ax
     mov %ax, %ds
     mov %ax, %es
     mov %ax, %ss
@@ -70,7 +70,7 @@ tr_pm32:
     mov %cr0, %eax
     or $0x80010000, %eax
     mov %eax, %cr0
-    ljmp $0x08, $(tr_lm - tramp_start + 0x8000)
+    ljmp ${kcode}, $(tr_lm - tramp_start + 0x8000)
     .code64
 tr_lm:
     mov $ap_entry64, %rax
@@ -84,7 +84,7 @@ tramp_end:
     .section .text.ap, "ax"
     .code64
 ap_entry64:
-    mov $0x10, %ax
+    mov ${kdata}, %ax
     mov %ax, %ds
     mov %ax, %es
     mov %ax, %ss
@@ -113,6 +113,9 @@ ap_entry64:
     stack_size = const AP_STACK_SIZE,
     stacks = sym AP_STACKS,
     ap_main = sym ap_main,
+    kcode32 = const cpu::KCODE32,
+    kcode = const cpu::KCODE,
+    kdata = const cpu::KDATA,
     options(att_syntax)
 );
 

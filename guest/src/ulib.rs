@@ -6,18 +6,37 @@ use core::fmt;
 
 use crate::abi::{self, decode, Error};
 
+// The system-call gate (see user.rs): the kernel resumes after the `ud2`, at the `ret`.
+core::arch::global_asm!(
+    r#"
+    .section .text.ugate, "ax"
+    .global user_syscall_gate
+user_syscall_gate:
+    ud2
+    ret
+    "#
+);
+
+extern "C" {
+    fn user_syscall_gate();
+}
+
+pub fn syscall_gate() -> u64 {
+    user_syscall_gate as *const () as u64
+}
+
 #[inline(always)]
 fn syscall(n: u64, a0: u64, a1: u64, a2: u64, a3: u64) -> u64 {
     let r: u64;
     unsafe {
         core::arch::asm!(
-            "int 0x80",
+            "call {gate}",
+            gate = sym user_syscall_gate,
             inlateout("rax") n => r,
             in("rdi") a0,
             in("rsi") a1,
             in("rdx") a2,
             in("r10") a3,
-            options(nostack)
         );
     }
     r

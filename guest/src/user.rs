@@ -1,6 +1,13 @@
 //! User-mode (CPL3) tasks: entering them, their system calls, and their faults.
 //!
 //! A task runs on the BSP with `iretq` into the user code segment and interrupts enabled.
+//!
+//! System calls enter through an exception: user code calls `user_syscall_gate`, whose `ud2`
+//! raises #UD, and the kernel treats a #UD at exactly that address from CPL3 as a system
+//! call and resumes after it. The usual gates do not work on PVM, the paging-based KVM of the
+//! development machines: `int 0x80` from user mode is run by an instruction emulator that
+//! has no protected-mode software interrupts (#UD), and SYSCALL lands at LSTAR still in user
+//! mode. Exceptions from user mode are delivered through the guest IDT everywhere.
 //! `run_user` saves the kernel's callee-saved registers and stack pointer; the exit system
 //! call and a CPL3 fault come back through `resume_kernel`, which drops whatever was on the
 //! kernel stack below that point and returns from `run_user`.
