@@ -1,0 +1,507 @@
+//! One node's half of the coherence protocol: the part both protocols share (vCPU faults and
+//! waiters, one outstanding fetch per page, host completions, loopback of messages a node
+//! sends to itself) and the dispatch to the protocol's message handlers.
+//!
+//! Events are handled one at a time and each handler runs to completion, which gives the
+//! paper's guarded atomic actions. A handler checks everything it needs before changing
+//! anything, so a message a node cannot handle is refused with an error and leaves the node as
+//! it was.
+
+mod ivy;
+mod vmp;
+
+use crate::event::{Action, Event, PageOp};
+use crate::placement::Placement;
+use crate::types::{Access, NodeId, NodeSet, PageNo, Prot, VcpuId, MAX_NODES};
+use crate::wire::Message;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use thiserror::Error;
+
+/// Which coherence protocol a node runs. All nodes of a VM must run the same one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Protocol {
+    /// Kaneda et al., Fig. 5: the manager sends invalidations and nobody waits for them.
+    Vmp,
+    /// Li & Hudak's Ivy (improved centralized manager): the owner invalidates every copy and
+    /// waits for each acknowledgement before it hands the page over.
+    Ivy,
+}
+
+impl Protocol {
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Vmp => "vmp",
+            Protocol::Ivy => "ivy",
+        }
+    }
+}
+
+pub struct Config {
+    pub id: NodeId,
+    pub nodes: u16,
+    pub protocol: Protocol,
+    pub placement: Arc<dyn Placement>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ConfigError {
+    #[error("a VM spans 1 to {MAX_NODES} nodes, got {0}")]
+    Nodes(u16),
+    #[error("node id {id} is outside the VM's {nodes} nodes (0..{nodes})")]
+    Id { id: NodeId, nodes: u16 },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ProtocolError {
+    #[error("{from} named node {node}, but the VM has nodes 0..{nodes}")]
+    NoSuchNode {
+        from: NodeId,
+        node: NodeId,
+        nodes: u16,
+    },
+    #[error("{msg} for page {page:#x} from {from}: {why}")]
+    Unexpected {
+        from: NodeId,
+        page: PageNo,
+        msg: &'static str,
+        why: &'static str,
+    },
+    #[error("{what} for page {page:#x}: {why}")]
+    Local {
+        page: PageNo,
+        what: &'static str,
+        why: &'static str,
+    },
+}
+
+/// A completion the node is waiting for from its host; the page's copy does not change until
+/// it arrives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+enum Pending {
+    #[default]
+    None,
+    /// `SendPage` issued; on `PageSent`, drop the local copy if `drop_after`.
+    Sending { drop_after: bool },
+    /// `Install` issued for a fetch of this access.
+    Installing(Access),
+}
+
+/// The local copy of one page and the requests around it.
+#[derive(Debug, Default)]
+struct Copy {
+    /// The paper's `p.state`, as last told to the host.
+    prot: Prot,
+    /// This node holds the current contents and is (or is about to be recorded as) the
+    /// owner. A late invalidation must then hide the page, never discard it.
+    master: bool,
+    /// The fetch this node has asked for and not yet received (at most one per page).
+    fetch: Option<Access>,
+    /// vCPUs stopped on this page, in fault order.
+    waiters: Vec<(VcpuId, Access)>,
+    pending: Pending,
+    /// Messages about this copy that arrived while a completion was pending.
+    deferred: VecDeque<(NodeId, Message)>,
+    // Ivy owner side.
+    copyset: NodeSet,
+    queue: VecDeque<(NodeId, Access)>,
+    /// Write request being served and the copies yet to acknowledge their invalidation.
+    invalidating: Option<(NodeId, NodeSet)>,
+}
+
+/// The paper's manager record for one page (`p.own`, `p.copyset`, `p.busy`), plus the queue
+/// of fetches that found it busy.
+#[derive(Debug)]
+struct Managed {
+    owner: NodeId,
+    copyset: NodeSet,
+    busy: Option<(NodeId, Access)>,
+    queue: VecDeque<(NodeId, Access)>,
+}
+
+pub struct Node {
+    id: NodeId,
+    nodes: u16,
+    protocol: Protocol,
+    placement: Arc<dyn Placement>,
+    copies: BTreeMap<PageNo, Copy>,
+    managed: BTreeMap<PageNo, Managed>,
+    /// Messages this node sent to itself, handled before `handle` returns.
+    local: VecDeque<(NodeId, Message)>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("id", &self.id)
+            .field("protocol", &self.protocol)
+            .field("copies", &self.copies)
+            .field("managed", &self.managed)
+            .finish()
+    }
+}
+
+fn unexpected(from: NodeId, msg: &Message, why: &'static str) -> ProtocolError {
+    ProtocolError::Unexpected {
+        from,
+        page: msg.page(),
+        msg: msg.name(),
+        why,
+    }
+}
+
+impl Node {
+    pub fn new(cfg: Config) -> Result<Node, ConfigError> {
+        if cfg.nodes == 0 || cfg.nodes as usize > MAX_NODES {
+            return Err(ConfigError::Nodes(cfg.nodes));
+        }
+        if cfg.id.0 >= cfg.nodes {
+            return Err(ConfigError::Id {
+                id: cfg.id,
+                nodes: cfg.nodes,
+            });
+        }
+        Ok(Node {
+            id: cfg.id,
+            nodes: cfg.nodes,
+            protocol: cfg.protocol,
+            placement: cfg.placement,
+            copies: BTreeMap::new(),
+            managed: BTreeMap::new(),
+            local: VecDeque::new(),
+        })
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+
+    pub fn protocol(&self) -> Protocol {
+        self.protocol
+    }
+
+    /// Protection this node has given its copy of `page`.
+    pub fn prot(&self, page: PageNo) -> Prot {
+        match self.copies.get(&page) {
+            Some(c) => c.prot,
+            None if self.placement.initial_owner(page) == self.id => Prot::ReadWrite,
+            None => Prot::None,
+        }
+    }
+
+    /// Messages about `page` held back until a host completion arrives.
+    pub fn deferred(&self, page: PageNo) -> impl Iterator<Item = &Message> {
+        self.copies
+            .get(&page)
+            .into_iter()
+            .flat_map(|c| c.deferred.iter().map(|d| &d.1))
+    }
+
+    /// Nothing in progress: no fetch, waiter, completion, held-back message, busy manager
+    /// record or unfinished invalidation.
+    pub fn is_quiet(&self) -> bool {
+        self.local.is_empty()
+            && self.copies.values().all(|c| {
+                c.fetch.is_none()
+                    && c.waiters.is_empty()
+                    && c.pending == Pending::None
+                    && c.deferred.is_empty()
+                    && c.queue.is_empty()
+                    && c.invalidating.is_none()
+            })
+            && self
+                .managed
+                .values()
+                .all(|m| m.busy.is_none() && m.queue.is_empty())
+    }
+
+    /// Feeds one event; the actions to carry out, in order, are appended to `out`. On error
+    /// the event was refused and the node is unchanged by it.
+    pub fn handle(&mut self, ev: Event, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
+        let r = match ev {
+            Event::Fault { vcpu, page, access } => self.fault(vcpu, page, access, out),
+            Event::Message { from, msg } => {
+                if from.0 >= self.nodes || from == self.id {
+                    Err(ProtocolError::NoSuchNode {
+                        from,
+                        node: from,
+                        nodes: self.nodes,
+                    })
+                } else {
+                    self.message(from, msg, out)
+                }
+            }
+            Event::PageSent { page } => self.page_sent(page, out),
+            Event::PageInstalled { page } => self.page_installed(page, out),
+        };
+        let r2 = self.drain_local(out);
+        r.and(r2)
+    }
+
+    fn drain_local(&mut self, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
+        let mut first = Ok(());
+        while let Some((from, msg)) = self.local.pop_front() {
+            let r = self.message(from, msg, out);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    fn copy(&mut self, page: PageNo) -> &mut Copy {
+        let owner = self.placement.initial_owner(page) == self.id;
+        self.copies.entry(page).or_insert_with(|| Copy {
+            prot: if owner { Prot::ReadWrite } else { Prot::None },
+            master: owner,
+            ..Copy::default()
+        })
+    }
+
+    fn managed(&mut self, page: PageNo) -> &mut Managed {
+        let owner = self.placement.initial_owner(page);
+        self.managed.entry(page).or_insert_with(|| Managed {
+            owner,
+            copyset: NodeSet::single(owner),
+            busy: None,
+            queue: VecDeque::new(),
+        })
+    }
+
+    fn manager(&self, page: PageNo) -> NodeId {
+        self.placement.manager(page)
+    }
+
+    /// The paper's "send": to another node through the host, to itself by loopback.
+    fn send(&mut self, to: NodeId, msg: Message, out: &mut Vec<Action>) {
+        if to == self.id {
+            self.local.push_back((self.id, msg));
+        } else {
+            out.push(Action::Send { to, msg });
+        }
+    }
+
+    fn set_prot(&mut self, page: PageNo, prot: Prot, out: &mut Vec<Action>) {
+        let c = self.copy(page);
+        if c.prot == prot {
+            return;
+        }
+        let op = match prot {
+            Prot::ReadOnly => PageOp::ReadOnly,
+            Prot::ReadWrite => PageOp::Writable,
+            Prot::None if c.master => PageOp::Hide,
+            Prot::None => PageOp::Drop,
+        };
+        c.prot = prot;
+        out.push(Action::Page { page, op });
+    }
+
+    fn fault(
+        &mut self,
+        vcpu: VcpuId,
+        page: PageNo,
+        access: Access,
+        out: &mut Vec<Action>,
+    ) -> Result<(), ProtocolError> {
+        let c = self.copy(page);
+        if c.waiters.iter().any(|w| w.0 == vcpu) {
+            return Err(ProtocolError::Local {
+                page,
+                what: "fault",
+                why: "this vCPU is already stopped on the page",
+            });
+        }
+        c.waiters.push((vcpu, access));
+        self.kick(page, out);
+        Ok(())
+    }
+
+    /// Resumes every waiter the copy now satisfies, and asks for the page if some still wait
+    /// and no fetch is out. A write is asked for if any waiter writes, so one fetch serves all.
+    fn kick(&mut self, page: PageNo, out: &mut Vec<Action>) {
+        let c = self.copy(page);
+        if c.pending != Pending::None {
+            return;
+        }
+        let prot = c.prot;
+        c.waiters.retain(|&(vcpu, a)| {
+            if prot.permits(a) {
+                out.push(Action::Resume { vcpu, page });
+                false
+            } else {
+                true
+            }
+        });
+        if c.waiters.is_empty() || c.fetch.is_some() {
+            return;
+        }
+        let access = if c.waiters.iter().any(|w| w.1 == Access::Write) {
+            Access::Write
+        } else {
+            Access::Read
+        };
+        c.fetch = Some(access);
+        let requester = self.id;
+        let msg = match self.protocol {
+            Protocol::Vmp => Message::Fetch {
+                page,
+                access,
+                requester,
+            },
+            Protocol::Ivy => Message::Req {
+                page,
+                access,
+                requester,
+            },
+        };
+        self.send(self.manager(page), msg, out);
+    }
+
+    fn message(
+        &mut self,
+        from: NodeId,
+        msg: Message,
+        out: &mut Vec<Action>,
+    ) -> Result<(), ProtocolError> {
+        let named = match &msg {
+            Message::Fetch { requester, .. }
+            | Message::Finish { requester, .. }
+            | Message::Req { requester, .. }
+            | Message::Fwd { requester, .. } => [Some(*requester), None],
+            Message::Inv {
+                requester, owner, ..
+            } => [Some(*requester), Some(*owner)],
+            _ => [None, None],
+        };
+        if let Some(node) = named.into_iter().flatten().find(|n| n.0 >= self.nodes) {
+            return Err(ProtocolError::NoSuchNode {
+                from,
+                node,
+                nodes: self.nodes,
+            });
+        }
+        let ours = match self.protocol {
+            Protocol::Vmp => matches!(
+                msg,
+                Message::Fetch { .. }
+                    | Message::Inv { .. }
+                    | Message::Finish { .. }
+                    | Message::PageData { .. }
+            ),
+            Protocol::Ivy => !matches!(
+                msg,
+                Message::Fetch { .. } | Message::Inv { .. } | Message::Finish { .. }
+            ),
+        };
+        if !ours {
+            return Err(unexpected(from, &msg, "message of the other protocol"));
+        }
+        // Manager traffic never waits for the local copy; everything else does.
+        let to_copy = !matches!(
+            msg,
+            Message::Fetch { .. } | Message::Finish { .. } | Message::Req { .. }
+        );
+        let page = msg.page();
+        if to_copy && self.copy(page).pending != Pending::None {
+            self.copy(page).deferred.push_back((from, msg));
+            return Ok(());
+        }
+        match self.protocol {
+            Protocol::Vmp => vmp::on_message(self, from, msg, out),
+            Protocol::Ivy => ivy::on_message(self, from, msg, out),
+        }
+    }
+
+    fn page_sent(&mut self, page: PageNo, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
+        let c = self.copy(page);
+        let Pending::Sending { drop_after } = c.pending else {
+            return Err(ProtocolError::Local {
+                page,
+                what: "page sent",
+                why: "no page was being sent",
+            });
+        };
+        c.pending = Pending::None;
+        if drop_after {
+            // The copy was hidden before its bytes left; now nobody needs them here.
+            c.prot = Prot::None;
+            out.push(Action::Page {
+                page,
+                op: PageOp::Drop,
+            });
+        }
+        self.after_change(page, out);
+        self.run_deferred(page, out)
+    }
+
+    fn page_installed(&mut self, page: PageNo, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
+        let c = self.copy(page);
+        let Pending::Installing(access) = c.pending else {
+            return Err(ProtocolError::Local {
+                page,
+                what: "page installed",
+                why: "no page was being installed",
+            });
+        };
+        c.pending = Pending::None;
+        c.prot = Prot::granted_by(access);
+        c.fetch = None;
+        if access == Access::Write {
+            c.master = true;
+            c.copyset = NodeSet::EMPTY;
+        }
+        if self.protocol == Protocol::Vmp {
+            // Paper: send finish, then restart the VM process.
+            let requester = self.id;
+            let finish = Message::Finish {
+                page,
+                access,
+                requester,
+            };
+            self.send(self.manager(page), finish, out);
+        }
+        self.after_change(page, out);
+        self.run_deferred(page, out)
+    }
+
+    /// A local copy was granted without any data moving (the owner asked for its own page).
+    fn grant_local(&mut self, page: PageNo, access: Access, out: &mut Vec<Action>) {
+        self.set_prot(page, Prot::granted_by(access), out);
+        self.copy(page).fetch = None;
+        if self.protocol == Protocol::Vmp {
+            let requester = self.id;
+            let finish = Message::Finish {
+                page,
+                access,
+                requester,
+            };
+            self.send(self.manager(page), finish, out);
+        }
+        self.kick(page, out);
+    }
+
+    fn after_change(&mut self, page: PageNo, out: &mut Vec<Action>) {
+        self.kick(page, out);
+        if self.protocol == Protocol::Ivy {
+            ivy::serve(self, page, out);
+        }
+    }
+
+    fn run_deferred(&mut self, page: PageNo, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
+        let mut first = Ok(());
+        loop {
+            let c = self.copy(page);
+            if c.pending != Pending::None {
+                break;
+            }
+            let Some((from, msg)) = c.deferred.pop_front() else {
+                break;
+            };
+            let r = self.message(from, msg, out);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}

@@ -1,0 +1,4 @@
+//! placeholder
+pub fn render() -> String {
+    String::new()
+}
