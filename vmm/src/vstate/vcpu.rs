@@ -19,6 +19,8 @@ pub enum VcpuError {
         what: &'static str,
         source: kvm_ioctls::Error,
     },
+    #[error("vCPU {id}: KVM refused to set MSR {index:#x}")]
+    MsrRejected { id: u8, index: u32 },
 }
 
 /// Signal used to kick a vCPU thread out of KVM_RUN.
@@ -41,6 +43,10 @@ pub struct Vcpu {
 
 const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
 const MISC_ENABLE_FAST_STRING: u64 = 1;
+/// MTRRs enabled with write-back as the default type, as PC firmware leaves them: with
+/// MTRRs off, every access is uncached.
+const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
+const MTRR_ENABLE_WB_DEFAULT: u64 = (1 << 11) | 6;
 const APIC_LVT0: usize = 0x350;
 const APIC_LVT1: usize = 0x360;
 const APIC_MODE_EXTINT: u32 = 0x7;
@@ -55,13 +61,26 @@ impl Vcpu {
             .map_err(err("KVM_GET_SUPPORTED_CPUID"))?;
         filter_cpuid(&mut cpuid, id, count);
         fd.set_cpuid2(&cpuid).map_err(err("KVM_SET_CPUID2"))?;
-        let msrs = Msrs::from_entries(&[kvm_msr_entry {
-            index: MSR_IA32_MISC_ENABLE,
-            data: MISC_ENABLE_FAST_STRING,
-            ..Default::default()
-        }])
-        .expect("one MSR fits");
-        fd.set_msrs(&msrs).map_err(err("KVM_SET_MSRS"))?;
+        let msrs = Msrs::from_entries(&[
+            kvm_msr_entry {
+                index: MSR_IA32_MISC_ENABLE,
+                data: MISC_ENABLE_FAST_STRING,
+                ..Default::default()
+            },
+            kvm_msr_entry {
+                index: MSR_MTRR_DEF_TYPE,
+                data: MTRR_ENABLE_WB_DEFAULT,
+                ..Default::default()
+            },
+        ])
+        .expect("two MSRs fit");
+        let set = fd.set_msrs(&msrs).map_err(err("KVM_SET_MSRS"))?;
+        if set != msrs.as_slice().len() {
+            return Err(VcpuError::MsrRejected {
+                id,
+                index: msrs.as_slice()[set].index,
+            });
+        }
         // LINT0 delivers the PIC's ExtINT and LINT1 NMIs, as a PC's firmware leaves them;
         // Linux relies on that for its early timer checks.
         let mut lapic: kvm_lapic_state = fd.get_lapic().map_err(err("KVM_GET_LAPIC"))?;

@@ -1,0 +1,111 @@
+//! Shared helpers for tests that run the `musubi` binary.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Run {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    /// The probe guest's result lines on the console.
+    pub fn results(&self) -> Vec<Value> {
+        self.stdout
+            .lines()
+            .filter(|l| l.trim_start().starts_with("{\"probe\""))
+            .map(|l| {
+                serde_json::from_str(l.trim())
+                    .unwrap_or_else(|e| panic!("bad result line {l:?}: {e}"))
+            })
+            .collect()
+    }
+
+    pub fn result(&self, task: &str) -> Value {
+        self.results()
+            .into_iter()
+            .find(|v| v["probe"] == task)
+            .unwrap_or_else(|| {
+                panic!(
+                    "no {task} result in output:\n{}\nstderr:\n{}",
+                    self.stdout, self.stderr
+                )
+            })
+    }
+
+    pub fn explain(&self) -> String {
+        format!(
+            "status {:?}\nstdout:\n{}\nstderr:\n{}",
+            self.code, self.stdout, self.stderr
+        )
+    }
+}
+
+pub fn musubi() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_musubi"))
+}
+
+/// Runs `musubi` with `args`, killing it after `limit` so a hung VM fails the test
+/// instead of hanging the suite.
+pub fn run_with_limit(args: &[&str], limit: Duration) -> Run {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "these tests need /dev/kvm, which this machine lacks"
+    );
+    let mut child = musubi()
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("musubi starts");
+    let out = child.stdout.take().unwrap();
+    let err = child.stderr.take().unwrap();
+    let t_out = std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default());
+    let t_err = std::thread::spawn(move || std::io::read_to_string(err).unwrap_or_default());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("musubi {args:?} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run {
+        code: status.code(),
+        stdout: t_out.join().unwrap(),
+        stderr: t_err.join().unwrap(),
+    }
+}
+
+pub fn run(args: &[&str]) -> Run {
+    run_with_limit(args, Duration::from_secs(240))
+}
+
+/// Byte `offset` of a disk after the probe guest's `blk-fill=SEED`.
+pub fn fill_byte(offset: u64, seed: u64) -> u8 {
+    (((offset / 512) * 131 + offset % 512 + seed) % 256) as u8
+}
+
+pub fn temp_image(dir: &Path, name: &str, bytes: usize) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, vec![0u8; bytes]).unwrap();
+    p
+}
+
+/// A directory on a filesystem that supports O_DIRECT (tmpfs does not).
+pub fn direct_io_dir() -> tempfile::TempDir {
+    let base = std::env::var_os("CARGO_TARGET_TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    std::fs::create_dir_all(&base).unwrap();
+    tempfile::tempdir_in(base).unwrap()
+}
