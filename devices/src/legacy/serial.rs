@@ -27,7 +27,9 @@ impl SerialOutput {
 impl Write for SerialOutput {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         if let Some(c) = &self.capture {
-            c.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(buf);
+            c.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend_from_slice(buf);
         }
         if let Some(s) = &mut self.sink {
             // A closed stdout must not take the VM down: the console is best effort.
