@@ -256,6 +256,9 @@ extern "C" fn trap_dispatch(f: &mut TrapFrame) {
         timer::TIMER_VECTOR => {
             timer::tick();
             apic::eoi();
+            if f.cs & 3 == 3 {
+                user::check_deadline();
+            }
         }
         v if (virtio::VECTOR_BASE..virtio::VECTOR_BASE + virtio::MAX_DISKS as u64).contains(&v) => {
             virtio::irq((v - virtio::VECTOR_BASE) as usize);

@@ -4,7 +4,7 @@ use core::fmt;
 
 use crate::abi::{STATUS_BLK_FAILED, STATUS_UNKNOWN_TASK, STATUS_USER_FAULT};
 use crate::arch::exit_vm;
-use crate::bootinfo::BootInfo;
+use crate::bootinfo::{self, BootInfo};
 use crate::ulib::JsonBytes;
 use crate::user::{self, Outcome, UserEntry};
 use crate::{cpu, kprint, kprintln, smp, timer, utasks, virtio};
@@ -58,6 +58,10 @@ fn run_one(info: &BootInfo, task: &[u8]) -> u8 {
             None => bad_argument(task, "blk-fill=SEED needs a decimal seed"),
         },
         (b"fault", None) => run_user("fault", utasks::fault, 0),
+        (b"spin", a) => match num(a) {
+            Some(n) => run_user("spin", utasks::spin, n),
+            None => bad_argument(task, "spin=N needs a decimal iteration count"),
+        },
         (b"exit", a) => match num(a) {
             Some(n) if n <= 255 => exit_vm(n as u8),
             _ => bad_argument(task, "exit=N needs N in 0..=255"),
@@ -88,9 +92,25 @@ fn bad_argument(task: &[u8], why: &str) -> u8 {
     STATUS_UNKNOWN_TASK
 }
 
+/// Seconds a user task may run (`probe.task_timeout=`, 0 = unlimited).
+const DEFAULT_TASK_TIMEOUT_S: u64 = 600;
+
 fn run_user(name: &str, entry: UserEntry, param: u64) -> u8 {
-    match user::run(entry, param) {
+    let timeout = bootinfo::get()
+        .param(b"probe.task_timeout")
+        .and_then(|v| core::str::from_utf8(v).ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_TASK_TIMEOUT_S);
+    match user::run(entry, param, timeout) {
         Outcome::Exit(code) => code,
+        Outcome::TimedOut => {
+            kprintln!(
+                "{{\"probe\":\"{}\",\"ok\":false,\"error\":\"task still running after {} s\"}}",
+                name,
+                timeout
+            );
+            STATUS_USER_FAULT
+        }
         Outcome::Fault(f) => {
             let expected = name == "fault" && f.vector == 14 && f.cr2 == utasks::FAULT_ADDR;
             kprint!("{{\"probe\":\"{}\",\"ok\":{},", name, expected);

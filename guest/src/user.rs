@@ -17,7 +17,10 @@
 //! kernel-only. Block requests hand arena addresses straight to the device (identity
 //! mapping): the kernel copies nothing.
 
+use core::sync::atomic::{AtomicU64, Ordering};
+
 use crate::abi::{self, Error};
+use crate::arch::rdtsc;
 use crate::bootinfo::BootInfo;
 use crate::cpu::{self, TrapFrame, UCODE, UDATA};
 use crate::global::Global;
@@ -43,7 +46,13 @@ pub struct FaultInfo {
 pub enum Outcome {
     Exit(u8),
     Fault(FaultInfo),
+    /// Still running in user mode when its time ran out (`probe.task_timeout`).
+    TimedOut,
 }
+
+/// TSC value after which a task that the tick finds in user mode is ended; 0 = no limit.
+static DEADLINE: AtomicU64 = AtomicU64::new(0);
+const TIMED_OUT: u64 = u64::MAX - 1;
 
 /// Entry of a user task: (arena base, arena bytes usable for data, task parameter).
 pub type UserEntry = extern "C" fn(u64, u64, u64) -> !;
@@ -126,7 +135,7 @@ pub fn arena() -> (u64, u64) {
 }
 
 /// Runs `entry` at CPL3 until it exits or faults.
-pub fn run(entry: UserEntry, param: u64) -> Outcome {
+pub fn run(entry: UserEntry, param: u64, timeout_s: u64) -> Outcome {
     let (base, len) = arena();
     if len < USER_STACK * 2 {
         return Outcome::Exit(abi::STATUS_USER_FAULT);
@@ -135,6 +144,11 @@ pub fn run(entry: UserEntry, param: u64) -> Outcome {
     // A zero return address, so the entry sees the stack alignment of a called function.
     unsafe { core::ptr::write_volatile((top - 8) as *mut u64, 0) };
     unsafe { *FAULT.get() = None };
+    let deadline = match timeout_s {
+        0 => 0,
+        s => rdtsc().saturating_add(s.saturating_mul(timer::tsc_hz())),
+    };
+    DEADLINE.store(deadline, Ordering::Relaxed);
     let code = unsafe {
         run_user_asm(
             entry as usize as u64,
@@ -144,9 +158,20 @@ pub fn run(entry: UserEntry, param: u64) -> Outcome {
             param,
         )
     };
+    DEADLINE.store(0, Ordering::Relaxed);
     match unsafe { *FAULT.get() } {
+        _ if code == TIMED_OUT => Outcome::TimedOut,
         Some(f) if code == FAULTED => Outcome::Fault(f),
         _ => Outcome::Exit(code as u8),
+    }
+}
+
+/// Called on every tick that interrupted user mode: ends a task that overran its time.
+/// The tick's EOI has been sent; the abandoned kernel stack holds nothing of value.
+pub fn check_deadline() {
+    let d = DEADLINE.load(Ordering::Relaxed);
+    if d != 0 && rdtsc() > d {
+        unsafe { resume_kernel_asm(TIMED_OUT) }
     }
 }
 

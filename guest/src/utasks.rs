@@ -194,6 +194,29 @@ pub extern "C" fn blk_id(buf: u64, _buf_len: u64, _param: u64) -> ! {
     ulib::exit(status)
 }
 
+/// N iterations of register increments at CPL3 (the CPU loop of the Mint paper); N = 0
+/// spins until the task timeout ends it.
+pub extern "C" fn spin(_buf: u64, _len: u64, n: u64) -> ! {
+    let t0 = ulib::rdtsc();
+    let mut i = 0u64;
+    let mut x = 0u64;
+    while n == 0 || i < n {
+        x = core::hint::black_box(x.wrapping_add(i));
+        i += 1;
+    }
+    let cycles = ulib::rdtsc() - t0;
+    let mut l = Line::new();
+    let _ = writeln!(
+        l,
+        "{{\"probe\":\"spin\",\"iterations\":{},\"cycles\":{},\"ns\":{}}}",
+        n,
+        cycles,
+        ulib::cycles_to_ns(cycles, ulib::tsc_hz())
+    );
+    l.send();
+    ulib::exit(0)
+}
+
 /// Reads an address no page table maps (PML4 slot 254): the kernel must report the #PF
 /// and end the task.
 pub const FAULT_ADDR: u64 = 0x7f00_0000_0000;
