@@ -509,6 +509,12 @@ impl Block {
 
         match req_type {
             VIRTIO_BLK_T_IN => {
+                // Data the guest marked device-readable cannot receive a read: the device
+                // may not write into it, so the request is refused rather than half-done.
+                if data_in.len != 0 {
+                    debug!("virtio-blk read into device-readable buffers");
+                    return Done::status(VIRTIO_BLK_S_IOERR);
+                }
                 let Some(offset) = self.check_range(sector, data_out.len) else {
                     return Done::status(VIRTIO_BLK_S_IOERR);
                 };
@@ -533,6 +539,10 @@ impl Block {
             VIRTIO_BLK_T_OUT => {
                 if self.readonly {
                     debug!("write to read-only disk {}", self.path.display());
+                    return Done::status(VIRTIO_BLK_S_IOERR);
+                }
+                if data_out.len != 0 {
+                    debug!("virtio-blk write with device-writable data buffers");
                     return Done::status(VIRTIO_BLK_S_IOERR);
                 }
                 let Some(offset) = self.check_range(sector, data_in.len) else {

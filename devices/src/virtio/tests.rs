@@ -549,6 +549,34 @@ fn read_scattered_over_several_descriptors() {
 }
 
 #[test]
+fn read_into_device_readable_data_is_refused() {
+    let f = disk_file(DISK_SECTORS);
+    let mut d = Driver::with_disk(f.path().into(), false, CacheMode::Writeback);
+    d.mem.write_slice(&[0xaa; 512], GuestAddress(DATA)).unwrap();
+    d.header(VIRTIO_BLK_T_IN, 1);
+    d.chain(&[(HDR, 16, 0), (DATA, 512, 0), (STATUS, 1, W)]);
+    d.notify();
+    assert_eq!(d.status_byte(), VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(
+        d.guest_data(512),
+        vec![0xaa; 512],
+        "the device wrote into a read-only buffer"
+    );
+}
+
+#[test]
+fn write_with_device_writable_data_is_refused() {
+    let f = disk_file(DISK_SECTORS);
+    let before = std::fs::read(f.path()).unwrap();
+    let mut d = Driver::with_disk(f.path().into(), false, CacheMode::Writeback);
+    d.header(VIRTIO_BLK_T_OUT, 1);
+    d.chain(&[(HDR, 16, 0), (DATA, 512, W), (STATUS, 1, W)]);
+    d.notify();
+    assert_eq!(d.status_byte(), VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(std::fs::read(f.path()).unwrap(), before);
+}
+
+#[test]
 fn header_and_status_in_one_odd_framing() {
     // The spec lets drivers frame requests any way; split the header over two descriptors
     // and put the status at the end of the data buffer.
