@@ -11,6 +11,7 @@
 //! ([`table3`]).
 
 pub mod event;
+pub mod fuzz;
 pub mod node;
 pub mod placement;
 pub mod rng;

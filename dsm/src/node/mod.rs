@@ -67,6 +67,13 @@ pub enum ProtocolError {
         msg: &'static str,
         why: &'static str,
     },
+    /// The event was accepted, but a message the node then sent itself was refused: the
+    /// node's state was already inconsistent (only reachable with a misbehaving peer).
+    #[error("while handling its own message: {0}")]
+    Loopback(Box<ProtocolError>),
+    /// The completion was accepted, but a message held back until it arrived was then refused.
+    #[error("message held back for a completion: {0}")]
+    Deferred(Box<ProtocolError>),
     #[error("{what} for page {page:#x}: {why}")]
     Local {
         page: PageNo,
@@ -88,7 +95,7 @@ enum Pending {
 }
 
 /// The local copy of one page and the requests around it.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq)]
 struct Copy {
     /// The paper's `p.state`, as last told to the host.
     prot: Prot,
@@ -111,7 +118,7 @@ struct Copy {
 
 /// The paper's manager record for one page (`p.own`, `p.copyset`, `p.busy`), plus the queue
 /// of fetches that found it busy.
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 struct Managed {
     owner: NodeId,
     copyset: NodeSet,
@@ -130,13 +137,26 @@ pub struct Node {
     local: VecDeque<(NodeId, Message)>,
 }
 
+/// Records still in their initial state are left out: they are created on first look and
+/// mean the same as no record, so two nodes that print alike behave alike.
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let copies: Vec<_> = self
+            .copies
+            .iter()
+            .filter(|(p, c)| **c != self.fresh_copy(**p))
+            .collect();
+        let managed: Vec<_> = self
+            .managed
+            .iter()
+            .filter(|(p, m)| **m != self.fresh_managed(**p))
+            .collect();
         f.debug_struct("Node")
             .field("id", &self.id)
             .field("protocol", &self.protocol)
-            .field("copies", &self.copies)
-            .field("managed", &self.managed)
+            .field("copies", &copies)
+            .field("managed", &managed)
+            .field("local", &self.local)
             .finish()
     }
 }
@@ -221,12 +241,18 @@ impl Node {
         let r = match ev {
             Event::Fault { vcpu, page, access } => self.fault(vcpu, page, access, out),
             Event::Message { from, msg } => {
-                if from.0 >= self.nodes || from == self.id {
+                if from.0 >= self.nodes {
                     Err(ProtocolError::NoSuchNode {
                         from,
                         node: from,
                         nodes: self.nodes,
                     })
+                } else if from == self.id {
+                    Err(unexpected(
+                        from,
+                        &msg,
+                        "a node's messages to itself are handled inside it, never delivered",
+                    ))
                 } else {
                     self.message(from, msg, out)
                 }
@@ -234,8 +260,10 @@ impl Node {
             Event::PageSent { page } => self.page_sent(page, out),
             Event::PageInstalled { page } => self.page_installed(page, out),
         };
-        let r2 = self.drain_local(out);
-        r.and(r2)
+        // A refused event changed nothing and sent nothing, so there is nothing to drain.
+        r?;
+        self.drain_local(out)
+            .map_err(|e| ProtocolError::Loopback(Box::new(e)))
     }
 
     fn drain_local(&mut self, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
@@ -249,23 +277,39 @@ impl Node {
         first
     }
 
-    fn copy(&mut self, page: PageNo) -> &mut Copy {
+    fn fresh_copy(&self, page: PageNo) -> Copy {
         let owner = self.placement.initial_owner(page) == self.id;
-        self.copies.entry(page).or_insert_with(|| Copy {
+        Copy {
             prot: if owner { Prot::ReadWrite } else { Prot::None },
             master: owner,
             ..Copy::default()
-        })
+        }
     }
 
-    fn managed(&mut self, page: PageNo) -> &mut Managed {
+    fn fresh_managed(&self, page: PageNo) -> Managed {
         let owner = self.placement.initial_owner(page);
-        self.managed.entry(page).or_insert_with(|| Managed {
+        Managed {
             owner,
             copyset: NodeSet::single(owner),
             busy: None,
             queue: VecDeque::new(),
-        })
+        }
+    }
+
+    fn copy(&mut self, page: PageNo) -> &mut Copy {
+        if !self.copies.contains_key(&page) {
+            let fresh = self.fresh_copy(page);
+            self.copies.insert(page, fresh);
+        }
+        self.copies.get_mut(&page).expect("inserted above")
+    }
+
+    fn managed(&mut self, page: PageNo) -> &mut Managed {
+        if !self.managed.contains_key(&page) {
+            let fresh = self.fresh_managed(page);
+            self.managed.insert(page, fresh);
+        }
+        self.managed.get_mut(&page).expect("inserted above")
     }
 
     fn manager(&self, page: PageNo) -> NodeId {
@@ -499,7 +543,7 @@ impl Node {
             };
             let r = self.message(from, msg, out);
             if first.is_ok() {
-                first = r;
+                first = r.map_err(|e| ProtocolError::Deferred(Box::new(e)));
             }
         }
         first
