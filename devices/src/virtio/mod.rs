@@ -7,9 +7,11 @@
 
 pub mod block;
 pub mod mmio;
+pub mod pmem;
 
 pub use block::{Block, BlockConfig, BlockError, CacheMode};
 pub use mmio::MmioTransport;
+pub use pmem::Pmem;
 
 use std::fmt;
 use std::io;

@@ -1,0 +1,468 @@
+//! virtio-pmem: announces a guest-physical range that the VMM has backed with a host file.
+//!
+//! The device moves no data. The guest reaches the storage with loads and stores on the range
+//! named in the configuration space; the one request it can make is FLUSH, which asks the host
+//! to make the range durable. What "durable" means (an `msync` of the host mapping) is the
+//! VMM's business, so the device takes it as a closure and stays free of KVM and of the
+//! mapping itself.
+
+use super::{QueueCorrupt, VirtioDevice, VirtioStats};
+use std::io;
+use std::num::Wrapping;
+use std::sync::atomic::Ordering;
+use tracing::{debug, warn};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ids::VIRTIO_ID_PMEM;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Address, Bytes, GuestMemory, GuestMemoryMmap, Permissions};
+
+/// Request type FLUSH (virtio spec 5.19.6).
+pub const VIRTIO_PMEM_REQ_TYPE_FLUSH: u32 = 0;
+/// Response: the range is durable.
+pub const VIRTIO_PMEM_RESP_OK: u32 = 0;
+/// Response: the host could not make it durable (or the request was not understood).
+pub const VIRTIO_PMEM_RESP_EIO: u32 = 1;
+/// Configuration space: `start` (le64) then `size` (le64).
+pub const CONFIG_LEN: usize = 16;
+/// A flush request is a le32 type; its answer a le32 status. Anything after them in the
+/// chain is ignored, as the spec lets a driver pad.
+const REQ_LEN: u32 = 4;
+const RESP_LEN: u32 = 4;
+/// Longest chain walked; a flush needs two descriptors, so this only stops loops.
+const MAX_CHAIN_DESCRIPTORS: usize = 64;
+
+/// Makes the whole backing range durable; returns the host error if it could not.
+pub type FlushFn = Box<dyn FnMut() -> io::Result<()> + Send>;
+
+/// A virtio-pmem device for one range.
+pub struct Pmem {
+    config: [u8; CONFIG_LEN],
+    flush: FlushFn,
+    stats: VirtioStats,
+}
+
+impl Pmem {
+    /// `start` and `size` are the guest-physical range the VMM has mapped; `flush` runs for
+    /// every FLUSH request and when the VMM asks the device to flush.
+    pub fn new(start: u64, size: u64, flush: FlushFn) -> Pmem {
+        let mut config = [0u8; CONFIG_LEN];
+        config[0..8].copy_from_slice(&start.to_le_bytes());
+        config[8..16].copy_from_slice(&size.to_le_bytes());
+        Pmem {
+            config,
+            flush,
+            stats: VirtioStats::default(),
+        }
+    }
+
+    /// Serves one chain; returns the used length (the response bytes written, or 0).
+    fn handle_chain(
+        &mut self,
+        chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>,
+        mem: &GuestMemoryMmap,
+    ) -> u32 {
+        let mut request = None;
+        let mut response = None;
+        let mut walked = 0;
+        let mut last_has_next = false;
+        for d in chain {
+            walked += 1;
+            if walked > MAX_CHAIN_DESCRIPTORS {
+                break;
+            }
+            last_has_next = d.has_next();
+            if d.is_write_only() {
+                if response.is_none() && d.len() >= RESP_LEN {
+                    response = Some(d.addr());
+                }
+            } else if request.is_none() && response.is_none() && d.len() >= REQ_LEN {
+                request = Some(d.addr());
+            }
+        }
+        let Some(resp_addr) = response else {
+            debug!("virtio-pmem chain without a 4-byte writable response; dropped");
+            self.stats.errors += 1;
+            return 0;
+        };
+        if !mem.check_range(resp_addr, RESP_LEN as usize, Permissions::Write) {
+            debug!(
+                addr = resp_addr.raw_value(),
+                "virtio-pmem response outside guest memory; dropped"
+            );
+            self.stats.errors += 1;
+            return 0;
+        }
+        let broken = walked > MAX_CHAIN_DESCRIPTORS || last_has_next;
+        let kind = match request {
+            Some(a) if !broken => mem.read_obj::<u32>(a).ok().map(u32::from_le),
+            _ => None,
+        };
+        let status = match kind {
+            Some(VIRTIO_PMEM_REQ_TYPE_FLUSH) => {
+                self.stats.flushes += 1;
+                match (self.flush)() {
+                    Ok(()) => VIRTIO_PMEM_RESP_OK,
+                    Err(e) => {
+                        warn!("virtio-pmem flush failed: {e}");
+                        VIRTIO_PMEM_RESP_EIO
+                    }
+                }
+            }
+            Some(other) => {
+                debug!(kind = other, "unknown virtio-pmem request type");
+                VIRTIO_PMEM_RESP_EIO
+            }
+            None => {
+                debug!("malformed virtio-pmem request");
+                VIRTIO_PMEM_RESP_EIO
+            }
+        };
+        if status != VIRTIO_PMEM_RESP_OK {
+            self.stats.errors += 1;
+        }
+        match mem.write_obj(status.to_le(), resp_addr) {
+            Ok(()) => RESP_LEN,
+            Err(_) => 0,
+        }
+    }
+}
+
+impl VirtioDevice for Pmem {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_PMEM
+    }
+
+    fn num_queues(&self) -> usize {
+        1
+    }
+
+    fn features(&self) -> u64 {
+        1 << VIRTIO_F_VERSION_1
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        data.fill(0);
+        let Ok(start) = usize::try_from(offset) else {
+            return;
+        };
+        if start >= CONFIG_LEN {
+            return;
+        }
+        let n = data.len().min(CONFIG_LEN - start);
+        data[..n].copy_from_slice(&self.config[start..start + n]);
+    }
+
+    fn process_queue(
+        &mut self,
+        index: u16,
+        queue: &mut Queue,
+        mem: &GuestMemoryMmap,
+    ) -> Result<usize, QueueCorrupt> {
+        let size = queue.size();
+        let avail = queue
+            .avail_idx(mem, Ordering::Acquire)
+            .map_err(|e| QueueCorrupt(format!("queue {index}: reading avail index: {e}")))?;
+        let pending = (avail - Wrapping(queue.next_avail())).0;
+        if pending > size {
+            return Err(QueueCorrupt(format!(
+                "queue {index}: avail index {} is {pending} entries ahead of {} (size {size})",
+                avail.0,
+                queue.next_avail()
+            )));
+        }
+        let mut served = 0;
+        for _ in 0..pending {
+            let Some(chain) = queue.pop_descriptor_chain(mem) else {
+                return Err(QueueCorrupt(format!(
+                    "queue {index}: available ring unreadable"
+                )));
+            };
+            let head = chain.head_index();
+            if head >= size {
+                return Err(QueueCorrupt(format!(
+                    "queue {index}: head descriptor {head} outside a ring of {size}"
+                )));
+            }
+            let used = self.handle_chain(chain, mem);
+            queue
+                .add_used(mem, head, used)
+                .map_err(|e| QueueCorrupt(format!("queue {index}: writing used ring: {e}")))?;
+            self.stats.requests += 1;
+            served += 1;
+        }
+        Ok(served)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        (self.flush)()
+    }
+
+    fn stats(&self) -> VirtioStats {
+        self.stats
+    }
+}
+
+/// The start and size a driver reads from a virtio-pmem configuration space.
+pub fn parse_config(config: &[u8; CONFIG_LEN]) -> (u64, u64) {
+    let start = u64::from_le_bytes(config[0..8].try_into().expect("8 bytes"));
+    let size = u64::from_le_bytes(config[8..16].try_into().expect("8 bytes"));
+    (start, size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::irq::test_util::CountingIrq;
+    use crate::virtio::MmioTransport;
+    use std::sync::atomic::{AtomicU64, Ordering as AO};
+    use std::sync::Arc;
+    use virtio_bindings::virtio_config::*;
+    use virtio_bindings::virtio_mmio::*;
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_queue::desc::split::Descriptor as SplitDescriptor;
+    use virtio_queue::desc::RawDescriptor;
+    use virtio_queue::mock::DescriptorTable;
+    use vm_device::bus::MmioAddress;
+    use vm_device::MutDeviceMmio;
+    use vm_memory::GuestAddress;
+
+    const MEM_SIZE: usize = 0x40_0000;
+    const DESC: u64 = 0x1000;
+    const AVAIL: u64 = 0x2000;
+    const USED: u64 = 0x3000;
+    const REQ: u64 = 0x10_0000;
+    const RESP: u64 = 0x20_0000;
+    const QSIZE: u16 = 8;
+    const W: u16 = VRING_DESC_F_WRITE as u16;
+    const N: u16 = VRING_DESC_F_NEXT as u16;
+    const START: u64 = 0x2_0000_0000;
+    const SIZE: u64 = 64 << 20;
+
+    struct Driver {
+        mem: GuestMemoryMmap,
+        t: MmioTransport,
+        irq: Arc<CountingIrq>,
+        flushes: Arc<AtomicU64>,
+        avail_idx: u16,
+    }
+
+    /// A transport around a Pmem whose flush counts calls and fails when `fail` is set.
+    fn driver(fail: bool) -> Driver {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
+        let irq = Arc::new(CountingIrq::default());
+        let flushes = Arc::new(AtomicU64::new(0));
+        let f = flushes.clone();
+        let pmem = Pmem::new(
+            START,
+            SIZE,
+            Box::new(move || {
+                f.fetch_add(1, AO::SeqCst);
+                if fail {
+                    Err(io::Error::from_raw_os_error(libc::EIO))
+                } else {
+                    Ok(())
+                }
+            }),
+        );
+        let t = MmioTransport::new(Box::new(pmem), mem.clone(), irq.clone());
+        let mut d = Driver {
+            mem,
+            t,
+            irq,
+            flushes,
+            avail_idx: 0,
+        };
+        d.bring_up();
+        d
+    }
+
+    impl Driver {
+        fn read(&mut self, off: u32) -> u32 {
+            let mut b = [0u8; 4];
+            self.t
+                .mmio_read(MmioAddress(0xd000_0000), off.into(), &mut b);
+            u32::from_le_bytes(b)
+        }
+
+        fn write(&mut self, off: u32, v: u32) {
+            self.t
+                .mmio_write(MmioAddress(0xd000_0000), off.into(), &v.to_le_bytes());
+        }
+
+        fn bring_up(&mut self) {
+            self.write(VIRTIO_MMIO_STATUS, VIRTIO_CONFIG_S_ACKNOWLEDGE);
+            let s = VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER;
+            self.write(VIRTIO_MMIO_STATUS, s);
+            self.write(VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
+            let hi = self.read(VIRTIO_MMIO_DEVICE_FEATURES);
+            self.write(VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
+            self.write(VIRTIO_MMIO_DRIVER_FEATURES, hi);
+            let s = s | VIRTIO_CONFIG_S_FEATURES_OK;
+            self.write(VIRTIO_MMIO_STATUS, s);
+            assert_ne!(
+                self.read(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_FEATURES_OK,
+                0
+            );
+            self.write(VIRTIO_MMIO_QUEUE_SEL, 0);
+            self.write(VIRTIO_MMIO_QUEUE_NUM, QSIZE.into());
+            self.write(VIRTIO_MMIO_QUEUE_DESC_LOW, DESC as u32);
+            self.write(VIRTIO_MMIO_QUEUE_AVAIL_LOW, AVAIL as u32);
+            self.write(VIRTIO_MMIO_QUEUE_USED_LOW, USED as u32);
+            self.write(VIRTIO_MMIO_QUEUE_READY, 1);
+            self.write(VIRTIO_MMIO_STATUS, s | VIRTIO_CONFIG_S_DRIVER_OK);
+            assert_eq!(
+                self.read(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_NEEDS_RESET,
+                0
+            );
+        }
+
+        /// Puts one chain of (addr, len, flags) descriptors on the ring and notifies.
+        fn submit(&mut self, descs: &[(u64, u32, u16)]) {
+            self.submit_linked(descs, |i| i + 1)
+        }
+
+        /// Like `submit`, with descriptor `i` pointing at `next(i)` when it has NEXT.
+        fn submit_linked(&mut self, descs: &[(u64, u32, u16)], next: impl Fn(u16) -> u16) {
+            let table = DescriptorTable::new(&self.mem, GuestAddress(DESC), QSIZE);
+            for (i, &(addr, len, flags)) in descs.iter().enumerate() {
+                let next = if flags & N != 0 { next(i as u16) } else { 0 };
+                let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
+                table.store(i as u16, d).unwrap();
+            }
+            let slot = AVAIL + 4 + 2 * u64::from(self.avail_idx % QSIZE);
+            self.mem.write_obj(0u16, GuestAddress(slot)).unwrap();
+            self.avail_idx = self.avail_idx.wrapping_add(1);
+            self.mem
+                .write_obj(self.avail_idx, GuestAddress(AVAIL + 2))
+                .unwrap();
+            self.write(VIRTIO_MMIO_QUEUE_NOTIFY, 0);
+        }
+
+        /// (used index, length of the last used element).
+        fn used(&self) -> (u16, u32) {
+            let idx: u16 = self.mem.read_obj(GuestAddress(USED + 2)).unwrap();
+            let last = u64::from(idx.wrapping_sub(1) % QSIZE);
+            let len: u32 = self
+                .mem
+                .read_obj(GuestAddress(USED + 4 + 8 * last + 4))
+                .unwrap();
+            (idx, len)
+        }
+
+        fn response(&self) -> u32 {
+            self.mem.read_obj(GuestAddress(RESP)).unwrap()
+        }
+
+        fn flush_request(&mut self) {
+            self.mem
+                .write_obj(VIRTIO_PMEM_REQ_TYPE_FLUSH, GuestAddress(REQ))
+                .unwrap();
+            self.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
+            self.submit(&[(REQ, 4, N), (RESP, 4, W)]);
+        }
+    }
+
+    #[test]
+    fn identifies_as_pmem_with_start_and_size_in_config() {
+        let mut d = driver(false);
+        assert_eq!(d.read(VIRTIO_MMIO_DEVICE_ID), 27);
+        let lo = d.read(VIRTIO_MMIO_CONFIG);
+        let hi = d.read(VIRTIO_MMIO_CONFIG + 4);
+        assert_eq!(u64::from(lo) | (u64::from(hi) << 32), START);
+        let lo = d.read(VIRTIO_MMIO_CONFIG + 8);
+        let hi = d.read(VIRTIO_MMIO_CONFIG + 12);
+        assert_eq!(u64::from(lo) | (u64::from(hi) << 32), SIZE);
+        // Past the end reads as zero.
+        assert_eq!(d.read(VIRTIO_MMIO_CONFIG + 16), 0);
+        let pmem = Pmem::new(START, SIZE, Box::new(|| Ok(())));
+        assert_eq!(parse_config(&pmem.config), (START, SIZE));
+        // Byte-wise config reads, as some drivers do.
+        let mut b = [0u8; 1];
+        pmem.read_config(8, &mut b);
+        assert_eq!(b[0], SIZE.to_le_bytes()[0]);
+    }
+
+    #[test]
+    fn flush_runs_the_host_sync_and_answers_ok() {
+        let mut d = driver(false);
+        d.flush_request();
+        assert_eq!(d.flushes.load(AO::SeqCst), 1);
+        assert_eq!(d.response(), VIRTIO_PMEM_RESP_OK);
+        assert_eq!(d.used(), (1, 4));
+        assert_eq!(d.irq.count(), 1);
+        d.flush_request();
+        assert_eq!(d.flushes.load(AO::SeqCst), 2);
+        let s = d.t.stats();
+        assert_eq!((s.requests, s.flushes, s.errors), (2, 2, 0));
+    }
+
+    #[test]
+    fn failed_host_sync_answers_eio() {
+        let mut d = driver(true);
+        d.flush_request();
+        assert_eq!(d.flushes.load(AO::SeqCst), 1);
+        assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
+        assert_eq!(d.t.stats().errors, 1);
+    }
+
+    #[test]
+    fn unknown_request_type_answers_eio_without_flushing() {
+        let mut d = driver(false);
+        d.mem.write_obj(7u32, GuestAddress(REQ)).unwrap();
+        d.submit(&[(REQ, 4, N), (RESP, 4, W)]);
+        assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
+        assert_eq!(d.flushes.load(AO::SeqCst), 0);
+    }
+
+    #[test]
+    fn hostile_chains_get_an_error_or_are_dropped_and_the_device_lives_on() {
+        let mut d = driver(false);
+        // No request part at all.
+        d.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
+        d.submit(&[(RESP, 4, W)]);
+        assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
+        // No writable response: used with length 0, nothing written.
+        d.submit(&[(REQ, 4, 0)]);
+        assert_eq!(d.used(), (2, 0));
+        // Response too short.
+        d.submit(&[(REQ, 4, N), (RESP, 2, W)]);
+        assert_eq!(d.used(), (3, 0));
+        // Response outside guest memory.
+        d.submit(&[(REQ, 4, N), (0x1_0000_0000, 4, W)]);
+        assert_eq!(d.used(), (4, 0));
+        // Request outside guest memory: answered with an error.
+        d.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
+        d.submit(&[(0x1_0000_0000, 4, N), (RESP, 4, W)]);
+        assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
+        // A chain whose next index runs off the table.
+        d.mem
+            .write_obj(VIRTIO_PMEM_REQ_TYPE_FLUSH, GuestAddress(REQ))
+            .unwrap();
+        d.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
+        d.submit_linked(&[(REQ, 4, N), (RESP, 4, W | N)], |i| {
+            if i == 1 {
+                200
+            } else {
+                i + 1
+            }
+        });
+        assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
+        // A chain that loops back on itself.
+        d.submit_linked(&[(REQ, 4, N), (RESP, 4, W | N)], |_| 0);
+        assert_eq!(d.flushes.load(AO::SeqCst), 0);
+        // Still serving.
+        d.flush_request();
+        assert_eq!(d.response(), VIRTIO_PMEM_RESP_OK);
+        assert_eq!(d.flushes.load(AO::SeqCst), 1);
+        assert_eq!(d.read(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_NEEDS_RESET, 0);
+    }
+
+    #[test]
+    fn avail_index_far_ahead_needs_reset() {
+        let mut d = driver(false);
+        d.mem.write_obj(QSIZE + 5, GuestAddress(AVAIL + 2)).unwrap();
+        d.write(VIRTIO_MMIO_QUEUE_NOTIFY, 0);
+        assert_ne!(d.read(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_NEEDS_RESET, 0);
+        assert_eq!(d.flushes.load(AO::SeqCst), 0);
+    }
+}
