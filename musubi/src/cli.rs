@@ -32,8 +32,13 @@ pub struct VmArgs {
     /// Where the guest's COM1 goes. Default stdio.
     #[arg(long, value_name = "stdio|off|file=PATH")]
     pub serial: Option<String>,
+    /// Where hot traps are handled: `kernel` (ioeventfd doorbells served by an I/O
+    /// thread, irqfd interrupts) or `user` (every doorbell an MMIO exit on the vCPU
+    /// thread, every interrupt injected from user space). Default kernel.
+    #[arg(long, value_name = "kernel|user")]
+    pub exits: Option<String>,
     /// JSON file with the same fields (kernel, cmdline, initrd, cpus, memory, disks,
-    /// serial); flags given on the command line override it.
+    /// serial, exits); flags given on the command line override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 }
@@ -50,6 +55,7 @@ struct FileConfig {
     #[serde(default)]
     disks: Vec<DiskConfig>,
     serial: Option<SerialMode>,
+    exits: Option<config::ExitsMode>,
 }
 
 pub const DEFAULT_MEMORY: &str = "256M";
@@ -115,6 +121,10 @@ impl VmArgs {
                 Err(e) => return Err(format!("--disk {}: {e}", d.path.display())),
             }
         }
+        let exits = match &self.exits {
+            Some(e) => e.parse()?,
+            None => file.exits.unwrap_or_default(),
+        };
         let serial = match &self.serial {
             Some(s) => s.parse().map_err(|e: config::ConfigError| e.to_string())?,
             None => file.serial.unwrap_or_default(),
@@ -130,6 +140,7 @@ impl VmArgs {
             memory,
             disks,
             serial,
+            exits,
         })
     }
 }

@@ -3,7 +3,7 @@
 use crate::probe;
 use std::process::ExitCode;
 use std::time::Duration;
-use vmm::config::{CacheMode, DiskConfig, SerialMode, VmConfig};
+use vmm::config::{CacheMode, DiskConfig, ExitsMode, SerialMode, VmConfig};
 
 const DISK_BYTES: usize = 4 << 20;
 const SEED: u64 = 42;
@@ -46,10 +46,12 @@ fn demo() -> Result<(), String> {
             cache: CacheMode::Writeback,
         }],
         serial: SerialMode::Off,
+        exits: ExitsMode::Kernel,
     };
     let opts = vmm::RunOptions {
         capture_serial: true,
         timeout: Some(Duration::from_secs(300)),
+        ..Default::default()
     };
     let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;
     let results = probe::results(&report.serial);
@@ -93,15 +95,25 @@ fn demo() -> Result<(), String> {
         report.total_exits,
         report.interrupts
     );
-    println!("  top exits (count, VMM time):");
-    for e in report.exits.iter().take(5) {
+    println!("  top exits (reason, port or device, count, mean VMM time per exit):");
+    for e in report.metrics["exits"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .take(6)
+    {
         println!(
-            "    {:<12} {:>8}  {:>9.3} ms",
-            e.reason,
-            e.count,
-            e.vmm_ns as f64 / 1e6
+            "    {:<12} {:<26} {:>8}  {:>7.1} us",
+            e["reason"].as_str().unwrap_or(""),
+            e["detail"].as_str().unwrap_or("-"),
+            e["count"],
+            e["mean_vmm_ns"].as_u64().unwrap_or(0) as f64 / 1e3
         );
     }
+    println!(
+        "  doorbells: {} through ioeventfd, {} as MMIO exits",
+        report.metrics["notifications"]["ioeventfd"], report.metrics["notifications"]["mmio_exit"]
+    );
     if !pattern_ok || guest_crc != host_crc || host_crc != expected_crc {
         return Err("the disk contents do not match what the guest wrote".into());
     }

@@ -35,6 +35,11 @@ enum Command {
         /// and the time to the first KVM_RUN.
         #[arg(long, value_name = "FILE")]
         report: Option<std::path::PathBuf>,
+        /// Write the exit accounting (per vCPU, per port and device register, VMM time
+        /// with a log2 histogram, doorbells and interrupts by path) as JSON at exit and on
+        /// SIGUSR1.
+        #[arg(long, value_name = "FILE")]
+        metrics: Option<std::path::PathBuf>,
     },
     /// Boot the bundled probe guest on 2 vCPUs with a temporary disk, run hello, blk-fill
     /// and blk-crc, check the disk on the host, and summarize.
@@ -69,7 +74,8 @@ fn main() -> ExitCode {
             vm,
             timeout,
             report,
-        } => run(&vm, timeout, report.as_deref()),
+            metrics,
+        } => run(&vm, timeout, report.as_deref(), metrics),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
         Command::Guest {
@@ -93,6 +99,7 @@ fn run(
     args: &cli::VmArgs,
     timeout: Option<f64>,
     report_path: Option<&std::path::Path>,
+    metrics_path: Option<std::path::PathBuf>,
 ) -> ExitCode {
     let config = match args.to_config() {
         Ok(c) => c,
@@ -100,6 +107,7 @@ fn run(
     };
     let opts = vmm::RunOptions {
         capture_serial: false,
+        metrics_path,
         timeout: match timeout {
             Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
             Some(t) => {

@@ -78,7 +78,16 @@ fn guest_triple_fault_ends_the_vm_with_a_message() {
     assert!(r.stderr.contains("triple fault"), "{}", r.explain());
 }
 
+/// Both places hot traps can be handled; every device test runs under each.
+const MODES: [&str; 2] = ["kernel", "user"];
+
 fn fill_then_check(cache: &str, dir: &std::path::Path) {
+    for mode in MODES {
+        fill_then_check_in(cache, dir, mode);
+    }
+}
+
+fn fill_then_check_in(cache: &str, dir: &std::path::Path, mode: &str) {
     let size = 3 << 20;
     let img = temp_image(dir, "fill.img", size);
     let disk = format!("path={},cache={cache}", img.display());
@@ -86,6 +95,8 @@ fn fill_then_check(cache: &str, dir: &std::path::Path) {
         "run",
         "--kernel",
         "probe",
+        "--exits",
+        mode,
         "--disk",
         &disk,
         "--cmdline",
@@ -100,7 +111,7 @@ fn fill_then_check(cache: &str, dir: &std::path::Path) {
         assert_eq!(
             *b,
             fill_byte(off as u64, 9),
-            "byte {off} of {} ({cache})",
+            "byte {off} of {} ({cache}, --exits {mode})",
             img.display()
         );
     }
@@ -119,6 +130,12 @@ fn blk_fill_writes_every_byte_cache_none() {
 }
 
 fn crc_matches_host(cache: &str, dir: &std::path::Path) {
+    for mode in MODES {
+        crc_matches_host_in(cache, dir, mode);
+    }
+}
+
+fn crc_matches_host_in(cache: &str, dir: &std::path::Path, mode: &str) {
     let mut data = vec![0u8; 2 << 20];
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
     for b in data.iter_mut() {
@@ -137,6 +154,8 @@ fn crc_matches_host(cache: &str, dir: &std::path::Path) {
         "run",
         "--kernel",
         "probe",
+        "--exits",
+        mode,
         "--disk",
         &disk,
         "--cmdline",
@@ -175,48 +194,126 @@ fn blk_crc_matches_the_host_cache_none() {
 
 #[test]
 fn readonly_disk_refuses_guest_writes_and_the_vmm_stays_up() {
-    let dir = tempfile::tempdir().unwrap();
-    let img = temp_image(dir.path(), "ro.img", 1 << 20);
-    let disk = format!("path={},readonly=on", img.display());
-    let r = run(&[
-        "run",
-        "--kernel",
-        "probe",
-        "--disk",
-        &disk,
-        "--cmdline",
-        "probe.tasks=blk-fill=1,hello",
-        "--timeout",
-        "200",
-    ]);
-    let fill = r.result("blk-fill");
-    assert_eq!(fill["ok"], false, "{}", r.explain());
-    // The VM went on to the next task: the device error did not stop the VMM.
-    r.result("hello");
-    assert!(
-        std::fs::read(&img).unwrap().iter().all(|b| *b == 0),
-        "a read-only image changed"
-    );
+    for mode in MODES {
+        let dir = tempfile::tempdir().unwrap();
+        let img = temp_image(dir.path(), "ro.img", 1 << 20);
+        let disk = format!("path={},readonly=on", img.display());
+        let r = run(&[
+            "run",
+            "--kernel",
+            "probe",
+            "--exits",
+            mode,
+            "--disk",
+            &disk,
+            "--cmdline",
+            "probe.tasks=blk-fill=1,hello",
+            "--timeout",
+            "200",
+        ]);
+        let fill = r.result("blk-fill");
+        assert_eq!(fill["ok"], false, "{}", r.explain());
+        // The VM went on to the next task: the device error did not stop the VMM.
+        r.result("hello");
+        assert!(
+            std::fs::read(&img).unwrap().iter().all(|b| *b == 0),
+            "a read-only image changed ({mode})"
+        );
+    }
 }
 
 #[test]
 fn hostile_virtio_driver_does_not_crash_or_hang_the_vmm() {
+    for mode in MODES {
+        let dir = tempfile::tempdir().unwrap();
+        let img = temp_image(dir.path(), "hostile.img", 1 << 20);
+        let disk = format!("path={}", img.display());
+        let r = run(&[
+            "run",
+            "--kernel",
+            "probe",
+            "--exits",
+            mode,
+            "--disk",
+            &disk,
+            "--cmdline",
+            "probe.tasks=hostile-virtio",
+            "--timeout",
+            "200",
+        ]);
+        assert_eq!(r.code, Some(0), "{}", r.explain());
+        let h = r.result("hostile-virtio");
+        assert_eq!(h["good_read"], true, "{}", r.explain());
+        assert!(h["cases"].as_u64().unwrap() >= 5, "{}", r.explain());
+    }
+}
+
+/// Reads the `--metrics` file of a probe-guest run of `tasks` with one disk.
+fn metrics_of(mode: &str, tasks: &str) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
-    let img = temp_image(dir.path(), "hostile.img", 1 << 20);
+    let img = temp_image(dir.path(), "m.img", 1 << 20);
     let disk = format!("path={}", img.display());
+    let metrics = dir.path().join("metrics.json");
     let r = run(&[
         "run",
         "--kernel",
         "probe",
+        "--exits",
+        mode,
         "--disk",
         &disk,
+        "--metrics",
+        metrics.to_str().unwrap(),
         "--cmdline",
-        "probe.tasks=hostile-virtio",
+        &format!("probe.tasks={tasks}"),
         "--timeout",
         "200",
     ]);
     assert_eq!(r.code, Some(0), "{}", r.explain());
-    let h = r.result("hostile-virtio");
-    assert_eq!(h["good_read"], true, "{}", r.explain());
-    assert!(h["cases"].as_u64().unwrap() >= 5, "{}", r.explain());
+    let text = std::fs::read_to_string(&metrics)
+        .unwrap_or_else(|e| panic!("{}: {e}\n{}", metrics.display(), r.explain()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("metrics JSON is invalid: {e}\n{text}"))
+}
+
+#[test]
+fn kernel_mode_takes_no_doorbell_exits_and_user_mode_takes_them_all() {
+    let k = metrics_of("kernel", "blk-crc");
+    assert_eq!(k["exits_mode"], "kernel");
+    assert_eq!(k["notifications"]["mmio_exit"], 0, "{k:#}");
+    assert!(
+        k["notifications"]["ioeventfd"].as_u64().unwrap() > 0,
+        "{k:#}"
+    );
+    assert!(k["interrupts"]["irqfd"].as_u64().unwrap() > 0, "{k:#}");
+    assert!(k["interrupts"].get("user").is_none(), "{k:#}");
+    let notify_exits = k["exits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e["detail"]
+                .as_str()
+                .is_some_and(|d| d.ends_with(":queue_notify"))
+        })
+        .count();
+    assert_eq!(notify_exits, 0, "{k:#}");
+
+    let u = metrics_of("user", "blk-crc");
+    assert_eq!(u["exits_mode"], "user");
+    assert_eq!(u["notifications"]["ioeventfd"], 0, "{u:#}");
+    assert!(
+        u["notifications"]["mmio_exit"].as_u64().unwrap() > 0,
+        "{u:#}"
+    );
+    assert!(u["interrupts"]["user"].as_u64().unwrap() > 0, "{u:#}");
+    assert!(u["interrupts"].get("irqfd").is_none(), "{u:#}");
+    // Every per-vCPU line adds up to the VM total.
+    let total: u64 = u["vcpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|v| v["exits"].as_array().unwrap().iter())
+        .map(|e| e["count"].as_u64().unwrap())
+        .sum();
+    assert_eq!(total, u["total_exits"].as_u64().unwrap());
 }

@@ -3,11 +3,13 @@
 
 use crate::arch::x86_64::layout::{self, CMDLINE_MAX_SIZE, CMDLINE_START, PVH_INFO_START};
 use crate::arch::x86_64::{acpi, linux, mptable, pvh, regs};
+use crate::config::ExitsMode;
 use crate::config::VmConfig;
 use crate::control::{Outcome, RunControl};
 use crate::device_manager::{create_devices, Devices};
+use crate::io_thread::IoThread;
 use crate::loader::{load_kernel, EntryPoint};
-use crate::metrics::{summarize, ExitSummary, VcpuMetrics};
+use crate::metrics::{detailed, summarize, ExitSummary, VcpuMetrics};
 use crate::vstate::memory::create_guest_memory;
 use crate::vstate::vcpu::{install_kick_handler, kick_signal, Vcpu};
 use crate::vstate::vm::Vm;
@@ -34,6 +36,8 @@ pub struct RunOptions {
     pub capture_serial: bool,
     /// Stop the VM (outcome [`Outcome::VmmError`]) if it runs longer than this.
     pub timeout: Option<Duration>,
+    /// Write the exit accounting as JSON here at exit and whenever SIGUSR1 arrives.
+    pub metrics_path: Option<std::path::PathBuf>,
 }
 
 /// What happened during one VM run.
@@ -44,6 +48,10 @@ pub struct RunReport {
     pub total_exits: u64,
     pub interrupts: u64,
     pub serial: Vec<u8>,
+    /// The full exit accounting (per vCPU, per port and device register, histograms).
+    pub metrics: serde_json::Value,
+    /// Queue notifications that reached the VMM's I/O thread through ioeventfds.
+    pub ioeventfd_notifications: u64,
     /// From the start of [`run_vm`] to the BSP's first KVM_RUN.
     pub to_first_run: Option<Duration>,
     /// CLOCK_MONOTONIC at the BSP's first KVM_RUN, comparable across processes, so a parent
@@ -53,23 +61,75 @@ pub struct RunReport {
 }
 
 static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+static DUMP_METRICS: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_terminate(sig: libc::c_int) {
     SIGNALLED.store(sig, Ordering::SeqCst);
 }
 
-/// SIGTERM and SIGINT end the VM through the normal teardown, so disks are flushed.
-fn install_terminate_handlers() {
-    for sig in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe { libc::signal(sig, on_terminate as *const () as libc::sighandler_t) };
+extern "C" fn on_usr1(_: libc::c_int) {
+    DUMP_METRICS.store(true, Ordering::SeqCst);
+}
+
+/// SIGTERM and SIGINT end the VM through the normal teardown, so disks are flushed;
+/// SIGUSR1 asks for the metrics file to be written while the VM runs.
+fn install_signal_handlers() {
+    // SAFETY: the handlers only store to atomics, which is async-signal-safe.
+    unsafe {
+        for sig in [libc::SIGTERM, libc::SIGINT] {
+            libc::signal(sig, on_terminate as *const () as libc::sighandler_t);
+        }
+        libc::signal(libc::SIGUSR1, on_usr1 as *const () as libc::sighandler_t);
+    }
+}
+
+/// The exit accounting of a run so far, as written by `--metrics`.
+fn metrics_json(
+    mode: ExitsMode,
+    vcpus: &[Arc<VcpuMetrics>],
+    devices: &Devices,
+    io_thread: Option<&IoThread>,
+) -> serde_json::Value {
+    let (per_vcpu, all) = detailed(vcpus);
+    let notify_exits: u64 = all
+        .iter()
+        .filter(|d| {
+            d.detail
+                .as_deref()
+                .is_some_and(|n| n.ends_with(":queue_notify"))
+        })
+        .map(|d| d.count)
+        .sum();
+    let mut irq_paths = serde_json::Map::new();
+    for irq in &devices.irqs {
+        let e = irq_paths.entry(irq.path()).or_insert(serde_json::json!(0));
+        *e = serde_json::json!(e.as_u64().unwrap_or(0) + irq.count());
+    }
+    serde_json::json!({
+        "exits_mode": mode.to_string(),
+        "total_exits": all.iter().map(|d| d.count).sum::<u64>(),
+        "exits": all,
+        "vcpus": per_vcpu.into_iter().enumerate().map(|(i, e)| serde_json::json!({"id": i, "exits": e})).collect::<Vec<_>>(),
+        "notifications": {
+            "mmio_exit": notify_exits,
+            "ioeventfd": io_thread.map(|t| t.served()).unwrap_or(0),
+        },
+        "interrupts": irq_paths,
+    })
+}
+
+fn write_metrics(path: &std::path::Path, value: &serde_json::Value) {
+    let tmp = path.with_extension("tmp");
+    let text = serde_json::to_string_pretty(value).unwrap_or_default();
+    if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
+        tracing::warn!("--metrics {}: {e}", path.display());
     }
 }
 
 /// Builds and runs the VM described by `config` until it ends.
 pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildError> {
     let started = Instant::now();
-    install_terminate_handlers();
+    install_signal_handlers();
     install_kick_handler()
         .map_err(|e| err(format!("cannot install the vCPU kick handler: {e}")))?;
 
@@ -86,12 +146,13 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     let capture = opts
         .capture_serial
         .then(|| Arc::new(Mutex::new(Vec::new())));
-    let devices = create_devices(
+    let mut devices = create_devices(
         &vm,
         &mem,
         &config.serial,
         capture.clone(),
         &config.disks,
+        config.exits,
         control.clone(),
     )
     .map_err(err)?;
@@ -137,14 +198,22 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     let metrics: Vec<Arc<VcpuMetrics>> = (0..config.cpus).map(|_| Arc::default()).collect();
     let stop = Arc::new(AtomicBool::new(false));
     let first_run: Arc<OnceLock<(Instant, u64)>> = Arc::default();
+    let mut io_thread = match std::mem::take(&mut devices.notifiers) {
+        n if n.is_empty() => None,
+        n => Some(
+            IoThread::start(n)
+                .map_err(|e| err(format!("cannot start the virtio I/O thread: {e}")))?,
+        ),
+    };
     let mut handles = Vec::new();
     for (vcpu, m) in vcpus.into_iter().zip(&metrics) {
-        let (io, control, stop, m, first_run) = (
+        let (io, control, stop, m, first_run, names) = (
             devices.io.clone(),
             control.clone(),
             stop.clone(),
             m.clone(),
             first_run.clone(),
+            devices.mmio_names.clone(),
         );
         let h = std::thread::Builder::new()
             .name(format!("vcpu{}", vcpu.id))
@@ -152,13 +221,21 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
                 if vcpu.id == 0 {
                     let _ = first_run.set((Instant::now(), monotonic_ns()));
                 }
-                vcpu.run(io, control, stop, m)
+                vcpu.run(io, control, stop, m, names)
             })
             .map_err(|e| err(format!("cannot start a vCPU thread: {e}")))?;
         handles.push(h);
     }
     let deadline = opts.timeout.map(|t| started + t);
     let mut outcome = control.wait(Duration::from_millis(20), || {
+        if DUMP_METRICS.swap(false, Ordering::SeqCst) {
+            if let Some(p) = &opts.metrics_path {
+                write_metrics(
+                    p,
+                    &metrics_json(config.exits, &metrics, &devices, io_thread.as_ref()),
+                );
+            }
+        }
         let s = SIGNALLED.load(Ordering::SeqCst);
         if s != 0 {
             return Some(Outcome::Signal(s));
@@ -175,6 +252,9 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     // 7. Stop every vCPU, then make the guest's writes durable.
     stop.store(true, Ordering::Release);
     stop_vcpus(handles);
+    if let Some(t) = io_thread.as_mut() {
+        t.stop();
+    }
     let flush_errors = devices.flush();
     if !flush_errors.is_empty() {
         outcome = Outcome::VmmError(format!(
@@ -182,7 +262,13 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
             flush_errors.join("; ")
         ));
     }
+    let metrics_value = metrics_json(config.exits, &metrics, &devices, io_thread.as_ref());
+    if let Some(p) = &opts.metrics_path {
+        write_metrics(p, &metrics_value);
+    }
     let report = RunReport {
+        metrics: metrics_value,
+        ioeventfd_notifications: io_thread.as_ref().map(|t| t.served()).unwrap_or(0),
         exits: summarize(&metrics),
         total_exits: metrics.iter().map(|m| m.total()).sum(),
         interrupts: devices.interrupts(),

@@ -103,6 +103,39 @@ fn parse_on_off(v: &str) -> Option<bool> {
     }
 }
 
+/// Which part of the hypervisor handles the hot traps (paper 002's composite design).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExitsMode {
+    /// Queue notifications end in the kernel (ioeventfd, served by an I/O thread) and
+    /// interrupts are raised in the kernel (irqfd): no return to the VMM for either.
+    #[default]
+    Kernel,
+    /// Every notification is an MMIO exit served on the vCPU thread, and every interrupt is
+    /// injected from user space with KVM_IRQ_LINE, as a VMM without those kernel features.
+    User,
+}
+
+impl std::str::FromStr for ExitsMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "kernel" => Ok(ExitsMode::Kernel),
+            "user" => Ok(ExitsMode::User),
+            _ => Err(format!("--exits {s:?}: expected kernel or user")),
+        }
+    }
+}
+
+impl fmt::Display for ExitsMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ExitsMode::Kernel => "kernel",
+            ExitsMode::User => "user",
+        })
+    }
+}
+
 /// Where the guest's COM1 output goes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum SerialMode {
@@ -185,6 +218,7 @@ pub struct VmConfig {
     pub memory: u64,
     pub disks: Vec<DiskConfig>,
     pub serial: SerialMode,
+    pub exits: ExitsMode,
 }
 
 /// Parses `256M`, `2G`, `1048576`, `512K`, `1T` (binary multiples).

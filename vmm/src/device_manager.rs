@@ -1,20 +1,23 @@
 //! Creates the VM's devices, puts them on the port and MMIO buses and wires their interrupts.
 
 use crate::arch::x86_64::layout::{MAX_IRQ, VIRTIO_IRQ_BASE, VIRTIO_MMIO_BASE, VIRTIO_MMIO_SIZE};
-use crate::config::{CacheMode, DiskConfig, SerialMode};
+use crate::config::{CacheMode, DiskConfig, ExitsMode, SerialMode};
 use crate::control::RunControl;
+use crate::io_thread::Notifier;
+use crate::irq::{IrqLine, UserIrq};
 use crate::vstate::vm::{Vm, VmError};
 use devices::legacy::{
     ExitPort, Serial, SerialOutput, COM1_BASE, COM1_IRQ, COM1_LEN, EXIT_PORT, I8042, I8042_BASE,
     I8042_LEN,
 };
 use devices::virtio::block::{Block, BlockConfig};
-use devices::virtio::MmioTransport;
+use devices::virtio::{MmioTransport, VirtioDevice};
 use devices::{EventFdIrq, Irq};
 use std::sync::{Arc, Mutex};
 use vm_device::bus::{MmioAddress, MmioRange, PioAddress, PioRange};
 use vm_device::device_manager::{IoManager, MmioManager, PioManager};
 use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
@@ -35,6 +38,35 @@ pub enum DeviceError {
     Vm(#[from] VmError),
 }
 
+/// Names MMIO exits for the exit accounting: `device:queue_notify` for doorbells, the
+/// device name for its other registers, `unclaimed` elsewhere.
+#[derive(Default)]
+pub struct MmioNames {
+    /// (base, size, name, name of the queue-notify register)
+    ranges: Vec<(u64, u64, Arc<str>, Arc<str>)>,
+    unclaimed: Option<Arc<str>>,
+}
+
+impl MmioNames {
+    pub fn name(&self, addr: u64) -> Arc<str> {
+        for (base, size, name, notify) in &self.ranges {
+            if addr >= *base && addr - base < *size {
+                return if addr - base == VIRTIO_MMIO_QUEUE_NOTIFY {
+                    notify.clone()
+                } else {
+                    name.clone()
+                };
+            }
+        }
+        self.unclaimed
+            .clone()
+            .unwrap_or_else(|| Arc::from("unclaimed"))
+    }
+}
+
+/// Offset of the virtio-mmio QueueNotify register (virtio 1.x, 4.2.2).
+const VIRTIO_MMIO_QUEUE_NOTIFY: u64 = 0x50;
+
 /// The devices of one VM, kept so they can be flushed and inspected after it stops.
 pub struct Devices {
     pub io: Arc<IoManager>,
@@ -44,7 +76,10 @@ pub struct Devices {
     pub disk_paths: Vec<std::path::PathBuf>,
     /// `virtio_mmio.device=` fragments announcing the virtio devices to the guest.
     pub cmdline_fragments: Vec<String>,
-    pub irqs: Vec<Arc<EventFdIrq>>,
+    pub irqs: Vec<Arc<dyn IrqLine>>,
+    pub mmio_names: Arc<MmioNames>,
+    /// Queue doorbells for the I/O thread (kernel exit mode only).
+    pub notifiers: Vec<Notifier>,
 }
 
 impl Devices {
@@ -70,18 +105,96 @@ impl Devices {
     }
 }
 
-fn irq_line(
-    vm: &Vm,
-    gsi: u32,
-    irqs: &mut Vec<Arc<EventFdIrq>>,
-) -> Result<Arc<EventFdIrq>, DeviceError> {
-    if gsi > MAX_IRQ {
-        return Err(DeviceError::OutOfIrqs(gsi));
+/// Places devices and wires their interrupts and doorbells the way the exit mode asks.
+struct Wiring<'a> {
+    vm: &'a Vm,
+    mem: &'a GuestMemoryMmap,
+    mode: ExitsMode,
+    io: IoManager,
+    irqs: Vec<Arc<dyn IrqLine>>,
+    names: MmioNames,
+    notifiers: Vec<Notifier>,
+    fragments: Vec<String>,
+    virtio_count: u64,
+}
+
+impl Wiring<'_> {
+    fn irq_line(&mut self, gsi: u32) -> Result<Arc<dyn IrqLine>, DeviceError> {
+        if gsi > MAX_IRQ {
+            return Err(DeviceError::OutOfIrqs(gsi));
+        }
+        let irq: Arc<dyn IrqLine> = match self.mode {
+            ExitsMode::Kernel => {
+                let irq = Arc::new(EventFdIrq::new().map_err(DeviceError::EventFd)?);
+                self.vm.register_irqfd(irq.eventfd(), gsi)?;
+                irq
+            }
+            ExitsMode::User => Arc::new(UserIrq::new(self.vm.shared_fd(), gsi)),
+        };
+        self.irqs.push(irq.clone());
+        Ok(irq)
     }
-    let irq = Arc::new(EventFdIrq::new().map_err(DeviceError::EventFd)?);
-    vm.register_irqfd(irq.eventfd(), gsi)?;
-    irqs.push(irq.clone());
-    Ok(irq)
+
+    fn pio(
+        &mut self,
+        base: u16,
+        len: u16,
+        dev: Arc<dyn vm_device::DevicePio + Send + Sync>,
+    ) -> Result<(), DeviceError> {
+        self.io
+            .register_pio(
+                PioRange::new(PioAddress(base), len).map_err(DeviceError::Bus)?,
+                dev,
+            )
+            .map_err(DeviceError::Bus)
+    }
+
+    /// Puts a virtio device in the next virtio-mmio slot, announces it on the command line
+    /// and, in the kernel exit mode, gives each of its queues an ioeventfd doorbell.
+    fn add_virtio(
+        &mut self,
+        name: &str,
+        device: Box<dyn VirtioDevice + Send>,
+    ) -> Result<Arc<Mutex<MmioTransport>>, DeviceError> {
+        let i = self.virtio_count;
+        let base = VIRTIO_MMIO_BASE + i * VIRTIO_MMIO_SIZE;
+        let gsi = VIRTIO_IRQ_BASE + i as u32;
+        let irq = self.irq_line(gsi)?;
+        let t = Arc::new(Mutex::new(MmioTransport::new(
+            device,
+            self.mem.clone(),
+            irq,
+        )));
+        self.io
+            .register_mmio(
+                MmioRange::new(MmioAddress(base), VIRTIO_MMIO_SIZE).map_err(DeviceError::Bus)?,
+                t.clone(),
+            )
+            .map_err(DeviceError::Bus)?;
+        if self.mode == ExitsMode::Kernel {
+            let queues = t.lock().unwrap_or_else(|e| e.into_inner()).num_queues();
+            for q in 0..queues {
+                let eventfd = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceError::EventFd)?;
+                self.vm
+                    .register_ioevent(&eventfd, base + VIRTIO_MMIO_QUEUE_NOTIFY, q as u32)?;
+                self.notifiers.push(Notifier {
+                    eventfd,
+                    transport: t.clone(),
+                    queue: q as u16,
+                });
+            }
+        }
+        self.names.ranges.push((
+            base,
+            VIRTIO_MMIO_SIZE,
+            Arc::from(name),
+            Arc::from(format!("{name}:queue_notify")),
+        ));
+        self.fragments
+            .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
+        self.virtio_count += 1;
+        Ok(t)
+    }
 }
 
 pub fn create_devices(
@@ -90,19 +203,19 @@ pub fn create_devices(
     serial_mode: &SerialMode,
     capture: Option<Arc<Mutex<Vec<u8>>>>,
     disks: &[DiskConfig],
+    mode: ExitsMode,
     control: Arc<RunControl>,
 ) -> Result<Devices, DeviceError> {
-    let mut io = IoManager::new();
-    let mut irqs = Vec::new();
-    let pio = |io: &mut IoManager,
-               base: u16,
-               len: u16,
-               dev: Arc<dyn vm_device::DevicePio + Send + Sync>| {
-        io.register_pio(
-            PioRange::new(PioAddress(base), len).map_err(DeviceError::Bus)?,
-            dev,
-        )
-        .map_err(DeviceError::Bus)
+    let mut w = Wiring {
+        vm,
+        mem,
+        mode,
+        io: IoManager::new(),
+        irqs: Vec::new(),
+        names: MmioNames::default(),
+        notifiers: Vec::new(),
+        fragments: Vec::new(),
+        virtio_count: 0,
     };
 
     let sink: Option<Box<dyn std::io::Write + Send>> = match serial_mode {
@@ -115,30 +228,21 @@ pub fn create_devices(
             }
         })?)),
     };
-    let com1_irq = irq_line(vm, COM1_IRQ, &mut irqs)?;
+    let com1_irq: Arc<dyn Irq> = w.irq_line(COM1_IRQ)?;
     let serial = Arc::new(Mutex::new(Serial::new(
         com1_irq,
         SerialOutput::new(sink, capture),
     )));
-    pio(&mut io, COM1_BASE, COM1_LEN, serial.clone())?;
-    pio(
-        &mut io,
+    w.pio(COM1_BASE, COM1_LEN, serial.clone())?;
+    w.pio(
         I8042_BASE,
         I8042_LEN,
         Arc::new(Mutex::new(I8042::new(control.clone()))),
     )?;
-    pio(
-        &mut io,
-        EXIT_PORT,
-        4,
-        Arc::new(Mutex::new(ExitPort::new(control))),
-    )?;
+    w.pio(EXIT_PORT, 4, Arc::new(Mutex::new(ExitPort::new(control))))?;
 
     let mut transports = Vec::new();
-    let mut fragments = Vec::new();
     for (i, d) in disks.iter().enumerate() {
-        let base = VIRTIO_MMIO_BASE + i as u64 * VIRTIO_MMIO_SIZE;
-        let gsi = VIRTIO_IRQ_BASE + i as u32;
         let block = Block::new(BlockConfig {
             path: d.path.clone(),
             readonly: d.readonly,
@@ -149,26 +253,16 @@ pub fn create_devices(
             id: format!("musubi-disk{i}"),
         })
         .map_err(|e| DeviceError::Block(format!("--disk {}: {e}", d.path.display())))?;
-        let irq: Arc<dyn Irq> = irq_line(vm, gsi, &mut irqs)?;
-        let t = Arc::new(Mutex::new(MmioTransport::new(
-            Box::new(block),
-            mem.clone(),
-            irq,
-        )));
-        io.register_mmio(
-            MmioRange::new(MmioAddress(base), VIRTIO_MMIO_SIZE).map_err(DeviceError::Bus)?,
-            t.clone(),
-        )
-        .map_err(DeviceError::Bus)?;
-        fragments.push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
-        transports.push(t);
+        transports.push(w.add_virtio(&format!("virtio-blk{i}"), Box::new(block))?);
     }
     Ok(Devices {
-        io: Arc::new(io),
+        io: Arc::new(w.io),
         serial,
         disks: transports,
         disk_paths: disks.iter().map(|d| d.path.clone()).collect(),
-        cmdline_fragments: fragments,
-        irqs,
+        cmdline_fragments: w.fragments,
+        irqs: w.irqs,
+        mmio_names: Arc::new(w.names),
+        notifiers: w.notifiers,
     })
 }

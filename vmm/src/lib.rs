@@ -5,6 +5,8 @@ pub mod builder;
 pub mod config;
 pub mod control;
 pub mod device_manager;
+pub mod io_thread;
+pub mod irq;
 pub mod loader;
 pub mod metrics;
 pub mod vstate;

@@ -2,7 +2,7 @@
 //! exit status, crash reporting) is tested without depending on the probe guest.
 
 use std::sync::Arc;
-use vmm::config::{KernelImage, SerialMode, VmConfig};
+use vmm::config::{ExitsMode, KernelImage, SerialMode, VmConfig};
 use vmm::{run_vm, Outcome, RunOptions};
 
 const LOAD: u32 = 0x10_0000;
@@ -66,6 +66,7 @@ fn config(code: &[u8], cpus: u8) -> VmConfig {
         memory: 32 << 20,
         disks: vec![],
         serial: SerialMode::Off,
+        exits: ExitsMode::Kernel,
     }
 }
 
@@ -73,6 +74,7 @@ fn opts() -> RunOptions {
     RunOptions {
         capture_serial: true,
         timeout: Some(std::time::Duration::from_secs(60)),
+        ..Default::default()
     }
 }
 
@@ -133,4 +135,34 @@ fn unclaimed_ports_read_all_ones_and_do_not_stop_the_vm() {
     let r = run_vm(&config(&code, 1), &opts()).expect("VM runs (needs /dev/kvm)");
     assert_eq!(r.outcome, Outcome::GuestExit(0));
     assert_eq!(r.serial, vec![0xff]);
+}
+
+#[test]
+fn every_port_write_is_one_exit_at_that_port_in_both_modes() {
+    const N: usize = 37;
+    for mode in [ExitsMode::User, ExitsMode::Kernel] {
+        let mut code = Vec::new();
+        for _ in 0..N {
+            code.extend(out8(0x80, 0x55));
+        }
+        code.extend(out8(0xf4, 0));
+        let mut cfg = config(&code, 1);
+        cfg.exits = mode;
+        let r = run_vm(&cfg, &opts()).expect("VM runs (needs /dev/kvm)");
+        assert_eq!(r.outcome, Outcome::GuestExit(0));
+        let exits = r.metrics["exits"].as_array().unwrap();
+        let port80 = exits
+            .iter()
+            .find(|e| e["reason"] == "io_out" && e["detail"] == "0x80")
+            .unwrap_or_else(|| panic!("no port 0x80 exits in {:#}", r.metrics));
+        assert_eq!(port80["count"], N as u64, "{mode}");
+        assert_eq!(r.metrics["exits_mode"], mode.to_string());
+        let hist: u64 = port80["histogram_ns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b[1].as_u64().unwrap())
+            .sum();
+        assert_eq!(hist, N as u64, "every exit lands in one histogram bucket");
+    }
 }

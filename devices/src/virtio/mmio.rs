@@ -98,6 +98,11 @@ impl MmioTransport {
         }
     }
 
+    /// Queues the device has, so the VMM can give each its own doorbell.
+    pub fn num_queues(&self) -> usize {
+        self.queues.len()
+    }
+
     /// Serves queue `index` now. Notify calls this and nothing else, so moving queue work to
     /// another thread later means calling this from there instead.
     pub fn process_queue(&mut self, index: u16) {

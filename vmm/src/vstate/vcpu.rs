@@ -2,7 +2,8 @@
 
 use crate::arch::x86_64::cpuid::filter_cpuid;
 use crate::control::{Outcome, RunControl};
-use crate::metrics::{ExitKind, VcpuMetrics};
+use crate::device_manager::MmioNames;
+use crate::metrics::{ExitReason, VcpuMetrics};
 use kvm_bindings::{kvm_lapic_state, kvm_msr_entry, Msrs, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -112,6 +113,7 @@ impl Vcpu {
         control: Arc<RunControl>,
         stop: Arc<AtomicBool>,
         metrics: Arc<VcpuMetrics>,
+        names: Arc<MmioNames>,
     ) {
         let id = self.id;
         while !stop.load(Ordering::Acquire) {
@@ -122,23 +124,23 @@ impl Vcpu {
                     VcpuExit::IoOut(port, data) => {
                         // Writes nobody claims are dropped, as on a PC bus.
                         let _ = io.pio_write(PioAddress(port), data);
-                        ExitKind::IoOut
+                        ExitReason::IoOut(port)
                     }
                     VcpuExit::IoIn(port, data) => {
                         if io.pio_read(PioAddress(port), data).is_err() {
                             data.fill(0xff);
                         }
-                        ExitKind::IoIn
+                        ExitReason::IoIn(port)
                     }
                     VcpuExit::MmioWrite(addr, data) => {
                         let _ = io.mmio_write(MmioAddress(addr), data);
-                        ExitKind::MmioWrite
+                        ExitReason::MmioWrite(names.name(addr))
                     }
                     VcpuExit::MmioRead(addr, data) => {
                         if io.mmio_read(MmioAddress(addr), data).is_err() {
                             data.fill(0xff);
                         }
-                        ExitKind::MmioRead
+                        ExitReason::MmioRead(names.name(addr))
                     }
                     VcpuExit::Hlt => {
                         // With the in-kernel LAPIC, HLT reaches user space only if the guest
@@ -146,14 +148,14 @@ impl Vcpu {
                         control.finish(Outcome::GuestCrash(format!(
                             "vCPU {id} halted with interrupts disabled"
                         )));
-                        ExitKind::Hlt
+                        ExitReason::Hlt
                     }
                     VcpuExit::Shutdown => {
                         let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
                         control.finish(Outcome::GuestCrash(format!(
                             "vCPU {id}: triple fault (the guest hit an exception it could not handle), last RIP {rip:#x}"
                         )));
-                        ExitKind::Shutdown
+                        ExitReason::Shutdown
                     }
                     VcpuExit::SystemEvent(kind, _) => {
                         // Shutdown (1), reset (2) or crash (3) requested through KVM.
@@ -164,35 +166,35 @@ impl Vcpu {
                         } else {
                             control.finish(Outcome::Shutdown);
                         }
-                        ExitKind::SystemEvent
+                        ExitReason::SystemEvent
                     }
-                    VcpuExit::Intr => ExitKind::Interrupted,
+                    VcpuExit::Intr => ExitReason::Interrupted,
                     VcpuExit::FailEntry(reason, cpu) => {
                         control.finish(Outcome::VmmError(format!(
                             "vCPU {id}: KVM could not enter the guest (hardware reason {reason:#x}, host CPU {cpu})"
                         )));
-                        ExitKind::Other
+                        ExitReason::FailEntry
                     }
                     VcpuExit::InternalError => {
                         let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
                         control.finish(Outcome::GuestCrash(format!(
                             "vCPU {id}: KVM internal error at RIP {rip:#x} (often an instruction KVM cannot emulate)"
                         )));
-                        ExitKind::Other
+                        ExitReason::InternalError
                     }
                     other => {
                         control.finish(Outcome::VmmError(format!(
                             "vCPU {id}: unexpected exit {other:?}"
                         )));
-                        ExitKind::Other
+                        ExitReason::Other
                     }
                 },
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                    ExitKind::Interrupted
+                    ExitReason::Interrupted
                 }
                 Err(e) => {
                     control.finish(Outcome::VmmError(format!("vCPU {id}: KVM_RUN failed: {e}")));
-                    ExitKind::Other
+                    ExitReason::Other
                 }
             };
             metrics.record(kind, handled_at.elapsed().as_nanos() as u64);

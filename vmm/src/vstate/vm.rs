@@ -1,7 +1,8 @@
 //! The KVM VM: memory slots, the in-kernel interrupt controllers and PIT, and irqfds.
 
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{Cap, Kvm, VmFd};
+use kvm_ioctls::{Cap, IoEventAddress, Kvm, VmFd};
+use std::sync::Arc;
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -30,7 +31,7 @@ const KVM_TSS_ADDRESS: usize = 0xfffb_d000;
 
 pub struct Vm {
     kvm: Kvm,
-    fd: VmFd,
+    fd: Arc<VmFd>,
     next_slot: u32,
 }
 
@@ -67,7 +68,7 @@ impl Vm {
         fd.create_pit2(pit).map_err(ioctl("KVM_CREATE_PIT2"))?;
         Ok(Self {
             kvm,
-            fd,
+            fd: Arc::new(fd),
             next_slot: 0,
         })
     }
@@ -78,6 +79,11 @@ impl Vm {
 
     pub fn fd(&self) -> &VmFd {
         &self.fd
+    }
+
+    /// A shared handle, for parts that inject interrupts from other threads.
+    pub fn shared_fd(&self) -> Arc<VmFd> {
+        self.fd.clone()
     }
 
     /// Registers every region of `mem` as a KVM memory slot.
@@ -104,6 +110,17 @@ impl Vm {
             self.next_slot += 1;
         }
         Ok(())
+    }
+
+    /// Has KVM signal `fd` instead of exiting to user space when the guest writes the 32-bit
+    /// value `datamatch` to MMIO address `addr`.
+    pub fn register_ioevent(&self, fd: &EventFd, addr: u64, datamatch: u32) -> Result<(), VmError> {
+        self.fd
+            .register_ioevent(fd, &IoEventAddress::Mmio(addr), datamatch)
+            .map_err(|source| VmError::Ioctl {
+                what: "KVM_IOEVENTFD",
+                source,
+            })
     }
 
     /// Routes an eventfd to an IOAPIC pin: a write then raises the interrupt without any
