@@ -29,6 +29,10 @@ pub struct VmArgs {
     /// A virtio-blk disk; repeat for more. cache=none opens the file with O_DIRECT.
     #[arg(long, value_name = "path=FILE[,readonly=on][,cache=writeback|none]")]
     pub disk: Vec<String>,
+    /// Storage as memory: a file mapped into guest-physical memory above RAM; repeat for
+    /// more. Advertised as E820 persistent memory (type 12) or as a virtio-pmem device.
+    #[arg(long, value_name = vmm::pmem::PMEM_SYNTAX)]
+    pub pmem: Vec<String>,
     /// Where the guest's COM1 goes. Default stdio.
     #[arg(long, value_name = "stdio|off|file=PATH")]
     pub serial: Option<String>,
@@ -38,7 +42,7 @@ pub struct VmArgs {
     #[arg(long, value_name = "kernel|user")]
     pub exits: Option<String>,
     /// JSON file with the same fields (kernel, cmdline, initrd, cpus, memory, disks,
-    /// serial, exits); flags given on the command line override it.
+    /// pmem, serial, exits); flags given on the command line override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 }
@@ -54,6 +58,8 @@ struct FileConfig {
     memory: Option<serde_json::Value>,
     #[serde(default)]
     disks: Vec<DiskConfig>,
+    #[serde(default)]
+    pmem: Vec<vmm::pmem::PmemConfig>,
     serial: Option<SerialMode>,
     exits: Option<config::ExitsMode>,
 }
@@ -121,6 +127,17 @@ impl VmArgs {
                 Err(e) => return Err(format!("--disk {}: {e}", d.path.display())),
             }
         }
+        let pmem = if self.pmem.is_empty() {
+            file.pmem
+        } else {
+            self.pmem
+                .iter()
+                .map(|p| {
+                    p.parse::<vmm::pmem::PmemConfig>()
+                        .map_err(|e| e.to_string())
+                })
+                .collect::<Result<_, _>>()?
+        };
         let exits = match &self.exits {
             Some(e) => e.parse()?,
             None => file.exits.unwrap_or_default(),
@@ -139,6 +156,7 @@ impl VmArgs {
             cpus,
             memory,
             disks,
+            pmem,
             serial,
             exits,
         })

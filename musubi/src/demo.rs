@@ -45,6 +45,7 @@ fn demo() -> Result<(), String> {
             readonly: false,
             cache: CacheMode::Writeback,
         }],
+        pmem: vec![],
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     };

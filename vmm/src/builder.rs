@@ -10,6 +10,7 @@ use crate::device_manager::{create_devices, Devices};
 use crate::io_thread::IoThread;
 use crate::loader::{load_kernel, EntryPoint};
 use crate::metrics::{detailed, summarize, ExitSummary, VcpuMetrics};
+use crate::pmem::{host_phys_bits, PmemRegions};
 use crate::vstate::memory::create_guest_memory;
 use crate::vstate::vcpu::{install_kick_handler, kick_signal, Vcpu};
 use crate::vstate::vm::Vm;
@@ -133,10 +134,15 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     install_kick_handler()
         .map_err(|e| err(format!("cannot install the vCPU kick handler: {e}")))?;
 
-    // 1. The VM and its memory.
+    // 1. The VM and its memory. Storage as memory: file-backed regions above RAM, each its
+    // own slot, opened first so bad files are reported before any KVM work.
+    let pmem = PmemRegions::open(&config.pmem, config.memory, &config.disks, host_phys_bits())
+        .map_err(err)?;
     let mut vm = Vm::new().map_err(err)?;
     let mem = create_guest_memory(config.memory).map_err(err)?;
     vm.register_memory(&mem).map_err(err)?;
+    pmem.register(&mut vm).map_err(err)?;
+    let mem = pmem.extend_guest_memory(mem).map_err(err)?;
 
     // 2. The kernel.
     let (entry, _kernel_end) = load_kernel(&mem, &config.kernel).map_err(err)?;
@@ -152,6 +158,7 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
         &config.serial,
         capture.clone(),
         &config.disks,
+        pmem.devices(),
         config.exits,
         control.clone(),
     )
@@ -165,7 +172,8 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     // MP-table parsing (Debian's cloud kernel among them).
     mptable::write_mptable(&mem, config.cpus).map_err(err)?;
     let rsdp = acpi::write_acpi_tables(&mem, config.cpus).map_err(err)?;
-    let e820 = layout::e820_map(config.memory);
+    let mut e820 = layout::e820_map(config.memory);
+    e820.extend(pmem.e820_entries());
     let initrd = load_initrd(&mem, config, &entry)?;
     match entry {
         EntryPoint::Pvh(_) => {
@@ -255,7 +263,8 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     if let Some(t) = io_thread.as_mut() {
         t.stop();
     }
-    let flush_errors = devices.flush();
+    let mut flush_errors = devices.flush();
+    flush_errors.extend(pmem.sync());
     if !flush_errors.is_empty() {
         outcome = Outcome::VmmError(format!(
             "guest writes may not be on disk: {}",

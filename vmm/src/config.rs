@@ -217,6 +217,8 @@ pub struct VmConfig {
     pub cpus: u8,
     pub memory: u64,
     pub disks: Vec<DiskConfig>,
+    /// File-backed guest-physical regions (`--pmem`), placed above RAM.
+    pub pmem: Vec<crate::pmem::PmemConfig>,
     pub serial: SerialMode,
     pub exits: ExitsMode,
 }

@@ -105,6 +105,19 @@ impl Devices {
     }
 }
 
+/// Devices built elsewhere (by `pmem`), placed after the disks: virtio devices take the next
+/// virtio-mmio slots; plain MMIO devices sit at their own (base, size).
+#[derive(Default)]
+pub struct ExtraDevices {
+    pub virtio: Vec<(String, Box<dyn VirtioDevice + Send>)>,
+    pub mmio: Vec<(
+        u64,
+        u64,
+        String,
+        Arc<dyn vm_device::DeviceMmio + Send + Sync>,
+    )>,
+}
+
 /// Places devices and wires their interrupts and doorbells the way the exit mode asks.
 struct Wiring<'a> {
     vm: &'a Vm,
@@ -203,6 +216,7 @@ pub fn create_devices(
     serial_mode: &SerialMode,
     capture: Option<Arc<Mutex<Vec<u8>>>>,
     disks: &[DiskConfig],
+    extra: ExtraDevices,
     mode: ExitsMode,
     control: Arc<RunControl>,
 ) -> Result<Devices, DeviceError> {
@@ -254,6 +268,18 @@ pub fn create_devices(
         })
         .map_err(|e| DeviceError::Block(format!("--disk {}: {e}", d.path.display())))?;
         transports.push(w.add_virtio(&format!("virtio-blk{i}"), Box::new(block))?);
+    }
+    for (name, device) in extra.virtio {
+        w.add_virtio(&name, device)?;
+    }
+    for (base, size, name, device) in extra.mmio {
+        w.io.register_mmio(
+            MmioRange::new(MmioAddress(base), size).map_err(DeviceError::Bus)?,
+            device,
+        )
+        .map_err(DeviceError::Bus)?;
+        let name: Arc<str> = Arc::from(name);
+        w.names.ranges.push((base, size, name.clone(), name));
     }
     Ok(Devices {
         io: Arc::new(w.io),

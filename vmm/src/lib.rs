@@ -9,6 +9,7 @@ pub mod io_thread;
 pub mod irq;
 pub mod loader;
 pub mod metrics;
+pub mod pmem;
 pub mod vstate;
 
 pub use builder::{run_vm, RunOptions, RunReport};

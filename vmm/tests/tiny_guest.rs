@@ -65,6 +65,7 @@ fn config(code: &[u8], cpus: u8) -> VmConfig {
         cpus,
         memory: 32 << 20,
         disks: vec![],
+        pmem: vec![],
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     }

@@ -123,6 +123,50 @@ impl Vm {
             })
     }
 
+    /// Memory slots registered so far.
+    pub fn slots_in_use(&self) -> usize {
+        self.next_slot as usize
+    }
+
+    /// Registers one host mapping as the next memory slot. With `readonly`, guest stores to
+    /// it exit to user space as MMIO writes instead of changing the memory.
+    ///
+    /// # Safety
+    /// `host_addr..host_addr + size` must be a mapping that outlives the VM fd.
+    pub unsafe fn add_memory_slot(
+        &mut self,
+        guest_addr: u64,
+        size: u64,
+        host_addr: u64,
+        readonly: bool,
+    ) -> Result<u32, VmError> {
+        let available = self.kvm.get_nr_memslots();
+        if self.next_slot as usize >= available {
+            return Err(VmError::TooManySlots {
+                needed: self.next_slot as usize + 1,
+                available,
+            });
+        }
+        let slot = kvm_userspace_memory_region {
+            slot: self.next_slot,
+            flags: if readonly {
+                kvm_bindings::KVM_MEM_READONLY
+            } else {
+                0
+            },
+            guest_phys_addr: guest_addr,
+            memory_size: size,
+            userspace_addr: host_addr,
+        };
+        // SAFETY: the caller keeps the mapping alive for as long as the VM fd.
+        unsafe { self.fd.set_user_memory_region(slot) }.map_err(|source| VmError::Ioctl {
+            what: "KVM_SET_USER_MEMORY_REGION",
+            source,
+        })?;
+        self.next_slot += 1;
+        Ok(self.next_slot - 1)
+    }
+
     /// Routes an eventfd to an IOAPIC pin: a write then raises the interrupt without any
     /// return to user space.
     pub fn register_irqfd(&self, fd: &EventFd, gsi: u32) -> Result<(), VmError> {
