@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod demo;
+mod partition_cli;
 mod probe;
 
 use clap::{Parser, Subcommand};
@@ -46,6 +47,8 @@ enum Command {
     Demo,
     /// Run an experiment and report it beside the papers' figures.
     Bench(bench::BenchArgs),
+    /// Host partitions: disjoint CPUs, memory and disks, each with its own supervisor and VMs.
+    Partition(partition_cli::PartitionArgs),
     /// The bundled probe guest.
     Guest {
         #[command(subcommand)]
@@ -61,6 +64,9 @@ enum GuestCommand {
 }
 
 fn main() -> ExitCode {
+    // Output piped into `head` and the like ends quietly, as for other command-line tools.
+    // SAFETY: restoring a signal's default disposition has no preconditions.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("MUSUBI_LOG")
@@ -78,6 +84,7 @@ fn main() -> ExitCode {
         } => run(&vm, timeout, report.as_deref(), metrics),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
+        Command::Partition(args) => partition_cli::run(args),
         Command::Guest {
             command: GuestCommand::Path,
         } => match probe::materialize() {

@@ -6,6 +6,7 @@
 //! SVG charts ([`plot`]) and outside observation of a hypervisor process ([`watch`]).
 
 mod boot;
+mod dsm_table;
 pub mod plot;
 pub mod report;
 pub mod stats;
@@ -18,7 +19,7 @@ use std::process::ExitCode;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Experiment to run: boot.
+    /// Experiment to run: boot, dsm-table.
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -31,11 +32,12 @@ pub struct BenchArgs {
     pub compare: Option<String>,
 }
 
-const EXPERIMENTS: &[&str] = &["boot"];
+const EXPERIMENTS: &[&str] = &["boot", "dsm-table"];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
     let result = match args.experiment.as_str() {
         "boot" => Harness::new(args).and_then(|h| boot::run(&h, args)),
+        "dsm-table" => Harness::new(args).and_then(|h| dsm_table::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}",
