@@ -1,0 +1,562 @@
+//! Storage as memory (`--pmem`) through the `musubi` binary.
+//!
+//! Most cases boot a hand-assembled PVH guest: 32-bit code with paging off, so it stores
+//! straight to the region's guest-physical address (a 32 MiB VM puts the first region at
+//! 32 MiB). That tests the VMM's side alone: placement, the memory slot, the shared mapping
+//! and its durability when the VM ends cleanly, crashes, or is killed. The host file is then
+//! compared byte for byte.
+
+mod common;
+use common::*;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+const LOAD: u32 = 0x10_0000;
+/// Where the first region of a 32 MiB VM lands.
+const REGION0: u32 = 32 << 20;
+
+/// An ELF64 image with one PT_LOAD of `code` at 1 MiB and a Xen PVH entry note.
+fn pvh_elf(code: &[u8]) -> Vec<u8> {
+    let mut note = Vec::new();
+    note.extend_from_slice(&4u32.to_le_bytes()); // namesz ("Xen\0")
+    note.extend_from_slice(&4u32.to_le_bytes()); // descsz
+    note.extend_from_slice(&18u32.to_le_bytes()); // XEN_ELFNOTE_PHYS32_ENTRY
+    note.extend_from_slice(b"Xen\0");
+    note.extend_from_slice(&LOAD.to_le_bytes());
+    let note_off = 64 + 2 * 56;
+    let code_off = 0x1000usize;
+    let mut e = vec![0u8; code_off];
+    e[..4].copy_from_slice(b"\x7fELF");
+    e[4] = 2; // 64-bit
+    e[5] = 1; // little endian
+    e[6] = 1; // version
+    e[16..18].copy_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+    e[18..20].copy_from_slice(&62u16.to_le_bytes()); // EM_X86_64
+    e[20..24].copy_from_slice(&1u32.to_le_bytes());
+    e[24..32].copy_from_slice(&u64::from(LOAD).to_le_bytes()); // entry
+    e[32..40].copy_from_slice(&64u64.to_le_bytes()); // phoff
+    e[52..54].copy_from_slice(&64u16.to_le_bytes()); // ehsize
+    e[54..56].copy_from_slice(&56u16.to_le_bytes()); // phentsize
+    e[56..58].copy_from_slice(&2u16.to_le_bytes()); // phnum
+    let ph = |e: &mut Vec<u8>, at: usize, typ: u32, off: u64, addr: u64, len: u64| {
+        e[at..at + 4].copy_from_slice(&typ.to_le_bytes());
+        e[at + 4..at + 8].copy_from_slice(&7u32.to_le_bytes()); // RWX
+        e[at + 8..at + 16].copy_from_slice(&off.to_le_bytes());
+        e[at + 16..at + 24].copy_from_slice(&addr.to_le_bytes());
+        e[at + 24..at + 32].copy_from_slice(&addr.to_le_bytes());
+        e[at + 32..at + 40].copy_from_slice(&len.to_le_bytes());
+        e[at + 40..at + 48].copy_from_slice(&len.to_le_bytes());
+        e[at + 48..at + 56].copy_from_slice(&0x1000u64.to_le_bytes());
+    };
+    let len = code.len() as u64;
+    ph(&mut e, 64, 1, code_off as u64, u64::from(LOAD), len);
+    ph(&mut e, 120, 4, note_off as u64, 0, note.len() as u64);
+    e[note_off..note_off + note.len()].copy_from_slice(&note);
+    e.extend_from_slice(code);
+    e
+}
+
+/// 32-bit protected-mode code, paging off: what a PVH entry starts in.
+#[derive(Default)]
+struct Code(Vec<u8>);
+
+impl Code {
+    fn out8(mut self, port: u16, byte: u8) -> Self {
+        let p = port.to_le_bytes();
+        self.0.extend([0x66, 0xba, p[0], p[1], 0xb0, byte, 0xee]);
+        self
+    }
+
+    /// Stores `(i * 7 + seed) as u8` at `base + i * stride` for `i` in `0..count`.
+    fn fill(mut self, base: u32, count: u32, stride: u32, seed: u8) -> Self {
+        self.0.extend([0x31, 0xc9]); // xor ecx, ecx
+        self.0.push(0xbf); // mov edi, base
+        self.0.extend(base.to_le_bytes());
+        let body = [
+            vec![0x89, 0xc8],                                           // mov eax, ecx
+            vec![0x6b, 0xc0, 0x07],                                     // imul eax, eax, 7
+            vec![0x04, seed],                                           // add al, seed
+            vec![0x88, 0x07],                                           // mov [edi], al
+            [vec![0x81, 0xc7], stride.to_le_bytes().to_vec()].concat(), // add edi, stride
+            vec![0x41],                                                 // inc ecx
+            [vec![0x81, 0xf9], count.to_le_bytes().to_vec()].concat(),  // cmp ecx, count
+        ]
+        .concat();
+        let back = -((body.len() + 2) as i8);
+        self.0.extend(body);
+        self.0.extend([0x72, back as u8]); // jb body
+        self
+    }
+
+    /// Sends the byte at guest-physical `addr` to COM1.
+    fn echo(mut self, addr: u32) -> Self {
+        self.0.push(0xa0); // mov al, [addr]
+        self.0.extend(addr.to_le_bytes());
+        self.0.extend([0x66, 0xba, 0xf8, 0x03, 0xee]); // mov dx, 0x3f8; out dx, al
+        self
+    }
+
+    fn exit(self, status: u8) -> Self {
+        self.out8(0xf4, status)
+    }
+
+    fn spin(mut self) -> Self {
+        self.0.extend([0xeb, 0xfe]);
+        self
+    }
+
+    /// An IDT of limit 0 and then #UD: nothing can be delivered, so the CPU shuts down.
+    fn triple_fault(mut self) -> Self {
+        self.0.extend([0x0f, 0x01, 0x1d]); // lidt [0x5000] (zeros)
+        self.0.extend(0x5000u32.to_le_bytes());
+        self.0.extend([0x0f, 0x0b]); // ud2
+        self
+    }
+}
+
+/// What the host file holds before the guest runs: a pattern that differs from the guest's.
+fn pre(i: u64) -> u8 {
+    (i * 13 + 5) as u8
+}
+
+fn region_file(dir: &Path, name: &str, bytes: u64) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, (0..bytes).map(pre).collect::<Vec<u8>>()).unwrap();
+    p
+}
+
+fn kernel_file(dir: &Path, code: Code) -> PathBuf {
+    let p = dir.join("tiny.elf");
+    std::fs::write(&p, pvh_elf(&code.0)).unwrap();
+    p
+}
+
+/// `pre` with the stores of `fill(base_offset, count, stride, seed)` applied.
+fn expect_fill(data: &mut [u8], offset: u64, count: u64, stride: u64, seed: u8) {
+    for i in 0..count {
+        data[(offset + i * stride) as usize] = (i * 7).wrapping_add(u64::from(seed)) as u8;
+    }
+}
+
+fn original(bytes: u64) -> Vec<u8> {
+    (0..bytes).map(pre).collect()
+}
+
+fn assert_same(path: &Path, want: &[u8]) {
+    let got = std::fs::read(path).unwrap();
+    assert_eq!(got.len(), want.len(), "{} changed length", path.display());
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        panic!(
+            "{}: byte {i:#x} is {:#04x}, expected {:#04x}",
+            path.display(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
+/// The writes every durability case makes: a dense first page, one byte in every page, and
+/// the region's last byte.
+fn writes(code: Code, base: u32, size: u32, seed: u8) -> Code {
+    code.fill(base, 256, 1, seed)
+        .fill(base + 4096, size / 4096 - 1, 4096, seed.wrapping_add(1))
+        .fill(base + size - 1, 1, 1, seed.wrapping_add(2))
+}
+
+fn expected_after_writes(size: u64, seed: u8) -> Vec<u8> {
+    let mut want = original(size);
+    expect_fill(&mut want, 0, 256, 1, seed);
+    expect_fill(&mut want, 4096, size / 4096 - 1, 4096, seed.wrapping_add(1));
+    expect_fill(&mut want, size - 1, 1, 1, seed.wrapping_add(2));
+    want
+}
+
+fn run_tiny(kernel: &Path, pmem: &[String]) -> Run {
+    let mut args = vec![
+        "run".to_string(),
+        "--kernel".into(),
+        kernel.display().to_string(),
+        "--memory".into(),
+        "32M".into(),
+        "--timeout".into(),
+        "60".into(),
+    ];
+    for p in pmem {
+        args.push("--pmem".into());
+        args.push(p.clone());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_with_limit(&args, Duration::from_secs(120))
+}
+
+#[test]
+fn guest_stores_reach_the_file_on_clean_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 2 * MIB;
+    let f = region_file(dir.path(), "p.img", size);
+    // The guest first echoes a byte the host wrote, then stores, then exits.
+    let code = writes(
+        Code::default().echo(REGION0 + 300),
+        REGION0,
+        size as u32,
+        11,
+    )
+    .exit(0);
+    let k = kernel_file(dir.path(), code);
+    let r = run_tiny(&k, &[format!("file={}", f.display())]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    assert_eq!(r.stdout.as_bytes(), [pre(300)], "{}", r.explain());
+    assert_same(&f, &expected_after_writes(size, 11));
+}
+
+#[test]
+fn guest_stores_reach_the_file_when_the_guest_crashes() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 2 * MIB;
+    let f = region_file(dir.path(), "p.img", size);
+    let k = kernel_file(
+        dir.path(),
+        writes(Code::default(), REGION0, size as u32, 21).triple_fault(),
+    );
+    let r = run_tiny(&k, &[format!("file={}", f.display())]);
+    assert_eq!(r.code, Some(125), "{}", r.explain());
+    assert!(r.stderr.contains("triple fault"), "{}", r.explain());
+    assert_same(&f, &expected_after_writes(size, 21));
+}
+
+/// Starts the VMM on a guest that stores, prints `W` and spins; returns once `W` arrived.
+fn start_spinning(dir: &Path, f: &Path, seed: u8) -> std::process::Child {
+    let size = std::fs::metadata(f).unwrap().len() as u32;
+    let k = kernel_file(
+        dir,
+        writes(Code::default(), REGION0, size, seed)
+            .out8(0x3f8, b'W')
+            .spin(),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_musubi"))
+        .args(["run", "--kernel", k.to_str().unwrap(), "--memory", "32M"])
+        .arg("--pmem")
+        .arg(format!("file={}", f.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut b = [0u8; 1];
+        while let Ok(1) = out.read(&mut b) {
+            if b[0] == b'W' {
+                let _ = tx.send(());
+            }
+        }
+    });
+    if rx.recv_timeout(Duration::from_secs(60)).is_err() {
+        let _ = child.kill();
+        let mut err = String::new();
+        let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+        panic!("the guest never reported its stores: {err}");
+    }
+    child
+}
+
+fn wait_with_limit(child: &mut std::process::Child) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("musubi did not stop");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn guest_stores_reach_the_file_on_sigterm() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let size = 2 * MIB;
+    let f = region_file(dir.path(), "p.img", size);
+    let mut child = start_spinning(dir.path(), &f, 31);
+    // SAFETY: plain kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let st = wait_with_limit(&mut child);
+    assert_eq!(st.code(), Some(128 + libc::SIGTERM), "{st:?}");
+    assert_eq!(st.signal(), None);
+    assert_same(&f, &expected_after_writes(size, 31));
+}
+
+#[test]
+fn guest_stores_reach_the_file_on_sigkill() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let size = 4 * MIB;
+    let f = region_file(dir.path(), "p.img", size);
+    let mut child = start_spinning(dir.path(), &f, 41);
+    child.kill().unwrap();
+    let st = wait_with_limit(&mut child);
+    assert_eq!(st.signal(), Some(libc::SIGKILL), "{st:?}");
+    // No teardown ran: the stores are in the file's page cache, which the host writes back.
+    assert_same(&f, &expected_after_writes(size, 41));
+}
+
+#[test]
+fn two_regions_one_per_file_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = region_file(dir.path(), "a.img", 2 * MIB);
+    let b = region_file(dir.path(), "b.img", 4 * MIB);
+    let region1 = REGION0 + 2 * MIB as u32;
+    let code = writes(Code::default(), REGION0, 2 * MIB as u32, 51);
+    let code = writes(code, region1, 4 * MIB as u32, 61)
+        .echo(region1 + 4 * MIB as u32 - 1)
+        .exit(0);
+    let k = kernel_file(dir.path(), code);
+    // The second one advertised as virtio-pmem: the mapping is the same either way.
+    let r = run_tiny(
+        &k,
+        &[
+            format!("file={}", a.display()),
+            format!("file={},advertise=virtio", b.display()),
+        ],
+    );
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    assert_eq!(r.stdout.as_bytes(), [63], "{}", r.explain());
+    assert_same(&a, &expected_after_writes(2 * MIB, 51));
+    assert_same(&b, &expected_after_writes(4 * MIB, 61));
+}
+
+#[test]
+fn size_maps_a_prefix_and_leaves_the_rest_of_the_file_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = region_file(dir.path(), "p.img", 4 * MIB);
+    let code = writes(Code::default(), REGION0, 2 * MIB as u32, 71).exit(0);
+    let k = kernel_file(dir.path(), code);
+    let r = run_tiny(&k, &[format!("file={},size=2M", f.display())]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    let mut want = expected_after_writes(2 * MIB, 71);
+    want.extend((2 * MIB..4 * MIB).map(pre));
+    assert_same(&f, &want);
+}
+
+#[test]
+fn readonly_region_drops_guest_stores_logs_them_and_the_guest_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 2 * MIB;
+    let f = region_file(dir.path(), "ro.img", size);
+    // 100 stores, then read one of them back, then a marker, then exit.
+    let code = Code::default()
+        .fill(REGION0, 100, 1, 90)
+        .echo(REGION0 + 5)
+        .out8(0x3f8, b'K')
+        .exit(0);
+    let k = kernel_file(dir.path(), code);
+    let r = run_tiny(&k, &[format!("file={},readonly=on", f.display())]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    // The guest reads the host's byte, not the one it stored, and keeps running.
+    assert_eq!(r.stdout.as_bytes(), [pre(5), b'K'], "{}", r.explain());
+    assert_same(&f, &original(size));
+    let logged: Vec<&str> = r
+        .stderr
+        .lines()
+        .filter(|l| l.contains("is read-only: guest write"))
+        .collect();
+    // The first 8, then 16, 32 and 64: the log thins out instead of flooding.
+    assert_eq!(logged.len(), 11, "{}", r.explain());
+    assert!(
+        logged[0].contains(&f.display().to_string()),
+        "{}",
+        logged[0]
+    );
+    assert!(logged[10].contains("(64 so far)"), "{}", logged[10]);
+}
+
+#[test]
+fn guest_ram_is_unchanged_by_regions() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = temp_image(dir.path(), "a.img", 4 << 20);
+    let b = temp_image(dir.path(), "b.img", 2 << 20);
+    let hello = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--kernel",
+            "probe",
+            "--memory",
+            "64M",
+            "--cmdline",
+            "probe.tasks=hello",
+            "--timeout",
+            "120",
+        ];
+        args.extend_from_slice(extra);
+        let r = run(&args);
+        assert_eq!(r.code, Some(0), "{}", r.explain());
+        r.result("hello")["memory_bytes"].as_u64().unwrap()
+    };
+    let pa = format!("file={}", a.display());
+    let pb = format!("file={},advertise=virtio", b.display());
+    assert_eq!(hello(&[]), hello(&["--pmem", &pa, "--pmem", &pb]));
+}
+
+fn refused(args: &[&str], needles: &[&str]) {
+    let r = run_with_limit(args, Duration::from_secs(60));
+    assert_eq!(r.code, Some(1), "{args:?}: {}", r.explain());
+    for n in needles {
+        assert!(r.stderr.contains(n), "{args:?}: {n:?} not in {}", r.stderr);
+    }
+}
+
+#[test]
+fn bad_regions_are_refused_naming_the_flag_and_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ok = temp_image(d, "ok.img", 2 << 20);
+    let empty = temp_image(d, "empty.img", 0);
+    let odd = temp_image(d, "odd.img", 3 << 20);
+    let missing = d.join("missing.img");
+    let s = |p: &Path| p.display().to_string();
+    let base = ["run", "--kernel", "probe", "--memory", "32M", "--pmem"];
+    let with = |spec: &str| -> Vec<String> {
+        base.iter()
+            .map(|s| s.to_string())
+            .chain([spec.to_string()])
+            .collect()
+    };
+    let check = |spec: String, needles: &[&str]| {
+        let args = with(&spec);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        refused(&args, needles);
+    };
+    check(
+        format!("file={}", s(&missing)),
+        &["--pmem file=", "missing.img", "no such file"],
+    );
+    check(
+        format!("file={}", s(&empty)),
+        &["--pmem file=", "empty.img", "empty"],
+    );
+    check(
+        format!("file={}", s(&odd)),
+        &[
+            "--pmem file=",
+            "odd.img",
+            "not a whole number of 2 MiB",
+            "4M",
+        ],
+    );
+    check(
+        format!("file={},size=4M", s(&ok)),
+        &["--pmem file=", "ok.img", "size= asks for", "only"],
+    );
+    check(
+        format!("file={},size=1M", s(&ok)),
+        &["--pmem file=", "ok.img", "size= is"],
+    );
+    check(format!("file={}", s(d)), &["--pmem file=", "directory"]);
+    check(
+        format!("path={}", s(&ok)),
+        &["--pmem", "unknown key \"path\""],
+    );
+    check(
+        format!("file={},advertise=acpi", s(&ok)),
+        &["--pmem", "advertise=\"acpi\""],
+    );
+    check(
+        format!("file={},readonly=perhaps", s(&ok)),
+        &["--pmem", "readonly=\"perhaps\""],
+    );
+    check(
+        format!("file={},size=lots", s(&ok)),
+        &["--pmem", "invalid size"],
+    );
+
+    // The same file twice, and a file that is also a disk.
+    let spec = format!("file={}", s(&ok));
+    refused(
+        &[
+            "run", "--kernel", "probe", "--memory", "32M", "--pmem", &spec, "--pmem", &spec,
+        ],
+        &["--pmem file=", "ok.img", "already used by --pmem"],
+    );
+    let disk = format!("path={}", s(&ok));
+    refused(
+        &[
+            "run", "--kernel", "probe", "--memory", "32M", "--disk", &disk, "--pmem", &spec,
+        ],
+        &["--pmem file=", "already used by --disk"],
+    );
+}
+
+#[test]
+fn more_regions_than_the_firmware_map_or_the_interrupt_lines_hold_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let specs: Vec<String> = (0..125)
+        .map(|i| {
+            let f = dir.path().join(format!("r{i}.img"));
+            std::fs::File::create(&f).unwrap().set_len(2 * MIB).unwrap();
+            format!("file={}", f.display())
+        })
+        .collect();
+    let mut args = vec!["run", "--kernel", "probe", "--memory", "32M"];
+    for s in &specs {
+        args.extend(["--pmem", s.as_str()]);
+    }
+    refused(&args, &["--pmem", "125 regions advertised by E820"]);
+
+    let virtio: Vec<String> = specs[..20]
+        .iter()
+        .map(|s| format!("{s},advertise=virtio"))
+        .collect();
+    let mut args = vec!["run", "--kernel", "probe", "--memory", "32M"];
+    for s in &virtio {
+        args.extend(["--pmem", s.as_str()]);
+    }
+    refused(
+        &args,
+        &["--pmem", "20 virtio-pmem devices", "interrupt lines"],
+    );
+}
+
+#[test]
+fn regions_come_from_the_json_config_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 2 * MIB;
+    let f = region_file(dir.path(), "p.img", size);
+    let k = kernel_file(
+        dir.path(),
+        writes(Code::default(), REGION0, size as u32, 81).exit(0),
+    );
+    let cfg = dir.path().join("vm.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "kernel": k,
+            "memory": "32M",
+            "pmem": [{"file": f, "size": "2M", "advertise": "e820"}],
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let r = run_with_limit(
+        &["run", "--config", cfg.to_str().unwrap(), "--timeout", "60"],
+        Duration::from_secs(120),
+    );
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    assert_same(&f, &expected_after_writes(size, 81));
+
+    std::fs::write(
+        &cfg,
+        serde_json::json!({"kernel": k, "pmem": [{"file": f, "size": "lots"}]}).to_string(),
+    )
+    .unwrap();
+    refused(
+        &["run", "--config", cfg.to_str().unwrap()],
+        &["--config", "pmem (config)", "invalid size"],
+    );
+}
