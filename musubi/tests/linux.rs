@@ -55,9 +55,9 @@ fn boots_far_enough(image: &str) {
             "--cmdline",
             "console=ttyS0 earlyprintk=ttyS0 reboot=k panic=1",
             "--timeout",
-            "400",
+            "600",
         ],
-        std::time::Duration::from_secs(460),
+        std::time::Duration::from_secs(660),
     );
     let out = &r.stdout;
     assert!(out.contains("Linux version"), "no banner:\n{}", r.explain());
