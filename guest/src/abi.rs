@@ -12,6 +12,42 @@ pub const SYS_BLK_WRITE: u64 = 5;
 pub const SYS_BLK_FLUSH: u64 = 6;
 pub const SYS_TSC_HZ: u64 = 7;
 pub const SYS_BLK_GET_ID: u64 = 8;
+/// A trivial call (paper 004's `getpid`): returns 1.
+pub const SYS_GETPID: u64 = 9;
+/// Memory-storage regions (`pmem`): count; `info(i, what)` with `PMEM_*` below; flush.
+pub const SYS_PMEM_COUNT: u64 = 10;
+pub const SYS_PMEM_INFO: u64 = 11;
+pub const SYS_PMEM_FLUSH: u64 = 12;
+/// The one open file of a task (`file.rs`): `open(storage, index, bytes, flags)` → `FD`.
+pub const SYS_OPEN: u64 = 13;
+pub const SYS_READ: u64 = 14;
+pub const SYS_WRITE_FD: u64 = 15;
+pub const SYS_LSEEK: u64 = 16;
+pub const SYS_FSYNC: u64 = 17;
+/// Maps the whole extent into the task on demand; returns its virtual address.
+pub const SYS_MMAP: u64 = 18;
+/// Writes back dirty pages, empties the page cache and removes the mapping's pages.
+pub const SYS_DROP_CACHES: u64 = 19;
+/// Cumulative kernel counters: `STAT_*` below.
+pub const SYS_STATS: u64 = 20;
+/// A demand-zero mapping of N pages; returns its virtual address.
+pub const SYS_ANON_MAP: u64 = 21;
+
+pub const PMEM_BASE: u64 = 0;
+pub const PMEM_SIZE: u64 = 1;
+/// 0: E820 type 12, 1: virtio-pmem.
+pub const PMEM_SOURCE: u64 = 2;
+
+pub const STORAGE_PMEM: u64 = 0;
+pub const STORAGE_BLK: u64 = 1;
+/// `open` flag: no page cache; reads and writes go between the device and the user buffer.
+pub const OPEN_DIRECT: u64 = 1;
+pub const FD: u64 = 3;
+
+pub const STAT_KERNEL_COPY_BYTES: u64 = 0;
+pub const STAT_PAGE_FAULTS: u64 = 1;
+pub const STAT_VIRTIO_REQUESTS: u64 = 2;
+pub const STAT_INTERRUPTS: u64 = 3;
 
 pub const ERR_BASE: u64 = (-4096i64) as u64;
 
@@ -35,6 +71,10 @@ pub enum Error {
     /// Sectors beyond the disk's capacity.
     OutOfRange = 8,
     NoSuchCall = 9,
+    /// The kernel's page pool is too small for the request.
+    NoMemory = 10,
+    /// No such file descriptor, memory-storage region, or the file was not opened.
+    BadFd = 11,
 }
 
 impl Error {
@@ -48,6 +88,8 @@ impl Error {
             6 => Error::BadStatus,
             7 => Error::NotReady,
             8 => Error::OutOfRange,
+            10 => Error::NoMemory,
+            11 => Error::BadFd,
             _ => Error::NoSuchCall,
         }
     }
@@ -63,6 +105,8 @@ impl Error {
             Error::NotReady => "not-ready",
             Error::OutOfRange => "out-of-range",
             Error::NoSuchCall => "no-such-call",
+            Error::NoMemory => "no-memory",
+            Error::BadFd => "bad-fd",
         }
     }
 

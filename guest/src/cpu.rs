@@ -249,6 +249,7 @@ pub fn exception_name(v: u64) -> &'static str {
 
 extern "C" fn trap_dispatch(f: &mut TrapFrame) {
     match f.vector {
+        14 if f.cs & 3 == 3 && crate::mm::user_fault(f.error, read_cr2()) => {}
         6 if f.cs & 3 == 3 && f.rip == ulib::syscall_gate() => {
             f.rip += 2;
             user::syscall(f);
@@ -260,7 +261,7 @@ extern "C" fn trap_dispatch(f: &mut TrapFrame) {
                 user::check_deadline();
             }
         }
-        v if (virtio::VECTOR_BASE..virtio::VECTOR_BASE + virtio::MAX_DISKS as u64).contains(&v) => {
+        v if (virtio::VECTOR_BASE..virtio::VECTOR_BASE + virtio::MAX_DEVS as u64).contains(&v) => {
             virtio::irq((v - virtio::VECTOR_BASE) as usize);
             apic::eoi();
         }

@@ -13,8 +13,11 @@ mod arch;
 mod boot;
 mod bootinfo;
 mod cpu;
+mod file;
 mod global;
+mod mm;
 mod paging;
+mod pmem;
 mod serial;
 mod smp;
 mod tasks;
@@ -23,6 +26,7 @@ mod ulib;
 mod user;
 mod utasks;
 mod virtio;
+mod wtasks;
 
 use core::fmt::Write;
 use core::panic::PanicInfo;
@@ -69,6 +73,16 @@ extern "C" fn kmain(start_info: u32) -> ! {
         info.ram_bytes()
     );
     virtio::probe_all(info, bsp);
+    pmem::init(info);
+    let (pool_lo, pool_hi) = mm::pool();
+    let (arena, arena_len) = user::arena();
+    kprintln!(
+        "probe: task arena {:#x}+{:#x}, kernel page pool {:#x}+{:#x}",
+        arena,
+        arena_len,
+        pool_lo,
+        pool_hi - pool_lo
+    );
     tasks::read_only_note();
     let status = tasks::run_all(info);
     for i in 0..virtio::count() {

@@ -51,7 +51,7 @@ pub fn user_ro_range() -> (u64, u64) {
 pub fn init(info: &BootInfo) -> u64 {
     let (ro_start, ro_end) = user_ro_range();
     // SAFETY: boot-time, single CPU, no other reference to the tables is live.
-    let (pt0, pds, pdpt, pool) = unsafe { (PT0.get(), PDS.get(), PDPT.get(), POOL.get()) };
+    let (pt0, pds) = unsafe { (PT0.get(), PDS.get()) };
     for (i, e) in pt0.0.iter_mut().enumerate() {
         let a = i as u64 * 4096;
         *e = if i == 0 {
@@ -72,9 +72,6 @@ pub fn init(info: &BootInfo) -> u64 {
         .max()
         .unwrap_or(0);
     let gigs = top.div_ceil(GIB).min(512);
-    let has_1g =
-        cpuid(0x8000_0000, 0).eax >= 0x8000_0001 && cpuid(0x8000_0001, 0).edx & (1 << 26) != 0;
-    let mut used_pool = 0;
     let mut mapped_end = top.min(4 * GIB);
     for g in 4..gigs {
         let (lo, hi) = (g * GIB, (g + 1) * GIB);
@@ -85,16 +82,7 @@ pub fn init(info: &BootInfo) -> u64 {
         if !wanted {
             continue;
         }
-        if has_1g {
-            pdpt.0[g as usize] = lo | P | RW | US | PS;
-        } else if used_pool < POOL_PDS {
-            let pd = &mut pool[used_pool];
-            used_pool += 1;
-            for (i, e) in pd.0.iter_mut().enumerate() {
-                *e = (lo + i as u64 * MIB2) | P | RW | US | PS;
-            }
-            pdpt.0[g as usize] = pd as *const Table as u64 | P | RW | US;
-        } else {
+        if !map_gig(g) {
             crate::kprintln!("probe: RAM above {:#x} is not mapped", lo);
             break;
         }
@@ -103,4 +91,75 @@ pub fn init(info: &BootInfo) -> u64 {
     // SAFETY: the new tables still identity-map everything the kernel uses.
     unsafe { write_cr3(PML4.addr()) };
     mapped_end
+}
+
+static USED_POOL: Global<usize> = Global::new(0);
+
+fn has_1g_pages() -> bool {
+    cpuid(0x8000_0000, 0).eax >= 0x8000_0001 && cpuid(0x8000_0001, 0).edx & (1 << 26) != 0
+}
+
+/// Identity-maps gigabyte `g` (>= 4) user-accessible, write-back. False if out of tables.
+fn map_gig(g: u64) -> bool {
+    // SAFETY: BSP only; no other reference to these tables is live.
+    let (pdpt, pool, used) = unsafe { (PDPT.get(), POOL.get(), USED_POOL.get()) };
+    if g >= 512 {
+        return false;
+    }
+    if pdpt.0[g as usize] & P != 0 {
+        return true;
+    }
+    let lo = g * GIB;
+    if has_1g_pages() {
+        pdpt.0[g as usize] = lo | P | RW | US | PS;
+    } else if *used < POOL_PDS {
+        let pd = &mut pool[*used];
+        *used += 1;
+        for (i, e) in pd.0.iter_mut().enumerate() {
+            *e = (lo + i as u64 * MIB2) | P | RW | US | PS;
+        }
+        pdpt.0[g as usize] = pd as *const Table as u64 | P | RW | US;
+    } else {
+        return false;
+    }
+    true
+}
+
+/// Makes `[addr, addr + size)` (memory storage that the memory map did not list, e.g. a
+/// virtio-pmem region) identity-mapped, user-accessible and write-back: 2 MiB pages in the
+/// 32-bit hole (which the boot stub maps kernel-only and uncached), gigabytes above 4 GiB.
+/// Below 3 GiB everything is mapped that way already. False if it cannot be mapped.
+pub fn map_identity(addr: u64, size: u64) -> bool {
+    let end = match addr.checked_add(size) {
+        Some(e) if size > 0 => e,
+        _ => return false,
+    };
+    // SAFETY: BSP only.
+    let pds = unsafe { PDS.get() };
+    let mut a = addr & !(MIB2 - 1);
+    while a < end.min(4 * GIB) {
+        if a >= 3 * GIB {
+            let i = ((a - 3 * GIB) / MIB2) as usize;
+            pds[3].0[i] = a | P | RW | US | PS;
+        }
+        a += MIB2;
+    }
+    for g in (4 * GIB).max(addr) / GIB..end.div_ceil(GIB) {
+        if g >= 4 && !map_gig(g) {
+            return false;
+        }
+    }
+    flush_tlb();
+    true
+}
+
+/// Reloads CR3: drops every non-global TLB entry.
+pub fn flush_tlb() {
+    // SAFETY: the same tables, still mapping the running code.
+    unsafe { write_cr3(PML4.addr()) };
+}
+
+pub fn invlpg(va: u64) {
+    // SAFETY: only drops a TLB entry.
+    unsafe { core::arch::asm!("invlpg [{}]", in(reg) va, options(nostack, preserves_flags)) };
 }

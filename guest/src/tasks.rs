@@ -7,7 +7,7 @@ use crate::arch::exit_vm;
 use crate::bootinfo::{self, BootInfo};
 use crate::ulib::JsonBytes;
 use crate::user::{self, Outcome, UserEntry};
-use crate::{cpu, kprint, kprintln, smp, timer, utasks, virtio};
+use crate::{cpu, kprint, kprintln, smp, timer, utasks, virtio, wtasks};
 
 /// Shows command-line bytes (which may be anything) safely inside a JSON string.
 pub struct Lossy<'a>(pub &'a [u8]);
@@ -40,7 +40,24 @@ fn run_one(info: &BootInfo, task: &[u8]) -> u8 {
         a.and_then(|a| core::str::from_utf8(a).ok())
             .and_then(|s| s.parse::<u64>().ok())
     };
+    if let (Ok(n), Ok(a)) = (
+        core::str::from_utf8(name),
+        arg.map(core::str::from_utf8).transpose(),
+    ) {
+        match workloads::task::parse(n, a) {
+            Some(Ok(t)) => {
+                return finish(t.name(), user::run_task(wtasks::workload, &t, timeout()))
+            }
+            Some(Err(usage)) => return bad_argument(task, usage),
+            None => {}
+        }
+    }
     match (name, arg) {
+        (b"pmem-crc", None) => run_user("pmem-crc", utasks::pmem_crc, 0),
+        (b"pmem-fill", a) => match num(a) {
+            Some(seed) => run_user("pmem-fill", utasks::pmem_fill, seed),
+            None => bad_argument(task, "pmem-fill=SEED needs a decimal seed"),
+        },
         (b"hello", None) => {
             kprintln!(
                 "{{\"probe\":\"hello\",\"cpus\":{},\"memory_bytes\":{}}}",
@@ -95,13 +112,22 @@ fn bad_argument(task: &[u8], why: &str) -> u8 {
 /// Seconds a user task may run (`probe.task_timeout=`, 0 = unlimited).
 const DEFAULT_TASK_TIMEOUT_S: u64 = 600;
 
-fn run_user(name: &str, entry: UserEntry, param: u64) -> u8 {
-    let timeout = bootinfo::get()
+fn timeout() -> u64 {
+    bootinfo::get()
         .param(b"probe.task_timeout")
         .and_then(|v| core::str::from_utf8(v).ok())
         .and_then(|v| v.parse().ok())
-        .unwrap_or(DEFAULT_TASK_TIMEOUT_S);
-    match user::run(entry, param, timeout) {
+        .unwrap_or(DEFAULT_TASK_TIMEOUT_S)
+}
+
+fn run_user(name: &str, entry: UserEntry, param: u64) -> u8 {
+    finish(name, user::run(entry, param, timeout()))
+}
+
+/// The task's status from how it ended; reports time-outs and faults.
+fn finish(name: &str, outcome: Outcome) -> u8 {
+    let timeout = timeout();
+    match outcome {
         Outcome::Exit(code) => code,
         Outcome::TimedOut => {
             kprintln!(

@@ -115,6 +115,10 @@ impl Line {
         }
     }
 
+    pub fn as_str(&self) -> &str {
+        core::str::from_utf8(&self.buf[..self.len]).unwrap_or("")
+    }
+
     pub fn send(&mut self) {
         if self.len == self.buf.len() {
             self.buf[self.len - 1] = b'\n';
@@ -165,56 +169,86 @@ impl fmt::Display for JsonBytes<'_> {
     }
 }
 
-const fn crc_tables() -> [[u32; 256]; 8] {
-    let mut t = [[0u32; 256]; 8];
-    let mut i = 0;
-    while i < 256 {
-        let mut c = i as u32;
-        let mut k = 0;
-        while k < 8 {
-            c = if c & 1 != 0 {
-                0xedb8_8320 ^ (c >> 1)
-            } else {
-                c >> 1
-            };
-            k += 1;
-        }
-        t[0][i] = c;
-        i += 1;
-    }
-    let mut i = 0;
-    while i < 256 {
-        let mut s = 1;
-        while s < 8 {
-            t[s][i] = (t[s - 1][i] >> 8) ^ t[0][(t[s - 1][i] & 0xff) as usize];
-            s += 1;
-        }
-        i += 1;
-    }
-    t
+/// CRC-32 lives in the shared workload crate (the native program uses the same code).
+pub use workloads::crc32_update;
+
+pub fn getpid() -> u64 {
+    syscall(abi::SYS_GETPID, 0, 0, 0, 0)
 }
 
-/// In rodata, which user tasks may read.
-static CRC: [[u32; 256]; 8] = crc_tables();
+pub fn pmem_count() -> usize {
+    syscall(abi::SYS_PMEM_COUNT, 0, 0, 0, 0) as usize
+}
 
-/// CRC-32 (IEEE 802.3, reflected, as zlib): start with `!0`, finish with `!crc`.
-/// Slice-by-8, since whole disks go through it.
-pub fn crc32_update(mut crc: u32, data: &[u8]) -> u32 {
-    let mut chunks = data.chunks_exact(8);
-    for c in &mut chunks {
-        let lo = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) ^ crc;
-        let hi = u32::from_le_bytes([c[4], c[5], c[6], c[7]]);
-        crc = CRC[7][(lo & 0xff) as usize]
-            ^ CRC[6][((lo >> 8) & 0xff) as usize]
-            ^ CRC[5][((lo >> 16) & 0xff) as usize]
-            ^ CRC[4][(lo >> 24) as usize]
-            ^ CRC[3][(hi & 0xff) as usize]
-            ^ CRC[2][((hi >> 8) & 0xff) as usize]
-            ^ CRC[1][((hi >> 16) & 0xff) as usize]
-            ^ CRC[0][(hi >> 24) as usize];
+/// `what`: `abi::PMEM_BASE`, `PMEM_SIZE` or `PMEM_SOURCE`.
+pub fn pmem_info(i: usize, what: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_PMEM_INFO, i as u64, what, 0, 0))
+}
+
+/// True if a device flush was needed (virtio-pmem), false if not (E820).
+pub fn pmem_flush(i: usize) -> Result<bool, Error> {
+    decode(syscall(abi::SYS_PMEM_FLUSH, i as u64, 0, 0, 0)).map(|v| v != 0)
+}
+
+pub fn open(storage: u64, index: usize, bytes: u64, flags: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_OPEN, storage, index as u64, bytes, flags))
+}
+
+pub fn read(fd: u64, buf: u64, len: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_READ, fd, buf, len, 0))
+}
+
+pub fn write_fd(fd: u64, buf: u64, len: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_WRITE_FD, fd, buf, len, 0))
+}
+
+pub fn lseek(fd: u64, off: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_LSEEK, fd, off, 0, 0))
+}
+
+pub fn fsync(fd: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_FSYNC, fd, 0, 0, 0))
+}
+
+pub fn mmap(fd: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_MMAP, fd, 0, 0, 0))
+}
+
+pub fn drop_caches(fd: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_DROP_CACHES, fd, 0, 0, 0))
+}
+
+pub fn anon_map(pages: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_ANON_MAP, pages, 0, 0, 0))
+}
+
+/// The kernel's counters (`abi::STAT_*`), in one snapshot.
+#[derive(Clone, Copy, Default)]
+pub struct Stats {
+    pub kernel_copy_bytes: u64,
+    pub page_faults: u64,
+    pub virtio_requests: u64,
+    pub interrupts: u64,
+}
+
+pub fn stats() -> Stats {
+    let s = |w| syscall(abi::SYS_STATS, w, 0, 0, 0);
+    Stats {
+        kernel_copy_bytes: s(abi::STAT_KERNEL_COPY_BYTES),
+        page_faults: s(abi::STAT_PAGE_FAULTS),
+        virtio_requests: s(abi::STAT_VIRTIO_REQUESTS),
+        interrupts: s(abi::STAT_INTERRUPTS),
     }
-    for &b in chunks.remainder() {
-        crc = CRC[0][((crc ^ b as u32) & 0xff) as usize] ^ (crc >> 8);
+}
+
+impl Stats {
+    /// What happened between `self` (earlier) and `later`, as the report's counters.
+    pub fn delta(&self, later: &Stats) -> workloads::task::Counters {
+        workloads::task::Counters {
+            kernel_copy_bytes: Some(later.kernel_copy_bytes - self.kernel_copy_bytes),
+            page_faults: Some(later.page_faults - self.page_faults),
+            virtio_requests: Some(later.virtio_requests - self.virtio_requests),
+            interrupts: Some(later.interrupts - self.interrupts),
+        }
     }
-    crc
 }

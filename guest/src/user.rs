@@ -24,7 +24,7 @@ use crate::arch::rdtsc;
 use crate::bootinfo::BootInfo;
 use crate::cpu::{self, TrapFrame, UCODE, UDATA};
 use crate::global::Global;
-use crate::{paging, serial, timer, virtio};
+use crate::{file, mm, paging, pmem, serial, timer, virtio};
 
 /// Set by `run_user`: the kernel stack pointer to resume at.
 static KSAVE: Global<u64> = Global::new(0);
@@ -33,6 +33,9 @@ static FAULT: Global<Option<FaultInfo>> = Global::new(None);
 
 const USER_STACK: u64 = 256 * 1024;
 const MAX_ARENA: u64 = 256 << 20;
+const MIN_ARENA: u64 = 32 << 20;
+/// Bytes at the end of a task's data area that hold its parameters (`run_task`).
+const PARAM_BYTES: u64 = 512;
 const FAULTED: u64 = u64::MAX;
 
 #[derive(Clone, Copy)]
@@ -117,29 +120,57 @@ extern "C" {
     fn resume_kernel_asm(code: u64) -> !;
 }
 
-/// Picks the task arena: the largest usable-RAM stretch between 2 MiB and 3 GiB.
+/// Picks the task arena and the kernel's page pool (`mm`) from the largest usable-RAM
+/// stretch between 2 MiB and 3 GiB: the arena is its first quarter (at least 32 MiB, at most
+/// 256 MiB; half of a stretch under 64 MiB), the pool the rest.
 pub fn init(info: &BootInfo, mapped_end: u64) {
     let mut best = (0u64, 0u64);
     for e in info.memmap().iter().filter(|e| e.kind == 1) {
         let lo = e.addr.max(2 << 20).next_multiple_of(1 << 21);
         let hi = (e.addr + e.size).min(3 << 30).min(mapped_end);
         if hi > lo && hi - lo > best.1 {
-            best = (lo, (hi - lo).min(MAX_ARENA));
+            best = (lo, hi - lo);
         }
     }
-    unsafe { *ARENA.get() = best };
+    let (lo, len) = best;
+    let arena = if len < MIN_ARENA * 2 {
+        len / 2
+    } else {
+        (len / 4).clamp(MIN_ARENA, MAX_ARENA)
+    } & !((1 << 21) - 1);
+    unsafe { *ARENA.get() = (lo, arena) };
+    mm::init(lo + arena, lo + len);
 }
 
 pub fn arena() -> (u64, u64) {
     unsafe { *ARENA.get() }
 }
 
-/// Runs `entry` at CPL3 until it exits or faults.
-pub fn run(entry: UserEntry, param: u64, timeout_s: u64) -> Outcome {
+/// Runs `entry` with a copy of `task` (at the end of its data area) as its parameter: the
+/// entry gets the address of the copy, and a data area without it.
+pub fn run_task(entry: UserEntry, task: &workloads::task::Task, timeout_s: u64) -> Outcome {
+    const { assert!(core::mem::size_of::<workloads::task::Task>() as u64 <= PARAM_BYTES) };
     let (base, len) = arena();
     if len < USER_STACK * 2 {
         return Outcome::Exit(abi::STATUS_USER_FAULT);
     }
+    let at = base + len - USER_STACK - PARAM_BYTES;
+    unsafe { core::ptr::write(at as *mut workloads::task::Task, *task) };
+    run_inner(entry, at, timeout_s, PARAM_BYTES)
+}
+
+/// Runs `entry` at CPL3 until it exits or faults.
+pub fn run(entry: UserEntry, param: u64, timeout_s: u64) -> Outcome {
+    run_inner(entry, param, timeout_s, 0)
+}
+
+fn run_inner(entry: UserEntry, param: u64, timeout_s: u64, reserved: u64) -> Outcome {
+    let (base, len) = arena();
+    if len < USER_STACK * 2 {
+        return Outcome::Exit(abi::STATUS_USER_FAULT);
+    }
+    crate::file::reset();
+    mm::reset();
     let top = (base + len) & !15;
     // A zero return address, so the entry sees the stack alignment of a called function.
     unsafe { core::ptr::write_volatile((top - 8) as *mut u64, 0) };
@@ -154,7 +185,7 @@ pub fn run(entry: UserEntry, param: u64, timeout_s: u64) -> Outcome {
             entry as usize as u64,
             top - 8,
             base,
-            len - USER_STACK,
+            len - USER_STACK - reserved,
             param,
         )
     };
@@ -188,7 +219,7 @@ pub fn fault(f: &TrapFrame, cr2: u64) -> ! {
     }
 }
 
-fn in_arena(addr: u64, len: u64) -> bool {
+pub fn in_arena(addr: u64, len: u64) -> bool {
     let (base, alen) = arena();
     addr >= base && len <= alen && addr - base <= alen - len
 }
@@ -230,6 +261,33 @@ pub fn syscall(f: &mut TrapFrame) {
             }
         }
         abi::SYS_TSC_HZ => Ok(timer::tsc_hz()),
+        abi::SYS_GETPID => Ok(1),
+        abi::SYS_PMEM_COUNT => Ok(pmem::count() as u64),
+        abi::SYS_PMEM_INFO => match pmem::region(a0 as usize) {
+            Some(r) => match a1 {
+                abi::PMEM_BASE => Ok(r.base),
+                abi::PMEM_SIZE => Ok(r.size),
+                abi::PMEM_SOURCE => Ok(r.dev.is_some() as u64),
+                _ => Err(Error::BadArgument),
+            },
+            None => Err(Error::BadFd),
+        },
+        abi::SYS_PMEM_FLUSH => pmem::flush(a0 as usize).map(|f| f as u64),
+        abi::SYS_OPEN => file::open(a0, a1, a2, a3),
+        abi::SYS_READ => file::rw(a0, false, a1, a2),
+        abi::SYS_WRITE_FD => file::rw(a0, true, a1, a2),
+        abi::SYS_LSEEK => file::lseek(a0, a1),
+        abi::SYS_FSYNC => file::fsync(a0),
+        abi::SYS_MMAP => file::mmap(a0),
+        abi::SYS_DROP_CACHES => file::drop_caches(a0),
+        abi::SYS_STATS => match a0 {
+            abi::STAT_KERNEL_COPY_BYTES => Ok(mm::KCOPY_BYTES.load(Ordering::Relaxed)),
+            abi::STAT_PAGE_FAULTS => Ok(mm::PAGE_FAULTS.load(Ordering::Relaxed)),
+            abi::STAT_VIRTIO_REQUESTS => Ok(virtio::REQUESTS.load(Ordering::Relaxed)),
+            abi::STAT_INTERRUPTS => Ok(virtio::total_irqs()),
+            _ => Err(Error::BadArgument),
+        },
+        abi::SYS_ANON_MAP => mm::map_window(mm::Which::Anon, a0).ok_or(Error::NoMemory),
         _ => Err(Error::NoSuchCall),
     };
     f.rax = match result {

@@ -96,18 +96,6 @@ pub extern "C" fn blk_crc(buf: u64, buf_len: u64, _param: u64) -> ! {
     ulib::exit(status)
 }
 
-/// Byte at disk offset `o` is `((o / 512) * 131 + o % 512 + seed) % 256`.
-fn fill(buf: &mut [u8], first_sector: u64, seed: u64) {
-    for (s, sector) in buf.chunks_exact_mut(512).enumerate() {
-        let v = (first_sector + s as u64)
-            .wrapping_mul(131)
-            .wrapping_add(seed) as u8;
-        for (j, b) in sector.iter_mut().enumerate() {
-            *b = v.wrapping_add(j as u8);
-        }
-    }
-}
-
 pub extern "C" fn blk_fill(buf: u64, buf_len: u64, seed: u64) -> ! {
     let hz = ulib::tsc_hz();
     let step = chunk(buf_len);
@@ -125,7 +113,7 @@ pub extern "C" fn blk_fill(buf: u64, buf_len: u64, seed: u64) -> ! {
         while off < bytes {
             let n = step.min(bytes - off);
             let data = unsafe { core::slice::from_raw_parts_mut(buf as *mut u8, n as usize) };
-            fill(data, off / 512, seed);
+            workloads::fill(data, off, seed);
             if let Err(e) = ulib::blk_write(i, off / 512, buf, n) {
                 err = Some(("write", e));
                 break;
@@ -231,4 +219,139 @@ pub extern "C" fn fault(_buf: u64, _len: u64, _param: u64) -> ! {
     );
     l.send();
     ulib::exit(crate::abi::STATUS_USER_FAULT)
+}
+
+fn pmem_source(i: usize) -> &'static str {
+    match ulib::pmem_info(i, crate::abi::PMEM_SOURCE) {
+        Ok(1) => "virtio",
+        _ => "e820",
+    }
+}
+
+/// CRC-32 of every memory-storage region, computed at CPL3 straight from its mapping.
+pub extern "C" fn pmem_crc(_buf: u64, _len: u64, _param: u64) -> ! {
+    let hz = ulib::tsc_hz();
+    let mut l = Line::new();
+    let mut status = 0;
+    l.push("{\"probe\":\"pmem-crc\",\"regions\":[");
+    for i in 0..ulib::pmem_count() {
+        if i > 0 {
+            l.push(",");
+        }
+        let (Ok(base), Ok(bytes)) = (
+            ulib::pmem_info(i, crate::abi::PMEM_BASE),
+            ulib::pmem_info(i, crate::abi::PMEM_SIZE),
+        ) else {
+            status = STATUS_BLK_FAILED;
+            let _ = write!(
+                l,
+                "{{\"index\":{},\"ok\":false,\"error\":\"no such region\"}}",
+                i
+            );
+            continue;
+        };
+        let t0 = ulib::rdtsc();
+        let data = unsafe { core::slice::from_raw_parts(base as *const u8, bytes as usize) };
+        let crc = !ulib::crc32_update(!0, data);
+        let cycles = ulib::rdtsc() - t0;
+        let _ = write!(
+            l,
+            "{{\"index\":{},\"source\":\"{}\",\"bytes\":{},\"crc32\":\"{:#010x}\",\"cycles\":{},\"ns\":{}}}",
+            i,
+            pmem_source(i),
+            bytes,
+            crc,
+            cycles,
+            ulib::cycles_to_ns(cycles, hz)
+        );
+    }
+    l.push("]}\n");
+    l.send();
+    ulib::exit(status)
+}
+
+/// Writes every byte of every region with the fill pattern at CPL3, then flushes. A region
+/// whose first word does not read back as written is read-only (the VMM drops the writes):
+/// it is reported and left alone.
+pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
+    const PIECE: u64 = 1 << 20;
+    let hz = ulib::tsc_hz();
+    let mut regions = Line::new();
+    let mut status = 0;
+    for i in 0..ulib::pmem_count() {
+        if i > 0 {
+            regions.push(",");
+        }
+        let (Ok(base), Ok(bytes)) = (
+            ulib::pmem_info(i, crate::abi::PMEM_BASE),
+            ulib::pmem_info(i, crate::abi::PMEM_SIZE),
+        ) else {
+            status = STATUS_BLK_FAILED;
+            let _ = write!(
+                regions,
+                "{{\"index\":{},\"bytes\":0,\"ok\":false,\"error\":\"no such region\"}}",
+                i
+            );
+            continue;
+        };
+        let _ = write!(
+            regions,
+            "{{\"index\":{},\"source\":\"{}\",",
+            i,
+            pmem_source(i)
+        );
+        let t0 = ulib::rdtsc();
+        let mut first = [0u8; 8];
+        workloads::fill(&mut first, 0, seed);
+        let want = u64::from_le_bytes(first);
+        let back = unsafe {
+            core::ptr::write_volatile(base as *mut u64, want);
+            core::ptr::read_volatile(base as *const u64)
+        };
+        if back != want {
+            status = STATUS_BLK_FAILED;
+            let _ = write!(
+                regions,
+                "\"bytes\":0,\"ok\":false,\"error\":\"read-only: a write did not read back\"}}"
+            );
+            continue;
+        }
+        let mut off = 0;
+        while off < bytes {
+            let n = PIECE.min(bytes - off);
+            let data =
+                unsafe { core::slice::from_raw_parts_mut((base + off) as *mut u8, n as usize) };
+            workloads::fill(data, off, seed);
+            off += n;
+        }
+        let flush = match ulib::pmem_flush(i) {
+            Ok(true) => "virtio",
+            Ok(false) => "none-needed",
+            Err(e) => {
+                status = STATUS_BLK_FAILED;
+                e.name()
+            }
+        };
+        let cycles = ulib::rdtsc() - t0;
+        let _ = write!(
+            regions,
+            "\"bytes\":{},\"ok\":{},\"flush\":\"{}\",\"cycles\":{},\"ns\":{}}}",
+            bytes,
+            flush == "virtio" || flush == "none-needed",
+            flush,
+            cycles,
+            ulib::cycles_to_ns(cycles, hz)
+        );
+    }
+    let mut l = Line::new();
+    let _ = write!(
+        l,
+        "{{\"probe\":\"pmem-fill\",\"seed\":{},\"ok\":{},\"regions\":[",
+        seed,
+        status == 0
+    );
+    l.push(regions.as_str());
+    l.push("]}\n");
+    l.send();
+    ulib::exit(status)
 }

@@ -1,4 +1,8 @@
-//! virtio-mmio (version 2, virtio 1.x) block devices with one split virtqueue each.
+//! virtio-mmio (version 2, virtio 1.x) block and pmem devices with one split virtqueue each.
+//!
+//! Block devices (id 2) are disks 0, 1, ... in command-line order, device slots
+//! `0..MAX_DISKS`; virtio-pmem devices (id 27) take slots `MAX_DISKS..MAX_DEVS` (their
+//! regions are announced by `pmem.rs`). A device's interrupt vector is `VECTOR_BASE + slot`.
 //!
 //! Requests are synchronous: one chain in flight per disk, descriptors 0..n. The data
 //! descriptors carry the caller's physical addresses (identity mapping), so a user buffer
@@ -15,6 +19,10 @@ use crate::global::Global;
 use crate::{apic, kprintln, timer};
 
 pub const MAX_DISKS: usize = 8;
+pub const MAX_PMEM_DEVS: usize = 4;
+pub const MAX_DEVS: usize = MAX_DISKS + MAX_PMEM_DEVS;
+const ID_BLK: u32 = 2;
+const ID_PMEM: u32 = 27;
 pub const VECTOR_BASE: u64 = 0x30;
 pub const ID_LEN: u64 = 20;
 
@@ -76,7 +84,7 @@ const OFF_SCRATCH: u64 = 4096;
 struct QMem([u8; 8192]);
 
 #[link_section = ".noinit.virtq"]
-static QMEM: Global<[QMem; MAX_DISKS]> = Global::new([const { QMem([0; 8192]) }; MAX_DISKS]);
+static QMEM: Global<[QMem; MAX_DEVS]> = Global::new([const { QMem([0; 8192]) }; MAX_DEVS]);
 
 #[derive(Clone, Copy)]
 struct Desc {
@@ -89,6 +97,9 @@ struct Desc {
 #[derive(Clone, Copy)]
 pub struct Disk {
     base: u64,
+    pmem: bool,
+    /// virtio-pmem: the region (config `start`, `size`).
+    pub region: (u64, u64),
     irq: u32,
     mem: u64,
     features: u64,
@@ -104,6 +115,8 @@ pub struct Disk {
 
 const NO_DISK: Disk = Disk {
     base: 0,
+    pmem: false,
+    region: (0, 0),
     irq: 0,
     mem: 0,
     features: 0,
@@ -117,11 +130,46 @@ const NO_DISK: Disk = Disk {
     error: "",
 };
 
-static DISKS: Global<[Disk; MAX_DISKS]> = Global::new([NO_DISK; MAX_DISKS]);
+static DISKS: Global<[Disk; MAX_DEVS]> = Global::new([NO_DISK; MAX_DEVS]);
 static NDISKS: AtomicU32 = AtomicU32::new(0);
+static NPMEM: AtomicU32 = AtomicU32::new(0);
 /// MMIO bases for the interrupt handler, which must not touch `DISKS`.
-static BASES: [AtomicU64; MAX_DISKS] = [const { AtomicU64::new(0) }; MAX_DISKS];
-static IRQS: [AtomicU32; MAX_DISKS] = [const { AtomicU32::new(0) }; MAX_DISKS];
+static BASES: [AtomicU64; MAX_DEVS] = [const { AtomicU64::new(0) }; MAX_DEVS];
+static IRQS: [AtomicU32; MAX_DEVS] = [const { AtomicU32::new(0) }; MAX_DEVS];
+/// Requests posted to any device since boot (counted for the storage benchmarks).
+pub static REQUESTS: AtomicU64 = AtomicU64::new(0);
+
+/// Interrupts from all virtio devices since boot.
+pub fn total_irqs() -> u64 {
+    IRQS.iter().map(|c| c.load(Ordering::Relaxed) as u64).sum()
+}
+
+pub fn pmem_count() -> usize {
+    NPMEM.load(Ordering::Relaxed) as usize
+}
+
+/// The region of virtio-pmem device `j`, if it initialised.
+pub fn pmem_region(j: usize) -> Option<(u64, u64)> {
+    if j < pmem_count() {
+        let d = unsafe { &DISKS.get()[MAX_DISKS + j] };
+        d.ready.then_some(d.region)
+    } else {
+        None
+    }
+}
+
+/// A virtio-pmem flush: `{type: u32 = 0}` device-readable, `{ret: u32}` device-writable;
+/// the device answers once the region is durable on the host (`msync`).
+pub fn pmem_flush(j: usize) -> Result<(), Error> {
+    if j >= pmem_count() {
+        return Err(Error::BadFd);
+    }
+    let d = unsafe { &mut DISKS.get()[MAX_DISKS + j] };
+    if !d.ready {
+        return Err(Error::NotReady);
+    }
+    d.pmem_flush()
+}
 
 pub fn count() -> usize {
     NDISKS.load(Ordering::Relaxed) as usize
@@ -193,29 +241,54 @@ pub fn probe_all(info: &BootInfo, bsp: u32) {
             continue;
         }
         let id = mmio_read32(base + DEVICE_ID);
-        if id != 2 {
-            if id != 0 {
-                kprintln!("probe: virtio device type {} at {:#x} ignored", id, base);
+        let slot = match id {
+            ID_BLK if count() < MAX_DISKS => NDISKS.fetch_add(1, Ordering::Relaxed) as usize,
+            ID_PMEM if pmem_count() < MAX_PMEM_DEVS => {
+                MAX_DISKS + NPMEM.fetch_add(1, Ordering::Relaxed) as usize
             }
-            continue;
-        }
-        let i = count();
-        if i == MAX_DISKS {
-            kprintln!("probe: more than {} disks, {:#x} ignored", MAX_DISKS, base);
-            continue;
-        }
-        let d = unsafe { &mut DISKS.get()[i] };
+            ID_BLK | ID_PMEM => {
+                kprintln!(
+                    "probe: too many virtio devices of type {}, {:#x} ignored",
+                    id,
+                    base
+                );
+                continue;
+            }
+            0 => continue,
+            _ => {
+                kprintln!("probe: virtio device type {} at {:#x} ignored", id, base);
+                continue;
+            }
+        };
+        let d = unsafe { &mut DISKS.get()[slot] };
         *d = Disk {
             base,
             irq,
-            mem: QMEM.addr() + i as u64 * 8192,
+            pmem: id == ID_PMEM,
+            mem: QMEM.addr() + slot as u64 * 8192,
             ..NO_DISK
         };
-        BASES[i].store(base, Ordering::Relaxed);
-        NDISKS.store(i as u32 + 1, Ordering::Relaxed);
+        BASES[slot].store(base, Ordering::Relaxed);
         if irq < pins {
-            apic::ioapic_route(irq, (VECTOR_BASE + i as u64) as u8, bsp);
+            apic::ioapic_route(irq, (VECTOR_BASE + slot as u64) as u8, bsp);
         }
+        if d.pmem {
+            let j = slot - MAX_DISKS;
+            match d.init() {
+                Ok(()) => kprintln!(
+                    "probe: virtio-pmem {}: at {:#x} irq {}, region {:#x}+{:#x}, queue {}",
+                    j,
+                    base,
+                    d.irq,
+                    d.region.0,
+                    d.region.1,
+                    d.qsize
+                ),
+                Err(e) => kprintln!("probe: virtio-pmem {}: at {:#x} failed: {}", j, base, e),
+            }
+            continue;
+        }
+        let i = slot;
         match d.init() {
             Ok(()) => kprintln!(
                 "probe: disk {}: virtio-blk at {:#x} irq {}, {} sectors{}, queue {}, features {:#x}",
@@ -334,8 +407,11 @@ impl Disk {
         if offered & F_VERSION_1 == 0 {
             return Err("device does not offer VIRTIO_F_VERSION_1");
         }
-        let wanted =
-            F_VERSION_1 | F_SIZE_MAX | F_SEG_MAX | F_RO | F_BLK_SIZE | F_FLUSH | F_INDIRECT;
+        let wanted = if self.pmem {
+            F_VERSION_1
+        } else {
+            F_VERSION_1 | F_SIZE_MAX | F_SEG_MAX | F_RO | F_BLK_SIZE | F_FLUSH | F_INDIRECT
+        };
         self.features = offered & wanted;
         self.w32(DRV_FEATURES_SEL, 0);
         self.w32(DRV_FEATURES, self.features as u32);
@@ -370,6 +446,14 @@ impl Disk {
         self.w64(QUEUE_AVAIL, self.mem + OFF_AVAIL);
         self.w64(QUEUE_USED, self.mem + OFF_USED);
         self.w32(QUEUE_READY, 1);
+        if self.pmem {
+            let rd64 =
+                |off| self.r32(CONFIG + off) as u64 | (self.r32(CONFIG + off + 4) as u64) << 32;
+            self.region = (rd64(0), rd64(8));
+            self.w32(STATUS, S_ACK | S_DRIVER | S_FEATURES_OK | S_DRIVER_OK);
+            self.ready = true;
+            return Ok(());
+        }
         self.capacity = self.r32(CONFIG) as u64 | (self.r32(CONFIG + 4) as u64) << 32;
         self.size_max = if self.features & F_SIZE_MAX != 0 {
             self.r32(CONFIG + 8)
@@ -443,6 +527,45 @@ impl Disk {
         }
     }
 
+    fn pmem_flush(&mut self) -> Result<(), Error> {
+        let req = self.mem + OFF_HDR;
+        let resp = self.mem + OFF_STATUS;
+        unsafe {
+            core::ptr::write_volatile(req as *mut u32, 0);
+            core::ptr::write_volatile(resp as *mut u32, 0xffff_ffff);
+        }
+        self.write_desc(
+            0,
+            Desc {
+                addr: req,
+                len: 4,
+                flags: D_NEXT,
+                next: 1,
+            },
+        );
+        self.write_desc(
+            1,
+            Desc {
+                addr: resp,
+                len: 4,
+                flags: D_WRITE,
+                next: 0,
+            },
+        );
+        REQUESTS.fetch_add(1, Ordering::Relaxed);
+        self.push_avail(0);
+        self.w32(QUEUE_NOTIFY, 0);
+        if !self.wait_used(REQUEST_TIMEOUT_MS) {
+            self.ready = false;
+            self.error = "request timed out";
+            return Err(Error::Timeout);
+        }
+        match unsafe { core::ptr::read_volatile(resp as *const u32) } {
+            0 => Ok(()),
+            _ => Err(Error::IoErr),
+        }
+    }
+
     fn request(
         &mut self,
         typ: u32,
@@ -493,6 +616,7 @@ impl Disk {
                 next: 0,
             },
         );
+        REQUESTS.fetch_add(1, Ordering::Relaxed);
         self.push_avail(0);
         self.w32(QUEUE_NOTIFY, 0);
         if !self.wait_used(REQUEST_TIMEOUT_MS) {

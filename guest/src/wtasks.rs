@@ -1,0 +1,303 @@
+//! The benchmark workloads (issues: VMMS §5.2, Mint §5.4, composite hypervisor, paper 004's
+//! Table 1) as CPL3 task bodies. The computations and the result lines come from the shared
+//! `workloads` crate, which the native program `musubi-native` runs too.
+
+use core::hint::black_box;
+
+use workloads::task::{self, Counters, Measured, Op, Path, Storage, StorageIo, Task};
+use workloads::{compile, cycles_to_ns, XorShift64};
+
+use crate::abi::{self, Error, STATUS_BLK_FAILED, STATUS_UNKNOWN_TASK};
+use crate::arch::outb;
+use crate::ulib::{self, Line};
+
+const MAX_REPS: usize = 100;
+const COM1: u16 = 0x3f8;
+/// Unclaimed by Musubi: every write is a bare port exit.
+const PING_PORT: u16 = 0x80;
+
+struct Failure(&'static str, u8);
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure(e.name(), STATUS_BLK_FAILED)
+    }
+}
+
+fn too_big() -> Failure {
+    Failure("buffers do not fit in the task arena", STATUS_UNKNOWN_TASK)
+}
+
+fn bytes_at<'a>(addr: u64, len: u64) -> &'a mut [u8] {
+    unsafe { core::slice::from_raw_parts_mut(addr as *mut u8, len as usize) }
+}
+
+/// Entry of every workload task: `param` is the address of its `Task` (see `user::run_task`).
+pub extern "C" fn workload(buf: u64, len: u64, param: u64) -> ! {
+    let t = unsafe { core::ptr::read(param as *const Task) };
+    let hz = ulib::tsc_hz();
+    let mut cycles = [0u64; MAX_REPS];
+    let mut ns = [0u64; MAX_REPS];
+    let mut l = Line::new();
+    let status = match run(&t, buf, len, &mut cycles) {
+        Ok((n, result, counters)) => {
+            for (c, t) in cycles[..n].iter().zip(ns.iter_mut()) {
+                *t = cycles_to_ns(*c, hz);
+            }
+            let m = Measured {
+                cycles: &cycles[..n],
+                ns: &ns[..n],
+                result,
+                counters,
+            };
+            task::report(&mut l, &t, &m);
+            0
+        }
+        Err(Failure(why, status)) => {
+            task::report_error(&mut l, t.name(), why);
+            status
+        }
+    };
+    l.send();
+    ulib::exit(status)
+}
+
+/// Runs the task; returns the repetitions measured, the result and the counters.
+fn run(
+    t: &Task,
+    buf: u64,
+    len: u64,
+    cycles: &mut [u64],
+) -> Result<(usize, u64, Counters), Failure> {
+    let mut result = 0;
+    let mut counters = Counters::default();
+    let mut time = |f: &mut dyn FnMut() -> Result<u64, Failure>| -> Result<u64, Failure> {
+        let t0 = ulib::rdtsc();
+        let r = f()?;
+        let c = ulib::rdtsc() - t0;
+        result = r;
+        Ok(c)
+    };
+    let reps = match *t {
+        Task::MintCpu { m, reps } => {
+            for c in &mut cycles[..reps as usize] {
+                *c = time(&mut || Ok(workloads::cpu_loop(black_box(m))))?;
+            }
+            reps as usize
+        }
+        Task::MintMem { kb, count, reps } => {
+            let bytes = kb * 1024;
+            if bytes * 2 > len {
+                return Err(too_big());
+            }
+            let (src, dst) = (bytes_at(buf, bytes), bytes_at(buf + bytes, bytes));
+            workloads::fill(src, 0, 0);
+            for c in &mut cycles[..reps as usize] {
+                *c = time(&mut || Ok(workloads::memcpy_loop(dst, src, count)))?;
+            }
+            reps as usize
+        }
+        Task::MintIo { kb, count, reps } => {
+            let bytes = kb * 1024;
+            if bytes > len {
+                return Err(too_big());
+            }
+            let disk_bytes =
+                ulib::disk_capacity(0).map_err(|_| Failure("no disk", STATUS_BLK_FAILED))? * 512;
+            if disk_bytes < bytes {
+                return Err(Failure("disk smaller than one read", STATUS_UNKNOWN_TASK));
+            }
+            let fd = ulib::open(abi::STORAGE_BLK, 0, disk_bytes, abi::OPEN_DIRECT)?;
+            for (r, c) in cycles[..reps as usize].iter_mut().enumerate() {
+                let mut rng = XorShift64::new(workloads::rng::mint_io_seed(r as u32));
+                *c = time(&mut || {
+                    for _ in 0..count {
+                        let off = rng.offset(disk_bytes, bytes, task::MINT_IO_ALIGN);
+                        ulib::lseek(fd, off)?;
+                        ulib::read(fd, buf, bytes)?;
+                    }
+                    Ok(0)
+                })?;
+            }
+            reps as usize
+        }
+        Task::BlkSmallReads { count } => {
+            let sectors =
+                ulib::disk_capacity(0).map_err(|_| Failure("no disk", STATUS_BLK_FAILED))?;
+            if sectors == 0 {
+                return Err(Failure("empty disk", STATUS_BLK_FAILED));
+            }
+            let s0 = ulib::stats();
+            cycles[0] = time(&mut || {
+                for i in 0..count {
+                    ulib::blk_read(0, i % sectors, buf, 512)?;
+                }
+                Ok(0)
+            })?;
+            counters = s0.delta(&ulib::stats());
+            1
+        }
+        Task::SerialOut { count } => {
+            cycles[0] = time(&mut || {
+                for k in 0..count {
+                    // Lines of 64 letters and a newline; the last byte ends the line.
+                    let b = if k % 65 == 64 || k + 1 == count {
+                        b'\n'
+                    } else {
+                        b'a' + ((k / 65) % 26) as u8
+                    };
+                    outb(COM1, b);
+                }
+                Ok(0)
+            })?;
+            1
+        }
+        Task::PortPing { count } => {
+            cycles[0] = time(&mut || {
+                for _ in 0..count {
+                    outb(PING_PORT, 0);
+                }
+                Ok(0)
+            })?;
+            1
+        }
+        Task::PageTouch { count } => {
+            let va = if count > 0 {
+                ulib::anon_map(count).map_err(|_| {
+                    Failure(
+                        "not enough kernel memory for the pages",
+                        STATUS_UNKNOWN_TASK,
+                    )
+                })?
+            } else {
+                0
+            };
+            let s0 = ulib::stats();
+            cycles[0] = time(&mut || {
+                for i in 0..count {
+                    unsafe { core::ptr::write_volatile((va + i * 4096) as *mut u8, 1) };
+                }
+                Ok(0)
+            })?;
+            counters = s0.delta(&ulib::stats());
+            1
+        }
+        Task::Fib { n } => {
+            cycles[0] = time(&mut || Ok(workloads::fib(black_box(n))))?;
+            1
+        }
+        Task::Getpid { n } => {
+            cycles[0] = time(&mut || {
+                let mut pid = 0;
+                for _ in 0..n {
+                    pid = ulib::getpid();
+                }
+                Ok(pid)
+            })?;
+            1
+        }
+        Task::LsLike { n } => {
+            let out = bytes_at(buf, 64 * 1024);
+            cycles[0] = time(&mut || Ok(workloads::ls::ls_like(black_box(n), out)))?;
+            1
+        }
+        Task::CompileLike { n } => {
+            let text = bytes_at(buf, compile::TEXT_BYTES as u64);
+            let syms = unsafe {
+                core::slice::from_raw_parts_mut(
+                    (buf + compile::TEXT_BYTES as u64) as *mut u64,
+                    compile::SYMS,
+                )
+            };
+            cycles[0] =
+                time(&mut || Ok(workloads::compile::compile_like(black_box(n), text, syms)))?;
+            1
+        }
+        Task::StorageIo(s) => {
+            let (c, k) = storage_io(&s, buf, len)?;
+            cycles[0] = c;
+            counters = k;
+            1
+        }
+    };
+    Ok((reps, result, counters))
+}
+
+/// One pass over the extent: `chunk`-sized system calls, or copies to/from the mapping;
+/// writes end with fsync (msync for the mapping; a flush for memory storage).
+fn pass(s: &StorageIo, fd: u64, va: u64, buf: u64) -> Result<(), Failure> {
+    if s.path == Path::Syscall {
+        ulib::lseek(fd, 0)?;
+    }
+    let mut off = 0;
+    while off < s.bytes {
+        let n = s.chunk.min(s.bytes - off);
+        match (s.path, s.op) {
+            (Path::Syscall, Op::Read) => {
+                if ulib::read(fd, buf, n)? != n {
+                    return Err(Failure("short read", STATUS_BLK_FAILED));
+                }
+            }
+            (Path::Syscall, Op::Write) => {
+                if ulib::write_fd(fd, buf, n)? != n {
+                    return Err(Failure("short write", STATUS_BLK_FAILED));
+                }
+            }
+            (Path::Mmap, Op::Read) => {
+                workloads::copy_bytes(bytes_at(buf, n), bytes_at(va + off, n))
+            }
+            (Path::Mmap, Op::Write) => {
+                workloads::copy_bytes(bytes_at(va + off, n), bytes_at(buf, n))
+            }
+        }
+        off += n;
+    }
+    if s.op == Op::Write {
+        ulib::fsync(fd)?;
+    }
+    Ok(())
+}
+
+fn storage_io(s: &StorageIo, buf: u64, len: u64) -> Result<(u64, Counters), Failure> {
+    if s.chunk > len {
+        return Err(too_big());
+    }
+    let storage = match s.storage {
+        Storage::Pmem => abi::STORAGE_PMEM,
+        Storage::Blk => abi::STORAGE_BLK,
+    };
+    let fd = ulib::open(storage, 0, s.bytes, 0).map_err(|e| match e {
+        Error::BadFd | Error::NoSuchDisk => Failure(
+            "no such storage (memory-storage region 0 or disk 0)",
+            STATUS_BLK_FAILED,
+        ),
+        Error::OutOfRange => Failure("extent larger than the storage", STATUS_UNKNOWN_TASK),
+        Error::NoMemory => Failure(
+            "extent larger than the guest page pool (give the VM more memory)",
+            STATUS_UNKNOWN_TASK,
+        ),
+        e => Failure::from(e),
+    })?;
+    let va = match s.path {
+        Path::Mmap => ulib::mmap(fd).map_err(|_| {
+            Failure(
+                "no memory for the mapping's page tables",
+                STATUS_UNKNOWN_TASK,
+            )
+        })?,
+        Path::Syscall => 0,
+    };
+    if s.op == Op::Write {
+        workloads::fill(bytes_at(buf, s.chunk), 0, 0);
+    }
+    if s.warm {
+        pass(s, fd, va, buf)?;
+    } else {
+        ulib::drop_caches(fd)?;
+    }
+    let s0 = ulib::stats();
+    let t0 = ulib::rdtsc();
+    pass(s, fd, va, buf)?;
+    let c = ulib::rdtsc() - t0;
+    Ok((c, s0.delta(&ulib::stats())))
+}
