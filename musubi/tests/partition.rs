@@ -1,0 +1,617 @@
+//! `musubi partition` on this machine's real cgroups: life cycle, refusals, confinement of
+//! VMs, isolation of supervisors, and state that outlives the CLI.
+//!
+//! Each test has its own state directory and cgroup prefix, so tests run in parallel
+//! and beside other users of the host; a guard destroys the test's partitions even when an
+//! assertion fails. These tests need root (writable cgroupfs) and /dev/kvm, and fail,
+//! rather than skip, without them.
+
+mod common;
+
+use common::Run;
+use partition::cgroup::Host;
+use partition::manager::Manager;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Iterations of the probe guest's CPU loop that keep a VM busy for several seconds here
+/// (about 4.5 s per 10^9).
+const LONG_SPIN: u64 = 2_000_000_000;
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A private state directory and cgroup prefix; destroys every partition on drop.
+struct Env {
+    dir: tempfile::TempDir,
+    prefix: String,
+}
+
+impl Env {
+    fn new() -> Env {
+        assert!(
+            Path::new("/dev/kvm").exists(),
+            "partition tests need /dev/kvm, which this machine lacks"
+        );
+        check_cgroups_writable();
+        Env {
+            dir: tempfile::tempdir().unwrap(),
+            prefix: format!(
+                "mt{}x{}-",
+                std::process::id(),
+                SEQ.fetch_add(1, Ordering::SeqCst)
+            ),
+        }
+    }
+
+    fn state(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = common::musubi();
+        // Before the subcommand: `run` takes everything after `--` for the VM.
+        c.arg("partition")
+            .arg("--state-dir")
+            .arg(self.state())
+            .args(args)
+            .env("MUSUBI_CGROUP_PREFIX", &self.prefix)
+            .stdin(Stdio::null());
+        c
+    }
+
+    /// Runs one CLI command to completion.
+    fn pm(&self, args: &[&str]) -> Run {
+        let out = self
+            .command(args)
+            .output()
+            .unwrap_or_else(|e| panic!("musubi partition {args:?}: {e}"));
+        Run {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into(),
+            stderr: String::from_utf8_lossy(&out.stderr).into(),
+        }
+    }
+
+    fn ok(&self, args: &[&str]) -> Run {
+        let r = self.pm(args);
+        assert_eq!(
+            r.code,
+            Some(0),
+            "musubi partition {args:?}:\n{}",
+            r.explain()
+        );
+        r
+    }
+
+    /// A refused command: status 1 and its message.
+    fn refused(&self, args: &[&str]) -> String {
+        let r = self.pm(args);
+        assert_eq!(
+            r.code,
+            Some(1),
+            "musubi partition {args:?} should be refused:\n{}",
+            r.explain()
+        );
+        r.stderr
+    }
+
+    fn list(&self) -> Vec<Value> {
+        let r = self.ok(&["list", "--json"]);
+        serde_json::from_str::<Value>(&r.stdout)
+            .unwrap_or_else(|e| panic!("list --json: {e}\n{}", r.stdout))
+            .as_array()
+            .cloned()
+            .unwrap()
+    }
+
+    fn show(&self, name: &str) -> Value {
+        let r = self.ok(&["show", name, "--json"]);
+        serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("show --json: {e}\n{}", r.stdout))
+    }
+
+    fn vm(&self, name: &str, id: u64) -> Value {
+        self.show(name)["vms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["id"] == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("no vm {id} in partition {name}"))
+    }
+
+    /// Polls `vm` until `done` holds or `limit` passes.
+    fn wait_vm(
+        &self,
+        name: &str,
+        id: u64,
+        limit: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let start = Instant::now();
+        loop {
+            let v = self.vm(name, id);
+            if done(&v) {
+                return v;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "vm {id} of {name} not in the expected state after {limit:?}: {v}\nconsole:\n{}",
+                console(&v)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let Ok(m) = Manager::new(self.state(), PathBuf::from(env!("CARGO_BIN_EXE_musubi"))) else {
+            return;
+        };
+        for name in m.store.names().unwrap_or_default() {
+            if let Err(e) = m.destroy(&name) {
+                eprintln!("cleanup: destroying partition {name}: {e}");
+            }
+        }
+    }
+}
+
+fn check_cgroups_writable() {
+    let host = Host::detect().unwrap_or_else(|e| {
+        panic!("partition tests need cgroups (v1 cpuset, memory, blkio or v2): {e}")
+    });
+    let probe = host
+        .plan(&format!("mt-writable-{}", std::process::id()))
+        .unwrap();
+    for p in &probe.places {
+        let d = p.dir();
+        if let Err(e) = std::fs::create_dir(&d) {
+            if e.kind() != std::io::ErrorKind::AlreadyExists {
+                panic!(
+                    "cgroups are not writable here ({}: {e}): partition tests need root and a \
+                     writable cgroupfs",
+                    d.display()
+                );
+            }
+        }
+        let _ = std::fs::remove_dir(&d);
+    }
+}
+
+fn console(vm: &Value) -> String {
+    std::fs::read_to_string(vm["log"].as_str().unwrap_or_default()).unwrap_or_default()
+}
+
+fn pid_alive(pid: u64) -> bool {
+    partition::store::ProcId::of(pid as u32).is_some()
+}
+
+fn status_field(pid: u64, field: &str) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+        .trim()
+        .to_string()
+}
+
+/// The cgroup paths a member of partition `p` shows in /proc/PID/cgroup.
+fn member_paths(p: &Value) -> Vec<(String, String)> {
+    p["cgroup"]["places"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|pl| {
+            (
+                pl["controller"].as_str().unwrap().to_string(),
+                pl["proc_path"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Asserts from /proc that `pid` (and each of its threads) is in partition `p`'s cgroup
+/// and may run only on `cpus`.
+fn assert_confined(pid: u64, p: &Value, cpus: &str) {
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    for (controller, path) in member_paths(p) {
+        let found = cg.lines().any(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, ctls, rest) = (f.next(), f.next().unwrap_or(""), f.next());
+            let ctl_ok = if controller == "unified" {
+                ctls.is_empty()
+            } else {
+                ctls.split(',').any(|c| c == controller)
+            };
+            ctl_ok && rest == Some(path.as_str())
+        });
+        assert!(
+            found,
+            "pid {pid} is not in {controller} cgroup {path}; /proc/{pid}/cgroup:\n{cg}"
+        );
+    }
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let tid = task.file_name().to_string_lossy().to_string();
+        let st = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+        if st.is_empty() {
+            continue; // the thread ended meanwhile
+        }
+        let allowed = st
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim();
+        assert_eq!(
+            allowed, cpus,
+            "thread {tid} of pid {pid} may run on CPUs {allowed}"
+        );
+    }
+}
+
+fn place_dirs(p: &Value) -> Vec<PathBuf> {
+    p["cgroup"]["places"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|pl| Path::new(pl["mount"].as_str().unwrap()).join(pl["rel"].as_str().unwrap()))
+        .collect()
+}
+
+fn read_trim(p: &Path) -> String {
+    std::fs::read_to_string(p)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        .trim()
+        .to_string()
+}
+
+#[test]
+fn create_list_show_destroy() {
+    let env = Env::new();
+    let disk = common::temp_image(env.state(), "a.img", 1 << 20);
+    let r = env.ok(&[
+        "create",
+        "alpha",
+        "--cpus",
+        "0",
+        "--memory",
+        "512M",
+        "--io-weight",
+        "100",
+        "--disk",
+        disk.to_str().unwrap(),
+    ]);
+    assert!(
+        r.stdout.contains("partition alpha created"),
+        "{}",
+        r.explain()
+    );
+    let list = env.list();
+    assert_eq!(list.len(), 1);
+    let p = &list[0];
+    assert_eq!(p["name"], "alpha");
+    assert_eq!(p["cpus"], "0");
+    assert_eq!(p["memory"], 512u64 << 20);
+    assert_eq!(p["io_weight"], 100);
+    assert_eq!(
+        p["disks"][0],
+        disk.canonicalize().unwrap().to_str().unwrap()
+    );
+    assert_eq!(p["supervisor_state"]["state"], "running", "{p}");
+    let sup = p["supervisor_state"]["pid"].as_u64().unwrap();
+    assert_eq!(p["supervisor"]["pid"], sup);
+    assert_confined(sup, p, "0");
+
+    // The cgroup really carries the limits.
+    for d in place_dirs(p) {
+        assert!(d.is_dir(), "{} missing", d.display());
+        if d.join("cpuset.cpus").exists() {
+            assert_eq!(read_trim(&d.join("cpuset.cpus")), "0");
+        }
+        if d.join("memory.limit_in_bytes").exists() {
+            assert_eq!(
+                read_trim(&d.join("memory.limit_in_bytes")),
+                (512u64 << 20).to_string()
+            );
+        }
+        if d.join("memory.max").exists() {
+            assert_eq!(read_trim(&d.join("memory.max")), (512u64 << 20).to_string());
+        }
+    }
+
+    let table = env.ok(&["list"]).stdout;
+    assert!(table.contains("alpha"), "{table}");
+    assert!(table.contains(&format!("pid {sup}")), "{table}");
+    let detail = env.ok(&["show", "alpha"]).stdout;
+    assert!(detail.contains("cpus        0"), "{detail}");
+    assert!(detail.contains("memory      512M"), "{detail}");
+    assert!(detail.contains("no VMs"), "{detail}");
+
+    let r = env.ok(&["destroy", "alpha"]);
+    assert!(
+        r.stdout.contains("partition alpha destroyed"),
+        "{}",
+        r.explain()
+    );
+    for d in place_dirs(p) {
+        assert!(!d.exists(), "cgroup {} left behind", d.display());
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pid_alive(sup) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!pid_alive(sup), "supervisor {sup} outlived destroy");
+    assert!(env.list().is_empty());
+    assert!(env.ok(&["list"]).stdout.contains("no partitions"));
+}
+
+#[test]
+fn conflicting_requests_are_refused_naming_the_partitions_involved() {
+    let env = Env::new();
+    let d1 = common::temp_image(env.state(), "d1.img", 4096);
+    let d2 = common::temp_image(env.state(), "d2.img", 4096);
+    let (d1s, d2s) = (d1.to_str().unwrap(), d2.to_str().unwrap());
+    env.ok(&[
+        "create", "a", "--cpus", "0", "--memory", "1G", "--disk", d1s,
+    ]);
+
+    let e = env.refused(&["create", "b", "--cpus", "0-1", "--memory", "1G"]);
+    assert!(e.contains("overlaps partition a (cpus 0) on CPU 0"), "{e}");
+
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .unwrap()
+        * 1024;
+    // What is left beside `a` is less than MemTotal less a's 1G.
+    let too_much = (total - (1 << 30)).to_string();
+    let e = env.refused(&["create", "b", "--cpus", "1", "--memory", &too_much]);
+    assert!(e.contains("host reserve"), "{e}");
+    assert!(e.contains("partitions hold a 1G"), "{e}");
+    let e = env.refused(&["create", "b", "--cpus", "1", "--memory", "100T"]);
+    assert!(e.contains("partitions hold a 1G"), "{e}");
+
+    let e = env.refused(&[
+        "create", "b", "--cpus", "1", "--memory", "1G", "--disk", d1s,
+    ]);
+    assert!(e.contains("belongs to partition a"), "{e}");
+
+    let e = env.refused(&["create", "a", "--cpus", "1", "--memory", "1G"]);
+    assert!(e.contains("partition a already exists"), "{e}");
+
+    for bad in ["1-x", "", "1-0", "a"] {
+        let e = env.refused(&["create", "b", "--cpus", bad, "--memory", "1G"]);
+        assert!(
+            e.contains("--cpus") && e.contains("expected a list"),
+            "{bad:?}: {e}"
+        );
+    }
+    let e = env.refused(&["create", "b", "--cpus", "4095", "--memory", "1G"]);
+    assert!(e.contains("not online"), "{e}");
+    let e = env.refused(&["create", "b/c", "--cpus", "1", "--memory", "1G"]);
+    assert!(e.contains("partition name"), "{e}");
+
+    for args in [
+        vec!["show", "nosuch"],
+        vec!["destroy", "nosuch"],
+        vec!["stop", "nosuch", "1"],
+        vec!["run", "nosuch", "--", "--kernel", "probe"],
+    ] {
+        let e = env.refused(&args);
+        assert!(e.contains("unknown partition \"nosuch\""), "{args:?}: {e}");
+        assert!(e.contains("partitions: a"), "{args:?}: {e}");
+    }
+    let e = env.refused(&["stop", "a", "7"]);
+    assert!(e.contains("partition a has no VM 7"), "{e}");
+
+    // Nothing the refusals touched was left behind: `b` is created cleanly now.
+    let b_planned = Host::detect()
+        .unwrap()
+        .plan(&format!("{}b", env.prefix))
+        .unwrap();
+    assert!(!b_planned.exists(), "a refused create left a cgroup");
+    env.ok(&[
+        "create", "b", "--cpus", "1", "--memory", "1G", "--disk", d2s,
+    ]);
+    let names: Vec<Value> = env.list().iter().map(|p| p["name"].clone()).collect();
+    assert_eq!(names, ["a", "b"]);
+
+    // A VM may not use another partition's disk.
+    let e = env.refused(&[
+        "run",
+        "b",
+        "--",
+        "--kernel",
+        "probe",
+        "--disk",
+        &format!("path={d1s}"),
+    ]);
+    assert!(e.contains("belongs to partition a, not to b"), "{e}");
+}
+
+#[test]
+fn a_vm_runs_in_its_partitions_cgroup_on_its_cpus() {
+    let env = Env::new();
+    env.ok(&["create", "p", "--cpus", "1", "--memory", "1G"]);
+    let r = env.ok(&[
+        "run",
+        "p",
+        "--",
+        "--kernel",
+        "probe",
+        "--cpus",
+        "2",
+        "--cmdline",
+        "probe.task_timeout=120 probe.tasks=hello,spin=0",
+    ]);
+    assert!(
+        r.stdout.contains("partition p: vm 1 started"),
+        "{}",
+        r.explain()
+    );
+    let vm = env.wait_vm("p", 1, Duration::from_secs(60), |v| {
+        v["state"] != "running" || console(v).contains("\"probe\":\"hello\"")
+    });
+    assert_eq!(vm["state"], "running", "{vm}\n{}", console(&vm));
+    let pid = vm["pid"].as_u64().unwrap();
+    let p = env.show("p");
+    // Both vCPU threads and the VMM's own threads are confined to CPU 1.
+    assert_confined(pid, &p, "1");
+    assert_eq!(status_field(pid, "Cpus_allowed_list"), "1");
+    let procs: Vec<u64> = place_dirs(&p)
+        .iter()
+        .flat_map(|d| {
+            read_trim(&d.join("cgroup.procs"))
+                .split_whitespace()
+                .map(|s| s.parse::<u64>().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        procs.contains(&pid),
+        "vm pid {pid} not in cgroup.procs {procs:?}"
+    );
+
+    let r = env.ok(&["stop", "p", "1"]);
+    assert!(r.stdout.contains("exited"), "{}", r.explain());
+    let vm = env.vm("p", 1);
+    assert_eq!(vm["state"], "exited");
+    assert_eq!(vm["stopped"], true);
+    assert!(!pid_alive(pid));
+    let text = env.ok(&["list"]).stdout;
+    assert!(text.contains("vm 1") && text.contains("stopped"), "{text}");
+}
+
+#[test]
+fn killing_one_supervisor_stops_only_its_own_vms() {
+    let env = Env::new();
+    env.ok(&["create", "a", "--cpus", "0", "--memory", "1G"]);
+    env.ok(&["create", "b", "--cpus", "1", "--memory", "1G"]);
+    let tasks = format!("probe.tasks=spin={LONG_SPIN}");
+    for name in ["a", "b"] {
+        env.ok(&["run", name, "--", "--kernel", "probe", "--cmdline", &tasks]);
+    }
+    // Both guests are up and in their loops.
+    let mut pids = Vec::new();
+    for name in ["a", "b"] {
+        let vm = env.wait_vm(name, 1, Duration::from_secs(60), |v| {
+            v["state"] != "running" || console(v).contains("task arena")
+        });
+        assert_eq!(vm["state"], "running", "{vm}\n{}", console(&vm));
+        pids.push(vm["pid"].as_u64().unwrap());
+    }
+    let a = env.show("a");
+    let sup_a = a["supervisor_state"]["pid"].as_u64().unwrap();
+    let sup_b = env.show("b")["supervisor_state"]["pid"].as_u64().unwrap();
+    // SAFETY: kill(2) on the supervisor this test's partition started.
+    assert_eq!(
+        unsafe { libc::kill(sup_a as libc::pid_t, libc::SIGKILL) },
+        0
+    );
+
+    // a's VM follows its supervisor; b's goes on.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pid_alive(pids[0]) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !pid_alive(pids[0]),
+        "vm of a (pid {}) survived its supervisor",
+        pids[0]
+    );
+    assert!(pid_alive(sup_b), "supervisor of b died with a's");
+    assert!(pid_alive(pids[1]), "vm of b died with a's supervisor");
+    assert_eq!(env.vm("b", 1)["state"], "running");
+
+    let lost = env.vm("a", 1);
+    assert_eq!(lost["state"], "lost", "{lost}");
+    assert_eq!(
+        lost["reason"],
+        format!("supervisor pid {sup_a} gone"),
+        "{lost}"
+    );
+    let a_view = env.show("a");
+    assert_eq!(a_view["supervisor_state"]["state"], "gone");
+    let table = env.ok(&["list"]).stdout;
+    assert!(
+        table.contains(&format!("lost (supervisor pid {sup_a} gone)")),
+        "{table}"
+    );
+    let e = env.refused_or_system(&["run", "a", "--", "--kernel", "probe"]);
+    assert!(e.contains(&format!("supervisor pid {sup_a} gone")), "{e}");
+
+    // b's VM finishes its work correctly.
+    let vm = env.wait_vm("b", 1, Duration::from_secs(120), |v| {
+        v["state"] != "running"
+    });
+    let out = console(&vm);
+    assert_eq!(vm["state"], "exited", "{vm}\n{out}");
+    assert_eq!(vm["status"], 0, "{vm}\n{out}");
+    let spin = out
+        .lines()
+        .find(|l| l.starts_with("{\"probe\":\"spin\""))
+        .unwrap_or_else(|| panic!("no spin result from b:\n{out}"));
+    let spin: Value = serde_json::from_str(spin).unwrap();
+    assert_eq!(spin["iterations"], LONG_SPIN, "{spin}");
+
+    // Destroying a partition whose supervisor is gone still removes its cgroup.
+    env.ok(&["destroy", "a"]);
+    for d in place_dirs(&a) {
+        assert!(!d.exists(), "cgroup {} left behind", d.display());
+    }
+}
+
+#[test]
+fn partition_state_survives_a_cli_restart() {
+    let env = Env::new();
+    env.ok(&["create", "keep", "--cpus", "0", "--memory", "256M"]);
+    let first = env.list();
+    let sup = first[0]["supervisor_state"]["pid"].as_u64().unwrap();
+    // The supervisor is its own session leader, detached from the CLI that started it.
+    let stat = std::fs::read_to_string(format!("/proc/{sup}/stat")).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    assert_eq!(
+        fields[3],
+        sup.to_string(),
+        "session of the supervisor: {stat}"
+    );
+    // Every command is a new CLI process; a few later, the same partition and supervisor.
+    for _ in 0..3 {
+        let again = env.list();
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0]["name"], "keep");
+        assert_eq!(again[0]["cpus"], first[0]["cpus"]);
+        assert_eq!(again[0]["cgroup"], first[0]["cgroup"]);
+        assert_eq!(again[0]["supervisor_state"]["pid"], sup);
+        assert_eq!(again[0]["supervisor_state"]["state"], "running");
+    }
+    // And a manager built from nothing but the state directory sees it too.
+    let m = Manager::new(env.state(), PathBuf::from(env!("CARGO_BIN_EXE_musubi"))).unwrap();
+    let views = m.list().unwrap();
+    assert_eq!(views.len(), 1);
+    assert_eq!(views[0].record.supervisor.unwrap().pid as u64, sup);
+}
+
+impl Env {
+    /// A command that fails (status 1 or 2) and its message.
+    fn refused_or_system(&self, args: &[&str]) -> String {
+        let r = self.pm(args);
+        assert!(
+            matches!(r.code, Some(1) | Some(2)),
+            "musubi partition {args:?} should fail:\n{}",
+            r.explain()
+        );
+        r.stderr
+    }
+}

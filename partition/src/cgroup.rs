@@ -1,0 +1,428 @@
+//! The cgroup back-ends: cgroup v1 (one hierarchy per controller: cpuset, memory, blkio)
+//! and cgroup v2 (one unified hierarchy with the cpuset, memory and io controllers).
+//!
+//! Creation, limits and task moves go through `cgroups-rs`. The block-I/O weight is written
+//! to the cgroup directory directly: the crate knows only `blkio.weight` (v1, CFQ) and
+//! `io.bfq.weight` (v2), while kernels with BFQ under v1 name it `blkio.bfq.weight` and v2
+//! hosts with io.cost use `io.weight`, and its generic attribute writer is not public.
+//!
+//! Where a partition's cgroup goes: on v1, under the creating process's own cgroup in each
+//! hierarchy, so a partition stays inside whatever its creator is confined to (a container,
+//! a service's slice) and inside the subtree it may write. On v2 the "no internal
+//! processes" rule forbids enabling controllers below a cgroup that holds processes (the
+//! creator's own), so partitions go directly under the root of the unified hierarchy.
+
+use crate::resources::CpuList;
+use crate::Error;
+use cgroups_rs::fs::cgroup::get_cgroups_relative_paths;
+use cgroups_rs::fs::cpuset::CpuSetController;
+use cgroups_rs::fs::hierarchies::{is_cgroup2_unified_mode, V1, V2};
+use cgroups_rs::fs::memory::MemController;
+use cgroups_rs::fs::{Cgroup, Controllers, Hierarchy};
+use cgroups_rs::CgroupPid;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The v1 controllers a partition uses, by their cgroupfs names.
+const V1_CONTROLLERS: [&str; 3] = ["cpuset", "memory", "blkio"];
+/// The same for v2 (block I/O is `io` there).
+const V2_CONTROLLERS: [&str; 3] = ["cpuset", "memory", "io"];
+
+/// One directory of a partition's cgroup: on v1 one per controller, on v2 a single one.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Place {
+    /// `cpuset`, `memory`, `blkio`; `unified` on v2.
+    pub controller: String,
+    /// Where the hierarchy is mounted.
+    pub mount: PathBuf,
+    /// The cgroup's path below the mount point.
+    pub rel: String,
+    /// The path `/proc/PID/cgroup` shows for a member (the mount may be of a subtree).
+    pub proc_path: String,
+}
+
+impl Place {
+    pub fn dir(&self) -> PathBuf {
+        self.mount.join(&self.rel)
+    }
+}
+
+/// A partition's cgroup, as recorded in its state file so later commands (and other CLI
+/// processes) find it without redoing the discovery.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct PartitionCgroup {
+    /// 1 or 2.
+    pub version: u8,
+    pub places: Vec<Place>,
+}
+
+/// What the cgroup enforces.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub cpus: CpuList,
+    pub mems: CpuList,
+    pub memory: u64,
+    pub io_weight: Option<u32>,
+}
+
+/// The host's cgroup set-up.
+#[derive(Clone, Debug)]
+pub enum Host {
+    V1 {
+        /// (controller, mount point, root of the mounted subtree)
+        mounts: Vec<(String, PathBuf, PathBuf)>,
+    },
+    V2 {
+        root: PathBuf,
+    },
+}
+
+impl Host {
+    /// Finds which cgroup version the host runs and where the controllers are.
+    pub fn detect() -> Result<Host, Error> {
+        if is_cgroup2_unified_mode() {
+            let root = PathBuf::from(cgroups_rs::fs::hierarchies::UNIFIED_MOUNTPOINT);
+            let p = root.join("cgroup.controllers");
+            let have = std::fs::read_to_string(&p)
+                .map_err(|e| Error::system(format!("cgroup v2: {}: {e}", p.display())))?;
+            let have: Vec<&str> = have.split_whitespace().collect();
+            let missing: Vec<&str> = V2_CONTROLLERS
+                .iter()
+                .copied()
+                .filter(|c| !have.contains(c))
+                .collect();
+            if !missing.is_empty() {
+                return Err(Error::system(format!(
+                    "cgroup v2: controller(s) {} not available in {} (has: {})",
+                    missing.join(", "),
+                    p.display(),
+                    have.join(" ")
+                )));
+            }
+            return Ok(Host::V2 { root });
+        }
+        let v1 = V1::new();
+        let mut mounts = Vec::new();
+        for (name, ctl) in
+            V1_CONTROLLERS
+                .iter()
+                .zip([Controllers::CpuSet, Controllers::Mem, Controllers::BlkIo])
+        {
+            let (mount, root) = v1.get_mount_point(ctl).ok_or_else(|| {
+                Error::system(format!(
+                    "cgroup v1: the {name} controller is not mounted (see /proc/self/mountinfo); \
+                     partitions need cpuset, memory and blkio"
+                ))
+            })?;
+            mounts.push((name.to_string(), mount, root));
+        }
+        Ok(Host::V1 { mounts })
+    }
+
+    pub fn version(&self) -> u8 {
+        match self {
+            Host::V1 { .. } => 1,
+            Host::V2 { .. } => 2,
+        }
+    }
+
+    /// Where a cgroup named `name` goes (see the module documentation).
+    pub fn plan(&self, name: &str) -> Result<PartitionCgroup, Error> {
+        match self {
+            Host::V2 { root } => Ok(PartitionCgroup {
+                version: 2,
+                places: vec![Place {
+                    controller: "unified".into(),
+                    mount: root.clone(),
+                    rel: name.to_string(),
+                    proc_path: format!("/{name}"),
+                }],
+            }),
+            Host::V1 { mounts } => {
+                let own = get_cgroups_relative_paths()
+                    .map_err(|e| Error::system(format!("/proc/self/cgroup: {e}")))?;
+                let mut places = Vec::new();
+                for (controller, mount, mount_root) in mounts {
+                    let own_path = own.get(controller).cloned().unwrap_or_else(|| "/".into());
+                    // /proc shows paths from the hierarchy's root; the mount may show a
+                    // subtree of it.
+                    let root = mount_root.to_string_lossy();
+                    let below_mount = if root == "/" {
+                        own_path.as_str()
+                    } else {
+                        own_path.strip_prefix(root.as_ref()).unwrap_or("/")
+                    };
+                    let rel = join_rel(below_mount, name);
+                    let proc_path = join_rel(&own_path, name);
+                    places.push(Place {
+                        controller: controller.clone(),
+                        mount: mount.clone(),
+                        rel,
+                        proc_path: format!("/{proc_path}"),
+                    });
+                }
+                Ok(PartitionCgroup { version: 1, places })
+            }
+        }
+    }
+}
+
+fn join_rel(parent: &str, name: &str) -> String {
+    let parent = parent.trim_matches('/');
+    if parent.is_empty() {
+        name.to_string()
+    } else {
+        format!("{parent}/{name}")
+    }
+}
+
+fn crate_err(what: &str, dir: &Path, e: cgroups_rs::fs::error::Error) -> Error {
+    let cause = std::error::Error::source(&e)
+        .map(|c| format!(": {c}"))
+        .unwrap_or_default();
+    let hint = if cause.contains("ermission denied") || cause.contains("Read-only") {
+        " (partitions need write access to cgroupfs: run as root)"
+    } else {
+        ""
+    };
+    Error::system(format!("{what} {}: {e}{cause}{hint}", dir.display()))
+}
+
+impl PartitionCgroup {
+    fn handle(&self, place: &Place) -> Cgroup {
+        if self.version == 2 {
+            let hier: Box<dyn Hierarchy> = Box::new(V2::new());
+            Cgroup::load_with_specified_controllers(
+                hier,
+                &place.rel,
+                vec!["cpuset".into(), "memory".into()],
+            )
+        } else {
+            let hier: Box<dyn Hierarchy> = Box::new(V1::new());
+            Cgroup::load_with_specified_controllers(
+                hier,
+                &place.rel,
+                vec![place.controller.clone()],
+            )
+        }
+    }
+
+    /// Creates the cgroup and applies the limits. On failure, whatever was created is
+    /// removed again.
+    pub fn create(&self, limits: &Limits) -> Result<Limited, Error> {
+        let r = self.create_inner(limits);
+        if r.is_err() {
+            let _ = self.remove(Duration::from_secs(2));
+        }
+        r
+    }
+
+    fn create_inner(&self, limits: &Limits) -> Result<Limited, Error> {
+        for place in &self.places {
+            if place.dir().exists() {
+                return Err(Error::refused(format!(
+                    "cgroup {} already exists: another partition (perhaps of another state \
+                     directory) uses this name; choose another name or cgroup prefix",
+                    place.dir().display()
+                )));
+            }
+        }
+        let mut io_weight_file = None;
+        for place in &self.places {
+            let dir = place.dir();
+            let cg = self.handle(place);
+            if self.version == 2 {
+                let hier: Box<dyn Hierarchy> = Box::new(V2::new());
+                Cgroup::new_with_specified_controllers(
+                    hier,
+                    &place.rel,
+                    Some(V2_CONTROLLERS.iter().map(|s| s.to_string()).collect()),
+                )
+                .map_err(|e| crate_err("cannot create cgroup", &dir, e))?;
+            } else {
+                cg.create()
+                    .map_err(|e| crate_err("cannot create cgroup", &dir, e))?;
+            }
+            if !dir.is_dir() {
+                return Err(Error::system(format!(
+                    "cannot create cgroup {} (partitions need write access to cgroupfs: run \
+                     as root)",
+                    dir.display()
+                )));
+            }
+            if let Some(c) = cg.controller_of::<CpuSetController>() {
+                c.set_cpus(&limits.cpus.to_string())
+                    .map_err(|e| crate_err("cpuset.cpus of", &dir, e))?;
+                c.set_mems(&limits.mems.to_string())
+                    .map_err(|e| crate_err("cpuset.mems of", &dir, e))?;
+            }
+            if let Some(m) = cg.controller_of::<MemController>() {
+                m.set_limit(limits.memory.min(i64::MAX as u64) as i64)
+                    .map_err(|e| crate_err("memory limit of", &dir, e))?;
+            }
+            if let Some(w) = limits.io_weight {
+                if place.controller == "blkio" || place.controller == "unified" {
+                    io_weight_file = write_io_weight(&dir, self.version, w)?;
+                }
+            }
+        }
+        Ok(Limited { io_weight_file })
+    }
+
+    /// Moves process `pid` (all its threads) into the cgroup.
+    pub fn add_process(&self, pid: u32) -> Result<(), Error> {
+        for place in &self.places {
+            self.handle(place)
+                .add_task_by_tgid(CgroupPid::from(pid as u64))
+                .map_err(|e| crate_err(&format!("cannot move pid {pid} into"), &place.dir(), e))?;
+        }
+        Ok(())
+    }
+
+    /// Processes in the cgroup (in any of its directories).
+    pub fn processes(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = Vec::new();
+        for place in &self.places {
+            if let Ok(text) = std::fs::read_to_string(place.dir().join("cgroup.procs")) {
+                pids.extend(
+                    text.split_whitespace()
+                        .filter_map(|s| s.parse::<u32>().ok()),
+                );
+            }
+        }
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
+    /// Whether `/proc/PID/cgroup` puts `pid` in this cgroup in every hierarchy it uses.
+    pub fn contains(&self, pid: u32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/cgroup")) {
+            Ok(text) => self.places.iter().all(|p| {
+                text.lines().any(|l| {
+                    let mut f = l.splitn(3, ':');
+                    let (_, ctls, path) = (f.next(), f.next().unwrap_or(""), f.next());
+                    let ctl_match = if p.controller == "unified" {
+                        ctls.is_empty()
+                    } else {
+                        ctls.split(',').any(|c| c == p.controller)
+                    };
+                    ctl_match && path == Some(p.proc_path.as_str())
+                })
+            }),
+            Err(_) => false,
+        }
+    }
+
+    pub fn exists(&self) -> bool {
+        self.places.iter().any(|p| p.dir().is_dir())
+    }
+
+    /// Kills every process left in the cgroup and removes its directories, waiting up to
+    /// `patience` for the processes to go (a cgroup with members cannot be removed).
+    pub fn remove(&self, patience: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + patience;
+        loop {
+            let pids = self.processes();
+            if pids.is_empty() {
+                break;
+            }
+            for pid in &pids {
+                // SAFETY: kill(2) has no memory-safety preconditions.
+                unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+            }
+            if Instant::now() > deadline {
+                return Err(Error::system(format!(
+                    "cgroup {} still holds processes {pids:?} after SIGKILL",
+                    self.places[0].dir().display()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        for place in &self.places {
+            let dir = place.dir();
+            loop {
+                match std::fs::remove_dir(&dir) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                    // Exiting members leave the cgroup a moment after they are reaped.
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(Duration::from_millis(50))
+                    }
+                    Err(e) => {
+                        return Err(Error::system(format!(
+                            "cannot remove cgroup {}: {e}",
+                            dir.display()
+                        )))
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What was actually enforced.
+#[derive(Clone, Debug)]
+pub struct Limited {
+    /// The file that took the I/O weight; `None` when the host's I/O scheduler offers no
+    /// weight file (then the weight is recorded but not enforced).
+    pub io_weight_file: Option<String>,
+}
+
+fn write_io_weight(dir: &Path, version: u8, weight: u32) -> Result<Option<String>, Error> {
+    let candidates: &[(&str, String)] = if version == 2 {
+        &[
+            ("io.weight", format!("default {weight}")),
+            ("io.bfq.weight", format!("{weight}")),
+        ]
+    } else {
+        &[
+            ("blkio.weight", format!("{weight}")),
+            ("blkio.bfq.weight", format!("{weight}")),
+        ]
+    };
+    for (file, value) in candidates {
+        let p = dir.join(file);
+        if p.exists() {
+            std::fs::write(&p, value)
+                .map_err(|e| Error::system(format!("{}: writing {value:?}: {e}", p.display())))?;
+            return Ok(Some(file.to_string()));
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_join() {
+        assert_eq!(join_rel("/", "p"), "p");
+        assert_eq!(join_rel("/a/b", "p"), "a/b/p");
+        assert_eq!(join_rel("", "p"), "p");
+    }
+
+    #[test]
+    fn plan_names_one_place_per_controller() {
+        let host = Host::detect().expect("cgroups on this host");
+        let cg = host.plan("musubi-unit-plan").unwrap();
+        match host {
+            Host::V1 { .. } => {
+                let names: Vec<&str> = cg.places.iter().map(|p| p.controller.as_str()).collect();
+                assert_eq!(names, V1_CONTROLLERS);
+            }
+            Host::V2 { .. } => assert_eq!(cg.places.len(), 1),
+        }
+        for p in &cg.places {
+            assert!(p.rel.ends_with("musubi-unit-plan"));
+            assert!(p.proc_path.ends_with("/musubi-unit-plan"));
+            // This process is in the parent: the proc path is its own plus the name.
+            assert!(!cg.contains(std::process::id()));
+        }
+    }
+}
