@@ -6,9 +6,12 @@
 //! SVG charts ([`plot`]) and outside observation of a hypervisor process ([`watch`]).
 
 mod boot;
+mod composite;
 mod dsm_table;
+mod guest_run;
 pub mod plot;
 pub mod report;
+mod seq;
 pub mod stats;
 pub mod watch;
 
@@ -19,7 +22,7 @@ use std::process::ExitCode;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Experiment to run: boot, dsm-table.
+    /// Experiment to run: boot, composite, seq, dsm-table.
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -32,12 +35,14 @@ pub struct BenchArgs {
     pub compare: Option<String>,
 }
 
-const EXPERIMENTS: &[&str] = &["boot", "dsm-table"];
+const EXPERIMENTS: &[&str] = &["boot", "composite", "seq", "dsm-table"];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
     let result = match args.experiment.as_str() {
         "boot" => Harness::new(args).and_then(|h| boot::run(&h, args)),
         "dsm-table" => Harness::new(args).and_then(|h| dsm_table::run(&h, args)),
+        "composite" => Harness::new(args).and_then(|h| composite::run(&h, args)),
+        "seq" => Harness::new(args).and_then(|h| seq::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}",

@@ -1,0 +1,137 @@
+//! Runs one workload either in the probe guest (in this process, through the VMM library)
+//! or natively (the `musubi-native` program, built from the same workload code), and
+//! returns the result line with the run's exit accounting.
+
+use crate::probe;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use vmm::config::{DiskConfig, ExitsMode, SerialMode, VmConfig};
+
+/// One workload run's result line and, for VM runs, the VMM's accounting.
+pub struct WorkloadRun {
+    pub result: Value,
+    /// `--metrics` JSON of the VM run; `Value::Null` for native runs.
+    pub metrics: Value,
+}
+
+impl WorkloadRun {
+    /// The task's own time in ns, as it measured it.
+    pub fn ns(&self) -> Option<f64> {
+        self.result["ns"].as_f64()
+    }
+
+    pub fn total_exits(&self) -> Option<u64> {
+        self.metrics["total_exits"].as_u64()
+    }
+
+    /// Mean VMM time per exit over the whole run, in ns.
+    pub fn vmm_ns_per_exit(&self) -> Option<f64> {
+        let exits = self.metrics["exits"].as_array()?;
+        let (n, t) = exits.iter().fold((0u64, 0u64), |(n, t), e| {
+            (
+                n + e["count"].as_u64().unwrap_or(0),
+                t + e["vmm_ns"].as_u64().unwrap_or(0),
+            )
+        });
+        (n > 0).then(|| t as f64 / n as f64)
+    }
+}
+
+/// Runs `task` (one probe task, e.g. `port-ping=1000`) in the probe guest.
+pub fn in_vm(task: &str, exits: ExitsMode, disk: Option<&Path>) -> Result<WorkloadRun, String> {
+    let config = VmConfig {
+        kernel: probe::image(),
+        cmdline: format!("probe.tasks={task}"),
+        initrd: None,
+        cpus: 1,
+        memory: 256 << 20,
+        disks: disk
+            .map(|p| {
+                vec![DiskConfig {
+                    path: p.to_path_buf(),
+                    readonly: false,
+                    cache: Default::default(),
+                }]
+            })
+            .unwrap_or_default(),
+        serial: SerialMode::Off,
+        exits,
+        pmem: Vec::new(),
+    };
+    let opts = vmm::RunOptions {
+        capture_serial: true,
+        timeout: Some(Duration::from_secs(600)),
+        ..Default::default()
+    };
+    let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;
+    let console = String::from_utf8_lossy(&report.serial).into_owned();
+    if report.outcome != vmm::Outcome::GuestExit(0) {
+        return Err(format!(
+            "{task} ({exits}): the guest ended with {:?}; console:\n{}",
+            report.outcome,
+            tail(&console)
+        ));
+    }
+    let name = task.split('=').next().unwrap_or(task);
+    let results = probe::results(&report.serial);
+    let result = probe::result(&results, name).cloned().ok_or_else(|| {
+        format!(
+            "{task} ({exits}): no result line; console:\n{}",
+            tail(&console)
+        )
+    })?;
+    Ok(WorkloadRun {
+        result,
+        metrics: report.metrics,
+    })
+}
+
+/// The native program, built beside `musubi` by the workspace build.
+pub fn native_program() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let p = exe.with_file_name("musubi-native");
+    if p.exists() {
+        Ok(p)
+    } else {
+        Err(format!(
+            "{} is missing: build it with `cargo build --release -p workloads`",
+            p.display()
+        ))
+    }
+}
+
+/// Runs `task` natively with the same workload code.
+pub fn native(task: &str, disk: Option<&Path>) -> Result<WorkloadRun, String> {
+    let prog = native_program()?;
+    let mut cmd = std::process::Command::new(&prog);
+    if let Some(d) = disk {
+        cmd.arg("--disk").arg(d);
+    }
+    let out = cmd
+        .arg(task)
+        .output()
+        .map_err(|e| format!("{}: {e}", prog.display()))?;
+    let name = task.split('=').next().unwrap_or(task);
+    let results = probe::results(&out.stdout);
+    let result = probe::result(&results, name).cloned().ok_or_else(|| {
+        format!(
+            "{} {task}: no result line (status {:?}); stderr:\n{}",
+            prog.display(),
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    if result["ok"] == false {
+        return Err(format!("{} {task}: {}", prog.display(), result));
+    }
+    Ok(WorkloadRun {
+        result,
+        metrics: Value::Null,
+    })
+}
+
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
