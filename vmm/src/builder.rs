@@ -155,11 +155,9 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     let mut devices = create_devices(
         &vm,
         &mem,
-        &config.serial,
+        config,
         capture.clone(),
-        &config.disks,
         pmem.devices(),
-        config.exits,
         control.clone(),
     )
     .map_err(err)?;

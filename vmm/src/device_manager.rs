@@ -1,7 +1,7 @@
 //! Creates the VM's devices, puts them on the port and MMIO buses and wires their interrupts.
 
 use crate::arch::x86_64::layout::{MAX_IRQ, VIRTIO_IRQ_BASE, VIRTIO_MMIO_BASE, VIRTIO_MMIO_SIZE};
-use crate::config::{CacheMode, DiskConfig, ExitsMode, SerialMode};
+use crate::config::{CacheMode, ExitsMode, SerialMode, VmConfig};
 use crate::control::RunControl;
 use crate::io_thread::Notifier;
 use crate::irq::{IrqLine, UserIrq};
@@ -213,13 +213,12 @@ impl Wiring<'_> {
 pub fn create_devices(
     vm: &Vm,
     mem: &GuestMemoryMmap,
-    serial_mode: &SerialMode,
+    config: &VmConfig,
     capture: Option<Arc<Mutex<Vec<u8>>>>,
-    disks: &[DiskConfig],
     extra: ExtraDevices,
-    mode: ExitsMode,
     control: Arc<RunControl>,
 ) -> Result<Devices, DeviceError> {
+    let (serial_mode, disks, mode) = (&config.serial, &config.disks[..], config.exits);
     let mut w = Wiring {
         vm,
         mem,
