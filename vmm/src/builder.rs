@@ -144,9 +144,19 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     pmem.register(&mut vm).map_err(err)?;
     let mem = pmem.extend_guest_memory(mem).map_err(err)?;
 
+    tracing::debug!(
+        phase = "vm and memory",
+        us = started.elapsed().as_micros() as u64,
+        "set-up"
+    );
     // 2. The kernel.
     let (entry, _kernel_end) = load_kernel(&mem, &config.kernel).map_err(err)?;
 
+    tracing::debug!(
+        phase = "kernel loaded",
+        us = started.elapsed().as_micros() as u64,
+        "set-up"
+    );
     // 3. Devices, and the command line that announces them.
     let control = Arc::new(RunControl::default());
     let capture = opts
@@ -165,6 +175,11 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     mem.write_slice(&cmdline, GuestAddress(CMDLINE_START))
         .map_err(|e| err(format!("cannot write the command line: {e}")))?;
 
+    tracing::debug!(
+        phase = "devices",
+        us = started.elapsed().as_micros() as u64,
+        "set-up"
+    );
     // 4. Firmware tables and boot structures.
     // Both CPU tables: the MP table for simple guests, ACPI for kernels built without
     // MP-table parsing (Debian's cloud kernel among them).
@@ -185,6 +200,11 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
         }
     }
 
+    tracing::debug!(
+        phase = "firmware tables",
+        us = started.elapsed().as_micros() as u64,
+        "set-up"
+    );
     // 5. vCPUs: the BSP gets the entry state; APs wait for INIT/SIPI in the kernel.
     let mut vcpus = Vec::new();
     for id in 0..config.cpus {
@@ -200,6 +220,11 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     }
     .map_err(err)?;
 
+    tracing::debug!(
+        phase = "vcpus",
+        us = started.elapsed().as_micros() as u64,
+        "set-up"
+    );
     // 6. Run until an outcome is recorded.
     let metrics: Vec<Arc<VcpuMetrics>> = (0..config.cpus).map(|_| Arc::default()).collect();
     let stop = Arc::new(AtomicBool::new(false));
