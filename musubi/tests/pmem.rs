@@ -560,3 +560,119 @@ fn regions_come_from_the_json_config_too() {
         &["--config", "pmem (config)", "invalid size"],
     );
 }
+
+// The probe guest's memory-storage tasks: `pmem-fill=SEED` writes the `blk-fill` pattern
+// over every region it finds (E820 type 12 or virtio-pmem) from user mode and flushes;
+// `pmem-crc` reports each region's CRC-32.
+
+fn probe_with_regions(tasks: &str, regions: &[String]) -> Run {
+    let cmdline = format!("probe.tasks={tasks}");
+    let mut args = vec![
+        "run",
+        "--kernel",
+        "probe",
+        "--memory",
+        "64M",
+        "--cmdline",
+        &cmdline,
+        "--timeout",
+        "200",
+    ];
+    for r in regions {
+        args.extend(["--pmem", r.as_str()]);
+    }
+    run(&args)
+}
+
+fn crc_of(path: &Path) -> String {
+    format!("{:#010x}", crc32fast::hash(&std::fs::read(path).unwrap()))
+}
+
+#[test]
+fn probe_fill_and_crc_round_trip_with_both_advertisements() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = temp_image(dir.path(), "e820.img", 4 << 20);
+    let b = temp_image(dir.path(), "virtio.img", 2 << 20);
+    let seed = 29;
+    let r = probe_with_regions(
+        &format!("pmem-fill={seed},pmem-crc"),
+        &[
+            format!("file={}", a.display()),
+            format!("file={},advertise=virtio", b.display()),
+        ],
+    );
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    let fill = r.result("pmem-fill");
+    assert_eq!(fill["ok"], true, "{}", r.explain());
+    let crc = r.result("pmem-crc");
+    let regions = crc["regions"].as_array().unwrap();
+    assert_eq!(regions.len(), 2, "{}", r.explain());
+    for (i, (path, source)) in [(&a, "e820"), (&b, "virtio")].into_iter().enumerate() {
+        let data = std::fs::read(path).unwrap();
+        if let Some(o) = (0..data.len()).find(|&o| data[o] != fill_byte(o as u64, seed)) {
+            panic!("{}: byte {o:#x} is not the fill pattern", path.display());
+        }
+        assert_eq!(regions[i]["index"], i as u64);
+        assert_eq!(regions[i]["source"], source, "{}", r.explain());
+        assert_eq!(regions[i]["bytes"], data.len() as u64);
+        assert_eq!(regions[i]["crc32"], crc_of(path), "{}", r.explain());
+    }
+}
+
+#[test]
+fn probe_reads_what_the_host_wrote() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = region_file(dir.path(), "a.img", 2 << 20);
+    let b = region_file(dir.path(), "b.img", 2 << 20);
+    // A different pattern in the second file, so the regions cannot be confused.
+    let mut data = std::fs::read(&b).unwrap();
+    data.iter_mut().for_each(|x| *x ^= 0x5a);
+    std::fs::write(&b, &data).unwrap();
+    let r = probe_with_regions(
+        "pmem-crc",
+        &[
+            format!("file={},advertise=virtio", a.display()),
+            format!("file={},readonly=on", b.display()),
+        ],
+    );
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    // The guest numbers E820 regions before virtio-pmem ones; match them by source.
+    let crc = r.result("pmem-crc");
+    let by_source = |src: &str| {
+        crc["regions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["source"] == src)
+            .unwrap_or_else(|| panic!("no {src} region: {}", r.explain()))["crc32"]
+            .clone()
+    };
+    assert_eq!(by_source("virtio"), crc_of(&a), "{}", r.explain());
+    assert_eq!(by_source("e820"), crc_of(&b), "{}", r.explain());
+}
+
+#[test]
+fn probe_fill_on_a_readonly_region_fails_in_the_guest_and_spares_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = region_file(dir.path(), "ro.img", 2 << 20);
+    let r = probe_with_regions(
+        "pmem-fill=3,pmem-crc",
+        &[format!("file={},readonly=on", f.display())],
+    );
+    // The guest reports the failed fill (status 3) and runs its next task: the VMM neither
+    // crashed nor stopped.
+    assert_eq!(r.code, Some(3), "{}", r.explain());
+    assert_eq!(r.result("pmem-fill")["ok"], false, "{}", r.explain());
+    assert_eq!(
+        r.result("pmem-crc")["regions"][0]["crc32"],
+        crc_of(&f),
+        "{}",
+        r.explain()
+    );
+    assert_same(&f, &original(2 << 20));
+    assert!(
+        r.stderr.contains("is read-only: guest write"),
+        "{}",
+        r.explain()
+    );
+}
