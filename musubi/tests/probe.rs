@@ -10,19 +10,7 @@ fn e820_ram(bytes: u64) -> u64 {
 }
 
 fn hello(cpus: &str) {
-    let r = run(&[
-        "run",
-        "--kernel",
-        "probe",
-        "--cpus",
-        cpus,
-        "--memory",
-        "128M",
-        "--cmdline",
-        "probe.tasks=hello",
-        "--timeout",
-        "200",
-    ]);
+    let r = run_probe("hello", &["--cpus", cpus, "--memory", "128M"]);
     assert_eq!(r.code, Some(0), "{}", r.explain());
     let h = r.result("hello");
     assert_eq!(
@@ -51,29 +39,13 @@ fn hello_on_two_vcpus() {
 
 #[test]
 fn exit_status_propagates() {
-    let r = run(&[
-        "run",
-        "--kernel",
-        "probe",
-        "--cmdline",
-        "probe.tasks=exit=7",
-        "--timeout",
-        "200",
-    ]);
+    let r = run_probe("exit=7", &[]);
     assert_eq!(r.code, Some(7), "{}", r.explain());
 }
 
 #[test]
 fn guest_triple_fault_ends_the_vm_with_a_message() {
-    let r = run(&[
-        "run",
-        "--kernel",
-        "probe",
-        "--cmdline",
-        "probe.tasks=triple-fault",
-        "--timeout",
-        "200",
-    ]);
+    let r = run_probe("triple-fault", &[]);
     assert_eq!(r.code, Some(125), "{}", r.explain());
     assert!(r.stderr.contains("triple fault"), "{}", r.explain());
 }
@@ -91,19 +63,7 @@ fn fill_then_check_in(cache: &str, dir: &std::path::Path, mode: &str) {
     let size = 3 << 20;
     let img = temp_image(dir, "fill.img", size);
     let disk = format!("path={},cache={cache}", img.display());
-    let r = run(&[
-        "run",
-        "--kernel",
-        "probe",
-        "--exits",
-        mode,
-        "--disk",
-        &disk,
-        "--cmdline",
-        "probe.tasks=blk-fill=9",
-        "--timeout",
-        "200",
-    ]);
+    let r = run_probe("blk-fill=9", &["--exits", mode, "--disk", &disk]);
     assert_eq!(r.code, Some(0), "{}", r.explain());
     let data = std::fs::read(&img).unwrap();
     assert_eq!(data.len(), size);
@@ -150,19 +110,7 @@ fn crc_matches_host_in(cache: &str, dir: &std::path::Path, mode: &str) {
         .write_all(&data)
         .unwrap();
     let disk = format!("path={},cache={cache},readonly=on", img.display());
-    let r = run(&[
-        "run",
-        "--kernel",
-        "probe",
-        "--exits",
-        mode,
-        "--disk",
-        &disk,
-        "--cmdline",
-        "probe.tasks=blk-crc",
-        "--timeout",
-        "200",
-    ]);
+    let r = run_probe("blk-crc", &["--exits", mode, "--disk", &disk]);
     assert_eq!(r.code, Some(0), "{}", r.explain());
     let c = r.result("blk-crc");
     let d = &c["disks"][0];
@@ -198,19 +146,7 @@ fn readonly_disk_refuses_guest_writes_and_the_vmm_stays_up() {
         let dir = tempfile::tempdir().unwrap();
         let img = temp_image(dir.path(), "ro.img", 1 << 20);
         let disk = format!("path={},readonly=on", img.display());
-        let r = run(&[
-            "run",
-            "--kernel",
-            "probe",
-            "--exits",
-            mode,
-            "--disk",
-            &disk,
-            "--cmdline",
-            "probe.tasks=blk-fill=1,hello",
-            "--timeout",
-            "200",
-        ]);
+        let r = run_probe("blk-fill=1,hello", &["--exits", mode, "--disk", &disk]);
         let fill = r.result("blk-fill");
         assert_eq!(fill["ok"], false, "{}", r.explain());
         // The VM went on to the next task: the device error did not stop the VMM.
@@ -228,19 +164,7 @@ fn hostile_virtio_driver_does_not_crash_or_hang_the_vmm() {
         let dir = tempfile::tempdir().unwrap();
         let img = temp_image(dir.path(), "hostile.img", 1 << 20);
         let disk = format!("path={}", img.display());
-        let r = run(&[
-            "run",
-            "--kernel",
-            "probe",
-            "--exits",
-            mode,
-            "--disk",
-            &disk,
-            "--cmdline",
-            "probe.tasks=hostile-virtio",
-            "--timeout",
-            "200",
-        ]);
+        let r = run_probe("hostile-virtio", &["--exits", mode, "--disk", &disk]);
         assert_eq!(r.code, Some(0), "{}", r.explain());
         let h = r.result("hostile-virtio");
         assert_eq!(h["good_read"], true, "{}", r.explain());
@@ -254,21 +178,17 @@ fn metrics_of(mode: &str, tasks: &str) -> serde_json::Value {
     let img = temp_image(dir.path(), "m.img", 1 << 20);
     let disk = format!("path={}", img.display());
     let metrics = dir.path().join("metrics.json");
-    let r = run(&[
-        "run",
-        "--kernel",
-        "probe",
-        "--exits",
-        mode,
-        "--disk",
-        &disk,
-        "--metrics",
-        metrics.to_str().unwrap(),
-        "--cmdline",
-        &format!("probe.tasks={tasks}"),
-        "--timeout",
-        "200",
-    ]);
+    let r = run_probe(
+        tasks,
+        &[
+            "--exits",
+            mode,
+            "--disk",
+            &disk,
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ],
+    );
     assert_eq!(r.code, Some(0), "{}", r.explain());
     let text = std::fs::read_to_string(&metrics)
         .unwrap_or_else(|e| panic!("{}: {e}\n{}", metrics.display(), r.explain()));

@@ -90,6 +90,23 @@ pub fn run(args: &[&str]) -> Run {
     run_with_limit(args, Duration::from_secs(240))
 }
 
+/// Runs the bundled probe guest with `tasks` (the `probe.tasks=` list), adding `flags` to
+/// `musubi run`; the VM itself gives up after 200 s.
+pub fn run_probe(tasks: &str, flags: &[&str]) -> Run {
+    let cmdline = format!("probe.tasks={tasks}");
+    let mut args = vec![
+        "run",
+        "--kernel",
+        "probe",
+        "--timeout",
+        "200",
+        "--cmdline",
+        &cmdline,
+    ];
+    args.extend_from_slice(flags);
+    run(&args)
+}
+
 /// Byte `offset` of a disk after the probe guest's `blk-fill=SEED`.
 pub fn fill_byte(offset: u64, seed: u64) -> u8 {
     (((offset / 512) * 131 + offset % 512 + seed) % 256) as u8
