@@ -223,6 +223,22 @@ fn run(
     Ok((reps, result, counters))
 }
 
+/// A region whose writes are dropped by the VMM (they do not fault): a changed word does not
+/// read back. The word is restored.
+fn read_only_region(i: usize) -> bool {
+    let Ok(base) = ulib::pmem_info(i, abi::PMEM_BASE) else {
+        return false;
+    };
+    let p = base as *mut u64;
+    unsafe {
+        let old = core::ptr::read_volatile(p);
+        core::ptr::write_volatile(p, !old);
+        let back = core::ptr::read_volatile(p);
+        core::ptr::write_volatile(p, old);
+        back != !old
+    }
+}
+
 /// One pass over the extent: `chunk`-sized system calls, or copies to/from the mapping;
 /// writes end with fsync (msync for the mapping; a flush for memory storage).
 fn pass(s: &StorageIo, fd: u64, va: u64, buf: u64) -> Result<(), Failure> {
@@ -289,6 +305,9 @@ fn storage_io(s: &StorageIo, buf: u64, len: u64) -> Result<(u64, Counters), Fail
     };
     if s.op == Op::Write {
         workloads::fill(bytes_at(buf, s.chunk), 0, 0);
+        if s.storage == Storage::Pmem && read_only_region(0) {
+            return Err(Failure("read-only memory storage", STATUS_BLK_FAILED));
+        }
     }
     if s.warm {
         pass(s, fd, va, buf)?;
