@@ -22,6 +22,9 @@ pub const MAX_DISKS: usize = 8;
 pub const MAX_PMEM_DEVS: usize = 4;
 pub const MAX_DEVS: usize = MAX_DISKS + MAX_PMEM_DEVS;
 const ID_BLK: u32 = 2;
+/// How long a request polls the used ring before halting for the device's interrupt: long
+/// enough for a host I/O thread to serve a small request, short next to a disk's latency.
+const POLL_US: u64 = 300;
 const ID_PMEM: u32 = 27;
 pub const VECTOR_BASE: u64 = 0x30;
 pub const ID_LEN: u64 = 20;
@@ -507,7 +510,7 @@ impl Disk {
 
     fn wait_used(&mut self, ms: u64) -> bool {
         let seen = self.used_seen;
-        let done = timer::wait_for(ms, || self.used_idx() != seen);
+        let done = timer::wait_for_polling(POLL_US, ms, || self.used_idx() != seen);
         if done {
             self.used_seen = self.used_seen.wrapping_add(1);
         }
