@@ -11,15 +11,21 @@ fn main() {
     // A target directory of its own: the outer build holds the lock on the workspace's.
     let target_dir = out.join("guest-target");
 
-    for p in [
+    // The guest's own files and the workload crate it shares with the host.
+    let workloads = guest.with_file_name("workloads");
+    let guest_files = [
         "Cargo.toml",
         "Cargo.lock",
         "src",
         ".cargo",
         "link.ld",
         "build.rs",
-    ] {
-        let path = guest.join(p);
+    ];
+    let watched = guest_files
+        .iter()
+        .map(|p| guest.join(p))
+        .chain(["Cargo.toml", "src"].iter().map(|p| workloads.join(p)));
+    for path in watched {
         if path.exists() {
             println!("cargo:rerun-if-changed={}", path.display());
         }
