@@ -82,3 +82,87 @@ fn bench_boot_quick_writes_csv_and_svg() {
         "{explain}"
     );
 }
+
+/// `musubi bench mint` creates two partitions and boots VMs in them, so it needs /dev/kvm and
+/// a writable cgroupfs (root); without them it fails, and so does this test.
+#[test]
+fn bench_mint_quick_covers_all_seven_configurations() {
+    const MINT_LIMIT: Duration = Duration::from_secs(180);
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    );
+    let out = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_musubi"))
+        .args(["bench", "mint", "--quick", "--out"])
+        .arg(out.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("musubi starts");
+    let so = child.stdout.take().unwrap();
+    let se = child.stderr.take().unwrap();
+    let t_out = std::thread::spawn(move || std::io::read_to_string(so).unwrap_or_default());
+    let t_err = std::thread::spawn(move || std::io::read_to_string(se).unwrap_or_default());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > MINT_LIMIT {
+            // SIGTERM first: the benchmark's guard then destroys its partitions.
+            // SAFETY: kill(2) on our own unreaped child.
+            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+            std::thread::sleep(Duration::from_secs(5));
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("musubi bench mint --quick did not finish within {MINT_LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = t_out.join().unwrap();
+    let stderr = t_err.join().unwrap();
+    let explain = format!("status {status:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(status.success(), "{explain}");
+
+    let csv = std::fs::read_to_string(out.path().join("mint.csv"))
+        .unwrap_or_else(|e| panic!("mint.csv: {e}\n{explain}"));
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().expect("a header").split(',').collect();
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .unwrap_or_else(|| panic!("no {name} column in {header:?}"))
+    };
+    let (config, workload, ns) = (col("config"), col("workload"), col("ns"));
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    for c in 1..=7 {
+        let mine: Vec<_> = rows.iter().filter(|r| r[config] == c.to_string()).collect();
+        for w in ["cpu", "mem-256K", "mem-1024K", "io-256K", "io-1024K"] {
+            assert!(
+                mine.iter().any(|r| r[workload] == w),
+                "no {w} rows for configuration {c}\n{csv}"
+            );
+        }
+        for r in &mine {
+            let v: f64 = r[ns].parse().unwrap();
+            assert!(v > 0.0, "a repetition took no time: {r:?}");
+        }
+    }
+    assert!(out.path().join("mint.svg").exists(), "{explain}");
+    assert!(
+        stdout.contains("MET") || stdout.contains("MISSED"),
+        "{explain}"
+    );
+    // Nothing of the benchmark's partitions is left behind.
+    assert!(
+        std::fs::read_dir(out.path())
+            .unwrap()
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().starts_with("mint-disks")),
+        "scratch disks left in {}",
+        out.path().display()
+    );
+}

@@ -21,7 +21,11 @@ use cgroups_rs::fs::memory::MemController;
 use cgroups_rs::fs::{Cgroup, Controllers, Hierarchy};
 use cgroups_rs::CgroupPid;
 use serde::{Deserialize, Serialize};
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// The v1 controllers a partition uses, by their cgroupfs names.
@@ -278,6 +282,47 @@ impl PartitionCgroup {
                 .map_err(|e| crate_err(&format!("cannot move pid {pid} into"), &place.dir(), e))?;
         }
         Ok(())
+    }
+
+    /// Starts `cmd` already inside the cgroup: the child joins it between fork and exec, so
+    /// not one instruction of the program runs outside the partition (moving it after
+    /// `spawn` would let it start on any CPU and charge memory to the parent's cgroup).
+    pub fn spawn_in(&self, cmd: &mut Command) -> Result<Child, Error> {
+        let files: Vec<CString> = self
+            .places
+            .iter()
+            .map(|p| {
+                let f = p.dir().join("cgroup.procs");
+                CString::new(f.as_os_str().as_bytes())
+                    .map_err(|_| Error::system(format!("{}: NUL in the path", f.display())))
+            })
+            .collect::<Result<_, _>>()?;
+        // SAFETY: the closure only calls open, write and close (async-signal-safe) on
+        // strings made before the fork, and allocates nothing. "0" names the writer itself.
+        unsafe {
+            cmd.pre_exec(move || {
+                for f in &files {
+                    let fd = libc::open(f.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    let n = libc::write(fd, b"0".as_ptr().cast(), 1);
+                    let err = std::io::Error::last_os_error();
+                    libc::close(fd);
+                    if n != 1 {
+                        return Err(err);
+                    }
+                }
+                Ok(())
+            });
+        }
+        cmd.spawn().map_err(|e| {
+            Error::system(format!(
+                "cannot start {:?} in cgroup {}: {e}",
+                cmd.get_program(),
+                self.places[0].dir().display()
+            ))
+        })
     }
 
     /// Processes in the cgroup (in any of its directories).

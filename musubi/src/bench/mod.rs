@@ -9,6 +9,7 @@ mod boot;
 mod composite;
 mod dsm_table;
 mod guest_run;
+mod mint;
 pub mod plot;
 pub mod report;
 mod seq;
@@ -22,7 +23,7 @@ use std::process::ExitCode;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Experiment to run: boot, composite, seq, dsm-table.
+    /// Experiment to run: boot, composite, seq, dsm-table, mint.
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -35,7 +36,7 @@ pub struct BenchArgs {
     pub compare: Option<String>,
 }
 
-const EXPERIMENTS: &[&str] = &["boot", "composite", "seq", "dsm-table"];
+const EXPERIMENTS: &[&str] = &["boot", "composite", "seq", "dsm-table", "mint"];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
     let result = match args.experiment.as_str() {
@@ -43,6 +44,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "dsm-table" => Harness::new(args).and_then(|h| dsm_table::run(&h, args)),
         "composite" => Harness::new(args).and_then(|h| composite::run(&h, args)),
         "seq" => Harness::new(args).and_then(|h| seq::run(&h, args)),
+        "mint" => Harness::new(args).and_then(|h| mint::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}",
