@@ -7,37 +7,6 @@
 mod common;
 use common::*;
 use std::path::PathBuf;
-use std::process::Command;
-
-/// The unpacked kernel, fetched with `scripts/fetch-linux.sh` when it is not there yet.
-fn kernel(name: &str) -> PathBuf {
-    let dir = std::env::var_os("MUSUBI_LINUX_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let cache = std::env::var_os("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| {
-                    PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache")
-                });
-            cache.join("musubi/linux")
-        });
-    let path = dir.join(name);
-    if !path.exists() {
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-linux.sh");
-        let st = Command::new("bash")
-            .arg(&script)
-            .arg(&dir)
-            .status()
-            .expect("fetch-linux.sh runs");
-        assert!(
-            st.success(),
-            "{} could not fetch Debian's kernel",
-            script.display()
-        );
-    }
-    assert!(path.exists(), "{} is missing", path.display());
-    path
-}
 
 fn sparse(dir: &std::path::Path, name: &str, bytes: u64) -> PathBuf {
     let p = dir.join(name);
@@ -46,7 +15,7 @@ fn sparse(dir: &std::path::Path, name: &str, bytes: u64) -> PathBuf {
 }
 
 fn e820_shows_the_regions(image: &str) {
-    let k = kernel(image);
+    let k = linux_kernel(image);
     let dir = tempfile::tempdir().unwrap();
     let a = sparse(dir.path(), "a.img", 64 << 20);
     let v = sparse(dir.path(), "v.img", 2 << 20);

@@ -126,3 +126,40 @@ pub fn direct_io_dir() -> tempfile::TempDir {
     std::fs::create_dir_all(&base).unwrap();
     tempfile::tempdir_in(base).unwrap()
 }
+
+/// Debian's cloud kernel (`vmlinux`, the PVH ELF, or `vmlinuz`, the bzImage), fetched and
+/// unpacked with `scripts/fetch-linux.sh` into `$MUSUBI_LINUX_DIR` (default: the user's
+/// cache) on first use.
+pub fn linux_kernel(name: &str) -> PathBuf {
+    let dir = std::env::var_os("MUSUBI_LINUX_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache")
+                });
+            cache.join("musubi/linux")
+        });
+    let path = dir.join(name);
+    if !path.exists() {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-linux.sh");
+        let st = Command::new("bash")
+            .arg(&script)
+            .arg(&dir)
+            .status()
+            .expect("fetch-linux.sh runs");
+        assert!(
+            st.success(),
+            "{} could not fetch Debian's kernel into {}",
+            script.display(),
+            dir.display()
+        );
+    }
+    assert!(
+        path.exists(),
+        "{} is missing after fetch-linux.sh",
+        path.display()
+    );
+    path
+}
