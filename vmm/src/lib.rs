@@ -10,6 +10,7 @@ pub mod irq;
 pub mod loader;
 pub mod metrics;
 pub mod pmem;
+pub mod testing;
 pub mod vstate;
 
 pub use builder::{run_vm, RunOptions, RunReport};

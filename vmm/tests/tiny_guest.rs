@@ -3,56 +3,8 @@
 
 use std::sync::Arc;
 use vmm::config::{ExitsMode, KernelImage, SerialMode, VmConfig};
+use vmm::testing::{pvh_elf, Code};
 use vmm::{run_vm, Outcome, RunOptions};
-
-const LOAD: u32 = 0x10_0000;
-
-/// An ELF64 image with one PT_LOAD of `code` at 1 MiB and a Xen PVH entry note.
-fn pvh_elf(code: &[u8]) -> Vec<u8> {
-    let mut note = Vec::new();
-    note.extend_from_slice(&4u32.to_le_bytes()); // namesz ("Xen\0")
-    note.extend_from_slice(&4u32.to_le_bytes()); // descsz
-    note.extend_from_slice(&18u32.to_le_bytes()); // XEN_ELFNOTE_PHYS32_ENTRY
-    note.extend_from_slice(b"Xen\0");
-    note.extend_from_slice(&LOAD.to_le_bytes());
-    let note_off = 64 + 2 * 56;
-    let code_off = 0x1000usize;
-    let mut e = vec![0u8; code_off];
-    e[..4].copy_from_slice(b"\x7fELF");
-    e[4] = 2; // 64-bit
-    e[5] = 1; // little endian
-    e[6] = 1; // version
-    e[16..18].copy_from_slice(&2u16.to_le_bytes()); // ET_EXEC
-    e[18..20].copy_from_slice(&62u16.to_le_bytes()); // EM_X86_64
-    e[20..24].copy_from_slice(&1u32.to_le_bytes());
-    e[24..32].copy_from_slice(&(LOAD as u64).to_le_bytes()); // entry
-    e[32..40].copy_from_slice(&64u64.to_le_bytes()); // phoff
-    e[52..54].copy_from_slice(&64u16.to_le_bytes()); // ehsize
-    e[54..56].copy_from_slice(&56u16.to_le_bytes()); // phentsize
-    e[56..58].copy_from_slice(&2u16.to_le_bytes()); // phnum
-    let ph = |e: &mut Vec<u8>, at: usize, typ: u32, off: u64, addr: u64, len: u64| {
-        e[at..at + 4].copy_from_slice(&typ.to_le_bytes());
-        e[at + 4..at + 8].copy_from_slice(&5u32.to_le_bytes()); // R+X
-        e[at + 8..at + 16].copy_from_slice(&off.to_le_bytes());
-        e[at + 16..at + 24].copy_from_slice(&addr.to_le_bytes());
-        e[at + 24..at + 32].copy_from_slice(&addr.to_le_bytes());
-        e[at + 32..at + 40].copy_from_slice(&len.to_le_bytes());
-        e[at + 40..at + 48].copy_from_slice(&len.to_le_bytes());
-        e[at + 48..at + 56].copy_from_slice(&0x1000u64.to_le_bytes());
-    };
-    ph(
-        &mut e,
-        64,
-        1,
-        code_off as u64,
-        LOAD as u64,
-        code.len() as u64,
-    );
-    ph(&mut e, 120, 4, note_off as u64, 0, note.len() as u64);
-    e[note_off..note_off + note.len()].copy_from_slice(&note);
-    e.extend_from_slice(code);
-    e
-}
 
 fn config(code: &[u8], cpus: u8) -> VmConfig {
     VmConfig {
@@ -79,10 +31,8 @@ fn opts() -> RunOptions {
     }
 }
 
-/// `mov dx, port; mov al, byte; out dx, al` in 32-bit code.
 fn out8(port: u16, byte: u8) -> Vec<u8> {
-    let p = port.to_le_bytes();
-    vec![0x66, 0xba, p[0], p[1], 0xb0, byte, 0xee]
+    Code::default().out8(port, byte).0
 }
 
 #[test]
@@ -112,13 +62,7 @@ fn i8042_reset_is_a_clean_shutdown() {
 
 #[test]
 fn triple_fault_is_reported_as_a_guest_crash() {
-    // lidt [zero descriptor]; ud2 — the #UD cannot be delivered, nor the #DF after it.
-    let desc_addr = LOAD + 16;
-    let mut code = vec![0x0f, 0x01, 0x1d];
-    code.extend_from_slice(&desc_addr.to_le_bytes());
-    code.extend_from_slice(&[0x0f, 0x0b]);
-    code.resize(16, 0x90);
-    code.extend_from_slice(&[0u8; 8]);
+    let code = Code::default().triple_fault().0;
     let r = run_vm(&config(&code, 1), &opts()).expect("VM runs (needs /dev/kvm)");
     match &r.outcome {
         Outcome::GuestCrash(m) => assert!(m.contains("triple fault"), "{m}"),
