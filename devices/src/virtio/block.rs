@@ -7,23 +7,23 @@
 //! offsets that guest pages cannot promise, so the data goes through an aligned bounce
 //! buffer and partial host blocks are read, patched and written back.
 
-use super::{QueueCorrupt, VirtioDevice, VirtioStats, QUEUE_MAX_SIZE};
+use super::{
+    read_config_bytes, serve_available, QueueCorrupt, VirtioDevice, VirtioStats, QUEUE_MAX_SIZE,
+};
 use std::alloc::{self, Layout};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
-use std::num::Wrapping;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::Ordering;
 use tracing::{debug, warn};
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{DescriptorChain, Queue, QueueT};
+use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryMmap, Permissions};
 
 /// virtio-blk always counts in 512-byte sectors, whatever the host block size.
@@ -810,15 +810,7 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        data.fill(0);
-        let Ok(start) = usize::try_from(offset) else {
-            return;
-        };
-        if start >= CONFIG_LEN {
-            return;
-        }
-        let n = data.len().min(CONFIG_LEN - start);
-        data[..n].copy_from_slice(&self.config[start..start + n]);
+        read_config_bytes(&self.config[..CONFIG_LEN], offset, data);
     }
 
     fn process_queue(
@@ -827,41 +819,10 @@ impl VirtioDevice for Block {
         queue: &mut Queue,
         mem: &GuestMemoryMmap,
     ) -> Result<usize, QueueCorrupt> {
-        let size = queue.size();
-        let avail = queue
-            .avail_idx(mem, Ordering::Acquire)
-            .map_err(|e| QueueCorrupt(format!("queue {index}: reading avail index: {e}")))?;
-        // Only what was published when the pass started is served: the driver cannot keep
-        // the vCPU here by adding buffers as fast as they are consumed.
-        let pending = (avail - Wrapping(queue.next_avail())).0;
-        if pending > size {
-            return Err(QueueCorrupt(format!(
-                "queue {index}: avail index {} is {pending} entries ahead of {} (size {size})",
-                avail.0,
-                queue.next_avail()
-            )));
-        }
-        let mut served = 0;
-        for _ in 0..pending {
-            let Some(chain) = queue.pop_descriptor_chain(mem) else {
-                return Err(QueueCorrupt(format!(
-                    "queue {index}: available ring unreadable"
-                )));
-            };
-            let head = chain.head_index();
-            if head >= size {
-                return Err(QueueCorrupt(format!(
-                    "queue {index}: head descriptor {head} outside a ring of {size}"
-                )));
-            }
-            let used_len = self.handle_chain(chain, mem);
-            queue
-                .add_used(mem, head, used_len)
-                .map_err(|e| QueueCorrupt(format!("queue {index}: writing used ring: {e}")))?;
+        serve_available(index, queue, mem, |chain| {
             self.stats.requests += 1;
-            served += 1;
-        }
-        Ok(served)
+            self.handle_chain(chain, mem)
+        })
     }
 
     fn flush(&mut self) -> io::Result<()> {

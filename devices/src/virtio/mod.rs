@@ -15,7 +15,9 @@ pub use pmem::Pmem;
 
 use std::fmt;
 use std::io;
-use virtio_queue::Queue;
+use std::num::Wrapping;
+use std::sync::atomic::Ordering;
+use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 
 /// Largest queue the transport offers. 256 keeps a full ring's bookkeeping small while being
@@ -110,3 +112,60 @@ pub trait VirtioDevice {
 
 #[cfg(test)]
 mod tests;
+
+/// Serves the chains the driver had made available when the pass started, passing each to
+/// `handle` (which returns the bytes it wrote to the guest) and publishing it as used.
+/// Only what was published at the start is served, so a driver cannot keep the caller here
+/// by adding buffers as fast as they are consumed; a corrupt ring ends the pass with an
+/// error instead of a guess.
+pub fn serve_available(
+    index: u16,
+    queue: &mut Queue,
+    mem: &GuestMemoryMmap,
+    mut handle: impl FnMut(DescriptorChain<&GuestMemoryMmap>) -> u32,
+) -> Result<usize, QueueCorrupt> {
+    let size = queue.size();
+    let avail = queue
+        .avail_idx(mem, Ordering::Acquire)
+        .map_err(|e| QueueCorrupt(format!("queue {index}: reading avail index: {e}")))?;
+    let pending = (avail - Wrapping(queue.next_avail())).0;
+    if pending > size {
+        return Err(QueueCorrupt(format!(
+            "queue {index}: avail index {} is {pending} entries ahead of {} (size {size})",
+            avail.0,
+            queue.next_avail()
+        )));
+    }
+    for _ in 0..pending {
+        let Some(chain) = queue.pop_descriptor_chain(mem) else {
+            return Err(QueueCorrupt(format!(
+                "queue {index}: available ring unreadable"
+            )));
+        };
+        let head = chain.head_index();
+        if head >= size {
+            return Err(QueueCorrupt(format!(
+                "queue {index}: head descriptor {head} outside a ring of {size}"
+            )));
+        }
+        let used_len = handle(chain);
+        queue
+            .add_used(mem, head, used_len)
+            .map_err(|e| QueueCorrupt(format!("queue {index}: writing used ring: {e}")))?;
+    }
+    Ok(pending as usize)
+}
+
+/// Copies the part of a device's config space at `offset` into `data`; bytes past its end
+/// read as zero, as the transport promises for any width.
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    data.fill(0);
+    let Ok(start) = usize::try_from(offset) else {
+        return;
+    };
+    if start >= config.len() {
+        return;
+    }
+    let n = data.len().min(config.len() - start);
+    data[..n].copy_from_slice(&config[start..start + n]);
+}

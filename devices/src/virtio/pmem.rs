@@ -6,14 +6,12 @@
 //! VMM's business, so the device takes it as a closure and stays free of KVM and of the
 //! mapping itself.
 
-use super::{QueueCorrupt, VirtioDevice, VirtioStats};
+use super::{read_config_bytes, serve_available, QueueCorrupt, VirtioDevice, VirtioStats};
 use std::io;
-use std::num::Wrapping;
-use std::sync::atomic::Ordering;
 use tracing::{debug, warn};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_PMEM;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::Queue;
 use vm_memory::{Address, Bytes, GuestMemory, GuestMemoryMmap, Permissions};
 
 /// Request type FLUSH (virtio spec 5.19.6).
@@ -141,15 +139,7 @@ impl VirtioDevice for Pmem {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        data.fill(0);
-        let Ok(start) = usize::try_from(offset) else {
-            return;
-        };
-        if start >= CONFIG_LEN {
-            return;
-        }
-        let n = data.len().min(CONFIG_LEN - start);
-        data[..n].copy_from_slice(&self.config[start..start + n]);
+        read_config_bytes(&self.config[..CONFIG_LEN], offset, data);
     }
 
     fn process_queue(
@@ -158,39 +148,10 @@ impl VirtioDevice for Pmem {
         queue: &mut Queue,
         mem: &GuestMemoryMmap,
     ) -> Result<usize, QueueCorrupt> {
-        let size = queue.size();
-        let avail = queue
-            .avail_idx(mem, Ordering::Acquire)
-            .map_err(|e| QueueCorrupt(format!("queue {index}: reading avail index: {e}")))?;
-        let pending = (avail - Wrapping(queue.next_avail())).0;
-        if pending > size {
-            return Err(QueueCorrupt(format!(
-                "queue {index}: avail index {} is {pending} entries ahead of {} (size {size})",
-                avail.0,
-                queue.next_avail()
-            )));
-        }
-        let mut served = 0;
-        for _ in 0..pending {
-            let Some(chain) = queue.pop_descriptor_chain(mem) else {
-                return Err(QueueCorrupt(format!(
-                    "queue {index}: available ring unreadable"
-                )));
-            };
-            let head = chain.head_index();
-            if head >= size {
-                return Err(QueueCorrupt(format!(
-                    "queue {index}: head descriptor {head} outside a ring of {size}"
-                )));
-            }
-            let used = self.handle_chain(chain, mem);
-            queue
-                .add_used(mem, head, used)
-                .map_err(|e| QueueCorrupt(format!("queue {index}: writing used ring: {e}")))?;
+        serve_available(index, queue, mem, |chain| {
             self.stats.requests += 1;
-            served += 1;
-        }
-        Ok(served)
+            self.handle_chain(chain, mem)
+        })
     }
 
     fn flush(&mut self) -> io::Result<()> {
