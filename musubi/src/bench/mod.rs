@@ -14,6 +14,7 @@ pub mod plot;
 pub mod report;
 mod seq;
 pub mod stats;
+mod vmms;
 pub mod watch;
 
 use clap::Args;
@@ -23,7 +24,7 @@ use std::process::ExitCode;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Experiment to run: boot, composite, seq, dsm-table, mint.
+    /// Experiment to run: boot, composite, seq, dsm-table, mint, vmms.
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -34,9 +35,12 @@ pub struct BenchArgs {
     /// Also run the same guest under another hypervisor in the same run.
     #[arg(long, value_name = "qemu")]
     pub compare: Option<String>,
+    /// Bytes each storage run moves (vmms; the paper used 512M), e.g. 4M, 64M, 512M.
+    #[arg(long, value_name = "SIZE")]
+    pub extent: Option<String>,
 }
 
-const EXPERIMENTS: &[&str] = &["boot", "composite", "seq", "dsm-table", "mint"];
+const EXPERIMENTS: &[&str] = &["boot", "composite", "seq", "dsm-table", "mint", "vmms"];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
     let result = match args.experiment.as_str() {
@@ -45,6 +49,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "composite" => Harness::new(args).and_then(|h| composite::run(&h, args)),
         "seq" => Harness::new(args).and_then(|h| seq::run(&h, args)),
         "mint" => Harness::new(args).and_then(|h| mint::run(&h, args)),
+        "vmms" => Harness::new(args).and_then(|h| vmms::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}",
