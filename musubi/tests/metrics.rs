@@ -1,0 +1,76 @@
+//! `--metrics` while a VM runs: SIGUSR1 writes the accounting without stopping the guest,
+//! and SIGTERM still ends the run through the normal teardown that writes it again.
+
+mod common;
+use common::*;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+#[test]
+fn sigusr1_writes_metrics_while_the_vm_runs() {
+    assert!(
+        std::path::Path::new("/dev/kvm").exists(),
+        "this test needs /dev/kvm, which this machine lacks"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("m.json");
+    let mut child = musubi()
+        .args([
+            "run",
+            "--kernel",
+            "probe",
+            "--serial",
+            "off",
+            "--timeout",
+            "120",
+            "--metrics",
+        ])
+        .arg(&metrics)
+        .args(["--cmdline", "probe.tasks=spin=0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("musubi starts");
+    let pid = child.id() as i32;
+    // The guest's busy loop keeps the VM alive; ask for metrics until they show the guest
+    // has run (the first request may come before the first KVM_RUN).
+    let start = Instant::now();
+    let m = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no metrics with exits after SIGUSR1"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the VM ended while SIGUSR1 was being sent"
+        );
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(pid, libc::SIGUSR1) };
+        std::thread::sleep(Duration::from_millis(100));
+        let Ok(text) = std::fs::read_to_string(&metrics) else {
+            continue;
+        };
+        let m: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        if m["total_exits"].as_u64().unwrap() > 0 {
+            break m;
+        }
+    };
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "SIGUSR1 stopped the VM"
+    );
+    assert_eq!(m["exits_mode"], "kernel");
+
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM));
+    let end: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+    assert!(
+        end["total_exits"].as_u64() >= m["total_exits"].as_u64(),
+        "final metrics went backwards"
+    );
+}
