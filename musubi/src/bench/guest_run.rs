@@ -95,7 +95,7 @@ pub fn native_program() -> Result<PathBuf, String> {
         Ok(p)
     } else {
         Err(format!(
-            "{} is missing: build it with `cargo build --release -p workloads`",
+            "{} is missing: build it with `cargo build --release -p musubi`, which builds both programs",
             p.display()
         ))
     }
