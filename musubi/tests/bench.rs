@@ -1,8 +1,9 @@
 //! `musubi bench boot` end to end: it boots real VMs, writes one CSV row per run and a chart.
 
+mod common;
+use common::*;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(240);
 
@@ -13,34 +14,18 @@ fn bench_boot_quick_writes_csv_and_svg() {
         "this test boots VMs and needs /dev/kvm, which this machine lacks"
     );
     let out = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_musubi"))
-        .args(["bench", "boot", "--quick", "--out"])
-        .arg(out.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("musubi starts");
-    let so = child.stdout.take().unwrap();
-    let se = child.stderr.take().unwrap();
-    let t_out = std::thread::spawn(move || std::io::read_to_string(so).unwrap_or_default());
-    let t_err = std::thread::spawn(move || std::io::read_to_string(se).unwrap_or_default());
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("musubi bench boot --quick did not finish within {LIMIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let stdout = t_out.join().unwrap();
-    let stderr = t_err.join().unwrap();
-    let explain = format!("status {status:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(status.success(), "{explain}");
+    let r = run_with_limit(
+        &[
+            "bench",
+            "boot",
+            "--quick",
+            "--out",
+            out.path().to_str().unwrap(),
+        ],
+        LIMIT,
+    );
+    let (stdout, explain) = (&r.stdout, r.explain());
+    assert_eq!(r.code, Some(0), "{explain}");
 
     let csv = std::fs::read_to_string(out.path().join("boot.csv"))
         .unwrap_or_else(|e| panic!("boot.csv: {e}\n{explain}"));
@@ -93,38 +78,18 @@ fn bench_mint_quick_covers_all_seven_configurations() {
         "this test boots VMs and needs /dev/kvm, which this machine lacks"
     );
     let out = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_musubi"))
-        .args(["bench", "mint", "--quick", "--out"])
-        .arg(out.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("musubi starts");
-    let so = child.stdout.take().unwrap();
-    let se = child.stderr.take().unwrap();
-    let t_out = std::thread::spawn(move || std::io::read_to_string(so).unwrap_or_default());
-    let t_err = std::thread::spawn(move || std::io::read_to_string(se).unwrap_or_default());
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > MINT_LIMIT {
-            // SIGTERM first: the benchmark's guard then destroys its partitions.
-            // SAFETY: kill(2) on our own unreaped child.
-            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-            std::thread::sleep(Duration::from_secs(5));
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("musubi bench mint --quick did not finish within {MINT_LIMIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let stdout = t_out.join().unwrap();
-    let stderr = t_err.join().unwrap();
-    let explain = format!("status {status:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(status.success(), "{explain}");
+    let r = run_with_limit(
+        &[
+            "bench",
+            "mint",
+            "--quick",
+            "--out",
+            out.path().to_str().unwrap(),
+        ],
+        MINT_LIMIT,
+    );
+    let (stdout, explain) = (&r.stdout, r.explain());
+    assert_eq!(r.code, Some(0), "{explain}");
 
     let csv = std::fs::read_to_string(out.path().join("mint.csv"))
         .unwrap_or_else(|e| panic!("mint.csv: {e}\n{explain}"));

@@ -73,6 +73,11 @@ pub fn run_with_limit(args: &[&str], limit: Duration) -> Run {
             break s;
         }
         if start.elapsed() > limit {
+            // SIGTERM first, so the VMM flushes and a benchmark's guards remove what it
+            // created (partitions, cgroups); SIGKILL if that does not end it.
+            // SAFETY: kill(2) on our own child, not yet reaped.
+            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+            std::thread::sleep(Duration::from_secs(5));
             let _ = child.kill();
             let _ = child.wait();
             panic!("musubi {args:?} did not finish within {limit:?}");
