@@ -128,3 +128,35 @@ fn help_lists_the_run_flags() {
         assert!(r.stdout.contains(flag), "help lacks {flag}");
     }
 }
+
+#[test]
+fn an_initrd_that_does_not_fit_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("big-initrd.img");
+    std::fs::File::create(&p)
+        .unwrap()
+        .set_len(200 << 20)
+        .unwrap();
+    refused(
+        &[
+            "run",
+            "--kernel",
+            "probe",
+            "--memory",
+            "64M",
+            "--initrd",
+            p.to_str().unwrap(),
+        ],
+        &["initrd"],
+    );
+    refused(
+        &[
+            "run",
+            "--kernel",
+            "probe",
+            "--initrd",
+            "/nonexistent/initrd.img",
+        ],
+        &["--initrd", "/nonexistent/initrd.img"],
+    );
+}

@@ -1,16 +1,23 @@
 //! Debian's cloud kernel under Musubi: banner, the E820 map Musubi laid out, and the CPUs
-//! it announced. Both entry paths: PVH (ELF vmlinux) and the 64-bit boot protocol (bzImage).
+//! it announced, and the initrd where Musubi put it. Both entry paths: PVH (ELF vmlinux,
+//! initrd as a start-info module) and the 64-bit boot protocol (bzImage, initrd in
+//! boot_params).
 
 mod common;
 use common::*;
 
 fn boots_far_enough(image: &str) {
     let k = linux_kernel(image);
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = dir.path().join("initrd.img");
+    std::fs::write(&initrd, vec![0x5au8; 1 << 20]).unwrap();
     let r = run_with_limit(
         &[
             "run",
             "--kernel",
             k.to_str().unwrap(),
+            "--initrd",
+            initrd.to_str().unwrap(),
             "--cpus",
             "2",
             "--memory",
@@ -33,6 +40,12 @@ fn boots_far_enough(image: &str) {
     assert!(
         out.contains("BIOS-e820: [mem 0x0000000000100000-0x000000001fffffff] usable"),
         "{}",
+        r.explain()
+    );
+    // 1 MiB of initrd at the top of the 512 MiB of low RAM.
+    assert!(
+        out.contains("RAMDISK: [mem 0x1ff00000-0x1fffffff]"),
+        "initrd not found where Musubi put it:\n{}",
         r.explain()
     );
     assert!(

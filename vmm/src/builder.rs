@@ -133,6 +133,14 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     install_signal_handlers();
     install_kick_handler()
         .map_err(|e| err(format!("cannot install the vCPU kick handler: {e}")))?;
+    // Set-up time per phase, at debug level (MUSUBI_LOG=vmm=debug).
+    let phase = |name: &str| {
+        tracing::debug!(
+            phase = name,
+            us = started.elapsed().as_micros() as u64,
+            "set-up"
+        )
+    };
 
     // 1. The VM and its memory. Storage as memory: file-backed regions above RAM, each its
     // own slot, opened first so bad files are reported before any KVM work.
@@ -144,19 +152,11 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     pmem.register(&mut vm).map_err(err)?;
     let mem = pmem.extend_guest_memory(mem).map_err(err)?;
 
-    tracing::debug!(
-        phase = "vm and memory",
-        us = started.elapsed().as_micros() as u64,
-        "set-up"
-    );
+    phase("vm and memory");
     // 2. The kernel.
-    let (entry, _kernel_end) = load_kernel(&mem, &config.kernel).map_err(err)?;
+    let (entry, kernel_end) = load_kernel(&mem, &config.kernel).map_err(err)?;
 
-    tracing::debug!(
-        phase = "kernel loaded",
-        us = started.elapsed().as_micros() as u64,
-        "set-up"
-    );
+    phase("kernel loaded");
     // 3. Devices, and the command line that announces them.
     let control = Arc::new(RunControl::default());
     let capture = opts
@@ -175,11 +175,7 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     mem.write_slice(&cmdline, GuestAddress(CMDLINE_START))
         .map_err(|e| err(format!("cannot write the command line: {e}")))?;
 
-    tracing::debug!(
-        phase = "devices",
-        us = started.elapsed().as_micros() as u64,
-        "set-up"
-    );
+    phase("devices");
     // 4. Firmware tables and boot structures.
     // Both CPU tables: the MP table for simple guests, ACPI for kernels built without
     // MP-table parsing (Debian's cloud kernel among them).
@@ -187,10 +183,13 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     let rsdp = acpi::write_acpi_tables(&mem, config.cpus).map_err(err)?;
     let mut e820 = layout::e820_map(config.memory);
     e820.extend(pmem.e820_entries());
-    let initrd = load_initrd(&mem, config, &entry)?;
+    let initrd = load_initrd(&mem, config, &entry, kernel_end)?;
     match entry {
         EntryPoint::Pvh(_) => {
             pvh::write_start_info(&mem, &e820, CMDLINE_START, Some(rsdp)).map_err(err)?;
+            if let Some((addr, size)) = initrd {
+                pvh::add_initrd_module(&mem, addr, size).map_err(err)?;
+            }
         }
         EntryPoint::Linux64 { header, .. } => {
             linux::write_boot_params(&mem, header, &e820, CMDLINE_START, cmdline.len(), initrd)
@@ -200,11 +199,7 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
         }
     }
 
-    tracing::debug!(
-        phase = "firmware tables",
-        us = started.elapsed().as_micros() as u64,
-        "set-up"
-    );
+    phase("firmware tables");
     // 5. vCPUs: the BSP gets the entry state; APs wait for INIT/SIPI in the kernel.
     let mut vcpus = Vec::new();
     for id in 0..config.cpus {
@@ -220,11 +215,7 @@ pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildEr
     }
     .map_err(err)?;
 
-    tracing::debug!(
-        phase = "vcpus",
-        us = started.elapsed().as_micros() as u64,
-        "set-up"
-    );
+    phase("vcpus");
     // 6. Run until an outcome is recorded.
     let metrics: Vec<Arc<VcpuMetrics>> = (0..config.cpus).map(|_| Arc::default()).collect();
     let stop = Arc::new(AtomicBool::new(false));
@@ -370,6 +361,7 @@ fn load_initrd(
     mem: &GuestMemoryMmap,
     config: &VmConfig,
     entry: &EntryPoint,
+    kernel_end: u64,
 ) -> Result<Option<(u64, u64)>, BuildError> {
     let Some(path) = &config.initrd else {
         return Ok(None);
@@ -381,6 +373,13 @@ fn load_initrd(
     };
     let top = layout::ram_ranges(config.memory)[0].1;
     let addr = linux::initrd_address(top, data.len() as u64, header).map_err(err)?;
+    if addr < kernel_end {
+        return Err(err(format!(
+            "--initrd {}: {} MiB does not fit between the kernel (ending at {kernel_end:#x}) and the top of low RAM ({top:#x}); give the VM more --memory",
+            path.display(),
+            data.len() >> 20
+        )));
+    }
     mem.write_slice(&data, GuestAddress(addr)).map_err(|e| {
         err(format!(
             "--initrd {}: cannot place it in guest memory: {e}",

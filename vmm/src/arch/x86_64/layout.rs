@@ -11,6 +11,8 @@ pub const HIGH_MEMORY_START: u64 = 0x10_0000;
 
 /// Boot GDT for the 64-bit Linux entry.
 pub const BOOT_GDT_START: u64 = 0x500;
+/// The PVH module list (the initrd), below the start info.
+pub const PVH_MODLIST_START: u64 = 0x5f00;
 /// PVH start info, followed by its memory map.
 pub const PVH_INFO_START: u64 = 0x6000;
 pub const PVH_MEMMAP_START: u64 = 0x6040;

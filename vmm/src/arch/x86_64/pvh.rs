@@ -9,11 +9,13 @@ use std::mem::size_of;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::elf::start_info::{
-    hvm_memmap_table_entry, hvm_start_info, XEN_HVM_START_MAGIC_VALUE,
+    hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info, XEN_HVM_START_MAGIC_VALUE,
 };
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use super::layout::{E820Entry, PVH_INFO_START, PVH_MEMMAP_START, ZERO_PAGE_START};
+use super::layout::{
+    E820Entry, PVH_INFO_START, PVH_MEMMAP_START, PVH_MODLIST_START, ZERO_PAGE_START,
+};
 
 /// The layout of `hvm_start_info` this code fills (no module list, no extra fields).
 const START_INFO_VERSION: u32 = 1;
@@ -35,6 +37,8 @@ pub enum PvhError {
     TooManyEntries { entries: usize, max: usize },
     #[error("writing hvm_start_info at {PVH_INFO_START:#x} and its memory map: {0}")]
     Write(#[source] linux_loader::configurator::Error),
+    #[error("adding the initrd to the PVH module list at {PVH_MODLIST_START:#x}: {0}")]
+    Module(#[source] vm_memory::GuestMemoryError),
 }
 
 /// Writes `hvm_start_info` at `PVH_INFO_START` and the memory map at `PVH_MEMMAP_START`.
@@ -82,11 +86,29 @@ pub fn write_start_info(
     PvhBootConfigurator::write_bootparams(&params, mem).map_err(PvhError::Write)
 }
 
+/// Lists the initrd (`paddr`, `size`) as the one PVH module of the start info already
+/// written: a PVH Linux finds its initrd there, not in `boot_params`.
+pub fn add_initrd_module(mem: &GuestMemoryMmap, paddr: u64, size: u64) -> Result<(), PvhError> {
+    let module = hvm_modlist_entry {
+        paddr,
+        size,
+        ..Default::default()
+    };
+    mem.write_obj(module, GuestAddress(PVH_MODLIST_START))
+        .map_err(PvhError::Module)?;
+    let mut info: hvm_start_info = mem
+        .read_obj(GuestAddress(PVH_INFO_START))
+        .map_err(PvhError::Module)?;
+    info.nr_modules = 1;
+    info.modlist_paddr = PVH_MODLIST_START;
+    mem.write_obj(info, GuestAddress(PVH_INFO_START))
+        .map_err(PvhError::Module)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::arch::x86_64::layout::{e820_map, E820Kind, CMDLINE_START};
-    use vm_memory::Bytes;
 
     fn guest_mem() -> GuestMemoryMmap {
         GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 64 << 20)]).unwrap()
@@ -180,5 +202,21 @@ mod tests {
             write_start_info(&mem, &e820_map(64 << 20), CMDLINE_START, None),
             Err(PvhError::Write(_))
         ));
+    }
+
+    #[test]
+    fn initrd_becomes_the_one_module() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 64 << 20)]).unwrap();
+        write_start_info(&mem, &e820_map(64 << 20), CMDLINE_START, None).unwrap();
+        add_initrd_module(&mem, 0x300_0000, 0x12_3000).unwrap();
+        let info: hvm_start_info = mem.read_obj(GuestAddress(PVH_INFO_START)).unwrap();
+        assert_eq!(info.magic, XEN_HVM_START_MAGIC_VALUE);
+        assert_eq!(
+            (info.nr_modules, info.modlist_paddr),
+            (1, PVH_MODLIST_START)
+        );
+        let m: hvm_modlist_entry = mem.read_obj(GuestAddress(PVH_MODLIST_START)).unwrap();
+        assert_eq!((m.paddr, m.size), (0x300_0000, 0x12_3000));
+        assert_eq!(info.memmap_entries as usize, e820_map(64 << 20).len());
     }
 }
