@@ -20,7 +20,7 @@ fn sigusr1_writes_metrics_while_the_vm_runs() {
             "--kernel",
             "probe",
             "--serial",
-            "off",
+            "stdio",
             "--timeout",
             "120",
             "--metrics",
@@ -28,11 +28,26 @@ fn sigusr1_writes_metrics_while_the_vm_runs() {
         .arg(&metrics)
         .args(["--cmdline", "probe.tasks=spin=0"])
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("musubi starts");
     let pid = child.id() as i32;
+    // SIGUSR1 before the VMM has installed its handler would end the process, so wait for
+    // the guest's first console line: the handlers are in place before the guest runs.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the probe guest printed nothing within 60 s");
     // The guest's busy loop keeps the VM alive; ask for metrics until they show the guest
     // has run (the first request may come before the first KVM_RUN).
     let start = Instant::now();
