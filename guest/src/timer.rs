@@ -188,27 +188,29 @@ pub fn idle() {
 }
 
 /// Waits until `done` holds or `ms` milliseconds pass; true if `done` held.
-pub fn wait_for(ms: u64, done: impl FnMut() -> bool) -> bool {
-    wait_for_polling(0, ms, done)
-}
-
-/// As [`wait_for`], but polls without halting for the first `spin_us` microseconds: a
-/// completion that arrives that soon is seen without the halt and wake-up, which on a
-/// virtual CPU cost more than the wait itself (the idea of Linux's haltpoll).
-pub fn wait_for_polling(spin_us: u64, ms: u64, mut done: impl FnMut() -> bool) -> bool {
-    let start = rdtsc();
-    let end = start + ms * tsc_hz() / 1000;
-    let spin_end = start + spin_us * tsc_hz() / 1_000_000;
+pub fn wait_for(ms: u64, mut done: impl FnMut() -> bool) -> bool {
+    let end = rdtsc() + ms * tsc_hz() / 1000;
     loop {
         if done() {
             return true;
         }
-        let now = rdtsc();
-        if now >= end {
+        if rdtsc() >= end {
             return done();
         }
-        if now >= spin_end {
-            idle();
+        idle();
+    }
+}
+
+/// Polls `done` without halting for up to `us` microseconds: for completions expected
+/// sooner than a halt and wake-up of a virtual CPU would take.
+pub fn spin_for(us: u64, mut done: impl FnMut() -> bool) -> bool {
+    let end = rdtsc() + us * tsc_hz() / 1_000_000;
+    loop {
+        if done() {
+            return true;
+        }
+        if rdtsc() >= end {
+            return done();
         }
     }
 }

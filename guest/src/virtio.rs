@@ -24,7 +24,36 @@ pub const MAX_DEVS: usize = MAX_DISKS + MAX_PMEM_DEVS;
 const ID_BLK: u32 = 2;
 /// How long a request polls the used ring before halting for the device's interrupt: long
 /// enough for a host I/O thread to serve a small request, short next to a disk's latency.
-const POLL_US: u64 = 300;
+/// `probe.virtio_poll_us=` overrides it (0: always wait for the interrupt).
+const DEFAULT_POLL_US: u64 = 300;
+
+/// The avail-ring flags between waits: interrupts suppressed while the driver polls.
+fn quiet_flags() -> u16 {
+    if poll_us() > 0 {
+        VIRTQ_AVAIL_F_NO_INTERRUPT
+    } else {
+        0
+    }
+}
+
+/// Read once: parsing the command line on every request would cost more kernel-mode
+/// instructions than the request itself on an emulated CPL0.
+fn poll_us() -> u64 {
+    static POLL: AtomicU64 = AtomicU64::new(u64::MAX);
+    let v = POLL.load(Ordering::Relaxed);
+    if v != u64::MAX {
+        return v;
+    }
+    let v = crate::bootinfo::get()
+        .param(b"probe.virtio_poll_us")
+        .and_then(|v| core::str::from_utf8(v).ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_POLL_US);
+    POLL.store(v, Ordering::Relaxed);
+    v
+}
+/// Split-ring avail flag: the driver does not want an interrupt for used buffers.
+const VIRTQ_AVAIL_F_NO_INTERRUPT: u16 = 1;
 const ID_PMEM: u32 = 27;
 pub const VECTOR_BASE: u64 = 0x30;
 pub const ID_LEN: u64 = 20;
@@ -444,6 +473,9 @@ impl Disk {
                 core::ptr::write_volatile((self.mem + off) as *mut u16, 0);
             }
         }
+        // Completions are first looked for by polling; the interrupt is asked for only
+        // when a wait is about to halt (see `wait_used`). Without polling, always.
+        self.set_avail_flags(quiet_flags());
         self.w32(QUEUE_NUM, q as u32);
         self.w64(QUEUE_DESC, self.mem + OFF_DESC);
         self.w64(QUEUE_AVAIL, self.mem + OFF_AVAIL);
@@ -508,9 +540,21 @@ impl Disk {
         n
     }
 
+    fn set_avail_flags(&self, flags: u16) {
+        unsafe { core::ptr::write_volatile((self.mem + OFF_AVAIL) as *mut u16, flags) };
+    }
+
+    /// Polls the used ring with the device's interrupt suppressed for `poll_us()`, then asks
+    /// for the interrupt and halts until it comes. The used index is read again after the
+    /// flag changes, so a completion that raced the change is not waited for in vain.
     fn wait_used(&mut self, ms: u64) -> bool {
         let seen = self.used_seen;
-        let done = timer::wait_for_polling(POLL_US, ms, || self.used_idx() != seen);
+        let mut done = timer::spin_for(poll_us(), || self.used_idx() != seen);
+        if !done {
+            self.set_avail_flags(0);
+            done = timer::wait_for(ms, || self.used_idx() != seen);
+            self.set_avail_flags(quiet_flags());
+        }
         if done {
             self.used_seen = self.used_seen.wrapping_add(1);
         }

@@ -18,7 +18,7 @@ use virtio_bindings::virtio_mmio::*;
 use virtio_queue::{Queue, QueueT};
 use vm_device::bus::{MmioAddress, MmioAddressOffset};
 use vm_device::MutDeviceMmio;
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 /// "virt" in little-endian, as the spec requires.
 pub const MMIO_MAGIC: u32 = 0x7472_6976;
@@ -98,6 +98,18 @@ impl MmioTransport {
         }
     }
 
+    /// Whether the driver set VIRTQ_AVAIL_F_NO_INTERRUPT in queue `i`'s available ring. An
+    /// unreadable ring counts as not suppressed: the driver then still hears of the
+    /// completion.
+    fn interrupt_suppressed(&self, i: usize) -> bool {
+        const VIRTQ_AVAIL_F_NO_INTERRUPT: u16 = 1;
+        let flags: Option<u16> = self
+            .mem
+            .read_obj(GuestAddress(self.queues[i].avail_ring()))
+            .ok();
+        flags.is_some_and(|f| f & VIRTQ_AVAIL_F_NO_INTERRUPT != 0)
+    }
+
     /// Queues the device has, so the VMM can give each its own doorbell.
     pub fn num_queues(&self) -> usize {
         self.queues.len()
@@ -127,9 +139,12 @@ impl MmioTransport {
             .device
             .process_queue(index, &mut self.queues[i], &self.mem);
         if self.queues[i].next_used() != before {
-            // Without EVENT_IDX (never offered) this is always true; asking keeps the code
-            // correct should the feature be offered later.
-            let notify = self.queues[i].needs_notification(&self.mem).unwrap_or(true);
+            // Without EVENT_IDX (never offered) `needs_notification` is always true; asking
+            // keeps the code correct should the feature be offered later. virtio-queue does
+            // not look at the driver's VIRTQ_AVAIL_F_NO_INTERRUPT, so that is checked here:
+            // a polling driver then costs no interrupt (and no acknowledging exits).
+            let notify = self.queues[i].needs_notification(&self.mem).unwrap_or(true)
+                && !self.interrupt_suppressed(i);
             if notify {
                 self.raise(VIRTIO_MMIO_INT_VRING);
             }
