@@ -549,6 +549,21 @@ fn read_scattered_over_several_descriptors() {
 }
 
 #[test]
+fn no_interrupt_flag_suppresses_the_completion_interrupt() {
+    let f = disk_file(DISK_SECTORS);
+    let mut d = Driver::with_disk(f.path().into(), false, CacheMode::Writeback);
+    // VIRTQ_AVAIL_F_NO_INTERRUPT: a polling driver asks for no interrupt.
+    d.mem.write_obj(1u16, d.avail).unwrap();
+    let (s, _) = d.request(VIRTIO_BLK_T_IN, 0, 512, true);
+    assert_eq!(s, VIRTIO_BLK_S_OK as u8);
+    assert_eq!(d.irq.count(), 0);
+    d.mem.write_obj(0u16, d.avail).unwrap();
+    let (s, _) = d.request(VIRTIO_BLK_T_IN, 0, 512, true);
+    assert_eq!(s, VIRTIO_BLK_S_OK as u8);
+    assert_eq!(d.irq.count(), 1);
+}
+
+#[test]
 fn read_into_device_readable_data_is_refused() {
     let f = disk_file(DISK_SECTORS);
     let mut d = Driver::with_disk(f.path().into(), false, CacheMode::Writeback);
