@@ -14,7 +14,7 @@ use std::time::Duration;
 #[command(
     name = "musubi",
     version,
-    about = "A KVM hypervisor: storage as memory, composite exits, partitions, multi-host VMs"
+    about = "A KVM hypervisor: storage as memory, kernel or user exit paths, host partitions"
 )]
 struct Cli {
     #[command(subcommand)]
