@@ -13,36 +13,15 @@ fn bench_boot_quick_writes_csv_and_svg() {
         Path::new("/dev/kvm").exists(),
         "this test boots VMs and needs /dev/kvm, which this machine lacks"
     );
-    let out = tempfile::tempdir().unwrap();
-    let r = run_with_limit(
-        &[
-            "bench",
-            "boot",
-            "--quick",
-            "--out",
-            out.path().to_str().unwrap(),
-        ],
-        LIMIT,
-    );
+    let (r, out) = quick_bench("boot", LIMIT);
     let (stdout, explain) = (&r.stdout, r.explain());
-    assert_eq!(r.code, Some(0), "{explain}");
-
-    let csv = std::fs::read_to_string(out.path().join("boot.csv"))
-        .unwrap_or_else(|e| panic!("boot.csv: {e}\n{explain}"));
-    let mut lines = csv.lines();
-    let header: Vec<&str> = lines.next().expect("a header").split(',').collect();
-    let col = |name: &str| {
-        header
-            .iter()
-            .position(|h| *h == name)
-            .unwrap_or_else(|| panic!("no {name} column in {header:?}"))
-    };
+    let t = CsvFile::read(&out.path().join("boot.csv"));
+    let (csv, rows) = (&t.text, &t.rows);
     let (hv, hello, first) = (
-        col("hypervisor"),
-        col("to_hello_ms"),
-        col("to_first_kvm_run_ms"),
+        t.col("hypervisor"),
+        t.col("to_hello_ms"),
+        t.col("to_first_kvm_run_ms"),
     );
-    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
     let musubi: Vec<_> = rows.iter().filter(|r| r[hv] == "musubi").collect();
     assert_eq!(musubi.len(), 3, "three quick runs of musubi\n{csv}");
     for r in &musubi {
@@ -77,32 +56,11 @@ fn bench_mint_quick_covers_all_seven_configurations() {
         Path::new("/dev/kvm").exists(),
         "this test boots VMs and needs /dev/kvm, which this machine lacks"
     );
-    let out = tempfile::tempdir().unwrap();
-    let r = run_with_limit(
-        &[
-            "bench",
-            "mint",
-            "--quick",
-            "--out",
-            out.path().to_str().unwrap(),
-        ],
-        MINT_LIMIT,
-    );
+    let (r, out) = quick_bench("mint", MINT_LIMIT);
     let (stdout, explain) = (&r.stdout, r.explain());
-    assert_eq!(r.code, Some(0), "{explain}");
-
-    let csv = std::fs::read_to_string(out.path().join("mint.csv"))
-        .unwrap_or_else(|e| panic!("mint.csv: {e}\n{explain}"));
-    let mut lines = csv.lines();
-    let header: Vec<&str> = lines.next().expect("a header").split(',').collect();
-    let col = |name: &str| {
-        header
-            .iter()
-            .position(|h| *h == name)
-            .unwrap_or_else(|| panic!("no {name} column in {header:?}"))
-    };
-    let (config, workload, ns) = (col("config"), col("workload"), col("ns"));
-    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    let t = CsvFile::read(&out.path().join("mint.csv"));
+    let (csv, rows) = (&t.text, &t.rows);
+    let (config, workload, ns) = (t.col("config"), t.col("workload"), t.col("ns"));
     for c in 1..=7 {
         let mine: Vec<_> = rows.iter().filter(|r| r[config] == c.to_string()).collect();
         for w in ["cpu", "mem-256K", "mem-1024K", "io-256K", "io-1024K"] {

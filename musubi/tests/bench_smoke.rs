@@ -7,32 +7,12 @@ use common::*;
 use std::time::Duration;
 
 fn bench(experiment: &str) -> (Run, tempfile::TempDir) {
-    let out = tempfile::tempdir().unwrap();
-    let r = run_with_limit(
-        &[
-            "bench",
-            experiment,
-            "--quick",
-            "--out",
-            out.path().to_str().unwrap(),
-        ],
-        Duration::from_secs(400),
-    );
-    assert_eq!(r.code, Some(0), "{}", r.explain());
-    (r, out)
+    quick_bench(experiment, Duration::from_secs(400))
 }
 
 fn csv_rows(dir: &tempfile::TempDir, name: &str) -> (Vec<String>, Vec<Vec<String>>) {
-    let text =
-        std::fs::read_to_string(dir.path().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let mut lines = text.lines();
-    let header = lines.next().unwrap().split(',').map(String::from).collect();
-    (
-        header,
-        lines
-            .map(|l| l.split(',').map(String::from).collect())
-            .collect(),
-    )
+    let t = CsvFile::read(&dir.path().join(name));
+    (t.header, t.rows)
 }
 
 #[test]

@@ -10,28 +10,10 @@ use std::time::Duration;
 
 #[test]
 fn quick_vmms_bench_covers_every_case_and_vmms_uses_no_virtio() {
-    let out = tempfile::tempdir().unwrap();
-    let r = run_with_limit(
-        &[
-            "bench",
-            "vmms",
-            "--quick",
-            "--out",
-            out.path().to_str().unwrap(),
-        ],
-        Duration::from_secs(600),
-    );
-    assert_eq!(r.code, Some(0), "{}", r.explain());
-    let text = std::fs::read_to_string(out.path().join("vmms.csv")).unwrap();
+    let (r, out) = quick_bench("vmms", Duration::from_secs(600));
+    let t = CsvFile::read(&out.path().join("vmms.csv"));
     assert!(out.path().join("vmms.svg").exists(), "no vmms.svg");
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
-    let col = |name: &str| {
-        header
-            .iter()
-            .position(|h| *h == name)
-            .unwrap_or_else(|| panic!("no {name} column in {header:?}"))
-    };
+    let col = |name: &str| t.col(name);
     let (exp, storage, fs, op, path, warm, requests) = (
         col("experiment"),
         col("storage"),
@@ -42,7 +24,7 @@ fn quick_vmms_bench_covers_every_case_and_vmms_uses_no_virtio() {
         col("virtio_requests"),
     );
     let doorbells = col("run_doorbells");
-    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    let rows = &t.rows;
     let mut seen: HashMap<(String, String, String, String, String), u64> = HashMap::new();
     for row in rows.iter().filter(|r| r[exp] == "5.2") {
         let key = (

@@ -168,3 +168,53 @@ pub fn linux_kernel(name: &str) -> PathBuf {
     );
     path
 }
+
+/// Runs `musubi bench EXPERIMENT --quick` into a fresh output directory within `limit`
+/// and fails the test unless it exits 0.
+pub fn quick_bench(experiment: &str, limit: Duration) -> (Run, tempfile::TempDir) {
+    let out = tempfile::tempdir().unwrap();
+    let r = run_with_limit(
+        &[
+            "bench",
+            experiment,
+            "--quick",
+            "--out",
+            out.path().to_str().unwrap(),
+        ],
+        limit,
+    );
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    (r, out)
+}
+
+/// A CSV file a benchmark wrote: its text, header and rows, columns found by name.
+pub struct CsvFile {
+    pub text: String,
+    pub header: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+}
+
+impl CsvFile {
+    pub fn read(path: &Path) -> CsvFile {
+        let text =
+            std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let mut lines = text.lines();
+        let header = lines
+            .next()
+            .expect("a header")
+            .split(',')
+            .map(String::from)
+            .collect();
+        let rows = lines
+            .map(|l| l.split(',').map(String::from).collect())
+            .collect();
+        CsvFile { text, header, rows }
+    }
+
+    pub fn col(&self, name: &str) -> usize {
+        self.header
+            .iter()
+            .position(|h| h == name)
+            .unwrap_or_else(|| panic!("no {name} column in {:?}", self.header))
+    }
+}
