@@ -5,10 +5,10 @@ mod cli;
 mod demo;
 mod partition_cli;
 mod probe;
+mod run;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
-use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -81,7 +81,12 @@ fn main() -> ExitCode {
             timeout,
             report,
             metrics,
-        } => run(&vm, timeout, report.as_deref(), metrics),
+        } => run::run(run::RunArgs {
+            vm: &vm,
+            timeout,
+            report: report.as_deref(),
+            metrics,
+        }),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
         Command::Partition(args) => partition_cli::run(args),
@@ -100,61 +105,4 @@ fn main() -> ExitCode {
 fn fail(msg: String) -> ExitCode {
     eprintln!("musubi: {msg}");
     ExitCode::from(1)
-}
-
-fn run(
-    args: &cli::VmArgs,
-    timeout: Option<f64>,
-    report_path: Option<&std::path::Path>,
-    metrics_path: Option<std::path::PathBuf>,
-) -> ExitCode {
-    let config = match args.to_config() {
-        Ok(c) => c,
-        Err(e) => return fail(e),
-    };
-    let opts = vmm::RunOptions {
-        capture_serial: false,
-        metrics_path,
-        timeout: match timeout {
-            Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
-            Some(t) => {
-                return fail(format!(
-                    "--timeout {t}: expected a positive number of seconds"
-                ))
-            }
-            None => None,
-        },
-    };
-    match vmm::run_vm(&config, &opts) {
-        Ok(report) => {
-            if let Some(p) = report_path {
-                if let Err(e) = std::fs::write(p, report_json(&report).to_string()) {
-                    eprintln!("musubi: --report {}: {e}", p.display());
-                }
-            }
-            match &report.outcome {
-                vmm::Outcome::GuestCrash(m) => eprintln!("musubi: guest crashed: {m}"),
-                vmm::Outcome::VmmError(m) => eprintln!("musubi: {m}"),
-                vmm::Outcome::Signal(s) => {
-                    eprintln!("musubi: stopped by signal {s}; disks flushed")
-                }
-                _ => {}
-            }
-            ExitCode::from(report.outcome.exit_code() as u8)
-        }
-        Err(e) => fail(e.to_string()),
-    }
-}
-
-fn report_json(r: &vmm::RunReport) -> serde_json::Value {
-    serde_json::json!({
-        "outcome": format!("{:?}", r.outcome),
-        "exit_code": r.outcome.exit_code(),
-        "exits": r.exits,
-        "total_exits": r.total_exits,
-        "interrupts": r.interrupts,
-        "to_first_run_ns": r.to_first_run.map(|d| d.as_nanos() as u64),
-        "first_run_monotonic_ns": r.first_run_monotonic_ns,
-        "wall_ns": r.wall.as_nanos() as u64,
-    })
 }

@@ -1,33 +1,69 @@
 //! Builds a VM from its configuration in one readable sequence, runs it, and tears it down
 //! so that nothing the guest wrote is lost.
+//!
+//! The life of a VM is `Vmm::build` (everything created, nothing running), `Vm::start`
+//! (vCPU and I/O threads running) and `RunningVm::wait` (until an outcome, then flushed).
+//! The library installs no process-wide signal handlers: the program that embeds it decides
+//! what SIGTERM or SIGUSR1 mean and acts through a [`VmHandle`].
 
-use crate::arch::x86_64::layout::{self, CMDLINE_MAX_SIZE, CMDLINE_START, PVH_INFO_START};
+use crate::arch::x86_64::layout::{GuestLayout, CMDLINE_MAX_SIZE};
 use crate::arch::x86_64::{acpi, linux, mptable, pvh, regs};
-use crate::config::ExitsMode;
-use crate::config::VmConfig;
+use crate::config::{ExitsMode, VmConfig};
 use crate::control::{Outcome, RunControl};
-use crate::device_manager::{create_devices, Devices};
+use crate::device_manager::{create_devices, DeviceError, Devices};
 use crate::io_thread::IoThread;
-use crate::loader::{load_kernel, EntryPoint};
+use crate::irq::IrqLine;
+use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::metrics::{detailed, summarize, ExitSummary, VcpuMetrics};
-use crate::pmem::{host_phys_bits, PmemRegions};
-use crate::vstate::memory::create_guest_memory;
-use crate::vstate::vcpu::{install_kick_handler, kick_signal, Vcpu};
-use crate::vstate::vm::Vm;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use crate::pmem::{host_phys_bits, Advertise, PmemError, PmemRegions};
+use crate::vstate::memory::{GuestRam, MemoryError, RamBackend};
+use crate::vstate::vcpu::{
+    install_kick_handler, kick_signal, Vcpu, VcpuContext, VcpuError, VcpuState, VcpuStatus,
+};
+use crate::vstate::vm::{Vm as KvmVm, VmError};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::signal::Killable;
 
+/// Why a VM could not be built or started. Each variant keeps its cause as `source()`.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
-    #[error("{0}")]
-    Msg(String),
-}
-
-fn err(e: impl std::fmt::Display) -> BuildError {
-    BuildError::Msg(e.to_string())
+    #[error(transparent)]
+    Layout(#[from] crate::arch::x86_64::layout::LayoutError),
+    #[error(transparent)]
+    Kvm(#[from] VmError),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Pmem(#[from] PmemError),
+    #[error(transparent)]
+    Kernel(#[from] LoadError),
+    #[error(transparent)]
+    Devices(#[from] DeviceError),
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    #[error("cannot write the MP table: {0}")]
+    MpTable(#[from] mptable::MpTableError),
+    #[error("cannot write the ACPI tables: {0}")]
+    Acpi(#[from] acpi::AcpiError),
+    #[error("cannot write the PVH start info: {0}")]
+    Pvh(#[from] pvh::PvhError),
+    #[error("cannot write the Linux boot parameters: {0}")]
+    LinuxBoot(#[from] linux::LinuxBootError),
+    #[error("--cmdline: {0} (with the virtio device fragments it must fit in {max} bytes of printable ASCII)", max = CMDLINE_MAX_SIZE - 1)]
+    Cmdline(#[from] linux_loader::cmdline::Error),
+    #[error("cannot write the command line into guest memory: {0}")]
+    GuestMemory(#[from] vm_memory::GuestMemoryError),
+    #[error("--initrd {}: {why}", path.display())]
+    Initrd { path: PathBuf, why: String },
+    #[error("cannot start the {what} thread: {source}")]
+    Thread {
+        what: &'static str,
+        source: std::io::Error,
+    },
 }
 
 /// Options that change how a VM is observed, not what it is.
@@ -37,8 +73,6 @@ pub struct RunOptions {
     pub capture_serial: bool,
     /// Stop the VM (outcome [`Outcome::VmmError`]) if it runs longer than this.
     pub timeout: Option<Duration>,
-    /// Write the exit accounting as JSON here at exit and whenever SIGUSR1 arrives.
-    pub metrics_path: Option<std::path::PathBuf>,
 }
 
 /// What happened during one VM run.
@@ -53,7 +87,7 @@ pub struct RunReport {
     pub metrics: serde_json::Value,
     /// Queue notifications that reached the VMM's I/O thread through ioeventfds.
     pub ioeventfd_notifications: u64,
-    /// From the start of [`run_vm`] to the BSP's first KVM_RUN.
+    /// From the start of the build to the BSP's first KVM_RUN.
     pub to_first_run: Option<Duration>,
     /// CLOCK_MONOTONIC at the BSP's first KVM_RUN, comparable across processes, so a parent
     /// can measure from its own spawn of the VMM.
@@ -61,253 +95,473 @@ pub struct RunReport {
     pub wall: Duration,
 }
 
-static SIGNALLED: AtomicI32 = AtomicI32::new(0);
-static DUMP_METRICS: AtomicBool = AtomicBool::new(false);
+/// Builds VMs.
+pub struct Vmm;
 
-extern "C" fn on_terminate(sig: libc::c_int) {
-    SIGNALLED.store(sig, Ordering::SeqCst);
+/// A VM with its memory, kernel, devices and vCPUs in place, not yet running.
+pub struct Vm {
+    started: Instant,
+    opts: RunOptions,
+    exits: ExitsMode,
+    layout: GuestLayout,
+    kvm: KvmVm,
+    ram: Arc<GuestRam>,
+    mem: GuestMemoryMmap,
+    pmem: PmemRegions,
+    devices: Devices,
+    vcpus: Vec<Vcpu>,
+    control: Arc<RunControl>,
+    capture: Option<Arc<Mutex<Vec<u8>>>>,
 }
 
-extern "C" fn on_usr1(_: libc::c_int) {
-    DUMP_METRICS.store(true, Ordering::SeqCst);
+/// What the VM's threads and its handles share.
+struct Shared {
+    exits: ExitsMode,
+    ram: Arc<GuestRam>,
+    control: Arc<RunControl>,
+    metrics: Vec<Arc<VcpuMetrics>>,
+    irqs: Vec<Arc<dyn IrqLine>>,
+    names: Arc<crate::device_manager::MmioNames>,
+    ioeventfd_served: Arc<AtomicU64>,
 }
 
-/// SIGTERM and SIGINT end the VM through the normal teardown, so disks are flushed;
-/// SIGUSR1 asks for the metrics file to be written while the VM runs.
-fn install_signal_handlers() {
-    // SAFETY: the handlers only store to atomics, which is async-signal-safe.
-    unsafe {
-        for sig in [libc::SIGTERM, libc::SIGINT] {
-            libc::signal(sig, on_terminate as *const () as libc::sighandler_t);
-        }
-        libc::signal(libc::SIGUSR1, on_usr1 as *const () as libc::sighandler_t);
-    }
-}
-
-/// The exit accounting of a run so far, as written by `--metrics`.
-fn metrics_json(
-    mode: ExitsMode,
-    vcpus: &[Arc<VcpuMetrics>],
-    devices: &Devices,
-    io_thread: Option<&IoThread>,
-) -> serde_json::Value {
-    let (per_vcpu, all) = detailed(vcpus);
-    let notify_exits: u64 = all
-        .iter()
-        .filter(|d| {
-            d.detail
-                .as_deref()
-                .is_some_and(|n| n.ends_with(":queue_notify"))
-        })
-        .map(|d| d.count)
-        .sum();
-    let mut irq_paths = serde_json::Map::new();
-    for irq in &devices.irqs {
-        let e = irq_paths.entry(irq.path()).or_insert(serde_json::json!(0));
-        *e = serde_json::json!(e.as_u64().unwrap_or(0) + irq.count());
-    }
-    serde_json::json!({
-        "exits_mode": mode.to_string(),
-        "total_exits": all.iter().map(|d| d.count).sum::<u64>(),
-        "exits": all,
-        "vcpus": per_vcpu.into_iter().enumerate().map(|(i, e)| serde_json::json!({"id": i, "exits": e})).collect::<Vec<_>>(),
-        "notifications": {
-            "mmio_exit": notify_exits,
-            "ioeventfd": io_thread.map(|t| t.served()).unwrap_or(0),
-        },
-        "interrupts": irq_paths,
-    })
-}
-
-fn write_metrics(path: &std::path::Path, value: &serde_json::Value) {
-    let tmp = path.with_extension("tmp");
-    let text = serde_json::to_string_pretty(value).unwrap_or_default();
-    if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
-        tracing::warn!("--metrics {}: {e}", path.display());
-    }
-}
-
-/// Builds and runs the VM described by `config` until it ends.
-pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildError> {
-    let started = Instant::now();
-    install_signal_handlers();
-    install_kick_handler()
-        .map_err(|e| err(format!("cannot install the vCPU kick handler: {e}")))?;
-    // Set-up time per phase, at debug level (MUSUBI_LOG=vmm=debug).
-    let phase = |name: &str| {
-        tracing::debug!(
-            phase = name,
-            us = started.elapsed().as_micros() as u64,
-            "set-up"
-        )
-    };
-
-    // 1. The VM and its memory. Storage as memory: file-backed regions above RAM, each its
-    // own slot, opened first so bad files are reported before any KVM work.
-    let pmem = PmemRegions::open(&config.pmem, config.memory, &config.disks, host_phys_bits())
-        .map_err(err)?;
-    let mut vm = Vm::new().map_err(err)?;
-    let mem = create_guest_memory(config.memory).map_err(err)?;
-    vm.register_memory(&mem).map_err(err)?;
-    pmem.register(&mut vm).map_err(err)?;
-    let mem = pmem.extend_guest_memory(mem).map_err(err)?;
-
-    phase("vm and memory");
-    // 2. The kernel.
-    let (entry, kernel_end) = load_kernel(&mem, &config.kernel).map_err(err)?;
-
-    phase("kernel loaded");
-    // 3. Devices, and the command line that announces them.
-    let control = Arc::new(RunControl::default());
-    let capture = opts
-        .capture_serial
-        .then(|| Arc::new(Mutex::new(Vec::new())));
-    let mut devices = create_devices(
-        &vm,
-        &mem,
-        config,
-        capture.clone(),
-        pmem.devices(),
-        control.clone(),
-    )
-    .map_err(err)?;
-    let cmdline = build_cmdline(&config.cmdline, &devices)?;
-    mem.write_slice(&cmdline, GuestAddress(CMDLINE_START))
-        .map_err(|e| err(format!("cannot write the command line: {e}")))?;
-
-    phase("devices");
-    // 4. Firmware tables and boot structures.
-    // Both CPU tables: the MP table for simple guests, ACPI for kernels built without
-    // MP-table parsing (Debian's cloud kernel among them).
-    mptable::write_mptable(&mem, config.cpus).map_err(err)?;
-    let rsdp = acpi::write_acpi_tables(&mem, config.cpus).map_err(err)?;
-    let mut e820 = layout::e820_map(config.memory);
-    e820.extend(pmem.e820_entries());
-    let initrd = load_initrd(&mem, config, &entry, kernel_end)?;
-    match entry {
-        EntryPoint::Pvh(_) => {
-            pvh::write_start_info(&mem, &e820, CMDLINE_START, Some(rsdp)).map_err(err)?;
-            if let Some((addr, size)) = initrd {
-                pvh::add_initrd_module(&mem, addr, size).map_err(err)?;
-            }
-        }
-        EntryPoint::Linux64 { header, .. } => {
-            linux::write_boot_params(&mem, header, &e820, CMDLINE_START, cmdline.len(), initrd)
-                .map_err(err)?;
-            linux::set_acpi_rsdp_addr(&mem, rsdp).map_err(err)?;
-            linux::write_boot_gdt_and_page_tables(&mem).map_err(err)?;
-        }
-    }
-
-    phase("firmware tables");
-    // 5. vCPUs: the BSP gets the entry state; APs wait for INIT/SIPI in the kernel.
-    let mut vcpus = Vec::new();
-    for id in 0..config.cpus {
-        vcpus.push(Vcpu::new(vm.kvm(), vm.fd(), id, config.cpus).map_err(err)?);
-    }
-    match entry {
-        EntryPoint::Pvh(rip) => {
-            vcpus[0].set_regs(&regs::pvh_regs(rip, PVH_INFO_START), regs::pvh_sregs)
-        }
-        EntryPoint::Linux64 { entry, .. } => {
-            vcpus[0].set_regs(&linux::long_mode_regs(entry), linux::long_mode_sregs)
-        }
-    }
-    .map_err(err)?;
-
-    phase("vcpus");
-    // 6. Run until an outcome is recorded.
-    let metrics: Vec<Arc<VcpuMetrics>> = (0..config.cpus).map(|_| Arc::default()).collect();
-    let stop = Arc::new(AtomicBool::new(false));
-    let first_run: Arc<OnceLock<(Instant, u64)>> = Arc::default();
-    let mut io_thread = match std::mem::take(&mut devices.notifiers) {
-        n if n.is_empty() => None,
-        n => Some(
-            IoThread::start(n)
-                .map_err(|e| err(format!("cannot start the virtio I/O thread: {e}")))?,
-        ),
-    };
-    let mut handles = Vec::new();
-    for (vcpu, m) in vcpus.into_iter().zip(&metrics) {
-        let (io, control, stop, m, first_run, names) = (
-            devices.io.clone(),
-            control.clone(),
-            stop.clone(),
-            m.clone(),
-            first_run.clone(),
-            devices.mmio_names.clone(),
-        );
-        let h = std::thread::Builder::new()
-            .name(format!("vcpu{}", vcpu.id))
-            .spawn(move || {
-                if vcpu.id == 0 {
-                    let _ = first_run.set((Instant::now(), monotonic_ns()));
-                }
-                vcpu.run(io, control, stop, m, names)
+impl Shared {
+    fn metrics_json(&self) -> serde_json::Value {
+        let names = |t| self.names.name(t);
+        let (per_vcpu, all) = detailed(&self.metrics, &names);
+        let notify_exits: u64 = all
+            .iter()
+            .filter(|d| {
+                d.detail
+                    .as_deref()
+                    .is_some_and(|n| n.ends_with(":queue_notify"))
             })
-            .map_err(|e| err(format!("cannot start a vCPU thread: {e}")))?;
-        handles.push(h);
+            .map(|d| d.count)
+            .sum();
+        let mut irq_paths = serde_json::Map::new();
+        for irq in &self.irqs {
+            let e = irq_paths.entry(irq.path()).or_insert(serde_json::json!(0));
+            *e = serde_json::json!(e.as_u64().unwrap_or(0) + irq.count());
+        }
+        serde_json::json!({
+            "exits_mode": self.exits.to_string(),
+            "total_exits": all.iter().map(|d| d.count).sum::<u64>(),
+            "exits": all,
+            "vcpus": per_vcpu.into_iter().enumerate().map(|(i, e)| serde_json::json!({"id": i, "exits": e})).collect::<Vec<_>>(),
+            "notifications": {
+                "mmio_exit": notify_exits,
+                "ioeventfd": self.ioeventfd_served.load(Ordering::Relaxed),
+            },
+            "interrupts": irq_paths,
+            "memory": {
+                "backend": self.ram.backend(),
+                "vcpu_threads": self.ram.vcpu_threads(),
+            },
+        })
     }
-    let deadline = opts.timeout.map(|t| started + t);
-    let mut outcome = control.wait(Duration::from_millis(20), || {
-        if DUMP_METRICS.swap(false, Ordering::SeqCst) {
-            if let Some(p) = &opts.metrics_path {
-                write_metrics(
-                    p,
-                    &metrics_json(config.exits, &metrics, &devices, io_thread.as_ref()),
-                );
+}
+
+/// A VM whose vCPUs run.
+pub struct RunningVm {
+    vm: Vm,
+    shared: Arc<Shared>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    statuses: Vec<Arc<VcpuStatus>>,
+    request: Arc<AtomicU64>,
+    io_thread: Option<IoThread>,
+    first_run: Arc<OnceLock<(Instant, u64)>>,
+}
+
+/// Stops a running VM or reads its accounting from any thread (a signal handler's thread,
+/// a supervisor).
+#[derive(Clone)]
+pub struct VmHandle {
+    shared: Arc<Shared>,
+}
+
+impl VmHandle {
+    /// Ends the VM with `outcome` unless it has already ended.
+    pub fn stop(&self, outcome: Outcome) {
+        self.shared.control.finish(outcome);
+    }
+
+    /// The exit accounting so far, as `--metrics` writes it.
+    pub fn metrics(&self) -> serde_json::Value {
+        self.shared.metrics_json()
+    }
+}
+
+impl Vmm {
+    /// Creates the VM described by `config`: memory, kernel, devices, firmware tables and
+    /// vCPUs, in that order. Nothing runs until [`Vm::start`].
+    pub fn build(config: &VmConfig, opts: &RunOptions) -> Result<Vm, BuildError> {
+        let started = Instant::now();
+        install_kick_handler().map_err(|source| BuildError::Thread {
+            what: "vCPU kick handler",
+            source,
+        })?;
+        // Set-up time per phase, at debug level (MUSUBI_LOG=vmm=debug).
+        let phase = |name: &str| {
+            tracing::debug!(
+                phase = name,
+                us = started.elapsed().as_micros() as u64,
+                "set-up"
+            )
+        };
+
+        // 1. The guest-physical layout, and the memory behind it. Memory-storage files are
+        // opened first, so bad files are reported before any KVM work.
+        let pmem = PmemRegions::open(&config.pmem, config.memory, &config.disks, host_phys_bits())?;
+        let spans: Vec<(u64, bool)> = pmem
+            .regions
+            .iter()
+            .map(|r| (r.size, r.config.advertise == Advertise::E820))
+            .collect();
+        let virtio_pmem = pmem
+            .regions
+            .iter()
+            .filter(|r| r.config.advertise == Advertise::Virtio)
+            .count();
+        let layout = GuestLayout::new(
+            config.memory,
+            config.cpus,
+            &spans,
+            config.disks.len() + virtio_pmem,
+            host_phys_bits(),
+        )?;
+        let mut kvm = KvmVm::new()?;
+        let ram = Arc::new(GuestRam::new(&layout, RamBackend::Anonymous)?);
+        kvm.register_memory(ram.memory())?;
+        pmem.register(&mut kvm)?;
+        let mem = pmem.extend_guest_memory(ram.memory().clone())?;
+        phase("vm and memory");
+
+        // 2. The kernel.
+        let (entry, kernel_end) = load_kernel(&mem, &config.kernel)?;
+        phase("kernel loaded");
+
+        // 3. Devices, and the command line that announces them.
+        let control = Arc::new(RunControl::default());
+        let capture = opts
+            .capture_serial
+            .then(|| Arc::new(Mutex::new(Vec::new())));
+        let devices = create_devices(
+            &kvm,
+            &mem,
+            config,
+            &layout,
+            capture.clone(),
+            pmem.devices(),
+            control.clone(),
+        )?;
+        let cmdline = build_cmdline(&config.cmdline, &devices)?;
+        mem.write_slice(cmdline.as_bytes_with_nul(), GuestAddress(layout.cmdline))?;
+        phase("devices");
+
+        // 4. Firmware tables and boot structures. Both CPU tables: the MP table for simple
+        // guests, ACPI for kernels built without MP-table parsing (Debian's cloud kernel).
+        mptable::write_mptable(&mem, layout.cpus)?;
+        let rsdp = acpi::write_acpi_tables(&mem, layout.cpus)?;
+        let e820 = layout.e820();
+        let initrd = load_initrd(&mem, config, &layout, &entry, kernel_end)?;
+        match entry {
+            EntryPoint::Pvh(_) => {
+                pvh::write_start_info(&mem, &e820, layout.cmdline, Some(rsdp))?;
+                if let Some((addr, size)) = initrd {
+                    pvh::add_initrd_module(&mem, addr, size)?;
+                }
+            }
+            EntryPoint::Linux64 { header, .. } => {
+                let len = cmdline.as_bytes_with_nul().len() - 1;
+                linux::write_boot_params(&mem, header, &e820, layout.cmdline, len, initrd)?;
+                linux::set_acpi_rsdp_addr(&mem, rsdp)?;
+                linux::write_boot_gdt_and_page_tables(&mem)?;
             }
         }
-        let s = SIGNALLED.load(Ordering::SeqCst);
-        if s != 0 {
-            return Some(Outcome::Signal(s));
+        phase("firmware tables");
+
+        // 5. vCPUs: the BSP gets the entry state; APs wait for INIT/SIPI in the kernel.
+        let vcpus = (0..layout.cpus)
+            .map(|id| Vcpu::new(kvm.kvm(), kvm.fd(), id, layout.cpus))
+            .collect::<Result<Vec<_>, _>>()?;
+        match entry {
+            EntryPoint::Pvh(rip) => {
+                vcpus[0].set_regs(&regs::pvh_regs(rip, layout.pvh_start_info), regs::pvh_sregs)
+            }
+            EntryPoint::Linux64 { entry, .. } => {
+                vcpus[0].set_regs(&linux::long_mode_regs(entry), linux::long_mode_sregs)
+            }
+        }?;
+        phase("vcpus");
+
+        Ok(Vm {
+            started,
+            opts: opts.clone(),
+            exits: config.exits,
+            layout,
+            kvm,
+            ram,
+            mem,
+            pmem,
+            devices,
+            vcpus,
+            control,
+            capture,
+        })
+    }
+}
+
+impl Vm {
+    /// The guest-physical map the VM was built with.
+    pub fn layout(&self) -> &GuestLayout {
+        &self.layout
+    }
+
+    /// Starts the I/O thread (kernel exit path) and one thread per vCPU.
+    pub fn start(mut self) -> Result<RunningVm, BuildError> {
+        let notifiers = std::mem::take(&mut self.devices.notifiers);
+        let io_thread = if notifiers.is_empty() {
+            None
+        } else {
+            Some(
+                IoThread::start(notifiers, self.control.clone()).map_err(|source| {
+                    BuildError::Thread {
+                        what: "virtio I/O",
+                        source,
+                    }
+                })?,
+            )
+        };
+        let shared = Arc::new(Shared {
+            exits: self.exits,
+            ram: self.ram.clone(),
+            control: self.control.clone(),
+            metrics: self.vcpus.iter().map(|_| Arc::default()).collect(),
+            irqs: self.devices.irqs.clone(),
+            names: self.devices.mmio_names.clone(),
+            ioeventfd_served: io_thread
+                .as_ref()
+                .map(|t| t.served_counter())
+                .unwrap_or_default(),
+        });
+        let first_run: Arc<OnceLock<(Instant, u64)>> = Arc::default();
+        let request = Arc::new(AtomicU64::new(0));
+        let statuses: Vec<Arc<VcpuStatus>> = self.vcpus.iter().map(|_| Arc::default()).collect();
+        let mut threads = Vec::new();
+        for ((vcpu, metrics), status) in std::mem::take(&mut self.vcpus)
+            .into_iter()
+            .zip(&shared.metrics)
+            .zip(&statuses)
+        {
+            let ctx = VcpuContext {
+                bus: self.devices.bus.clone(),
+                control: self.control.clone(),
+                metrics: metrics.clone(),
+                status: status.clone(),
+                request: request.clone(),
+                ram: self.ram.clone(),
+                first_run: first_run.clone(),
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("vcpu{}", vcpu.id))
+                .spawn(move || vcpu.run(ctx));
+            match thread {
+                Ok(t) => threads.push(t),
+                Err(source) => {
+                    // The VM ends before it started: stop the threads already running.
+                    self.control
+                        .finish(Outcome::VmmError("a vCPU thread did not start".into()));
+                    stop_vcpus(threads);
+                    return Err(BuildError::Thread {
+                        what: "vCPU",
+                        source,
+                    });
+                }
+            }
         }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Some(Outcome::VmmError(format!(
-                "the VM did not finish within {:?}",
-                opts.timeout.unwrap_or_default()
-            )));
+        Ok(RunningVm {
+            vm: self,
+            shared,
+            threads,
+            statuses,
+            request,
+            io_thread,
+            first_run,
+        })
+    }
+}
+
+/// How long the guest must cause no exit before the VM asks its vCPUs whether they are
+/// halted for good.
+const IDLE_CHECK_AFTER: Duration = Duration::from_millis(1000);
+
+impl RunningVm {
+    pub fn handle(&self) -> VmHandle {
+        VmHandle {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Ends the VM with `outcome` unless it has already ended.
+    pub fn stop(&self, outcome: Outcome) {
+        self.shared.control.finish(outcome);
+    }
+
+    /// The exit accounting so far.
+    pub fn metrics(&self) -> serde_json::Value {
+        self.shared.metrics_json()
+    }
+
+    /// Waits until the VM ends (the guest, a crash, [`VmHandle::stop`], or the timeout),
+    /// stops every thread and makes the guest's writes durable.
+    pub fn wait(mut self) -> RunReport {
+        let started = self.vm.started;
+        let deadline = self.vm.opts.timeout.map(|t| started + t);
+        let mut idle = IdleCheck::default();
+        let mut outcome = self.shared.control.wait(Duration::from_millis(20), || {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Some(Outcome::VmmError(format!(
+                    "the VM did not finish within {:?}",
+                    self.vm.opts.timeout.unwrap_or_default()
+                )));
+            }
+            idle.poll(
+                &self.shared.metrics,
+                &self.statuses,
+                &self.request,
+                &self.threads,
+            )
+        });
+
+        // Stop every vCPU, then make the guest's writes durable.
+        stop_vcpus(std::mem::take(&mut self.threads));
+        if let Some(t) = self.io_thread.as_mut() {
+            t.stop();
+        }
+        let mut flush_errors = self.vm.devices.flush();
+        flush_errors.extend(self.vm.pmem.sync());
+        if !flush_errors.is_empty() {
+            outcome = Outcome::VmmError(format!(
+                "guest writes may not be on disk: {}",
+                flush_errors.join("; ")
+            ));
+        }
+        let metrics = self.shared.metrics_json();
+        let first_run = self.first_run.get().copied();
+        let report = RunReport {
+            metrics,
+            ioeventfd_notifications: self.shared.ioeventfd_served.load(Ordering::Relaxed),
+            exits: summarize(&self.shared.metrics),
+            total_exits: self.shared.metrics.iter().map(|m| m.total()).sum(),
+            interrupts: self.vm.devices.interrupts(),
+            serial: self
+                .vm
+                .capture
+                .as_ref()
+                .map(|c| std::mem::take(&mut *c.lock().unwrap_or_else(|e| e.into_inner())))
+                .unwrap_or_default(),
+            to_first_run: first_run.map(|t| t.0.duration_since(started)),
+            first_run_monotonic_ns: first_run.map(|t| t.1),
+            wall: started.elapsed(),
+            outcome,
+        };
+        let Vm {
+            kvm,
+            devices,
+            mem,
+            ram,
+            ..
+        } = self.vm;
+        drop(devices);
+        // The VM fd goes before the memory it maps.
+        drop(kvm);
+        drop(mem);
+        drop(ram);
+        report
+    }
+}
+
+/// Finds a guest that can never run again: every vCPU halted with interrupts disabled (or
+/// still waiting for a start-up IPI nobody will send). With the in-kernel LAPIC such a vCPU
+/// sleeps inside KVM_RUN and no exit ever tells the VMM, so after a quiet spell the vCPUs
+/// are kicked and each reports its state.
+#[derive(Default)]
+struct IdleCheck {
+    last_exits: u64,
+    quiet_since: Option<Instant>,
+    asked: Option<u64>,
+}
+
+impl IdleCheck {
+    fn poll(
+        &mut self,
+        metrics: &[Arc<VcpuMetrics>],
+        statuses: &[Arc<VcpuStatus>],
+        request: &AtomicU64,
+        threads: &[std::thread::JoinHandle<()>],
+    ) -> Option<Outcome> {
+        let exits: u64 = metrics.iter().map(|m| m.guest_exits()).sum();
+        let now = Instant::now();
+        if exits != self.last_exits {
+            self.last_exits = exits;
+            self.quiet_since = Some(now);
+            self.asked = None;
+            return None;
+        }
+        let quiet_since = *self.quiet_since.get_or_insert(now);
+        if let Some(req) = self.asked {
+            let answers: Option<Vec<VcpuState>> = statuses.iter().map(|s| s.get(req)).collect();
+            let answers = answers?;
+            self.asked = None;
+            self.quiet_since = Some(now);
+            let halted = answers.iter().enumerate().find_map(|(i, s)| match s {
+                VcpuState::HaltedForGood { rip } => Some((i, *rip)),
+                _ => None,
+            });
+            let all_stuck = answers.iter().all(|s| {
+                matches!(
+                    s,
+                    VcpuState::HaltedForGood { .. } | VcpuState::WaitingForStartup
+                )
+            });
+            return match halted {
+                Some((i, rip)) if all_stuck => Some(Outcome::GuestCrash(format!(
+                    "every vCPU is halted with interrupts disabled and nothing can wake it (vCPU {i} at RIP {rip:#x})"
+                ))),
+                _ => None,
+            };
+        }
+        if now.duration_since(quiet_since) >= IDLE_CHECK_AFTER {
+            // Requests are tagged with 8 bits and 0 means "never answered".
+            let mut req = request.load(Ordering::Relaxed) + 1;
+            if req & 0xff == 0 {
+                req += 1;
+            }
+            request.store(req, Ordering::Release);
+            self.asked = Some(req);
+            for t in threads {
+                let _ = t.kill(kick_signal());
+            }
         }
         None
-    });
+    }
+}
 
-    // 7. Stop every vCPU, then make the guest's writes durable.
-    stop.store(true, Ordering::Release);
-    stop_vcpus(handles);
-    if let Some(t) = io_thread.as_mut() {
-        t.stop();
+/// Kicks every vCPU thread out of KVM_RUN once and waits for it to return. The kick sets
+/// `immediate_exit`, so it is not lost even when it lands just before a thread re-enters
+/// the guest; the VM's control is already finished, so no thread goes back in.
+fn stop_vcpus(handles: Vec<std::thread::JoinHandle<()>>) {
+    for h in &handles {
+        let _ = h.kill(kick_signal());
     }
-    let mut flush_errors = devices.flush();
-    flush_errors.extend(pmem.sync());
-    if !flush_errors.is_empty() {
-        outcome = Outcome::VmmError(format!(
-            "guest writes may not be on disk: {}",
-            flush_errors.join("; ")
-        ));
+    for h in handles {
+        let _ = h.join();
     }
-    let metrics_value = metrics_json(config.exits, &metrics, &devices, io_thread.as_ref());
-    if let Some(p) = &opts.metrics_path {
-        write_metrics(p, &metrics_value);
-    }
-    let report = RunReport {
-        metrics: metrics_value,
-        ioeventfd_notifications: io_thread.as_ref().map(|t| t.served()).unwrap_or(0),
-        exits: summarize(&metrics),
-        total_exits: metrics.iter().map(|m| m.total()).sum(),
-        interrupts: devices.interrupts(),
-        serial: capture
-            .map(|c| std::mem::take(&mut *c.lock().unwrap_or_else(|e| e.into_inner())))
-            .unwrap_or_default(),
-        to_first_run: first_run.get().map(|t| t.0.duration_since(started)),
-        first_run_monotonic_ns: first_run.get().map(|t| t.1),
-        wall: started.elapsed(),
-        outcome,
-    };
-    drop(devices);
-    // The VM fd goes before the memory it maps.
-    drop(vm);
-    drop(mem);
-    Ok(report)
+}
+
+/// Builds, starts and waits for the VM described by `config`.
+pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildError> {
+    Ok(Vmm::build(config, opts)?.start()?.wait())
 }
 
 /// CLOCK_MONOTONIC in nanoseconds.
@@ -321,70 +575,54 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Kicks vCPU threads out of KVM_RUN until each has returned. A kick can land just before a
-/// thread re-enters the guest and be missed, so it is repeated.
-fn stop_vcpus(mut handles: Vec<std::thread::JoinHandle<()>>) {
-    while !handles.is_empty() {
-        for h in &handles {
-            let _ = h.kill(kick_signal());
-        }
-        std::thread::sleep(Duration::from_millis(1));
-        let (done, rest): (Vec<_>, Vec<_>) = handles.into_iter().partition(|h| h.is_finished());
-        for h in done {
-            let _ = h.join();
-        }
-        handles = rest;
+/// The user's command line with the device fragments added to the kernel's part (before
+/// any ` -- `, after which arguments go to init).
+fn build_cmdline(base: &str, devices: &Devices) -> Result<std::ffi::CString, BuildError> {
+    let mut cmdline = linux_loader::cmdline::Cmdline::new(CMDLINE_MAX_SIZE)?;
+    let (kernel, init) = match base.trim().split_once(" -- ") {
+        Some((k, i)) => (k.trim(), Some(i.trim())),
+        None => (base.trim(), None),
+    };
+    if !kernel.is_empty() {
+        cmdline.insert_str(kernel)?;
     }
-}
-
-fn build_cmdline(base: &str, devices: &Devices) -> Result<Vec<u8>, BuildError> {
-    let mut s = base.trim().to_string();
     for f in &devices.cmdline_fragments {
-        if !s.is_empty() {
-            s.push(' ');
-        }
-        s.push_str(f);
+        cmdline.insert_str(f)?;
     }
-    let mut bytes = s.into_bytes();
-    bytes.push(0);
-    if bytes.len() > CMDLINE_MAX_SIZE {
-        return Err(err(format!(
-            "--cmdline: the command line with device fragments is {} bytes; at most {} fit",
-            bytes.len() - 1,
-            CMDLINE_MAX_SIZE - 1
-        )));
+    if let Some(init) = init.filter(|i| !i.is_empty()) {
+        cmdline.insert_init_args(init)?;
     }
-    Ok(bytes)
+    Ok(cmdline.as_cstring()?)
 }
 
 fn load_initrd(
     mem: &GuestMemoryMmap,
     config: &VmConfig,
+    layout: &GuestLayout,
     entry: &EntryPoint,
     kernel_end: u64,
 ) -> Result<Option<(u64, u64)>, BuildError> {
     let Some(path) = &config.initrd else {
         return Ok(None);
     };
-    let data = std::fs::read(path).map_err(|e| err(format!("--initrd {}: {e}", path.display())))?;
+    let fail = |why: String| BuildError::Initrd {
+        path: path.clone(),
+        why,
+    };
+    let data = std::fs::read(path).map_err(|e| fail(e.to_string()))?;
     let header = match entry {
         EntryPoint::Linux64 { header, .. } => header.as_ref(),
         EntryPoint::Pvh(_) => None,
     };
-    let top = layout::ram_ranges(config.memory)[0].1;
-    let addr = linux::initrd_address(top, data.len() as u64, header).map_err(err)?;
+    let top = layout.low_ram_end();
+    let addr = linux::initrd_address(top, data.len() as u64, header)?;
     if addr < kernel_end {
-        return Err(err(format!(
-            "--initrd {}: {} MiB does not fit between the kernel (ending at {kernel_end:#x}) and the top of low RAM ({top:#x}); give the VM more --memory",
-            path.display(),
+        return Err(fail(format!(
+            "{} MiB does not fit between the kernel (ending at {kernel_end:#x}) and the top of low RAM ({top:#x}); give the VM more --memory",
             data.len() >> 20
         )));
     }
-    mem.write_slice(&data, GuestAddress(addr)).map_err(|e| {
-        err(format!(
-            "--initrd {}: cannot place it in guest memory: {e}",
-            path.display()
-        ))
-    })?;
+    mem.write_slice(&data, GuestAddress(addr))
+        .map_err(|e| fail(format!("cannot place it in guest memory: {e}")))?;
     Ok(Some((addr, data.len() as u64)))
 }

@@ -1,6 +1,8 @@
 //! How a running VM ends: the first reason recorded wins, and the waiting thread is woken.
 
 use devices::{ExitSink, VmExitRequest};
+use serde::ser::SerializeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 
 /// Why the VM stopped.
@@ -29,12 +31,43 @@ impl Outcome {
             Outcome::Signal(s) => 128 + s,
         }
     }
+
+    /// A short name for reports.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Outcome::GuestExit(_) => "guest_exit",
+            Outcome::Shutdown => "shutdown",
+            Outcome::GuestCrash(_) => "guest_crash",
+            Outcome::VmmError(_) => "vmm_error",
+            Outcome::Signal(_) => "signal",
+        }
+    }
+}
+
+/// `{"kind": "guest_exit", "status": 3}`, `{"kind": "guest_crash", "message": "..."}`,
+/// `{"kind": "signal", "signal": 15}`: what a report reader can match on.
+impl serde::Serialize for Outcome {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(2))?;
+        m.serialize_entry("kind", self.kind())?;
+        match self {
+            Outcome::GuestExit(n) => m.serialize_entry("status", n)?,
+            Outcome::GuestCrash(msg) | Outcome::VmmError(msg) => {
+                m.serialize_entry("message", msg)?
+            }
+            Outcome::Signal(sig) => m.serialize_entry("signal", sig)?,
+            Outcome::Shutdown => {}
+        }
+        m.end()
+    }
 }
 
 #[derive(Default)]
 pub struct RunControl {
     outcome: Mutex<Option<Outcome>>,
     changed: Condvar,
+    /// Mirrors `outcome.is_some()`, so vCPUs can check it after every exit without a lock.
+    finished: AtomicBool,
 }
 
 impl RunControl {
@@ -43,15 +76,13 @@ impl RunControl {
         let mut g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
         if g.is_none() {
             *g = Some(o);
+            self.finished.store(true, Ordering::Release);
             self.changed.notify_all();
         }
     }
 
     pub fn is_finished(&self) -> bool {
-        self.outcome
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.finished.load(Ordering::Acquire)
     }
 
     /// Blocks until an outcome is recorded, checking `poll` every `tick` (for signals).
@@ -67,6 +98,7 @@ impl RunControl {
             }
             if let Some(o) = poll() {
                 *g = Some(o.clone());
+                self.finished.store(true, Ordering::Release);
                 return o;
             }
             g = self
@@ -110,5 +142,26 @@ mod tests {
         let o = c.wait(Duration::from_millis(1), || Some(Outcome::Signal(15)));
         assert_eq!(o.exit_code(), 143);
         assert!(c.is_finished());
+    }
+
+    #[test]
+    fn outcomes_serialize_as_kind_and_detail() {
+        let j = |o: Outcome| serde_json::to_value(o).unwrap();
+        assert_eq!(
+            j(Outcome::GuestExit(3)),
+            serde_json::json!({"kind": "guest_exit", "status": 3})
+        );
+        assert_eq!(
+            j(Outcome::Shutdown),
+            serde_json::json!({"kind": "shutdown"})
+        );
+        assert_eq!(
+            j(Outcome::GuestCrash("triple fault".into())),
+            serde_json::json!({"kind": "guest_crash", "message": "triple fault"})
+        );
+        assert_eq!(
+            j(Outcome::Signal(15)),
+            serde_json::json!({"kind": "signal", "signal": 15})
+        );
     }
 }

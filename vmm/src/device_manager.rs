@@ -1,10 +1,14 @@
 //! Creates the VM's devices, puts them on the port and MMIO buses and wires their interrupts.
 
-use crate::arch::x86_64::layout::{MAX_IRQ, VIRTIO_IRQ_BASE, VIRTIO_MMIO_BASE, VIRTIO_MMIO_SIZE};
+use crate::arch::x86_64::layout::{
+    GuestLayout, VirtioSlot, MAX_IRQ, VIRTIO_IRQ_BASE, VIRTIO_MMIO_SIZE,
+};
 use crate::config::{CacheMode, ExitsMode, SerialMode, VmConfig};
 use crate::control::RunControl;
+use crate::exit::ExitBus;
 use crate::io_thread::Notifier;
 use crate::irq::{IrqLine, UserIrq};
+use crate::metrics::MmioTarget;
 use crate::vstate::vm::{Vm, VmError};
 use devices::legacy::{
     ExitPort, Serial, SerialOutput, COM1_BASE, COM1_IRQ, COM1_LEN, EXIT_PORT, I8042, I8042_BASE,
@@ -26,8 +30,11 @@ pub enum DeviceError {
         path: String,
         source: std::io::Error,
     },
-    #[error("{0}")]
-    Block(String),
+    #[error("--disk {}: {source}", path.display())]
+    Block {
+        path: std::path::PathBuf,
+        source: devices::virtio::block::BlockError,
+    },
     #[error("too many devices: IRQ {0} is past the last IOAPIC pin {MAX_IRQ}")]
     OutOfIrqs(u32),
     #[error("cannot create an interrupt eventfd: {0}")]
@@ -39,28 +46,74 @@ pub enum DeviceError {
 }
 
 /// Names MMIO exits for the exit accounting: `device:queue_notify` for doorbells, the
-/// device name for its other registers, `unclaimed` elsewhere.
+/// device name for its other registers, `unclaimed` elsewhere. Ranges are kept sorted, so
+/// an exit finds its target by binary search.
 #[derive(Default)]
 pub struct MmioNames {
-    /// (base, size, name, name of the queue-notify register)
+    /// (base, size, name, name of the queue-notify register), sorted by base.
     ranges: Vec<(u64, u64, Arc<str>, Arc<str>)>,
-    unclaimed: Option<Arc<str>>,
 }
 
 impl MmioNames {
-    pub fn name(&self, addr: u64) -> Arc<str> {
-        for (base, size, name, notify) in &self.ranges {
-            if addr >= *base && addr - base < *size {
-                return if addr - base == VIRTIO_MMIO_QUEUE_NOTIFY {
-                    notify.clone()
-                } else {
-                    name.clone()
-                };
+    fn add(&mut self, base: u64, size: u64, name: Arc<str>, notify: Arc<str>) {
+        let at = self.ranges.partition_point(|r| r.0 < base);
+        self.ranges.insert(at, (base, size, name, notify));
+    }
+
+    /// Target 0 is unclaimed; range `i` is `2i + 1`, its doorbell `2i + 2`.
+    pub fn target(&self, addr: u64) -> MmioTarget {
+        let i = self.ranges.partition_point(|r| r.0 <= addr);
+        match i.checked_sub(1).map(|i| (i, &self.ranges[i])) {
+            Some((i, (base, size, _, _))) if addr - base < *size => {
+                let notify = u16::from(addr - base == VIRTIO_MMIO_QUEUE_NOTIFY);
+                MmioTarget((2 * i as u16 + 1) + notify)
             }
+            _ => MmioTarget(0),
         }
-        self.unclaimed
-            .clone()
-            .unwrap_or_else(|| Arc::from("unclaimed"))
+    }
+
+    pub fn name(&self, target: MmioTarget) -> Arc<str> {
+        match target.0.checked_sub(1) {
+            Some(t) => match self.ranges.get(t as usize / 2) {
+                Some((_, _, name, notify)) => {
+                    if t % 2 == 1 {
+                        notify.clone()
+                    } else {
+                        name.clone()
+                    }
+                }
+                None => Arc::from("unclaimed"),
+            },
+            None => Arc::from("unclaimed"),
+        }
+    }
+}
+
+/// The exit bus of a VM whose devices are all local.
+pub struct LocalBus {
+    io: IoManager,
+    names: Arc<MmioNames>,
+}
+
+impl ExitBus for LocalBus {
+    fn pio_read(&self, port: u16, data: &mut [u8]) {
+        if self.io.pio_read(PioAddress(port), data).is_err() {
+            data.fill(0xff);
+        }
+    }
+    fn pio_write(&self, port: u16, data: &[u8]) {
+        let _ = self.io.pio_write(PioAddress(port), data);
+    }
+    fn mmio_read(&self, addr: u64, data: &mut [u8]) {
+        if self.io.mmio_read(MmioAddress(addr), data).is_err() {
+            data.fill(0xff);
+        }
+    }
+    fn mmio_write(&self, addr: u64, data: &[u8]) {
+        let _ = self.io.mmio_write(MmioAddress(addr), data);
+    }
+    fn mmio_target(&self, addr: u64) -> MmioTarget {
+        self.names.target(addr)
     }
 }
 
@@ -69,7 +122,8 @@ const VIRTIO_MMIO_QUEUE_NOTIFY: u64 = 0x50;
 
 /// The devices of one VM, kept so they can be flushed and inspected after it stops.
 pub struct Devices {
-    pub io: Arc<IoManager>,
+    pub bus: Arc<LocalBus>,
+    pub mmio_names: Arc<MmioNames>,
     pub serial: Arc<Mutex<Serial>>,
     pub disks: Vec<Arc<Mutex<MmioTransport>>>,
     /// The image behind each entry of `disks`, for messages.
@@ -77,7 +131,6 @@ pub struct Devices {
     /// `virtio_mmio.device=` fragments announcing the virtio devices to the guest.
     pub cmdline_fragments: Vec<String>,
     pub irqs: Vec<Arc<dyn IrqLine>>,
-    pub mmio_names: Arc<MmioNames>,
     /// Queue doorbells for the I/O thread (kernel exit mode only).
     pub notifiers: Vec<Notifier>,
 }
@@ -129,6 +182,8 @@ struct Wiring<'a> {
     notifiers: Vec<Notifier>,
     fragments: Vec<String>,
     virtio_count: u64,
+    /// The virtio windows the layout set aside.
+    slots: &'a [VirtioSlot],
 }
 
 impl Wiring<'_> {
@@ -170,8 +225,10 @@ impl Wiring<'_> {
         device: Box<dyn VirtioDevice + Send>,
     ) -> Result<Arc<Mutex<MmioTransport>>, DeviceError> {
         let i = self.virtio_count;
-        let base = VIRTIO_MMIO_BASE + i * VIRTIO_MMIO_SIZE;
-        let gsi = VIRTIO_IRQ_BASE + i as u32;
+        let VirtioSlot { base, gsi } = *self
+            .slots
+            .get(i as usize)
+            .ok_or(DeviceError::OutOfIrqs(VIRTIO_IRQ_BASE + i as u32))?;
         let irq = self.irq_line(gsi)?;
         let t = Arc::new(Mutex::new(MmioTransport::new(
             device,
@@ -192,17 +249,17 @@ impl Wiring<'_> {
                     .register_ioevent(&eventfd, base + VIRTIO_MMIO_QUEUE_NOTIFY, q as u32)?;
                 self.notifiers.push(Notifier {
                     eventfd,
-                    transport: t.clone(),
+                    server: t.clone(),
                     queue: q as u16,
                 });
             }
         }
-        self.names.ranges.push((
+        self.names.add(
             base,
             VIRTIO_MMIO_SIZE,
             Arc::from(name),
             Arc::from(format!("{name}:queue_notify")),
-        ));
+        );
         self.fragments
             .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
         self.virtio_count += 1;
@@ -214,6 +271,7 @@ pub fn create_devices(
     vm: &Vm,
     mem: &GuestMemoryMmap,
     config: &VmConfig,
+    layout: &GuestLayout,
     capture: Option<Arc<Mutex<Vec<u8>>>>,
     extra: ExtraDevices,
     control: Arc<RunControl>,
@@ -229,6 +287,7 @@ pub fn create_devices(
         notifiers: Vec::new(),
         fragments: Vec::new(),
         virtio_count: 0,
+        slots: &layout.virtio,
     };
 
     let sink: Option<Box<dyn std::io::Write + Send>> = match serial_mode {
@@ -265,7 +324,10 @@ pub fn create_devices(
             },
             id: format!("musubi-disk{i}"),
         })
-        .map_err(|e| DeviceError::Block(format!("--disk {}: {e}", d.path.display())))?;
+        .map_err(|source| DeviceError::Block {
+            path: d.path.clone(),
+            source,
+        })?;
         transports.push(w.add_virtio(&format!("virtio-blk{i}"), Box::new(block))?);
     }
     for (name, device) in extra.virtio {
@@ -278,16 +340,20 @@ pub fn create_devices(
         )
         .map_err(DeviceError::Bus)?;
         let name: Arc<str> = Arc::from(name);
-        w.names.ranges.push((base, size, name.clone(), name));
+        w.names.add(base, size, name.clone(), name);
     }
+    let names = Arc::new(w.names);
     Ok(Devices {
-        io: Arc::new(w.io),
+        bus: Arc::new(LocalBus {
+            io: w.io,
+            names: names.clone(),
+        }),
+        mmio_names: names,
         serial,
         disks: transports,
         disk_paths: disks.iter().map(|d| d.path.clone()).collect(),
         cmdline_fragments: w.fragments,
         irqs: w.irqs,
-        mmio_names: Arc::new(w.names),
         notifiers: w.notifiers,
     })
 }

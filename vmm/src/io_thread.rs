@@ -1,6 +1,7 @@
 //! Serves virtio queue notifications that KVM signals through ioeventfds, on a thread of
 //! its own, so a notifying vCPU never returns to user space.
 
+use crate::control::{Outcome, RunControl};
 use devices::virtio::MmioTransport;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,10 +9,23 @@ use std::sync::{Arc, Mutex};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+/// Something that serves a queue when its doorbell rings.
+pub trait QueueServer: Send + Sync {
+    fn serve(&self, queue: u16);
+}
+
+impl QueueServer for Mutex<MmioTransport> {
+    fn serve(&self, queue: u16) {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .process_queue(queue);
+    }
+}
+
 /// One queue's doorbell: KVM writes `eventfd` when the guest notifies queue `queue`.
 pub struct Notifier {
     pub eventfd: EventFd,
-    pub transport: Arc<Mutex<MmioTransport>>,
+    pub server: Arc<dyn QueueServer>,
     pub queue: u16,
 }
 
@@ -23,7 +37,10 @@ pub struct IoThread {
 }
 
 impl IoThread {
-    pub fn start(notifiers: Vec<Notifier>) -> std::io::Result<Self> {
+    /// Starts serving `notifiers`. If the thread fails (an epoll error, a device that
+    /// panics), it ends the VM through `control` with a VMM error: doorbells nobody serves
+    /// would otherwise leave the guest waiting forever.
+    pub fn start(notifiers: Vec<Notifier>, control: Arc<RunControl>) -> std::io::Result<Self> {
         let stop = EventFd::new(libc::EFD_NONBLOCK)?;
         let epoll = Epoll::new()?;
         let stop_token = notifiers.len() as u64;
@@ -43,7 +60,26 @@ impl IoThread {
         let count = served.clone();
         let handle = std::thread::Builder::new()
             .name("virtio-io".into())
-            .spawn(move || serve(epoll, notifiers, stop_token, count))?;
+            .spawn(move || {
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    serve(&epoll, &notifiers, stop_token, &count)
+                }));
+                let failure = match result {
+                    Ok(Ok(())) => return,
+                    Ok(Err(e)) => e,
+                    Err(panic) => format!(
+                        "a device panicked: {}",
+                        panic
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_default()
+                    ),
+                };
+                control.finish(Outcome::VmmError(format!(
+                    "the virtio I/O thread failed, so queue notifications would go unserved: {failure}"
+                )));
+            })?;
         Ok(Self {
             stop,
             handle: Some(handle),
@@ -51,9 +87,9 @@ impl IoThread {
         })
     }
 
-    /// Notifications served so far.
-    pub fn served(&self) -> u64 {
-        self.served.load(Ordering::Relaxed)
+    /// A counter of notifications served that outlives the thread.
+    pub fn served_counter(&self) -> Arc<AtomicU64> {
+        self.served.clone()
     }
 
     pub fn stop(&mut self) {
@@ -70,35 +106,104 @@ impl Drop for IoThread {
     }
 }
 
-fn serve(epoll: Epoll, notifiers: Vec<Notifier>, stop_token: u64, served: Arc<AtomicU64>) {
+/// Serves doorbells until the stop token fires; an error ends the thread.
+fn serve(
+    epoll: &Epoll,
+    notifiers: &[Notifier],
+    stop_token: u64,
+    served: &AtomicU64,
+) -> Result<(), String> {
     let mut events = vec![EpollEvent::default(); notifiers.len() + 1];
     loop {
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                tracing::error!("virtio I/O thread: epoll_wait failed: {e}; notifications stop");
-                return;
-            }
+            Err(e) => return Err(format!("epoll_wait: {e}")),
         };
         for ev in &events[..n] {
             let token = ev.data();
             if token == stop_token {
-                return;
+                return Ok(());
             }
             let Some(notifier) = notifiers.get(token as usize) else {
                 continue;
             };
             // Several notifications may have been coalesced into one eventfd count; one
             // pass over the queue serves them all.
-            if notifier.eventfd.read().is_ok() {
-                served.fetch_add(1, Ordering::Relaxed);
-                notifier
-                    .transport
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .process_queue(notifier.queue);
+            match notifier.eventfd.read() {
+                Ok(_) => {
+                    served.fetch_add(1, Ordering::Relaxed);
+                    notifier.server.serve(notifier.queue);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(format!("reading a doorbell eventfd: {e}")),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    struct Counting(AtomicU64);
+    impl QueueServer for Counting {
+        fn serve(&self, queue: u16) {
+            assert_eq!(queue, 1);
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    struct Broken;
+    impl QueueServer for Broken {
+        fn serve(&self, _: u16) {
+            panic!("descriptor table corrupted beyond repair");
+        }
+    }
+
+    fn doorbell(server: Arc<dyn QueueServer>) -> (Notifier, EventFd) {
+        let eventfd = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let ring = eventfd.try_clone().unwrap();
+        (
+            Notifier {
+                eventfd,
+                server,
+                queue: 1,
+            },
+            ring,
+        )
+    }
+
+    #[test]
+    fn doorbells_are_served_until_stopped() {
+        let control = Arc::new(RunControl::default());
+        let counting = Arc::new(Counting(AtomicU64::new(0)));
+        let (n, ring) = doorbell(counting.clone());
+        let mut t = IoThread::start(vec![n], control.clone()).unwrap();
+        ring.write(1).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while counting.0.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(counting.0.load(Ordering::SeqCst), 1);
+        assert_eq!(t.served_counter().load(Ordering::SeqCst), 1);
+        t.stop();
+        assert!(!control.is_finished(), "a clean stop is no failure");
+    }
+
+    #[test]
+    fn a_failed_io_thread_ends_the_vm_with_a_vmm_error() {
+        let control = Arc::new(RunControl::default());
+        let (n, ring) = doorbell(Arc::new(Broken));
+        let _t = IoThread::start(vec![n], control.clone()).unwrap();
+        ring.write(1).unwrap();
+        let outcome = control.wait(Duration::from_millis(5), || None);
+        let Outcome::VmmError(m) = &outcome else {
+            panic!("{outcome:?}")
+        };
+        assert!(m.contains("virtio I/O thread failed"), "{m}");
+        assert!(m.contains("descriptor table corrupted"), "{m}");
+        assert_eq!(outcome.exit_code(), 126);
     }
 }

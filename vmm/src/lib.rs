@@ -1,17 +1,25 @@
 //! The Musubi VMM: builds a KVM virtual machine from a [`config::VmConfig`] and runs it.
+//!
+//! The surface is small on purpose: a configuration ([`config`], with the memory-storage
+//! specs of [`pmem`]), [`Vmm::build`] → [`Vm::start`] → [`RunningVm::wait`], and what a run
+//! reports. Everything else is the VMM's own business.
 
-pub mod arch;
-pub mod builder;
+mod arch;
+mod builder;
 pub mod config;
-pub mod control;
-pub mod device_manager;
-pub mod io_thread;
-pub mod irq;
-pub mod loader;
-pub mod metrics;
+mod control;
+mod device_manager;
+mod exit;
+mod io_thread;
+mod irq;
+mod loader;
+mod metrics;
 pub mod pmem;
+#[cfg(feature = "testing")]
 pub mod testing;
-pub mod vstate;
+mod vstate;
 
-pub use builder::{run_vm, RunOptions, RunReport};
+pub use builder::{
+    monotonic_ns, run_vm, BuildError, RunOptions, RunReport, RunningVm, Vm, VmHandle, Vmm,
+};
 pub use control::Outcome;

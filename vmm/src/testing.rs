@@ -89,6 +89,18 @@ impl Code {
         self.out8(0xf4, status)
     }
 
+    /// `cli; hlt`: a CPU nothing but NMI or INIT can wake again.
+    pub fn halt_for_good(mut self) -> Self {
+        self.0.extend([0xfa, 0xf4]);
+        self
+    }
+
+    /// `sti; hlt` in a loop: idle, waiting for interrupts.
+    pub fn idle(mut self) -> Self {
+        self.0.extend([0xfb, 0xf4, 0xeb, 0xfc]);
+        self
+    }
+
     pub fn spin(mut self) -> Self {
         self.0.extend([0xeb, 0xfe]);
         self

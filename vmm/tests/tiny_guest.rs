@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use vmm::config::{ExitsMode, KernelImage, SerialMode, VmConfig};
 use vmm::testing::{pvh_elf, Code};
-use vmm::{run_vm, Outcome, RunOptions};
+use vmm::{run_vm, Outcome, RunOptions, Vmm};
 
 fn config(code: &[u8], cpus: u8) -> VmConfig {
     VmConfig {
@@ -27,7 +27,6 @@ fn opts() -> RunOptions {
     RunOptions {
         capture_serial: true,
         timeout: Some(std::time::Duration::from_secs(60)),
-        ..Default::default()
     }
 }
 
@@ -110,4 +109,72 @@ fn every_port_write_is_one_exit_at_that_port_in_both_modes() {
             .sum();
         assert_eq!(hist, N as u64, "every exit lands in one histogram bucket");
     }
+}
+
+#[test]
+fn a_guest_halted_with_interrupts_off_is_a_crash_not_a_hang() {
+    // One vCPU; then two, where the AP waits for a start-up IPI that never comes.
+    for cpus in [1, 2] {
+        let code = Code::default().out8(0x3f8, b'.').halt_for_good().0;
+        let r = run_vm(&config(&code, cpus), &opts()).expect("VM runs (needs /dev/kvm)");
+        match &r.outcome {
+            Outcome::GuestCrash(m) => {
+                assert!(m.contains("halted with interrupts disabled"), "{m}")
+            }
+            o => panic!("{cpus} vCPUs: expected a guest crash, got {o:?}"),
+        }
+        assert_eq!(r.outcome.exit_code(), 125);
+        assert_eq!(r.serial, b".");
+    }
+}
+
+#[test]
+fn an_idle_guest_is_left_running_until_stopped() {
+    let code = Code::default().idle().0;
+    let running = Vmm::build(&config(&code, 2), &opts())
+        .expect("VM builds (needs /dev/kvm)")
+        .start()
+        .expect("VM starts");
+    let handle = running.handle();
+    let stopper = std::thread::spawn(move || {
+        // Long enough for the waiting VM to have asked its idle vCPUs what they do.
+        std::thread::sleep(std::time::Duration::from_millis(2500));
+        let metrics = handle.metrics();
+        handle.stop(Outcome::Signal(15));
+        metrics
+    });
+    let r = running.wait();
+    let metrics = stopper.join().unwrap();
+    let kicks: u64 = metrics["exits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["reason"] == "interrupted")
+        .map(|e| e["count"].as_u64().unwrap())
+        .sum();
+    assert!(kicks >= 2, "both idle vCPUs were asked: {metrics:#}");
+    assert_eq!(
+        r.outcome,
+        Outcome::Signal(15),
+        "an idle guest is not a crash"
+    );
+}
+
+#[test]
+fn stopping_a_spinning_guest_ends_every_vcpu() {
+    let code = Code::default().out8(0x3f8, b'!').spin().0;
+    let running = Vmm::build(&config(&code, 2), &opts())
+        .expect("VM builds (needs /dev/kvm)")
+        .start()
+        .expect("VM starts");
+    // Wait until the guest has written its byte, so the vCPU is in its loop.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while running.metrics()["total_exits"].as_u64() == Some(0) {
+        assert!(std::time::Instant::now() < deadline, "the guest never ran");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    running.stop(Outcome::VmmError("stopped by the test".into()));
+    let r = running.wait();
+    assert_eq!(r.outcome, Outcome::VmmError("stopped by the test".into()));
+    assert_eq!(r.serial, b"!");
 }

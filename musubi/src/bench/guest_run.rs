@@ -62,7 +62,6 @@ pub fn in_vm(task: &str, exits: ExitsMode, disk: Option<&Path>) -> Result<Worklo
     let opts = vmm::RunOptions {
         capture_serial: true,
         timeout: Some(Duration::from_secs(600)),
-        ..Default::default()
     };
     let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;
     let console = String::from_utf8_lossy(&report.serial).into_owned();

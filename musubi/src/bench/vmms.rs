@@ -388,7 +388,6 @@ fn musubi_run(plan: &Plan, storage: Storage, file: &Path, task: &str) -> Result<
     let opts = vmm::RunOptions {
         capture_serial: true,
         timeout: Some(plan.timeout),
-        ..Default::default()
     };
     let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;
     let console = String::from_utf8_lossy(&report.serial).into_owned();

@@ -1,6 +1,8 @@
-//! Guest RAM: anonymous host mappings laid out around the MMIO hole.
+//! Guest RAM: the host mappings behind the layout's RAM ranges, what backs them, and which
+//! host thread runs each vCPU (so a fault on guest memory can be tied to a vCPU).
 
-use crate::arch::x86_64::layout::ram_ranges;
+use crate::arch::x86_64::layout::GuestLayout;
+use std::sync::Mutex;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 #[derive(Debug, thiserror::Error)]
@@ -12,28 +14,93 @@ pub enum MemoryError {
     },
 }
 
-/// Maps `size` bytes of RAM. Pages are only backed when the guest touches them, so the
-/// VMM's resident overhead stays independent of the guest's size.
-pub fn create_guest_memory(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
-    let ranges: Vec<(GuestAddress, usize)> = ram_ranges(size)
-        .into_iter()
-        .map(|(a, l)| (GuestAddress(a), l as usize))
-        .collect();
-    GuestMemoryMmap::from_ranges(&ranges).map_err(|source| MemoryError::Map {
-        size: size >> 20,
-        source,
-    })
+/// What keeps guest RAM's contents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RamBackend {
+    /// Private anonymous memory on this host, backed as the guest touches it, so the VMM's
+    /// resident overhead stays independent of the guest's size. A RAM kept coherent across
+    /// hosts registers the same mappings with userfaultfd instead of taking faults locally.
+    Anonymous,
+}
+
+pub struct GuestRam {
+    mem: GuestMemoryMmap,
+    backend: RamBackend,
+    /// Host thread id of each vCPU, filled in as vCPU threads start.
+    vcpu_threads: Mutex<Vec<Option<i32>>>,
+}
+
+impl GuestRam {
+    /// Maps the layout's RAM ranges.
+    pub fn new(layout: &GuestLayout, backend: RamBackend) -> Result<Self, MemoryError> {
+        let ranges: Vec<(GuestAddress, usize)> = layout
+            .ram
+            .iter()
+            .map(|r| (GuestAddress(r.start), r.len as usize))
+            .collect();
+        let mem = GuestMemoryMmap::from_ranges(&ranges).map_err(|source| MemoryError::Map {
+            size: layout.ram_size >> 20,
+            source,
+        })?;
+        Ok(Self {
+            mem,
+            backend,
+            vcpu_threads: Mutex::new(vec![None; layout.cpus as usize]),
+        })
+    }
+
+    /// The RAM mappings alone (memory storage regions are added by the builder).
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.mem
+    }
+
+    pub fn backend(&self) -> RamBackend {
+        self.backend
+    }
+
+    /// Host thread id of each vCPU (None until its thread has started), so faults and
+    /// profiles taken on the host can be tied to vCPUs.
+    pub fn vcpu_threads(&self) -> Vec<Option<i32>> {
+        self.vcpu_threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn register_vcpu_thread(&self, vcpu: u8, tid: i32) {
+        let mut t = self.vcpu_threads.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = t.get_mut(vcpu as usize) {
+            *slot = Some(tid);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arch::x86_64::layout::GuestLayout;
     use vm_memory::GuestMemoryBackend;
 
     #[test]
-    fn memory_has_one_region_per_range() {
-        let mem = create_guest_memory(64 << 20).unwrap();
-        assert_eq!(mem.num_regions(), 1);
-        assert_eq!(mem.last_addr(), GuestAddress((64 << 20) - 1));
+    fn memory_has_one_region_per_ram_range() {
+        let layout = GuestLayout::new(64 << 20, 2, &[], 0, 46).unwrap();
+        let ram = GuestRam::new(&layout, RamBackend::Anonymous).unwrap();
+        assert_eq!(ram.memory().num_regions(), 1);
+        assert_eq!(ram.memory().last_addr(), GuestAddress((64 << 20) - 1));
+        let big = GuestLayout::new(4 << 30, 1, &[], 0, 46).unwrap();
+        let ram = GuestRam::new(&big, RamBackend::Anonymous).unwrap();
+        assert_eq!(ram.memory().num_regions(), 2);
+        assert!(ram.memory().address_in_range(GuestAddress(1 << 32)));
+    }
+
+    #[test]
+    fn vcpu_threads_are_recorded() {
+        let layout = GuestLayout::new(16 << 20, 2, &[], 0, 46).unwrap();
+        let ram = GuestRam::new(&layout, RamBackend::Anonymous).unwrap();
+        ram.register_vcpu_thread(1, 4242);
+        ram.register_vcpu_thread(9, 1); // no such vCPU: ignored
+        assert_eq!(ram.vcpu_threads(), vec![None, Some(4242)]);
+        assert_eq!(ram.backend(), RamBackend::Anonymous);
     }
 }

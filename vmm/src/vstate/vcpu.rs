@@ -1,16 +1,19 @@
-//! One vCPU: its KVM set-up and the thread that runs it, turning exits into bus accesses.
+//! One vCPU: its KVM set-up and the thread that runs it until the VM ends.
 
 use crate::arch::x86_64::cpuid::filter_cpuid;
 use crate::control::{Outcome, RunControl};
-use crate::device_manager::MmioNames;
-use crate::metrics::{ExitReason, VcpuMetrics};
-use kvm_bindings::{kvm_lapic_state, kvm_msr_entry, Msrs, KVM_MAX_CPUID_ENTRIES};
-use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use crate::exit::{crash_outcome, handle_exit, ExitAction, ExitBus};
+use crate::metrics::VcpuMetrics;
+use crate::vstate::memory::GuestRam;
+use kvm_bindings::{
+    kvm_lapic_state, kvm_msr_entry, kvm_run, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_HALTED,
+    KVM_MP_STATE_INIT_RECEIVED, KVM_MP_STATE_UNINITIALIZED,
+};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
-use vm_device::bus::{MmioAddress, PioAddress};
-use vm_device::device_manager::{IoManager, MmioManager, PioManager};
 
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
@@ -29,12 +32,98 @@ pub fn kick_signal() -> i32 {
     vmm_sys_util::signal::SIGRTMIN() + 1
 }
 
-/// Installs a do-nothing handler for the kick signal, so it interrupts KVM_RUN with EINTR
-/// instead of killing the process.
+thread_local! {
+    /// This thread's vCPU run structure, for the kick handler.
+    static KVM_RUN: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+/// Sets `immediate_exit` on the kicked thread's vCPU, so KVM_RUN returns at once whether
+/// the kick lands inside the guest or just before the thread re-enters it: a kick cannot
+/// be lost, and stopping needs no polling.
+extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    KVM_RUN.with(|run| {
+        let run = run.get();
+        if !run.is_null() {
+            // SAFETY: the pointer is this thread's own kvm_run mapping, set while its
+            // VcpuFd is alive and cleared before the fd is dropped.
+            unsafe { std::ptr::write_volatile(&mut (*run).immediate_exit, 1) };
+        }
+    });
+}
+
+/// Installs the kick handler once per process.
 pub fn install_kick_handler() -> std::io::Result<()> {
-    extern "C" fn noop(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
-    vmm_sys_util::signal::register_signal_handler(kick_signal(), noop)
-        .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
+    static INSTALLED: OnceLock<Result<(), i32>> = OnceLock::new();
+    INSTALLED
+        .get_or_init(|| {
+            vmm_sys_util::signal::register_signal_handler(kick_signal(), on_kick)
+                .map_err(|e| e.errno())
+        })
+        .map_err(std::io::Error::from_raw_os_error)
+}
+
+/// What a vCPU was doing when the VM last asked (see [`VcpuState`]), tagged with the
+/// request it answers.
+#[derive(Default)]
+pub struct VcpuStatus(AtomicU64);
+
+/// What a kicked vCPU reports about itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VcpuState {
+    Running,
+    /// HLT with interrupts enabled: an interrupt will wake it.
+    Idle,
+    /// HLT with interrupts disabled: nothing but NMI or INIT wakes it.
+    HaltedForGood {
+        rip: u64,
+    },
+    /// An AP still waiting for INIT/SIPI.
+    WaitingForStartup,
+}
+
+impl VcpuStatus {
+    fn set(&self, request: u64, state: VcpuState) {
+        let (code, rip) = match state {
+            VcpuState::Running => (1, 0),
+            VcpuState::Idle => (2, 0),
+            VcpuState::HaltedForGood { rip } => (3, rip),
+            VcpuState::WaitingForStartup => (4, 0),
+        };
+        // The RIP of a halted vCPU fits in 48 bits on every x86-64 guest.
+        self.0.store(
+            (request << 56) | (code << 48) | (rip & 0xffff_ffff_ffff),
+            Ordering::Release,
+        );
+    }
+
+    /// The state reported for `request`, if the vCPU has answered it yet.
+    pub fn get(&self, request: u64) -> Option<VcpuState> {
+        let v = self.0.load(Ordering::Acquire);
+        if v >> 56 != request & 0xff {
+            return None;
+        }
+        Some(match (v >> 48) & 0xff {
+            2 => VcpuState::Idle,
+            3 => VcpuState::HaltedForGood {
+                rip: v & 0xffff_ffff_ffff,
+            },
+            4 => VcpuState::WaitingForStartup,
+            _ => VcpuState::Running,
+        })
+    }
+}
+
+/// What a vCPU thread shares with the VM that runs it.
+pub struct VcpuContext {
+    pub bus: Arc<dyn ExitBus>,
+    pub control: Arc<RunControl>,
+    pub metrics: Arc<VcpuMetrics>,
+    pub status: Arc<VcpuStatus>,
+    /// The VM's current "what are you doing?" request; answered at the next kick.
+    pub request: Arc<AtomicU64>,
+    pub ram: Arc<GuestRam>,
+    /// Set by the BSP at its first KVM_RUN.
+    pub first_run: Arc<OnceLock<(Instant, u64)>>,
 }
 
 pub struct Vcpu {
@@ -105,104 +194,87 @@ impl Vcpu {
         Ok(())
     }
 
-    /// Runs the vCPU until the VM is told to stop. Exits are dispatched to `io` on this
-    /// thread; anything fatal is recorded in `control`.
-    pub fn run(
-        mut self,
-        io: Arc<IoManager>,
-        control: Arc<RunControl>,
-        stop: Arc<AtomicBool>,
-        metrics: Arc<VcpuMetrics>,
-        names: Arc<MmioNames>,
-    ) {
+    /// Runs the vCPU until the VM ends. Exits are dispatched on this thread; anything
+    /// fatal, a panic included, is recorded in the VM's control as its outcome.
+    pub fn run(mut self, ctx: VcpuContext) {
         let id = self.id;
-        while !stop.load(Ordering::Acquire) {
+        let control = ctx.control.clone();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            KVM_RUN.with(|r| r.set(self.fd.get_kvm_run()));
+            ctx.ram.register_vcpu_thread(id, current_tid());
+            self.run_loop(&ctx);
+        }));
+        KVM_RUN.with(|r| r.set(std::ptr::null_mut()));
+        if let Err(panic) = result {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            control.finish(Outcome::VmmError(format!(
+                "vCPU {id} thread panicked: {what}"
+            )));
+        }
+    }
+
+    fn run_loop(&mut self, ctx: &VcpuContext) {
+        let id = self.id;
+        if id == 0 {
+            let _ = ctx
+                .first_run
+                .set((Instant::now(), crate::builder::monotonic_ns()));
+        }
+        while !ctx.control.is_finished() {
             let result = self.fd.run();
             let handled_at = Instant::now();
-            let kind = match result {
-                Ok(exit) => match exit {
-                    VcpuExit::IoOut(port, data) => {
-                        // Writes nobody claims are dropped, as on a PC bus.
-                        let _ = io.pio_write(PioAddress(port), data);
-                        ExitReason::IoOut(port)
-                    }
-                    VcpuExit::IoIn(port, data) => {
-                        if io.pio_read(PioAddress(port), data).is_err() {
-                            data.fill(0xff);
-                        }
-                        ExitReason::IoIn(port)
-                    }
-                    VcpuExit::MmioWrite(addr, data) => {
-                        let _ = io.mmio_write(MmioAddress(addr), data);
-                        ExitReason::MmioWrite(names.name(addr))
-                    }
-                    VcpuExit::MmioRead(addr, data) => {
-                        if io.mmio_read(MmioAddress(addr), data).is_err() {
-                            data.fill(0xff);
-                        }
-                        ExitReason::MmioRead(names.name(addr))
-                    }
-                    VcpuExit::Hlt => {
-                        // With the in-kernel LAPIC, HLT reaches user space only if the guest
-                        // halted with interrupts off: it can never wake again.
-                        control.finish(Outcome::GuestCrash(format!(
-                            "vCPU {id} halted with interrupts disabled"
-                        )));
-                        ExitReason::Hlt
-                    }
-                    VcpuExit::Shutdown => {
-                        let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
-                        control.finish(Outcome::GuestCrash(format!(
-                            "vCPU {id}: triple fault (the guest hit an exception it could not handle), last RIP {rip:#x}"
-                        )));
-                        ExitReason::Shutdown
-                    }
-                    VcpuExit::SystemEvent(kind, _) => {
-                        // Shutdown (1), reset (2) or crash (3) requested through KVM.
-                        if kind == kvm_bindings::KVM_SYSTEM_EVENT_CRASH {
-                            control.finish(Outcome::GuestCrash(format!(
-                                "vCPU {id}: guest reported a crash"
-                            )));
-                        } else {
-                            control.finish(Outcome::Shutdown);
-                        }
-                        ExitReason::SystemEvent
-                    }
-                    VcpuExit::Intr => ExitReason::Interrupted,
-                    VcpuExit::FailEntry(reason, cpu) => {
-                        control.finish(Outcome::VmmError(format!(
-                            "vCPU {id}: KVM could not enter the guest (hardware reason {reason:#x}, host CPU {cpu})"
-                        )));
-                        ExitReason::FailEntry
-                    }
-                    VcpuExit::InternalError => {
-                        let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
-                        control.finish(Outcome::GuestCrash(format!(
-                            "vCPU {id}: KVM internal error at RIP {rip:#x} (often an instruction KVM cannot emulate)"
-                        )));
-                        ExitReason::InternalError
-                    }
-                    other => {
-                        control.finish(Outcome::VmmError(format!(
-                            "vCPU {id}: unexpected exit {other:?}"
-                        )));
-                        ExitReason::Other
-                    }
-                },
-                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                    ExitReason::Interrupted
+            let (reason, action) = handle_exit(result, &*ctx.bus, id);
+            let end = match action {
+                ExitAction::Continue => None,
+                ExitAction::Kicked => {
+                    self.fd.set_kvm_immediate_exit(0);
+                    self.answer(ctx);
+                    None
                 }
-                Err(e) => {
-                    control.finish(Outcome::VmmError(format!("vCPU {id}: KVM_RUN failed: {e}")));
-                    ExitReason::Other
+                ExitAction::End(outcome) => Some(outcome),
+                ExitAction::Crash(crash) => {
+                    let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+                    Some(crash_outcome(crash, id, rip))
                 }
             };
-            metrics.record(kind, handled_at.elapsed().as_nanos() as u64);
-            if control.is_finished() {
-                break;
+            ctx.metrics
+                .record(reason, handled_at.elapsed().as_nanos() as u64);
+            if let Some(outcome) = end {
+                ctx.control.finish(outcome);
             }
         }
     }
+
+    /// Reports what this vCPU was doing, if the VM asked since the last answer.
+    fn answer(&self, ctx: &VcpuContext) {
+        let request = ctx.request.load(Ordering::Acquire);
+        if ctx.status.get(request).is_some() {
+            return;
+        }
+        let state = match self.fd.get_mp_state().map(|s| s.mp_state) {
+            Ok(KVM_MP_STATE_HALTED) => match self.fd.get_regs() {
+                Ok(r) if r.rflags & RFLAGS_IF == 0 => VcpuState::HaltedForGood { rip: r.rip },
+                _ => VcpuState::Idle,
+            },
+            Ok(KVM_MP_STATE_UNINITIALIZED | KVM_MP_STATE_INIT_RECEIVED) => {
+                VcpuState::WaitingForStartup
+            }
+            _ => VcpuState::Running,
+        };
+        ctx.status.set(request, state);
+    }
+}
+
+/// The interrupt-enable flag in RFLAGS.
+const RFLAGS_IF: u64 = 1 << 9;
+
+fn current_tid() -> i32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() }
 }
 
 fn set_lvt_mode(lapic: &mut kvm_lapic_state, reg: usize, mode: u32) {

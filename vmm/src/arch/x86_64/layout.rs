@@ -99,6 +99,117 @@ pub fn e820_map(ram_size: u64) -> Vec<E820Entry> {
     map
 }
 
+/// One range of guest RAM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RamRange {
+    pub start: u64,
+    pub len: u64,
+}
+
+/// Where one memory-storage region sits, and whether the E820 map announces it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PmemSpan {
+    pub addr: u64,
+    pub size: u64,
+    pub e820: bool,
+}
+
+/// One virtio-mmio device window and its interrupt line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VirtioSlot {
+    pub base: u64,
+    pub gsi: u32,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LayoutError {
+    #[error("--pmem: {0}")]
+    Pmem(String),
+    #[error("too many virtio devices ({count}): interrupt lines {VIRTIO_IRQ_BASE} to {MAX_IRQ} hold {max}")]
+    TooManyDevices { count: usize, max: usize },
+}
+
+/// The whole guest-physical map of one VM, computed once from its configuration: RAM,
+/// memory-storage regions, virtio windows and where the firmware tables go. Memory
+/// creation, storage mapping, the E820 map, ACPI and the MP table all read this one value,
+/// and every node of a VM spread over hosts computes the same one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuestLayout {
+    pub ram_size: u64,
+    pub cpus: u8,
+    pub ram: Vec<RamRange>,
+    pub pmem: Vec<PmemSpan>,
+    pub virtio: Vec<VirtioSlot>,
+    pub mptable: u64,
+    pub acpi_rsdp: u64,
+    pub cmdline: u64,
+    pub pvh_start_info: u64,
+    pub zero_page: u64,
+}
+
+impl GuestLayout {
+    /// Lays out `ram_size` bytes of RAM, memory-storage regions of the given (size, in the
+    /// E820 map) in order, and `virtio_devices` virtio-mmio windows, for a guest whose
+    /// physical addresses have `phys_bits` bits.
+    pub fn new(
+        ram_size: u64,
+        cpus: u8,
+        pmem: &[(u64, bool)],
+        virtio_devices: usize,
+        phys_bits: u8,
+    ) -> Result<Self, LayoutError> {
+        let sizes: Vec<u64> = pmem.iter().map(|p| p.0).collect();
+        let addrs = crate::pmem::place(ram_size, &sizes, phys_bits).map_err(LayoutError::Pmem)?;
+        let max = (MAX_IRQ - VIRTIO_IRQ_BASE + 1) as usize;
+        if virtio_devices > max {
+            return Err(LayoutError::TooManyDevices {
+                count: virtio_devices,
+                max,
+            });
+        }
+        Ok(Self {
+            ram_size,
+            cpus,
+            ram: ram_ranges(ram_size)
+                .into_iter()
+                .map(|(start, len)| RamRange { start, len })
+                .collect(),
+            pmem: addrs
+                .into_iter()
+                .zip(pmem)
+                .map(|(addr, &(size, e820))| PmemSpan { addr, size, e820 })
+                .collect(),
+            virtio: (0..virtio_devices as u64)
+                .map(|i| VirtioSlot {
+                    base: VIRTIO_MMIO_BASE + i * VIRTIO_MMIO_SIZE,
+                    gsi: VIRTIO_IRQ_BASE + i as u32,
+                })
+                .collect(),
+            mptable: MPTABLE_START,
+            acpi_rsdp: super::acpi::RSDP_START,
+            cmdline: CMDLINE_START,
+            pvh_start_info: PVH_INFO_START,
+            zero_page: ZERO_PAGE_START,
+        })
+    }
+
+    /// The firmware memory map: RAM, and the memory-storage regions announced as type 12.
+    pub fn e820(&self) -> Vec<E820Entry> {
+        let mut map = e820_map(self.ram_size);
+        map.extend(self.pmem.iter().filter(|p| p.e820).map(|p| E820Entry {
+            addr: p.addr,
+            size: p.size,
+            kind: E820Kind::Pmem,
+        }));
+        map
+    }
+
+    /// The end of RAM below the MMIO hole, where an initrd is placed under.
+    pub fn low_ram_end(&self) -> u64 {
+        self.ram[0].start + self.ram[0].len
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,6 +229,44 @@ mod tests {
             .map(|e| e.size)
             .sum();
         assert_eq!(ram, 256 * MIB - (HIGH_MEMORY_START - EBDA_START));
+    }
+
+    #[test]
+    fn one_layout_holds_ram_storage_devices_and_firmware() {
+        let l =
+            GuestLayout::new(512 * MIB, 2, &[(64 * MIB, true), (2 * MIB, false)], 3, 46).unwrap();
+        assert_eq!(
+            l.ram,
+            vec![RamRange {
+                start: 0,
+                len: 512 * MIB
+            }]
+        );
+        assert_eq!(l.pmem[0].addr, 512 * MIB);
+        assert_eq!(l.pmem[1].addr, 576 * MIB);
+        assert_eq!(
+            l.virtio[2],
+            VirtioSlot {
+                base: VIRTIO_MMIO_BASE + 0x2000,
+                gsi: 7
+            }
+        );
+        assert_eq!(l.low_ram_end(), 512 * MIB);
+        let e820 = l.e820();
+        let pmem: Vec<_> = e820.iter().filter(|e| e.kind == E820Kind::Pmem).collect();
+        assert_eq!(
+            pmem.len(),
+            1,
+            "only regions advertised in E820 appear there"
+        );
+        assert_eq!((pmem[0].addr, pmem[0].size), (512 * MIB, 64 * MIB));
+        let e = GuestLayout::new(64 * MIB, 1, &[], 40, 46).unwrap_err();
+        assert!(
+            e.to_string().contains("too many virtio devices (40)"),
+            "{e}"
+        );
+        let e = GuestLayout::new(64 * MIB, 1, &[(3 * MIB, true)], 0, 46).unwrap_err();
+        assert!(e.to_string().starts_with("--pmem"), "{e}");
     }
 
     #[test]

@@ -62,7 +62,8 @@ const PT_ENTRIES: u64 = 512;
 /// The boot page tables map this much, identity: enough for the kernel image, the zero
 /// page, the command line and the stack; the kernel builds its own tables before it
 /// touches anything else.
-pub const IDENTITY_MAPPED: u64 = PT_ENTRIES * HUGE_PAGE_SIZE;
+#[cfg(test)]
+const IDENTITY_MAPPED: u64 = PT_ENTRIES * HUGE_PAGE_SIZE;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinuxBootError {

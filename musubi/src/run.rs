@@ -1,0 +1,105 @@
+//! `musubi run`: one VM in this process until the guest ends it or a signal does, with its
+//! report and metrics files. SIGTERM and SIGINT stop the VM through its normal teardown, so
+//! disks and memory storage are flushed; SIGUSR1 writes the metrics while it runs.
+
+use crate::cli;
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+use signal_hook::iterator::Signals;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+pub struct RunArgs<'a> {
+    pub vm: &'a cli::VmArgs,
+    pub timeout: Option<f64>,
+    pub report: Option<&'a Path>,
+    pub metrics: Option<PathBuf>,
+}
+
+pub fn run(args: RunArgs) -> ExitCode {
+    let fail = |msg: String| {
+        eprintln!("musubi: {msg}");
+        ExitCode::from(1)
+    };
+    let config = match args.vm.to_config() {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let timeout = match args.timeout {
+        Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
+        Some(t) => {
+            return fail(format!(
+                "--timeout {t}: expected a positive number of seconds"
+            ))
+        }
+        None => None,
+    };
+    // Registered before the VM exists, so a signal that arrives while it is being built
+    // is held and stops it as soon as it runs.
+    let mut signals = match Signals::new([SIGTERM, SIGINT, SIGUSR1]) {
+        Ok(s) => s,
+        Err(e) => return fail(format!("cannot install signal handlers: {e}")),
+    };
+    let opts = vmm::RunOptions {
+        capture_serial: false,
+        timeout,
+    };
+    let running = match vmm::Vmm::build(&config, &opts).and_then(|vm| vm.start()) {
+        Ok(r) => r,
+        Err(e) => return fail(e.to_string()),
+    };
+    let signal_handle = signals.handle();
+    let vm = running.handle();
+    let metrics_path = args.metrics.clone();
+    let watcher = std::thread::spawn(move || {
+        for sig in signals.forever() {
+            match sig {
+                SIGUSR1 => {
+                    if let Some(p) = &metrics_path {
+                        write_json(p, "--metrics", &vm.metrics());
+                    }
+                }
+                s => vm.stop(vmm::Outcome::Signal(s)),
+            }
+        }
+    });
+    let report = running.wait();
+    signal_handle.close();
+    let _ = watcher.join();
+
+    if let Some(p) = &args.metrics {
+        write_json(p, "--metrics", &report.metrics);
+    }
+    if let Some(p) = args.report {
+        write_json(p, "--report", &report_json(&report));
+    }
+    match &report.outcome {
+        vmm::Outcome::GuestCrash(m) => eprintln!("musubi: guest crashed: {m}"),
+        vmm::Outcome::VmmError(m) => eprintln!("musubi: {m}"),
+        vmm::Outcome::Signal(s) => eprintln!("musubi: stopped by signal {s}; disks flushed"),
+        _ => {}
+    }
+    ExitCode::from(report.outcome.exit_code() as u8)
+}
+
+/// Replaces `path` whole, so a reader never sees half a file.
+fn write_json(path: &Path, flag: &str, value: &serde_json::Value) {
+    let tmp = path.with_extension("tmp");
+    let text = serde_json::to_string_pretty(value).unwrap_or_default();
+    if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
+        eprintln!("musubi: {flag} {}: {e}", path.display());
+    }
+}
+
+fn report_json(r: &vmm::RunReport) -> serde_json::Value {
+    serde_json::json!({
+        "outcome": r.outcome,
+        "exit_code": r.outcome.exit_code(),
+        "exits": r.exits,
+        "total_exits": r.total_exits,
+        "interrupts": r.interrupts,
+        "to_first_run_ns": r.to_first_run.map(|d| d.as_nanos() as u64),
+        "first_run_monotonic_ns": r.first_run_monotonic_ns,
+        "wall_ns": r.wall.as_nanos() as u64,
+    })
+}
