@@ -124,25 +124,37 @@ extern "C" fn ap_main(idx: u32) -> ! {
     apic::enable();
     ONLINE.fetch_add(1, Ordering::SeqCst);
     loop {
+        // SAFETY: this CPU's IDT and TSS are loaded (`cpu::load` above) and its handlers
+        // restore every register they use; waiting with interrupts on is all an AP does.
         unsafe { core::arch::asm!("sti", "hlt", options(nomem, nostack)) };
     }
 }
 
+// The firmware tables read below lie in the low megabyte (EBDA, BIOS area) or below 4 GiB
+// where the loader's RSDP and the tables' own pointers lead (the callers skip pointers above
+// 4 GiB). The boot stub identity-maps all of that, nothing writes it while the probe runs,
+// and no Rust reference points into it.
+
 fn checksum_ok(addr: u64, len: usize) -> bool {
+    // SAFETY: see above; `len` comes from the table's own header, at most 64 KiB.
     let s = unsafe { core::slice::from_raw_parts(addr as *const u8, len) };
     s.iter().fold(0u8, |a, &b| a.wrapping_add(b)) == 0
 }
 
 fn rd8(a: u64) -> u8 {
+    // SAFETY: a firmware-table address (see above).
     unsafe { core::ptr::read_volatile(a as *const u8) }
 }
 fn rd16(a: u64) -> u16 {
+    // SAFETY: a firmware-table address (see above); unaligned reads are allowed.
     unsafe { core::ptr::read_unaligned(a as *const u16) }
 }
 fn rd32(a: u64) -> u32 {
+    // SAFETY: as in `rd16`.
     unsafe { core::ptr::read_unaligned(a as *const u32) }
 }
 fn rd64(a: u64) -> u64 {
+    // SAFETY: as in `rd16`.
     unsafe { core::ptr::read_unaligned(a as *const u64) }
 }
 
@@ -323,6 +335,9 @@ pub fn start_aps(p: &Platform, bsp: u32) -> u32 {
     if expected == 1 && p.ncpus > 0 {
         return 1;
     }
+    // SAFETY: copies the trampoline (rodata between two labels of the asm above) to 0x8000,
+    // low memory below the kernel image that nothing in the kernel uses (the boot info that
+    // was there has been copied out, see bootinfo.rs); the copy is what the APs execute.
     unsafe {
         let start = core::ptr::addr_of!(tramp_start);
         let len = core::ptr::addr_of!(tramp_end) as usize - start as usize;

@@ -36,6 +36,7 @@ pub fn timer_ok() -> bool {
 }
 
 pub fn source() -> &'static str {
+    // SAFETY: written once by `calibrate_tsc` at boot; read-only afterwards.
     unsafe { SOURCE.get() }
 }
 
@@ -59,6 +60,7 @@ pub fn calibrate_tsc() {
         }
     });
     TSC_HZ.store(hz, Ordering::Relaxed);
+    // SAFETY: boot, on the BSP, before anything reads SOURCE.
     unsafe { *SOURCE.get() = src };
 }
 
@@ -170,10 +172,13 @@ pub fn start_lapic_timer() {
     apic::write(apic::REG_TIMER_INIT, period);
     let end = rdtsc() + tsc_hz() / 5;
     let before = ticks();
+    // SAFETY: the IDT and the timer vector's handler are in place (`cpu::init_bsp`); the
+    // handler only counts the tick. Interrupts go off again right after.
     unsafe { core::arch::asm!("sti") };
     while ticks() == before && rdtsc() < end {
         pause();
     }
+    // SAFETY: disabling interrupts has no memory effects.
     unsafe { core::arch::asm!("cli") };
     TIMER_OK.store(ticks() != before, Ordering::Relaxed);
 }

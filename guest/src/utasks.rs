@@ -60,6 +60,8 @@ pub extern "C" fn blk_crc(buf: u64, buf_len: u64, _param: u64) -> ! {
                 err = Some(e);
                 break;
             }
+            // SAFETY: the first `n <= buf_len` bytes of this task's arena, just read into by
+            // the device; nothing else refers to them.
             crc = ulib::crc32_update(crc, unsafe {
                 core::slice::from_raw_parts(buf as *const u8, n as usize)
             });
@@ -112,6 +114,8 @@ pub extern "C" fn blk_fill(buf: u64, buf_len: u64, seed: u64) -> ! {
         let mut err = None;
         while off < bytes {
             let n = step.min(bytes - off);
+            // SAFETY: the first `n <= buf_len` bytes of this task's arena; the slice is not
+            // used after the write request reads them.
             let data = unsafe { core::slice::from_raw_parts_mut(buf as *mut u8, n as usize) };
             workloads::fill(data, off, seed);
             if let Err(e) = ulib::blk_write(i, off / 512, buf, n) {
@@ -154,10 +158,13 @@ pub extern "C" fn blk_id(buf: u64, _buf_len: u64, _param: u64) -> ! {
         if i > 0 {
             l.push(",");
         }
-        let id = unsafe { core::slice::from_raw_parts_mut(buf as *mut u8, 20) };
-        id.fill(0);
+        // SAFETY: the first 20 bytes of this task's arena, which hold nothing else; the slice
+        // ends before the device writes there.
+        unsafe { core::slice::from_raw_parts_mut(buf as *mut u8, 20) }.fill(0);
         match ulib::blk_get_id(i, buf) {
             Ok(()) => {
+                // SAFETY: the same bytes, now holding the device's answer.
+                let id = unsafe { core::slice::from_raw_parts(buf as *const u8, 20) };
                 let n = id.iter().position(|&b| b == 0).unwrap_or(20);
                 let _ = write!(
                     l,
@@ -210,6 +217,7 @@ pub extern "C" fn spin(_buf: u64, _len: u64, n: u64) -> ! {
 pub const FAULT_ADDR: u64 = 0x7f00_0000_0000;
 
 pub extern "C" fn fault(_buf: u64, _len: u64, _param: u64) -> ! {
+    // SAFETY: nothing maps FAULT_ADDR, so this read never completes: the #PF ends the task.
     let v = unsafe { core::ptr::read_volatile(FAULT_ADDR as *const u64) };
     let mut l = Line::new();
     let _ = writeln!(
@@ -251,6 +259,8 @@ pub extern "C" fn pmem_crc(_buf: u64, _len: u64, _param: u64) -> ! {
             continue;
         };
         let t0 = ulib::rdtsc();
+        // SAFETY: the kernel maps every region user-accessible, and it is storage no Rust
+        // reference points into; only this task uses it while it runs.
         let data = unsafe { core::slice::from_raw_parts(base as *const u8, bytes as usize) };
         let crc = !ulib::crc32_update(!0, data);
         let cycles = ulib::rdtsc() - t0;
@@ -304,6 +314,7 @@ pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
         let mut first = [0u8; 8];
         workloads::fill(&mut first, 0, seed);
         let want = u64::from_le_bytes(first);
+        // SAFETY: the region's first word (mapped and aligned, as in `pmem_crc`).
         let back = unsafe {
             core::ptr::write_volatile(base as *mut u64, want);
             core::ptr::read_volatile(base as *const u64)
@@ -319,6 +330,8 @@ pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
         let mut off = 0;
         while off < bytes {
             let n = PIECE.min(bytes - off);
+            // SAFETY: `off + n <= bytes`, inside the region (as in `pmem_crc`); the slice ends
+            // with this iteration.
             let data =
                 unsafe { core::slice::from_raw_parts_mut((base + off) as *mut u8, n as usize) };
             workloads::fill(data, off, seed);
