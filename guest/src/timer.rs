@@ -193,23 +193,19 @@ pub fn idle() {
 }
 
 /// Waits until `done` holds or `ms` milliseconds pass; true if `done` held.
-pub fn wait_for(ms: u64, mut done: impl FnMut() -> bool) -> bool {
-    let end = rdtsc() + ms * tsc_hz() / 1000;
-    loop {
-        if done() {
-            return true;
-        }
-        if rdtsc() >= end {
-            return done();
-        }
-        idle();
-    }
+pub fn wait_for(ms: u64, done: impl FnMut() -> bool) -> bool {
+    poll_until(rdtsc() + ms * tsc_hz() / 1000, done, idle)
 }
 
 /// Polls `done` without halting for up to `us` microseconds: for completions expected
 /// sooner than a halt and wake-up of a virtual CPU would take.
-pub fn spin_for(us: u64, mut done: impl FnMut() -> bool) -> bool {
-    let end = rdtsc() + us * tsc_hz() / 1_000_000;
+pub fn spin_for(us: u64, done: impl FnMut() -> bool) -> bool {
+    poll_until(rdtsc() + us * tsc_hz() / 1_000_000, done, || {})
+}
+
+/// Checks `done` until it holds or the TSC passes `end`, running `between` after each
+/// miss; `done` gets a last look at the deadline, so a late success still counts.
+fn poll_until(end: u64, mut done: impl FnMut() -> bool, mut between: impl FnMut()) -> bool {
     loop {
         if done() {
             return true;
@@ -217,5 +213,6 @@ pub fn spin_for(us: u64, mut done: impl FnMut() -> bool) -> bool {
         if rdtsc() >= end {
             return done();
         }
+        between();
     }
 }

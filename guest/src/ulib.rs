@@ -121,6 +121,13 @@ impl Line {
         }
     }
 
+    /// Starts item `i` of a JSON list: a comma before every item but the first.
+    pub fn item(&mut self, i: usize) {
+        if i > 0 {
+            self.push(",");
+        }
+    }
+
     pub fn as_str(&self) -> &str {
         core::str::from_utf8(&self.buf[..self.len]).unwrap_or("")
     }

@@ -34,9 +34,7 @@ pub extern "C" fn blk_crc(buf: u64, buf_len: u64, _param: u64) -> ! {
     let mut status = 0;
     l.push("{\"probe\":\"blk-crc\",\"disks\":[");
     for i in 0..ulib::disk_count() {
-        if i > 0 {
-            l.push(",");
-        }
+        l.item(i);
         let bytes = match ulib::disk_capacity(i) {
             Ok(sectors) => sectors * 512,
             Err(e) => {
@@ -105,9 +103,7 @@ pub extern "C" fn blk_fill(buf: u64, buf_len: u64, seed: u64) -> ! {
     let mut status = 0;
     let _ = write!(l, "{{\"probe\":\"blk-fill\",\"seed\":{},\"disks\":[", seed);
     for i in 0..ulib::disk_count() {
-        if i > 0 {
-            l.push(",");
-        }
+        l.item(i);
         let bytes = ulib::disk_capacity(i).map(|s| s * 512).unwrap_or(0);
         let t0 = ulib::rdtsc();
         let mut off = 0;
@@ -155,9 +151,7 @@ pub extern "C" fn blk_id(buf: u64, _buf_len: u64, _param: u64) -> ! {
     let mut status = 0;
     l.push("{\"probe\":\"blk-id\",\"disks\":[");
     for i in 0..ulib::disk_count() {
-        if i > 0 {
-            l.push(",");
-        }
+        l.item(i);
         // SAFETY: the first 20 bytes of this task's arena, which hold nothing else; the slice
         // ends before the device writes there.
         unsafe { core::slice::from_raw_parts_mut(buf as *mut u8, 20) }.fill(0);
@@ -236,6 +230,26 @@ fn pmem_source(i: usize) -> &'static str {
     }
 }
 
+/// Starts region `i`'s entry in the JSON list `l` and returns the region's base and size;
+/// a region the kernel cannot name gets an entry saying so (after `fields`), and `None`.
+fn pmem_entry(l: &mut Line, i: usize, fields: &str) -> Option<(u64, u64)> {
+    l.item(i);
+    match (
+        ulib::pmem_info(i, crate::abi::PMEM_BASE),
+        ulib::pmem_info(i, crate::abi::PMEM_SIZE),
+    ) {
+        (Ok(base), Ok(bytes)) => Some((base, bytes)),
+        _ => {
+            let _ = write!(
+                l,
+                "{{\"index\":{},{}\"ok\":false,\"error\":\"no such region\"}}",
+                i, fields
+            );
+            None
+        }
+    }
+}
+
 /// CRC-32 of every memory-storage region, computed at CPL3 straight from its mapping.
 pub extern "C" fn pmem_crc(_buf: u64, _len: u64, _param: u64) -> ! {
     let hz = ulib::tsc_hz();
@@ -243,19 +257,8 @@ pub extern "C" fn pmem_crc(_buf: u64, _len: u64, _param: u64) -> ! {
     let mut status = 0;
     l.push("{\"probe\":\"pmem-crc\",\"regions\":[");
     for i in 0..ulib::pmem_count() {
-        if i > 0 {
-            l.push(",");
-        }
-        let (Ok(base), Ok(bytes)) = (
-            ulib::pmem_info(i, crate::abi::PMEM_BASE),
-            ulib::pmem_info(i, crate::abi::PMEM_SIZE),
-        ) else {
+        let Some((base, bytes)) = pmem_entry(&mut l, i, "") else {
             status = STATUS_BLK_FAILED;
-            let _ = write!(
-                l,
-                "{{\"index\":{},\"ok\":false,\"error\":\"no such region\"}}",
-                i
-            );
             continue;
         };
         let t0 = ulib::rdtsc();
@@ -289,19 +292,8 @@ pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
     let mut regions = Line::new();
     let mut status = 0;
     for i in 0..ulib::pmem_count() {
-        if i > 0 {
-            regions.push(",");
-        }
-        let (Ok(base), Ok(bytes)) = (
-            ulib::pmem_info(i, crate::abi::PMEM_BASE),
-            ulib::pmem_info(i, crate::abi::PMEM_SIZE),
-        ) else {
+        let Some((base, bytes)) = pmem_entry(&mut regions, i, "\"bytes\":0,") else {
             status = STATUS_BLK_FAILED;
-            let _ = write!(
-                regions,
-                "{{\"index\":{},\"bytes\":0,\"ok\":false,\"error\":\"no such region\"}}",
-                i
-            );
             continue;
         };
         let _ = write!(
