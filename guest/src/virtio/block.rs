@@ -134,7 +134,7 @@ impl Device {
         } else {
             0
         };
-        self.write_linked(0, self.mem + OFF_HDR, 16, D_NEXT);
+        self.write_linked(0, self.qmem_addr(OFF_HDR), 16, D_NEXT);
         let mut n: u16 = 1;
         let mut off = 0;
         while off < len {
@@ -143,7 +143,7 @@ impl Device {
             n += 1;
             off += l;
         }
-        self.write_linked(n, self.mem + OFF_STATUS, 1, D_WRITE);
+        self.write_linked(n, self.qmem_addr(OFF_STATUS), 1, D_WRITE);
         self.transact()?;
         match self.status_byte(0) {
             0 => Ok(()),

@@ -42,7 +42,7 @@ fn hostile_case(
     let k = h.cases as u16;
     let first = k * 4;
     let status_slot = 1 + k as u64;
-    let status = d.mem + OFF_STATUS + status_slot;
+    let status = d.qmem_addr(OFF_STATUS + status_slot);
     d.qmem_write(OFF_STATUS + status_slot, 0xffu8);
     for (j, desc) in descs.iter().enumerate() {
         let mut desc = *desc;
@@ -88,8 +88,8 @@ pub fn hostile(i: usize, ram_end: u64, spare: u64) -> Result<Hostile, Error> {
         error: "",
     };
     const BAD: u64 = 0xffff_ffff_f000;
-    let hdr = d.mem + OFF_HDR;
-    let scratch = d.mem + OFF_SCRATCH;
+    let hdr = d.qmem_addr(OFF_HDR);
+    let scratch = d.qmem_addr(OFF_SCRATCH);
     d.write_header(T_IN, 0);
 
     let st = Desc {

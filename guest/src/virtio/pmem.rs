@@ -40,8 +40,8 @@ impl Device {
         let (req, resp) = (OFF_HDR, OFF_STATUS);
         self.qmem_write(req, 0u32);
         self.qmem_write(resp, 0xffff_ffffu32);
-        self.write_linked(0, self.mem + req, 4, D_NEXT);
-        self.write_linked(1, self.mem + resp, 4, D_WRITE);
+        self.write_linked(0, self.qmem_addr(req), 4, D_NEXT);
+        self.write_linked(1, self.qmem_addr(resp), 4, D_WRITE);
         self.transact()?;
         match self.qmem_read::<u32>(resp) {
             0 => Ok(()),

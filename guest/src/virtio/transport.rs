@@ -112,6 +112,13 @@ struct QMem([u8; QMEM_BYTES as usize]);
 static QMEM: Global<[QMem; super::MAX_DEVS]> =
     Global::new([const { QMem([0; QMEM_BYTES as usize]) }; super::MAX_DEVS]);
 
+/// The integers queue memory holds: any bytes the device leaves there read as a valid value.
+pub(super) trait Plain: Copy {}
+impl Plain for u8 {}
+impl Plain for u16 {}
+impl Plain for u32 {}
+impl Plain for u64 {}
+
 #[derive(Clone, Copy)]
 pub(super) struct Desc {
     pub addr: u64,
@@ -128,8 +135,9 @@ pub(super) struct Device {
     /// virtio-pmem: the region (config `start`, `size`).
     pub region: (u64, u64),
     pub irq: u32,
-    /// Address of this device's slot of `QMEM`; every queue-memory access is relative to it.
-    pub mem: u64,
+    /// Address of this device's slot of `QMEM` (0 until probed); set only by `new`, so the
+    /// queue-memory accessors below can trust it.
+    mem: u64,
     pub features: u64,
     /// virtio-blk: capacity in sectors and the segment limits from the configuration.
     pub capacity: u64,
@@ -162,6 +170,7 @@ pub(super) const NO_DEVICE: Device = Device {
 impl Device {
     /// A device found at `base`, with queue memory slot `slot`; not yet initialised.
     pub fn new(base: u64, irq: u32, pmem: bool, slot: usize) -> Device {
+        assert!(slot < super::MAX_DEVS);
         Device {
             base,
             irq,
@@ -192,19 +201,27 @@ impl Device {
         self.config32(off) as u64 | (self.config32(off + 4) as u64) << 32
     }
 
-    /// Where a `T` at byte `off` of this device's queue memory lives. Panics outside the slot
-    /// or misaligned, so the volatile accesses below stay in memory only this driver and
-    /// the device use.
-    fn qmem_ptr<T>(&self, off: u64) -> *mut T {
+    /// The address the device uses for byte `off` of this device's queue memory (identity
+    /// mapping), for descriptors that point into it.
+    pub fn qmem_addr(&self, off: u64) -> u64 {
+        self.mem + off
+    }
+
+    /// Where a `T` at byte `off` of this device's queue memory lives. Panics on a device not
+    /// probed, outside the slot or misaligned, so the volatile accesses below stay in memory
+    /// only this driver and the device use.
+    fn qmem_ptr<T: Plain>(&self, off: u64) -> *mut T {
         assert!(
-            off <= QMEM_BYTES - size_of::<T>() as u64 && off.is_multiple_of(align_of::<T>() as u64),
+            self.mem != 0
+                && off <= QMEM_BYTES - size_of::<T>() as u64
+                && off.is_multiple_of(align_of::<T>() as u64),
             "queue memory access out of place"
         );
         (self.mem + off) as *mut T
     }
 
     /// Stores into queue memory. Volatile: the device reads it behind the compiler's back.
-    pub fn qmem_write<T: Copy>(&self, off: u64, v: T) {
+    pub fn qmem_write<T: Plain>(&self, off: u64, v: T) {
         let p = self.qmem_ptr::<T>(off);
         // SAFETY: `p` is aligned and inside this device's slot of `QMEM` (`qmem_ptr`), a
         // static that Rust code reaches only through these raw accesses, never by reference.
@@ -212,10 +229,10 @@ impl Device {
     }
 
     /// Loads from queue memory. Volatile: the device writes it behind the compiler's back.
-    pub fn qmem_read<T: Copy>(&self, off: u64) -> T {
+    pub fn qmem_read<T: Plain>(&self, off: u64) -> T {
         let p = self.qmem_ptr::<T>(off);
-        // SAFETY: as in `qmem_write`; every bit pattern is a valid `T` for the integer types
-        // the drivers read.
+        // SAFETY: as in `qmem_write`; `T` is an integer, so whatever bytes the device left
+        // there are a valid value.
         unsafe { core::ptr::read_volatile(p) }
     }
 
@@ -283,9 +300,9 @@ impl Device {
         // when a wait is about to halt (see `wait_used`). Without polling, always.
         self.set_avail_flags(quiet_flags());
         self.w32(Reg::QueueNum, q as u32);
-        self.w64(Reg::QueueDesc, self.mem + OFF_DESC);
-        self.w64(Reg::QueueAvail, self.mem + OFF_AVAIL);
-        self.w64(Reg::QueueUsed, self.mem + OFF_USED);
+        self.w64(Reg::QueueDesc, self.qmem_addr(OFF_DESC));
+        self.w64(Reg::QueueAvail, self.qmem_addr(OFF_AVAIL));
+        self.w64(Reg::QueueUsed, self.qmem_addr(OFF_USED));
         self.w32(Reg::QueueReady, 1);
         if self.pmem {
             self.read_pmem_config();
@@ -330,7 +347,7 @@ impl Device {
         compiler_fence(Ordering::SeqCst);
     }
 
-    /// Moves the avail index the device sees to `idx`.
+    /// Publishes `idx` as the avail index; hostile cases also move it past what was posted.
     pub fn set_avail_idx(&mut self, idx: u16) {
         self.avail_idx = idx;
         self.qmem_write(OFF_AVAIL + 2, idx);
