@@ -16,6 +16,46 @@ pub struct Stack<const N: usize>(pub [u8; N]);
 #[link_section = ".noinit.bspstack"]
 pub static BSP_STACK: Global<Stack<BSP_STACK_SIZE>> = Global::new(Stack([0; BSP_STACK_SIZE]));
 
+/// From 32-bit protected mode with the boot tables built to long mode: PAE, CR3 = `{pml4}`,
+/// EFER.LME, then paging and write protection (PE is on already). Shared by the BSP's entry
+/// and the APs' trampoline, each of which far-jumps to its 64-bit code next.
+macro_rules! enter_long_mode {
+    () => {
+        r#"
+    mov %cr4, %eax
+    or $0x20, %eax
+    mov %eax, %cr4
+    mov ${pml4}, %eax
+    mov %eax, %cr3
+    mov $0xc0000080, %ecx
+    rdmsr
+    or $0x100, %eax
+    wrmsr
+    mov %cr0, %eax
+    or $0x80010000, %eax
+    mov %eax, %cr0
+"#
+    };
+}
+pub(crate) use enter_long_mode;
+
+/// The first thing 64-bit code does on every CPU: kernel data selector `{kdata}` in DS, ES
+/// and SS, null in FS and GS.
+macro_rules! load_data_segments {
+    () => {
+        r#"
+    mov ${kdata}, %ax
+    mov %ax, %ds
+    mov %ax, %es
+    mov %ax, %ss
+    xor %eax, %eax
+    mov %ax, %fs
+    mov %ax, %gs
+"#
+    };
+}
+pub(crate) use load_data_segments;
+
 core::arch::global_asm!(
     r#"
     .section .note.Xen, "a", @note
@@ -80,19 +120,9 @@ pvh_start:
     cmp $2048, %ecx
     jb 1b
     movl $0x83, (%edi)
-
-    mov %cr4, %eax
-    or $0x20, %eax
-    mov %eax, %cr4
-    mov ${pml4}, %eax
-    mov %eax, %cr3
-    mov $0xc0000080, %ecx
-    rdmsr
-    or $0x100, %eax
-    wrmsr
-    mov %cr0, %eax
-    or $0x80010001, %eax
-    mov %eax, %cr0
+"#,
+    enter_long_mode!(),
+    r#"
     lgdt boot_gdt_ptr
     ljmp ${kcode}, $long_entry
 
@@ -103,13 +133,9 @@ boot_gdt_ptr:
 
     .code64
 long_entry:
-    mov ${kdata}, %ax
-    mov %ax, %ds
-    mov %ax, %es
-    mov %ax, %ss
-    xor %eax, %eax
-    mov %ax, %fs
-    mov %ax, %gs
+"#,
+    load_data_segments!(),
+    r#"
     mov ${stack}, %rsp
     add ${stack_size}, %rsp
     mov %esi, %edi

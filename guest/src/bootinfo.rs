@@ -86,11 +86,14 @@ impl BootInfo {
 }
 
 pub fn get() -> &'static BootInfo {
+    // SAFETY: `parse` writes INFO once, at boot, before the first call here; every reference
+    // handed out afterwards is shared, so none of them sees a write.
     unsafe { INFO.get() }
 }
 
 /// # Safety
-/// `start_info` is the physical address from EBX at PVH entry; memory is identity-mapped.
+/// `start_info` is the physical address from EBX at PVH entry (or 0); memory is
+/// identity-mapped, page 0 included; no reference from `get` exists yet.
 pub unsafe fn parse(start_info: u64) {
     let info = INFO.get();
     info.ebda = (core::ptr::read_volatile(0x40e as *const u16) as u64) << 4;

@@ -171,10 +171,9 @@ pub fn init_bsp() {
     for cpu in 0..MAX_CPUS {
         let t = tss_addr(cpu);
         let iomap = (IOMAP_OFF - cpu * TSS_STRIDE) as u64;
-        unsafe {
-            core::ptr::write_unaligned((t + 0x24) as *mut u64, ist_top); // IST1
-            core::ptr::write_unaligned((t + 0x66) as *mut u16, iomap as u16);
-        }
+        let tss = &mut area.0[cpu * TSS_STRIDE..];
+        tss[0x24..0x2c].copy_from_slice(&ist_top.to_le_bytes()); // IST1
+        tss[0x66..0x68].copy_from_slice(&(iomap as u16).to_le_bytes());
         let limit = iomap + 8192;
         gdt[8 + 2 * cpu] = (limit & 0xffff)
             | ((t & 0xff_ffff) << 16)
@@ -205,6 +204,8 @@ pub fn load(cpu: usize) {
         base: IDT.addr(),
     };
     let sel = TSS_SEL0 + 16 * cpu as u16;
+    // SAFETY: the IDT is a static filled by `init_bsp` before any CPU loads it, and `sel`
+    // is this CPU's TSS descriptor, written there too; both live for the whole run.
     unsafe {
         core::arch::asm!("lidt [{}]", in(reg) &idtr, options(nostack));
         core::arch::asm!("ltr {0:x}", in(reg) sel, options(nostack));
@@ -214,6 +215,7 @@ pub fn load(cpu: usize) {
 /// Loads an empty IDT and raises #UD: nothing can be delivered, so the CPU triple-faults.
 pub fn triple_fault() -> ! {
     let idtr = DtPtr { limit: 0, base: 0 };
+    // SAFETY: ends the VM on purpose (the #UD cannot be delivered); nothing runs after it.
     unsafe {
         core::arch::asm!("lidt [{}]", "ud2", in(reg) &idtr, options(nostack, noreturn));
     }

@@ -47,13 +47,21 @@ struct File {
 
 static FILE: Global<Option<File>> = Global::new(None);
 
+/// The open file, if any.
+fn open_file() -> &'static mut Option<File> {
+    // SAFETY: FILE is used only on the BSP's kernel path: the system calls of the one
+    // running task and the #PF handler for its file window, which runs while the task (not
+    // a system call) executes. Each use ends before the next begins.
+    unsafe { FILE.get() }
+}
+
 /// Forgets the file (the pool it used is emptied by `mm::reset`).
 pub fn reset() {
-    unsafe { *FILE.get() = None };
+    *open_file() = None;
 }
 
 fn file(fd: u64) -> Result<&'static mut File, Error> {
-    match unsafe { FILE.get() } {
+    match open_file() {
         Some(f) if fd == FD => Ok(f),
         _ => Err(Error::BadFd),
     }
@@ -109,16 +117,22 @@ pub fn open(storage: u64, index: u64, bytes: u64, flags: u64) -> Result<u64, Err
         }
         _ => return Err(Error::BadArgument),
     }
-    unsafe { *FILE.get() = Some(f) };
+    *open_file() = Some(f);
     Ok(FD)
 }
 
 impl File {
+    /// State of page `p < pages` of a cached file.
     fn st(&self, p: u64) -> u8 {
+        debug_assert!(p < self.pages && self.state != 0);
+        // SAFETY: `open` gave a cached file one state byte per page in pool pages of its own,
+        // which live until the next task; every caller passes a page of the file.
         unsafe { *((self.state + p) as *const u8) }
     }
 
     fn set_st(&self, p: u64, v: u8) {
+        debug_assert!(p < self.pages && self.state != 0);
+        // SAFETY: as in `st`.
         unsafe { *((self.state + p) as *mut u8) = v };
     }
 
@@ -294,7 +308,7 @@ pub fn drop_caches(fd: u64) -> Result<u64, Error> {
 
 /// The page to map at page `k` of the file window, and whether writable.
 pub fn fault(k: u64, write: bool) -> Option<(u64, bool)> {
-    let f = unsafe { FILE.get() }.as_ref()?;
+    let f = open_file().as_ref()?;
     if k >= f.pages {
         return None;
     }

@@ -38,6 +38,8 @@ extern "C" fn kmain(start_info: u32) -> ! {
     serial::init();
     kprintln!("probe: Musubi probe guest");
     cpu::init_bsp();
+    // SAFETY: `start_info` is EBX from the PVH entry, the boot stub still identity-maps the
+    // first 4 GiB with page 0 present, and nothing has called `bootinfo::get` yet.
     unsafe { bootinfo::parse(start_info as u64) };
     let info = bootinfo::get();
     kprintln!(

@@ -55,20 +55,29 @@ struct Window {
 
 static WINDOWS: Global<[Option<Window>; 2]> = Global::new([None, None]);
 
+/// The pool's bounds and fill mark.
+fn the_pool() -> &'static mut Pool {
+    // SAFETY: the pool is used only on the BSP's kernel path (boot, system calls, the #PF
+    // handler for user faults, which never interrupts one of those), and no caller keeps the
+    // reference past its own call.
+    unsafe { POOL.get() }
+}
+
 pub fn init(lo: u64, hi: u64) {
-    // SAFETY: boot, BSP.
-    unsafe { *POOL.get() = Pool { lo, hi, next: lo } };
+    *the_pool() = Pool { lo, hi, next: lo };
 }
 
 pub fn pool() -> (u64, u64) {
-    let p = unsafe { POOL.get() };
+    let p = the_pool();
     (p.lo, p.hi)
 }
 
 /// Empties the pool and removes both windows (between tasks).
 pub fn reset() {
-    // SAFETY: BSP, kernel path; no reference into these is held across calls.
-    let (p, w, pml4) = unsafe { (POOL.get(), WINDOWS.get(), PML4.get()) };
+    let p = the_pool();
+    // SAFETY: WINDOWS and the page tables are touched only on the BSP's kernel path, like
+    // the pool, and no other reference to them is live during this call.
+    let (w, pml4) = unsafe { (WINDOWS.get(), PML4.get()) };
     p.next = p.lo;
     for (i, slot) in SLOTS.iter().enumerate() {
         pml4.0[*slot] = 0;
@@ -79,7 +88,7 @@ pub fn reset() {
 
 /// `n` contiguous pool pages (not zeroed).
 pub fn alloc(n: u64) -> Option<u64> {
-    let p = unsafe { POOL.get() };
+    let p = the_pool();
     let bytes = n.checked_mul(PAGE)?;
     if p.hi.saturating_sub(p.next) < bytes {
         return None;
@@ -91,13 +100,15 @@ pub fn alloc(n: u64) -> Option<u64> {
 
 /// Pool bytes still free.
 pub fn free_bytes() -> u64 {
-    let p = unsafe { POOL.get() };
+    let p = the_pool();
     p.hi - p.next
 }
 
 /// Zeroes `bytes` (a multiple of 8) at `addr` with `rep stosq`.
 pub fn zero(addr: u64, bytes: u64) {
-    // SAFETY: callers pass pool memory they own.
+    // SAFETY: callers pass pool memory they own (from `alloc`, identity-mapped RAM no Rust
+    // reference points into); the count and direction flag (clear, per the ABI) keep the
+    // stores inside it.
     unsafe {
         core::arch::asm!(
             "rep stosq",
@@ -111,7 +122,9 @@ pub fn zero(addr: u64, bytes: u64) {
 
 /// The kernel side of read/write system calls: `rep movsq`, then the odd bytes. Counted.
 pub fn kcopy(dst: u64, src: u64, len: u64) {
-    // SAFETY: callers checked both ranges (user arena, storage, or page cache).
+    // SAFETY: callers checked both ranges (user arena, storage, or page cache): mapped,
+    // `len` bytes long, and not the same bytes; the task that owns them is stopped in a
+    // system call, so no reference to them is live.
     unsafe {
         core::arch::asm!(
             "rep movsq",
@@ -141,7 +154,9 @@ pub fn map_window(which: Which, pages: u64) -> Option<u64> {
     zero(mem, total * PAGE);
     let pd_base = mem + PAGE;
     let pt_base = pd_base + pds * PAGE;
-    // SAFETY: fresh pool pages, identity-mapped.
+    // SAFETY: `mem` is `total` fresh pool pages from `alloc` (identity-mapped, used by no one
+    // else), the stores stay in its first `1 + pds` pages; PML4 and WINDOWS are touched only
+    // on the BSP's kernel path and no other reference to them is live here.
     unsafe {
         for d in 0..pds {
             *((mem + d * 8) as *mut u64) = (pd_base + d * PAGE) | P | RW | US;
@@ -161,6 +176,7 @@ pub fn map_window(which: Which, pages: u64) -> Option<u64> {
 }
 
 fn window(which: Which) -> Option<Window> {
+    // SAFETY: a copy read on the BSP's kernel path; no reference to WINDOWS is live.
     unsafe { WINDOWS.get()[which as usize] }
 }
 
@@ -177,7 +193,8 @@ pub fn write_protect(which: Which, k: u64) {
     if let Some(w) = window(which) {
         if k < w.pages {
             let pte = (w.ptes + k * 8) as *mut u64;
-            // SAFETY: inside the window's PTE array.
+            // SAFETY: `k < w.pages`, so `pte` is inside the window's flat PTE array (pool
+            // pages `map_window` allocated, which no Rust reference points into).
             unsafe {
                 if *pte & RW != 0 {
                     *pte &= !RW;
@@ -208,7 +225,7 @@ pub fn user_fault(error: u64, cr2: u64) -> bool {
             return false;
         };
         let pte = (w.ptes + k * 8) as *mut u64;
-        // SAFETY: inside the window's PTE array.
+        // SAFETY: as in `write_protect`: `k < w.pages` was checked above.
         unsafe {
             let was = *pte;
             *pte = phys | P | US | if writable { RW } else { 0 };

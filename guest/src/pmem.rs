@@ -32,7 +32,7 @@ static REGIONS: Global<([Region; MAX_REGIONS], usize)> = Global::new(([NONE; MAX
 
 /// Collects the regions (after `virtio::probe_all`) and maps them.
 pub fn init(info: &BootInfo) {
-    // SAFETY: boot, BSP.
+    // SAFETY: boot, on the BSP alone: nothing else can hold a reference to REGIONS yet.
     let (list, n) = unsafe { REGIONS.get() };
     let e820 = info.memmap().iter().filter(|e| e.kind == 12 && e.size > 0);
     let virt = (0..virtio::pmem_count())
@@ -70,10 +70,12 @@ pub fn init(info: &BootInfo) {
 }
 
 pub fn count() -> usize {
+    // SAFETY: REGIONS is written only by `init` at boot; later uses only copy values out.
     unsafe { REGIONS.get().1 }
 }
 
 pub fn region(i: usize) -> Option<Region> {
+    // SAFETY: as in `count`.
     (i < count()).then(|| unsafe { REGIONS.get().0[i] })
 }
 

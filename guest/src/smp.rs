@@ -3,7 +3,7 @@
 use core::sync::atomic::{AtomicU32, Ordering};
 
 use crate::apic;
-use crate::boot::Stack;
+use crate::boot::{enter_long_mode, load_data_segments, Stack};
 use crate::bootinfo::BootInfo;
 use crate::cpu::{self, GDT, GDT_BYTES, MAX_CPUS};
 use crate::global::Global;
@@ -16,6 +16,20 @@ pub struct Platform {
     pub apic_ids: [u8; MAX_CPUS],
     pub ncpus: usize,
     pub source: &'static str,
+}
+
+impl Platform {
+    /// A platform with the LAPIC at `lapic`, the IOAPIC at its usual address until a table
+    /// says otherwise, and no CPUs listed yet.
+    fn new(lapic: u64, source: &'static str) -> Platform {
+        Platform {
+            lapic,
+            ioapic: 0xfec0_0000,
+            apic_ids: [0; MAX_CPUS],
+            ncpus: 0,
+            source,
+        }
+    }
 }
 
 /// CPUs running kernel code: the BSP plus every AP that reached `ap_main`.
@@ -58,18 +72,9 @@ tr_pm32:
     mov %ax, %ds
     mov %ax, %es
     mov %ax, %ss
-    mov %cr4, %eax
-    or $0x20, %eax
-    mov %eax, %cr4
-    mov ${pml4}, %eax
-    mov %eax, %cr3
-    mov $0xc0000080, %ecx
-    rdmsr
-    or $0x100, %eax
-    wrmsr
-    mov %cr0, %eax
-    or $0x80010000, %eax
-    mov %eax, %cr0
+"#,
+    enter_long_mode!(),
+    r#"
     ljmp ${kcode}, $(tr_lm - tramp_start + 0x8000)
     .code64
 tr_lm:
@@ -84,13 +89,9 @@ tramp_end:
     .section .text.ap, "ax"
     .code64
 ap_entry64:
-    mov ${kdata}, %ax
-    mov %ax, %ds
-    mov %ax, %es
-    mov %ax, %ss
-    xor %eax, %eax
-    mov %ax, %fs
-    mov %ax, %gs
+"#,
+    load_data_segments!(),
+    r#"
     mov $1, %eax
     lock xaddl %eax, {ap_next}
     cmp ${max_cpus}, %eax
@@ -124,25 +125,37 @@ extern "C" fn ap_main(idx: u32) -> ! {
     apic::enable();
     ONLINE.fetch_add(1, Ordering::SeqCst);
     loop {
+        // SAFETY: this CPU's IDT and TSS are loaded (`cpu::load` above) and its handlers
+        // restore every register they use; waiting with interrupts on is all an AP does.
         unsafe { core::arch::asm!("sti", "hlt", options(nomem, nostack)) };
     }
 }
 
+// The firmware tables read below lie in the low megabyte (EBDA, BIOS area) or below 4 GiB
+// where the loader's RSDP and the tables' own pointers lead (the callers skip pointers above
+// 4 GiB). The boot stub identity-maps all of that, nothing writes it while the probe runs,
+// and no Rust reference points into it.
+
 fn checksum_ok(addr: u64, len: usize) -> bool {
+    // SAFETY: see above; `len` comes from the table's own header, at most 64 KiB.
     let s = unsafe { core::slice::from_raw_parts(addr as *const u8, len) };
     s.iter().fold(0u8, |a, &b| a.wrapping_add(b)) == 0
 }
 
 fn rd8(a: u64) -> u8 {
+    // SAFETY: a firmware-table address (see above).
     unsafe { core::ptr::read_volatile(a as *const u8) }
 }
 fn rd16(a: u64) -> u16 {
+    // SAFETY: a firmware-table address (see above); unaligned reads are allowed.
     unsafe { core::ptr::read_unaligned(a as *const u16) }
 }
 fn rd32(a: u64) -> u32 {
+    // SAFETY: as in `rd16`.
     unsafe { core::ptr::read_unaligned(a as *const u32) }
 }
 fn rd64(a: u64) -> u64 {
+    // SAFETY: as in `rd16`.
     unsafe { core::ptr::read_unaligned(a as *const u64) }
 }
 
@@ -179,13 +192,7 @@ fn from_mp(info: &BootInfo) -> Option<Platform> {
     if !checksum_ok(table, len) {
         return None;
     }
-    let mut p = Platform {
-        lapic: rd32(table + 36) as u64,
-        ioapic: 0xfec0_0000,
-        apic_ids: [0; MAX_CPUS],
-        ncpus: 0,
-        source: "mp-table",
-    };
+    let mut p = Platform::new(rd32(table + 36) as u64, "mp-table");
     let count = rd16(table + 34);
     let end = table + len as u64;
     let mut e = table + 44;
@@ -255,13 +262,7 @@ fn from_madt(info: &BootInfo) -> Option<Platform> {
     }
     let madt = madt?;
     let len = rd32(madt + 4) as u64;
-    let mut p = Platform {
-        lapic: rd32(madt + 36) as u64,
-        ioapic: 0xfec0_0000,
-        apic_ids: [0; MAX_CPUS],
-        ncpus: 0,
-        source: "acpi-madt",
-    };
+    let mut p = Platform::new(rd32(madt + 36) as u64, "acpi-madt");
     let mut e = madt + 44;
     let mut ioapic_found = false;
     while e + 2 <= madt + len {
@@ -301,13 +302,7 @@ pub fn discover(info: &BootInfo) -> Platform {
         (Some(m), Some(a)) => Some(if a.ncpus > m.ncpus { a } else { m }),
         (m, a) => m.or(a),
     }
-    .unwrap_or(Platform {
-        lapic: 0xfee0_0000,
-        ioapic: 0xfec0_0000,
-        apic_ids: [0; MAX_CPUS],
-        ncpus: 0,
-        source: "none",
-    })
+    .unwrap_or(Platform::new(0xfee0_0000, "none"))
 }
 
 /// Starts every listed AP at once and waits (bounded) for them to report in. Returns the
@@ -323,6 +318,9 @@ pub fn start_aps(p: &Platform, bsp: u32) -> u32 {
     if expected == 1 && p.ncpus > 0 {
         return 1;
     }
+    // SAFETY: copies the trampoline (rodata between two labels of the asm above) to 0x8000,
+    // low memory below the kernel image that nothing in the kernel uses (the boot info that
+    // was there has been copied out, see bootinfo.rs); the copy is what the APs execute.
     unsafe {
         let start = core::ptr::addr_of!(tramp_start);
         let len = core::ptr::addr_of!(tramp_end) as usize - start as usize;

@@ -36,6 +36,7 @@ pub fn timer_ok() -> bool {
 }
 
 pub fn source() -> &'static str {
+    // SAFETY: written once by `calibrate_tsc` at boot; read-only afterwards.
     unsafe { SOURCE.get() }
 }
 
@@ -59,6 +60,7 @@ pub fn calibrate_tsc() {
         }
     });
     TSC_HZ.store(hz, Ordering::Relaxed);
+    // SAFETY: boot, on the BSP, before anything reads SOURCE.
     unsafe { *SOURCE.get() = src };
 }
 
@@ -170,10 +172,13 @@ pub fn start_lapic_timer() {
     apic::write(apic::REG_TIMER_INIT, period);
     let end = rdtsc() + tsc_hz() / 5;
     let before = ticks();
+    // SAFETY: the IDT and the timer vector's handler are in place (`cpu::init_bsp`); the
+    // handler only counts the tick. Interrupts go off again right after.
     unsafe { core::arch::asm!("sti") };
     while ticks() == before && rdtsc() < end {
         pause();
     }
+    // SAFETY: disabling interrupts has no memory effects.
     unsafe { core::arch::asm!("cli") };
     TIMER_OK.store(ticks() != before, Ordering::Relaxed);
 }
@@ -188,23 +193,19 @@ pub fn idle() {
 }
 
 /// Waits until `done` holds or `ms` milliseconds pass; true if `done` held.
-pub fn wait_for(ms: u64, mut done: impl FnMut() -> bool) -> bool {
-    let end = rdtsc() + ms * tsc_hz() / 1000;
-    loop {
-        if done() {
-            return true;
-        }
-        if rdtsc() >= end {
-            return done();
-        }
-        idle();
-    }
+pub fn wait_for(ms: u64, done: impl FnMut() -> bool) -> bool {
+    poll_until(rdtsc() + ms * tsc_hz() / 1000, done, idle)
 }
 
 /// Polls `done` without halting for up to `us` microseconds: for completions expected
 /// sooner than a halt and wake-up of a virtual CPU would take.
-pub fn spin_for(us: u64, mut done: impl FnMut() -> bool) -> bool {
-    let end = rdtsc() + us * tsc_hz() / 1_000_000;
+pub fn spin_for(us: u64, done: impl FnMut() -> bool) -> bool {
+    poll_until(rdtsc() + us * tsc_hz() / 1_000_000, done, || {})
+}
+
+/// Checks `done` until it holds or the TSC passes `end`, running `between` after each
+/// miss; `done` gets a last look at the deadline, so a late success still counts.
+fn poll_until(end: u64, mut done: impl FnMut() -> bool, mut between: impl FnMut()) -> bool {
     loop {
         if done() {
             return true;
@@ -212,5 +213,6 @@ pub fn spin_for(us: u64, mut done: impl FnMut() -> bool) -> bool {
         if rdtsc() >= end {
             return done();
         }
+        between();
     }
 }

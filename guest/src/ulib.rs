@@ -18,6 +18,7 @@ user_syscall_gate:
 );
 
 extern "C" {
+    /// The system-call gate; never called as a function, only by `syscall`'s asm.
     fn user_syscall_gate();
 }
 
@@ -28,6 +29,10 @@ pub fn syscall_gate() -> u64 {
 #[inline(always)]
 fn syscall(n: u64, a0: u64, a1: u64, a2: u64, a3: u64) -> u64 {
     let r: u64;
+    // SAFETY: the gate's `ud2` traps into the kernel, which restores every register but rax
+    // (the result) and resumes at the gate's `ret`. The kernel reads and writes only memory
+    // the call names and it checked (in the task's arena), which the asm may touch (no
+    // `nomem`); `call` pushes onto the task's stack (no `nostack`).
     unsafe {
         core::arch::asm!(
             "call {gate}",
@@ -46,6 +51,7 @@ pub fn exit(status: u8) -> ! {
     syscall(abi::SYS_EXIT, status as u64, 0, 0, 0);
     // The kernel never returns from exit; fault loudly if it did.
     loop {
+        // SAFETY: raises #UD, which ends the task; it has no other effect.
         unsafe { core::arch::asm!("ud2", options(nomem, nostack)) };
     }
 }
@@ -112,6 +118,13 @@ impl Line {
                 self.buf[self.len] = b;
                 self.len += 1;
             }
+        }
+    }
+
+    /// Starts item `i` of a JSON list: a comma before every item but the first.
+    pub fn item(&mut self, i: usize) {
+        if i > 0 {
+            self.push(",");
         }
     }
 

@@ -31,6 +31,13 @@ static KSAVE: Global<u64> = Global::new(0);
 static ARENA: Global<(u64, u64)> = Global::new((0, 0));
 static FAULT: Global<Option<FaultInfo>> = Global::new(None);
 
+/// What ended the current task, if a fault did.
+fn fault_info() -> &'static mut Option<FaultInfo> {
+    // SAFETY: FAULT is used only on the BSP: set by the trap path of a task's fault, read by
+    // `run_inner` once the task is over; each use ends before the next begins.
+    unsafe { FAULT.get() }
+}
+
 const USER_STACK: u64 = 256 * 1024;
 const MAX_ARENA: u64 = 256 << 20;
 const MIN_ARENA: u64 = 32 << 20;
@@ -116,7 +123,18 @@ resume_kernel_asm:
 );
 
 extern "C" {
+    /// Enters `entry` at CPL3 on stack `rsp` with arguments `a0..a2`; returns the code that
+    /// `resume_kernel_asm` was given.
+    ///
+    /// # Safety
+    /// `entry` and `rsp` must lie in memory the task may use (kernel text, its arena), and the
+    /// TSS must be loaded: it receives the kernel stack pointer for traps from user mode.
     fn run_user_asm(entry: u64, rsp: u64, a0: u64, a1: u64, a2: u64) -> u64;
+    /// Returns `code` from the current `run_user_asm`, dropping the kernel stack above it.
+    ///
+    /// # Safety
+    /// A `run_user_asm` must be under way, and nothing on the kernel stack between it and
+    /// the caller may need dropping (only the trap path and system calls call this).
     fn resume_kernel_asm(code: u64) -> !;
 }
 
@@ -138,11 +156,13 @@ pub fn init(info: &BootInfo, mapped_end: u64) {
     } else {
         (len / 4).clamp(MIN_ARENA, MAX_ARENA)
     } & !((1 << 21) - 1);
+    // SAFETY: boot, on the BSP, before anything reads ARENA.
     unsafe { *ARENA.get() = (lo, arena) };
     mm::init(lo + arena, lo + len);
 }
 
 pub fn arena() -> (u64, u64) {
+    // SAFETY: written once by `init` at boot; read-only afterwards.
     unsafe { *ARENA.get() }
 }
 
@@ -155,6 +175,9 @@ pub fn run_task(entry: UserEntry, task: &workloads::task::Task, timeout_s: u64) 
         return Outcome::Exit(abi::STATUS_USER_FAULT);
     }
     let at = base + len - USER_STACK - PARAM_BYTES;
+    // SAFETY: `at` is in the arena (checked above to hold the stack and these bytes), which
+    // no task is using now; `Task` fits in PARAM_BYTES (the const assertion) and the arena
+    // is 2 MiB-aligned, so `at` is aligned for it.
     unsafe { core::ptr::write(at as *mut workloads::task::Task, *task) };
     run_inner(entry, at, timeout_s, PARAM_BYTES)
 }
@@ -173,13 +196,16 @@ fn run_inner(entry: UserEntry, param: u64, timeout_s: u64, reserved: u64) -> Out
     mm::reset();
     let top = (base + len) & !15;
     // A zero return address, so the entry sees the stack alignment of a called function.
+    // SAFETY: `top - 8` is an aligned word at the top of the arena, which no task uses now.
     unsafe { core::ptr::write_volatile((top - 8) as *mut u64, 0) };
-    unsafe { *FAULT.get() = None };
+    *fault_info() = None;
     let deadline = match timeout_s {
         0 => 0,
         s => rdtsc().saturating_add(s.saturating_mul(timer::tsc_hz())),
     };
     DEADLINE.store(deadline, Ordering::Relaxed);
+    // SAFETY: `entry` is a task body in kernel text (mapped user-readable), `top - 8` the top
+    // of the task's arena stack; `cpu::init_bsp` loaded the BSP's TSS.
     let code = unsafe {
         run_user_asm(
             entry as usize as u64,
@@ -190,7 +216,7 @@ fn run_inner(entry: UserEntry, param: u64, timeout_s: u64, reserved: u64) -> Out
         )
     };
     DEADLINE.store(0, Ordering::Relaxed);
-    match unsafe { *FAULT.get() } {
+    match *fault_info() {
         _ if code == TIMED_OUT => Outcome::TimedOut,
         Some(f) if code == FAULTED => Outcome::Fault(f),
         _ => Outcome::Exit(code as u8),
@@ -202,21 +228,23 @@ fn run_inner(entry: UserEntry, param: u64, timeout_s: u64, reserved: u64) -> Out
 pub fn check_deadline() {
     let d = DEADLINE.load(Ordering::Relaxed);
     if d != 0 && rdtsc() > d {
+        // SAFETY: a deadline is set only while `run_user_asm` runs, and the tick's trap frame
+        // below holds nothing that needs dropping.
         unsafe { resume_kernel_asm(TIMED_OUT) }
     }
 }
 
 /// Ends the current task after a CPL3 exception (already reported by the trap path).
 pub fn fault(f: &TrapFrame, cr2: u64) -> ! {
-    unsafe {
-        *FAULT.get() = Some(FaultInfo {
-            vector: f.vector,
-            error: f.error,
-            rip: f.rip,
-            cr2,
-        });
-        resume_kernel_asm(FAULTED)
-    }
+    *fault_info() = Some(FaultInfo {
+        vector: f.vector,
+        error: f.error,
+        rip: f.rip,
+        cr2,
+    });
+    // SAFETY: the fault came from CPL3, so `run_user_asm` is under way; the trap frame
+    // below is plain data.
+    unsafe { resume_kernel_asm(FAULTED) }
 }
 
 pub fn in_arena(addr: u64, len: u64) -> bool {
@@ -233,9 +261,12 @@ fn readable(addr: u64, len: u64) -> bool {
 pub fn syscall(f: &mut TrapFrame) {
     let (a0, a1, a2, a3) = (f.rdi, f.rsi, f.rdx, f.r10);
     let result: Result<u64, Error> = match f.rax {
+        // SAFETY: a system call comes from the running task, inside `run_user_asm`.
         abi::SYS_EXIT => unsafe { resume_kernel_asm(a0 & 0xff) },
         abi::SYS_WRITE => {
             if readable(a0, a1) {
+                // SAFETY: `readable` checked that the bytes are in the task's arena or the
+                // kernel's read-only image, both mapped; the task is stopped in this call.
                 serial::write(unsafe { core::slice::from_raw_parts(a0 as *const u8, a1 as usize) });
                 Ok(a1)
             } else {

@@ -34,9 +34,7 @@ pub extern "C" fn blk_crc(buf: u64, buf_len: u64, _param: u64) -> ! {
     let mut status = 0;
     l.push("{\"probe\":\"blk-crc\",\"disks\":[");
     for i in 0..ulib::disk_count() {
-        if i > 0 {
-            l.push(",");
-        }
+        l.item(i);
         let bytes = match ulib::disk_capacity(i) {
             Ok(sectors) => sectors * 512,
             Err(e) => {
@@ -60,6 +58,8 @@ pub extern "C" fn blk_crc(buf: u64, buf_len: u64, _param: u64) -> ! {
                 err = Some(e);
                 break;
             }
+            // SAFETY: the first `n <= buf_len` bytes of this task's arena, just read into by
+            // the device; nothing else refers to them.
             crc = ulib::crc32_update(crc, unsafe {
                 core::slice::from_raw_parts(buf as *const u8, n as usize)
             });
@@ -103,15 +103,15 @@ pub extern "C" fn blk_fill(buf: u64, buf_len: u64, seed: u64) -> ! {
     let mut status = 0;
     let _ = write!(l, "{{\"probe\":\"blk-fill\",\"seed\":{},\"disks\":[", seed);
     for i in 0..ulib::disk_count() {
-        if i > 0 {
-            l.push(",");
-        }
+        l.item(i);
         let bytes = ulib::disk_capacity(i).map(|s| s * 512).unwrap_or(0);
         let t0 = ulib::rdtsc();
         let mut off = 0;
         let mut err = None;
         while off < bytes {
             let n = step.min(bytes - off);
+            // SAFETY: the first `n <= buf_len` bytes of this task's arena; the slice is not
+            // used after the write request reads them.
             let data = unsafe { core::slice::from_raw_parts_mut(buf as *mut u8, n as usize) };
             workloads::fill(data, off, seed);
             if let Err(e) = ulib::blk_write(i, off / 512, buf, n) {
@@ -151,13 +151,14 @@ pub extern "C" fn blk_id(buf: u64, _buf_len: u64, _param: u64) -> ! {
     let mut status = 0;
     l.push("{\"probe\":\"blk-id\",\"disks\":[");
     for i in 0..ulib::disk_count() {
-        if i > 0 {
-            l.push(",");
-        }
-        let id = unsafe { core::slice::from_raw_parts_mut(buf as *mut u8, 20) };
-        id.fill(0);
+        l.item(i);
+        // SAFETY: the first 20 bytes of this task's arena, which hold nothing else; the slice
+        // ends before the device writes there.
+        unsafe { core::slice::from_raw_parts_mut(buf as *mut u8, 20) }.fill(0);
         match ulib::blk_get_id(i, buf) {
             Ok(()) => {
+                // SAFETY: the same bytes, now holding the device's answer.
+                let id = unsafe { core::slice::from_raw_parts(buf as *const u8, 20) };
                 let n = id.iter().position(|&b| b == 0).unwrap_or(20);
                 let _ = write!(
                     l,
@@ -210,6 +211,7 @@ pub extern "C" fn spin(_buf: u64, _len: u64, n: u64) -> ! {
 pub const FAULT_ADDR: u64 = 0x7f00_0000_0000;
 
 pub extern "C" fn fault(_buf: u64, _len: u64, _param: u64) -> ! {
+    // SAFETY: nothing maps FAULT_ADDR, so this read never completes: the #PF ends the task.
     let v = unsafe { core::ptr::read_volatile(FAULT_ADDR as *const u64) };
     let mut l = Line::new();
     let _ = writeln!(
@@ -228,6 +230,26 @@ fn pmem_source(i: usize) -> &'static str {
     }
 }
 
+/// Starts region `i`'s entry in the JSON list `l` and returns the region's base and size;
+/// a region the kernel cannot name gets an entry saying so (after `fields`), and `None`.
+fn pmem_entry(l: &mut Line, i: usize, fields: &str) -> Option<(u64, u64)> {
+    l.item(i);
+    match (
+        ulib::pmem_info(i, crate::abi::PMEM_BASE),
+        ulib::pmem_info(i, crate::abi::PMEM_SIZE),
+    ) {
+        (Ok(base), Ok(bytes)) => Some((base, bytes)),
+        _ => {
+            let _ = write!(
+                l,
+                "{{\"index\":{},{}\"ok\":false,\"error\":\"no such region\"}}",
+                i, fields
+            );
+            None
+        }
+    }
+}
+
 /// CRC-32 of every memory-storage region, computed at CPL3 straight from its mapping.
 pub extern "C" fn pmem_crc(_buf: u64, _len: u64, _param: u64) -> ! {
     let hz = ulib::tsc_hz();
@@ -235,22 +257,13 @@ pub extern "C" fn pmem_crc(_buf: u64, _len: u64, _param: u64) -> ! {
     let mut status = 0;
     l.push("{\"probe\":\"pmem-crc\",\"regions\":[");
     for i in 0..ulib::pmem_count() {
-        if i > 0 {
-            l.push(",");
-        }
-        let (Ok(base), Ok(bytes)) = (
-            ulib::pmem_info(i, crate::abi::PMEM_BASE),
-            ulib::pmem_info(i, crate::abi::PMEM_SIZE),
-        ) else {
+        let Some((base, bytes)) = pmem_entry(&mut l, i, "") else {
             status = STATUS_BLK_FAILED;
-            let _ = write!(
-                l,
-                "{{\"index\":{},\"ok\":false,\"error\":\"no such region\"}}",
-                i
-            );
             continue;
         };
         let t0 = ulib::rdtsc();
+        // SAFETY: the kernel maps every region user-accessible, and it is storage no Rust
+        // reference points into; only this task uses it while it runs.
         let data = unsafe { core::slice::from_raw_parts(base as *const u8, bytes as usize) };
         let crc = !ulib::crc32_update(!0, data);
         let cycles = ulib::rdtsc() - t0;
@@ -279,19 +292,8 @@ pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
     let mut regions = Line::new();
     let mut status = 0;
     for i in 0..ulib::pmem_count() {
-        if i > 0 {
-            regions.push(",");
-        }
-        let (Ok(base), Ok(bytes)) = (
-            ulib::pmem_info(i, crate::abi::PMEM_BASE),
-            ulib::pmem_info(i, crate::abi::PMEM_SIZE),
-        ) else {
+        let Some((base, bytes)) = pmem_entry(&mut regions, i, "\"bytes\":0,") else {
             status = STATUS_BLK_FAILED;
-            let _ = write!(
-                regions,
-                "{{\"index\":{},\"bytes\":0,\"ok\":false,\"error\":\"no such region\"}}",
-                i
-            );
             continue;
         };
         let _ = write!(
@@ -304,6 +306,7 @@ pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
         let mut first = [0u8; 8];
         workloads::fill(&mut first, 0, seed);
         let want = u64::from_le_bytes(first);
+        // SAFETY: the region's first word (mapped and aligned, as in `pmem_crc`).
         let back = unsafe {
             core::ptr::write_volatile(base as *mut u64, want);
             core::ptr::read_volatile(base as *const u64)
@@ -319,6 +322,8 @@ pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
         let mut off = 0;
         while off < bytes {
             let n = PIECE.min(bytes - off);
+            // SAFETY: `off + n <= bytes`, inside the region (as in `pmem_crc`); the slice ends
+            // with this iteration.
             let data =
                 unsafe { core::slice::from_raw_parts_mut((base + off) as *mut u8, n as usize) };
             workloads::fill(data, off, seed);

@@ -28,12 +28,17 @@ fn too_big() -> Failure {
     Failure("buffers do not fit in the task arena", STATUS_UNKNOWN_TASK)
 }
 
+/// `len` bytes at `addr`. Callers pass a range in this task's data area (`buf`, `len`), or in
+/// a mapping the kernel made for it (file window), and never two live ranges that overlap.
 fn bytes_at<'a>(addr: u64, len: u64) -> &'a mut [u8] {
+    // SAFETY: per the callers' promise above: mapped user-writable, used by this task alone,
+    // and not aliased by another live slice.
     unsafe { core::slice::from_raw_parts_mut(addr as *mut u8, len as usize) }
 }
 
 /// Entry of every workload task: `param` is the address of its `Task` (see `user::run_task`).
 pub extern "C" fn workload(buf: u64, len: u64, param: u64) -> ! {
+    // SAFETY: `user::run_task` wrote a `Task` at `param`, aligned, just for this entry.
     let t = unsafe { core::ptr::read(param as *const Task) };
     let hz = ulib::tsc_hz();
     let mut cycles = [0u64; MAX_REPS];
@@ -175,6 +180,8 @@ fn run(
             let s0 = ulib::stats();
             cycles[0] = time(&mut || {
                 for i in 0..count {
+                    // SAFETY: page `i < count` of the anonymous window the kernel just made;
+                    // the write faults in a zeroed page.
                     unsafe { core::ptr::write_volatile((va + i * 4096) as *mut u8, 1) };
                 }
                 Ok(0)
@@ -203,6 +210,8 @@ fn run(
         }
         Task::CompileLike { n } => {
             let text = bytes_at(buf, compile::TEXT_BYTES as u64);
+            // SAFETY: the arena after `text`, disjoint from it; the arena holds both (the
+            // workload's sizes are far below the smallest arena).
             let syms = unsafe {
                 core::slice::from_raw_parts_mut(
                     (buf + compile::TEXT_BYTES as u64) as *mut u64,
@@ -230,6 +239,8 @@ fn read_only_region(i: usize) -> bool {
         return false;
     };
     let p = base as *mut u64;
+    // SAFETY: the first word of memory-storage region `i`, mapped user-accessible and
+    // aligned; the old value is put back.
     unsafe {
         let old = core::ptr::read_volatile(p);
         core::ptr::write_volatile(p, !old);

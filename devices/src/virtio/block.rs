@@ -420,6 +420,7 @@ impl Block {
         chain: DescriptorChain<&GuestMemoryMmap>,
         mem: &GuestMemoryMmap,
     ) -> u32 {
+        self.stats.requests += 1;
         let mut descs: Vec<Descriptor> = Vec::with_capacity(4);
         let mut broken = false;
         for d in chain {
@@ -518,7 +519,7 @@ impl Block {
                 let Some(offset) = self.check_range(sector, data_out.len) else {
                     return Done::status(VIRTIO_BLK_S_IOERR);
                 };
-                match self.read_to_guest(mem, data_out, offset) {
+                match self.transfer(mem, data_out, offset, false) {
                     Ok(()) => {
                         self.stats.bytes_read += data_out.len;
                         Done {
@@ -548,7 +549,7 @@ impl Block {
                 let Some(offset) = self.check_range(sector, data_in.len) else {
                     return Done::status(VIRTIO_BLK_S_IOERR);
                 };
-                match self.write_from_guest(mem, &data_in, offset) {
+                match self.transfer(mem, &data_in, offset, true) {
                     Ok(()) => {
                         self.stats.bytes_written += data_in.len;
                         Done::status(VIRTIO_BLK_S_OK)
@@ -619,33 +620,20 @@ impl Block {
         self.file.sync_data()
     }
 
-    fn read_to_guest(
+    /// Moves the bytes of `segs` between guest memory and the file at `offset`; `write`
+    /// means guest to file.
+    fn transfer(
         &mut self,
         mem: &GuestMemoryMmap,
         segs: &Segments,
         offset: u64,
+        write: bool,
     ) -> io::Result<()> {
-        if segs.len == 0 {
-            return Ok(());
-        }
-        match self.cache {
-            CacheMode::Writeback => self.vectored(mem, segs, offset, false),
-            CacheMode::None => self.direct_read(mem, segs, offset),
-        }
-    }
-
-    fn write_from_guest(
-        &mut self,
-        mem: &GuestMemoryMmap,
-        segs: &Segments,
-        offset: u64,
-    ) -> io::Result<()> {
-        if segs.len == 0 {
-            return Ok(());
-        }
-        match self.cache {
-            CacheMode::Writeback => self.vectored(mem, segs, offset, true),
-            CacheMode::None => self.direct_write(mem, segs, offset),
+        match (self.cache, write) {
+            _ if segs.len == 0 => Ok(()),
+            (CacheMode::Writeback, _) => self.vectored(mem, segs, offset, write),
+            (CacheMode::None, false) => self.direct_read(mem, segs, offset),
+            (CacheMode::None, true) => self.direct_write(mem, segs, offset),
         }
     }
 
@@ -688,31 +676,10 @@ impl Block {
         segs: &Segments,
         offset: u64,
     ) -> io::Result<()> {
-        let bs = self.block_size;
-        let end = offset + segs.len;
-        let buf = self
-            .bounce
-            .as_mut()
-            .expect("cache=none has a bounce buffer");
-        let buf = buf.as_mut_slice();
-        let mut cur = offset;
-        while cur < end {
-            let astart = cur / bs * bs;
-            let aend = (end.div_ceil(bs) * bs).min(astart + BOUNCE_LEN as u64);
-            let n = (aend - astart) as usize;
-            self.file.read_exact_at(&mut buf[..n], astart)?;
-            let upto = end.min(aend);
-            let skip = (cur - astart) as usize;
-            let piece = (upto - cur) as usize;
-            if !segs.scatter(mem, cur - offset, &buf[skip..skip + piece]) {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    "guest buffer became invalid",
-                ));
-            }
-            cur = upto;
-        }
-        Ok(())
+        self.direct_pieces(offset, segs.len, |file, buf, p| {
+            file.read_exact_at(buf, p.file_at)?;
+            guest_ok(segs.scatter(mem, p.done, &buf[p.skip..p.skip + p.len]))
+        })
     }
 
     fn direct_write(
@@ -721,41 +688,76 @@ impl Block {
         segs: &Segments,
         offset: u64,
     ) -> io::Result<()> {
+        let bs = self.block_size as usize;
+        self.direct_pieces(offset, segs.len, |file, buf, p| {
+            let n = buf.len();
+            // Partial host blocks at either end keep their old contents.
+            if p.skip != 0 {
+                file.read_exact_at(&mut buf[..bs], p.file_at)?;
+            }
+            let tail = n - bs;
+            if p.skip + p.len < n && !(p.skip != 0 && tail == 0) {
+                file.read_exact_at(&mut buf[tail..], p.file_at + tail as u64)?;
+            }
+            guest_ok(segs.gather(mem, p.done, &mut buf[p.skip..p.skip + p.len]))?;
+            file.write_all_at(buf, p.file_at)
+        })
+    }
+
+    /// Walks the `len` guest bytes at file offset `offset` in loads of whole host blocks
+    /// that fit the bounce buffer, handing each to `load` with its stretch of the buffer: the
+    /// alignment arithmetic `cache=none` reads and writes share.
+    fn direct_pieces(
+        &mut self,
+        offset: u64,
+        len: u64,
+        mut load: impl FnMut(&File, &mut [u8], DirectPiece) -> io::Result<()>,
+    ) -> io::Result<()> {
         let bs = self.block_size;
-        let end = offset + segs.len;
+        let end = offset + len;
         let buf = self
             .bounce
             .as_mut()
-            .expect("cache=none has a bounce buffer");
-        let buf = buf.as_mut_slice();
+            .expect("cache=none has a bounce buffer")
+            .as_mut_slice();
         let mut cur = offset;
         while cur < end {
             let astart = cur / bs * bs;
             let aend = (end.div_ceil(bs) * bs).min(astart + BOUNCE_LEN as u64);
-            let n = (aend - astart) as usize;
             let upto = end.min(aend);
-            let skip = (cur - astart) as usize;
-            let piece = (upto - cur) as usize;
-            // Partial host blocks at either end keep their old contents.
-            if skip != 0 {
-                self.file.read_exact_at(&mut buf[..bs as usize], astart)?;
-            }
-            if upto < aend {
-                let tail = n - bs as usize;
-                if !(skip != 0 && tail == 0) {
-                    self.file.read_exact_at(&mut buf[tail..n], aend - bs)?;
-                }
-            }
-            if !segs.gather(mem, cur - offset, &mut buf[skip..skip + piece]) {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    "guest buffer became invalid",
-                ));
-            }
-            self.file.write_all_at(&buf[..n], astart)?;
+            let piece = DirectPiece {
+                file_at: astart,
+                skip: (cur - astart) as usize,
+                len: (upto - cur) as usize,
+                done: cur - offset,
+            };
+            load(&self.file, &mut buf[..(aend - astart) as usize], piece)?;
             cur = upto;
         }
         Ok(())
+    }
+}
+
+/// One bounce-buffer load of a `cache=none` transfer: whole host blocks from file offset
+/// `file_at`, of which the guest's `len` bytes start `skip` bytes in and `done` bytes into
+/// the guest buffers.
+struct DirectPiece {
+    file_at: u64,
+    skip: usize,
+    len: usize,
+    done: u64,
+}
+
+/// Guest buffers are checked before a transfer starts; one that still cannot be reached
+/// midway fails the request rather than the VMM.
+fn guest_ok(reached: bool) -> io::Result<()> {
+    if reached {
+        Ok(())
+    } else {
+        Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "guest buffer became invalid",
+        ))
     }
 }
 
@@ -810,7 +812,7 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_bytes(&self.config[..CONFIG_LEN], offset, data);
+        read_config_bytes(&self.config, offset, data);
     }
 
     fn process_queue(
@@ -819,10 +821,7 @@ impl VirtioDevice for Block {
         queue: &mut Queue,
         mem: &GuestMemoryMmap,
     ) -> Result<usize, QueueCorrupt> {
-        serve_available(index, queue, mem, |chain| {
-            self.stats.requests += 1;
-            self.handle_chain(chain, mem)
-        })
+        serve_available(index, queue, mem, |chain| self.handle_chain(chain, mem))
     }
 
     fn flush(&mut self) -> io::Result<()> {

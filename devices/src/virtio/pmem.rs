@@ -173,44 +173,18 @@ pub fn parse_config(config: &[u8; CONFIG_LEN]) -> (u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::irq::test_util::CountingIrq;
-    use crate::virtio::MmioTransport;
+    use crate::virtio::tests::driver::{Driver, DATA as RESP, HDR as REQ, N, QSIZE, W};
     use std::sync::atomic::{AtomicU64, Ordering as AO};
     use std::sync::Arc;
-    use virtio_bindings::virtio_config::*;
     use virtio_bindings::virtio_mmio::*;
-    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-    use virtio_queue::desc::split::Descriptor as SplitDescriptor;
-    use virtio_queue::desc::RawDescriptor;
-    use virtio_queue::mock::DescriptorTable;
-    use vm_device::bus::MmioAddress;
-    use vm_device::MutDeviceMmio;
     use vm_memory::GuestAddress;
 
-    const MEM_SIZE: usize = 0x40_0000;
-    const DESC: u64 = 0x1000;
-    const AVAIL: u64 = 0x2000;
-    const USED: u64 = 0x3000;
-    const REQ: u64 = 0x10_0000;
-    const RESP: u64 = 0x20_0000;
-    const QSIZE: u16 = 8;
-    const W: u16 = VRING_DESC_F_WRITE as u16;
-    const N: u16 = VRING_DESC_F_NEXT as u16;
     const START: u64 = 0x2_0000_0000;
     const SIZE: u64 = 64 << 20;
 
-    struct Driver {
-        mem: GuestMemoryMmap,
-        t: MmioTransport,
-        irq: Arc<CountingIrq>,
-        flushes: Arc<AtomicU64>,
-        avail_idx: u16,
-    }
-
-    /// A transport around a Pmem whose flush counts calls and fails when `fail` is set.
-    fn driver(fail: bool) -> Driver {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
-        let irq = Arc::new(CountingIrq::default());
+    /// A driven Pmem whose flush counts calls (the counter is returned) and fails when
+    /// `fail` is set.
+    fn driver(fail: bool) -> (Driver, Arc<AtomicU64>) {
         let flushes = Arc::new(AtomicU64::new(0));
         let f = flushes.clone();
         let pmem = Pmem::new(
@@ -225,107 +199,31 @@ mod tests {
                 }
             }),
         );
-        let t = MmioTransport::new(Box::new(pmem), mem.clone(), irq.clone());
-        let mut d = Driver {
-            mem,
-            t,
-            irq,
-            flushes,
-            avail_idx: 0,
-        };
-        d.bring_up();
-        d
+        (Driver::up(pmem), flushes)
     }
 
+    /// virtio-pmem framing on top of the driver: request at REQ, response at RESP.
     impl Driver {
-        fn read(&mut self, off: u32) -> u32 {
-            let mut b = [0u8; 4];
-            self.t
-                .mmio_read(MmioAddress(0xd000_0000), off.into(), &mut b);
-            u32::from_le_bytes(b)
-        }
-
-        fn write(&mut self, off: u32, v: u32) {
-            self.t
-                .mmio_write(MmioAddress(0xd000_0000), off.into(), &v.to_le_bytes());
-        }
-
-        fn bring_up(&mut self) {
-            self.write(VIRTIO_MMIO_STATUS, VIRTIO_CONFIG_S_ACKNOWLEDGE);
-            let s = VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER;
-            self.write(VIRTIO_MMIO_STATUS, s);
-            self.write(VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
-            let hi = self.read(VIRTIO_MMIO_DEVICE_FEATURES);
-            self.write(VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
-            self.write(VIRTIO_MMIO_DRIVER_FEATURES, hi);
-            let s = s | VIRTIO_CONFIG_S_FEATURES_OK;
-            self.write(VIRTIO_MMIO_STATUS, s);
-            assert_ne!(
-                self.read(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_FEATURES_OK,
-                0
-            );
-            self.write(VIRTIO_MMIO_QUEUE_SEL, 0);
-            self.write(VIRTIO_MMIO_QUEUE_NUM, QSIZE.into());
-            self.write(VIRTIO_MMIO_QUEUE_DESC_LOW, DESC as u32);
-            self.write(VIRTIO_MMIO_QUEUE_AVAIL_LOW, AVAIL as u32);
-            self.write(VIRTIO_MMIO_QUEUE_USED_LOW, USED as u32);
-            self.write(VIRTIO_MMIO_QUEUE_READY, 1);
-            self.write(VIRTIO_MMIO_STATUS, s | VIRTIO_CONFIG_S_DRIVER_OK);
-            assert_eq!(
-                self.read(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_NEEDS_RESET,
-                0
-            );
-        }
-
-        /// Puts one chain of (addr, len, flags) descriptors on the ring and notifies.
-        fn submit(&mut self, descs: &[(u64, u32, u16)]) {
-            self.submit_linked(descs, |i| i + 1)
-        }
-
-        /// Like `submit`, with descriptor `i` pointing at `next(i)` when it has NEXT.
-        fn submit_linked(&mut self, descs: &[(u64, u32, u16)], next: impl Fn(u16) -> u16) {
-            let table = DescriptorTable::new(&self.mem, GuestAddress(DESC), QSIZE);
-            for (i, &(addr, len, flags)) in descs.iter().enumerate() {
-                let next = if flags & N != 0 { next(i as u16) } else { 0 };
-                let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
-                table.store(i as u16, d).unwrap();
-            }
-            let slot = AVAIL + 4 + 2 * u64::from(self.avail_idx % QSIZE);
-            self.mem.write_obj(0u16, GuestAddress(slot)).unwrap();
-            self.avail_idx = self.avail_idx.wrapping_add(1);
-            self.mem
-                .write_obj(self.avail_idx, GuestAddress(AVAIL + 2))
-                .unwrap();
-            self.write(VIRTIO_MMIO_QUEUE_NOTIFY, 0);
-        }
-
-        /// (used index, length of the last used element).
-        fn used(&self) -> (u16, u32) {
-            let idx: u16 = self.mem.read_obj(GuestAddress(USED + 2)).unwrap();
-            let last = u64::from(idx.wrapping_sub(1) % QSIZE);
-            let len: u32 = self
-                .mem
-                .read_obj(GuestAddress(USED + 4 + 8 * last + 4))
-                .unwrap();
-            (idx, len)
-        }
-
         fn response(&self) -> u32 {
             self.mem.read_obj(GuestAddress(RESP)).unwrap()
+        }
+
+        fn clear_response(&self) {
+            self.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
         }
 
         fn flush_request(&mut self) {
             self.mem
                 .write_obj(VIRTIO_PMEM_REQ_TYPE_FLUSH, GuestAddress(REQ))
                 .unwrap();
-            self.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
+            self.clear_response();
             self.submit(&[(REQ, 4, N), (RESP, 4, W)]);
         }
     }
 
     #[test]
     fn identifies_as_pmem_with_start_and_size_in_config() {
-        let mut d = driver(false);
+        let (mut d, _) = driver(false);
         assert_eq!(d.read(VIRTIO_MMIO_DEVICE_ID), 27);
         let lo = d.read(VIRTIO_MMIO_CONFIG);
         let hi = d.read(VIRTIO_MMIO_CONFIG + 4);
@@ -344,86 +242,77 @@ mod tests {
     }
 
     #[test]
-    fn flush_runs_the_host_sync_and_answers_ok() {
-        let mut d = driver(false);
-        d.flush_request();
-        assert_eq!(d.flushes.load(AO::SeqCst), 1);
-        assert_eq!(d.response(), VIRTIO_PMEM_RESP_OK);
-        assert_eq!(d.used(), (1, 4));
-        assert_eq!(d.irq.count(), 1);
-        d.flush_request();
-        assert_eq!(d.flushes.load(AO::SeqCst), 2);
-        let s = d.t.stats();
-        assert_eq!((s.requests, s.flushes, s.errors), (2, 2, 0));
-    }
-
-    #[test]
-    fn failed_host_sync_answers_eio() {
-        let mut d = driver(true);
-        d.flush_request();
-        assert_eq!(d.flushes.load(AO::SeqCst), 1);
-        assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
-        assert_eq!(d.t.stats().errors, 1);
+    fn flush_runs_the_host_sync_and_answers_ok_or_eio() {
+        for (fail, answer) in [(false, VIRTIO_PMEM_RESP_OK), (true, VIRTIO_PMEM_RESP_EIO)] {
+            let (mut d, flushes) = driver(fail);
+            d.flush_request();
+            assert_eq!(flushes.load(AO::SeqCst), 1);
+            assert_eq!(d.response(), answer);
+            assert_eq!(d.last_used(), (1, 4));
+            assert_eq!(d.irq.count(), 1);
+            assert_eq!(d.t.stats().errors, u64::from(fail));
+            d.flush_request();
+            assert_eq!(flushes.load(AO::SeqCst), 2);
+            let s = d.t.stats();
+            assert_eq!(
+                (s.requests, s.flushes, s.errors),
+                (2, 2, 2 * u64::from(fail))
+            );
+        }
     }
 
     #[test]
     fn unknown_request_type_answers_eio_without_flushing() {
-        let mut d = driver(false);
+        let (mut d, flushes) = driver(false);
         d.mem.write_obj(7u32, GuestAddress(REQ)).unwrap();
         d.submit(&[(REQ, 4, N), (RESP, 4, W)]);
         assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
-        assert_eq!(d.flushes.load(AO::SeqCst), 0);
+        assert_eq!(flushes.load(AO::SeqCst), 0);
     }
 
     #[test]
     fn hostile_chains_get_an_error_or_are_dropped_and_the_device_lives_on() {
-        let mut d = driver(false);
+        let (mut d, flushes) = driver(false);
         // No request part at all.
-        d.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
+        d.clear_response();
         d.submit(&[(RESP, 4, W)]);
         assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
         // No writable response: used with length 0, nothing written.
         d.submit(&[(REQ, 4, 0)]);
-        assert_eq!(d.used(), (2, 0));
+        assert_eq!(d.last_used(), (2, 0));
         // Response too short.
         d.submit(&[(REQ, 4, N), (RESP, 2, W)]);
-        assert_eq!(d.used(), (3, 0));
+        assert_eq!(d.last_used(), (3, 0));
         // Response outside guest memory.
         d.submit(&[(REQ, 4, N), (0x1_0000_0000, 4, W)]);
-        assert_eq!(d.used(), (4, 0));
+        assert_eq!(d.last_used(), (4, 0));
         // Request outside guest memory: answered with an error.
-        d.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
+        d.clear_response();
         d.submit(&[(0x1_0000_0000, 4, N), (RESP, 4, W)]);
         assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
         // A chain whose next index runs off the table.
         d.mem
             .write_obj(VIRTIO_PMEM_REQ_TYPE_FLUSH, GuestAddress(REQ))
             .unwrap();
-        d.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
-        d.submit_linked(&[(REQ, 4, N), (RESP, 4, W | N)], |i| {
-            if i == 1 {
-                200
-            } else {
-                i + 1
-            }
-        });
+        d.clear_response();
+        d.submit_raw(&[(REQ, 4, N, 1), (RESP, 4, W | N, 200)]);
         assert_eq!(d.response(), VIRTIO_PMEM_RESP_EIO);
         // A chain that loops back on itself.
-        d.submit_linked(&[(REQ, 4, N), (RESP, 4, W | N)], |_| 0);
-        assert_eq!(d.flushes.load(AO::SeqCst), 0);
+        d.submit_raw(&[(REQ, 4, N, 0), (RESP, 4, W | N, 0)]);
+        assert_eq!(flushes.load(AO::SeqCst), 0);
         // Still serving.
         d.flush_request();
         assert_eq!(d.response(), VIRTIO_PMEM_RESP_OK);
-        assert_eq!(d.flushes.load(AO::SeqCst), 1);
-        assert_eq!(d.read(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_NEEDS_RESET, 0);
+        assert_eq!(flushes.load(AO::SeqCst), 1);
+        assert!(!d.needs_reset());
     }
 
     #[test]
     fn avail_index_far_ahead_needs_reset() {
-        let mut d = driver(false);
-        d.mem.write_obj(QSIZE + 5, GuestAddress(AVAIL + 2)).unwrap();
-        d.write(VIRTIO_MMIO_QUEUE_NOTIFY, 0);
-        assert_ne!(d.read(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_NEEDS_RESET, 0);
-        assert_eq!(d.flushes.load(AO::SeqCst), 0);
+        let (mut d, flushes) = driver(false);
+        d.set_avail_idx(QSIZE + 5);
+        d.notify();
+        assert!(d.needs_reset());
+        assert_eq!(flushes.load(AO::SeqCst), 0);
     }
 }

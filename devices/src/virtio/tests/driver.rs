@@ -1,0 +1,258 @@
+//! A guest driver for device tests: mock guest memory, one split ring laid out in it, the
+//! transport's registers written as a guest would, and the used ring read back.
+//!
+//! Tests of the transport, virtio-blk and virtio-pmem all drive their device through this,
+//! so a request is built the same way everywhere and only the device's own framing differs.
+
+use crate::irq::test_util::CountingIrq;
+use crate::virtio::{MmioTransport, VirtioDevice};
+use std::sync::Arc;
+use virtio_bindings::virtio_config::*;
+use virtio_bindings::virtio_mmio::*;
+use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::{Descriptor as SplitDescriptor, VirtqUsedElem};
+use virtio_queue::desc::RawDescriptor;
+use vm_device::bus::MmioAddress;
+use vm_device::MutDeviceMmio;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+pub const MEM_SIZE: usize = 0x100_0000;
+/// Descriptor table, available ring and used ring, a page apart from here.
+pub const RING: u64 = 0x1000;
+const DESC: u64 = RING;
+const AVAIL: u64 = RING + 0x1000;
+const USED: u64 = RING + 0x2000;
+/// Where tests put the parts of their requests.
+pub const HDR: u64 = 0x10_0000;
+pub const DATA: u64 = 0x20_0000;
+pub const INDIRECT: u64 = 0xc0_0000;
+pub const STATUS: u64 = 0xf0_0000;
+pub const QSIZE: u16 = 16;
+pub const W: u16 = VRING_DESC_F_WRITE as u16;
+pub const N: u16 = VRING_DESC_F_NEXT as u16;
+
+/// A descriptor as the driver writes it: address, length, flags, next.
+pub type Desc = (u64, u32, u16, u16);
+
+pub struct Driver {
+    pub mem: GuestMemoryMmap,
+    pub t: MmioTransport,
+    pub irq: Arc<CountingIrq>,
+    pub avail_idx: u16,
+    pub used_seen: u16,
+}
+
+impl Driver {
+    /// `device` behind a transport, as the guest finds it: not yet negotiated.
+    pub fn new(device: impl VirtioDevice + Send + 'static) -> Driver {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
+        let irq = Arc::new(CountingIrq::default());
+        let t = MmioTransport::new(Box::new(device), mem.clone(), irq.clone());
+        Driver {
+            mem,
+            t,
+            irq,
+            avail_idx: 0,
+            used_seen: 0,
+        }
+    }
+
+    /// `device` negotiated, with queue 0 of QSIZE ready and DRIVER_OK set.
+    pub fn up(device: impl VirtioDevice + Send + 'static) -> Driver {
+        let mut d = Driver::new(device);
+        d.bring_up(u32::from(QSIZE));
+        d
+    }
+
+    /// A register access of any width at `offset` in the device's MMIO window.
+    pub fn read_bytes(&mut self, offset: u64, data: &mut [u8]) {
+        self.t.mmio_read(MmioAddress(0xd000_0000), offset, data);
+    }
+
+    pub fn write_bytes(&mut self, offset: u64, data: &[u8]) {
+        self.t.mmio_write(MmioAddress(0xd000_0000), offset, data);
+    }
+
+    pub fn read(&mut self, off: u32) -> u32 {
+        let mut b = [0u8; 4];
+        self.read_bytes(off.into(), &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    pub fn write(&mut self, off: u32, v: u32) {
+        self.write_bytes(off.into(), &v.to_le_bytes());
+    }
+
+    /// Eight configuration bytes at `off`, read in one access.
+    pub fn config_u64(&mut self, off: u64) -> u64 {
+        let mut b = [0u8; 8];
+        self.read_bytes(u64::from(VIRTIO_MMIO_CONFIG) + off, &mut b);
+        u64::from_le_bytes(b)
+    }
+
+    pub fn status(&mut self) -> u32 {
+        self.read(VIRTIO_MMIO_STATUS)
+    }
+
+    pub fn needs_reset(&mut self) -> bool {
+        self.status() & VIRTIO_CONFIG_S_NEEDS_RESET != 0
+    }
+
+    /// Resets the device and accepts every offered feature but `drop_bits`; true if the
+    /// device kept FEATURES_OK.
+    pub fn negotiate(&mut self, drop_bits: u64) -> bool {
+        self.write(VIRTIO_MMIO_STATUS, 0);
+        self.write(VIRTIO_MMIO_STATUS, VIRTIO_CONFIG_S_ACKNOWLEDGE);
+        self.write(
+            VIRTIO_MMIO_STATUS,
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
+        );
+        let mut features = 0u64;
+        for sel in 0..2u32 {
+            self.write(VIRTIO_MMIO_DEVICE_FEATURES_SEL, sel);
+            features |= u64::from(self.read(VIRTIO_MMIO_DEVICE_FEATURES)) << (32 * sel);
+        }
+        features &= !drop_bits;
+        for sel in 0..2u32 {
+            self.write(VIRTIO_MMIO_DRIVER_FEATURES_SEL, sel);
+            self.write(VIRTIO_MMIO_DRIVER_FEATURES, (features >> (32 * sel)) as u32);
+        }
+        let s = VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
+        self.write(VIRTIO_MMIO_STATUS, s);
+        self.read(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_FEATURES_OK != 0
+    }
+
+    /// Points queue 0 at the rings and sets it ready; `size` is written as given.
+    pub fn setup_queue(&mut self, size: u32) {
+        self.write(VIRTIO_MMIO_QUEUE_SEL, 0);
+        assert_eq!(self.read(VIRTIO_MMIO_QUEUE_READY), 0);
+        self.write(VIRTIO_MMIO_QUEUE_NUM, size);
+        for (low, addr) in [
+            (VIRTIO_MMIO_QUEUE_DESC_LOW, DESC),
+            (VIRTIO_MMIO_QUEUE_AVAIL_LOW, AVAIL),
+            (VIRTIO_MMIO_QUEUE_USED_LOW, USED),
+        ] {
+            self.write(low, addr as u32);
+            self.write(low + 4, (addr >> 32) as u32);
+        }
+        self.write(VIRTIO_MMIO_QUEUE_READY, 1);
+    }
+
+    pub fn driver_ok(&mut self) {
+        let s = self.read(VIRTIO_MMIO_STATUS);
+        self.write(VIRTIO_MMIO_STATUS, s | VIRTIO_CONFIG_S_DRIVER_OK);
+    }
+
+    pub fn bring_up(&mut self, size: u32) {
+        assert!(self.negotiate(0));
+        self.setup_queue(size);
+        assert_eq!(self.read(VIRTIO_MMIO_QUEUE_READY), 1);
+        self.driver_ok();
+        assert!(!self.needs_reset());
+    }
+
+    /// Brings the device up again on zeroed rings, as a driver does after a reset.
+    pub fn restart(&mut self) {
+        self.mem
+            .write_slice(&[0u8; 0x3000], GuestAddress(RING))
+            .unwrap();
+        self.avail_idx = 0;
+        self.used_seen = 0;
+        self.bring_up(u32::from(QSIZE));
+    }
+
+    /// The available ring's flags word (VIRTQ_AVAIL_F_NO_INTERRUPT is bit 0).
+    pub fn set_avail_flags(&self, flags: u16) {
+        self.mem.write_obj(flags, GuestAddress(AVAIL)).unwrap();
+    }
+
+    /// Writes the available index the device reads, whatever the driver has published.
+    pub fn set_avail_idx(&self, idx: u16) {
+        self.mem.write_obj(idx, GuestAddress(AVAIL + 2)).unwrap();
+    }
+
+    pub fn avail_idx_in_ring(&self) -> u16 {
+        self.mem.read_obj(GuestAddress(AVAIL + 2)).unwrap()
+    }
+
+    /// Writes raw descriptors as a table at `addr` (the ring's own, or an indirect one).
+    pub fn write_table(&self, addr: u64, descs: &[Desc]) {
+        for (i, &(a, len, flags, next)) in descs.iter().enumerate() {
+            let d = RawDescriptor::from(SplitDescriptor::new(a, len, flags, next));
+            self.mem
+                .write_obj(d, GuestAddress(addr + 16 * i as u64))
+                .unwrap();
+        }
+    }
+
+    /// Writes raw descriptors into the ring's table from index `first`.
+    pub fn put_descs(&self, first: u16, descs: &[Desc]) {
+        self.write_table(DESC + 16 * u64::from(first), descs);
+    }
+
+    pub fn publish(&mut self, head: u16) {
+        let slot = AVAIL + 4 + 2 * u64::from(self.avail_idx % QSIZE);
+        self.mem.write_obj(head, GuestAddress(slot)).unwrap();
+        self.avail_idx = self.avail_idx.wrapping_add(1);
+        self.set_avail_idx(self.avail_idx);
+    }
+
+    /// Puts a chain at descriptor 0, linked in order (NEXT on all but the last), and
+    /// publishes it.
+    pub fn chain(&mut self, descs: &[(u64, u32, u16)]) {
+        let linked: Vec<Desc> = descs
+            .iter()
+            .enumerate()
+            .map(|(i, &(a, l, f))| {
+                if i + 1 < descs.len() {
+                    (a, l, f | N, i as u16 + 1)
+                } else {
+                    (a, l, f & !N, 0)
+                }
+            })
+            .collect();
+        self.put_descs(0, &linked);
+        self.publish(0);
+    }
+
+    /// `chain`, then notify.
+    pub fn submit(&mut self, descs: &[(u64, u32, u16)]) {
+        self.chain(descs);
+        self.notify();
+    }
+
+    /// Descriptors exactly as given at index 0, published and notified: for chains no
+    /// well-behaved driver would build.
+    pub fn submit_raw(&mut self, descs: &[Desc]) {
+        self.put_descs(0, descs);
+        self.publish(0);
+        self.notify();
+    }
+
+    pub fn notify(&mut self) {
+        self.write(VIRTIO_MMIO_QUEUE_NOTIFY, 0);
+    }
+
+    pub fn used_idx(&self) -> u16 {
+        self.mem.read_obj(GuestAddress(USED + 2)).unwrap()
+    }
+
+    fn used_elem(&self, n: u16) -> VirtqUsedElem {
+        let at = USED + 4 + 8 * u64::from(n % QSIZE);
+        self.mem.read_obj(GuestAddress(at)).unwrap()
+    }
+
+    /// The next used element as (id, len); it must exist.
+    pub fn next_used(&mut self) -> (u32, u32) {
+        assert_ne!(self.used_idx(), self.used_seen, "no used entry");
+        let e = self.used_elem(self.used_seen);
+        self.used_seen = self.used_seen.wrapping_add(1);
+        (e.id(), e.len())
+    }
+
+    /// (used index, length of the last used element), however many the driver has seen.
+    pub fn last_used(&self) -> (u16, u32) {
+        let idx = self.used_idx();
+        (idx, self.used_elem(idx.wrapping_sub(1)).len())
+    }
+}
