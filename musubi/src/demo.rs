@@ -52,6 +52,7 @@ fn demo() -> Result<(), String> {
     let opts = vmm::RunOptions {
         capture_serial: true,
         timeout: Some(Duration::from_secs(300)),
+        seccomp: vmm::seccomp::SeccompMode::Enforce,
     };
     let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;
     let results = probe::results(&report.serial);

@@ -41,6 +41,11 @@ enum Command {
         /// SIGUSR1.
         #[arg(long, value_name = "FILE")]
         metrics: Option<std::path::PathBuf>,
+        /// System-call filters per thread kind (vCPU, virtio I/O, control): `true` makes a
+        /// call outside them fail and end the VM with a message naming the thread and the
+        /// call (status 126), `log` only has the kernel log it, `false` installs none.
+        #[arg(long, value_name = "true|false|log", default_value = "true")]
+        seccomp: vmm::seccomp::SeccompMode,
     },
     /// Boot the bundled probe guest on 2 vCPUs with a temporary disk, run hello, blk-fill
     /// and blk-crc, check the disk on the host, and summarize.
@@ -81,11 +86,13 @@ fn main() -> ExitCode {
             timeout,
             report,
             metrics,
+            seccomp,
         } => run::run(run::RunArgs {
             vm: &vm,
             timeout,
             report: report.as_deref(),
             metrics,
+            seccomp,
         }),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),

@@ -14,6 +14,7 @@ pub struct RunArgs<'a> {
     pub timeout: Option<f64>,
     pub report: Option<&'a Path>,
     pub metrics: Option<PathBuf>,
+    pub seccomp: vmm::seccomp::SeccompMode,
 }
 
 pub fn run(args: RunArgs) -> ExitCode {
@@ -43,11 +44,17 @@ pub fn run(args: RunArgs) -> ExitCode {
     let opts = vmm::RunOptions {
         capture_serial: false,
         timeout,
+        seccomp: args.seccomp,
     };
     let running = match vmm::Vmm::build(&config, &opts).and_then(|vm| vm.start()) {
         Ok(r) => r,
         Err(e) => return fail(e.to_string()),
     };
+    // This thread only waits, flushes and writes reports from here on; the threads it
+    // starts next (signals) inherit its filter.
+    if let Err(e) = vmm::seccomp::apply(vmm::seccomp::ThreadKind::Control, args.seccomp) {
+        running.stop(vmm::Outcome::VmmError(e.to_string()));
+    }
     let signal_handle = signals.handle();
     let vm = running.handle();
     let metrics_path = args.metrics.clone();

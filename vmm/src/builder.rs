@@ -16,6 +16,7 @@ use crate::irq::IrqLine;
 use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::metrics::{detailed, summarize, ExitSummary, VcpuMetrics};
 use crate::pmem::{host_phys_bits, Advertise, PmemError, PmemRegions};
+use crate::seccomp::SeccompMode;
 use crate::vstate::memory::{GuestRam, MemoryError, RamBackend};
 use crate::vstate::vcpu::{
     install_kick_handler, kick_signal, Vcpu, VcpuContext, VcpuError, VcpuState, VcpuStatus,
@@ -73,6 +74,8 @@ pub struct RunOptions {
     pub capture_serial: bool,
     /// Stop the VM (outcome [`Outcome::VmmError`]) if it runs longer than this.
     pub timeout: Option<Duration>,
+    /// System-call filters on the vCPU and I/O threads.
+    pub seccomp: SeccompMode,
 }
 
 /// What happened during one VM run.
@@ -233,6 +236,7 @@ impl Vmm {
         let ram = Arc::new(GuestRam::new(&layout, RamBackend::Anonymous)?);
         kvm.register_memory(ram.memory())?;
         pmem.register(&mut kvm)?;
+        kvm.create_interrupt_controllers()?;
         let mem = pmem.extend_guest_memory(ram.memory().clone())?;
         phase("vm and memory");
 
@@ -324,12 +328,12 @@ impl Vm {
             None
         } else {
             Some(
-                IoThread::start(notifiers, self.control.clone()).map_err(|source| {
-                    BuildError::Thread {
+                IoThread::start(notifiers, self.control.clone(), self.opts.seccomp).map_err(
+                    |source| BuildError::Thread {
                         what: "virtio I/O",
                         source,
-                    }
-                })?,
+                    },
+                )?,
             )
         };
         let shared = Arc::new(Shared {
@@ -361,6 +365,7 @@ impl Vm {
                 request: request.clone(),
                 ram: self.ram.clone(),
                 first_run: first_run.clone(),
+                seccomp: self.opts.seccomp,
             };
             let thread = std::thread::Builder::new()
                 .name(format!("vcpu{}", vcpu.id))
@@ -419,6 +424,9 @@ impl RunningVm {
         let deadline = self.vm.opts.timeout.map(|t| started + t);
         let mut idle = IdleCheck::default();
         let mut outcome = self.shared.control.wait(Duration::from_millis(20), || {
+            if let Some(refused) = crate::seccomp::refused_call() {
+                return Some(Outcome::VmmError(refused));
+            }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Some(Outcome::VmmError(format!(
                     "the VM did not finish within {:?}",

@@ -2,6 +2,7 @@
 //! its own, so a notifying vCPU never returns to user space.
 
 use crate::control::{Outcome, RunControl};
+use crate::seccomp::{SeccompMode, ThreadKind};
 use devices::virtio::MmioTransport;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,7 +41,11 @@ impl IoThread {
     /// Starts serving `notifiers`. If the thread fails (an epoll error, a device that
     /// panics), it ends the VM through `control` with a VMM error: doorbells nobody serves
     /// would otherwise leave the guest waiting forever.
-    pub fn start(notifiers: Vec<Notifier>, control: Arc<RunControl>) -> std::io::Result<Self> {
+    pub fn start(
+        notifiers: Vec<Notifier>,
+        control: Arc<RunControl>,
+        seccomp: SeccompMode,
+    ) -> std::io::Result<Self> {
         let stop = EventFd::new(libc::EFD_NONBLOCK)?;
         let epoll = Epoll::new()?;
         let stop_token = notifiers.len() as u64;
@@ -61,6 +66,11 @@ impl IoThread {
         let handle = std::thread::Builder::new()
             .name("virtio-io".into())
             .spawn(move || {
+                crate::seccomp::block_process_signals(&[]);
+                if let Err(e) = crate::seccomp::apply(ThreadKind::Io, seccomp) {
+                    control.finish(Outcome::VmmError(e.to_string()));
+                    return;
+                }
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     serve(&epoll, &notifiers, stop_token, &count)
                 }));
@@ -180,7 +190,7 @@ mod tests {
         let control = Arc::new(RunControl::default());
         let counting = Arc::new(Counting(AtomicU64::new(0)));
         let (n, ring) = doorbell(counting.clone());
-        let mut t = IoThread::start(vec![n], control.clone()).unwrap();
+        let mut t = IoThread::start(vec![n], control.clone(), SeccompMode::Off).unwrap();
         ring.write(1).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while counting.0.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
@@ -196,7 +206,7 @@ mod tests {
     fn a_failed_io_thread_ends_the_vm_with_a_vmm_error() {
         let control = Arc::new(RunControl::default());
         let (n, ring) = doorbell(Arc::new(Broken));
-        let _t = IoThread::start(vec![n], control.clone()).unwrap();
+        let _t = IoThread::start(vec![n], control.clone(), SeccompMode::Off).unwrap();
         ring.write(1).unwrap();
         let outcome = control.wait(Duration::from_millis(5), || None);
         let Outcome::VmmError(m) = &outcome else {

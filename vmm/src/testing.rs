@@ -114,3 +114,16 @@ impl Code {
         self
     }
 }
+
+static VCPU_REFUSED_CALL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes every vCPU thread started from now on issue one system call its seccomp filter
+/// refuses, so tests can check how a refused call ends the VM. Process-wide: use it only
+/// in a test binary of its own.
+pub fn make_vcpus_call_a_refused_syscall() {
+    VCPU_REFUSED_CALL.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+pub(crate) fn vcpu_makes_a_refused_call() -> bool {
+    VCPU_REFUSED_CALL.load(std::sync::atomic::Ordering::SeqCst)
+}

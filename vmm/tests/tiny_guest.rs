@@ -27,6 +27,7 @@ fn opts() -> RunOptions {
     RunOptions {
         capture_serial: true,
         timeout: Some(std::time::Duration::from_secs(60)),
+        seccomp: vmm::seccomp::SeccompMode::Enforce,
     }
 }
 

@@ -62,6 +62,7 @@ pub fn in_vm(task: &str, exits: ExitsMode, disk: Option<&Path>) -> Result<Worklo
     let opts = vmm::RunOptions {
         capture_serial: true,
         timeout: Some(Duration::from_secs(600)),
+        seccomp: vmm::seccomp::SeccompMode::Enforce,
     };
     let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;
     let console = String::from_utf8_lossy(&report.serial).into_owned();

@@ -388,6 +388,7 @@ fn musubi_run(plan: &Plan, storage: Storage, file: &Path, task: &str) -> Result<
     let opts = vmm::RunOptions {
         capture_serial: true,
         timeout: Some(plan.timeout),
+        seccomp: vmm::seccomp::SeccompMode::Enforce,
     };
     let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;
     let console = String::from_utf8_lossy(&report.serial).into_owned();

@@ -4,6 +4,7 @@ use crate::arch::x86_64::cpuid::filter_cpuid;
 use crate::control::{Outcome, RunControl};
 use crate::exit::{crash_outcome, handle_exit, ExitAction, ExitBus};
 use crate::metrics::VcpuMetrics;
+use crate::seccomp::{self, SeccompMode, ThreadKind};
 use crate::vstate::memory::GuestRam;
 use kvm_bindings::{
     kvm_lapic_state, kvm_msr_entry, kvm_run, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_HALTED,
@@ -124,6 +125,7 @@ pub struct VcpuContext {
     pub ram: Arc<GuestRam>,
     /// Set by the BSP at its first KVM_RUN.
     pub first_run: Arc<OnceLock<(Instant, u64)>>,
+    pub seccomp: SeccompMode,
 }
 
 pub struct Vcpu {
@@ -202,6 +204,17 @@ impl Vcpu {
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             KVM_RUN.with(|r| r.set(self.fd.get_kvm_run()));
             ctx.ram.register_vcpu_thread(id, current_tid());
+            seccomp::block_process_signals(&[kick_signal()]);
+            if let Err(e) = seccomp::apply(ThreadKind::Vcpu, ctx.seccomp) {
+                ctx.control
+                    .finish(Outcome::VmmError(format!("vCPU {id}: {e}")));
+                return;
+            }
+            #[cfg(feature = "testing")]
+            if crate::testing::vcpu_makes_a_refused_call() {
+                // SAFETY: socket() only creates a descriptor; the filter refuses it.
+                unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0) };
+            }
             self.run_loop(&ctx);
         }));
         KVM_RUN.with(|r| r.set(std::ptr::null_mut()));

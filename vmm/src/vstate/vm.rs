@@ -56,21 +56,34 @@ impl Vm {
             }
         }
         let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
-        let ioctl = |what| move |source| VmError::Ioctl { what, source };
         fd.set_tss_address(KVM_TSS_ADDRESS)
-            .map_err(ioctl("KVM_SET_TSS_ADDR"))?;
-        fd.create_irq_chip().map_err(ioctl("KVM_CREATE_IRQCHIP"))?;
-        let pit = kvm_pit_config {
-            // The speaker port is answered in the kernel, so a guest probing it costs no exit.
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        fd.create_pit2(pit).map_err(ioctl("KVM_CREATE_PIT2"))?;
+            .map_err(|source| VmError::Ioctl {
+                what: "KVM_SET_TSS_ADDR",
+                source,
+            })?;
         Ok(Self {
             kvm,
             fd: Arc::new(fd),
             next_slot: 0,
         })
+    }
+
+    /// Creates the in-kernel LAPICs' IOAPIC/PIC and the PIT. Call it after every memory
+    /// slot is registered: adding in-kernel I/O devices starts an SRCU grace period that a
+    /// later KVM_SET_USER_MEMORY_REGION must wait out (milliseconds on tick-paced kernels),
+    /// while slots registered first cost nothing extra. The grace period then runs while
+    /// the kernel is loaded and the devices and tables are built.
+    pub fn create_interrupt_controllers(&self) -> Result<(), VmError> {
+        let ioctl = |what| move |source| VmError::Ioctl { what, source };
+        self.fd
+            .create_irq_chip()
+            .map_err(ioctl("KVM_CREATE_IRQCHIP"))?;
+        let pit = kvm_pit_config {
+            // The speaker port is answered in the kernel, so a guest probing it costs no exit.
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        self.fd.create_pit2(pit).map_err(ioctl("KVM_CREATE_PIT2"))
     }
 
     pub fn kvm(&self) -> &Kvm {
