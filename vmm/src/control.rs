@@ -62,6 +62,15 @@ impl serde::Serialize for Outcome {
     }
 }
 
+/// The text a panic was raised with, for the outcome of a VMM thread that panicked.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
+}
+
 #[derive(Default)]
 pub struct RunControl {
     outcome: Mutex<Option<Outcome>>,

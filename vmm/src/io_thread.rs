@@ -1,7 +1,7 @@
 //! Serves virtio queue notifications that KVM signals through ioeventfds, on a thread of
 //! its own, so a notifying vCPU never returns to user space.
 
-use crate::control::{Outcome, RunControl};
+use crate::control::{panic_message, Outcome, RunControl};
 use crate::seccomp::{SeccompMode, ThreadKind};
 use devices::virtio::MmioTransport;
 use std::os::fd::AsRawFd;
@@ -77,14 +77,7 @@ impl IoThread {
                 let failure = match result {
                     Ok(Ok(())) => return,
                     Ok(Err(e)) => e,
-                    Err(panic) => format!(
-                        "a device panicked: {}",
-                        panic
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| panic.downcast_ref::<String>().cloned())
-                            .unwrap_or_default()
-                    ),
+                    Err(panic) => format!("a device panicked: {}", panic_message(&*panic)),
                 };
                 control.finish(Outcome::VmmError(format!(
                     "the virtio I/O thread failed, so queue notifications would go unserved: {failure}"

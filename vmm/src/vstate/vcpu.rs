@@ -1,7 +1,7 @@
 //! One vCPU: its KVM set-up and the thread that runs it until the VM ends.
 
 use crate::arch::x86_64::cpuid::filter_cpuid;
-use crate::control::{Outcome, RunControl};
+use crate::control::{panic_message, Outcome, RunControl};
 use crate::exit::{crash_outcome, handle_exit, ExitAction, ExitBus};
 use crate::metrics::VcpuMetrics;
 use crate::seccomp::{self, SeccompMode, ThreadKind};
