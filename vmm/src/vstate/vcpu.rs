@@ -219,13 +219,9 @@ impl Vcpu {
         }));
         KVM_RUN.with(|r| r.set(std::ptr::null_mut()));
         if let Err(panic) = result {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
             control.finish(Outcome::VmmError(format!(
-                "vCPU {id} thread panicked: {what}"
+                "vCPU {id} thread panicked: {}",
+                panic_message(&*panic)
             )));
         }
     }
