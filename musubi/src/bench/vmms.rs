@@ -10,9 +10,11 @@
 //! VM exits, interrupts, page faults, virtio requests and bytes the guest kernel copied. Those
 //! counts are what §6.1 reasons with, and they do not depend on the machine.
 
+use super::qemu::{self, Outcome, Peer, Qemu, Standing};
 use super::report::{figures_table, median_min, ms, Csv, Figure, Table};
 use super::stats::{ratio, Summary};
-use super::{find_on_path, plot, BenchArgs, Harness};
+use super::watch::{observe, tail, time_to_marker, Watch};
+use super::{plot, BenchArgs, Harness};
 use crate::probe;
 use serde_json::Value;
 use std::fmt;
@@ -37,9 +39,7 @@ const DISTURB_BYTES: u64 = 4 << 30;
 const DISTURB_LIMIT: u64 = 1 << 30;
 const QUICK_DISTURB_BYTES: u64 = 256 * MIB;
 const QUICK_DISTURB_LIMIT: u64 = 64 * MIB;
-const QEMU: &str = "qemu-system-x86_64";
-/// QEMU's isa-debug-exit reports exit-port value N as (N << 1) | 1.
-const QEMU_CLEAN_STATUS: i32 = 1;
+const RESULT_MARKER: &str = "{\"probe\":\"storage-io\"";
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -406,108 +406,33 @@ fn musubi_run(plan: &Plan, storage: Storage, file: &Path, task: &str) -> Result<
 }
 
 /// The same task under QEMU (microvm, virtio-blk over virtio-mmio, host page cache on).
-fn qemu_run(
-    exe: &Path,
-    elf: &Path,
-    plan: &Plan,
-    file: &Path,
-    task: &str,
-) -> Result<Sample, String> {
-    let mut cmd = Command::new(exe);
+fn qemu_run(q: &Qemu, plan: &Plan, file: &Path, task: &str) -> Result<Sample, String> {
+    let mut cmd = q.command(
+        plan.memory / MIB,
+        &format!("probe.task_timeout=0 probe.tasks={task}"),
+    );
     // With acpi=off microvm appends `virtio_mmio.device=` for each transport to the command
     // line, which is how the probe finds disks; the probe speaks virtio-mmio version 2 only.
-    cmd.args([
-        "-M",
-        "microvm,acpi=off",
-        "-enable-kvm",
-        "-cpu",
-        "host",
-        "-smp",
-        "1",
-    ])
-    .args(["-global", "virtio-mmio.force-legacy=false"])
-    .arg("-m")
-    .arg(format!("{}M", plan.memory / MIB))
-    .args(["-nodefaults", "-no-user-config", "-display", "none"])
-    .args(["-serial", "stdio"])
-    .arg("-kernel")
-    .arg(elf)
-    .arg("-append")
-    .arg(format!("probe.task_timeout=0 probe.tasks={task}"))
-    .arg("-drive")
-    .arg(format!(
-        "if=none,id=d0,file={},format=raw,cache=writeback",
-        file.display()
-    ))
-    .args(["-device", "virtio-blk-device,drive=d0"])
-    .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    let child = cmd
-        .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
-    let out = wait_with_limit(child, plan.timeout)?;
-    let console = String::from_utf8_lossy(&out.stdout).into_owned();
-    let results = probe::results(&out.stdout);
-    let r = probe::result(&results, "storage-io").ok_or_else(|| {
-        format!(
-            "no storage-io line (status {:?}); console:\n{}\nstderr:\n{}",
-            out.status.code(),
-            tail(&console, 10),
-            tail(&String::from_utf8_lossy(&out.stderr), 5)
-        )
-    })?;
-    if out.status.code() != Some(QEMU_CLEAN_STATUS) {
-        return Err(format!(
-            "QEMU ended with status {:?} (a clean probe exit is {QEMU_CLEAN_STATUS}): {r}",
-            out.status.code()
-        ));
-    }
-    Sample::of(r, &Value::Null)
-}
-
-/// Collects a child's output, killing it if it outlives `limit`, so a stuck guest fails
-/// its run instead of the benchmark.
-fn wait_with_limit(mut child: Child, limit: Duration) -> Result<std::process::Output, String> {
-    let (mut so, mut se) = (child.stdout.take(), child.stderr.take());
-    let t_out = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        if let Some(s) = so.as_mut() {
-            let _ = std::io::Read::read_to_end(s, &mut v);
-        }
-        v
-    });
-    let t_err = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        if let Some(s) = se.as_mut() {
-            let _ = std::io::Read::read_to_end(s, &mut v);
-        }
-        v
-    });
-    let start = Instant::now();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => break s,
-            Ok(None) if start.elapsed() > limit => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("still running after {limit:?}; killed"));
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(format!("wait: {e}")),
-        }
+    cmd.args(["-global", "virtio-mmio.force-legacy=false"])
+        .arg("-drive")
+        .arg(format!(
+            "if=none,id=d0,file={},format=raw,cache=writeback",
+            file.display()
+        ))
+        .args(["-device", "virtio-blk-device,drive=d0"]);
+    let watch = Watch {
+        marker: RESULT_MARKER,
+        // A sampler would take CPU time from the measured VM.
+        guest_bytes: None,
+        timeout: plan.timeout,
+        sample_every: Duration::from_millis(20),
     };
-    Ok(std::process::Output {
-        status,
-        stdout: t_out.join().unwrap_or_default(),
-        stderr: t_err.join().unwrap_or_default(),
-    })
-}
-
-fn tail(s: &str, n: usize) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
+    let o = observe(cmd, &watch).map_err(|e| format!("cannot start QEMU: {e}"))?;
+    time_to_marker(&o, qemu::CLEAN_STATUS, qemu::STDERR_LINES)?;
+    let results = probe::results(o.stdout.as_bytes());
+    let r = probe::result(&results, "storage-io")
+        .ok_or_else(|| format!("a storage-io line that is not JSON: {}", tail(&o.stdout, 3)))?;
+    Sample::of(r, &Value::Null)
 }
 
 /// One configuration of §5.2. `base` runs the smallest extent once per storage and file
@@ -545,11 +470,6 @@ impl Config {
     }
 }
 
-struct Qemu {
-    exe: PathBuf,
-    elf: PathBuf,
-}
-
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let plan = Plan::new(h, args)?;
     let started = Instant::now();
@@ -572,16 +492,15 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             }
         );
     }
-    let qemu = match find_on_path(QEMU) {
-        Some(exe) => match probe::materialize() {
-            Ok(elf) => Some(Qemu { exe, elf }),
-            Err(e) => {
-                println!("  QEMU: cannot write the probe image for it ({e}); skipped");
-                None
-            }
-        },
-        None => {
-            println!("  QEMU: {QEMU} is not on PATH; no side-by-side runs");
+    let mut peer = Standing::default();
+    let qemu = match qemu::peer(args, &["microvm,acpi=off"])? {
+        Peer::Ready(q) => Some(q),
+        Peer::Skipped(why) => {
+            println!("  QEMU: {why}; no side-by-side runs");
+            None
+        }
+        Peer::Unavailable(why) => {
+            peer.unavailable = Some(why);
             None
         }
     };
@@ -630,23 +549,19 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let dir_of = |fs: HostFs| dirs.iter().find(|d| d.fs == fs).expect("both dirs exist");
 
     // A failed QEMU run is reported and the rest goes on: QEMU is a comparison, not the subject.
-    let mut qemu_failures: Vec<String> = Vec::new();
     let runs = h.run_schedule(
         &configs,
         plan.reps,
         |c| c.name(),
-        |_, c| {
+        |rep, c| {
             let file = dir_of(c.fs).file(c.storage);
             let task = c.task(&plan);
             match (c.storage, &qemu) {
-                (Storage::QemuWb, Some(q)) => match qemu_run(&q.exe, &q.elf, &plan, &file, &task) {
-                    Ok(s) => Ok(Some(s)),
-                    Err(e) => {
-                        qemu_failures.push(format!("{}: {e}", c.name()));
-                        Ok(None)
-                    }
-                },
-                _ => musubi_run(&plan, c.storage, &file, &task).map(Some),
+                (Storage::QemuWb, Some(q)) => Ok(peer
+                    .run(&format!("{} run {}", c.name(), rep + 1), || {
+                        qemu_run(q, &plan, &file, &task)
+                    })),
+                _ => musubi_run(&plan, c.storage, &file, &task).map(Outcome::Measured),
             }
         },
     )?;
@@ -669,6 +584,8 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "virtio_requests",
         "kernel_copy_bytes",
         "run_doorbells",
+        "cpu_model",
+        "unavailable",
     ]);
     let base_exits = |storage: Storage, fs: HostFs| -> Option<f64> {
         let xs: Vec<f64> = runs
@@ -677,17 +594,20 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 let c = &configs[*ci];
                 c.base && c.storage == storage && c.fs == fs
             })
-            .filter_map(|(_, _, s)| s.as_ref()?.exits)
+            .filter_map(|(_, _, s)| s.measured()?.exits)
             .collect();
         super::stats::median(&xs)
     };
     for (rep, ci, s) in &runs {
         let c = &configs[*ci];
-        let Some(s) = s else { continue };
         if c.base {
             continue;
         }
-        csv.row([
+        let cpu_model = match (c.storage, &qemu) {
+            (Storage::QemuWb, Some(q)) => q.cpu_model().to_string(),
+            _ => String::new(),
+        };
+        let mut row = vec![
             "5.2".to_string(),
             c.storage.name().to_string(),
             c.fs.name().to_string(),
@@ -697,15 +617,39 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             "none".to_string(),
             rep.to_string(),
             plan.extent.to_string(),
-            format!("{:.0}", s.ns),
-            opt(s.exits),
-            opt(base_exits(c.storage, c.fs)),
-            opt(s.interrupts),
-            opt(s.page_faults),
-            opt(s.virtio_requests),
-            opt(s.kernel_copy_bytes),
-            opt(s.doorbells),
-        ]);
+        ];
+        match s {
+            Outcome::Measured(s) => row.extend([
+                format!("{:.0}", s.ns),
+                opt(s.exits),
+                opt(base_exits(c.storage, c.fs)),
+                opt(s.interrupts),
+                opt(s.page_faults),
+                opt(s.virtio_requests),
+                opt(s.kernel_copy_bytes),
+                opt(s.doorbells),
+                cpu_model.clone(),
+                String::new(),
+            ]),
+            Outcome::PeerFailed(why) => {
+                row.resize(17, String::new());
+                row.push(cpu_model);
+                row.push(why.clone());
+            }
+            Outcome::NotMade => continue,
+        }
+        csv.row(row);
+    }
+    // A peer that never started has no runs, and one row that says why.
+    if let (None, Some(why)) = (&qemu, &peer.unavailable) {
+        let mut row = vec![
+            "5.2".to_string(),
+            Storage::QemuWb.name().to_string(),
+            HostFs::Tmpfs.name().to_string(),
+        ];
+        row.resize(18, String::new());
+        row.push(why.clone());
+        csv.row(row);
     }
 
     let pick = |storage: Storage, fs: HostFs, case: Case| -> Vec<&Sample> {
@@ -714,7 +658,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 let c = &configs[*ci];
                 !c.base && c.storage == storage && c.fs == fs && c.case == case
             })
-            .filter_map(|(_, _, s)| s.as_ref())
+            .filter_map(|(_, _, s)| s.measured())
             .collect()
     };
     let time = |storage, fs, case| {
@@ -847,12 +791,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "paper 000 §5.2 (512 MB, host page cache on): virtio/VMMS up to 9.0x reading and 10.6x writing;\n\
          mmap warm 8.4-9.0x (read) / 9.8-10.6x (write); the other cases 2.8-3.8x (read) / 1.4-3.4x (write)."
     );
-    if !qemu_failures.is_empty() {
-        println!("QEMU runs that failed (left out):");
-        for f in &qemu_failures {
-            println!("  {f}");
-        }
-    }
+    peer.print();
 
     // Counts per MB: what each path costs in the currency §6.1 reasons with.
     let mut c = Table::new(&[
@@ -1250,6 +1189,8 @@ fn disturbance(
                 opt(x.virtio_requests),
                 opt(x.kernel_copy_bytes),
                 opt(x.doorbells),
+                String::new(),
+                String::new(),
             ]);
         }
     }
