@@ -131,6 +131,21 @@ impl Harness {
         Ok(p)
     }
 
+    /// Writes `NAME.csv` and the chart `NAME.svg` and says where they went, as an
+    /// experiment's last words.
+    pub fn write_results(
+        &self,
+        name: &str,
+        csv: &report::Csv,
+        title: &str,
+        panels: &[plot::Panel],
+    ) -> Result<(), String> {
+        let p = self.write_csv(&format!("{name}.csv"), csv)?;
+        let s = self.write_chart(&format!("{name}.svg"), title, panels)?;
+        println!("csv: {}\nplot: {}", p.display(), s.display());
+        Ok(())
+    }
+
     pub fn write_chart(
         &self,
         name: &str,
