@@ -227,47 +227,57 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
 
     let m = &sums[0];
+    let first_ms = m.first_run.map(|s| s.median / 1e6);
+    let overhead_mib = m.overhead.map(in_mib);
+    let fig = |what: &str,
+               ours: Option<f64>,
+               unit: &str,
+               reference: String,
+               source: &str,
+               met: fn(f64) -> bool| {
+        Figure {
+            what: what.into(),
+            ours: ours
+                .map(|v| format!("{v:.2} {unit}"))
+                .unwrap_or("n/a".into()),
+            reference,
+            source: source.into(),
+            met: ours.map(met),
+        }
+    };
     let figs = vec![
-        Figure {
-            what: "time to first KVM_RUN (median)".into(),
-            ours: m
-                .first_run
-                .map(|s| format!("{} ms", ms(s.median)))
-                .unwrap_or("n/a".into()),
-            reference: format!("<= {TARGET_FIRST_RUN_MS} ms"),
-            source: "Musubi target".into(),
-            met: m.first_run.map(|s| s.median / 1e6 <= TARGET_FIRST_RUN_MS),
-        },
-        Figure {
-            what: "memory overhead (max)".into(),
-            ours: m
-                .overhead
-                .map(|b| format!("{} MiB", mib(b)))
-                .unwrap_or("n/a".into()),
-            reference: format!("< {TARGET_OVERHEAD_MIB} MiB"),
-            source: "Musubi target".into(),
-            met: m.overhead.map(|b| in_mib(b) < TARGET_OVERHEAD_MIB),
-        },
-        Figure {
-            what: "start-up (ours: wall ms to first KVM_RUN)".into(),
-            ours: m
-                .first_run
-                .map(|s| format!("{} ms", ms(s.median)))
-                .unwrap_or("n/a".into()),
-            reference: format!("<= {FC_STARTUP_CPU_MS} CPU ms to API socket"),
-            source: FC_SOURCE.into(),
-            met: m.first_run.map(|s| s.median / 1e6 <= FC_STARTUP_CPU_MS),
-        },
-        Figure {
-            what: "memory overhead (max)".into(),
-            ours: m
-                .overhead
-                .map(|b| format!("{} MiB", mib(b)))
-                .unwrap_or("n/a".into()),
-            reference: format!("<= {FC_OVERHEAD_MIB} MiB"),
-            source: FC_SOURCE.into(),
-            met: m.overhead.map(|b| in_mib(b) <= FC_OVERHEAD_MIB),
-        },
+        fig(
+            "time to first KVM_RUN (median)",
+            first_ms,
+            "ms",
+            format!("<= {TARGET_FIRST_RUN_MS} ms"),
+            "Musubi target",
+            |v| v <= TARGET_FIRST_RUN_MS,
+        ),
+        fig(
+            "memory overhead (max)",
+            overhead_mib,
+            "MiB",
+            format!("< {TARGET_OVERHEAD_MIB} MiB"),
+            "Musubi target",
+            |v| v < TARGET_OVERHEAD_MIB,
+        ),
+        fig(
+            "start-up (ours: wall ms to first KVM_RUN)",
+            first_ms,
+            "ms",
+            format!("<= {FC_STARTUP_CPU_MS} CPU ms to API socket"),
+            FC_SOURCE,
+            |v| v <= FC_STARTUP_CPU_MS,
+        ),
+        fig(
+            "memory overhead (max)",
+            overhead_mib,
+            "MiB",
+            format!("<= {FC_OVERHEAD_MIB} MiB"),
+            FC_SOURCE,
+            |v| v <= FC_OVERHEAD_MIB,
+        ),
     ];
     println!();
     print!("{}", figures_table(&figs));
