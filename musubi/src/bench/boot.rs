@@ -1,22 +1,23 @@
 //! `musubi bench boot`: how fast a VM starts and how much memory the VMM itself costs,
 //! Musubi beside QEMU on the same probe guest image, measured the same way from outside.
 
+use super::qemu::{self, Outcome, Peer, Qemu, Standing};
 use super::report::{cell, figures_table, median_min, mib, ms, Csv, Figure, Table};
 use super::stats::{max, ratio, Summary};
-use super::watch::{observe, tail, Observed, Watch};
-use super::{find_on_path, plot, BenchArgs, Harness};
-use crate::probe;
+use super::watch::{observe, time_to_marker, Watch};
+use super::{plot, BenchArgs, Harness};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 const GUEST_BYTES: u64 = 128 << 20;
-const HELLO_MARKER: &str = "{\"probe\":\"hello\"";
-const QEMU: &str = "qemu-system-x86_64";
 /// Every few ms: fine enough to catch a VM that lives tens of ms, coarse enough that
 /// reading smaps does not steal a core from the VM on a two-core machine.
 const SAMPLE_EVERY: Duration = Duration::from_millis(3);
 const RUN_TIMEOUT: Duration = Duration::from_secs(60);
+/// Lines of a failed Musubi run's output quoted in the error: Musubi is the subject, so
+/// its failure ends the benchmark and is worth reading in full.
+const MUSUBI_LINES: usize = 10;
 
 /// Musubi's own targets and Firecracker's published figures.
 const TARGET_FIRST_RUN_MS: f64 = 5.0;
@@ -27,21 +28,22 @@ const FC_SOURCE: &str = "Firecracker's published specification";
 
 #[derive(Clone, Debug)]
 enum Hv {
-    Musubi {
-        exe: PathBuf,
-    },
-    Qemu {
-        exe: PathBuf,
-        machine: &'static str,
-        elf: PathBuf,
-    },
+    Musubi { exe: PathBuf },
+    Qemu(Qemu),
 }
 
 impl Hv {
     fn name(&self) -> String {
         match self {
             Hv::Musubi { .. } => "musubi".into(),
-            Hv::Qemu { machine, .. } => format!("qemu ({machine})"),
+            Hv::Qemu(q) => format!("qemu ({})", q.machine),
+        }
+    }
+
+    fn cpu_model(&self) -> &'static str {
+        match self {
+            Hv::Musubi { .. } => "",
+            Hv::Qemu(q) => q.cpu_model(),
         }
     }
 }
@@ -68,40 +70,26 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     let reps = if h.quick { 3 } else { 10 };
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the musubi binary: {e}"))?;
-    let elf =
-        probe::materialize().map_err(|e| format!("cannot write the probe guest's ELF: {e}"))?;
-    let qemu = match args.compare.as_deref() {
-        Some("qemu") => Some(find_on_path(QEMU).ok_or_else(|| {
-            format!(
-                "--compare qemu: {QEMU} is not on PATH (Debian: apt-get install qemu-system-x86)"
-            )
-        })?),
-        Some(other) => {
-            return Err(format!(
-                "--compare {other:?}: the only hypervisor to compare with is `qemu`"
-            ))
-        }
-        None => {
-            let q = find_on_path(QEMU);
-            if q.is_none() {
-                println!("QEMU: skipped, {QEMU} is not on PATH");
-            }
-            q
-        }
-    };
 
     println!(
         "boot: probe guest (probe.tasks=hello), 1 vCPU, 128 MiB; {reps} runs per hypervisor, interleaved"
     );
     let mut configs = vec![Hv::Musubi { exe }];
-    if let Some(q) = qemu {
-        configs.push(pick_qemu_machine(&q, &elf)?);
+    // microvm boots a PVH ELF with `-kernel` and has the least device model, so it is the
+    // fair comparison; `-M pc` is the fallback if this QEMU's microvm cannot boot the probe.
+    // The probe's successful boot is QEMU's warm-up run.
+    let mut peer = Standing::default();
+    match qemu::peer(args, &["microvm", "pc"])? {
+        Peer::Skipped(why) => println!("QEMU: skipped, {why}"),
+        Peer::Ready(q) => configs.push(Hv::Qemu(q)),
+        Peer::Unavailable(why) => peer.unavailable = Some(why),
     }
-    // One discarded run each, so the first measured run does not pay for cold caches.
-    for c in &configs {
-        one_run(c).map_err(|e| format!("{} warm-up run: {e}", c.name()))?;
-    }
-    let runs = h.run_schedule(&configs, reps, Hv::name, |_, c| one_run(c))?;
+    // One discarded run, so the first measured run does not pay for cold caches.
+    one_run(&configs[0]).map_err(|e| format!("{} warm-up run: {e}", configs[0].name()))?;
+    let runs = h.run_schedule(&configs, reps, Hv::name, |rep, c| match c {
+        Hv::Musubi { .. } => one_run(c).map(Outcome::Measured),
+        Hv::Qemu(_) => Ok(peer.run(&format!("{} run {}", c.name(), rep + 1), || one_run(c))),
+    })?;
 
     let mut csv = Csv::new(&[
         "run",
@@ -116,27 +104,55 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "memory_samples",
         "total_exits",
         "exit_status",
+        "cpu_model",
+        "unavailable",
     ]);
-    for (i, (rep, c, s)) in runs.iter().enumerate() {
-        csv.row([
-            (i + 1).to_string(),
-            (rep + 1).to_string(),
-            configs[*c].name(),
-            cell(s.to_first_run_ns.map(|n| ms(n as f64))),
-            cell(s.setup_ns.map(|n| ms(n as f64))),
-            ms(s.to_hello_ns as f64),
-            ms(s.to_exit_ns as f64),
-            cell(s.max_overhead.map(|b| mib(b as f64))),
-            cell(s.max_private_overhead.map(|b| mib(b as f64))),
-            s.mem_samples.to_string(),
-            cell(s.exits),
-            s.status.to_string(),
-        ]);
+    for (i, (rep, c, r)) in runs.iter().enumerate() {
+        let (run, rep, hv) = ((i + 1).to_string(), (rep + 1).to_string(), &configs[*c]);
+        match r {
+            Outcome::Measured(s) => csv.row([
+                run,
+                rep,
+                hv.name(),
+                cell(s.to_first_run_ns.map(|n| ms(n as f64))),
+                cell(s.setup_ns.map(|n| ms(n as f64))),
+                ms(s.to_hello_ns as f64),
+                ms(s.to_exit_ns as f64),
+                cell(s.max_overhead.map(|b| mib(b as f64))),
+                cell(s.max_private_overhead.map(|b| mib(b as f64))),
+                s.mem_samples.to_string(),
+                cell(s.exits),
+                s.status.to_string(),
+                hv.cpu_model().to_string(),
+                String::new(),
+            ]),
+            Outcome::PeerFailed(why) => {
+                csv.row(unavailable_row(run, rep, hv.name(), hv.cpu_model(), why))
+            }
+            Outcome::NotMade => {}
+        }
+    }
+    // A peer that never started has no runs, and one row that says why.
+    if !configs.iter().any(|c| matches!(c, Hv::Qemu(_))) {
+        if let Some(why) = &peer.unavailable {
+            csv.row(unavailable_row(
+                String::new(),
+                String::new(),
+                "qemu".into(),
+                "",
+                why,
+            ));
+        }
     }
     let csv_path = h.write_csv("boot.csv", &csv)?;
 
     let per: Vec<Vec<&Sample>> = (0..configs.len())
-        .map(|c| runs.iter().filter(|r| r.1 == c).map(|r| &r.2).collect())
+        .map(|c| {
+            runs.iter()
+                .filter(|r| r.1 == c)
+                .filter_map(|r| r.2.measured())
+                .collect()
+        })
         .collect();
     let sums: Vec<Sums> = per.iter().map(|s| Sums::of(s)).collect();
 
@@ -160,7 +176,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 .unwrap_or_else(|| "n/a".into()),
         ]);
     }
-    if sums.len() == 2 {
+    if sums.len() == 2 && !per[1].is_empty() {
         let (m, q) = (&sums[0], &sums[1]);
         let r = |a: Option<f64>, b: Option<f64>| {
             a.zip(b)
@@ -185,6 +201,12 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     print!("{}", t.render());
     println!("first KVM_RUN: not observable for QEMU without tracing (n/a). exits: the whole run,");
     println!("  i.e. hello plus the exit-port write; QEMU's are not counted (n/a).");
+    for c in &configs {
+        if let Hv::Qemu(q) = c {
+            println!("{}: ran with {}.", c.name(), q.options());
+        }
+    }
+    peer.print();
     if let (Some(all), Some(setup)) = (sums[0].first_run, sums[0].setup) {
         println!(
             "musubi's first KVM_RUN, median: {} ms in VM setup (run_vm to KVM_RUN), {} ms before it",
@@ -205,47 +227,57 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
 
     let m = &sums[0];
+    let first_ms = m.first_run.map(|s| s.median / 1e6);
+    let overhead_mib = m.overhead.map(in_mib);
+    let fig = |what: &str,
+               ours: Option<f64>,
+               unit: &str,
+               reference: String,
+               source: &str,
+               met: fn(f64) -> bool| {
+        Figure {
+            what: what.into(),
+            ours: ours
+                .map(|v| format!("{v:.2} {unit}"))
+                .unwrap_or("n/a".into()),
+            reference,
+            source: source.into(),
+            met: ours.map(met),
+        }
+    };
     let figs = vec![
-        Figure {
-            what: "time to first KVM_RUN (median)".into(),
-            ours: m
-                .first_run
-                .map(|s| format!("{} ms", ms(s.median)))
-                .unwrap_or("n/a".into()),
-            reference: format!("<= {TARGET_FIRST_RUN_MS} ms"),
-            source: "Musubi target".into(),
-            met: m.first_run.map(|s| s.median / 1e6 <= TARGET_FIRST_RUN_MS),
-        },
-        Figure {
-            what: "memory overhead (max)".into(),
-            ours: m
-                .overhead
-                .map(|b| format!("{} MiB", mib(b)))
-                .unwrap_or("n/a".into()),
-            reference: format!("< {TARGET_OVERHEAD_MIB} MiB"),
-            source: "Musubi target".into(),
-            met: m.overhead.map(|b| in_mib(b) < TARGET_OVERHEAD_MIB),
-        },
-        Figure {
-            what: "start-up (ours: wall ms to first KVM_RUN)".into(),
-            ours: m
-                .first_run
-                .map(|s| format!("{} ms", ms(s.median)))
-                .unwrap_or("n/a".into()),
-            reference: format!("<= {FC_STARTUP_CPU_MS} CPU ms to API socket"),
-            source: FC_SOURCE.into(),
-            met: m.first_run.map(|s| s.median / 1e6 <= FC_STARTUP_CPU_MS),
-        },
-        Figure {
-            what: "memory overhead (max)".into(),
-            ours: m
-                .overhead
-                .map(|b| format!("{} MiB", mib(b)))
-                .unwrap_or("n/a".into()),
-            reference: format!("<= {FC_OVERHEAD_MIB} MiB"),
-            source: FC_SOURCE.into(),
-            met: m.overhead.map(|b| in_mib(b) <= FC_OVERHEAD_MIB),
-        },
+        fig(
+            "time to first KVM_RUN (median)",
+            first_ms,
+            "ms",
+            format!("<= {TARGET_FIRST_RUN_MS} ms"),
+            "Musubi target",
+            |v| v <= TARGET_FIRST_RUN_MS,
+        ),
+        fig(
+            "memory overhead (max)",
+            overhead_mib,
+            "MiB",
+            format!("< {TARGET_OVERHEAD_MIB} MiB"),
+            "Musubi target",
+            |v| v < TARGET_OVERHEAD_MIB,
+        ),
+        fig(
+            "start-up (ours: wall ms to first KVM_RUN)",
+            first_ms,
+            "ms",
+            format!("<= {FC_STARTUP_CPU_MS} CPU ms to API socket"),
+            FC_SOURCE,
+            |v| v <= FC_STARTUP_CPU_MS,
+        ),
+        fig(
+            "memory overhead (max)",
+            overhead_mib,
+            "MiB",
+            format!("<= {FC_OVERHEAD_MIB} MiB"),
+            FC_SOURCE,
+            |v| v <= FC_OVERHEAD_MIB,
+        ),
     ];
     println!();
     print!("{}", figures_table(&figs));
@@ -353,17 +385,27 @@ impl Sums {
     }
 }
 
+/// A CSV row for a peer run that gave no figures: every measurement empty, the reason in
+/// `unavailable`.
+fn unavailable_row(run: String, rep: String, hv: String, cpu: &str, why: &str) -> Vec<String> {
+    let mut row = vec![run, rep, hv];
+    row.resize(12, String::new());
+    row.push(cpu.to_string());
+    row.push(why.to_string());
+    row
+}
+
 fn one_run(hv: &Hv) -> Result<Sample, String> {
     match hv {
         Hv::Musubi { exe } => run_musubi(exe),
-        Hv::Qemu { exe, machine, elf } => run_qemu(exe, machine, elf),
+        Hv::Qemu(q) => run_qemu(q),
     }
 }
 
 fn watch() -> Watch<'static> {
     Watch {
-        marker: HELLO_MARKER,
-        guest_bytes: GUEST_BYTES,
+        marker: qemu::HELLO_MARKER,
+        guest_bytes: Some(GUEST_BYTES),
         timeout: RUN_TIMEOUT,
         sample_every: SAMPLE_EVERY,
     }
@@ -389,7 +431,7 @@ fn run_musubi(exe: &Path) -> Result<Sample, String> {
     ])
     .arg(&report);
     let o = observe(cmd, &watch()).map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
-    let hello = check(&o, 0, "musubi")?;
+    let hello = time_to_marker(&o, 0, MUSUBI_LINES)?;
     let text = std::fs::read_to_string(&report)
         .map_err(|e| format!("musubi wrote no --report file {}: {e}", report.display()))?;
     let r: serde_json::Value = serde_json::from_str(&text)
@@ -413,40 +455,9 @@ fn run_musubi(exe: &Path) -> Result<Sample, String> {
     })
 }
 
-fn qemu_command(exe: &Path, machine: &str, elf: &Path) -> Command {
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        "-M",
-        machine,
-        "-enable-kvm",
-        "-cpu",
-        "host",
-        "-m",
-        "128M",
-        "-smp",
-        "1",
-    ])
-    .args([
-        "-nodefaults",
-        "-no-user-config",
-        "-nographic",
-        "-serial",
-        "stdio",
-    ])
-    .arg("-kernel")
-    .arg(elf)
-    .args(["-append", "probe.tasks=hello"])
-    .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"]);
-    cmd
-}
-
-/// QEMU reports exit-port value N as status (N << 1) | 1; the probe writes 0 after its tasks.
-const QEMU_CLEAN_STATUS: i32 = 1;
-
-fn run_qemu(exe: &Path, machine: &str, elf: &Path) -> Result<Sample, String> {
-    let o = observe(qemu_command(exe, machine, elf), &watch())
-        .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
-    let hello = check(&o, QEMU_CLEAN_STATUS, "qemu")?;
+fn run_qemu(q: &Qemu) -> Result<Sample, String> {
+    let o = observe(q.hello_command(), &watch()).map_err(|e| format!("cannot start QEMU: {e}"))?;
+    let hello = time_to_marker(&o, qemu::CLEAN_STATUS, qemu::STDERR_LINES)?;
     Ok(Sample {
         to_first_run_ns: None,
         setup_ns: None,
@@ -456,65 +467,6 @@ fn run_qemu(exe: &Path, machine: &str, elf: &Path) -> Result<Sample, String> {
         max_private_overhead: o.max_private_overhead,
         mem_samples: o.samples,
         exits: None,
-        status: QEMU_CLEAN_STATUS,
+        status: qemu::CLEAN_STATUS,
     })
-}
-
-/// microvm boots a PVH ELF with `-kernel` and has the least device model, so it is the fair
-/// comparison; `-M pc` is the fallback if this QEMU's microvm cannot boot the probe.
-fn pick_qemu_machine(exe: &Path, elf: &Path) -> Result<Hv, String> {
-    let mut errors = Vec::new();
-    for machine in ["microvm", "pc"] {
-        match run_qemu(exe, machine, elf) {
-            Ok(_) => {
-                if machine != "microvm" {
-                    println!(
-                        "QEMU: -M microvm failed ({}); using -M {machine}",
-                        errors.join("; ")
-                    );
-                }
-                return Ok(Hv::Qemu {
-                    exe: exe.to_path_buf(),
-                    machine,
-                    elf: elf.to_path_buf(),
-                });
-            }
-            Err(e) => errors.push(format!("-M {machine}: {e}")),
-        }
-    }
-    Err(format!(
-        "QEMU cannot boot the probe guest {}: {}",
-        elf.display(),
-        errors.join("; ")
-    ))
-}
-
-/// The time to hello, or why the run does not count.
-fn check(o: &Observed, want_status: i32, who: &str) -> Result<u64, String> {
-    let said = || {
-        format!(
-            "\n--- console (last lines) ---\n{}\n--- stderr (last lines) ---\n{}",
-            tail(&o.stdout, 10),
-            tail(&o.stderr, 10)
-        )
-    };
-    if o.timed_out {
-        return Err(format!(
-            "{who} did not finish within {} s and was killed{}",
-            RUN_TIMEOUT.as_secs(),
-            said()
-        ));
-    }
-    let code = o.status.and_then(|s| s.code());
-    if code != Some(want_status) {
-        return Err(format!(
-            "{who} exited with {:?}, expected status {want_status}{}",
-            o.status,
-            said()
-        ));
-    }
-    let at = o
-        .marker_ns
-        .ok_or_else(|| format!("{who} printed no {HELLO_MARKER}...}} line{}", said()))?;
-    Ok(at.saturating_sub(o.spawn_ns))
 }

@@ -2,6 +2,7 @@
 //! or natively (the `musubi-native` program, built from the same workload code), and
 //! returns the result line with the run's exit accounting.
 
+use crate::bench::watch::tail;
 use crate::probe;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -59,30 +60,43 @@ pub fn in_vm(task: &str, exits: ExitsMode, disk: Option<&Path>) -> Result<Worklo
         exits,
         pmem: Vec::new(),
     };
+    let name = task.split('=').next().unwrap_or(task);
+    probe_in_process(
+        &config,
+        Duration::from_secs(600),
+        &format!("{task} ({exits})"),
+        name,
+    )
+}
+
+/// Boots `config` (the probe guest) in this process and returns the result line named
+/// `result` with the run's exit accounting; `label` names the run in errors.
+pub fn probe_in_process(
+    config: &VmConfig,
+    timeout: Duration,
+    label: &str,
+    result: &str,
+) -> Result<WorkloadRun, String> {
     let opts = vmm::RunOptions {
         capture_serial: true,
-        timeout: Some(Duration::from_secs(600)),
+        timeout: Some(timeout),
         seccomp: vmm::seccomp::SeccompMode::Enforce,
     };
-    let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;
+    let report = vmm::run_vm(config, &opts).map_err(|e| e.to_string())?;
     let console = String::from_utf8_lossy(&report.serial).into_owned();
     if report.outcome != vmm::Outcome::GuestExit(0) {
         return Err(format!(
-            "{task} ({exits}): the guest ended with {:?}; console:\n{}",
+            "{label}: the guest ended with {:?}; console:\n{}",
             report.outcome,
-            tail(&console)
+            tail(&console, 15)
         ));
     }
-    let name = task.split('=').next().unwrap_or(task);
     let results = probe::results(&report.serial);
-    let result = probe::result(&results, name).cloned().ok_or_else(|| {
-        format!(
-            "{task} ({exits}): no result line; console:\n{}",
-            tail(&console)
-        )
-    })?;
+    let line = probe::result(&results, result)
+        .cloned()
+        .ok_or_else(|| format!("{label}: no result line; console:\n{}", tail(&console, 15)))?;
     Ok(WorkloadRun {
-        result,
+        result: line,
         metrics: report.metrics,
     })
 }
@@ -129,9 +143,4 @@ pub fn native(task: &str, disk: Option<&Path>) -> Result<WorkloadRun, String> {
         result,
         metrics: Value::Null,
     })
-}
-
-fn tail(s: &str) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(15)..].join("\n")
 }

@@ -11,6 +11,7 @@ mod dsm_table;
 mod guest_run;
 mod mint;
 pub mod plot;
+mod qemu;
 pub mod report;
 mod seq;
 pub mod stats;
@@ -32,9 +33,15 @@ pub struct BenchArgs {
     /// Directory for the CSV and plot files.
     #[arg(long, value_name = "DIR", default_value = "bench-out")]
     pub out: PathBuf,
-    /// Also run the same guest under another hypervisor in the same run.
+    /// Also run the same guest under another hypervisor in the same run (boot and vmms
+    /// compare with QEMU whenever it is installed; this makes a missing QEMU reported as
+    /// unavailable). Musubi's own figures are measured and written whatever the peer does.
     #[arg(long, value_name = "qemu")]
     pub compare: Option<String>,
+    /// The QEMU executable to compare with, instead of qemu-system-x86_64 on PATH; implies
+    /// --compare qemu.
+    #[arg(long, value_name = "PATH")]
+    pub qemu: Option<PathBuf>,
     /// Bytes each storage run moves (vmms; the paper used 512M), e.g. 4M, 64M, 512M.
     #[arg(long, value_name = "SIZE")]
     pub extent: Option<String>,
@@ -124,6 +131,21 @@ impl Harness {
         Ok(p)
     }
 
+    /// Writes `NAME.csv` and the chart `NAME.svg` and says where they went, as an
+    /// experiment's last words.
+    pub fn write_results(
+        &self,
+        name: &str,
+        csv: &report::Csv,
+        title: &str,
+        panels: &[plot::Panel],
+    ) -> Result<(), String> {
+        let p = self.write_csv(&format!("{name}.csv"), csv)?;
+        let s = self.write_chart(&format!("{name}.svg"), title, panels)?;
+        println!("csv: {}\nplot: {}", p.display(), s.display());
+        Ok(())
+    }
+
     pub fn write_chart(
         &self,
         name: &str,
@@ -148,15 +170,16 @@ fn progress(len: u64) -> ProgressBar {
 
 /// The first executable named `name` on `PATH`.
 pub fn find_on_path(name: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|d| d.join(name))
-        .find(|p| {
-            std::fs::metadata(p)
-                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-                .unwrap_or(false)
-        })
+        .find(|p| is_executable(p))
+}
+
+/// Whether `p` is a file with an execute bit, as a program named on `PATH` must be.
+pub fn is_executable(p: &std::path::Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 #[cfg(test)]

@@ -6,17 +6,9 @@ use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-/// CLOCK_MONOTONIC in nanoseconds: the clock the VMM stamps its first KVM_RUN with, so the
-/// two processes' times can be subtracted.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec for the call to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+/// The clock the VMM stamps its first KVM_RUN with, so the two processes' times can be
+/// subtracted.
+use vmm::monotonic_ns;
 
 /// Resident memory of a process split into its guest RAM and everything else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -105,7 +97,9 @@ fn mapping_header(line: &str) -> Option<(u64, bool)> {
 pub struct Watch<'a> {
     /// The console line (after leading whitespace) that marks the milestone.
     pub marker: &'a str,
-    pub guest_bytes: u64,
+    /// The guest's RAM size, to tell its mapping from the VMM's own memory; `None` leaves
+    /// memory unsampled, for runs whose timing a sampler on the same cores would disturb.
+    pub guest_bytes: Option<u64>,
     pub timeout: Duration,
     pub sample_every: Duration,
 }
@@ -116,6 +110,7 @@ pub struct Observed {
     pub spawn_ns: u64,
     pub marker_ns: Option<u64>,
     pub end_ns: u64,
+    /// `None` when the run was killed at its timeout.
     pub status: Option<ExitStatus>,
     pub timed_out: bool,
     pub stdout: String,
@@ -128,15 +123,16 @@ pub struct Observed {
     pub max_private_overhead: Option<u64>,
 }
 
+/// How long the console readers may take to finish once the child's process group is
+/// gone; only a process that left the group (a daemon) can still hold the pipes then.
+const DRAIN_LIMIT: Duration = Duration::from_secs(5);
+
 /// Spawns `cmd` with its console on a pipe, stamps the marker line, samples memory until it
 /// ends, and kills it at the timeout.
 pub fn observe(mut cmd: Command, w: &Watch) -> std::io::Result<Observed> {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
     let spawn_ns = monotonic_ns();
     let started = Instant::now();
-    let mut child = cmd.spawn()?;
+    let mut child = spawn_in_own_group(&mut cmd)?;
     let out = child.stdout.take().expect("stdout is piped");
     let err = child.stderr.take().expect("stderr is piped");
     let marker = w.marker.to_string();
@@ -160,25 +156,98 @@ pub fn observe(mut cmd: Command, w: &Watch) -> std::io::Result<Observed> {
         max_private_overhead: None,
     };
     let smaps = format!("/proc/{}/smaps", child.id());
-    loop {
-        sample(&smaps, w.guest_bytes, &mut o);
-        if let Some(s) = child.try_wait()? {
-            o.status = Some(s);
-            break;
+    let ended = loop {
+        if let Some(guest_bytes) = w.guest_bytes {
+            sample(&smaps, guest_bytes, &mut o);
+        }
+        match has_ended(&child) {
+            Ok(true) => break Ok(()),
+            Ok(false) => {}
+            Err(e) => break Err(e),
         }
         if started.elapsed() > w.timeout {
             o.timed_out = true;
-            kill(&mut child);
-            break;
+            break Ok(());
         }
         std::thread::sleep(w.sample_every);
-    }
+    };
     o.end_ns = monotonic_ns();
-    let (stdout, marker_ns) = reader.join().unwrap_or_default();
+    // Whether it ended or ran out of time, nothing it started outlives the run.
+    kill_group(&child);
+    let status = child.wait();
+    ended?;
+    if !o.timed_out {
+        o.status = Some(status?);
+    }
+    let deadline = Instant::now() + DRAIN_LIMIT;
+    let (stdout, marker_ns) = join_by(reader, deadline).unwrap_or_default();
     o.stdout = stdout;
     o.marker_ns = marker_ns;
-    o.stderr = err_reader.join().unwrap_or_default();
+    o.stderr = join_by(err_reader, deadline).unwrap_or_default();
     Ok(o)
+}
+
+/// Starts `cmd` with stdin closed and its output on pipes, in a process group of its own,
+/// so that killing the group ends whatever it started (a wrapper script's children too),
+/// and with SIGTERM as its parent-death signal, so that a benchmark stopped by Ctrl-C or a
+/// test's time limit leaves no VM running (the terminal's SIGINT no longer reaches it).
+fn spawn_in_own_group(cmd: &mut Command) -> std::io::Result<Child> {
+    use std::os::unix::process::CommandExt;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // SAFETY: the closure calls only prctl, which is async-signal-safe, and allocates
+    // nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+/// Whether the child has ended, without reaping it: until it is reaped its pid, which is
+/// also its process group's id, cannot be reused, so [`kill_group`] cannot hit a stranger.
+fn has_ended(child: &Child) -> std::io::Result<bool> {
+    // SAFETY: an all-zero siginfo_t is valid for waitid to fill.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid on our own child with a valid out-parameter.
+    let r = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            child.id() as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: waitid filled `info`; si_pid is 0 when the child has not ended.
+    Ok(unsafe { info.si_pid() } != 0)
+}
+
+/// SIGKILLs the child's process group; called before the child is reaped.
+fn kill_group(child: &Child) {
+    // SAFETY: kill(2) has no memory-safety preconditions; the group is the one the
+    // unreaped child leads.
+    unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
+}
+
+/// The thread's result if it finishes by `deadline`; otherwise the thread is left to end
+/// on its own and `None` is returned, so a pipe held open elsewhere cannot hang the caller.
+fn join_by<T>(t: std::thread::JoinHandle<T>, deadline: Instant) -> Option<T> {
+    while !t.is_finished() {
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    t.join().ok()
 }
 
 fn sample(smaps: &str, guest_bytes: u64, o: &mut Observed) {
@@ -200,11 +269,6 @@ fn sample(smaps: &str, guest_bytes: u64, o: &mut Observed) {
             .unwrap_or(0)
             .max(rss.private_overhead()),
     );
-}
-
-fn kill(child: &mut Child) {
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 /// Reads the console to its end and returns it with the time the marker line arrived.
@@ -229,6 +293,52 @@ fn read_console(out: impl Read, marker: &str) -> (String, Option<u64>) {
         all.extend_from_slice(&line);
     }
     (String::from_utf8_lossy(&all).into_owned(), at)
+}
+
+/// The time from spawn to the marker line of a run that ended with status `want`, or why
+/// the run does not count, on one line: how it ended and the last `lines` lines of its
+/// stderr (else of its console).
+pub fn time_to_marker(o: &Observed, want: i32, lines: usize) -> Result<u64, String> {
+    use std::os::unix::process::ExitStatusExt;
+    let ended = match (o.timed_out, o.status) {
+        (true, _) => format!(
+            "still running after {:.0} s, killed",
+            o.end_ns.saturating_sub(o.spawn_ns) as f64 / 1e9
+        ),
+        (false, Some(s)) if s.code() == Some(want) => match o.marker_ns {
+            Some(at) => return Ok(at.saturating_sub(o.spawn_ns)),
+            None => format!("exited with status {want} but without the marker line"),
+        },
+        (false, Some(s)) => match (s.code(), s.signal()) {
+            (Some(c), _) => format!("exited with status {c}, not {want}"),
+            (None, Some(sig)) => format!("killed by signal {sig}"),
+            (None, None) => format!("ended with {s}"),
+        },
+        (false, None) => "ended without a status".into(),
+    };
+    Err(format!("{ended}; {}", last_words(o, lines)))
+}
+
+/// The last `n` lines of a run's stderr, else of its console, on one line.
+pub fn last_words(o: &Observed, n: usize) -> String {
+    let (what, text) = if o.stderr.trim().is_empty() {
+        ("console", &o.stdout)
+    } else {
+        ("stderr", &o.stderr)
+    };
+    let said: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    if said.is_empty() {
+        format!("{what}: (nothing)")
+    } else {
+        format!(
+            "{what}: {}",
+            said[said.len().saturating_sub(n)..].join(" | ")
+        )
+    }
 }
 
 /// The last `n` lines of `s`, for error messages that show what a failed child said.
@@ -301,7 +411,7 @@ VmFlags: rd wr mr mw me ac
             cmd,
             &Watch {
                 marker: "{\"probe\":\"hello\"",
-                guest_bytes: 1 << 40,
+                guest_bytes: Some(1 << 40),
                 timeout: Duration::from_secs(20),
                 sample_every: Duration::from_millis(2),
             },
@@ -324,7 +434,7 @@ VmFlags: rd wr mr mw me ac
             cmd,
             &Watch {
                 marker: "x",
-                guest_bytes: 1,
+                guest_bytes: Some(1),
                 timeout: Duration::from_millis(100),
                 sample_every: Duration::from_millis(5),
             },
@@ -333,6 +443,39 @@ VmFlags: rd wr mr mw me ac
         assert!(o.timed_out);
         assert!(o.marker_ns.is_none());
         assert!(o.end_ns - o.spawn_ns < 10_000_000_000);
+    }
+
+    #[test]
+    fn what_a_timed_out_child_started_dies_with_it() {
+        let mut cmd = Command::new("sh");
+        // The background sleep holds the console pipe: unless it is killed too, the
+        // console never ends.
+        cmd.args(["-c", "sleep 30 & echo $!; wait"]);
+        let o = observe(
+            cmd,
+            &Watch {
+                marker: "x",
+                guest_bytes: None,
+                timeout: Duration::from_millis(300),
+                sample_every: Duration::from_millis(5),
+            },
+        )
+        .unwrap();
+        assert!(o.timed_out);
+        assert!(o.status.is_none());
+        assert_eq!(o.samples, 0, "memory was not to be sampled");
+        let pid: u32 = o
+            .stdout
+            .trim()
+            .parse()
+            .expect("the shell printed its child's pid");
+        // Dead: gone, or a zombie waiting for its new parent to reap it.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+        assert!(
+            stat.is_empty() || state.starts_with('Z') || !stat.contains("(sleep)"),
+            "the shell's sleep {pid} still runs: {stat}"
+        );
     }
 
     #[test]

@@ -172,17 +172,25 @@ pub fn linux_kernel(name: &str) -> PathBuf {
 /// Runs `musubi bench EXPERIMENT --quick` into a fresh output directory within `limit`
 /// and fails the test unless it exits 0.
 pub fn quick_bench(experiment: &str, limit: Duration) -> (Run, tempfile::TempDir) {
+    quick_bench_with(experiment, &[], limit)
+}
+
+/// [`quick_bench`] with more arguments, e.g. `--qemu PATH`.
+pub fn quick_bench_with(
+    experiment: &str,
+    extra: &[&str],
+    limit: Duration,
+) -> (Run, tempfile::TempDir) {
     let out = tempfile::tempdir().unwrap();
-    let r = run_with_limit(
-        &[
-            "bench",
-            experiment,
-            "--quick",
-            "--out",
-            out.path().to_str().unwrap(),
-        ],
-        limit,
-    );
+    let mut args = vec![
+        "bench",
+        experiment,
+        "--quick",
+        "--out",
+        out.path().to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let r = run_with_limit(&args, limit);
     assert_eq!(r.code, Some(0), "{}", r.explain());
     (r, out)
 }
@@ -199,15 +207,8 @@ impl CsvFile {
         let text =
             std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let mut lines = text.lines();
-        let header = lines
-            .next()
-            .expect("a header")
-            .split(',')
-            .map(String::from)
-            .collect();
-        let rows = lines
-            .map(|l| l.split(',').map(String::from).collect())
-            .collect();
+        let header = split_csv_line(lines.next().expect("a header"));
+        let rows = lines.map(split_csv_line).collect();
         CsvFile { text, header, rows }
     }
 
@@ -217,4 +218,35 @@ impl CsvFile {
             .position(|h| h == name)
             .unwrap_or_else(|| panic!("no {name} column in {:?}", self.header))
     }
+}
+
+/// The cells of one CSV line; a quoted cell may hold commas and doubled quotes (the
+/// benchmarks quote QEMU's CPU models and error text).
+fn split_csv_line(line: &str) -> Vec<String> {
+    let mut cells = vec![String::new()];
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        let cell = cells.last_mut().expect("one cell at least");
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                chars.next();
+                cell.push('"');
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => cells.push(String::new()),
+            _ => cell.push(c),
+        }
+    }
+    cells
+}
+
+/// A stand-in for QEMU, named like it, in `dir`: a shell script with `body`, for tests of
+/// what a benchmark does when its peer fails (`--qemu` points at it).
+pub fn fake_qemu(dir: &Path, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join("qemu-system-x86_64");
+    std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
 }
