@@ -6,8 +6,8 @@ use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-/// The clock the VMM stamps its first KVM_RUN with, so the two processes' times can be
-/// subtracted.
+// The clock the VMM stamps its first KVM_RUN with, so the two processes' times can be
+// subtracted.
 use vmm::monotonic_ns;
 
 /// Resident memory of a process split into its guest RAM and everything else.
