@@ -279,10 +279,11 @@ impl Worker {
                         }
                     }
                     Action::Resume { vcpu, page } => {
-                        self.backend.resume(page).map_err(|e| self.mem_err(e))?;
+                        // Counted before the wake, so whoever sees the thread go on sees it.
                         if let Some(t0) = self.waiting.remove(&vcpu) {
                             self.stats().faults.record_resolved(t0.elapsed());
                         }
+                        self.backend.resume(page).map_err(|e| self.mem_err(e))?;
                     }
                 }
             }

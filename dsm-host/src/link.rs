@@ -318,9 +318,11 @@ impl Link {
             Role::Dialer => (d2l, l2d),
             Role::Listener => (l2d, d2l),
         };
-        // Frames after the handshake block as long as needed; stopping shuts the socket down.
+        // Frames after the handshake block as long as needed (a peer may be paused); stopping
+        // shuts the socket down.
         stream
             .set_read_timeout(None)
+            .and_then(|()| stream.set_write_timeout(None))
             .map_err(io(&peer, "clearing the handshake timeout"))?;
         let read_half = stream
             .try_clone()
@@ -385,8 +387,17 @@ impl LinkWriter {
 }
 
 impl LinkReader {
-    /// Reads the next frame. Any error ends the link: the stream cannot be trusted after it.
+    /// Reads the next frame. Any error ends the link (the socket is shut down both ways):
+    /// after a bad frame nothing further on the stream can be trusted.
     pub fn recv(&mut self) -> Result<Envelope, LinkError> {
+        let r = self.read_frame();
+        if r.is_err() {
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
+        r
+    }
+
+    fn read_frame(&mut self) -> Result<Envelope, LinkError> {
         let seq = self.seq;
         let mut len_le = [0u8; 4];
         read_exact(

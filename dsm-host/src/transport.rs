@@ -144,7 +144,9 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     /// Connects to every peer (blocking until all are linked or one fails) and starts one
-    /// receiver thread per peer feeding `inbox`.
+    /// receiver thread per peer feeding `inbox`. A connection that fails the handshake ends
+    /// this with its error: the nodes of a VM start together from one configuration, so a
+    /// stranger or a mismatched node is a set-up fault to report, not to wait out.
     pub fn establish(
         cfg: &TcpConfig,
         listener: &TcpListener,

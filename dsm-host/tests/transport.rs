@@ -9,7 +9,7 @@ use dsm_host::{
     config_hash, Envelope, Inbound, Inbox, Link, LinkError, LinkParams, Role, TcpConfig,
     TcpTransport,
 };
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -132,7 +132,16 @@ fn inject(bytes: &[u8], hang_up: bool) -> LinkError {
     if hang_up {
         raw.shutdown(Shutdown::Write).unwrap();
     }
-    l.reader.recv().expect_err("the receiver refuses the bytes")
+    let e = l.reader.recv().expect_err("the receiver refuses the bytes");
+    // The receiver has ended the connection: the sender sees it closed.
+    raw.set_read_timeout(Some(WAIT)).unwrap();
+    let mut buf = [0u8; 64];
+    match raw.read(&mut buf) {
+        Ok(0) => {}
+        Err(x) if x.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("connection still open after {e}: {other:?}"),
+    }
+    e
 }
 
 fn frame(body: &[u8], tag: [u8; 32]) -> Vec<u8> {
