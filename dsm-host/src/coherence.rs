@@ -180,18 +180,10 @@ impl Worker {
             },
         ];
         loop {
-            // SAFETY: two valid pollfds on the stack for the duration of the call.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-            if r < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(CoherenceError::Poll {
-                    node: self.me,
-                    source: e,
-                });
-            }
+            crate::memory::poll(&mut fds, -1).map_err(|source| CoherenceError::Poll {
+                node: self.me,
+                source,
+            })?;
             while let Some(f) = mem.read_fault().map_err(|e| self.mem_err(e))? {
                 self.stats().faults.record_fault(&f);
                 let id = self.next_id;

@@ -11,8 +11,9 @@ use userfaultfd::{FaultKind as UffdKind, FeatureFlags, RegisterMode, Uffd, UffdB
 #[derive(Debug, Error)]
 pub enum MemoryError {
     #[error(
-        "userfaultfd is unavailable ({source}): kernel-mode faults need root or CAP_SYS_PTRACE, \
-         or vm.unprivileged_userfaultfd=1, and write-protect faults need Linux 5.7 or later"
+        "userfaultfd is unavailable ({source}): kernel-mode faults need root, CAP_SYS_PTRACE, \
+         read-write access to /dev/userfaultfd or vm.unprivileged_userfaultfd=1, and \
+         write-protect faults need Linux 5.7 or later"
     )]
     Unavailable { source: userfaultfd::Error },
     #[error("region of {len} bytes at guest-physical {gpa:#x}: {why}")]
@@ -301,7 +302,12 @@ impl Memory {
     /// Waits up to `timeout` (forever if `None`) for one fault. `Ok(None)` means none came.
     pub fn next_fault(&self, timeout: Option<Duration>) -> Result<Option<Fault>, MemoryError> {
         let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
-        if !poll_readable(self.uffd.as_raw_fd(), ms).map_err(MemoryError::Poll)? {
+        let mut fd = [libc::pollfd {
+            fd: self.uffd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        if poll(&mut fd, ms).map_err(MemoryError::Poll)? == 0 {
             return Ok(None);
         }
         self.read_fault()
@@ -359,18 +365,14 @@ impl Drop for Memory {
     }
 }
 
-/// `poll` for readability; false on timeout.
-pub(crate) fn poll_readable(fd: RawFd, timeout_ms: i32) -> std::io::Result<bool> {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
+/// `poll(2)` on `fds`, retried when a signal interrupts it; the number of ready descriptors
+/// (0 on timeout, `-1` waits forever).
+pub(crate) fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> std::io::Result<usize> {
     loop {
-        // SAFETY: one valid pollfd on the stack for the duration of the call.
-        let r = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+        // SAFETY: `fds` is a valid, exclusively borrowed slice of pollfds for the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
         if r >= 0 {
-            return Ok(r > 0);
+            return Ok(r as usize);
         }
         let e = std::io::Error::last_os_error();
         if e.kind() != std::io::ErrorKind::Interrupted {
