@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::TcpListener;
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 /// A transport for a VM of one node: there is nobody to send to.
@@ -32,6 +32,7 @@ fn start(
     protocol: Protocol,
     t: Box<dyn Transport>,
     inbox: (dsm_host::InboxSender, Inbox),
+    control: mpsc::Sender<(NodeId, Envelope)>,
 ) -> CoherenceHandle {
     CoherenceHandle::spawn(Setup {
         memory: Arc::clone(mem),
@@ -43,7 +44,7 @@ fn start(
         },
         transport: t,
         inbox,
-        control: None,
+        control: Some(control),
         range_bytes: 2 * PAGE_SIZE as u64,
     })
     .expect("starting the coherence thread")
@@ -59,6 +60,7 @@ fn a_kernel_side_copy_into_an_absent_page_is_served_by_the_coherence_thread() {
         Protocol::Vmp,
         Box::new(Alone),
         Inbox::new().unwrap(),
+        mpsc::channel().0,
     );
 
     let mut file = tempfile::tempfile().unwrap();
@@ -103,7 +105,16 @@ fn a_kernel_side_copy_into_an_absent_page_is_served_by_the_coherence_thread() {
 }
 
 /// Two nodes of one VM in this process, linked over loopback.
-fn pair(protocol: Protocol) -> (Arc<Memory>, CoherenceHandle, Arc<Memory>, CoherenceHandle) {
+struct Pair {
+    ma: Arc<Memory>,
+    a: CoherenceHandle,
+    mb: Arc<Memory>,
+    b: CoherenceHandle,
+    /// Control messages node 1 received.
+    b_control: mpsc::Receiver<(NodeId, Envelope)>,
+}
+
+fn pair(protocol: Protocol) -> Pair {
     let la = TcpListener::bind("127.0.0.1:0").unwrap();
     let lb = TcpListener::bind("127.0.0.1:0").unwrap();
     let addrs = [la.local_addr().unwrap(), lb.local_addr().unwrap()];
@@ -124,9 +135,16 @@ fn pair(protocol: Protocol) -> (Arc<Memory>, CoherenceHandle, Arc<Memory>, Coher
     let tb = TcpTransport::establish(&cfg(1), &lb, sb).expect("node 1 links to node 0");
     let ta = ta.join().unwrap().expect("node 0 links to node 1");
     let (ma, mb) = (region(0, 4), region(0, 4));
-    let a = start(&ma, 0, 2, protocol, Box::new(ta), ia);
-    let b = start(&mb, 1, 2, protocol, Box::new(tb), ib);
-    (ma, a, mb, b)
+    let (b_tx, b_control) = mpsc::channel();
+    let a = start(&ma, 0, 2, protocol, Box::new(ta), ia, mpsc::channel().0);
+    let b = start(&mb, 1, 2, protocol, Box::new(tb), ib, b_tx);
+    Pair {
+        ma,
+        a,
+        mb,
+        b,
+        b_control,
+    }
 }
 
 /// Waits (bounded) until every message either node sent has been received by the other.
@@ -150,7 +168,7 @@ fn counts(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
 }
 
 fn single_writer_round_trip(protocol: Protocol) -> (NodeStats, NodeStats) {
-    let (ma, a, mb, b) = pair(protocol);
+    let Pair { ma, a, mb, b, .. } = pair(protocol);
     // Page 1 is managed and first held by node 1 (B).
     let data = pattern(3);
     toucher(&ma, 1).fill(data.clone()).wait();
@@ -200,4 +218,85 @@ fn a_page_written_on_one_node_is_read_on_the_other_and_back_under_ivy() {
     assert!(sa.total_sent() > 0 && sb.total_sent() > 0);
     assert_eq!((sa.faults.missing, sa.faults.write_protect), (2, 0));
     assert_eq!((sb.faults.missing, sb.faults.write_protect), (1, 1));
+}
+
+#[test]
+fn control_messages_reach_the_peer_in_order_with_the_protocol_traffic() {
+    let p = pair(Protocol::Vmp);
+    for seq in 0..3 {
+        assert!(p.a.send(NodeId(1), Envelope::Heartbeat { seq }));
+    }
+    assert!(p.a.send(NodeId(1), Envelope::Stop { code: 4 }));
+    for seq in 0..3 {
+        let got = p.b_control.recv_timeout(WAIT).expect("heartbeat arrives");
+        assert_eq!(got, (NodeId(0), Envelope::Heartbeat { seq }));
+    }
+    let got = p.b_control.recv_timeout(WAIT).expect("stop arrives");
+    assert_eq!(got, (NodeId(0), Envelope::Stop { code: 4 }));
+    p.a.stop();
+    p.b.stop();
+    let sa = p.a.join().unwrap();
+    let sb = p.b.join().unwrap();
+    assert_eq!(sb.control_received, 4);
+    assert_eq!(sa.sent, counts(&[("heartbeat", 3), ("stop", 1)]));
+}
+
+/// Threads on both nodes increment their own counters, all in the same two pages, so the
+/// pages move back and forth for every few increments. A write made on a stale copy, or a
+/// thread let go without access, would lose an increment or hang.
+fn contended_counters(protocol: Protocol) {
+    const ROUNDS: u64 = 150;
+    const THREADS: usize = 2;
+    let p = pair(protocol);
+    let mut running = Vec::new();
+    for (mem, node) in [(&p.ma, 0usize), (&p.mb, 1)] {
+        for t in 0..THREADS {
+            // Pages 0 and 1: one managed by each node; slots spread over both.
+            let slot = node * THREADS + t;
+            let addr = mem.page_addr((slot % 2) as u64).unwrap() as usize + 8 * slot;
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                for _ in 0..ROUNDS {
+                    // SAFETY: an aligned u64 inside a live region; only this thread writes it.
+                    unsafe {
+                        let v = std::ptr::read_volatile(addr as *const u64);
+                        std::ptr::write_volatile(addr as *mut u64, v + 1);
+                    }
+                    // Lets the other node's thread take the page between rounds.
+                    std::thread::yield_now();
+                }
+                let _ = tx.send(());
+            });
+            running.push(rx);
+        }
+    }
+    for rx in running {
+        rx.recv_timeout(WAIT * 3)
+            .expect("every thread finishes its rounds");
+    }
+    for mem in [&p.ma, &p.mb] {
+        for page in 0..2u64 {
+            let bytes = toucher(mem, page).read().wait();
+            for slot in (0..2 * THREADS).filter(|s| s % 2 == page as usize) {
+                let v = u64::from_le_bytes(bytes[8 * slot..8 * slot + 8].try_into().unwrap());
+                assert_eq!(v, ROUNDS, "slot {slot} on page {page}");
+            }
+        }
+    }
+    let (sa, sb) = settle(&p.a, &p.b);
+    p.a.stop();
+    p.b.stop();
+    p.a.join().expect("node 0 ends cleanly");
+    p.b.join().expect("node 1 ends cleanly");
+    assert_eq!(sa.protocol_errors + sb.protocol_errors, 0, "{sa:?} {sb:?}");
+}
+
+#[test]
+fn contended_pages_keep_every_write_under_vmp() {
+    contended_counters(Protocol::Vmp);
+}
+
+#[test]
+fn contended_pages_keep_every_write_under_ivy() {
+    contended_counters(Protocol::Ivy);
 }
