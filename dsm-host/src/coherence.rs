@@ -185,6 +185,8 @@ impl Worker {
                 source,
             })?;
             while let Some(f) = mem.read_fault().map_err(|e| self.mem_err(e))? {
+                tracing::trace!(node = %self.me, page = f.page, addr = f.addr, thread = f.thread,
+                    kind = ?f.kind, access = %f.access, "fault");
                 self.stats().faults.record_fault(&f);
                 let id = self.next_id;
                 self.next_id = self.next_id.wrapping_add(1);
