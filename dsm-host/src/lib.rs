@@ -1,0 +1,26 @@
+//! Host back-end for one VM spread over several hosts: guest RAM under userfaultfd, kept
+//! coherent by the `dsm` protocols, with peers reached over authenticated TCP.
+//!
+//! The protocol stays pure in `dsm`; this crate is the host side of its interface. Each node
+//! runs one coherence thread ([`coherence`]) that waits on the userfaultfd of its memory
+//! ([`memory`]) and on the messages its peers send ([`transport`], [`link`]), feeds them to
+//! its `dsm::Node`, and carries out the node's actions ([`backend`]). Nothing here uses KVM, so
+//! it runs and is tested on plain anonymous memory; the VMM puts guest RAM on a [`Memory`].
+
+pub mod backend;
+pub mod coherence;
+pub mod envelope;
+pub mod link;
+pub mod memory;
+pub mod stats;
+pub mod transport;
+
+pub use backend::Backend;
+pub use coherence::{CoherenceError, CoherenceHandle, Setup};
+pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace};
+pub use link::{config_hash, Link, LinkError, LinkParams, Role};
+pub use memory::{Fault, FaultKind, Memory, MemoryError};
+pub use stats::{FaultStats, NodeStats};
+pub use transport::{
+    Inbound, Inbox, InboxSender, TcpConfig, TcpTransport, Transport, TransportError,
+};

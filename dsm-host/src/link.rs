@@ -1,0 +1,460 @@
+//! One authenticated stream between two nodes: the handshake (shared-secret challenge and
+//! response, VM configuration check) and the MAC-protected, length-prefixed frames after it.
+//!
+//! Handshake, both sides at once: each sends `hello` (magic, version, node id, 32-byte
+//! nonce, hash of its resolved VM configuration), reads the peer's, then sends
+//! `proof = HMAC(secret, "proof" ‖ role ‖ own hello ‖ peer hello)` and checks the peer's. The
+//! nonces make every proof fresh and the role stops a proof being reflected back. Only then
+//! are the configuration hashes compared, so a mismatch is reported by an authenticated peer.
+//!
+//! Frame: `len: u32 LE` then `len` bytes: an [`Envelope`] and a 32-byte
+//! `HMAC(key, seq ‖ len ‖ envelope)`, where `seq` counts the frames of that direction and
+//! the key of each direction is derived from the secret and both nonces.
+
+use crate::envelope::{Envelope, EnvelopeError};
+use dsm::NodeId;
+use hmac::{Hmac, Mac};
+use sha2::{Digest, Sha256};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::time::Duration;
+use thiserror::Error;
+
+type HmacSha256 = Hmac<Sha256>;
+
+const MAGIC: &[u8; 8] = b"MUSUBIDS";
+/// Bumped on any change of the handshake or frame layout.
+pub const LINK_VERSION: u8 = 1;
+const HELLO_LEN: usize = 8 + 1 + 2 + 32 + 32;
+const MAC_LEN: usize = 32;
+/// Largest frame body accepted: a page message is about 4.1 KiB.
+pub const MAX_FRAME: usize = 16 * 1024;
+
+#[derive(Debug, Error)]
+pub enum LinkError {
+    #[error("{what} with peer {peer}: {source}")]
+    Io {
+        peer: String,
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("peer {peer} does not speak the musubi node handshake (first bytes {got:02x?})")]
+    NotANode { peer: String, got: Vec<u8> },
+    #[error(
+        "peer {peer} speaks node link version {got}, this build speaks version {LINK_VERSION}"
+    )]
+    Version { peer: String, got: u8 },
+    #[error("peer {peer} says it is node {claimed}, expected {expected}")]
+    WrongNode {
+        peer: String,
+        claimed: NodeId,
+        expected: String,
+    },
+    #[error(
+        "peer {peer} (claims node {node}) failed authentication: its shared secret differs from \
+         this node's"
+    )]
+    Auth { peer: String, node: NodeId },
+    #[error(
+        "peer {peer} (node {node}) runs a different VM configuration (hash {theirs} there, \
+         {ours} here): start every node with the same configuration"
+    )]
+    ConfigMismatch {
+        peer: String,
+        node: NodeId,
+        ours: String,
+        theirs: String,
+    },
+    #[error("frame from {peer} announces {len} bytes, accepted {min}..={max}")]
+    FrameLength {
+        peer: String,
+        len: usize,
+        min: usize,
+        max: usize,
+    },
+    #[error("frame {seq} from {peer} ends after {got} of {len} bytes")]
+    Truncated {
+        peer: String,
+        seq: u64,
+        got: usize,
+        len: usize,
+    },
+    #[error("frame {seq} from {peer} fails its MAC: forged, corrupted or out of order")]
+    BadMac { peer: String, seq: u64 },
+    #[error("frame {seq} from {peer} is malformed: {source}")]
+    Malformed {
+        peer: String,
+        seq: u64,
+        source: EnvelopeError,
+    },
+    #[error("peer {peer} closed the connection")]
+    Closed { peer: String },
+}
+
+/// Which end opened the connection; part of what each proof covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Dialer,
+    Listener,
+}
+
+impl Role {
+    fn byte(self) -> u8 {
+        match self {
+            Role::Dialer => 0,
+            Role::Listener => 1,
+        }
+    }
+}
+
+/// What a node proves and checks when it meets a peer.
+#[derive(Clone)]
+pub struct LinkParams {
+    pub me: NodeId,
+    pub secret: Vec<u8>,
+    /// Hash of this node's resolved VM configuration ([`config_hash`]).
+    pub config_hash: [u8; 32],
+    /// Bound on each read and write of the handshake.
+    pub timeout: Duration,
+}
+
+impl std::fmt::Debug for LinkParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkParams")
+            .field("me", &self.me)
+            .field("secret", &"<redacted>")
+            .field("config_hash", &hex(&self.config_hash))
+            .finish()
+    }
+}
+
+/// SHA-256 of a canonical encoding of the resolved VM configuration, compared at handshake.
+pub fn config_hash(canonical: &[u8]) -> [u8; 32] {
+    Sha256::digest(canonical).into()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn mac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut m = HmacSha256::new_from_slice(key).expect("HMAC takes keys of any length");
+    for p in parts {
+        m.update(p);
+    }
+    m.finalize().into_bytes().into()
+}
+
+fn verify(key: &[u8], parts: &[&[u8]], tag: &[u8]) -> bool {
+    let mut m = HmacSha256::new_from_slice(key).expect("HMAC takes keys of any length");
+    for p in parts {
+        m.update(p);
+    }
+    m.verify_slice(tag).is_ok()
+}
+
+/// Sending half of a link.
+pub struct LinkWriter {
+    stream: TcpStream,
+    peer: String,
+    key: [u8; 32],
+    seq: u64,
+    buf: Vec<u8>,
+}
+
+/// Receiving half of a link.
+pub struct LinkReader {
+    stream: TcpStream,
+    peer: String,
+    key: [u8; 32],
+    seq: u64,
+    buf: Vec<u8>,
+}
+
+/// An authenticated stream to one peer.
+pub struct Link {
+    pub peer: NodeId,
+    pub addr: SocketAddr,
+    pub reader: LinkReader,
+    pub writer: LinkWriter,
+}
+
+fn peer_name(addr: &SocketAddr, node: Option<NodeId>) -> String {
+    match node {
+        Some(n) => format!("{n} at {addr}"),
+        None => addr.to_string(),
+    }
+}
+
+fn read_exact(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    peer: &str,
+    what: &'static str,
+) -> Result<(), LinkError> {
+    s.read_exact(buf).map_err(|source| match source.kind() {
+        ErrorKind::UnexpectedEof => LinkError::Closed {
+            peer: peer.to_string(),
+        },
+        _ => LinkError::Io {
+            peer: peer.to_string(),
+            what,
+            source,
+        },
+    })
+}
+
+impl Link {
+    /// Runs the handshake on a connected stream. `expect` is the node the dialer meant to
+    /// reach; a listener passes `None` and checks the claimed id itself.
+    pub fn handshake(
+        mut stream: TcpStream,
+        role: Role,
+        expect: Option<NodeId>,
+        p: &LinkParams,
+    ) -> Result<Link, LinkError> {
+        let addr = stream.peer_addr().map_err(|source| LinkError::Io {
+            peer: "?".into(),
+            what: "reading the peer address",
+            source,
+        })?;
+        let mut peer = peer_name(&addr, expect);
+        let io = |peer: &str, what| {
+            let peer = peer.to_string();
+            move |source| LinkError::Io { peer, what, source }
+        };
+        stream
+            .set_nodelay(true)
+            .map_err(io(&peer, "setting TCP_NODELAY"))?;
+        stream
+            .set_read_timeout(Some(p.timeout))
+            .map_err(io(&peer, "setting the handshake timeout"))?;
+        stream
+            .set_write_timeout(Some(p.timeout))
+            .map_err(io(&peer, "setting the handshake timeout"))?;
+
+        let mut nonce = [0u8; 32];
+        getrandom::fill(&mut nonce).map_err(|e| LinkError::Io {
+            peer: peer.clone(),
+            what: "drawing a nonce",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let mut hello = Vec::with_capacity(HELLO_LEN);
+        hello.extend_from_slice(MAGIC);
+        hello.push(LINK_VERSION);
+        hello.extend_from_slice(&p.me.0.to_le_bytes());
+        hello.extend_from_slice(&nonce);
+        hello.extend_from_slice(&p.config_hash);
+        stream
+            .write_all(&hello)
+            .map_err(io(&peer, "sending hello"))?;
+
+        let mut theirs = [0u8; HELLO_LEN];
+        read_exact(&mut stream, &mut theirs, &peer, "reading hello")?;
+        if &theirs[..8] != MAGIC {
+            return Err(LinkError::NotANode {
+                peer,
+                got: theirs[..8].to_vec(),
+            });
+        }
+        if theirs[8] != LINK_VERSION {
+            return Err(LinkError::Version {
+                peer,
+                got: theirs[8],
+            });
+        }
+        let claimed = NodeId(u16::from_le_bytes([theirs[9], theirs[10]]));
+        if claimed == p.me || expect.is_some_and(|e| e != claimed) {
+            return Err(LinkError::WrongNode {
+                peer,
+                claimed,
+                expected: match expect {
+                    Some(e) => e.to_string(),
+                    None => format!("any node but {}", p.me),
+                },
+            });
+        }
+        peer = peer_name(&addr, Some(claimed));
+        let their_nonce: [u8; 32] = theirs[11..43].try_into().expect("32 bytes");
+        let their_hash: [u8; 32] = theirs[43..75].try_into().expect("32 bytes");
+
+        let other = match role {
+            Role::Dialer => Role::Listener,
+            Role::Listener => Role::Dialer,
+        };
+        let proof = mac(&p.secret, &[b"proof", &[role.byte()], &hello, &theirs]);
+        stream
+            .write_all(&proof)
+            .map_err(io(&peer, "sending proof"))?;
+        let mut their_proof = [0u8; MAC_LEN];
+        read_exact(&mut stream, &mut their_proof, &peer, "reading proof")?;
+        if !verify(
+            &p.secret,
+            &[b"proof", &[other.byte()], &theirs, &hello],
+            &their_proof,
+        ) {
+            return Err(LinkError::Auth {
+                peer,
+                node: claimed,
+            });
+        }
+        if their_hash != p.config_hash {
+            return Err(LinkError::ConfigMismatch {
+                peer,
+                node: claimed,
+                ours: hex(&p.config_hash[..8]),
+                theirs: hex(&their_hash[..8]),
+            });
+        }
+
+        let (dialer_nonce, listener_nonce) = match role {
+            Role::Dialer => (&nonce, &their_nonce),
+            Role::Listener => (&their_nonce, &nonce),
+        };
+        let session = mac(&p.secret, &[b"session", dialer_nonce, listener_nonce]);
+        let d2l = mac(&session, &[b"dialer to listener"]);
+        let l2d = mac(&session, &[b"listener to dialer"]);
+        let (send_key, recv_key) = match role {
+            Role::Dialer => (d2l, l2d),
+            Role::Listener => (l2d, d2l),
+        };
+        // Frames after the handshake block as long as needed (a peer may be paused); stopping
+        // shuts the socket down.
+        stream
+            .set_read_timeout(None)
+            .and_then(|()| stream.set_write_timeout(None))
+            .map_err(io(&peer, "clearing the handshake timeout"))?;
+        let read_half = stream
+            .try_clone()
+            .map_err(io(&peer, "cloning the stream"))?;
+        Ok(Link {
+            peer: claimed,
+            addr,
+            reader: LinkReader {
+                stream: read_half,
+                peer: peer.clone(),
+                key: recv_key,
+                seq: 0,
+                buf: Vec::new(),
+            },
+            writer: LinkWriter {
+                stream,
+                peer,
+                key: send_key,
+                seq: 0,
+                buf: Vec::new(),
+            },
+        })
+    }
+}
+
+impl LinkWriter {
+    /// Sends one envelope as one frame; frames arrive in the order sent.
+    pub fn send(&mut self, env: &Envelope) -> Result<(), LinkError> {
+        self.buf.clear();
+        self.buf.extend_from_slice(&[0; 4]);
+        env.encode(&mut self.buf);
+        let len = self.buf.len() - 4 + MAC_LEN;
+        assert!(
+            len <= MAX_FRAME,
+            "every envelope fits a frame ({len} bytes)"
+        );
+        let len_le = (len as u32).to_le_bytes();
+        self.buf[..4].copy_from_slice(&len_le);
+        let tag = mac(
+            &self.key,
+            &[&self.seq.to_le_bytes(), &len_le, &self.buf[4..]],
+        );
+        self.buf.extend_from_slice(&tag);
+        self.seq += 1;
+        self.stream
+            .write_all(&self.buf)
+            .map_err(|source| LinkError::Io {
+                peer: self.peer.clone(),
+                what: "sending a frame",
+                source,
+            })
+    }
+
+    /// Ends both directions, which also wakes a reader blocked on this stream.
+    pub fn shutdown(&self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+}
+
+impl LinkReader {
+    /// Reads the next frame. Any error ends the link (the socket is shut down both ways):
+    /// after a bad frame nothing further on the stream can be trusted.
+    pub fn recv(&mut self) -> Result<Envelope, LinkError> {
+        let r = self.read_frame();
+        if r.is_err() {
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
+        r
+    }
+
+    fn read_frame(&mut self) -> Result<Envelope, LinkError> {
+        let seq = self.seq;
+        let mut len_le = [0u8; 4];
+        read_exact(
+            &mut self.stream,
+            &mut len_le,
+            &self.peer,
+            "reading a frame length",
+        )?;
+        let len = u32::from_le_bytes(len_le) as usize;
+        let min = MAC_LEN + 1;
+        if !(min..=MAX_FRAME).contains(&len) {
+            return Err(LinkError::FrameLength {
+                peer: self.peer.clone(),
+                len,
+                min,
+                max: MAX_FRAME,
+            });
+        }
+        self.buf.resize(len, 0);
+        let mut got = 0;
+        while got < len {
+            match self.stream.read(&mut self.buf[got..]) {
+                Ok(0) => {
+                    return Err(LinkError::Truncated {
+                        peer: self.peer.clone(),
+                        seq,
+                        got,
+                        len,
+                    })
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(source) => {
+                    return Err(LinkError::Io {
+                        peer: self.peer.clone(),
+                        what: "reading a frame",
+                        source,
+                    })
+                }
+            }
+        }
+        let (body, tag) = self.buf.split_at(len - MAC_LEN);
+        if !verify(&self.key, &[&seq.to_le_bytes(), &len_le, body], tag) {
+            return Err(LinkError::BadMac {
+                peer: self.peer.clone(),
+                seq,
+            });
+        }
+        self.seq += 1;
+        Envelope::decode(body).map_err(|source| LinkError::Malformed {
+            peer: self.peer.clone(),
+            seq,
+            source,
+        })
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+}

@@ -1,0 +1,98 @@
+//! What a node counts while it keeps memory coherent, in a form `--metrics` can print.
+
+use dsm::{Access, PAGE_SIZE};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::memory::{Fault, FaultKind};
+
+/// Faults served by one node. Latency runs from reading the fault to waking the thread.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct FaultStats {
+    pub count: u64,
+    pub missing: u64,
+    pub write_protect: u64,
+    pub reads: u64,
+    pub writes: u64,
+    /// Faults whose thread has been woken.
+    pub resolved: u64,
+    /// `latency_log2_ns[i]` counts resolutions that took `2^i ..= 2^(i+1)-1` ns.
+    pub latency_log2_ns: Vec<u64>,
+    /// Size of a guest-physical range in `by_range` (a power of two).
+    pub range_bytes: u64,
+    /// Faults by guest-physical range, keyed by the range's first address.
+    pub by_range: BTreeMap<u64, u64>,
+}
+
+impl FaultStats {
+    pub fn new(range_bytes: u64) -> FaultStats {
+        FaultStats {
+            latency_log2_ns: vec![0; 64],
+            range_bytes: range_bytes.max(PAGE_SIZE as u64).next_power_of_two(),
+            ..FaultStats::default()
+        }
+    }
+
+    pub fn record_fault(&mut self, f: &Fault) {
+        self.count += 1;
+        match f.kind {
+            FaultKind::Missing => self.missing += 1,
+            FaultKind::WriteProtect => self.write_protect += 1,
+        }
+        match f.access {
+            Access::Read => self.reads += 1,
+            Access::Write => self.writes += 1,
+        }
+        let gpa = f.page * PAGE_SIZE as u64;
+        *self
+            .by_range
+            .entry(gpa & !(self.range_bytes - 1))
+            .or_default() += 1;
+    }
+
+    pub fn record_resolved(&mut self, took: Duration) {
+        self.resolved += 1;
+        let ns = took.as_nanos().clamp(1, u64::MAX as u128) as u64;
+        self.latency_log2_ns[ns.ilog2() as usize] += 1;
+    }
+}
+
+/// Everything one node's coherence thread counts.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct NodeStats {
+    pub node: u16,
+    pub faults: FaultStats,
+    /// Protocol messages sent, by name (`fetch`, `inv`, `page`, ...).
+    pub sent: BTreeMap<String, u64>,
+    pub received: BTreeMap<String, u64>,
+    /// Control messages (exits, interrupts, stop, heartbeat) received and handed on.
+    pub control_received: u64,
+    /// Messages a node refused (a misbehaving peer); the node stayed as it was.
+    pub protocol_errors: u64,
+    pub last_protocol_error: Option<String>,
+    /// Pages whose bytes were installed from a peer.
+    pub installs: u64,
+}
+
+impl NodeStats {
+    pub fn new(node: u16, range_bytes: u64) -> NodeStats {
+        NodeStats {
+            node,
+            faults: FaultStats::new(range_bytes),
+            ..NodeStats::default()
+        }
+    }
+
+    pub fn total_sent(&self) -> u64 {
+        self.sent.values().sum()
+    }
+
+    pub fn total_received(&self) -> u64 {
+        self.received.values().sum()
+    }
+
+    pub(crate) fn count(map: &mut BTreeMap<String, u64>, name: &str) {
+        *map.entry(name.to_string()).or_default() += 1;
+    }
+}
