@@ -152,13 +152,13 @@ fn outcome(report: &std::path::Path) -> Value {
     serde_json::from_str::<Value>(&text).unwrap()["outcome"].clone()
 }
 
-/// What `musubi` did when `input` was typed on its terminal once the guest's
-/// `console-echo` task waited: status, terminal output and the report's outcome. Checks that
-/// the terminal was raw meanwhile and is as it was afterwards.
-fn type_at_the_prompt(input: &[u8]) -> (Option<i32>, String, Value) {
+/// Runs the probe guest's `tasks` on a terminal, waits for the `console-echo` prompt, then
+/// does `act`; returns the status, the terminal output and the report's outcome. Checks
+/// that the terminal was raw meanwhile and is as it was afterwards.
+fn on_a_terminal(tasks: &str, act: impl FnOnce(&mut OnTerminal)) -> (Option<i32>, String, Value) {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
-    let mut t = OnTerminal::start(&args("console-echo", &report));
+    let mut t = OnTerminal::start(&args(tasks, &report));
     let before = t.termios();
     t.wait_for_output(PROMPT);
     let during = t.termios();
@@ -167,7 +167,7 @@ fn type_at_the_prompt(input: &[u8]) -> (Option<i32>, String, Value) {
         0,
         "the terminal is not raw while the guest runs"
     );
-    t.type_in(input);
+    act(&mut t);
     let (code, output, after) = t.finish();
     assert_eq!(
         settings(&after),
@@ -175,6 +175,11 @@ fn type_at_the_prompt(input: &[u8]) -> (Option<i32>, String, Value) {
         "terminal not restored:\n{output}"
     );
     (code, output, outcome(&report))
+}
+
+/// What `musubi` did when `input` was typed once the guest's `console-echo` task waited.
+fn type_at_the_prompt(input: &[u8]) -> (Option<i32>, String, Value) {
+    on_a_terminal("console-echo", |t| t.type_in(input))
 }
 
 #[test]
@@ -232,4 +237,22 @@ fn no_input_ends_the_task_with_a_timeout_error() {
         "{}",
         r.explain()
     );
+}
+
+#[test]
+fn sigterm_restores_the_terminal() {
+    let (code, output, outcome) = on_a_terminal("console-echo", |t| {
+        // SAFETY: kill(2) on our own child, not yet reaped.
+        unsafe { libc::kill(t.child.id() as libc::pid_t, libc::SIGTERM) };
+    });
+    assert_eq!(code, Some(128 + libc::SIGTERM), "{output}");
+    assert_eq!(outcome["kind"], "signal", "{output}");
+}
+
+#[test]
+fn a_guest_crash_restores_the_terminal() {
+    let (code, output, outcome) =
+        on_a_terminal("console-echo=60,triple-fault", |t| t.type_in(b"\r"));
+    assert_eq!(code, Some(125), "{output}");
+    assert_eq!(outcome["kind"], "guest_crash", "{output}");
 }
