@@ -154,26 +154,29 @@ impl Escapes {
 
 /// The thread that carries stdin to the guest's COM1 until the VM ends or stdin does.
 pub struct Input {
-    stop: OwnedFd,
+    /// Closing this pipe's write end tells the thread to stop. A pipe rather than an
+    /// eventfd: a system-call filter on the control thread then needs no more than `pipe2`,
+    /// `poll`, `read` and `close` for it.
+    stop: Option<OwnedFd>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Input {
     /// Starts reading `fd`; `commands` turns on the `Ctrl-A` commands (for a terminal).
     pub fn start(vm: vmm::VmHandle, fd: RawFd, commands: bool) -> io::Result<Input> {
-        // SAFETY: eventfd creates a new descriptor, owned below.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if raw < 0 {
+        let mut ends = [0; 2];
+        // SAFETY: pipe2 writes two new descriptors into the array, owned below.
+        if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: `raw` is a fresh descriptor nothing else owns.
-        let stop = unsafe { OwnedFd::from_raw_fd(raw) };
-        let stop_fd = stop.as_raw_fd();
+        // SAFETY: both descriptors are fresh and owned by nothing else.
+        let (stopped, stop) =
+            unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) };
         let thread = std::thread::Builder::new()
             .name("console".into())
-            .spawn(move || pump(&vm, fd, stop_fd, Escapes::new(commands)))?;
+            .spawn(move || pump(&vm, fd, stopped.as_raw_fd(), Escapes::new(commands)))?;
         Ok(Input {
-            stop,
+            stop: Some(stop),
             thread: Some(thread),
         })
     }
@@ -181,9 +184,7 @@ impl Input {
 
 impl Drop for Input {
     fn drop(&mut self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live buffer to our own eventfd.
-        unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        drop(self.stop.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
