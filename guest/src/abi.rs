@@ -128,4 +128,5 @@ pub fn decode(r: u64) -> Result<u64, Error> {
 pub const STATUS_UNKNOWN_TASK: u8 = 2;
 pub const STATUS_BLK_FAILED: u8 = 3;
 pub const STATUS_USER_FAULT: u8 = 4;
+pub const STATUS_CONSOLE_TIMEOUT: u8 = 5;
 pub const STATUS_KERNEL_FAULT: u8 = 101;

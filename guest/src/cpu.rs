@@ -5,7 +5,7 @@ use core::sync::atomic::{AtomicBool, Ordering};
 use crate::abi::STATUS_KERNEL_FAULT;
 use crate::arch::{cpuid, exit_vm, read_cr2};
 use crate::global::Global;
-use crate::{apic, kprintln, timer, ulib, user, virtio};
+use crate::{apic, console, kprintln, timer, ulib, user, virtio};
 
 pub const MAX_CPUS: usize = 32;
 
@@ -263,6 +263,7 @@ extern "C" fn trap_dispatch(f: &mut TrapFrame) {
                 user::check_deadline();
             }
         }
+        console::CONSOLE_VECTOR => console::irq(),
         v if (virtio::VECTOR_BASE..virtio::VECTOR_BASE + virtio::MAX_DEVS as u64).contains(&v) => {
             virtio::irq((v - virtio::VECTOR_BASE) as usize);
             apic::eoi();

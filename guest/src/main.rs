@@ -12,6 +12,7 @@ mod apic;
 mod arch;
 mod boot;
 mod bootinfo;
+mod console;
 mod cpu;
 mod file;
 mod global;

@@ -7,7 +7,7 @@ use crate::arch::exit_vm;
 use crate::bootinfo::{self, BootInfo};
 use crate::ulib::JsonBytes;
 use crate::user::{self, Outcome, UserEntry};
-use crate::{cpu, kprint, kprintln, smp, timer, utasks, virtio, wtasks};
+use crate::{console, cpu, kprint, kprintln, smp, timer, utasks, virtio, wtasks};
 
 /// Shows command-line bytes (which may be anything) safely inside a JSON string.
 pub struct Lossy<'a>(pub &'a [u8]);
@@ -67,6 +67,10 @@ fn run_one(info: &BootInfo, task: &[u8]) -> u8 {
             0
         }
         (b"timer", None) => timer_task(),
+        (b"console-echo", a) => match a.map_or(Some(console::DEFAULT_WAIT_S), |a| num(Some(a))) {
+            Some(secs) if secs > 0 => console::echo_task(secs),
+            _ => bad_argument(task, "console-echo=SECS needs a positive number of seconds"),
+        },
         (b"user-hello", None) => run_user("user-hello", utasks::user_hello, 0),
         (b"blk-crc", None) => run_user("blk-crc", utasks::blk_crc, 0),
         (b"blk-id", None) => run_user("blk-id", utasks::blk_id, 0),

@@ -2,6 +2,7 @@
 
 mod bench;
 mod cli;
+mod console;
 mod demo;
 mod partition_cli;
 mod probe;
@@ -25,7 +26,12 @@ struct Cli {
 enum Command {
     /// Boot one VM and run it until the guest exits, shuts down or crashes. The exit status
     /// is the guest's (probe guest: its exit port; other guests: 0 on shutdown or reboot),
-    /// 125 if the guest crashed, 126 on a VMM error, 128+N on signal N.
+    /// 0 after Ctrl-A x, 125 if the guest crashed, 126 on a VMM error, 128+N on signal N.
+    ///
+    /// With --serial stdio (the default) stdin is the guest's console input. On a terminal
+    /// it is raw (every key, Ctrl-C too, goes to the guest; restored at exit) and Ctrl-A
+    /// starts a command: Ctrl-A x quits, Ctrl-A Ctrl-A sends Ctrl-A, Ctrl-A h lists them.
+    /// Piped stdin goes to the guest unchanged; its end leaves the VM running.
     Run {
         #[command(flatten)]
         vm: cli::VmArgs,

@@ -1,13 +1,16 @@
 //! `musubi run`: one VM in this process until the guest ends it or a signal does, with its
 //! report and metrics files. SIGTERM and SIGINT stop the VM through its normal teardown, so
-//! disks and memory storage are flushed; SIGUSR1 writes the metrics while it runs.
+//! disks and memory storage are flushed; SIGUSR1 writes the metrics while it runs. With
+//! `--serial stdio`, stdin is the guest's console input (see `console`).
 
-use crate::cli;
-use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+use crate::{cli, console};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
+
+const STDIN: std::os::fd::RawFd = 0;
 
 pub struct RunArgs<'a> {
     pub vm: &'a cli::VmArgs,
@@ -37,7 +40,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     };
     // Registered before the VM exists, so a signal that arrives while it is being built
     // is held and stops it as soon as it runs.
-    let mut signals = match Signals::new([SIGTERM, SIGINT, SIGUSR1]) {
+    let mut signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
         Ok(s) => s,
         Err(e) => return fail(format!("cannot install signal handlers: {e}")),
     };
@@ -46,15 +49,43 @@ pub fn run(args: RunArgs) -> ExitCode {
         timeout,
         seccomp: args.seccomp,
     };
-    let running = match vmm::Vmm::build(&config, &opts).and_then(|vm| vm.start()) {
+    let built = match vmm::Vmm::build(&config, &opts) {
+        Ok(vm) => vm,
+        Err(e) => return fail(e.to_string()),
+    };
+    // The console takes stdin only when the guest's console is on stdout. The terminal goes
+    // raw before the guest runs, so no early keystroke is echoed or held for a whole line;
+    // the guard restores it on every way out of this function.
+    let stdio = config.serial == vmm::config::SerialMode::Stdio;
+    let terminal = stdio && console::is_terminal(STDIN);
+    let raw_mode = match terminal.then(|| console::RawMode::enter(STDIN)) {
+        Some(Err(e)) => {
+            eprintln!("musubi: --serial stdio: cannot put the terminal in raw mode: {e}");
+            None
+        }
+        Some(Ok(r)) => Some(r),
+        None => None,
+    };
+    let running = match built.start() {
         Ok(r) => r,
         Err(e) => return fail(e.to_string()),
     };
     // This thread only waits, flushes and writes reports from here on; the threads it
-    // starts next (signals) inherit its filter.
+    // starts next (signals, console input) inherit its filter.
     if let Err(e) = vmm::seccomp::apply(vmm::seccomp::ThreadKind::Control, args.seccomp) {
         running.stop(vmm::Outcome::VmmError(e.to_string()));
     }
+    let input = if stdio {
+        match console::Input::start(running.handle(), STDIN, terminal) {
+            Ok(i) => Some(i),
+            Err(e) => {
+                eprintln!("musubi: --serial stdio: cannot read stdin for the guest: {e}");
+                None
+            }
+        }
+    } else {
+        None
+    };
     let signal_handle = signals.handle();
     let vm = running.handle();
     let metrics_path = args.metrics.clone();
@@ -73,6 +104,8 @@ pub fn run(args: RunArgs) -> ExitCode {
     let report = running.wait();
     signal_handle.close();
     let _ = watcher.join();
+    drop(input);
+    drop(raw_mode);
 
     if let Some(p) = &args.metrics {
         write_json(p, "--metrics", &report.metrics);
@@ -84,6 +117,7 @@ pub fn run(args: RunArgs) -> ExitCode {
         vmm::Outcome::GuestCrash(m) => eprintln!("musubi: guest crashed: {m}"),
         vmm::Outcome::VmmError(m) => eprintln!("musubi: {m}"),
         vmm::Outcome::Signal(s) => eprintln!("musubi: stopped by signal {s}; disks flushed"),
+        vmm::Outcome::ConsoleQuit => eprintln!("musubi: quit from the console (Ctrl-A x)"),
         _ => {}
     }
     ExitCode::from(report.outcome.exit_code() as u8)

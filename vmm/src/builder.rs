@@ -126,6 +126,7 @@ struct Shared {
     irqs: Vec<Arc<dyn IrqLine>>,
     names: Arc<crate::device_manager::MmioNames>,
     ioeventfd_served: Arc<AtomicU64>,
+    serial: Arc<Mutex<devices::legacy::Serial>>,
 }
 
 impl Shared {
@@ -191,6 +192,22 @@ impl VmHandle {
     /// The exit accounting so far, as `--metrics` writes it.
     pub fn metrics(&self) -> serde_json::Value {
         self.shared.metrics_json()
+    }
+
+    /// Types `bytes` into COM1 as if they came down the serial line, raising its receive
+    /// interrupt. Returns how many were taken: fewer than offered (maybe 0) while the UART's
+    /// 64-byte receive FIFO is full. A UART has no way to stall its sender without losing
+    /// data, so the caller keeps the rest and offers it again later; this never waits, so
+    /// it cannot hold up a vCPU. Bytes offered after the VM ended are taken and ignored.
+    pub fn serial_input(&self, bytes: &[u8]) -> usize {
+        if self.shared.control.is_finished() {
+            return bytes.len();
+        }
+        self.shared
+            .serial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .enqueue_input(bytes)
     }
 }
 
@@ -347,6 +364,7 @@ impl Vm {
                 .as_ref()
                 .map(|t| t.served_counter())
                 .unwrap_or_default(),
+            serial: self.devices.serial.clone(),
         });
         let first_run: Arc<OnceLock<(Instant, u64)>> = Arc::default();
         let request = Arc::new(AtomicU64::new(0));

@@ -18,6 +18,9 @@ pub enum Outcome {
     VmmError(String),
     /// A signal asked the VMM to stop (SIGTERM, SIGINT).
     Signal(i32),
+    /// The person at the console asked to quit (`Ctrl-A x`); like pulling the plug, but
+    /// asked for, so it is no failure.
+    ConsoleQuit,
 }
 
 impl Outcome {
@@ -29,6 +32,7 @@ impl Outcome {
             Outcome::GuestCrash(_) => 125,
             Outcome::VmmError(_) => 126,
             Outcome::Signal(s) => 128 + s,
+            Outcome::ConsoleQuit => 0,
         }
     }
 
@@ -40,6 +44,7 @@ impl Outcome {
             Outcome::GuestCrash(_) => "guest_crash",
             Outcome::VmmError(_) => "vmm_error",
             Outcome::Signal(_) => "signal",
+            Outcome::ConsoleQuit => "console_quit",
         }
     }
 }
@@ -56,7 +61,7 @@ impl serde::Serialize for Outcome {
                 m.serialize_entry("message", msg)?
             }
             Outcome::Signal(sig) => m.serialize_entry("signal", sig)?,
-            Outcome::Shutdown => {}
+            Outcome::Shutdown | Outcome::ConsoleQuit => {}
         }
         m.end()
     }
@@ -172,5 +177,10 @@ mod tests {
             j(Outcome::Signal(15)),
             serde_json::json!({"kind": "signal", "signal": 15})
         );
+        assert_eq!(
+            j(Outcome::ConsoleQuit),
+            serde_json::json!({"kind": "console_quit"})
+        );
+        assert_eq!(Outcome::ConsoleQuit.exit_code(), 0);
     }
 }

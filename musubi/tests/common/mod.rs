@@ -2,8 +2,9 @@
 #![allow(dead_code)]
 
 use serde_json::Value;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct Run {
@@ -52,25 +53,49 @@ pub fn musubi() -> Command {
 /// Runs `musubi` with `args`, killing it after `limit` so a hung VM fails the test
 /// instead of hanging the suite.
 pub fn run_with_limit(args: &[&str], limit: Duration) -> Run {
+    run_with_stdin(args, None, limit)
+}
+
+/// As [`run_with_limit`], with `input` written to a pipe on stdin, which is then closed
+/// (stdin is empty without it).
+pub fn run_with_stdin(args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
     assert!(
         Path::new("/dev/kvm").exists(),
         "these tests need /dev/kvm, which this machine lacks"
     );
     let mut child = musubi()
         .args(args)
-        .stdin(Stdio::null())
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("musubi starts");
+    if let (Some(data), Some(mut stdin)) = (input, child.stdin.take()) {
+        // Small inputs fit in the pipe, so this does not wait for the guest to read.
+        stdin.write_all(data).expect("stdin takes the input");
+    }
     let out = child.stdout.take().unwrap();
     let err = child.stderr.take().unwrap();
     let t_out = std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default());
     let t_err = std::thread::spawn(move || std::io::read_to_string(err).unwrap_or_default());
+    let status = wait_with_limit(&mut child, limit, &format!("musubi {args:?}"));
+    Run {
+        code: status.code(),
+        stdout: t_out.join().unwrap(),
+        stderr: t_err.join().unwrap(),
+    }
+}
+
+/// Waits for `child`; after `limit` stops it and fails the test, naming `what`.
+pub fn wait_with_limit(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
     let start = Instant::now();
-    let status = loop {
+    loop {
         if let Some(s) = child.try_wait().unwrap() {
-            break s;
+            return s;
         }
         if start.elapsed() > limit {
             // SIGTERM first, so the VMM flushes and a benchmark's guards remove what it
@@ -80,14 +105,9 @@ pub fn run_with_limit(args: &[&str], limit: Duration) -> Run {
             std::thread::sleep(Duration::from_secs(5));
             let _ = child.kill();
             let _ = child.wait();
-            panic!("musubi {args:?} did not finish within {limit:?}");
+            panic!("{what} did not finish within {limit:?}");
         }
         std::thread::sleep(Duration::from_millis(20));
-    };
-    Run {
-        code: status.code(),
-        stdout: t_out.join().unwrap(),
-        stderr: t_err.join().unwrap(),
     }
 }
 
@@ -98,6 +118,12 @@ pub fn run(args: &[&str]) -> Run {
 /// Runs the bundled probe guest with `tasks` (the `probe.tasks=` list), adding `flags` to
 /// `musubi run`; the VM itself gives up after 200 s.
 pub fn run_probe(tasks: &str, flags: &[&str]) -> Run {
+    let args = probe_args(tasks, flags);
+    run(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// The `musubi run` arguments of [`run_probe`].
+pub fn probe_args(tasks: &str, flags: &[&str]) -> Vec<String> {
     let cmdline = format!("probe.tasks={tasks}");
     let mut args = vec![
         "run",
@@ -109,7 +135,7 @@ pub fn run_probe(tasks: &str, flags: &[&str]) -> Run {
         &cmdline,
     ];
     args.extend_from_slice(flags);
-    run(&args)
+    args.into_iter().map(String::from).collect()
 }
 
 /// Byte `offset` of a disk after the probe guest's `blk-fill=SEED`.
