@@ -1,5 +1,5 @@
 //! `musubi run`: one VM in this process until the guest ends it or a signal does, with its
-//! report and metrics files. SIGTERM and SIGINT stop the VM through its normal teardown, so
+//! report and metrics files. SIGTERM, SIGINT and SIGHUP stop the VM through its normal teardown, so
 //! disks and memory storage are flushed; SIGUSR1 writes the metrics while it runs. With
 //! `--serial stdio`, stdin is the guest's console input (see `console`).
 
