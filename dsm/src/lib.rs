@@ -21,7 +21,7 @@ pub mod types;
 pub mod wire;
 
 pub use event::{Action, Event, PageOp};
-pub use node::{Config, ConfigError, Node, Protocol, ProtocolError};
+pub use node::{Config, ConfigError, Node, Ordering, Protocol, ProtocolError};
 pub use placement::{Fixed, Modulo, Placement};
 pub use types::{Access, NodeId, NodeSet, PageData, PageNo, Prot, VcpuId, PAGE_SIZE};
 pub use wire::{DecodeError, Message, WIRE_VERSION};
