@@ -411,7 +411,7 @@ impl Sim {
         }
         self.log(|| format!("n{node} v{vcpu} {access} p{page}"));
         if self.mem[node as usize][page as usize].prot.permits(access) {
-            self.perform(node, vcpu, page, access)?;
+            self.perform((node, vcpu), page, access)?;
             self.next_access(node, vcpu);
             return self.check_page(page);
         }
@@ -437,11 +437,10 @@ impl Sim {
         }
     }
 
-    /// The access itself, on the node's memory.
+    /// The access itself, on the node's memory, by vCPU `vcpu` of `node`.
     fn perform(
         &mut self,
-        node: u16,
-        vcpu: u16,
+        (node, vcpu): (u16, u16),
         page: PageNo,
         access: Access,
     ) -> Result<(), Failure> {
@@ -633,7 +632,7 @@ impl Sim {
                         self.vcpus[n][v] = None;
                         self.stats.last_resume_depth = Some(depth);
                         self.stats.max_wait = self.stats.max_wait.max(self.now - b.since);
-                        self.perform(node, vcpu as u16, page, b.access)?;
+                        self.perform((node, vcpu as u16), page, b.access)?;
                         self.next_access(node, vcpu as u16);
                         Ok(())
                     }
