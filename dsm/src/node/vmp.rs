@@ -158,6 +158,8 @@ fn serve(n: &mut Node, page: PageNo, s: NodeId, a: Access, out: &mut Vec<Action>
     }
 }
 
+/// Paper: `send ⟨inv, n, a, s, o⟩ to` one target; the serving round and, under TSO, the
+/// last acknowledgement both send it.
 fn send_inv(
     n: &mut Node,
     to: NodeId,
