@@ -41,6 +41,7 @@ fn start(
             nodes,
             protocol,
             placement: Arc::new(Modulo { nodes }),
+            ordering: dsm::Ordering::default(),
         },
         transport: t,
         inbox,

@@ -3,7 +3,7 @@
 //! returns a description of the first broken rule; none may panic.
 
 use crate::event::{Action, Event};
-use crate::node::{Config, Node, Protocol, ProtocolError};
+use crate::node::{Config, Node, Ordering, Protocol, ProtocolError};
 use crate::placement::Modulo;
 use crate::sim::{self, SimConfig, Workload};
 use crate::types::{zero_page, Access, NodeId, PageNo, VcpuId};
@@ -48,17 +48,30 @@ const NODES: u16 = 3;
 const PAGES: u8 = 4;
 const VCPUS: u8 = 3;
 
+/// The first byte picks the protocol (bit 0) and, for the asynchronous one, the ordering
+/// (bit 1).
+fn protocol_and_ordering(b: &mut Bytes) -> (Protocol, Ordering) {
+    let first = b.u8();
+    let protocol = if first & 1 == 0 {
+        Protocol::Vmp
+    } else {
+        Protocol::Ivy
+    };
+    let ordering = if first & 2 == 0 {
+        Ordering::Tso
+    } else {
+        Ordering::Paper
+    };
+    (protocol, ordering)
+}
+
 /// Drives three nodes of one protocol with an arbitrary sequence of events (faults, messages
 /// from anyone about anything, completions out of the blue). Checked after each event: a
 /// refused event leaves the node as it was; a node never sends to itself or to a non-member,
 /// never resumes a vCPU that is not stopped on that page, never resumes one twice.
 pub fn node_events(bytes: &[u8]) -> Result<(), String> {
     let mut b = Bytes(bytes);
-    let protocol = if b.u8() & 1 == 0 {
-        Protocol::Vmp
-    } else {
-        Protocol::Ivy
-    };
+    let (protocol, ordering) = protocol_and_ordering(&mut b);
     let placement = Arc::new(Modulo { nodes: NODES });
     let mut nodes: Vec<Node> = (0..NODES)
         .map(|i| {
@@ -67,6 +80,7 @@ pub fn node_events(bytes: &[u8]) -> Result<(), String> {
                 nodes: NODES,
                 protocol,
                 placement: placement.clone(),
+                ordering,
             })
             .map_err(|e| e.to_string())
         })
@@ -168,11 +182,7 @@ pub fn node_events(bytes: &[u8]) -> Result<(), String> {
 /// of the simulator's invariants.
 pub fn simulation(bytes: &[u8]) -> Result<(), String> {
     let mut b = Bytes(bytes);
-    let protocol = if b.u8() & 1 == 0 {
-        Protocol::Vmp
-    } else {
-        Protocol::Ivy
-    };
+    let (protocol, ordering) = protocol_and_ordering(&mut b);
     let seed = (0..8).fold(0u64, |s, _| s << 8 | u64::from(b.u8()));
     let workload = match b.below(4) {
         0 => Workload::FalseSharing,
@@ -184,6 +194,7 @@ pub fn simulation(bytes: &[u8]) -> Result<(), String> {
     };
     let cfg = SimConfig {
         protocol,
+        ordering,
         seed,
         nodes: 2 + u16::from(b.below(7)),
         vcpus: 1 + u16::from(b.below(4)),

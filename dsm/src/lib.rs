@@ -8,7 +8,10 @@
 //!
 //! Two protocols: the asynchronous one of Kaneda, Oyama and Yonezawa (SWoPP 2005, Fig. 5) and
 //! Ivy's synchronous invalidation (Li & Hudak 1989), which that paper compares against
-//! ([`table3`]).
+//! ([`table3`]). The asynchronous protocol acknowledges write invalidations by default so
+//! that an x86 guest sees TSO across nodes ([`Ordering::Tso`]); the paper's fire-and-forget
+//! invalidations stay selectable ([`Ordering::Paper`], unsafe for x86 guests), and
+//! [`sim::litmus`] shows the difference.
 
 pub mod event;
 pub mod fuzz;
@@ -21,7 +24,7 @@ pub mod types;
 pub mod wire;
 
 pub use event::{Action, Event, PageOp};
-pub use node::{Config, ConfigError, Node, Protocol, ProtocolError};
+pub use node::{Config, ConfigError, Node, Ordering, Protocol, ProtocolError};
 pub use placement::{Fixed, Modulo, Placement};
 pub use types::{Access, NodeId, NodeSet, PageData, PageNo, Prot, VcpuId, PAGE_SIZE};
 pub use wire::{DecodeError, Message, WIRE_VERSION};

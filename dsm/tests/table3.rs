@@ -1,7 +1,8 @@
-//! Table 3 from the simulator, every cell checked against the paper for c = 0..=5.
+//! Table 3 from the simulator, every cell checked against the paper for c = 0..=5, and the
+//! default ordering's cells against the paper's plus what its acknowledgements add.
 
-use dsm::table3::{measure_all, paper, render, ManagerAt};
-use dsm::{Access, Protocol};
+use dsm::table3::{measure_all, measure_all_ordered, paper, render, tso_extra, ManagerAt};
+use dsm::{Access, Ordering, Protocol};
 
 #[test]
 fn message_counts_match_the_paper_exactly() {
@@ -41,9 +42,28 @@ fn critical_paths_match_the_paper() {
     }
 }
 
+/// The default ordering: reads as in the paper, writes one acknowledgement per copy more and,
+/// with copies, two more messages before the writer resumes (and in the whole fetch).
+#[test]
+fn tso_ordering_adds_one_acknowledgement_per_copy_to_writes() {
+    let paper = measure_all(5).unwrap();
+    let tso = measure_all_ordered(Ordering::Tso, 5).unwrap();
+    assert_eq!(paper.len(), tso.len());
+    for (p, t) in paper.iter().zip(&tso) {
+        let (msgs, path) = tso_extra(p.protocol, p.access, p.c);
+        assert_eq!(t.messages, p.messages + msgs, "{t:?}");
+        assert_eq!(t.to_resume, p.to_resume + path, "{t:?}");
+        assert_eq!(t.whole, p.whole + path, "{t:?}");
+        if p.protocol == Protocol::Vmp && p.access == Access::Write {
+            assert_eq!(msgs, u64::from(p.c), "{t:?}");
+        }
+    }
+}
+
 #[test]
 fn print_table() {
     let t = render();
     println!("{t}");
     assert!(t.contains("VMP"), "{t}");
+    assert!(t.contains("VMP-TSO"), "{t}");
 }

@@ -37,11 +37,52 @@ impl Protocol {
     }
 }
 
+/// What a guest may observe across nodes. All nodes of a VM must use the same one.
+///
+/// Only the asynchronous protocol has a choice. Under [`Ordering::Paper`] a write
+/// invalidation is fire-and-forget (Fig. 5): the manager sends `inv` to the owner and to every
+/// read copy at once, the owner hands the page to the writer at once, and a read copy keeps
+/// serving reads of the old value until its `inv` arrives. With a flag and its data on
+/// different pages, a reader can then fetch the new flag and still read the old data from its
+/// doomed copy (the message-passing pattern, forbidden on x86). Under [`Ordering::Tso`] the
+/// manager sends `inv` to the read copies first, each copy drops the page and answers the
+/// manager with `inval-ack`, and only when every copy has answered does the manager send the
+/// owner its `inv` (the one that moves the page). A writer therefore gets the page only once
+/// no other copy exists: every readable copy holds the last value written, so no node (and no
+/// vCPU of the writer's own node) can see a write while another still reads what it replaced.
+/// That is sequential consistency per page plus a single global order of writes, stronger
+/// than x86-TSO requires and so safe for x86 guests. Reads are unchanged; a write costs one
+/// `inval-ack` per other copy and, when there are copies, one round trip more before the
+/// writer resumes.
+///
+/// Ivy needs no option: its owner already waits for every acknowledgement before it hands a
+/// page to a writer, so its copies never lag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Ordering {
+    /// Invalidations acknowledged before a writer gets the page: x86-TSO (indeed SC) holds.
+    #[default]
+    Tso,
+    /// The paper's fire-and-forget invalidations. **Unsafe for x86 guests**: a reader can see
+    /// a later write to one page and an earlier write to another not yet (stale reads).
+    Paper,
+}
+
+impl Ordering {
+    pub fn name(self) -> &'static str {
+        match self {
+            Ordering::Tso => "tso",
+            Ordering::Paper => "paper",
+        }
+    }
+}
+
 pub struct Config {
     pub id: NodeId,
     pub nodes: u16,
     pub protocol: Protocol,
     pub placement: Arc<dyn Placement>,
+    /// Defaults to [`Ordering::Tso`]; ignored by Ivy.
+    pub ordering: Ordering,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
@@ -124,12 +165,16 @@ struct Managed {
     copyset: NodeSet,
     busy: Option<(NodeId, Access)>,
     queue: VecDeque<(NodeId, Access)>,
+    /// [`Ordering::Tso`]: read copies of the write fetch being served that have not yet
+    /// acknowledged their invalidation; the owner is told to hand over when this empties.
+    acks: NodeSet,
 }
 
 pub struct Node {
     id: NodeId,
     nodes: u16,
     protocol: Protocol,
+    ordering: Ordering,
     placement: Arc<dyn Placement>,
     copies: BTreeMap<PageNo, Copy>,
     managed: BTreeMap<PageNo, Managed>,
@@ -185,6 +230,7 @@ impl Node {
             id: cfg.id,
             nodes: cfg.nodes,
             protocol: cfg.protocol,
+            ordering: cfg.ordering,
             placement: cfg.placement,
             copies: BTreeMap::new(),
             managed: BTreeMap::new(),
@@ -198,6 +244,10 @@ impl Node {
 
     pub fn protocol(&self) -> Protocol {
         self.protocol
+    }
+
+    pub fn ordering(&self) -> Ordering {
+        self.ordering
     }
 
     /// Protection this node has given its copy of `page`.
@@ -232,7 +282,7 @@ impl Node {
             && self
                 .managed
                 .values()
-                .all(|m| m.busy.is_none() && m.queue.is_empty())
+                .all(|m| m.busy.is_none() && m.queue.is_empty() && m.acks.is_empty())
     }
 
     /// Feeds one event; the actions to carry out, in order, are appended to `out`. On error
@@ -293,6 +343,7 @@ impl Node {
             copyset: NodeSet::single(owner),
             busy: None,
             queue: VecDeque::new(),
+            acks: NodeSet::EMPTY,
         }
     }
 
@@ -425,25 +476,34 @@ impl Node {
             });
         }
         let ours = match self.protocol {
-            Protocol::Vmp => matches!(
-                msg,
+            Protocol::Vmp => match msg {
                 Message::Fetch { .. }
-                    | Message::Inv { .. }
-                    | Message::Finish { .. }
-                    | Message::PageData { .. }
-            ),
+                | Message::Inv { .. }
+                | Message::Finish { .. }
+                | Message::PageData { .. } => true,
+                Message::InvalAck { .. } => self.ordering == Ordering::Tso,
+                _ => false,
+            },
             Protocol::Ivy => !matches!(
                 msg,
                 Message::Fetch { .. } | Message::Inv { .. } | Message::Finish { .. }
             ),
         };
         if !ours {
-            return Err(unexpected(from, &msg, "message of the other protocol"));
+            return Err(unexpected(
+                from,
+                &msg,
+                "message of the other protocol (or, inval-ack, of the other ordering)",
+            ));
         }
-        // Manager traffic never waits for the local copy; everything else does.
+        // Manager traffic never waits for the local copy; everything else does. Under VMP an
+        // `inval-ack` goes to the manager; under Ivy to the owner's copy.
         let to_copy = !matches!(
-            msg,
-            Message::Fetch { .. } | Message::Finish { .. } | Message::Req { .. }
+            (self.protocol, &msg),
+            (
+                _,
+                Message::Fetch { .. } | Message::Finish { .. } | Message::Req { .. }
+            ) | (Protocol::Vmp, Message::InvalAck { .. })
         );
         let page = msg.page();
         if to_copy && self.copy(page).pending != Pending::None {

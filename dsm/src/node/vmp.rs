@@ -1,8 +1,10 @@
 //! The paper's protocol (Kaneda, Oyama, Yonezawa 2005, Fig. 5), one handler per guarded
 //! action. The manager serialises the requests for a page with its busy flag; invalidations
-//! are fire-and-forget, and only the owner answers, with the page.
+//! are fire-and-forget, and only the owner answers, with the page. Under [`Ordering::Tso`]
+//! (the default) the read copies answer a write invalidation with `inval-ack` to the manager,
+//! which tells the owner to hand over only when all have answered (see [`Ordering`]).
 
-use super::{unexpected, Managed, Node, Pending};
+use super::{unexpected, Managed, Node, Ordering, Pending};
 use crate::event::Action;
 use crate::types::{Access, NodeId, NodeSet, PageNo, Prot};
 use crate::wire::Message;
@@ -100,6 +102,24 @@ pub(super) fn on_message(n: &mut Node, from: NodeId, msg: Message, out: &mut Vec
             }
             Ok(())
         }
+        Message::InvalAck { page } => {
+            if n.manager(page) != n.id {
+                return Err(unexpected(from, &msg, "this node does not manage the page"));
+            }
+            let m = n.managed(page);
+            let Some((s, Access::Write)) = m.busy else {
+                return Err(unexpected(from, &msg, "the manager is not serving a write"));
+            };
+            if !m.acks.contains(from) {
+                return Err(unexpected(from, &msg, "the sender owes no acknowledgement"));
+            }
+            m.acks.remove(from);
+            if m.acks.is_empty() {
+                let own = m.owner;
+                send_inv(n, own, page, Access::Write, s, own, out);
+            }
+            Ok(())
+        }
         _ => Err(unexpected(from, &msg, "not a message of this protocol")),
     }
 }
@@ -121,15 +141,41 @@ fn serve(n: &mut Node, page: PageNo, s: NodeId, a: Access, out: &mut Vec<Action>
             t
         }
     };
-    for x in targets.iter() {
-        let inv = Message::Inv {
-            page,
-            access: a,
-            requester: s,
-            owner: own,
-        };
-        n.send(x, inv, out);
+    if n.ordering == Ordering::Tso && a == Access::Write {
+        // The copies first; the owner, which moves the page, once they have all acknowledged.
+        let mut copies = targets;
+        copies.remove(own);
+        if !copies.is_empty() {
+            n.managed(page).acks = copies;
+            for x in copies.iter() {
+                send_inv(n, x, page, a, s, own, out);
+            }
+            return;
+        }
     }
+    for x in targets.iter() {
+        send_inv(n, x, page, a, s, own, out);
+    }
+}
+
+/// Paper: `send ⟨inv, n, a, s, o⟩ to` one target; the serving round and, under TSO, the
+/// last acknowledgement both send it.
+fn send_inv(
+    n: &mut Node,
+    to: NodeId,
+    page: PageNo,
+    access: Access,
+    requester: NodeId,
+    owner: NodeId,
+    out: &mut Vec<Action>,
+) {
+    let inv = Message::Inv {
+        page,
+        access,
+        requester,
+        owner,
+    };
+    n.send(to, inv, out);
 }
 
 /// Paper: `receive ⟨inv, n, a, s, o⟩`.
@@ -208,6 +254,10 @@ fn inv(
             // A copy holder, or an owner reached by an invalidation from an earlier round:
             // `set_prot` hides rather than drops when this node holds the only current copy.
             n.set_prot(page, Prot::None, out);
+            if n.ordering == Ordering::Tso {
+                // The copy is gone: the manager may now let the writer have the page.
+                n.send(from, Message::InvalAck { page }, out);
+            }
         }
     }
     Ok(())

@@ -1,7 +1,7 @@
 //! A simulation's parameters, written as one line so a failing run can be pasted back to
 //! replay it (`DSM_REPLAY`).
 
-use crate::node::Protocol;
+use crate::node::{Ordering, Protocol};
 use std::fmt;
 use std::str::FromStr;
 
@@ -51,6 +51,8 @@ impl FromStr for Workload {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SimConfig {
     pub protocol: Protocol,
+    /// What the guest may observe (asynchronous protocol only; Ivy ignores it).
+    pub ordering: Ordering,
     pub seed: u64,
     /// 2 to 16 in the tests; anything up to `MAX_NODES` works.
     pub nodes: u16,
@@ -74,6 +76,7 @@ impl SimConfig {
     pub fn new(protocol: Protocol, seed: u64) -> SimConfig {
         SimConfig {
             protocol,
+            ordering: Ordering::default(),
             seed,
             nodes: 4,
             vcpus: 2,
@@ -91,8 +94,9 @@ impl fmt::Display for SimConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} nodes={} vcpus={} pages={} steps={} delay={} local={} think={} workload={} seed={:#x}",
+            "{} ordering={} nodes={} vcpus={} pages={} steps={} delay={} local={} think={} workload={} seed={:#x}",
             self.protocol.name(),
+            self.ordering.name(),
             self.nodes,
             self.vcpus,
             self.pages,
@@ -137,6 +141,13 @@ impl FromStr for SimConfig {
                 "think" => c.think = num()?,
                 "seed" => c.seed = num()?,
                 "workload" => c.workload = v.parse()?,
+                "ordering" => {
+                    c.ordering = match v {
+                        "tso" => Ordering::Tso,
+                        "paper" => Ordering::Paper,
+                        _ => return Err(format!("ordering={v:?}: expected tso or paper")),
+                    }
+                }
                 _ => return Err(format!("unknown key {k:?}")),
             }
         }
