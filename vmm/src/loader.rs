@@ -7,7 +7,7 @@ use linux_loader::loader::bzimage::BzImage;
 use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::KernelLoader;
 use std::io::{Cursor, Read, Seek, SeekFrom};
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 /// How the BSP enters the loaded kernel.
 #[derive(Clone, Copy, Debug)]
@@ -36,6 +36,10 @@ pub enum LoadError {
         what: &'static str,
         source: linux_loader::loader::Error,
     },
+    #[error(
+        "kernel {path}: the image ends at {end:#x}, outside guest RAM; give the VM more --memory"
+    )]
+    OutsideRam { path: String, end: u64 },
 }
 
 /// What `bytes` at the start of a file look like.
@@ -85,7 +89,7 @@ fn load_image<F: Read + Seek + vm_memory::ReadVolatile>(
             source,
         })?;
     let high = Some(GuestAddress(HIGH_MEMORY_START));
-    match sniff(&head) {
+    let (entry, end) = match sniff(&head) {
         Some("ELF") => {
             let r = Elf::load(mem, None, image, high).map_err(|source| LoadError::Load {
                 path: path.clone(),
@@ -116,8 +120,17 @@ fn load_image<F: Read + Seek + vm_memory::ReadVolatile>(
                 r.kernel_end,
             ))
         }
-        None => Err(LoadError::NotAKernel(path)),
+        None => Err(LoadError::NotAKernel(path.clone())),
+    }?;
+    // linux-loader copies only a segment's file bytes and trusts its memory size, so an ELF
+    // can claim a BSS far past guest RAM; the end is where the initrd search starts.
+    if end
+        .checked_sub(1)
+        .is_some_and(|last| !mem.address_in_range(GuestAddress(last)))
+    {
+        return Err(LoadError::OutsideRam { path, end });
     }
+    Ok((entry, end))
 }
 
 fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -158,6 +171,24 @@ mod tests {
         let k = KernelImage::File("/nonexistent/vmlinux".into());
         let e = load_kernel(&mem(), &k).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/vmlinux"), "{e}");
+    }
+
+    /// Found by the kernel_image fuzz target: a PT_LOAD whose memory size runs 512 MiB past
+    /// its file bytes loaded "successfully" and reported an end far outside guest RAM.
+    #[test]
+    fn elf_whose_memory_size_runs_past_guest_ram_is_refused() {
+        let mut elf = crate::testing::pvh_elf(&[0xf4]);
+        // p_memsz of the first program header (at 64 + 40).
+        elf[104..112].copy_from_slice(&0x2000_0007u64.to_le_bytes());
+        let k = KernelImage::Bytes {
+            name: "bss.elf".into(),
+            data: Arc::from(elf),
+        };
+        let e = load_kernel(&mem(), &k).unwrap_err().to_string();
+        assert!(
+            e.contains("bss.elf") && e.contains("outside guest RAM") && e.contains("--memory"),
+            "{e}"
+        );
     }
 
     #[test]
