@@ -15,6 +15,7 @@ use crate::virtio::block::{Block, BlockConfig, CacheMode, SECTOR_SIZE};
 use crate::virtio::driver::{Desc, Driver, DATA, HDR, INDIRECT, MEM_SIZE, QSIZE, RING, STATUS};
 use crate::virtio::mmio::{MMIO_MAGIC, MMIO_SIZE, MMIO_VERSION};
 use crate::virtio::pmem::{Pmem, VIRTIO_PMEM_RESP_OK};
+use dsm::rng::Rng;
 use std::io::Write;
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_mmio::*;
@@ -97,6 +98,66 @@ pub fn virtio_pmem(data: &[u8]) -> Result<(), String> {
     d.bring_up(u32::from(QSIZE));
     play(&mut d, &mut script)?;
     pmem_alive(&mut d, fail_flush)
+}
+
+/// Drives fuzz target `name` for CI without a fuzzer: first on each input that once found a
+/// bug (the files in `fuzz/regressions/NAME/`), then on each of `samples` (valid inputs), then
+/// on `count` inputs made from the samples with seeded random changes (one in four plain
+/// random bytes), so a failure replays from the same seed. A broken rule or a panic fails
+/// with the input in hex.
+pub fn smoke(
+    name: &str,
+    target: fn(&[u8]) -> Result<(), String>,
+    samples: &[Vec<u8>],
+    seed: u64,
+    count: u64,
+) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/regressions");
+    let mut inputs: Vec<Vec<u8>> = match std::fs::read_dir(dir.join(name)) {
+        Ok(files) => files
+            .map(|f| std::fs::read(f.expect("regression entry").path()).expect("regression"))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    inputs.extend_from_slice(samples);
+    let mut rng = Rng::new(seed);
+    for _ in 0..count {
+        let input = match samples.len() as u64 {
+            n if n == 0 || rng.below(4) == 0 => {
+                let len = rng.below(400) as usize;
+                (0..len).map(|_| rng.next_u64() as u8).collect()
+            }
+            n => {
+                let mut v = samples[rng.below(n) as usize].clone();
+                for _ in 0..1 + rng.below(8) {
+                    mutate(&mut rng, &mut v);
+                }
+                v
+            }
+        };
+        inputs.push(input);
+    }
+    for input in inputs {
+        let hex = || -> String { input.iter().map(|b| format!("{b:02x}")).collect() };
+        match std::panic::catch_unwind(|| target(&input)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => panic!("input {}: {e}", hex()),
+            Err(_) => panic!("input {} panicked (message above)", hex()),
+        }
+    }
+}
+
+/// One random change: a byte replaced, a run of up to 64 bytes cut, or a byte inserted.
+fn mutate(rng: &mut Rng, v: &mut Vec<u8>) {
+    let at = rng.below(v.len() as u64 + 1) as usize;
+    match rng.below(4) {
+        0 | 1 if at < v.len() => v[at] = rng.next_u64() as u8,
+        2 if at < v.len() => {
+            let end = (at + 1 + rng.below(64) as usize).min(v.len());
+            v.drain(at..end);
+        }
+        _ => v.insert(at, rng.next_u64() as u8),
+    }
 }
 
 fn memory() -> GuestMemoryMmap {

@@ -36,10 +36,12 @@ pub enum LoadError {
         what: &'static str,
         source: linux_loader::loader::Error,
     },
-    #[error(
-        "kernel {path}: the image ends at {end:#x}, outside guest RAM; give the VM more --memory"
-    )]
-    OutsideRam { path: String, end: u64 },
+    #[error("kernel {path}: {what} {addr:#x} is outside guest RAM; give the VM more --memory")]
+    OutsideRam {
+        path: String,
+        what: &'static str,
+        addr: u64,
+    },
 }
 
 /// What `bytes` at the start of a file look like.
@@ -122,13 +124,22 @@ fn load_image<F: Read + Seek + vm_memory::ReadVolatile>(
         }
         None => Err(LoadError::NotAKernel(path.clone())),
     }?;
-    // linux-loader copies only a segment's file bytes and trusts its memory size, so an ELF
-    // can claim a BSS far past guest RAM; the end is where the initrd search starts.
-    if end
-        .checked_sub(1)
-        .is_some_and(|last| !mem.address_in_range(GuestAddress(last)))
-    {
-        return Err(LoadError::OutsideRam { path, end });
+    // linux-loader copies only a segment's file bytes and trusts its memory size and the
+    // entry address, so an ELF can claim a BSS far past guest RAM (the initrd is placed above
+    // the end) or start where there is no memory (the guest would crash on its first
+    // instruction): both are refused here, with a fix the user can apply.
+    let entry_addr = match entry {
+        EntryPoint::Pvh(a) => a,
+        EntryPoint::Linux64 { entry, .. } => entry,
+    };
+    let last = end.checked_sub(1);
+    for (what, addr) in [
+        ("the image's last byte", last),
+        ("the entry point", Some(entry_addr)),
+    ] {
+        if let Some(addr) = addr.filter(|a| !mem.address_in_range(GuestAddress(*a))) {
+            return Err(LoadError::OutsideRam { path, what, addr });
+        }
     }
     Ok((entry, end))
 }
@@ -187,6 +198,25 @@ mod tests {
         let e = load_kernel(&mem(), &k).unwrap_err().to_string();
         assert!(
             e.contains("bss.elf") && e.contains("outside guest RAM") && e.contains("--memory"),
+            "{e}"
+        );
+    }
+
+    /// Found by the kernel_image fuzz target: an ELF whose entry lies past guest RAM (a real
+    /// vmlinux's 16 MiB entry in an 8 MiB VM) would start a guest that crashes at once.
+    #[test]
+    fn elf_entered_outside_guest_ram_is_refused() {
+        let mut elf = crate::testing::pvh_elf(&[0xf4]);
+        // Drop the PVH note (program header 1 becomes PT_NULL) and point e_entry at 64 MiB.
+        elf[120..124].copy_from_slice(&0u32.to_le_bytes());
+        elf[24..32].copy_from_slice(&0x400_0000u64.to_le_bytes());
+        let k = KernelImage::Bytes {
+            name: "far.elf".into(),
+            data: Arc::from(elf),
+        };
+        let e = load_kernel(&mem(), &k).unwrap_err().to_string();
+        assert!(
+            e.contains("far.elf") && e.contains("entry point 0x4000000 is outside guest RAM"),
             "{e}"
         );
     }
