@@ -184,18 +184,24 @@ mod tests {
         assert!(e.contains("/nonexistent/vmlinux"), "{e}");
     }
 
-    /// Found by the kernel_image fuzz target: a PT_LOAD whose memory size runs 512 MiB past
-    /// its file bytes loaded "successfully" and reported an end far outside guest RAM.
+    /// The error for loading `image` under `name`; it must fail.
+    fn refusal(name: &str, image: Vec<u8>) -> String {
+        let k = KernelImage::Bytes {
+            name: name.into(),
+            data: Arc::from(image),
+        };
+        load_kernel(&mem(), &k).unwrap_err().to_string()
+    }
+
+    /// Found by the kernel_image fuzzing entry point: a PT_LOAD whose memory size runs
+    /// 512 MiB past its file bytes loaded "successfully" and reported an end far outside
+    /// guest RAM, where the builder then looked for room for the initrd.
     #[test]
     fn elf_whose_memory_size_runs_past_guest_ram_is_refused() {
         let mut elf = crate::testing::pvh_elf(&[0xf4]);
         // p_memsz of the first program header (at 64 + 40).
         elf[104..112].copy_from_slice(&0x2000_0007u64.to_le_bytes());
-        let k = KernelImage::Bytes {
-            name: "bss.elf".into(),
-            data: Arc::from(elf),
-        };
-        let e = load_kernel(&mem(), &k).unwrap_err().to_string();
+        let e = refusal("bss.elf", elf);
         assert!(
             e.contains("bss.elf") && e.contains("outside guest RAM") && e.contains("--memory"),
             "{e}"
@@ -203,18 +209,14 @@ mod tests {
     }
 
     /// Found by the kernel_image fuzz target: an ELF whose entry lies past guest RAM (a real
-    /// vmlinux's 16 MiB entry in an 8 MiB VM) would start a guest that crashes at once.
+    /// vmlinux's 16 MiB entry in a small VM) started a guest that crashed at once.
     #[test]
     fn elf_entered_outside_guest_ram_is_refused() {
         let mut elf = crate::testing::pvh_elf(&[0xf4]);
         // Drop the PVH note (program header 1 becomes PT_NULL) and point e_entry at 64 MiB.
         elf[120..124].copy_from_slice(&0u32.to_le_bytes());
         elf[24..32].copy_from_slice(&0x400_0000u64.to_le_bytes());
-        let k = KernelImage::Bytes {
-            name: "far.elf".into(),
-            data: Arc::from(elf),
-        };
-        let e = load_kernel(&mem(), &k).unwrap_err().to_string();
+        let e = refusal("far.elf", elf);
         assert!(
             e.contains("far.elf") && e.contains("entry point 0x4000000 is outside guest RAM"),
             "{e}"
