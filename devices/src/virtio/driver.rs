@@ -1,8 +1,9 @@
 //! A guest driver for device tests: mock guest memory, one split ring laid out in it, the
 //! transport's registers written as a guest would, and the used ring read back.
 //!
-//! Tests of the transport, virtio-blk and virtio-pmem all drive their device through this,
-//! so a request is built the same way everywhere and only the device's own framing differs.
+//! Tests of the transport, virtio-blk and virtio-pmem and the fuzzing entry points all drive
+//! their device through this, so a request is built the same way everywhere and only the
+//! device's own framing (at the end of this file) differs.
 
 use crate::irq::test_util::CountingIrq;
 use crate::virtio::pmem::VIRTIO_PMEM_REQ_TYPE_FLUSH;
