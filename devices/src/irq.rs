@@ -60,11 +60,12 @@ impl vm_superio::Trigger for SuperioTrigger {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzzing"))]
+#[cfg_attr(not(test), allow(dead_code))] // the fuzzing entry points only count nothing
 pub(crate) mod test_util {
     use super::*;
 
-    /// Counts triggers, for device tests.
+    /// Counts triggers, for device tests and the fuzzing entry points.
     #[derive(Default)]
     pub struct CountingIrq(pub AtomicU64);
 

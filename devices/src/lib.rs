@@ -4,6 +4,8 @@
 //! through [`Irq`], and are reached through the `vm-device` bus traits, so each can be tested
 //! with mock memory and a counting interrupt line.
 
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod irq;
 pub mod legacy;
 pub mod virtio;

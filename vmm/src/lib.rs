@@ -10,6 +10,8 @@ pub mod config;
 mod control;
 mod device_manager;
 mod exit;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod io_thread;
 mod irq;
 mod loader;

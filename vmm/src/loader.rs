@@ -7,7 +7,7 @@ use linux_loader::loader::bzimage::BzImage;
 use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::KernelLoader;
 use std::io::{Cursor, Read, Seek, SeekFrom};
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 /// How the BSP enters the loaded kernel.
 #[derive(Clone, Copy, Debug)]
@@ -35,6 +35,12 @@ pub enum LoadError {
         path: String,
         what: &'static str,
         source: linux_loader::loader::Error,
+    },
+    #[error("kernel {path}: {what} {addr:#x} is outside guest RAM; give the VM more --memory")]
+    OutsideRam {
+        path: String,
+        what: &'static str,
+        addr: u64,
     },
 }
 
@@ -85,7 +91,7 @@ fn load_image<F: Read + Seek + vm_memory::ReadVolatile>(
             source,
         })?;
     let high = Some(GuestAddress(HIGH_MEMORY_START));
-    match sniff(&head) {
+    let (entry, end) = match sniff(&head) {
         Some("ELF") => {
             let r = Elf::load(mem, None, image, high).map_err(|source| LoadError::Load {
                 path: path.clone(),
@@ -116,8 +122,26 @@ fn load_image<F: Read + Seek + vm_memory::ReadVolatile>(
                 r.kernel_end,
             ))
         }
-        None => Err(LoadError::NotAKernel(path)),
+        None => Err(LoadError::NotAKernel(path.clone())),
+    }?;
+    // linux-loader copies only a segment's file bytes and trusts its memory size and the
+    // entry address, so an ELF can claim a BSS far past guest RAM (the initrd is placed above
+    // the end) or start where there is no memory (the guest would crash on its first
+    // instruction): both are refused here, with a fix the user can apply.
+    let entry_addr = match entry {
+        EntryPoint::Pvh(a) => a,
+        EntryPoint::Linux64 { entry, .. } => entry,
+    };
+    let last = end.checked_sub(1);
+    for (what, addr) in [
+        ("the image's last byte", last),
+        ("the entry point", Some(entry_addr)),
+    ] {
+        if let Some(addr) = addr.filter(|a| !mem.address_in_range(GuestAddress(*a))) {
+            return Err(LoadError::OutsideRam { path, what, addr });
+        }
     }
+    Ok((entry, end))
 }
 
 fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -158,6 +182,45 @@ mod tests {
         let k = KernelImage::File("/nonexistent/vmlinux".into());
         let e = load_kernel(&mem(), &k).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/vmlinux"), "{e}");
+    }
+
+    /// The error for loading `image` under `name`; it must fail.
+    fn refusal(name: &str, image: Vec<u8>) -> String {
+        let k = KernelImage::Bytes {
+            name: name.into(),
+            data: Arc::from(image),
+        };
+        load_kernel(&mem(), &k).unwrap_err().to_string()
+    }
+
+    /// Found by the kernel_image fuzzing entry point: a PT_LOAD whose memory size runs
+    /// 512 MiB past its file bytes loaded "successfully" and reported an end far outside
+    /// guest RAM, where the builder then looked for room for the initrd.
+    #[test]
+    fn elf_whose_memory_size_runs_past_guest_ram_is_refused() {
+        let mut elf = crate::testing::pvh_elf(&[0xf4]);
+        // p_memsz of the first program header (at 64 + 40).
+        elf[104..112].copy_from_slice(&0x2000_0007u64.to_le_bytes());
+        let e = refusal("bss.elf", elf);
+        assert!(
+            e.contains("bss.elf") && e.contains("outside guest RAM") && e.contains("--memory"),
+            "{e}"
+        );
+    }
+
+    /// Found by the kernel_image fuzz target: an ELF whose entry lies past guest RAM (a real
+    /// vmlinux's 16 MiB entry in a small VM) started a guest that crashed at once.
+    #[test]
+    fn elf_entered_outside_guest_ram_is_refused() {
+        let mut elf = crate::testing::pvh_elf(&[0xf4]);
+        // Drop the PVH note (program header 1 becomes PT_NULL) and point e_entry at 64 MiB.
+        elf[120..124].copy_from_slice(&0u32.to_le_bytes());
+        elf[24..32].copy_from_slice(&0x400_0000u64.to_le_bytes());
+        let e = refusal("far.elf", elf);
+        assert!(
+            e.contains("far.elf") && e.contains("entry point 0x4000000 is outside guest RAM"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -110,6 +110,13 @@ impl MmioTransport {
         flags.is_some_and(|f| f & VIRTQ_AVAIL_F_NO_INTERRUPT != 0)
     }
 
+    /// Queue `index` as the device holds it, so the fuzzing checks can find the rings the
+    /// driver's register writes actually set up.
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn queue(&self, index: usize) -> Option<&Queue> {
+        self.queues.get(index)
+    }
+
     /// Queues the device has, so the VMM can give each its own doorbell.
     pub fn num_queues(&self) -> usize {
         self.queues.len()

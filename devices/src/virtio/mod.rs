@@ -110,6 +110,10 @@ pub trait VirtioDevice {
     }
 }
 
+/// The guest driver of the device tests, shared with the fuzzing entry points.
+#[cfg(any(test, feature = "fuzzing"))]
+#[cfg_attr(not(test), allow(dead_code))] // the fuzzing entry points use only part of it
+pub(crate) mod driver;
 #[cfg(test)]
 mod tests;
 

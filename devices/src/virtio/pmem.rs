@@ -173,7 +173,7 @@ pub fn parse_config(config: &[u8; CONFIG_LEN]) -> (u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::virtio::tests::driver::{Driver, DATA as RESP, HDR as REQ, N, QSIZE, W};
+    use crate::virtio::driver::{Driver, DATA as RESP, HDR as REQ, N, QSIZE, W};
     use std::sync::atomic::{AtomicU64, Ordering as AO};
     use std::sync::Arc;
     use virtio_bindings::virtio_mmio::*;
@@ -200,25 +200,6 @@ mod tests {
             }),
         );
         (Driver::up(pmem), flushes)
-    }
-
-    /// virtio-pmem framing on top of the driver: request at REQ, response at RESP.
-    impl Driver {
-        fn response(&self) -> u32 {
-            self.mem.read_obj(GuestAddress(RESP)).unwrap()
-        }
-
-        fn clear_response(&self) {
-            self.mem.write_obj(0xffu32, GuestAddress(RESP)).unwrap();
-        }
-
-        fn flush_request(&mut self) {
-            self.mem
-                .write_obj(VIRTIO_PMEM_REQ_TYPE_FLUSH, GuestAddress(REQ))
-                .unwrap();
-            self.clear_response();
-            self.submit(&[(REQ, 4, N), (RESP, 4, W)]);
-        }
     }
 
     #[test]

@@ -1,11 +1,9 @@
 //! Transport and virtio-blk driven the way a guest driver would, over mock guest memory.
 
-pub(super) mod driver;
-
 use super::block::{Block, BlockConfig, BlockError, CacheMode, MAX_CHAIN_DESCRIPTORS};
+use super::driver::{Driver, DATA, HDR, INDIRECT, MEM_SIZE, N, QSIZE, RING, STATUS, W};
 use super::mmio::{MMIO_MAGIC, MMIO_VENDOR_ID};
 use super::VirtioStats;
-use driver::{Driver, DATA, HDR, INDIRECT, MEM_SIZE, N, QSIZE, RING, STATUS, W};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 use virtio_bindings::virtio_blk::*;
@@ -60,40 +58,8 @@ fn rw_disk() -> (tempfile::NamedTempFile, Driver) {
     disk(false, CacheMode::Writeback)
 }
 
-/// virtio-blk framing on top of the driver: header at HDR, data at DATA, status at STATUS.
+/// virtio-blk framing the tests alone use; the rest is in the driver.
 impl Driver {
-    fn header(&self, ty: u32, sector: u64) {
-        let mut h = [0u8; 16];
-        h[0..4].copy_from_slice(&ty.to_le_bytes());
-        h[8..16].copy_from_slice(&sector.to_le_bytes());
-        self.mem.write_slice(&h, GuestAddress(HDR)).unwrap();
-        self.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
-    }
-
-    fn status_byte(&self) -> u8 {
-        self.mem.read_obj(GuestAddress(STATUS)).unwrap()
-    }
-
-    /// Submits a standard three-part request and returns (status, used len).
-    fn request(&mut self, ty: u32, sector: u64, data_len: u32, data_writable: bool) -> (u8, u32) {
-        self.header(ty, sector);
-        let mut descs = vec![(HDR, 16, 0)];
-        if data_len > 0 {
-            descs.push((DATA, data_len, if data_writable { W } else { 0 }));
-        }
-        descs.push((STATUS, 1, W));
-        self.submit(&descs);
-        let (id, len) = self.next_used();
-        assert_eq!(id, 0);
-        (self.status_byte(), len)
-    }
-
-    /// A standard request that must end with `status`.
-    fn expect(&mut self, status: u32, ty: u32, sector: u64, data_len: u32, writable: bool) {
-        let (s, _) = self.request(ty, sector, data_len, writable);
-        assert_eq!(s, status as u8, "type {ty} sector {sector} len {data_len}");
-    }
-
     /// The used element of a chain the test just submitted, and its status byte.
     fn served(&mut self) -> ((u32, u32), u8) {
         (self.next_used(), self.status_byte())
@@ -103,11 +69,6 @@ impl Driver {
         let mut v = vec![0u8; len];
         self.mem.read_slice(&mut v, GuestAddress(DATA)).unwrap();
         v
-    }
-
-    fn alive(&mut self) {
-        // A well-formed request still works after whatever the test did.
-        self.expect(VIRTIO_BLK_S_OK, VIRTIO_BLK_T_GET_ID, 0, 20, true);
     }
 }
 

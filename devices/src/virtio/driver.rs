@@ -1,12 +1,15 @@
 //! A guest driver for device tests: mock guest memory, one split ring laid out in it, the
 //! transport's registers written as a guest would, and the used ring read back.
 //!
-//! Tests of the transport, virtio-blk and virtio-pmem all drive their device through this,
-//! so a request is built the same way everywhere and only the device's own framing differs.
+//! Tests of the transport, virtio-blk and virtio-pmem and the fuzzing entry points all drive
+//! their device through this, so a request is built the same way everywhere and only the
+//! device's own framing (at the end of this file) differs.
 
 use crate::irq::test_util::CountingIrq;
+use crate::virtio::pmem::VIRTIO_PMEM_REQ_TYPE_FLUSH;
 use crate::virtio::{MmioTransport, VirtioDevice};
 use std::sync::Arc;
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_GET_ID};
 use virtio_bindings::virtio_config::*;
 use virtio_bindings::virtio_mmio::*;
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
@@ -46,6 +49,11 @@ impl Driver {
     /// `device` behind a transport, as the guest finds it: not yet negotiated.
     pub fn new(device: impl VirtioDevice + Send + 'static) -> Driver {
         let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
+        Driver::new_in(device, mem)
+    }
+
+    /// `device` over `mem`, which must hold the rings and the request areas above.
+    pub fn new_in(device: impl VirtioDevice + Send + 'static, mem: GuestMemoryMmap) -> Driver {
         let irq = Arc::new(CountingIrq::default());
         let t = MmioTransport::new(Box::new(device), mem.clone(), irq.clone());
         Driver {
@@ -254,5 +262,70 @@ impl Driver {
     pub fn last_used(&self) -> (u16, u32) {
         let idx = self.used_idx();
         (idx, self.used_elem(idx.wrapping_sub(1)).len())
+    }
+}
+
+/// virtio-blk framing: header at HDR, data at DATA, status at STATUS.
+impl Driver {
+    pub fn header(&self, ty: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&ty.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        self.mem.write_slice(&h, GuestAddress(HDR)).unwrap();
+        self.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+    }
+
+    pub fn status_byte(&self) -> u8 {
+        self.mem.read_obj(GuestAddress(STATUS)).unwrap()
+    }
+
+    /// Submits a standard three-part request and returns (status, used len).
+    pub fn request(
+        &mut self,
+        ty: u32,
+        sector: u64,
+        data_len: u32,
+        data_writable: bool,
+    ) -> (u8, u32) {
+        self.header(ty, sector);
+        let mut descs = vec![(HDR, 16, 0)];
+        if data_len > 0 {
+            descs.push((DATA, data_len, if data_writable { W } else { 0 }));
+        }
+        descs.push((STATUS, 1, W));
+        self.submit(&descs);
+        let (id, len) = self.next_used();
+        assert_eq!(id, 0);
+        (self.status_byte(), len)
+    }
+
+    /// A standard request that must end with `status`.
+    pub fn expect(&mut self, status: u32, ty: u32, sector: u64, data_len: u32, writable: bool) {
+        let (s, _) = self.request(ty, sector, data_len, writable);
+        assert_eq!(s, status as u8, "type {ty} sector {sector} len {data_len}");
+    }
+
+    /// A well-formed request still works after whatever came before.
+    pub fn alive(&mut self) {
+        self.expect(VIRTIO_BLK_S_OK, VIRTIO_BLK_T_GET_ID, 0, 20, true);
+    }
+}
+
+/// virtio-pmem framing: request at HDR, response at DATA.
+impl Driver {
+    pub fn response(&self) -> u32 {
+        self.mem.read_obj(GuestAddress(DATA)).unwrap()
+    }
+
+    pub fn clear_response(&self) {
+        self.mem.write_obj(0xffu32, GuestAddress(DATA)).unwrap();
+    }
+
+    pub fn flush_request(&mut self) {
+        self.mem
+            .write_obj(VIRTIO_PMEM_REQ_TYPE_FLUSH, GuestAddress(HDR))
+            .unwrap();
+        self.clear_response();
+        self.submit(&[(HDR, 4, N), (DATA, 4, W)]);
     }
 }

@@ -1,0 +1,584 @@
+//! Entry points shared by the cargo-fuzz targets (`fuzz/`) and the seeded smoke tests: each
+//! plays arbitrary bytes as a hostile guest against one virtio device over mock guest memory
+//! and checks what must hold whatever the guest does.
+//!
+//! The bytes are a script of guest actions (register reads and writes of any width, bytes and
+//! descriptors written into guest memory, chains published, queues notified, the device reset
+//! and renegotiated). Checked on every notification: the device puts on the used ring only
+//! chains that were available, in order, each with a used length no larger than the
+//! device-writable bytes of its chain. Checked at the end: the device still answers its
+//! registers, and after a reset it serves a well-formed request. A panic anywhere is a finding
+//! too; an access outside guest memory shows as a vm-memory error (or, under the fuzzer's
+//! address sanitizer, as a crash). Each entry point returns the first broken rule.
+
+use crate::virtio::block::{Block, BlockConfig, CacheMode, SECTOR_SIZE};
+use crate::virtio::driver::{Desc, Driver, DATA, HDR, INDIRECT, MEM_SIZE, QSIZE, RING, STATUS};
+use crate::virtio::mmio::{MMIO_MAGIC, MMIO_SIZE, MMIO_VERSION};
+use crate::virtio::pmem::{Pmem, VIRTIO_PMEM_RESP_OK};
+use dsm::rng::Rng;
+use virtio_bindings::virtio_blk::*;
+use virtio_bindings::virtio_mmio::*;
+use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::{Descriptor, VirtqUsedElem};
+use virtio_queue::QueueT;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+/// A hole in the mock guest memory, so buffers can straddle two regions or end in nothing.
+const HOLE: (u64, u64) = (0x40_0000, 0x41_0000);
+/// Actions played per input at most; inputs are short anyway, this only bounds the work.
+const MAX_ACTIONS: usize = 512;
+/// Descriptors followed when bounding a chain: more than any device walks (virtio-blk stops
+/// at 1024), so the bound covers every prefix a device may serve.
+const MAX_WALK: usize = 4096;
+/// Disk of the virtio-blk target: small, so sectors near its end are easy to hit.
+const DISK_SECTORS: u64 = 64;
+
+/// Registers a driver uses, so most register actions hit one rather than a hole.
+const REGISTERS: [u32; 24] = [
+    VIRTIO_MMIO_MAGIC_VALUE,
+    VIRTIO_MMIO_VERSION,
+    VIRTIO_MMIO_DEVICE_ID,
+    VIRTIO_MMIO_DEVICE_FEATURES,
+    VIRTIO_MMIO_DEVICE_FEATURES_SEL,
+    VIRTIO_MMIO_DRIVER_FEATURES,
+    VIRTIO_MMIO_DRIVER_FEATURES_SEL,
+    VIRTIO_MMIO_QUEUE_SEL,
+    VIRTIO_MMIO_QUEUE_NUM_MAX,
+    VIRTIO_MMIO_QUEUE_NUM,
+    VIRTIO_MMIO_QUEUE_READY,
+    VIRTIO_MMIO_QUEUE_NOTIFY,
+    VIRTIO_MMIO_INTERRUPT_STATUS,
+    VIRTIO_MMIO_INTERRUPT_ACK,
+    VIRTIO_MMIO_STATUS,
+    VIRTIO_MMIO_QUEUE_DESC_LOW,
+    VIRTIO_MMIO_QUEUE_DESC_HIGH,
+    VIRTIO_MMIO_QUEUE_AVAIL_LOW,
+    VIRTIO_MMIO_QUEUE_AVAIL_HIGH,
+    VIRTIO_MMIO_QUEUE_USED_LOW,
+    VIRTIO_MMIO_QUEUE_USED_HIGH,
+    VIRTIO_MMIO_SHM_SEL,
+    VIRTIO_MMIO_CONFIG_GENERATION,
+    VIRTIO_MMIO_CONFIG,
+];
+
+/// The virtio-mmio transport from power-on: feature negotiation, queue registers and
+/// notifications in any order, with a virtio-pmem device behind it (it does no host I/O, so
+/// the run is all transport).
+pub fn mmio_transport(data: &[u8]) -> Result<(), String> {
+    let mut script = Script(data);
+    let fail_flush = script.byte() & 1 == 1;
+    let mut d = Driver::new_in(pmem(fail_flush), memory());
+    play(&mut d, &mut script)?;
+    pmem_alive(&mut d, fail_flush)
+}
+
+/// virtio-blk requests on a live queue: header, data and status descriptors of any shape,
+/// direct and indirect, on a small disk (write-back or `O_DIRECT`, writable or read-only).
+pub fn virtio_blk(data: &[u8]) -> Result<(), String> {
+    let mut script = Script(data);
+    let mode = script.byte();
+    let readonly = mode & 1 == 1;
+    let direct = mode & 2 == 2;
+    let block = disk(readonly, direct)?;
+    let mut d = Driver::new_in(block, memory());
+    d.bring_up(u32::from(QSIZE));
+    play(&mut d, &mut script)?;
+    finish(&mut d)?;
+    d.restart();
+    d.alive();
+    Ok(())
+}
+
+/// virtio-pmem requests on a live queue, the host flush succeeding or failing.
+pub fn virtio_pmem(data: &[u8]) -> Result<(), String> {
+    let mut script = Script(data);
+    let fail_flush = script.byte() & 1 == 1;
+    let mut d = Driver::new_in(pmem(fail_flush), memory());
+    d.bring_up(u32::from(QSIZE));
+    play(&mut d, &mut script)?;
+    pmem_alive(&mut d, fail_flush)
+}
+
+/// Drives fuzz target `name` for CI without a fuzzer: first on each input that once found a
+/// bug (the files in `fuzz/regressions/NAME/`), then on each of `samples` (valid inputs), then
+/// on `count` inputs made from the samples with seeded random changes (one in four plain
+/// random bytes), so a failure replays from the same seed. A broken rule or a panic fails
+/// with the input in hex.
+pub fn smoke(
+    name: &str,
+    target: fn(&[u8]) -> Result<(), String>,
+    samples: &[Vec<u8>],
+    seed: u64,
+    count: u64,
+) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/regressions");
+    let mut inputs: Vec<Vec<u8>> = match std::fs::read_dir(dir.join(name)) {
+        Ok(files) => files
+            .map(|f| std::fs::read(f.expect("regression entry").path()).expect("regression"))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    inputs.extend_from_slice(samples);
+    let mut rng = Rng::new(seed);
+    for _ in 0..count {
+        let input = match samples.len() as u64 {
+            n if n == 0 || rng.below(4) == 0 => {
+                let len = rng.below(400) as usize;
+                (0..len).map(|_| rng.next_u64() as u8).collect()
+            }
+            n => {
+                let mut v = samples[rng.below(n) as usize].clone();
+                for _ in 0..1 + rng.below(8) {
+                    mutate(&mut rng, &mut v);
+                }
+                v
+            }
+        };
+        inputs.push(input);
+    }
+    for input in inputs {
+        let hex = || -> String { input.iter().map(|b| format!("{b:02x}")).collect() };
+        match std::panic::catch_unwind(|| target(&input)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => panic!("input {}: {e}", hex()),
+            Err(_) => panic!("input {} panicked (message above)", hex()),
+        }
+    }
+}
+
+/// One random change: a byte replaced, a run of up to 64 bytes cut, or a byte inserted.
+fn mutate(rng: &mut Rng, v: &mut Vec<u8>) {
+    let at = rng.below(v.len() as u64 + 1) as usize;
+    match rng.below(4) {
+        0 | 1 if at < v.len() => v[at] = rng.next_u64() as u8,
+        2 if at < v.len() => {
+            let end = (at + 1 + rng.below(64) as usize).min(v.len());
+            v.drain(at..end);
+        }
+        _ => v.insert(at, rng.next_u64() as u8),
+    }
+}
+
+fn memory() -> GuestMemoryMmap {
+    let top = MEM_SIZE as u64;
+    GuestMemoryMmap::from_ranges(&[
+        (GuestAddress(0), HOLE.0 as usize),
+        (GuestAddress(HOLE.1), (top - HOLE.1) as usize),
+    ])
+    .expect("the mock guest memory layout is valid")
+}
+
+fn pmem(fail_flush: bool) -> Pmem {
+    Pmem::new(
+        0x1_0000_0000,
+        2 << 20,
+        Box::new(move || {
+            if fail_flush {
+                Err(std::io::Error::from_raw_os_error(libc::EIO))
+            } else {
+                Ok(())
+            }
+        }),
+    )
+}
+
+/// A fresh image per input, so no input depends on what an earlier one wrote. The file is
+/// unlinked once the device holds it open. `O_DIRECT` needs a file system that has it, which
+/// /tmp may not be; where /var/tmp lacks it too, the write-back mode stands in.
+fn disk(readonly: bool, direct: bool) -> Result<Block, String> {
+    let mut last = String::new();
+    for (dir, cache) in [
+        ("/var/tmp", CacheMode::None),
+        ("/tmp", CacheMode::Writeback),
+    ] {
+        if cache == CacheMode::None && !direct {
+            continue;
+        }
+        // Sparse: what the disk holds does not matter to the checks.
+        let f = tempfile::NamedTempFile::new_in(dir).map_err(|e| e.to_string())?;
+        f.as_file()
+            .set_len(DISK_SECTORS * SECTOR_SIZE)
+            .map_err(|e| e.to_string())?;
+        let cfg = BlockConfig {
+            path: f.path().into(),
+            readonly,
+            cache,
+            id: "fuzz".into(),
+        };
+        match Block::new(cfg) {
+            Ok(b) => return Ok(b),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(format!("no disk for the virtio-blk target: {last}"))
+}
+
+/// The registers still answer, and after a reset a flush request is served.
+fn pmem_alive(d: &mut Driver, fail_flush: bool) -> Result<(), String> {
+    finish(d)?;
+    d.restart();
+    d.flush_request();
+    let want = if fail_flush {
+        crate::virtio::pmem::VIRTIO_PMEM_RESP_EIO
+    } else {
+        VIRTIO_PMEM_RESP_OK
+    };
+    match d.response() {
+        r if r == want => Ok(()),
+        r => Err(format!("flush after reset answered {r}, not {want}")),
+    }
+}
+
+/// The identification registers read as they did before the guest's script.
+fn finish(d: &mut Driver) -> Result<(), String> {
+    let (magic, version) = (d.read(VIRTIO_MMIO_MAGIC_VALUE), d.read(VIRTIO_MMIO_VERSION));
+    if (magic, version) != (MMIO_MAGIC, MMIO_VERSION) {
+        return Err(format!(
+            "magic {magic:#x}, version {version} after the script"
+        ));
+    }
+    d.status();
+    Ok(())
+}
+
+/// The input as a stream of little numbers; it reads as zeros once used up.
+struct Script<'a>(&'a [u8]);
+
+impl Script<'_> {
+    fn take<const N: usize>(&mut self) -> [u8; N] {
+        let mut out = [0u8; N];
+        let n = N.min(self.0.len());
+        out[..n].copy_from_slice(&self.0[..n]);
+        self.0 = &self.0[n..];
+        out
+    }
+    fn byte(&mut self) -> u8 {
+        self.take::<1>()[0]
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes(self.take())
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from_le_bytes(self.take())
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(self.take())
+    }
+
+    /// A guest-physical address: mostly one of the request areas, a ring, the memory's
+    /// edges and hole, or anything at all.
+    fn addr(&mut self) -> u64 {
+        let top = MEM_SIZE as u64;
+        let bases = [HDR, DATA, STATUS, INDIRECT, RING, HOLE.0, HOLE.1, top];
+        match self.byte() {
+            b if usize::from(b) < 4 * bases.len() => {
+                let near = i64::from(self.byte() as i8);
+                bases[usize::from(b) % bases.len()].wrapping_add_signed(near)
+            }
+            b if b < 0xf0 => u64::from(self.u32()) % (top + 0x1000),
+            _ => self.u64(),
+        }
+    }
+
+    /// A buffer length: small, sector-sized, or anything.
+    fn len(&mut self) -> u32 {
+        match self.byte() % 8 {
+            0..=2 => u32::from(self.byte()),
+            3..=5 => u32::from(self.byte() % 16) * SECTOR_SIZE as u32,
+            6 => 1 << (self.byte() % 32),
+            _ => self.u32(),
+        }
+    }
+
+    /// A register offset: a known register (width 4), or any offset and width in the window
+    /// and a little past it.
+    fn register(&mut self) -> (u64, usize) {
+        let b = self.byte();
+        if b < 0xc0 {
+            let reg = u64::from(REGISTERS[usize::from(b) % REGISTERS.len()]);
+            // Configuration fields lie at 4-byte steps past the first.
+            let field = if reg == u64::from(VIRTIO_MMIO_CONFIG) {
+                4 * u64::from(b / REGISTERS.len() as u8 % 8)
+            } else {
+                0
+            };
+            (reg + field, 4)
+        } else {
+            let offset = u64::from(self.u16()) % (MMIO_SIZE + 0x100);
+            (offset, [1, 2, 4, 8][usize::from(b) % 4])
+        }
+    }
+}
+
+/// Plays the script against the device, checking every notification.
+fn play(d: &mut Driver, s: &mut Script) -> Result<(), String> {
+    for _ in 0..MAX_ACTIONS {
+        if s.0.is_empty() {
+            break;
+        }
+        match s.byte() % 10 {
+            0 => {
+                let (offset, width) = s.register();
+                let value = s.u64().to_le_bytes();
+                if offset == u64::from(VIRTIO_MMIO_QUEUE_NOTIFY) && width == 4 {
+                    let index = u32::from_le_bytes(value[..4].try_into().unwrap());
+                    notify(d, index)?;
+                } else {
+                    d.write_bytes(offset, &value[..width]);
+                }
+            }
+            1 => {
+                let (offset, width) = s.register();
+                let mut buf = [0u8; 8];
+                d.read_bytes(offset, &mut buf[..width]);
+            }
+            2 => {
+                let addr = s.addr();
+                let n = usize::from(s.byte() % 65).min(s.0.len());
+                let (bytes, rest) = s.0.split_at(n);
+                s.0 = rest;
+                // Writes that miss guest memory are the driver's mistake; nothing to check.
+                let _ = d.mem.write_slice(bytes, GuestAddress(addr));
+            }
+            3 => {
+                let table = if s.byte() & 1 == 0 { RING } else { INDIRECT };
+                let index = u64::from(s.byte() % 32);
+                let desc = descriptor(s);
+                d.write_table(table + 16 * index, &[desc]);
+            }
+            4 => {
+                let head = if s.byte() < 0xf0 {
+                    u16::from(s.byte() % 32)
+                } else {
+                    s.u16()
+                };
+                d.publish(head);
+            }
+            5 => {
+                let index = u32::from(s.byte() % 2);
+                notify(d, index)?;
+            }
+            6 => {
+                let ty = match s.byte() % 6 {
+                    0 => VIRTIO_BLK_T_IN,
+                    1 => VIRTIO_BLK_T_OUT,
+                    2 => VIRTIO_BLK_T_FLUSH,
+                    3 => VIRTIO_BLK_T_GET_ID,
+                    _ => s.u32(),
+                };
+                let sector = match s.byte() % 4 {
+                    0 => u64::from(s.byte()) % (DISK_SECTORS + 2),
+                    1 => DISK_SECTORS - u64::from(s.byte() % 4),
+                    2 => u64::MAX / SECTOR_SIZE + u64::from(s.byte() % 3),
+                    _ => s.u64(),
+                };
+                d.header(ty, sector);
+            }
+            7 => {
+                // A chain of up to four parts, linked as a driver links them, then notified.
+                let parts = 1 + usize::from(s.byte() % 4);
+                let descs: Vec<(u64, u32, u16)> = (0..parts)
+                    .map(|_| {
+                        let (addr, len, flags, _) = descriptor(s);
+                        (addr, len, flags)
+                    })
+                    .collect();
+                d.chain(&descs);
+                notify(d, 0)?;
+            }
+            8 => {
+                // Reset and bring the device up again with whatever the script asks for.
+                let drop_bits = if s.byte() & 1 == 0 { 0 } else { s.u64() };
+                let size = match s.byte() % 4 {
+                    0 | 1 => u32::from(QSIZE),
+                    2 => 1 << (s.byte() % 10),
+                    _ => s.u32(),
+                };
+                d.negotiate(drop_bits);
+                d.setup_queue(size);
+                d.driver_ok();
+                d.avail_idx = 0;
+            }
+            _ => {
+                if s.byte() & 1 == 0 {
+                    d.set_avail_idx(s.u16());
+                } else {
+                    d.set_avail_flags(s.u16());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A descriptor as a buggy or hostile driver may write it.
+fn descriptor(s: &mut Script) -> Desc {
+    let addr = s.addr();
+    let len = s.len();
+    let f = s.byte();
+    let mut flags = 0;
+    for (bit, flag) in [
+        (1, VRING_DESC_F_NEXT),
+        (2, VRING_DESC_F_WRITE),
+        (4, VRING_DESC_F_INDIRECT),
+    ] {
+        if f & bit != 0 {
+            flags |= flag as u16;
+        }
+    }
+    if f & 0x80 != 0 {
+        flags |= s.u16();
+    }
+    let next = if f & 0x40 != 0 {
+        s.u16()
+    } else {
+        u16::from(s.byte() % 32)
+    };
+    (addr, len, flags, next)
+}
+
+/// The layout of a queue as the device holds it.
+#[derive(Clone, Copy)]
+struct Rings {
+    size: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+}
+
+/// Guest ranges a notification's checks read (tables and rings) and ranges the device may
+/// write (writable buffers and the used ring); if the two overlap, the device's own writes
+/// may change what the checks read back, and the notification is not checked.
+#[derive(Default)]
+struct Footprint {
+    read: Vec<(u64, u64)>,
+    written: Vec<(u64, u64)>,
+}
+
+impl Footprint {
+    fn aliased(&self) -> bool {
+        let overlap = |a: &(u64, u64), b: &(u64, u64)| a.0 < b.1 && b.0 < a.1;
+        self.written
+            .iter()
+            .any(|w| self.read.iter().any(|r| overlap(w, r)))
+    }
+}
+
+fn span(addr: u64, len: u64) -> (u64, u64) {
+    (addr, addr.saturating_add(len))
+}
+
+/// Notifies queue `index` and checks what the device put on its used ring.
+fn notify(d: &mut Driver, index: u32) -> Result<(), String> {
+    let before = d.t.queue(index as usize).filter(|q| q.ready()).map(|q| {
+        let rings = Rings {
+            size: q.size(),
+            desc: q.desc_table(),
+            avail: q.avail_ring(),
+            used: q.used_ring(),
+        };
+        (rings, q.next_avail(), q.next_used())
+    });
+    let expected = before.and_then(|(rings, next_avail, _)| pending(&d.mem, rings, next_avail));
+    d.write(VIRTIO_MMIO_QUEUE_NOTIFY, index);
+    let (Some((rings, _, used_before)), Some(expected)) = (before, expected) else {
+        return Ok(());
+    };
+    let used_after =
+        d.t.queue(index as usize)
+            .map_or(used_before, |q| q.next_used());
+    let served = used_after.wrapping_sub(used_before);
+    if usize::from(served) > expected.len() {
+        return Err(format!(
+            "queue {index}: {served} used entries for {} available chains",
+            expected.len()
+        ));
+    }
+    for (k, &(head, bound)) in expected.iter().take(usize::from(served)).enumerate() {
+        let slot = used_before.wrapping_add(k as u16) % rings.size;
+        let at = rings.used + 4 + 8 * u64::from(slot);
+        let elem: VirtqUsedElem = d
+            .mem
+            .read_obj(GuestAddress(at))
+            .map_err(|e| format!("queue {index}: used element {slot} unreadable: {e}"))?;
+        if elem.id() != u32::from(head) {
+            return Err(format!(
+                "queue {index}: used entry {k} is chain {}, but chain {head} was next",
+                elem.id()
+            ));
+        }
+        if u64::from(elem.len()) > bound {
+            return Err(format!(
+                "queue {index}: chain {head} used with length {}, but its writable \
+                 buffers hold {bound} bytes",
+                elem.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The chains available to the device, in order, each with the writable bytes it has; `None`
+/// when the device's writes could change what the check reads back, or the ring is not
+/// readable (then the device gives up on it, which the transport handles).
+fn pending(mem: &GuestMemoryMmap, rings: Rings, next_avail: u16) -> Option<Vec<(u16, u64)>> {
+    let size = u64::from(rings.size);
+    let avail_idx: u16 = mem
+        .read_obj(GuestAddress(rings.avail.checked_add(2)?))
+        .ok()?;
+    let count = avail_idx.wrapping_sub(next_avail).min(rings.size);
+    let mut fp = Footprint::default();
+    fp.read.push(span(rings.desc, 16 * size));
+    fp.read.push(span(rings.avail, 6 + 2 * size));
+    fp.read.push(span(rings.used, 6 + 8 * size));
+    fp.written.push(span(rings.used, 6 + 8 * size));
+    let mut out = Vec::with_capacity(usize::from(count));
+    for k in 0..count {
+        let slot = u64::from(next_avail.wrapping_add(k) % rings.size);
+        let head: u16 = mem
+            .read_obj(GuestAddress(rings.avail.checked_add(4 + 2 * slot)?))
+            .ok()?;
+        out.push((head, writable_bytes(mem, rings, head, &mut fp)));
+    }
+    // The used ring may share bytes with the other rings only if the driver put it there.
+    let own = fp.written.remove(0);
+    let rings_alias = fp.read[..2].iter().any(|r| own.0 < r.1 && r.0 < own.1);
+    (!rings_alias && !fp.aliased()).then_some(out)
+}
+
+/// Sums the device-writable lengths along chain `head` as virtio-queue walks it (the ring's
+/// table, then at most one indirect table), over at least as many steps as any device takes.
+fn writable_bytes(mem: &GuestMemoryMmap, rings: Rings, head: u16, fp: &mut Footprint) -> u64 {
+    let (mut table, mut entries, mut index) = (rings.desc, rings.size, head);
+    let mut indirect = false;
+    let mut sum = 0u64;
+    for _ in 0..MAX_WALK {
+        if index >= entries {
+            break;
+        }
+        let Some(at) = table.checked_add(16 * u64::from(index)) else {
+            break;
+        };
+        let Ok(desc) = mem.read_obj::<Descriptor>(GuestAddress(at)) else {
+            break;
+        };
+        if desc.refers_to_indirect_table() {
+            if indirect || desc.len() % 16 != 0 || desc.len() / 16 > u32::from(u16::MAX) {
+                break;
+            }
+            indirect = true;
+            (table, entries, index) = (desc.addr().0, (desc.len() / 16) as u16, 0);
+            fp.read.push(span(table, u64::from(desc.len())));
+            continue;
+        }
+        if desc.is_write_only() {
+            sum += u64::from(desc.len());
+            fp.written.push(span(desc.addr().0, u64::from(desc.len())));
+        }
+        if !desc.has_next() {
+            break;
+        }
+        index = desc.next();
+    }
+    sum
+}
