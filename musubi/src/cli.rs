@@ -20,8 +20,10 @@ pub struct VmArgs {
     /// Initial ramdisk for Linux.
     #[arg(long, value_name = "PATH")]
     pub initrd: Option<PathBuf>,
-    /// Number of vCPUs (1 to 64). Default 1.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", help = format!(
+        "Number of vCPUs, 1 to {} (what the MP table holds). Default 1.",
+        config::MAX_VCPUS
+    ))]
     pub cpus: Option<u64>,
     /// Guest RAM, e.g. 256M or 2G. Default 256M.
     #[arg(long, value_name = "SIZE")]

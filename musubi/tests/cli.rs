@@ -112,6 +112,25 @@ fn zero_cpus_is_refused() {
 }
 
 #[test]
+fn more_cpus_than_the_mp_table_holds_are_refused_before_any_vm_work() {
+    let r = run(&["run", "--kernel", "probe", "--cpus", "40"]);
+    assert_eq!(r.code, Some(1), "{}", r.explain());
+    assert!(
+        r.stderr.contains("--cpus 40") && r.stderr.contains("at most 37"),
+        "{}",
+        r.explain()
+    );
+    // Refused while reading the configuration: the builder, which would report that the
+    // MP table is full once the VM and its memory exist, never ran.
+    assert!(r.stdout.is_empty(), "{}", r.explain());
+    assert!(
+        !r.stderr.contains("do not fit in the MP table"),
+        "{}",
+        r.explain()
+    );
+}
+
+#[test]
 fn help_lists_the_run_flags() {
     let r = run(&["run", "--help"]);
     assert_eq!(r.code, Some(0));

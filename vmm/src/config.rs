@@ -1,5 +1,6 @@
 //! What a user asks a VM to be: parsed from flags and JSON, validated before any KVM call.
 
+use crate::arch::x86_64::{acpi, mptable};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::PathBuf;
@@ -25,13 +26,28 @@ pub enum ConfigError {
     BadDisk { spec: String, why: String },
     #[error("--serial {0:?}: expected stdio, off or file=PATH")]
     BadSerial(String),
-    #[error("--cpus {0}: expected 1 to {max}", max = MAX_VCPUS)]
+    #[error(
+        "--cpus {0}: expected 1 to {max}; at most {max} CPUs fit in the MP table, from which \
+         guests without ACPI (the probe guest among them) learn their CPUs",
+        max = MAX_VCPUS
+    )]
     BadCpus(u64),
 }
 
-/// The MP table and KVM's default limit both allow more, but the probe guest and the tests
-/// are sized for a small machine.
-pub const MAX_VCPUS: u64 = 64;
+/// The most vCPUs a VM may have: as many as both firmware tables that list CPUs can hold,
+/// so a bad count is refused while the configuration is read, not after the VM exists. The
+/// MP table is the smaller (it must fit in the last KiB of base memory, where guests scan
+/// for it). CPUs beyond it are not described in the MADT alone: the probe guest and kernels
+/// without ACPI count CPUs from the MP table only, so they would never start those vCPUs,
+/// and two guests would disagree on how many CPUs one configuration has.
+pub const MAX_VCPUS: u8 = {
+    let (mp, madt) = (mptable::MAX_CPUS, acpi::MAX_CPUS);
+    if mp < madt {
+        mp
+    } else {
+        madt
+    }
+};
 
 /// Host page cache policy for a disk image.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -287,10 +303,10 @@ pub fn check_memory(flag: &str, value: &str, bytes: u64) -> Result<(), ConfigErr
 }
 
 pub fn check_cpus(n: u64) -> Result<u8, ConfigError> {
-    if n == 0 || n > MAX_VCPUS {
-        return Err(ConfigError::BadCpus(n));
+    match u8::try_from(n) {
+        Ok(c) if (1..=MAX_VCPUS).contains(&c) => Ok(c),
+        _ => Err(ConfigError::BadCpus(n)),
     }
-    Ok(n as u8)
 }
 
 #[cfg(test)]
@@ -362,6 +378,24 @@ mod tests {
     fn cpu_bounds() {
         assert!(check_cpus(0).is_err());
         assert_eq!(check_cpus(2).unwrap(), 2);
-        assert!(check_cpus(MAX_VCPUS + 1).is_err());
+        assert_eq!(check_cpus(37).unwrap(), 37);
+        for n in [38, 40, 64, 255, 256, u64::MAX] {
+            let e = check_cpus(n).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("--cpus {n}:")) && e.contains("at most 37"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_accepted_cpu_count_fits_both_firmware_tables() {
+        use vm_memory::{GuestAddress, GuestMemoryMmap};
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 2 << 20)]).unwrap();
+        assert_eq!(MAX_VCPUS, mptable::MAX_CPUS);
+        let n = check_cpus(u64::from(MAX_VCPUS)).unwrap();
+        mptable::write_mptable(&mem, n).unwrap();
+        acpi::write_acpi_tables(&mem, n).unwrap();
+        assert!(mptable::write_mptable(&mem, n + 1).is_err());
     }
 }
