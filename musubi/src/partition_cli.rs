@@ -1,7 +1,9 @@
 //! `musubi partition`: host partitions, each a cgroup with its own supervisor and VMs.
 
-use clap::{Args, Subcommand};
-use partition::manager::{CreateRequest, Manager, PartitionView, SupervisorState};
+use clap::{Args, Parser, Subcommand};
+use partition::manager::{
+    CreateRequest, Manager, PartitionView, StorageFile, SupervisorState, STORAGE_FILES_COMMAND,
+};
 use partition::resources::format_size;
 use partition::store::{self, VmRecord, VmState};
 use partition::ErrorKind;
@@ -70,6 +72,13 @@ enum PartitionCommand {
     /// The supervisor process itself (started by `create`).
     #[command(hide = true)]
     Supervise { name: String },
+    /// Print, as JSON, the storage files of the VM that `musubi run ARGS` would boot in this
+    /// directory (asked by `run` to check disk ownership).
+    #[command(name = STORAGE_FILES_COMMAND, hide = true)]
+    StorageFiles {
+        #[arg(last = true, value_name = "RUN ARGS")]
+        args: Vec<String>,
+    },
 }
 
 fn fail(e: partition::Error) -> ExitCode {
@@ -182,6 +191,7 @@ pub fn run(args: PartitionArgs) -> ExitCode {
             }
             Err(e) => fail(e),
         },
+        PartitionCommand::StorageFiles { args } => storage_files(&args),
         PartitionCommand::Supervise { name } => {
             match partition::supervisor::run(&m.store, &name, &program) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -190,6 +200,45 @@ pub fn run(args: PartitionArgs) -> ExitCode {
                     ExitCode::from(2)
                 }
             }
+        }
+    }
+}
+
+/// Answers `partition storage-files -- ARGS`: the VM that `musubi run ARGS` would boot is
+/// parsed by the same command-line grammar and resolved by the same `to_config`, so
+/// partition rules judge the storage the VM will really use, whether flags or the JSON file
+/// name it.
+fn storage_files(args: &[String]) -> ExitCode {
+    let argv = ["musubi", "run"].map(String::from).into_iter();
+    let vm = match crate::Cli::try_parse_from(argv.chain(args.iter().cloned())) {
+        Ok(crate::Cli {
+            command: crate::Command::Run { vm, .. },
+        }) => vm.to_config(),
+        Ok(_) => Err("the arguments after -- are not those of `musubi run`".into()),
+        Err(e) => Err(e.to_string().trim_end().to_string()),
+    };
+    let files: Vec<StorageFile> = match &vm {
+        Ok(vm) => vm
+            .storage_files()
+            .into_iter()
+            .map(|f| StorageFile {
+                flag: f.flag.to_string(),
+                path: f.path.to_path_buf(),
+            })
+            .collect(),
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    match serde_json::to_string(&files) {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("storage files: {e}");
+            ExitCode::from(2)
         }
     }
 }

@@ -6,7 +6,7 @@ use crate::proto::{self, Reply, Request, Status};
 use crate::resources::{self, format_size, CpuList};
 use crate::store::{self, check_name, now_secs, PartitionRecord, ProcId, Store, VmRecord, VmState};
 use crate::Error;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -32,6 +32,18 @@ pub struct CreateRequest {
     pub mems: Option<String>,
     pub io_weight: Option<u32>,
     pub disks: Vec<PathBuf>,
+}
+
+/// The program's hidden subcommand that lists the storage of a VM from its `run` arguments.
+pub const STORAGE_FILES_COMMAND: &str = "storage-files";
+
+/// One file a VM uses as storage, as `PROGRAM partition storage-files` reports it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct StorageFile {
+    /// How the VM names it: `--disk path` or `--pmem file`.
+    pub flag: String,
+    /// As given, relative to the VM's directory or absolute.
+    pub path: PathBuf,
 }
 
 /// How a partition's supervisor stands, as the CLI sees it.
@@ -375,28 +387,26 @@ impl Manager {
         Ok(self.store.socket(&rec.name))
     }
 
-    /// Starts a VM in partition `name`: `musubi run ARGS` under its supervisor. Disk images
-    /// named with `--disk` must not belong to another partition.
+    /// Starts a VM in partition `name`: `musubi run ARGS` under its supervisor, in `cwd`.
+    /// None of the VM's storage may belong to another partition.
     pub fn run(&self, name: &str, args: &[String], cwd: &Path) -> Result<VmRecord, Error> {
         let rec = self.store.load(name)?;
-        for disk in disk_args(args) {
-            let path = if Path::new(&disk).is_absolute() {
-                PathBuf::from(&disk)
-            } else {
-                cwd.join(&disk)
+        let others = self.store.load_all()?;
+        for file in self.storage_files(args, cwd)? {
+            // Relative paths are the VM's, which runs in `cwd`.
+            let Ok(canon) = cwd.join(&file.path).canonicalize() else {
+                continue; // `musubi run` reports a missing file itself.
             };
-            let Ok(canon) = path.canonicalize() else {
-                continue; // `musubi run` reports a missing disk itself.
-            };
-            if let Some(owner) = self
-                .store
-                .load_all()?
-                .into_iter()
+            if let Some(owner) = others
+                .iter()
                 .find(|p| p.name != rec.name && p.disks.contains(&canon))
             {
                 return Err(Error::refused(format!(
-                    "--disk {disk}: belongs to partition {}, not to {}",
-                    owner.name, rec.name
+                    "{}={}: belongs to partition {}, not to {}; a disk belongs to one partition",
+                    file.flag,
+                    file.path.display(),
+                    owner.name,
+                    rec.name
                 )));
             }
         }
@@ -410,6 +420,31 @@ impl Manager {
             Reply::Error { message } => Err(Error::refused(message)),
             other => Err(Error::system(format!("unexpected reply {other:?}"))),
         }
+    }
+
+    /// The files a VM started with `args` in `cwd` uses as storage, as the program itself
+    /// resolves them (`PROGRAM partition storage-files -- ARGS`): flags, the JSON file they
+    /// name and defaults alike, exactly as its `run` will. Arguments it cannot resolve are
+    /// refused with its message.
+    pub fn storage_files(&self, args: &[String], cwd: &Path) -> Result<Vec<StorageFile>, Error> {
+        let out = Command::new(&self.program)
+            .args(["partition", STORAGE_FILES_COMMAND, "--"])
+            .args(args)
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| Error::system(format!("{}: {e}", self.program.display())))?;
+        if !out.status.success() {
+            return Err(Error::refused(
+                String::from_utf8_lossy(&out.stderr).trim_end(),
+            ));
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| {
+            Error::system(format!(
+                "{} partition {STORAGE_FILES_COMMAND}: unreadable answer: {e}",
+                self.program.display()
+            ))
+        })
     }
 
     pub fn stop(&self, name: &str, vm: u32) -> Result<VmRecord, Error> {
@@ -478,46 +513,9 @@ fn canonical_disk(d: &Path) -> Result<PathBuf, Error> {
         .map_err(|e| Error::refused(format!("--disk {}: {e}", d.display())))
 }
 
-/// The image paths named by `--disk path=FILE,...` (or `--disk=...`) in `musubi run`
-/// arguments.
-pub fn disk_args(args: &[String]) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let value = if a == "--disk" {
-            it.next().cloned()
-        } else {
-            a.strip_prefix("--disk=").map(str::to_string)
-        };
-        if let Some(v) = value {
-            for field in v.split(',') {
-                if let Some(p) = field.strip_prefix("path=") {
-                    out.push(p.to_string());
-                }
-            }
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn disk_arguments_are_found() {
-        let args: Vec<String> = [
-            "--kernel",
-            "probe",
-            "--disk",
-            "path=a.img,readonly=on",
-            "--disk=cache=none,path=/b.img",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        assert_eq!(disk_args(&args), ["a.img", "/b.img"]);
-    }
 
     #[test]
     fn refusals_happen_before_any_cgroup_is_touched() {

@@ -3,7 +3,7 @@
 use crate::arch::x86_64::{acpi, mptable};
 use serde::{Deserialize, Serialize};
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Errors in the user's description of a VM; each names the flag or field and the value.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -239,6 +239,38 @@ pub struct VmConfig {
     pub exits: ExitsMode,
 }
 
+/// One host file a VM uses as storage, named as the user names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StorageFile<'a> {
+    /// How the file was given: `--disk path` or `--pmem file`.
+    pub flag: &'static str,
+    pub path: &'a Path,
+}
+
+impl fmt::Display for StorageFile<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}={}", self.flag, self.path.display())
+    }
+}
+
+impl VmConfig {
+    /// Every file the guest reads and writes as storage: the disks, then the memory-storage
+    /// files. Rules about who may use a file (a partition owns its disks) look here, so they
+    /// judge the configuration as resolved from flags and the JSON file alike, never a
+    /// re-reading of one of them.
+    pub fn storage_files(&self) -> Vec<StorageFile<'_>> {
+        let disks = self.disks.iter().map(|d| StorageFile {
+            flag: "--disk path",
+            path: &d.path,
+        });
+        let pmem = self.pmem.iter().map(|p| StorageFile {
+            flag: "--pmem file",
+            path: &p.file,
+        });
+        disks.chain(pmem).collect()
+    }
+}
+
 /// Parses `256M`, `2G`, `1048576`, `512K`, `1T` (binary multiples).
 pub fn parse_size(flag: &str, value: &str) -> Result<u64, ConfigError> {
     let bad = || ConfigError::BadSize {
@@ -361,6 +393,33 @@ mod tests {
             assert!(e.contains(needle), "{spec}: {e}");
             assert!(e.contains("--disk"), "{e}");
         }
+    }
+
+    #[test]
+    fn storage_files_list_disks_and_pmem_files() {
+        let vm = VmConfig {
+            kernel: KernelImage::File("k".into()),
+            cmdline: String::new(),
+            initrd: Some("initrd.img".into()),
+            cpus: 1,
+            memory: 64 << 20,
+            disks: vec![
+                "path=a.img".parse().unwrap(),
+                "path=/b.img".parse().unwrap(),
+            ],
+            pmem: vec!["file=p.img".parse().unwrap()],
+            serial: SerialMode::Off,
+            exits: ExitsMode::Kernel,
+        };
+        let files: Vec<String> = vm.storage_files().iter().map(|f| f.to_string()).collect();
+        assert_eq!(
+            files,
+            [
+                "--disk path=a.img",
+                "--disk path=/b.img",
+                "--pmem file=p.img"
+            ]
+        );
     }
 
     #[test]
