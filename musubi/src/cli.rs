@@ -123,11 +123,7 @@ impl VmArgs {
                 .collect::<Result<_, _>>()?
         };
         for d in &disks {
-            match std::fs::metadata(&d.path) {
-                Ok(m) if m.is_file() => {}
-                Ok(_) => return Err(format!("--disk {}: not a regular file", d.path.display())),
-                Err(e) => return Err(format!("--disk {}: {e}", d.path.display())),
-            }
+            config::check_storage_file("--disk path", &d.path).map_err(|e| e.to_string())?;
         }
         let pmem = if self.pmem.is_empty() {
             file.pmem

@@ -2,6 +2,8 @@
 
 mod common;
 use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 fn refused(args: &[&str], needles: &[&str]) {
     let r = run(args);
@@ -177,5 +179,88 @@ fn an_initrd_that_does_not_fit_is_refused() {
             "/nonexistent/initrd.img",
         ],
         &["--initrd", "/nonexistent/initrd.img"],
+    );
+}
+
+#[test]
+fn a_directory_or_a_fifo_is_not_a_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("pipe");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) with a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    for (path, kind) in [(dir.path(), "a directory"), (fifo.as_path(), "a FIFO")] {
+        let spec = format!("path={}", path.display());
+        refused(
+            &["run", "--kernel", "probe", "--disk", &spec],
+            &[
+                &format!("--disk {spec}"),
+                kind,
+                "expected a regular file or a block device",
+            ],
+        );
+    }
+}
+
+/// A loop device over a file, detached when dropped, also when an assertion fails.
+struct LoopDevice {
+    dev: PathBuf,
+}
+
+impl LoopDevice {
+    fn attach(file: &Path) -> LoopDevice {
+        let out = Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(file)
+            .output()
+            .unwrap_or_else(|e| panic!("this test needs losetup (util-linux): {e}"));
+        assert!(
+            out.status.success(),
+            "this test needs root and loop devices: losetup -f --show {}: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        LoopDevice {
+            dev: PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()),
+        }
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        match Command::new("losetup").arg("-d").arg(&self.dev).status() {
+            Ok(s) if s.success() => {}
+            other => eprintln!("losetup -d {}: {other:?}", self.dev.display()),
+        }
+    }
+}
+
+#[test]
+fn a_block_device_is_a_disk() {
+    const SIZE: usize = 4 << 20;
+    let dir = direct_io_dir();
+    let img = temp_image(dir.path(), "backing.img", SIZE);
+    let dev = LoopDevice::attach(&img);
+    let disk = format!("path={}", dev.dev.display());
+    let r = run_probe("blk-fill=7,blk-crc", &["--disk", &disk]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    // The guest's writes went through the device into the backing file.
+    let data = std::fs::read(&img).unwrap();
+    assert_eq!(data.len(), SIZE);
+    if let Some(o) = (0..SIZE).find(|&o| data[o] != fill_byte(o as u64, 7)) {
+        panic!("{}: byte {o:#x} is not the fill pattern", img.display());
+    }
+    let crc = format!("{:#010x}", crc32fast::hash(&data));
+    let d = &r.result("blk-crc")["disks"][0];
+    assert_eq!(d["bytes"], SIZE as u64, "{}", r.explain());
+    assert_eq!(d["crc32"], crc.as_str(), "{}", r.explain());
+    // With O_DIRECT the device's own block size sets the alignment.
+    let r = run_probe("blk-crc", &["--disk", &format!("{disk},cache=none")]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    assert_eq!(
+        r.result("blk-crc")["disks"][0]["crc32"],
+        crc.as_str(),
+        "{}",
+        r.explain()
     );
 }

@@ -24,6 +24,15 @@ pub enum ConfigError {
     },
     #[error("--disk {spec:?}: {why}; expected path=FILE[,readonly=on|off][,cache=writeback|none]")]
     BadDisk { spec: String, why: String },
+    #[error(
+        "{flag}={}: {what}; expected a regular file or a block device",
+        path.display()
+    )]
+    NotStorage {
+        flag: &'static str,
+        path: PathBuf,
+        what: String,
+    },
     #[error("--serial {0:?}: expected stdio, off or file=PATH")]
     BadSerial(String),
     #[error(
@@ -109,6 +118,40 @@ impl std::str::FromStr for DiskConfig {
             cache,
         })
     }
+}
+
+/// Checks that `path` can hold storage: a regular file or a block device (its size and,
+/// for `O_DIRECT`, its block size are the device's own). Anything else is refused before it
+/// is opened: a FIFO would block the open, a directory or character device holds no blocks.
+pub fn check_storage_file(flag: &'static str, path: &Path) -> Result<(), ConfigError> {
+    use std::os::unix::fs::FileTypeExt;
+    let refuse = |what: String| ConfigError::NotStorage {
+        flag,
+        path: path.to_path_buf(),
+        what,
+    };
+    let ft = std::fs::metadata(path)
+        .map_err(|e| {
+            refuse(match e.kind() {
+                std::io::ErrorKind::NotFound => "no such file".into(),
+                _ => e.to_string(),
+            })
+        })?
+        .file_type();
+    let what = if ft.is_file() || ft.is_block_device() {
+        return Ok(());
+    } else if ft.is_dir() {
+        "is a directory"
+    } else if ft.is_fifo() {
+        "is a FIFO"
+    } else if ft.is_char_device() {
+        "is a character device"
+    } else if ft.is_socket() {
+        "is a socket"
+    } else {
+        "is not a file"
+    };
+    Err(refuse(what.into()))
 }
 
 fn parse_on_off(v: &str) -> Option<bool> {
@@ -420,6 +463,33 @@ mod tests {
                 "--pmem file=p.img"
             ]
         );
+    }
+
+    #[test]
+    fn storage_is_a_regular_file_or_a_block_device() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("disk.img");
+        std::fs::write(&file, [0u8; 512]).unwrap();
+        check_storage_file("--disk path", &file).unwrap();
+        let fifo = dir.path().join("pipe");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) with a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for (path, what) in [
+            (dir.path().to_path_buf(), "is a directory"),
+            (fifo, "is a FIFO"),
+            ("/dev/null".into(), "is a character device"),
+            (dir.path().join("missing.img"), "no such file"),
+        ] {
+            let e = check_storage_file("--disk path", &path)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with(&format!("--disk path={}: {what};", path.display()))
+                    && e.ends_with("expected a regular file or a block device"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
