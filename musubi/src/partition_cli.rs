@@ -4,12 +4,12 @@ use clap::{Args, Parser, Subcommand};
 use partition::manager::{
     CreateRequest, Manager, PartitionView, StorageFile, SupervisorState, STORAGE_FILES_COMMAND,
 };
-use partition::resources::format_size;
 use partition::store::{self, VmRecord, VmState};
 use partition::ErrorKind;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use vmm::config::Size;
 
 #[derive(Args, Debug)]
 pub struct PartitionArgs {
@@ -340,7 +340,7 @@ fn print_table(views: &[PartitionView], m: &Manager) {
             v.record.name,
             v.record.cpus.to_string(),
             v.record.mems.to_string(),
-            format_size(v.record.memory),
+            Size(v.record.memory),
             weight_text(v),
             v.record.disks.len(),
             supervisor_text(&v.supervisor_state),
@@ -359,7 +359,7 @@ fn print_detail(v: &PartitionView) {
     println!("partition {}", r.name);
     println!("  cpus        {}", r.cpus);
     println!("  mems        {}", r.mems);
-    println!("  memory      {}", format_size(r.memory));
+    println!("  memory      {}", Size(r.memory));
     println!("  io-weight   {}", weight_text(v));
     for d in &r.disks {
         println!("  disk        {}", d.display());

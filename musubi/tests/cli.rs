@@ -54,10 +54,25 @@ fn more_memory_than_the_host_has_is_refused() {
 
 #[test]
 fn malformed_memory_is_refused() {
-    refused(
-        &["run", "--kernel", "probe", "--memory", "lots"],
-        &["--memory", "\"lots\""],
-    );
+    for (memory, why) in [
+        ("lots", "\"lots\" is not a number"),
+        ("-1G", "a size cannot be negative"),
+        ("2Q", "unknown suffix \"Q\""),
+    ] {
+        refused(
+            &["run", "--kernel", "probe", &format!("--memory={memory}")],
+            &[&format!("--memory {memory:?}: invalid size: {why}")],
+        );
+    }
+}
+
+#[test]
+fn memory_takes_decimal_sizes_as_partitions_do() {
+    let r = run_probe("hello", &["--memory", "64.5M"]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    // Guest RAM less what the boot structures below 1 MiB reserve.
+    let seen = r.result("hello")["memory_bytes"].as_u64().unwrap();
+    assert!(seen > 64 << 20 && seen < (64 << 20) + (512 << 10), "{seen}");
 }
 
 #[test]

@@ -458,7 +458,7 @@ fn regions_come_from_the_json_config_too() {
     .unwrap();
     refused(
         &["run", "--config", cfg.to_str().unwrap()],
-        &["--config", "pmem (config)", "invalid size"],
+        &["--config", "pmem[0].size", "invalid size \"lots\""],
     );
 }
 

@@ -3,7 +3,7 @@
 
 use crate::cgroup::{Host, Limits};
 use crate::proto::{self, Reply, Request, Status};
-use crate::resources::{self, format_size, CpuList};
+use crate::resources::{self, CpuList};
 use crate::store::{self, check_name, now_secs, PartitionRecord, ProcId, Store, VmRecord, VmState};
 use crate::Error;
 use serde::{Deserialize, Serialize};
@@ -11,6 +11,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use vmm::config::Size;
 
 /// How long `create` waits for a new supervisor to answer.
 const SUPERVISOR_START: Duration = Duration::from_secs(10);
@@ -105,7 +106,7 @@ impl Manager {
                 p.name,
                 self.store.dir.display(),
                 p.cpus,
-                format_size(p.memory)
+                Size(p.memory)
             )));
         }
         let cpus = CpuList::parse("--cpus", &req.cpus)?;
@@ -145,7 +146,14 @@ impl Manager {
                 mems.difference(&node_online)
             )));
         }
-        let memory = resources::parse_size("--memory", &req.memory)?;
+        let memory = vmm::config::parse_size("--memory", &req.memory)
+            .map_err(|e| Error::refused(e.to_string()))?;
+        if memory == 0 {
+            return Err(Error::refused(format!(
+                "--memory {:?}: a partition needs some memory",
+                req.memory
+            )));
+        }
         let total = resources::mem_total()?;
         let reserve = resources::host_reserve(total);
         let available = total.saturating_sub(reserve);
@@ -153,22 +161,22 @@ impl Manager {
         if granted.saturating_add(memory) > available {
             let holders: Vec<String> = others
                 .iter()
-                .map(|p| format!("{} {}", p.name, format_size(p.memory)))
+                .map(|p| format!("{} {}", p.name, Size(p.memory)))
                 .collect();
             return Err(Error::refused(format!(
                 "--memory {} for partition {}: the host can give partitions {} (MemTotal {} \
                  less a host reserve of {}){}; {} is left",
                 req.memory,
                 req.name,
-                format_size(available),
-                format_size(total),
-                format_size(reserve),
+                Size(available),
+                Size(total),
+                Size(reserve),
                 if holders.is_empty() {
                     String::new()
                 } else {
                     format!(", and partitions hold {}", holders.join(", "))
                 },
-                format_size(available.saturating_sub(granted))
+                Size(available.saturating_sub(granted))
             )));
         }
         let mut disks: Vec<PathBuf> = Vec::new();
@@ -500,15 +508,7 @@ fn host_nodes() -> CpuList {
 }
 
 fn canonical_disk(d: &Path) -> Result<PathBuf, Error> {
-    use std::os::unix::fs::FileTypeExt;
-    let meta =
-        std::fs::metadata(d).map_err(|e| Error::refused(format!("--disk {}: {e}", d.display())))?;
-    if !(meta.is_file() || meta.file_type().is_block_device()) {
-        return Err(Error::refused(format!(
-            "--disk {}: not a regular file or block device",
-            d.display()
-        )));
-    }
+    vmm::config::check_storage_file("--disk ", d).map_err(|e| Error::refused(e.to_string()))?;
     d.canonicalize()
         .map_err(|e| Error::refused(format!("--disk {}: {e}", d.display())))
 }
@@ -535,6 +535,17 @@ mod tests {
         assert!(e.message.contains("not online"), "{e}");
         let e = m.create(&req("p", "0", "100T")).unwrap_err();
         assert!(e.message.contains("host reserve"), "{e}");
+        for (memory, why) in [
+            ("0", "needs some memory"),
+            ("-1G", "cannot be negative"),
+            ("lots", "invalid size"),
+        ] {
+            let e = m.create(&req("p", "0", memory)).unwrap_err();
+            assert!(
+                e.message.starts_with(&format!("--memory {memory:?}: ")) && e.message.contains(why),
+                "{e}"
+            );
+        }
         let mut r = req("p", "0", "1G");
         r.disks = vec![tmp.path().join("missing.img")];
         let e = m.create(&r).unwrap_err();

@@ -1,15 +1,26 @@
 //! What a user asks a VM to be: parsed from flags and JSON, validated before any KVM call.
 
+pub mod size;
+pub mod spec;
+
+pub use devices::virtio::block::CacheMode;
+pub use size::{Size, SizeError, SIZE_SYNTAX};
+
 use crate::arch::x86_64::{acpi, mptable};
 use serde::{Deserialize, Serialize};
+use spec::Spec;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
 /// Errors in the user's description of a VM; each names the flag or field and the value.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
-    #[error("{flag}: invalid size {value:?}: expected a number with an optional K, M, G or T suffix (e.g. 256M, 2G)")]
-    BadSize { flag: String, value: String },
+    #[error("{flag} {value:?}: invalid size: {why}; expected {SIZE_SYNTAX}")]
+    BadSize {
+        flag: String,
+        value: String,
+        why: SizeError,
+    },
     #[error("{flag}: {value} is too small: {why}")]
     TooSmall {
         flag: String,
@@ -22,10 +33,15 @@ pub enum ConfigError {
         value: String,
         host_mib: u64,
     },
-    #[error("--disk {spec:?}: {why}; expected path=FILE[,readonly=on|off][,cache=writeback|none]")]
-    BadDisk { spec: String, why: String },
+    #[error("{flag} {spec:?}: {why}; expected {syntax}")]
+    BadSpec {
+        flag: &'static str,
+        spec: String,
+        why: String,
+        syntax: &'static str,
+    },
     #[error(
-        "{flag}={}: {what}; expected a regular file or a block device",
+        "{flag}{}: {what}; expected a regular file or a block device",
         path.display()
     )]
     NotStorage {
@@ -58,69 +74,33 @@ pub const MAX_VCPUS: u8 = {
     }
 };
 
-/// Host page cache policy for a disk image.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CacheMode {
-    /// Reads and writes go through the host page cache.
-    #[default]
-    Writeback,
-    /// The image is opened with O_DIRECT: the host page cache is bypassed.
-    None,
-}
+pub const DISK_SYNTAX: &str = "path=FILE[,readonly=on|off][,cache=writeback|none]";
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// One `--disk`, or one entry of the JSON config's `disks`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiskConfig {
     pub path: PathBuf,
     #[serde(default)]
     pub readonly: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "spec::from_str")]
     pub cache: CacheMode,
 }
 
 impl std::str::FromStr for DiskConfig {
     type Err = ConfigError;
 
-    fn from_str(spec: &str) -> Result<Self, ConfigError> {
-        let bad = |why: String| ConfigError::BadDisk {
-            spec: spec.to_string(),
-            why,
-        };
-        let mut path = None;
-        let mut readonly = false;
-        let mut cache = CacheMode::Writeback;
-        for part in spec.split(',') {
-            let (key, value) = part
-                .split_once('=')
-                .ok_or_else(|| bad(format!("{part:?} is not key=value")))?;
-            match key {
-                "path" if !value.is_empty() => path = Some(PathBuf::from(value)),
-                "path" => return Err(bad("path is empty".into())),
-                "readonly" => {
-                    readonly = parse_on_off(value)
-                        .ok_or_else(|| bad(format!("readonly={value:?} is not on or off")))?
-                }
-                "cache" => {
-                    cache = match value {
-                        "writeback" => CacheMode::Writeback,
-                        "none" => CacheMode::None,
-                        _ => return Err(bad(format!("cache={value:?} is not writeback or none"))),
-                    }
-                }
-                _ => return Err(bad(format!("unknown key {key:?}"))),
-            }
-        }
-        let path = path.ok_or_else(|| bad("path= is missing".into()))?;
+    fn from_str(text: &str) -> Result<Self, ConfigError> {
+        let spec = Spec::parse("--disk", DISK_SYNTAX, text, &["path", "readonly", "cache"])?;
         Ok(DiskConfig {
-            path,
-            readonly,
-            cache,
+            path: spec.path("path")?,
+            readonly: spec.on_off("readonly")?,
+            cache: spec.value("cache")?.unwrap_or_default(),
         })
     }
 }
 
-/// Checks that `path` can hold storage: a regular file or a block device (its size and,
+/// Checks that `path`, given as `flag` (e.g. `--disk path=`), can hold storage: a regular file or a block device (its size and,
 /// for `O_DIRECT`, its block size are the device's own). Anything else is refused before it
 /// is opened: a FIFO would block the open, a directory or character device holds no blocks.
 pub fn check_storage_file(flag: &'static str, path: &Path) -> Result<(), ConfigError> {
@@ -152,14 +132,6 @@ pub fn check_storage_file(flag: &'static str, path: &Path) -> Result<(), ConfigE
         "is not a file"
     };
     Err(refuse(what.into()))
-}
-
-fn parse_on_off(v: &str) -> Option<bool> {
-    match v {
-        "on" | "true" | "yes" | "1" => Some(true),
-        "off" | "false" | "no" | "0" => Some(false),
-        _ => None,
-    }
 }
 
 /// Which part of the hypervisor handles the hot traps (paper 002's composite design).
@@ -314,36 +286,33 @@ impl VmConfig {
     }
 }
 
-/// Parses `256M`, `2G`, `1048576`, `512K`, `1T` (binary multiples).
+/// Parses a size given to `flag` (see [`Size`] for the grammar).
 pub fn parse_size(flag: &str, value: &str) -> Result<u64, ConfigError> {
-    let bad = || ConfigError::BadSize {
-        flag: flag.to_string(),
-        value: value.to_string(),
-    };
-    let v = value.trim();
-    let (digits, shift) = match v.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                'T' => 40,
-                _ => return Err(bad()),
-            };
-            (&v[..i], shift)
-        }
-        _ => (v, 0),
-    };
-    let n: u64 = digits.parse().map_err(|_| bad())?;
-    n.checked_mul(1u64 << shift).ok_or_else(bad)
+    value
+        .parse::<Size>()
+        .map(Size::bytes)
+        .map_err(|why| ConfigError::BadSize {
+            flag: flag.to_string(),
+            value: value.to_string(),
+            why,
+        })
 }
 
-/// Bytes of RAM the host has, from /proc/meminfo.
-pub fn host_memory_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+/// Bytes of RAM the host has: `MemTotal` in /proc/meminfo. The one place it is read, for VM
+/// sizes and for partitions alike.
+pub fn host_memory_bytes() -> std::io::Result<u64> {
+    mem_total(&std::fs::read_to_string("/proc/meminfo")?).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "/proc/meminfo has no MemTotal line",
+        )
+    })
+}
+
+fn mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    kib.checked_mul(1024)
 }
 
 /// The smallest RAM the VM can boot with: the boot structures and a kernel at 1 MiB.
@@ -365,7 +334,7 @@ pub fn check_memory(flag: &str, value: &str, bytes: u64) -> Result<(), ConfigErr
             why: "the size must be a whole number of 4 KiB pages".into(),
         });
     }
-    if let Some(host) = host_memory_bytes() {
+    if let Ok(host) = host_memory_bytes() {
         if bytes > host {
             return Err(ConfigError::MoreThanHost {
                 flag: flag.into(),
@@ -389,15 +358,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes_parse_with_binary_suffixes() {
-        assert_eq!(parse_size("--memory", "256M").unwrap(), 256 << 20);
-        assert_eq!(parse_size("--memory", "2g").unwrap(), 2 << 30);
-        assert_eq!(parse_size("--memory", "4096").unwrap(), 4096);
-        assert_eq!(parse_size("--memory", "512K").unwrap(), 512 << 10);
-        for bad in ["", "M", "12X", "-1G", "1.5G", "99999999999999T"] {
-            let e = parse_size("--memory", bad).unwrap_err();
-            assert!(e.to_string().contains("--memory"), "{e}");
+    fn sizes_name_the_flag_and_the_value() {
+        assert_eq!(parse_size("--memory", "1.5G").unwrap(), 3 << 29);
+        for bad in ["", "M", "12X", "-1G", "99999999999999T"] {
+            let e = parse_size("--memory", bad).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("--memory {bad:?}: invalid size: ")),
+                "{e}"
+            );
+            assert!(e.ends_with(SIZE_SYNTAX), "{e}");
         }
+    }
+
+    #[test]
+    fn host_memory_comes_from_memtotal() {
+        let text = "MemTotal:       24684084 kB\nMemFree: 1 kB\n";
+        assert_eq!(mem_total(text), Some(24684084 * 1024));
+        assert_eq!(mem_total("MemFree: 1 kB\n"), None);
+        assert!(host_memory_bytes().unwrap() > MIN_MEMORY);
     }
 
     #[test]
@@ -427,15 +405,32 @@ mod tests {
         for (spec, needle) in [
             ("readonly=on", "path= is missing"),
             ("path=", "path is empty"),
-            ("path=a,cache=maybe", "cache=\"maybe\""),
+            (
+                "path=a,cache=maybe",
+                "cache=\"maybe\": expected writeback or none",
+            ),
             ("path=a,readonly=perhaps", "readonly=\"perhaps\""),
             ("path=a,colour=red", "unknown key"),
+            ("path=a,path=b", "path= is given twice"),
             ("/tmp/a.img", "not key=value"),
         ] {
             let e = spec.parse::<DiskConfig>().unwrap_err().to_string();
             assert!(e.contains(needle), "{spec}: {e}");
-            assert!(e.contains("--disk"), "{e}");
+            assert!(e.starts_with(&format!("--disk {spec:?}: ")), "{e}");
+            assert!(e.ends_with(DISK_SYNTAX), "{e}");
         }
+    }
+
+    #[test]
+    fn json_disks_take_the_words_the_flag_takes() {
+        let d: DiskConfig =
+            serde_json::from_str(r#"{"path": "a.img", "cache": "none", "readonly": true}"#)
+                .unwrap();
+        assert_eq!(d, "path=a.img,cache=none,readonly=on".parse().unwrap());
+        let e = serde_json::from_str::<DiskConfig>(r#"{"path": "a", "cache": "maybe"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"maybe\": expected writeback or none"), "{e}");
     }
 
     #[test]
@@ -470,7 +465,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("disk.img");
         std::fs::write(&file, [0u8; 512]).unwrap();
-        check_storage_file("--disk path", &file).unwrap();
+        check_storage_file("--disk path=", &file).unwrap();
         let fifo = dir.path().join("pipe");
         let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: mkfifo(3) with a valid NUL-terminated path.
@@ -481,7 +476,7 @@ mod tests {
             ("/dev/null".into(), "is a character device"),
             (dir.path().join("missing.img"), "no such file"),
         ] {
-            let e = check_storage_file("--disk path", &path)
+            let e = check_storage_file("--disk path=", &path)
                 .unwrap_err()
                 .to_string();
             assert!(
