@@ -21,29 +21,45 @@ pub struct PartitionArgs {
     command: PartitionCommand,
 }
 
+#[derive(Args, Debug)]
+struct CreateArgs {
+    name: String,
+    /// CPUs the partition owns, e.g. 0 or 2-3.
+    #[arg(long, value_name = "LIST")]
+    cpus: String,
+    /// Memory limit of the partition (its supervisor and all its VMs), e.g. 2G or 1.5G.
+    #[arg(long, value_name = "SIZE")]
+    memory: String,
+    /// NUMA memory nodes [default: all].
+    #[arg(long, value_name = "NODES")]
+    mems: Option<String>,
+    /// Block-I/O weight (cgroup v1: 10-1000, v2: 1-10000).
+    #[arg(long, value_name = "N")]
+    io_weight: Option<u32>,
+    /// A disk image (or block device) the partition owns; repeatable.
+    #[arg(long = "disk", value_name = "FILE")]
+    disks: Vec<PathBuf>,
+}
+
+impl From<CreateArgs> for CreateRequest {
+    fn from(a: CreateArgs) -> CreateRequest {
+        CreateRequest {
+            name: a.name,
+            cpus: a.cpus,
+            memory: a.memory,
+            mems: a.mems,
+            io_weight: a.io_weight,
+            disks: a.disks,
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum PartitionCommand {
     /// Create a partition (a cgroup with its CPUs, memory and disks) and start its
     /// supervisor. CPU sets may not overlap, memory may not exceed what the host can give,
     /// and a disk belongs to one partition.
-    Create {
-        name: String,
-        /// CPUs the partition owns, e.g. 0 or 2-3.
-        #[arg(long, value_name = "LIST")]
-        cpus: String,
-        /// Memory limit of the partition (its supervisor and all its VMs), e.g. 2G.
-        #[arg(long, value_name = "SIZE")]
-        memory: String,
-        /// NUMA memory nodes [default: all].
-        #[arg(long, value_name = "NODES")]
-        mems: Option<String>,
-        /// Block-I/O weight (cgroup v1: 10-1000, v2: 1-10000).
-        #[arg(long, value_name = "N")]
-        io_weight: Option<u32>,
-        /// A disk image (or block device) the partition owns; repeatable.
-        #[arg(long = "disk", value_name = "FILE")]
-        disks: Vec<PathBuf>,
-    },
+    Create(CreateArgs),
     /// List partitions: resources, supervisor and VMs.
     List {
         #[arg(long)]
@@ -103,21 +119,7 @@ pub fn run(args: PartitionArgs) -> ExitCode {
         Err(e) => return fail(e),
     };
     match args.command {
-        PartitionCommand::Create {
-            name,
-            cpus,
-            memory,
-            mems,
-            io_weight,
-            disks,
-        } => match m.create(&CreateRequest {
-            name,
-            cpus,
-            memory,
-            mems,
-            io_weight,
-            disks,
-        }) {
+        PartitionCommand::Create(args) => match m.create(&args.into()) {
             Ok(rec) => {
                 let view = m.view(rec);
                 println!(

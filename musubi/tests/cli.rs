@@ -17,6 +17,13 @@ fn refused(args: &[&str], needles: &[&str]) {
     }
 }
 
+/// `musubi run --kernel probe FLAGS` is refused with `needles` in its message.
+fn refused_probe(flags: &[&str], needles: &[&str]) {
+    let mut args = vec!["run", "--kernel", "probe"];
+    args.extend_from_slice(flags);
+    refused(&args, needles);
+}
+
 #[test]
 fn missing_kernel_is_named() {
     refused(
@@ -38,16 +45,13 @@ fn a_file_that_is_not_a_kernel_is_refused() {
 
 #[test]
 fn zero_memory_is_refused() {
-    refused(
-        &["run", "--kernel", "probe", "--memory", "0"],
-        &["--memory", "at least"],
-    );
+    refused_probe(&["--memory", "0"], &["--memory", "at least"]);
 }
 
 #[test]
 fn more_memory_than_the_host_has_is_refused() {
-    refused(
-        &["run", "--kernel", "probe", "--memory", "64T"],
+    refused_probe(
+        &["--memory", "64T"],
         &["--memory", "more than this host has"],
     );
 }
@@ -59,8 +63,8 @@ fn malformed_memory_is_refused() {
         ("-1G", "a size cannot be negative"),
         ("2Q", "unknown suffix \"Q\""),
     ] {
-        refused(
-            &["run", "--kernel", "probe", &format!("--memory={memory}")],
+        refused_probe(
+            &[&format!("--memory={memory}")],
             &[&format!("--memory {memory:?}: invalid size: {why}")],
         );
     }
@@ -77,32 +81,17 @@ fn memory_takes_decimal_sizes_as_partitions_do() {
 
 #[test]
 fn missing_disk_is_named() {
-    refused(
-        &[
-            "run",
-            "--kernel",
-            "probe",
-            "--disk",
-            "path=/nonexistent/disk.img",
-        ],
+    refused_probe(
+        &["--disk", "path=/nonexistent/disk.img"],
         &["--disk", "/nonexistent/disk.img"],
     );
 }
 
 #[test]
 fn malformed_disk_is_refused() {
-    refused(
-        &["run", "--kernel", "probe", "--disk", "cache=none"],
-        &["--disk", "path= is missing"],
-    );
-    refused(
-        &[
-            "run",
-            "--kernel",
-            "probe",
-            "--disk",
-            "path=x.img,cache=sometimes",
-        ],
+    refused_probe(&["--disk", "cache=none"], &["--disk", "path= is missing"]);
+    refused_probe(
+        &["--disk", "path=x.img,cache=sometimes"],
         &["--disk", "cache"],
     );
 }
@@ -125,7 +114,7 @@ fn bad_json_config_is_refused() {
 
 #[test]
 fn zero_cpus_is_refused() {
-    refused(&["run", "--kernel", "probe", "--cpus", "0"], &["--cpus"]);
+    refused_probe(&["--cpus", "0"], &["--cpus"]);
 }
 
 #[test]
@@ -173,26 +162,12 @@ fn an_initrd_that_does_not_fit_is_refused() {
         .unwrap()
         .set_len(200 << 20)
         .unwrap();
-    refused(
-        &[
-            "run",
-            "--kernel",
-            "probe",
-            "--memory",
-            "64M",
-            "--initrd",
-            p.to_str().unwrap(),
-        ],
+    refused_probe(
+        &["--memory", "64M", "--initrd", p.to_str().unwrap()],
         &["initrd"],
     );
-    refused(
-        &[
-            "run",
-            "--kernel",
-            "probe",
-            "--initrd",
-            "/nonexistent/initrd.img",
-        ],
+    refused_probe(
+        &["--initrd", "/nonexistent/initrd.img"],
         &["--initrd", "/nonexistent/initrd.img"],
     );
 }
@@ -201,13 +176,15 @@ fn an_initrd_that_does_not_fit_is_refused() {
 fn a_directory_or_a_fifo_is_not_a_disk() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("pipe");
-    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    // SAFETY: mkfifo(3) with a valid NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    let made = Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success(), "mkfifo {}", fifo.display());
     for (path, kind) in [(dir.path(), "a directory"), (fifo.as_path(), "a FIFO")] {
         let spec = format!("path={}", path.display());
-        refused(
-            &["run", "--kernel", "probe", "--disk", &spec],
+        refused_probe(
+            &["--disk", &spec],
             &[
                 &format!("--disk {spec}"),
                 kind,

@@ -75,27 +75,25 @@ impl Env {
         }
     }
 
-    fn ok(&self, args: &[&str]) -> Run {
+    /// Runs one CLI command that must end with `status`.
+    fn expect(&self, args: &[&str], status: i32) -> Run {
         let r = self.pm(args);
         assert_eq!(
             r.code,
-            Some(0),
-            "musubi partition {args:?}:\n{}",
+            Some(status),
+            "musubi partition {args:?} should exit {status}:\n{}",
             r.explain()
         );
         r
     }
 
+    fn ok(&self, args: &[&str]) -> Run {
+        self.expect(args, 0)
+    }
+
     /// A refused command: status 1 and its message.
     fn refused(&self, args: &[&str]) -> String {
-        let r = self.pm(args);
-        assert_eq!(
-            r.code,
-            Some(1),
-            "musubi partition {args:?} should be refused:\n{}",
-            r.explain()
-        );
-        r.stderr
+        self.expect(args, 1).stderr
     }
 
     fn list(&self) -> Vec<Value> {

@@ -147,23 +147,20 @@ pub enum ExitsMode {
     User,
 }
 
+/// The words of `--exits`, for parsing and printing alike.
+const EXITS_WORDS: [(&str, ExitsMode); 2] =
+    [("kernel", ExitsMode::Kernel), ("user", ExitsMode::User)];
+
 impl std::str::FromStr for ExitsMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "kernel" => Ok(ExitsMode::Kernel),
-            "user" => Ok(ExitsMode::User),
-            _ => Err(format!("--exits {s:?}: expected kernel or user")),
-        }
+        spec::word(s, &EXITS_WORDS).map_err(|e| format!("--exits {s:?}: {e}"))
     }
 }
 
 impl fmt::Display for ExitsMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ExitsMode::Kernel => "kernel",
-            ExitsMode::User => "user",
-        })
+        f.write_str(spec::name_of(*self, &EXITS_WORDS))
     }
 }
 
@@ -353,6 +350,16 @@ pub fn check_cpus(n: u64) -> Result<u8, ConfigError> {
     }
 }
 
+/// A FIFO named `pipe` in `dir`, for tests that storage refuses one without opening it.
+#[cfg(test)]
+pub(crate) fn fifo_in(dir: &Path) -> PathBuf {
+    let fifo = dir.join("pipe");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) with a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    fifo
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -402,23 +409,21 @@ mod tests {
 
     #[test]
     fn malformed_disk_specs_name_the_problem() {
-        for (spec, needle) in [
-            ("readonly=on", "path= is missing"),
-            ("path=", "path is empty"),
-            (
-                "path=a,cache=maybe",
-                "cache=\"maybe\": expected writeback or none",
-            ),
-            ("path=a,readonly=perhaps", "readonly=\"perhaps\""),
-            ("path=a,colour=red", "unknown key"),
-            ("path=a,path=b", "path= is given twice"),
-            ("/tmp/a.img", "not key=value"),
-        ] {
-            let e = spec.parse::<DiskConfig>().unwrap_err().to_string();
-            assert!(e.contains(needle), "{spec}: {e}");
-            assert!(e.starts_with(&format!("--disk {spec:?}: ")), "{e}");
-            assert!(e.ends_with(DISK_SYNTAX), "{e}");
-        }
+        spec::assert_refusals::<DiskConfig>(
+            "--disk",
+            DISK_SYNTAX,
+            &[
+                ("readonly=on", "path= is missing"),
+                ("path=", "path is empty"),
+                (
+                    "path=a,cache=maybe",
+                    "cache=\"maybe\": expected writeback or none",
+                ),
+                ("path=a,readonly=perhaps", "readonly=\"perhaps\""),
+                ("path=a,colour=red", "unknown key"),
+                ("path=a,path=b", "path= is given twice"),
+            ],
+        );
     }
 
     #[test]
@@ -466,10 +471,7 @@ mod tests {
         let file = dir.path().join("disk.img");
         std::fs::write(&file, [0u8; 512]).unwrap();
         check_storage_file("--disk path=", &file).unwrap();
-        let fifo = dir.path().join("pipe");
-        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: mkfifo(3) with a valid NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let fifo = fifo_in(dir.path());
         for (path, what) in [
             (dir.path().to_path_buf(), "is a directory"),
             (fifo, "is a FIFO"),

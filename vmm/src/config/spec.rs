@@ -102,6 +102,25 @@ impl<'a> Spec<'a> {
     }
 }
 
+/// The value `text` names among `words`, or what would have been accepted.
+pub fn word<T: Copy>(text: &str, words: &[(&str, T)]) -> Result<T, String> {
+    match words.iter().find(|(w, _)| *w == text) {
+        Some((_, value)) => Ok(*value),
+        None => {
+            let names: Vec<&str> = words.iter().map(|(w, _)| *w).collect();
+            Err(format!("expected {}", names.join(" or ")))
+        }
+    }
+}
+
+/// The word `words` give `value`.
+pub fn name_of<T: Copy + PartialEq>(value: T, words: &[(&'static str, T)]) -> &'static str {
+    words
+        .iter()
+        .find(|(_, v)| *v == value)
+        .map_or("?", |(w, _)| w)
+}
+
 /// Deserializes a JSON string through `FromStr`, so the JSON config accepts exactly the
 /// words the flag does (`"cache": "none"`).
 pub fn from_str<'de, D, T>(d: D) -> Result<T, D::Error>
@@ -115,6 +134,23 @@ where
         .map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}")))
 }
 
+/// Asserts that each `(spec, why)` is refused as `--flag "spec": ...why...; expected SYNTAX`:
+/// what every spec flag promises about its errors.
+#[cfg(test)]
+pub fn assert_refusals<T>(flag: &str, syntax: &str, cases: &[(&str, &str)])
+where
+    T: FromStr<Err = ConfigError> + std::fmt::Debug,
+{
+    for (text, why) in cases {
+        let e = text.parse::<T>().unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("{flag} {text:?}: ")) && e.contains(why),
+            "{text}: {e}"
+        );
+        assert!(e.ends_with(&format!("; expected {syntax}")), "{e}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +159,14 @@ mod tests {
 
     fn parse(text: &str) -> Result<Spec<'_>, ConfigError> {
         Spec::parse("--thing", "path=FILE[,readonly=on]", text, &KEYS)
+    }
+
+    #[test]
+    fn words_name_the_choices() {
+        let words = [("on", true), ("off", false)];
+        assert_eq!(word("off", &words), Ok(false));
+        assert_eq!(word("maybe", &words), Err("expected on or off".into()));
+        assert_eq!(name_of(false, &words), "off");
     }
 
     #[test]

@@ -172,10 +172,7 @@ mod tests {
     #[test]
     fn only_regular_files_and_block_devices_are_opened() {
         let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("pipe");
-        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: mkfifo(3) with a valid NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let fifo = crate::config::fifo_in(dir.path());
         // A FIFO is refused by its kind, not waited on.
         for (path, what) in [(dir.path(), "is a directory"), (&fifo, "is a FIFO")] {
             let e = open_err(&cfg(path));

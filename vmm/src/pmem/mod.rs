@@ -16,11 +16,11 @@
 //! behind their back or mapping past its end, where any access is a SIGBUS. A file longer
 //! than `size=` is allowed: the guest sees its first `size` bytes and the rest is untouched.
 //!
-//! - [`spec`]: what `--pmem` and the JSON config ask for.
-//! - [`place`]: where the regions go in guest-physical space.
-//! - [`file`]: opening one file and deciding how many of its bytes the guest sees.
-//! - [`regions`]: the mapped regions, their KVM slots, E820 entries, devices and `msync`.
-//! - [`guard`]: the device that logs guest stores into read-only regions.
+//! - `spec.rs`: what `--pmem` and the JSON config ask for.
+//! - `place.rs`: where the regions go in guest-physical space.
+//! - `file.rs`: opening one file and deciding how many of its bytes the guest sees.
+//! - `regions.rs`: the mapped regions, their KVM slots, E820 entries, devices and `msync`.
+//! - `guard.rs`: the device that logs guest stores into read-only regions.
 
 mod file;
 mod guard;
