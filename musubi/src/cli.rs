@@ -4,7 +4,7 @@ use crate::probe;
 use clap::Args;
 use serde::Deserialize;
 use std::path::PathBuf;
-use vmm::config::{self, DiskConfig, KernelImage, SerialMode, VmConfig};
+use vmm::config::{self, DiskConfig, KernelImage, SerialMode, Size, VmConfig};
 
 /// Flags of `musubi run` (and of every command that boots a VM).
 #[derive(Args, Debug, Clone, Default)]
@@ -20,10 +20,13 @@ pub struct VmArgs {
     /// Initial ramdisk for Linux.
     #[arg(long, value_name = "PATH")]
     pub initrd: Option<PathBuf>,
-    /// Number of vCPUs (1 to 64). Default 1.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", help = format!(
+        "Number of vCPUs, 1 to {} (what the MP table holds). Default 1.",
+        config::MAX_VCPUS
+    ))]
     pub cpus: Option<u64>,
-    /// Guest RAM, e.g. 256M or 2G. Default 256M.
+    /// Guest RAM: bytes, or a number with a K, M, G or T suffix (binary units, decimals
+    /// allowed), e.g. 256M, 1.5G. Default 256M.
     #[arg(long, value_name = "SIZE")]
     pub memory: Option<String>,
     /// A virtio-blk disk; repeat for more. cache=none opens the file with O_DIRECT.
@@ -55,7 +58,7 @@ struct FileConfig {
     cmdline: Option<String>,
     initrd: Option<PathBuf>,
     cpus: Option<u64>,
-    memory: Option<serde_json::Value>,
+    memory: Option<Size>,
     #[serde(default)]
     disks: Vec<DiskConfig>,
     #[serde(default)]
@@ -74,8 +77,19 @@ impl VmArgs {
             Some(p) => {
                 let text = std::fs::read_to_string(p)
                     .map_err(|e| format!("--config {}: {e}", p.display()))?;
-                serde_json::from_str::<FileConfig>(&text)
-                    .map_err(|e| format!("--config {}: invalid JSON config: {e}", p.display()))?
+                // The error names the field (`pmem[0].size`) as well as the line and column.
+                let json = &mut serde_json::Deserializer::from_str(&text);
+                serde_path_to_error::deserialize::<_, FileConfig>(json).map_err(|e| {
+                    let at = match e.path().to_string() {
+                        root if root == "." => String::new(),
+                        field => format!("{field}: "),
+                    };
+                    format!(
+                        "--config {}: invalid JSON config: {at}{}",
+                        p.display(),
+                        e.inner()
+                    )
+                })?
             }
             None => FileConfig::default(),
         };
@@ -103,41 +117,22 @@ impl VmArgs {
         });
         let cpus =
             config::check_cpus(self.cpus.or(file.cpus).unwrap_or(1)).map_err(|e| e.to_string())?;
-        let (mem_text, mem_flag) = match (&self.memory, &file.memory) {
-            (Some(m), _) => (m.clone(), "--memory"),
-            (None, Some(serde_json::Value::Number(n))) => (n.to_string(), "memory (config)"),
-            (None, Some(serde_json::Value::String(s))) => (s.clone(), "memory (config)"),
-            (None, Some(v)) => return Err(format!("memory (config): {v} is not a size")),
-            (None, None) => (DEFAULT_MEMORY.to_string(), "--memory"),
+        let (mem_flag, mem_text, memory) = match (&self.memory, file.memory) {
+            (Some(m), _) => ("--memory", m.clone(), config::parse_size("--memory", m)),
+            (None, Some(m)) => ("memory (config)", m.to_string(), Ok(m.bytes())),
+            (None, None) => (
+                "--memory",
+                DEFAULT_MEMORY.into(),
+                config::parse_size("--memory", DEFAULT_MEMORY),
+            ),
         };
-        let memory = config::parse_size(mem_flag, &mem_text).map_err(|e| e.to_string())?;
+        let memory = memory.map_err(|e| e.to_string())?;
         config::check_memory(mem_flag, &mem_text, memory).map_err(|e| e.to_string())?;
-        let disks = if self.disk.is_empty() {
-            file.disks
-        } else {
-            self.disk
-                .iter()
-                .map(|d| d.parse::<DiskConfig>().map_err(|e| e.to_string()))
-                .collect::<Result<_, _>>()?
-        };
+        let disks: Vec<DiskConfig> = flags_or_file(&self.disk, file.disks)?;
         for d in &disks {
-            match std::fs::metadata(&d.path) {
-                Ok(m) if m.is_file() => {}
-                Ok(_) => return Err(format!("--disk {}: not a regular file", d.path.display())),
-                Err(e) => return Err(format!("--disk {}: {e}", d.path.display())),
-            }
+            config::check_storage_file("--disk path=", &d.path).map_err(|e| e.to_string())?;
         }
-        let pmem = if self.pmem.is_empty() {
-            file.pmem
-        } else {
-            self.pmem
-                .iter()
-                .map(|p| {
-                    p.parse::<vmm::pmem::PmemConfig>()
-                        .map_err(|e| e.to_string())
-                })
-                .collect::<Result<_, _>>()?
-        };
+        let pmem = flags_or_file(&self.pmem, file.pmem)?;
         let exits = match &self.exits {
             Some(e) => e.parse()?,
             None => file.exits.unwrap_or_default(),
@@ -161,4 +156,19 @@ impl VmArgs {
             exits,
         })
     }
+}
+
+/// The entries of a repeatable spec flag (`--disk`, `--pmem`), or, when the flag is not
+/// given, those of the JSON file: flags replace the file's list rather than add to it.
+fn flags_or_file<T>(flags: &[String], file: Vec<T>) -> Result<Vec<T>, String>
+where
+    T: std::str::FromStr<Err = config::ConfigError>,
+{
+    if flags.is_empty() {
+        return Ok(file);
+    }
+    flags
+        .iter()
+        .map(|f| f.parse().map_err(|e: config::ConfigError| e.to_string()))
+        .collect()
 }

@@ -1,13 +1,15 @@
 //! `musubi partition`: host partitions, each a cgroup with its own supervisor and VMs.
 
-use clap::{Args, Subcommand};
-use partition::manager::{CreateRequest, Manager, PartitionView, SupervisorState};
-use partition::resources::format_size;
+use clap::{Args, Parser, Subcommand};
+use partition::manager::{
+    CreateRequest, Manager, PartitionView, StorageFile, SupervisorState, STORAGE_FILES_COMMAND,
+};
 use partition::store::{self, VmRecord, VmState};
 use partition::ErrorKind;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use vmm::config::Size;
 
 #[derive(Args, Debug)]
 pub struct PartitionArgs {
@@ -19,29 +21,45 @@ pub struct PartitionArgs {
     command: PartitionCommand,
 }
 
+#[derive(Args, Debug)]
+struct CreateArgs {
+    name: String,
+    /// CPUs the partition owns, e.g. 0 or 2-3.
+    #[arg(long, value_name = "LIST")]
+    cpus: String,
+    /// Memory limit of the partition (its supervisor and all its VMs), e.g. 2G or 1.5G.
+    #[arg(long, value_name = "SIZE")]
+    memory: String,
+    /// NUMA memory nodes [default: all].
+    #[arg(long, value_name = "NODES")]
+    mems: Option<String>,
+    /// Block-I/O weight (cgroup v1: 10-1000, v2: 1-10000).
+    #[arg(long, value_name = "N")]
+    io_weight: Option<u32>,
+    /// A disk image (or block device) the partition owns; repeatable.
+    #[arg(long = "disk", value_name = "FILE")]
+    disks: Vec<PathBuf>,
+}
+
+impl From<CreateArgs> for CreateRequest {
+    fn from(a: CreateArgs) -> CreateRequest {
+        CreateRequest {
+            name: a.name,
+            cpus: a.cpus,
+            memory: a.memory,
+            mems: a.mems,
+            io_weight: a.io_weight,
+            disks: a.disks,
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum PartitionCommand {
     /// Create a partition (a cgroup with its CPUs, memory and disks) and start its
     /// supervisor. CPU sets may not overlap, memory may not exceed what the host can give,
     /// and a disk belongs to one partition.
-    Create {
-        name: String,
-        /// CPUs the partition owns, e.g. 0 or 2-3.
-        #[arg(long, value_name = "LIST")]
-        cpus: String,
-        /// Memory limit of the partition (its supervisor and all its VMs), e.g. 2G.
-        #[arg(long, value_name = "SIZE")]
-        memory: String,
-        /// NUMA memory nodes [default: all].
-        #[arg(long, value_name = "NODES")]
-        mems: Option<String>,
-        /// Block-I/O weight (cgroup v1: 10-1000, v2: 1-10000).
-        #[arg(long, value_name = "N")]
-        io_weight: Option<u32>,
-        /// A disk image (or block device) the partition owns; repeatable.
-        #[arg(long = "disk", value_name = "FILE")]
-        disks: Vec<PathBuf>,
-    },
+    Create(CreateArgs),
     /// List partitions: resources, supervisor and VMs.
     List {
         #[arg(long)]
@@ -70,6 +88,13 @@ enum PartitionCommand {
     /// The supervisor process itself (started by `create`).
     #[command(hide = true)]
     Supervise { name: String },
+    /// Print, as JSON, the storage files of the VM that `musubi run ARGS` would boot in this
+    /// directory (asked by `run` to check disk ownership).
+    #[command(name = STORAGE_FILES_COMMAND, hide = true)]
+    StorageFiles {
+        #[arg(last = true, value_name = "RUN ARGS")]
+        args: Vec<String>,
+    },
 }
 
 fn fail(e: partition::Error) -> ExitCode {
@@ -94,21 +119,7 @@ pub fn run(args: PartitionArgs) -> ExitCode {
         Err(e) => return fail(e),
     };
     match args.command {
-        PartitionCommand::Create {
-            name,
-            cpus,
-            memory,
-            mems,
-            io_weight,
-            disks,
-        } => match m.create(&CreateRequest {
-            name,
-            cpus,
-            memory,
-            mems,
-            io_weight,
-            disks,
-        }) {
+        PartitionCommand::Create(args) => match m.create(&args.into()) {
             Ok(rec) => {
                 let view = m.view(rec);
                 println!(
@@ -182,6 +193,7 @@ pub fn run(args: PartitionArgs) -> ExitCode {
             }
             Err(e) => fail(e),
         },
+        PartitionCommand::StorageFiles { args } => storage_files(&args),
         PartitionCommand::Supervise { name } => {
             match partition::supervisor::run(&m.store, &name, &program) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -190,6 +202,45 @@ pub fn run(args: PartitionArgs) -> ExitCode {
                     ExitCode::from(2)
                 }
             }
+        }
+    }
+}
+
+/// Answers `partition storage-files -- ARGS`: the VM that `musubi run ARGS` would boot is
+/// parsed by the same command-line grammar and resolved by the same `to_config`, so
+/// partition rules judge the storage the VM will really use, whether flags or the JSON file
+/// name it.
+fn storage_files(args: &[String]) -> ExitCode {
+    let argv = ["musubi", "run"].map(String::from).into_iter();
+    let vm = match crate::Cli::try_parse_from(argv.chain(args.iter().cloned())) {
+        Ok(crate::Cli {
+            command: crate::Command::Run { vm, .. },
+        }) => vm.to_config(),
+        Ok(_) => Err("the arguments after -- are not those of `musubi run`".into()),
+        Err(e) => Err(e.to_string().trim_end().to_string()),
+    };
+    let files: Vec<StorageFile> = match &vm {
+        Ok(vm) => vm
+            .storage_files()
+            .into_iter()
+            .map(|f| StorageFile {
+                flag: f.flag.to_string(),
+                path: f.path.to_path_buf(),
+            })
+            .collect(),
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    match serde_json::to_string(&files) {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("storage files: {e}");
+            ExitCode::from(2)
         }
     }
 }
@@ -291,7 +342,7 @@ fn print_table(views: &[PartitionView], m: &Manager) {
             v.record.name,
             v.record.cpus.to_string(),
             v.record.mems.to_string(),
-            format_size(v.record.memory),
+            Size(v.record.memory),
             weight_text(v),
             v.record.disks.len(),
             supervisor_text(&v.supervisor_state),
@@ -310,7 +361,7 @@ fn print_detail(v: &PartitionView) {
     println!("partition {}", r.name);
     println!("  cpus        {}", r.cpus);
     println!("  mems        {}", r.mems);
-    println!("  memory      {}", format_size(r.memory));
+    println!("  memory      {}", Size(r.memory));
     println!("  io-weight   {}", weight_text(v));
     for d in &r.disks {
         println!("  disk        {}", d.display());

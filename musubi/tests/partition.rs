@@ -75,27 +75,25 @@ impl Env {
         }
     }
 
-    fn ok(&self, args: &[&str]) -> Run {
+    /// Runs one CLI command that must end with `status`.
+    fn expect(&self, args: &[&str], status: i32) -> Run {
         let r = self.pm(args);
         assert_eq!(
             r.code,
-            Some(0),
-            "musubi partition {args:?}:\n{}",
+            Some(status),
+            "musubi partition {args:?} should exit {status}:\n{}",
             r.explain()
         );
         r
     }
 
+    fn ok(&self, args: &[&str]) -> Run {
+        self.expect(args, 0)
+    }
+
     /// A refused command: status 1 and its message.
     fn refused(&self, args: &[&str]) -> String {
-        let r = self.pm(args);
-        assert_eq!(
-            r.code,
-            Some(1),
-            "musubi partition {args:?} should be refused:\n{}",
-            r.explain()
-        );
-        r.stderr
+        self.expect(args, 1).stderr
     }
 
     fn list(&self) -> Vec<Value> {
@@ -426,18 +424,40 @@ fn conflicting_requests_are_refused_naming_the_partitions_involved() {
     ]);
     let names: Vec<Value> = env.list().iter().map(|p| p["name"].clone()).collect();
     assert_eq!(names, ["a", "b"]);
+}
 
-    // A VM may not use another partition's disk.
-    let e = env.refused(&[
-        "run",
-        "b",
-        "--",
-        "--kernel",
-        "probe",
-        "--disk",
-        &format!("path={d1s}"),
+#[test]
+fn a_disk_of_another_partition_is_refused_however_the_vm_names_it() {
+    let env = Env::new();
+    // 2 MiB, so it would also be a valid --pmem region.
+    let owned = common::temp_image(env.state(), "owned.img", 2 << 20);
+    let o = owned.to_str().unwrap();
+    env.ok(&[
+        "create", "a", "--cpus", "0", "--memory", "512M", "--disk", o,
     ]);
-    assert!(e.contains("belongs to partition a, not to b"), "{e}");
+    env.ok(&["create", "b", "--cpus", "1", "--memory", "512M"]);
+    let config = env.state().join("vm.json");
+    std::fs::write(
+        &config,
+        serde_json::json!({"kernel": "probe", "disks": [{"path": o}]}).to_string(),
+    )
+    .unwrap();
+    let disk = format!("path={o}");
+    let pmem = format!("file={o}");
+    for named in [
+        ["--disk", disk.as_str()],
+        ["--config", config.to_str().unwrap()],
+        ["--pmem", pmem.as_str()],
+    ] {
+        let mut args = vec!["run", "b", "--", "--kernel", "probe"];
+        args.extend(named);
+        let e = env.refused(&args);
+        assert!(
+            e.contains("belongs to partition a, not to b") && e.contains(o),
+            "{named:?}: {e}"
+        );
+    }
+    assert_eq!(env.show("b")["vms"], serde_json::json!([]), "a VM started");
 }
 
 #[test]

@@ -93,54 +93,65 @@ fn run_tiny(kernel: &Path, pmem: &[String]) -> Run {
     run_with_limit(&args, Duration::from_secs(120))
 }
 
+/// One region file in its own directory, holding `pre` before the guest runs.
+struct Region {
+    dir: tempfile::TempDir,
+    path: PathBuf,
+    size: u64,
+}
+
+impl Region {
+    fn new(size: u64) -> Region {
+        let dir = tempfile::tempdir().unwrap();
+        let path = region_file(dir.path(), "p.img", size);
+        Region { dir, path, size }
+    }
+
+    fn spec(&self) -> String {
+        format!("file={}", self.path.display())
+    }
+
+    /// A tiny guest that runs `before`, makes the durability `writes` with `seed` over the
+    /// whole region (the first one of a 32 MiB VM), then runs `after`.
+    fn kernel(&self, before: Code, seed: u8, after: impl FnOnce(Code) -> Code) -> PathBuf {
+        let code = after(writes(before, REGION0, self.size as u32, seed));
+        kernel_file(self.dir.path(), code)
+    }
+
+    /// The file holds exactly the host's pattern with the guest's `writes` over it.
+    fn assert_written(&self, seed: u8) {
+        assert_same(&self.path, &expected_after_writes(self.size, seed));
+    }
+}
+
 #[test]
 fn guest_stores_reach_the_file_on_clean_exit() {
-    let dir = tempfile::tempdir().unwrap();
-    let size = 2 * MIB;
-    let f = region_file(dir.path(), "p.img", size);
+    let region = Region::new(2 * MIB);
     // The guest first echoes a byte the host wrote, then stores, then exits.
-    let code = writes(
-        Code::default().echo(REGION0 + 300),
-        REGION0,
-        size as u32,
-        11,
-    )
-    .exit(0);
-    let k = kernel_file(dir.path(), code);
-    let r = run_tiny(&k, &[format!("file={}", f.display())]);
+    let k = region.kernel(Code::default().echo(REGION0 + 300), 11, |c| c.exit(0));
+    let r = run_tiny(&k, &[region.spec()]);
     assert_eq!(r.code, Some(0), "{}", r.explain());
     assert_eq!(r.stdout.as_bytes(), [pre(300)], "{}", r.explain());
-    assert_same(&f, &expected_after_writes(size, 11));
+    region.assert_written(11);
 }
 
 #[test]
 fn guest_stores_reach_the_file_when_the_guest_crashes() {
-    let dir = tempfile::tempdir().unwrap();
-    let size = 2 * MIB;
-    let f = region_file(dir.path(), "p.img", size);
-    let k = kernel_file(
-        dir.path(),
-        writes(Code::default(), REGION0, size as u32, 21).triple_fault(),
-    );
-    let r = run_tiny(&k, &[format!("file={}", f.display())]);
+    let region = Region::new(2 * MIB);
+    let k = region.kernel(Code::default(), 21, Code::triple_fault);
+    let r = run_tiny(&k, &[region.spec()]);
     assert_eq!(r.code, Some(125), "{}", r.explain());
     assert!(r.stderr.contains("triple fault"), "{}", r.explain());
-    assert_same(&f, &expected_after_writes(size, 21));
+    region.assert_written(21);
 }
 
 /// Starts the VMM on a guest that stores, prints `W` and spins; returns once `W` arrived.
-fn start_spinning(dir: &Path, f: &Path, seed: u8) -> std::process::Child {
-    let size = std::fs::metadata(f).unwrap().len() as u32;
-    let k = kernel_file(
-        dir,
-        writes(Code::default(), REGION0, size, seed)
-            .out8(0x3f8, b'W')
-            .spin(),
-    );
+fn start_spinning(region: &Region, seed: u8) -> std::process::Child {
+    let k = region.kernel(Code::default(), seed, |c| c.out8(0x3f8, b'W').spin());
     let mut child = Command::new(env!("CARGO_BIN_EXE_musubi"))
         .args(["run", "--kernel", k.to_str().unwrap(), "--memory", "32M"])
         .arg("--pmem")
-        .arg(format!("file={}", f.display()))
+        .arg(region.spec())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -182,30 +193,26 @@ fn wait_with_limit(child: &mut std::process::Child) -> std::process::ExitStatus 
 #[test]
 fn guest_stores_reach_the_file_on_sigterm() {
     use std::os::unix::process::ExitStatusExt;
-    let dir = tempfile::tempdir().unwrap();
-    let size = 2 * MIB;
-    let f = region_file(dir.path(), "p.img", size);
-    let mut child = start_spinning(dir.path(), &f, 31);
+    let region = Region::new(2 * MIB);
+    let mut child = start_spinning(&region, 31);
     // SAFETY: plain kill(2) on our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let st = wait_with_limit(&mut child);
     assert_eq!(st.code(), Some(128 + libc::SIGTERM), "{st:?}");
     assert_eq!(st.signal(), None);
-    assert_same(&f, &expected_after_writes(size, 31));
+    region.assert_written(31);
 }
 
 #[test]
 fn guest_stores_reach_the_file_on_sigkill() {
     use std::os::unix::process::ExitStatusExt;
-    let dir = tempfile::tempdir().unwrap();
-    let size = 4 * MIB;
-    let f = region_file(dir.path(), "p.img", size);
-    let mut child = start_spinning(dir.path(), &f, 41);
+    let region = Region::new(4 * MIB);
+    let mut child = start_spinning(&region, 41);
     child.kill().unwrap();
     let st = wait_with_limit(&mut child);
     assert_eq!(st.signal(), Some(libc::SIGKILL), "{st:?}");
     // No teardown ran: the stores are in the file's page cache, which the host writes back.
-    assert_same(&f, &expected_after_writes(size, 41));
+    region.assert_written(41);
 }
 
 #[test]
@@ -322,60 +329,58 @@ fn bad_regions_are_refused_naming_the_flag_and_the_file() {
     let odd = temp_image(d, "odd.img", 3 << 20);
     let missing = d.join("missing.img");
     let s = |p: &Path| p.display().to_string();
-    let base = ["run", "--kernel", "probe", "--memory", "32M", "--pmem"];
-    let with = |spec: &str| -> Vec<String> {
-        base.iter()
-            .map(|s| s.to_string())
-            .chain([spec.to_string()])
-            .collect()
-    };
-    let check = |spec: String, needles: &[&str]| {
-        let args = with(&spec);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        refused(&args, needles);
-    };
-    check(
-        format!("file={}", s(&missing)),
-        &["--pmem file=", "missing.img", "no such file"],
-    );
-    check(
-        format!("file={}", s(&empty)),
-        &["--pmem file=", "empty.img", "empty"],
-    );
-    check(
-        format!("file={}", s(&odd)),
-        &[
-            "--pmem file=",
-            "odd.img",
-            "not a whole number of 2 MiB",
-            "4M",
-        ],
-    );
-    check(
-        format!("file={},size=4M", s(&ok)),
-        &["--pmem file=", "ok.img", "size= asks for", "only"],
-    );
-    check(
-        format!("file={},size=1M", s(&ok)),
-        &["--pmem file=", "ok.img", "size= is"],
-    );
-    check(format!("file={}", s(d)), &["--pmem file=", "directory"]);
-    check(
-        format!("path={}", s(&ok)),
-        &["--pmem", "unknown key \"path\""],
-    );
-    check(
-        format!("file={},advertise=acpi", s(&ok)),
-        &["--pmem", "advertise=\"acpi\""],
-    );
-    check(
-        format!("file={},readonly=perhaps", s(&ok)),
-        &["--pmem", "readonly=\"perhaps\""],
-    );
-    check(
-        format!("file={},size=lots", s(&ok)),
-        &["--pmem", "invalid size"],
-    );
+    let cases: [(String, &[&str]); 10] = [
+        (
+            format!("file={}", s(&missing)),
+            &["--pmem file=", "missing.img", "no such file"],
+        ),
+        (
+            format!("file={}", s(&empty)),
+            &["--pmem file=", "empty.img", "empty"],
+        ),
+        (
+            format!("file={}", s(&odd)),
+            &[
+                "--pmem file=",
+                "odd.img",
+                "not a whole number of 2 MiB",
+                "4M",
+            ],
+        ),
+        (
+            format!("file={},size=4M", s(&ok)),
+            &["--pmem file=", "ok.img", "size= asks for", "only"],
+        ),
+        (
+            format!("file={},size=1M", s(&ok)),
+            &["--pmem file=", "ok.img", "size= is"],
+        ),
+        (format!("file={}", s(d)), &["--pmem file=", "directory"]),
+        (
+            format!("path={}", s(&ok)),
+            &["--pmem", "unknown key \"path\""],
+        ),
+        (
+            format!("file={},advertise=acpi", s(&ok)),
+            &["--pmem", "advertise=\"acpi\""],
+        ),
+        (
+            format!("file={},readonly=perhaps", s(&ok)),
+            &["--pmem", "readonly=\"perhaps\""],
+        ),
+        (
+            format!("file={},size=lots", s(&ok)),
+            &["--pmem", "invalid size"],
+        ),
+    ];
+    for (spec, needles) in cases {
+        refused(
+            &[
+                "run", "--kernel", "probe", "--memory", "32M", "--pmem", &spec,
+            ],
+            needles,
+        );
+    }
 
     // The same file twice, and a file that is also a disk.
     let spec = format!("file={}", s(&ok));
@@ -426,14 +431,12 @@ fn more_regions_than_the_firmware_map_or_the_interrupt_lines_hold_are_refused() 
 
 #[test]
 fn regions_come_from_the_json_config_too() {
-    let dir = tempfile::tempdir().unwrap();
-    let size = 2 * MIB;
-    let f = region_file(dir.path(), "p.img", size);
-    let k = kernel_file(
-        dir.path(),
-        writes(Code::default(), REGION0, size as u32, 81).exit(0),
+    let region = Region::new(2 * MIB);
+    let (f, k) = (
+        &region.path,
+        region.kernel(Code::default(), 81, |c| c.exit(0)),
     );
-    let cfg = dir.path().join("vm.json");
+    let cfg = region.dir.path().join("vm.json");
     std::fs::write(
         &cfg,
         serde_json::json!({
@@ -449,7 +452,7 @@ fn regions_come_from_the_json_config_too() {
         Duration::from_secs(120),
     );
     assert_eq!(r.code, Some(0), "{}", r.explain());
-    assert_same(&f, &expected_after_writes(size, 81));
+    region.assert_written(81);
 
     std::fs::write(
         &cfg,
@@ -458,7 +461,7 @@ fn regions_come_from_the_json_config_too() {
     .unwrap();
     refused(
         &["run", "--config", cfg.to_str().unwrap()],
-        &["--config", "pmem (config)", "invalid size"],
+        &["--config", "pmem[0].size", "invalid size \"lots\""],
     );
 }
 
@@ -467,22 +470,11 @@ fn regions_come_from_the_json_config_too() {
 // `pmem-crc` reports each region's CRC-32.
 
 fn probe_with_regions(tasks: &str, regions: &[String]) -> Run {
-    let cmdline = format!("probe.tasks={tasks}");
-    let mut args = vec![
-        "run",
-        "--kernel",
-        "probe",
-        "--memory",
-        "64M",
-        "--cmdline",
-        &cmdline,
-        "--timeout",
-        "200",
-    ];
+    let mut flags = vec!["--memory", "64M"];
     for r in regions {
-        args.extend(["--pmem", r.as_str()]);
+        flags.extend(["--pmem", r.as_str()]);
     }
-    run(&args)
+    run_probe(tasks, &flags)
 }
 
 fn crc_of(path: &Path) -> String {

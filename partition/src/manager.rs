@@ -3,14 +3,15 @@
 
 use crate::cgroup::{Host, Limits};
 use crate::proto::{self, Reply, Request, Status};
-use crate::resources::{self, format_size, CpuList};
+use crate::resources::{self, CpuList};
 use crate::store::{self, check_name, now_secs, PartitionRecord, ProcId, Store, VmRecord, VmState};
 use crate::Error;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use vmm::config::Size;
 
 /// How long `create` waits for a new supervisor to answer.
 const SUPERVISOR_START: Duration = Duration::from_secs(10);
@@ -32,6 +33,18 @@ pub struct CreateRequest {
     pub mems: Option<String>,
     pub io_weight: Option<u32>,
     pub disks: Vec<PathBuf>,
+}
+
+/// The program's hidden subcommand that lists the storage of a VM from its `run` arguments.
+pub const STORAGE_FILES_COMMAND: &str = "storage-files";
+
+/// One file a VM uses as storage, as `PROGRAM partition storage-files` reports it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct StorageFile {
+    /// How the VM names it: `--disk path` or `--pmem file`.
+    pub flag: String,
+    /// As given, relative to the VM's directory or absolute.
+    pub path: PathBuf,
 }
 
 /// How a partition's supervisor stands, as the CLI sees it.
@@ -93,7 +106,7 @@ impl Manager {
                 p.name,
                 self.store.dir.display(),
                 p.cpus,
-                format_size(p.memory)
+                Size(p.memory)
             )));
         }
         let cpus = CpuList::parse("--cpus", &req.cpus)?;
@@ -133,7 +146,14 @@ impl Manager {
                 mems.difference(&node_online)
             )));
         }
-        let memory = resources::parse_size("--memory", &req.memory)?;
+        let memory = vmm::config::parse_size("--memory", &req.memory)
+            .map_err(|e| Error::refused(e.to_string()))?;
+        if memory == 0 {
+            return Err(Error::refused(format!(
+                "--memory {:?}: a partition needs some memory",
+                req.memory
+            )));
+        }
         let total = resources::mem_total()?;
         let reserve = resources::host_reserve(total);
         let available = total.saturating_sub(reserve);
@@ -141,22 +161,22 @@ impl Manager {
         if granted.saturating_add(memory) > available {
             let holders: Vec<String> = others
                 .iter()
-                .map(|p| format!("{} {}", p.name, format_size(p.memory)))
+                .map(|p| format!("{} {}", p.name, Size(p.memory)))
                 .collect();
             return Err(Error::refused(format!(
                 "--memory {} for partition {}: the host can give partitions {} (MemTotal {} \
                  less a host reserve of {}){}; {} is left",
                 req.memory,
                 req.name,
-                format_size(available),
-                format_size(total),
-                format_size(reserve),
+                Size(available),
+                Size(total),
+                Size(reserve),
                 if holders.is_empty() {
                     String::new()
                 } else {
                     format!(", and partitions hold {}", holders.join(", "))
                 },
-                format_size(available.saturating_sub(granted))
+                Size(available.saturating_sub(granted))
             )));
         }
         let mut disks: Vec<PathBuf> = Vec::new();
@@ -375,28 +395,26 @@ impl Manager {
         Ok(self.store.socket(&rec.name))
     }
 
-    /// Starts a VM in partition `name`: `musubi run ARGS` under its supervisor. Disk images
-    /// named with `--disk` must not belong to another partition.
+    /// Starts a VM in partition `name`: `musubi run ARGS` under its supervisor, in `cwd`.
+    /// None of the VM's storage may belong to another partition.
     pub fn run(&self, name: &str, args: &[String], cwd: &Path) -> Result<VmRecord, Error> {
         let rec = self.store.load(name)?;
-        for disk in disk_args(args) {
-            let path = if Path::new(&disk).is_absolute() {
-                PathBuf::from(&disk)
-            } else {
-                cwd.join(&disk)
+        let others = self.store.load_all()?;
+        for file in self.storage_files(args, cwd)? {
+            // Relative paths are the VM's, which runs in `cwd`.
+            let Ok(canon) = cwd.join(&file.path).canonicalize() else {
+                continue; // `musubi run` reports a missing file itself.
             };
-            let Ok(canon) = path.canonicalize() else {
-                continue; // `musubi run` reports a missing disk itself.
-            };
-            if let Some(owner) = self
-                .store
-                .load_all()?
-                .into_iter()
+            if let Some(owner) = others
+                .iter()
                 .find(|p| p.name != rec.name && p.disks.contains(&canon))
             {
                 return Err(Error::refused(format!(
-                    "--disk {disk}: belongs to partition {}, not to {}",
-                    owner.name, rec.name
+                    "{}={}: belongs to partition {}, not to {}; a disk belongs to one partition",
+                    file.flag,
+                    file.path.display(),
+                    owner.name,
+                    rec.name
                 )));
             }
         }
@@ -410,6 +428,31 @@ impl Manager {
             Reply::Error { message } => Err(Error::refused(message)),
             other => Err(Error::system(format!("unexpected reply {other:?}"))),
         }
+    }
+
+    /// The files a VM started with `args` in `cwd` uses as storage, as the program itself
+    /// resolves them (`PROGRAM partition storage-files -- ARGS`): flags, the JSON file they
+    /// name and defaults alike, exactly as its `run` will. Arguments it cannot resolve are
+    /// refused with its message.
+    pub fn storage_files(&self, args: &[String], cwd: &Path) -> Result<Vec<StorageFile>, Error> {
+        let out = Command::new(&self.program)
+            .args(["partition", STORAGE_FILES_COMMAND, "--"])
+            .args(args)
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| Error::system(format!("{}: {e}", self.program.display())))?;
+        if !out.status.success() {
+            return Err(Error::refused(
+                String::from_utf8_lossy(&out.stderr).trim_end(),
+            ));
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| {
+            Error::system(format!(
+                "{} partition {STORAGE_FILES_COMMAND}: unreadable answer: {e}",
+                self.program.display()
+            ))
+        })
     }
 
     pub fn stop(&self, name: &str, vm: u32) -> Result<VmRecord, Error> {
@@ -465,59 +508,14 @@ fn host_nodes() -> CpuList {
 }
 
 fn canonical_disk(d: &Path) -> Result<PathBuf, Error> {
-    use std::os::unix::fs::FileTypeExt;
-    let meta =
-        std::fs::metadata(d).map_err(|e| Error::refused(format!("--disk {}: {e}", d.display())))?;
-    if !(meta.is_file() || meta.file_type().is_block_device()) {
-        return Err(Error::refused(format!(
-            "--disk {}: not a regular file or block device",
-            d.display()
-        )));
-    }
+    vmm::config::check_storage_file("--disk ", d).map_err(|e| Error::refused(e.to_string()))?;
     d.canonicalize()
         .map_err(|e| Error::refused(format!("--disk {}: {e}", d.display())))
-}
-
-/// The image paths named by `--disk path=FILE,...` (or `--disk=...`) in `musubi run`
-/// arguments.
-pub fn disk_args(args: &[String]) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let value = if a == "--disk" {
-            it.next().cloned()
-        } else {
-            a.strip_prefix("--disk=").map(str::to_string)
-        };
-        if let Some(v) = value {
-            for field in v.split(',') {
-                if let Some(p) = field.strip_prefix("path=") {
-                    out.push(p.to_string());
-                }
-            }
-        }
-    }
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn disk_arguments_are_found() {
-        let args: Vec<String> = [
-            "--kernel",
-            "probe",
-            "--disk",
-            "path=a.img,readonly=on",
-            "--disk=cache=none,path=/b.img",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        assert_eq!(disk_args(&args), ["a.img", "/b.img"]);
-    }
 
     #[test]
     fn refusals_happen_before_any_cgroup_is_touched() {
@@ -537,6 +535,17 @@ mod tests {
         assert!(e.message.contains("not online"), "{e}");
         let e = m.create(&req("p", "0", "100T")).unwrap_err();
         assert!(e.message.contains("host reserve"), "{e}");
+        for (memory, why) in [
+            ("0", "needs some memory"),
+            ("-1G", "cannot be negative"),
+            ("lots", "invalid size"),
+        ] {
+            let e = m.create(&req("p", "0", memory)).unwrap_err();
+            assert!(
+                e.message.starts_with(&format!("--memory {memory:?}: ")) && e.message.contains(why),
+                "{e}"
+            );
+        }
         let mut r = req("p", "0", "1G");
         r.disks = vec![tmp.path().join("missing.img")];
         let e = m.create(&r).unwrap_err();

@@ -1,4 +1,4 @@
-//! What a partition asks for, and what the host has to give: CPU lists, sizes, memory.
+//! What a partition asks for, and what the host has to give: CPU lists, memory.
 
 use crate::Error;
 use std::collections::BTreeSet;
@@ -99,59 +99,6 @@ impl<'de> serde::Deserialize<'de> for CpuList {
     }
 }
 
-/// Parses `256M`, `2G`, `1.5G` or a byte count (binary units, as `musubi run --memory`).
-pub fn parse_size(flag: &str, text: &str) -> Result<u64, Error> {
-    let t = text.trim();
-    let bad = || {
-        Error::refused(format!(
-            "{flag} {text:?}: expected a size such as 512M, 2G or a number of bytes"
-        ))
-    };
-    let (num, mult) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let m: u64 = match c.to_ascii_uppercase() {
-                'K' => 1 << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                'T' => 1 << 40,
-                _ => return Err(bad()),
-            };
-            (&t[..i], m)
-        }
-        _ => (t, 1),
-    };
-    let value: f64 = num.parse().map_err(|_| bad())?;
-    if !value.is_finite() || value <= 0.0 {
-        return Err(bad());
-    }
-    let bytes = value * mult as f64;
-    if bytes > u64::MAX as f64 / 2.0 {
-        return Err(bad());
-    }
-    Ok(bytes as u64)
-}
-
-/// A size the way a person reads it (`1.5G`, `512M`).
-pub fn format_size(bytes: u64) -> String {
-    const UNITS: [(&str, u64); 4] = [
-        ("T", 1 << 40),
-        ("G", 1 << 30),
-        ("M", 1 << 20),
-        ("K", 1 << 10),
-    ];
-    for (suffix, unit) in UNITS {
-        if bytes >= unit {
-            let v = bytes as f64 / unit as f64;
-            return if bytes.is_multiple_of(unit) {
-                format!("{}{suffix}", bytes / unit)
-            } else {
-                format!("{v:.1}{suffix}")
-            };
-        }
-    }
-    format!("{bytes}")
-}
-
 /// RAM the host keeps for itself, outside every partition: its kernel, page cache for the
 /// disk images, the CLI and the supervisors' own small footprint. The larger of 1 GiB and
 /// 1/16 of MemTotal.
@@ -159,17 +106,9 @@ pub fn host_reserve(mem_total: u64) -> u64 {
     (1u64 << 30).max(mem_total / 16)
 }
 
-/// `MemTotal` from `/proc/meminfo`, in bytes.
+/// `MemTotal` of the host, in bytes.
 pub fn mem_total() -> Result<u64, Error> {
-    let text = std::fs::read_to_string("/proc/meminfo")
-        .map_err(|e| Error::system(format!("/proc/meminfo: {e}")))?;
-    parse_mem_total(&text).ok_or_else(|| Error::system("/proc/meminfo has no MemTotal line"))
-}
-
-fn parse_mem_total(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    vmm::config::host_memory_bytes().map_err(|e| Error::system(format!("/proc/meminfo: {e}")))
 }
 
 /// The CPUs the kernel has online.
@@ -205,23 +144,7 @@ mod tests {
     }
 
     #[test]
-    fn sizes() {
-        assert_eq!(parse_size("--memory", "512M").unwrap(), 512 << 20);
-        assert_eq!(parse_size("--memory", "2g").unwrap(), 2 << 30);
-        assert_eq!(parse_size("--memory", "1.5G").unwrap(), 3 << 29);
-        assert_eq!(parse_size("--memory", "4096").unwrap(), 4096);
-        for bad in ["", "0", "-1G", "1X", "G", "nanG"] {
-            assert!(parse_size("--memory", bad).is_err(), "{bad:?}");
-        }
-        assert_eq!(format_size(3 << 29), "1.5G");
-        assert_eq!(format_size(512 << 20), "512M");
-        assert_eq!(format_size(100), "100");
-    }
-
-    #[test]
     fn meminfo_and_reserve() {
-        let text = "MemTotal:       24684084 kB\nMemFree: 1 kB\n";
-        assert_eq!(parse_mem_total(text), Some(24684084 * 1024));
         assert_eq!(host_reserve(4 << 30), 1 << 30);
         assert_eq!(host_reserve(32 << 30), 2 << 30);
         assert!(mem_total().unwrap() > 0);

@@ -60,7 +60,7 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
         rec.cgroup.version,
         rec.cgroup.places[0].proc_path,
         rec.cpus,
-        crate::resources::format_size(rec.memory)
+        vmm::config::Size(rec.memory)
     ));
     // SAFETY: the handler only stores to an atomic.
     unsafe {

@@ -15,13 +15,13 @@ use crate::io_thread::IoThread;
 use crate::irq::IrqLine;
 use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::metrics::{detailed, summarize, ExitSummary, VcpuMetrics};
-use crate::pmem::{host_phys_bits, Advertise, PmemError, PmemRegions};
+use crate::pmem::{host_phys_bits, PmemError, PmemRegions};
 use crate::seccomp::SeccompMode;
 use crate::vstate::memory::{GuestRam, MemoryError, RamBackend};
 use crate::vstate::vcpu::{
     install_kick_handler, kick_signal, Vcpu, VcpuContext, VcpuError, VcpuState, VcpuStatus,
 };
-use crate::vstate::vm::{Vm as KvmVm, VmError};
+use crate::vstate::vm::{KvmVm, VmError};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -231,24 +231,16 @@ impl Vmm {
 
         // 1. The guest-physical layout, and the memory behind it. Memory-storage files are
         // opened first, so bad files are reported before any KVM work.
-        let pmem = PmemRegions::open(&config.pmem, config.memory, &config.disks, host_phys_bits())?;
-        let spans: Vec<(u64, bool)> = pmem
-            .regions
-            .iter()
-            .map(|r| (r.size, r.config.advertise == Advertise::E820))
-            .collect();
-        let virtio_pmem = pmem
-            .regions
-            .iter()
-            .filter(|r| r.config.advertise == Advertise::Virtio)
-            .count();
+        let pmem_files = PmemRegions::open_files(&config.pmem, &config.disks)?;
         let layout = GuestLayout::new(
             config.memory,
             config.cpus,
-            &spans,
-            config.disks.len() + virtio_pmem,
+            &pmem_files.spans(),
+            config.disks.len() + pmem_files.virtio_devices(),
             host_phys_bits(),
         )?;
+        let addrs: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
+        let pmem = pmem_files.map(&addrs)?;
         let mut kvm = KvmVm::new()?;
         let ram = Arc::new(GuestRam::new(&layout, RamBackend::Anonymous)?);
         kvm.register_memory(ram.memory())?;

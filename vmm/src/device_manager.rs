@@ -3,13 +3,13 @@
 use crate::arch::x86_64::layout::{
     GuestLayout, VirtioSlot, MAX_IRQ, VIRTIO_IRQ_BASE, VIRTIO_MMIO_SIZE,
 };
-use crate::config::{CacheMode, ExitsMode, SerialMode, VmConfig};
+use crate::config::{ExitsMode, SerialMode, VmConfig};
 use crate::control::RunControl;
 use crate::exit::ExitBus;
 use crate::io_thread::Notifier;
 use crate::irq::{IrqLine, UserIrq};
 use crate::metrics::MmioTarget;
-use crate::vstate::vm::{Vm, VmError};
+use crate::vstate::vm::{KvmVm, VmError};
 use devices::legacy::{
     ExitPort, Serial, SerialOutput, COM1_BASE, COM1_IRQ, COM1_LEN, EXIT_PORT, I8042, I8042_BASE,
     I8042_LEN,
@@ -173,7 +173,7 @@ pub struct ExtraDevices {
 
 /// Places devices and wires their interrupts and doorbells the way the exit mode asks.
 struct Wiring<'a> {
-    vm: &'a Vm,
+    vm: &'a KvmVm,
     mem: &'a GuestMemoryMmap,
     mode: ExitsMode,
     io: IoManager,
@@ -268,7 +268,7 @@ impl Wiring<'_> {
 }
 
 pub fn create_devices(
-    vm: &Vm,
+    vm: &KvmVm,
     mem: &GuestMemoryMmap,
     config: &VmConfig,
     layout: &GuestLayout,
@@ -318,10 +318,7 @@ pub fn create_devices(
         let block = Block::new(BlockConfig {
             path: d.path.clone(),
             readonly: d.readonly,
-            cache: match d.cache {
-                CacheMode::Writeback => devices::virtio::block::CacheMode::Writeback,
-                CacheMode::None => devices::virtio::block::CacheMode::None,
-            },
+            cache: d.cache,
             id: format!("musubi-disk{i}"),
         })
         .map_err(|source| DeviceError::Block {

@@ -49,7 +49,8 @@ const TMPFS_MAGIC: i64 = 0x0102_1994;
 const HEADER_LEN: usize = 16;
 const CONFIG_LEN: usize = 64;
 
-/// How the host page cache is used for the image.
+/// How the host page cache is used for the image. The one definition: the VM configuration
+/// re-exports it, and its words (`writeback`, `none`) are those of `--disk cache=`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum CacheMode {
     /// Buffered I/O; guest FLUSH requests become `fdatasync`.
@@ -57,6 +58,27 @@ pub enum CacheMode {
     Writeback,
     /// `O_DIRECT`: the host page cache is bypassed, as a real disk would be.
     None,
+}
+
+impl std::str::FromStr for CacheMode {
+    type Err = &'static str;
+
+    fn from_str(s: &str) -> Result<CacheMode, &'static str> {
+        match s {
+            "writeback" => Ok(CacheMode::Writeback),
+            "none" => Ok(CacheMode::None),
+            _ => Err("expected writeback or none"),
+        }
+    }
+}
+
+impl std::fmt::Display for CacheMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CacheMode::Writeback => "writeback",
+            CacheMode::None => "none",
+        })
+    }
 }
 
 /// What the VMM knows about a `--disk`.

@@ -29,13 +29,13 @@ pub enum VmError {
 /// the top of 4 GiB, where no RAM or device is placed.
 const KVM_TSS_ADDRESS: usize = 0xfffb_d000;
 
-pub struct Vm {
+pub struct KvmVm {
     kvm: Kvm,
     fd: Arc<VmFd>,
     next_slot: u32,
 }
 
-impl Vm {
+impl KvmVm {
     pub fn new() -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         let v = kvm.get_api_version();

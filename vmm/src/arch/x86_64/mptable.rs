@@ -322,17 +322,41 @@ fn build(num_cpus: u8) -> Result<Vec<u8>, MpTableError> {
     Ok(table)
 }
 
+/// What the tests of every firmware table that lists CPUs share.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(super) mod firmware_tests {
+    use std::fmt::Display;
+    use vm_memory::{GuestAddress, GuestMemoryMmap};
 
-    fn guest_mem() -> GuestMemoryMmap {
+    pub fn guest_mem() -> GuestMemoryMmap {
         GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 64 << 20)]).unwrap()
     }
 
-    fn sum(bytes: &[u8]) -> u8 {
+    /// The byte sum that every table's checksum makes zero.
+    pub fn sum(bytes: &[u8]) -> u8 {
         bytes.iter().fold(0u8, |s, b| s.wrapping_add(*b))
     }
+
+    /// Checks the CPU counts a table writer promises: `max` CPUs are written; 0 is refused,
+    /// and so is `max + 1`, naming the limit.
+    pub fn check_cpu_limits<T, E: Display>(
+        write: impl Fn(&GuestMemoryMmap, u8) -> Result<T, E>,
+        max: u8,
+    ) {
+        let mem = guest_mem();
+        assert!(write(&mem, max).is_ok(), "{max} CPUs must fit");
+        assert!(write(&mem, 0).is_err(), "0 CPUs must be refused");
+        match write(&mem, max + 1) {
+            Ok(_) => panic!("{} CPUs must be refused", max + 1),
+            Err(e) => assert!(e.to_string().contains(&format!("at most {max}")), "{e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::firmware_tests::{check_cpu_limits, guest_mem, sum};
+    use super::*;
 
     /// What a guest would learn from the table, read back the way a guest reads it.
     #[derive(Debug, Default)]
@@ -430,42 +454,13 @@ mod tests {
     }
 
     #[test]
-    fn one_cpu() {
-        check(1);
-    }
-
-    #[test]
-    fn two_cpus() {
-        check(2);
-    }
-
-    #[test]
-    fn most_cpus_that_fit() {
+    fn every_cpu_count_that_fits() {
         assert_eq!(MAX_CPUS, 37);
-        check(MAX_CPUS);
+        for n in 1..=MAX_CPUS {
+            check(n);
+        }
         // The bound is tight: one more entry would cross into the legacy hole.
         assert!(FIXED_SIZE + (usize::from(MAX_CPUS) + 1) * 20 > MPTABLE_SPACE);
-    }
-
-    #[test]
-    fn zero_cpus_is_an_error() {
-        let mem = guest_mem();
-        assert!(matches!(write_mptable(&mem, 0), Err(MpTableError::NoCpus)));
-    }
-
-    #[test]
-    fn too_many_cpus_is_an_error_naming_the_limit() {
-        let mem = guest_mem();
-        let err = write_mptable(&mem, MAX_CPUS + 1).unwrap_err();
-        assert!(matches!(
-            err,
-            MpTableError::TooManyCpus {
-                requested: 38,
-                max: 37
-            }
-        ));
-        assert!(err.to_string().contains("at most 37"), "{err}");
-        assert!(write_mptable(&mem, 254).is_err());
     }
 
     #[test]
@@ -475,5 +470,11 @@ mod tests {
             write_mptable(&mem, 1),
             Err(MpTableError::Write { .. })
         ));
+    }
+
+    #[test]
+    fn cpu_counts_outside_the_table_are_refused_naming_the_limit() {
+        check_cpu_limits(write_mptable, MAX_CPUS);
+        assert!(write_mptable(&guest_mem(), 254).is_err());
     }
 }

@@ -1,0 +1,527 @@
+//! What a user asks a VM to be: parsed from flags and JSON, validated before any KVM call.
+
+pub mod size;
+pub mod spec;
+
+pub use devices::virtio::block::CacheMode;
+pub use size::{Size, SizeError, SIZE_SYNTAX};
+
+use crate::arch::x86_64::{acpi, mptable};
+use serde::{Deserialize, Serialize};
+use spec::Spec;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Errors in the user's description of a VM; each names the flag or field and the value.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("{flag} {value:?}: invalid size: {why}; expected {SIZE_SYNTAX}")]
+    BadSize {
+        flag: String,
+        value: String,
+        why: SizeError,
+    },
+    #[error("{flag}: {value} is too small: {why}")]
+    TooSmall {
+        flag: String,
+        value: String,
+        why: String,
+    },
+    #[error("{flag}: {value} is more than this host has ({host_mib} MiB of RAM in /proc/meminfo)")]
+    MoreThanHost {
+        flag: String,
+        value: String,
+        host_mib: u64,
+    },
+    #[error("{flag} {spec:?}: {why}; expected {syntax}")]
+    BadSpec {
+        flag: &'static str,
+        spec: String,
+        why: String,
+        syntax: &'static str,
+    },
+    #[error(
+        "{flag}{}: {what}; expected a regular file or a block device",
+        path.display()
+    )]
+    NotStorage {
+        flag: &'static str,
+        path: PathBuf,
+        what: String,
+    },
+    #[error("--serial {0:?}: expected stdio, off or file=PATH")]
+    BadSerial(String),
+    #[error(
+        "--cpus {0}: expected 1 to {max}; at most {max} CPUs fit in the MP table, from which \
+         guests without ACPI (the probe guest among them) learn their CPUs",
+        max = MAX_VCPUS
+    )]
+    BadCpus(u64),
+}
+
+/// The most vCPUs a VM may have: as many as both firmware tables that list CPUs can hold,
+/// so a bad count is refused while the configuration is read, not after the VM exists. The
+/// MP table is the smaller (it must fit in the last KiB of base memory, where guests scan
+/// for it). CPUs beyond it are not described in the MADT alone: the probe guest and kernels
+/// without ACPI count CPUs from the MP table only, so they would never start those vCPUs,
+/// and two guests would disagree on how many CPUs one configuration has.
+pub const MAX_VCPUS: u8 = {
+    let (mp, madt) = (mptable::MAX_CPUS, acpi::MAX_CPUS);
+    if mp < madt {
+        mp
+    } else {
+        madt
+    }
+};
+
+pub const DISK_SYNTAX: &str = "path=FILE[,readonly=on|off][,cache=writeback|none]";
+
+/// One `--disk`, or one entry of the JSON config's `disks`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    #[serde(default)]
+    pub readonly: bool,
+    #[serde(default, deserialize_with = "spec::from_str")]
+    pub cache: CacheMode,
+}
+
+impl std::str::FromStr for DiskConfig {
+    type Err = ConfigError;
+
+    fn from_str(text: &str) -> Result<Self, ConfigError> {
+        let spec = Spec::parse("--disk", DISK_SYNTAX, text, &["path", "readonly", "cache"])?;
+        Ok(DiskConfig {
+            path: spec.path("path")?,
+            readonly: spec.on_off("readonly")?,
+            cache: spec.value("cache")?.unwrap_or_default(),
+        })
+    }
+}
+
+/// Checks that `path`, given as `flag` (e.g. `--disk path=`), can hold storage: a regular file or a block device (its size and,
+/// for `O_DIRECT`, its block size are the device's own). Anything else is refused before it
+/// is opened: a FIFO would block the open, a directory or character device holds no blocks.
+pub fn check_storage_file(flag: &'static str, path: &Path) -> Result<(), ConfigError> {
+    use std::os::unix::fs::FileTypeExt;
+    let refuse = |what: String| ConfigError::NotStorage {
+        flag,
+        path: path.to_path_buf(),
+        what,
+    };
+    let ft = std::fs::metadata(path)
+        .map_err(|e| {
+            refuse(match e.kind() {
+                std::io::ErrorKind::NotFound => "no such file".into(),
+                _ => e.to_string(),
+            })
+        })?
+        .file_type();
+    let what = if ft.is_file() || ft.is_block_device() {
+        return Ok(());
+    } else if ft.is_dir() {
+        "is a directory"
+    } else if ft.is_fifo() {
+        "is a FIFO"
+    } else if ft.is_char_device() {
+        "is a character device"
+    } else if ft.is_socket() {
+        "is a socket"
+    } else {
+        "is not a file"
+    };
+    Err(refuse(what.into()))
+}
+
+/// Which part of the hypervisor handles the hot traps (paper 002's composite design).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExitsMode {
+    /// Queue notifications end in the kernel (ioeventfd, served by an I/O thread) and
+    /// interrupts are raised in the kernel (irqfd): no return to the VMM for either.
+    #[default]
+    Kernel,
+    /// Every notification is an MMIO exit served on the vCPU thread, and every interrupt is
+    /// injected from user space with KVM_IRQ_LINE, as a VMM without those kernel features.
+    User,
+}
+
+/// The words of `--exits`, for parsing and printing alike.
+const EXITS_WORDS: [(&str, ExitsMode); 2] =
+    [("kernel", ExitsMode::Kernel), ("user", ExitsMode::User)];
+
+impl std::str::FromStr for ExitsMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        spec::word(s, &EXITS_WORDS).map_err(|e| format!("--exits {s:?}: {e}"))
+    }
+}
+
+impl fmt::Display for ExitsMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(spec::name_of(*self, &EXITS_WORDS))
+    }
+}
+
+/// Where the guest's COM1 output goes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum SerialMode {
+    #[default]
+    Stdio,
+    Off,
+    File(PathBuf),
+}
+
+impl std::str::FromStr for SerialMode {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        match s {
+            "stdio" => Ok(SerialMode::Stdio),
+            "off" => Ok(SerialMode::Off),
+            _ => match s.strip_prefix("file=") {
+                Some(p) if !p.is_empty() => Ok(SerialMode::File(PathBuf::from(p))),
+                _ => Err(ConfigError::BadSerial(s.to_string())),
+            },
+        }
+    }
+}
+
+impl fmt::Display for SerialMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SerialMode::Stdio => write!(f, "stdio"),
+            SerialMode::Off => write!(f, "off"),
+            SerialMode::File(p) => write!(f, "file={}", p.display()),
+        }
+    }
+}
+
+impl Serialize for SerialMode {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for SerialMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A kernel image: a file, or bytes the binary carries (the bundled probe guest).
+#[derive(Clone)]
+pub enum KernelImage {
+    File(PathBuf),
+    Bytes {
+        name: String,
+        data: std::sync::Arc<[u8]>,
+    },
+}
+
+impl fmt::Debug for KernelImage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.name())
+    }
+}
+
+impl KernelImage {
+    pub fn name(&self) -> String {
+        match self {
+            KernelImage::File(p) => p.display().to_string(),
+            KernelImage::Bytes { name, .. } => name.clone(),
+        }
+    }
+}
+
+/// Everything needed to build one VM.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub kernel: KernelImage,
+    pub cmdline: String,
+    pub initrd: Option<PathBuf>,
+    pub cpus: u8,
+    pub memory: u64,
+    pub disks: Vec<DiskConfig>,
+    /// File-backed guest-physical regions (`--pmem`), placed above RAM.
+    pub pmem: Vec<crate::pmem::PmemConfig>,
+    pub serial: SerialMode,
+    pub exits: ExitsMode,
+}
+
+/// One host file a VM uses as storage, named as the user names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StorageFile<'a> {
+    /// How the file was given: `--disk path` or `--pmem file`.
+    pub flag: &'static str,
+    pub path: &'a Path,
+}
+
+impl fmt::Display for StorageFile<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}={}", self.flag, self.path.display())
+    }
+}
+
+impl VmConfig {
+    /// Every file the guest reads and writes as storage: the disks, then the memory-storage
+    /// files. Rules about who may use a file (a partition owns its disks) look here, so they
+    /// judge the configuration as resolved from flags and the JSON file alike, never a
+    /// re-reading of one of them.
+    pub fn storage_files(&self) -> Vec<StorageFile<'_>> {
+        let disks = self.disks.iter().map(|d| StorageFile {
+            flag: "--disk path",
+            path: &d.path,
+        });
+        let pmem = self.pmem.iter().map(|p| StorageFile {
+            flag: "--pmem file",
+            path: &p.file,
+        });
+        disks.chain(pmem).collect()
+    }
+}
+
+/// Parses a size given to `flag` (see [`Size`] for the grammar).
+pub fn parse_size(flag: &str, value: &str) -> Result<u64, ConfigError> {
+    value
+        .parse::<Size>()
+        .map(Size::bytes)
+        .map_err(|why| ConfigError::BadSize {
+            flag: flag.to_string(),
+            value: value.to_string(),
+            why,
+        })
+}
+
+/// Bytes of RAM the host has: `MemTotal` in /proc/meminfo. The one place it is read, for VM
+/// sizes and for partitions alike.
+pub fn host_memory_bytes() -> std::io::Result<u64> {
+    mem_total(&std::fs::read_to_string("/proc/meminfo")?).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "/proc/meminfo has no MemTotal line",
+        )
+    })
+}
+
+fn mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// The smallest RAM the VM can boot with: the boot structures and a kernel at 1 MiB.
+pub const MIN_MEMORY: u64 = 8 << 20;
+
+/// Checks a guest memory size against what the VM needs and the host has.
+pub fn check_memory(flag: &str, value: &str, bytes: u64) -> Result<(), ConfigError> {
+    if bytes < MIN_MEMORY {
+        return Err(ConfigError::TooSmall {
+            flag: flag.into(),
+            value: value.into(),
+            why: format!("a VM needs at least {} MiB", MIN_MEMORY >> 20),
+        });
+    }
+    if !bytes.is_multiple_of(4096) {
+        return Err(ConfigError::TooSmall {
+            flag: flag.into(),
+            value: value.into(),
+            why: "the size must be a whole number of 4 KiB pages".into(),
+        });
+    }
+    if let Ok(host) = host_memory_bytes() {
+        if bytes > host {
+            return Err(ConfigError::MoreThanHost {
+                flag: flag.into(),
+                value: value.into(),
+                host_mib: host >> 20,
+            });
+        }
+    }
+    Ok(())
+}
+
+pub fn check_cpus(n: u64) -> Result<u8, ConfigError> {
+    match u8::try_from(n) {
+        Ok(c) if (1..=MAX_VCPUS).contains(&c) => Ok(c),
+        _ => Err(ConfigError::BadCpus(n)),
+    }
+}
+
+/// A FIFO named `pipe` in `dir`, for tests that storage refuses one without opening it.
+#[cfg(test)]
+pub(crate) fn fifo_in(dir: &Path) -> PathBuf {
+    let fifo = dir.join("pipe");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) with a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    fifo
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_name_the_flag_and_the_value() {
+        assert_eq!(parse_size("--memory", "1.5G").unwrap(), 3 << 29);
+        for bad in ["", "M", "12X", "-1G", "99999999999999T"] {
+            let e = parse_size("--memory", bad).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("--memory {bad:?}: invalid size: ")),
+                "{e}"
+            );
+            assert!(e.ends_with(SIZE_SYNTAX), "{e}");
+        }
+    }
+
+    #[test]
+    fn host_memory_comes_from_memtotal() {
+        let text = "MemTotal:       24684084 kB\nMemFree: 1 kB\n";
+        assert_eq!(mem_total(text), Some(24684084 * 1024));
+        assert_eq!(mem_total("MemFree: 1 kB\n"), None);
+        assert!(host_memory_bytes().unwrap() > MIN_MEMORY);
+    }
+
+    #[test]
+    fn zero_and_huge_memory_are_refused_with_the_flag_named() {
+        let e = check_memory("--memory", "0", 0).unwrap_err().to_string();
+        assert!(e.contains("--memory") && e.contains("at least"), "{e}");
+        let e = check_memory("--memory", "1T", 1 << 40)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than this host has"), "{e}");
+        check_memory("--memory", "64M", 64 << 20).unwrap();
+    }
+
+    #[test]
+    fn disk_specs_parse() {
+        let d: DiskConfig = "path=/tmp/a.img,readonly=on,cache=none".parse().unwrap();
+        assert_eq!(d.path, PathBuf::from("/tmp/a.img"));
+        assert!(d.readonly);
+        assert_eq!(d.cache, CacheMode::None);
+        let d: DiskConfig = "path=x".parse().unwrap();
+        assert!(!d.readonly);
+        assert_eq!(d.cache, CacheMode::Writeback);
+    }
+
+    #[test]
+    fn malformed_disk_specs_name_the_problem() {
+        spec::assert_refusals::<DiskConfig>(
+            "--disk",
+            DISK_SYNTAX,
+            &[
+                ("readonly=on", "path= is missing"),
+                ("path=", "path is empty"),
+                (
+                    "path=a,cache=maybe",
+                    "cache=\"maybe\": expected writeback or none",
+                ),
+                ("path=a,readonly=perhaps", "readonly=\"perhaps\""),
+                ("path=a,colour=red", "unknown key"),
+                ("path=a,path=b", "path= is given twice"),
+            ],
+        );
+    }
+
+    #[test]
+    fn json_disks_take_the_words_the_flag_takes() {
+        let d: DiskConfig =
+            serde_json::from_str(r#"{"path": "a.img", "cache": "none", "readonly": true}"#)
+                .unwrap();
+        assert_eq!(d, "path=a.img,cache=none,readonly=on".parse().unwrap());
+        let e = serde_json::from_str::<DiskConfig>(r#"{"path": "a", "cache": "maybe"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"maybe\": expected writeback or none"), "{e}");
+    }
+
+    #[test]
+    fn storage_files_list_disks_and_pmem_files() {
+        let vm = VmConfig {
+            kernel: KernelImage::File("k".into()),
+            cmdline: String::new(),
+            initrd: Some("initrd.img".into()),
+            cpus: 1,
+            memory: 64 << 20,
+            disks: vec![
+                "path=a.img".parse().unwrap(),
+                "path=/b.img".parse().unwrap(),
+            ],
+            pmem: vec!["file=p.img".parse().unwrap()],
+            serial: SerialMode::Off,
+            exits: ExitsMode::Kernel,
+        };
+        let files: Vec<String> = vm.storage_files().iter().map(|f| f.to_string()).collect();
+        assert_eq!(
+            files,
+            [
+                "--disk path=a.img",
+                "--disk path=/b.img",
+                "--pmem file=p.img"
+            ]
+        );
+    }
+
+    #[test]
+    fn storage_is_a_regular_file_or_a_block_device() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("disk.img");
+        std::fs::write(&file, [0u8; 512]).unwrap();
+        check_storage_file("--disk path=", &file).unwrap();
+        let fifo = fifo_in(dir.path());
+        for (path, what) in [
+            (dir.path().to_path_buf(), "is a directory"),
+            (fifo, "is a FIFO"),
+            ("/dev/null".into(), "is a character device"),
+            (dir.path().join("missing.img"), "no such file"),
+        ] {
+            let e = check_storage_file("--disk path=", &path)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with(&format!("--disk path={}: {what};", path.display()))
+                    && e.ends_with("expected a regular file or a block device"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn serial_modes_parse() {
+        assert_eq!("stdio".parse::<SerialMode>().unwrap(), SerialMode::Stdio);
+        assert_eq!("off".parse::<SerialMode>().unwrap(), SerialMode::Off);
+        assert_eq!(
+            "file=/tmp/x".parse::<SerialMode>().unwrap(),
+            SerialMode::File("/tmp/x".into())
+        );
+        assert!("tty".parse::<SerialMode>().is_err());
+    }
+
+    #[test]
+    fn cpu_bounds() {
+        assert!(check_cpus(0).is_err());
+        assert_eq!(check_cpus(2).unwrap(), 2);
+        assert_eq!(check_cpus(37).unwrap(), 37);
+        for n in [38, 40, 64, 255, 256, u64::MAX] {
+            let e = check_cpus(n).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("--cpus {n}:")) && e.contains("at most 37"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_accepted_cpu_count_fits_both_firmware_tables() {
+        use vm_memory::{GuestAddress, GuestMemoryMmap};
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 2 << 20)]).unwrap();
+        assert_eq!(MAX_VCPUS, mptable::MAX_CPUS);
+        let n = check_cpus(u64::from(MAX_VCPUS)).unwrap();
+        mptable::write_mptable(&mem, n).unwrap();
+        acpi::write_acpi_tables(&mem, n).unwrap();
+        assert!(mptable::write_mptable(&mem, n + 1).is_err());
+    }
+}
