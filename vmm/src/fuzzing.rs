@@ -91,9 +91,13 @@ pub fn config(data: &[u8]) -> Result<(), String> {
             let digits = text
                 .trim()
                 .trim_end_matches(|c: char| c.is_ascii_alphabetic());
-            let unit = digits
-                .parse::<u64>()
-                .map_err(|e| format!("{text:?}: {e}"))?;
+            // Decimals are accepted and rounded down: the whole part is a lower bound.
+            let whole = digits.split('.').next().unwrap_or("");
+            let unit = if whole.is_empty() {
+                0
+            } else {
+                whole.parse::<u64>().map_err(|e| format!("{text:?}: {e}"))?
+            };
             if n < unit {
                 return Err(format!("{text:?} is {n} bytes, fewer than its number"));
             }
