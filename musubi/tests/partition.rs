@@ -12,6 +12,7 @@ use common::Run;
 use partition::cgroup::Host;
 use partition::manager::Manager;
 use serde_json::Value;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -634,4 +635,59 @@ impl Env {
         );
         r.stderr
     }
+}
+
+#[test]
+fn a_state_directory_others_can_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    std::fs::set_permissions(env.state(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = env.refused(&["list"]);
+    assert!(
+        e.contains("writable by its group or by others") && e.contains("chmod go-w"),
+        "{e}"
+    );
+    std::fs::set_permissions(env.state(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    env.ok(&["list"]);
+}
+
+#[test]
+fn a_supervisor_refuses_callers_other_than_root_and_its_owner() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    env.ok(&["create", "p", "--cpus", "0", "--memory", "256M"]);
+    let sock = env.state().join("p").join("supervisor.sock");
+    assert!(sock.exists(), "no socket at {}", sock.display());
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the socket is the owner's alone");
+    // Open the way to the socket, as a careless administrator might: the supervisor must
+    // still check who is calling.
+    for d in [env.state().to_path_buf(), env.state().join("p")] {
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o711)).unwrap();
+    }
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let client = format!(
+        "import socket; s = socket.socket(socket.AF_UNIX); s.settimeout(10); \
+         s.connect({:?}); s.sendall(b'{{\"op\": \"list\"}}\\n'); print(s.recv(4096).decode())",
+        sock.to_str().unwrap()
+    );
+    let out = Command::new("python3")
+        .args(["-c", &client])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("python3 runs the unprivileged client (Debian: apt-get install python3)");
+    let reply = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        reply.contains("neither root nor the partition's owner"),
+        "reply to uid 65534: {reply:?}, stderr {:?}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let log = std::fs::read_to_string(env.state().join("p").join("supervisor.log")).unwrap();
+    assert!(
+        log.contains("refused a connection: uid 65534"),
+        "supervisor log:\n{log}"
+    );
+    // The owner (root here) is still answered.
+    env.ok(&["show", "p"]);
 }

@@ -141,6 +141,32 @@ pub struct Store {
     pub dir: PathBuf,
 }
 
+pub fn current_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+/// The state-directory rule, apart from the file system so it can be tested for any owner.
+pub fn check_state_dir(dir: &Path, owner: u32, mode: u32, caller: u32) -> Result<(), Error> {
+    if owner != caller && caller != 0 {
+        return Err(Error::refused(format!(
+            "state directory {} belongs to uid {owner}, not to you (uid {caller}); use a \
+             directory of your own with --state-dir or {STATE_DIR_ENV}",
+            dir.display()
+        )));
+    }
+    if mode & 0o022 != 0 {
+        return Err(Error::refused(format!(
+            "state directory {} is writable by its group or by others (mode {:o}); \
+             run `chmod go-w {}` or choose another with --state-dir",
+            dir.display(),
+            mode & 0o7777,
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
 /// An exclusive lock on the state directory, held while partitions are created or
 /// destroyed so two CLIs cannot both grant the same CPU.
 pub struct Lock {
@@ -148,13 +174,25 @@ pub struct Lock {
 }
 
 impl Store {
+    /// Opens (creating it 0700 if need be) a state directory only its owner can change:
+    /// the supervisors trust what it holds, and anyone who could write it could plant a
+    /// socket or a record there. Refused, as sshd's StrictModes does, when the directory is
+    /// not the caller's (root may use any) or is writable by its group or others.
     pub fn open(dir: &Path) -> Result<Store, Error> {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            Error::system(format!(
-                "state directory {}: {e} (choose another with --state-dir or {STATE_DIR_ENV})",
-                dir.display()
-            ))
-        })?;
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| {
+                Error::system(format!(
+                    "state directory {}: {e} (choose another with --state-dir or {STATE_DIR_ENV})",
+                    dir.display()
+                ))
+            })?;
+        let meta = std::fs::metadata(dir)
+            .map_err(|e| Error::system(format!("state directory {}: {e}", dir.display())))?;
+        check_state_dir(dir, meta.uid(), meta.mode(), current_uid())?;
         Ok(Store {
             dir: dir.to_path_buf(),
         })
@@ -327,6 +365,38 @@ mod tests {
             supervisor: ProcId::of(std::process::id()),
             created: now_secs(),
         }
+    }
+
+    #[test]
+    fn state_directories_others_can_write_or_own_are_refused() {
+        let d = Path::new("/srv/state");
+        check_state_dir(d, 1000, 0o40700, 1000).unwrap();
+        check_state_dir(d, 1000, 0o40755, 0).unwrap();
+        for mode in [0o40770, 0o40777, 0o40702] {
+            let e = check_state_dir(d, 1000, mode, 1000)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("/srv/state") && e.contains("writable"), "{e}");
+        }
+        let e = check_state_dir(d, 0, 0o40700, 1000)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("belongs to uid 0"), "{e}");
+    }
+
+    #[test]
+    fn a_new_state_directory_is_private_whatever_the_umask() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("a/b");
+        // SAFETY: umask only changes this process's file-creation mask.
+        let old = unsafe { libc::umask(0) };
+        let r = Store::open(&d);
+        // SAFETY: as above.
+        unsafe { libc::umask(old) };
+        r.unwrap();
+        let mode = std::fs::metadata(&d).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
     }
 
     #[test]

@@ -79,9 +79,14 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
     let _ = std::fs::remove_file(&sock);
     let listener =
         UnixListener::bind(&sock).map_err(|e| Error::system(format!("{}: {e}", sock.display())))?;
+    // Only the owner may connect, whatever the umask was; peers are checked on every
+    // connection as well, in case the socket is reachable after all.
+    std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .map_err(|e| Error::system(format!("{}: chmod 0600: {e}", sock.display())))?;
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::system(format!("{}: {e}", sock.display())))?;
+    let owner = crate::store::current_uid();
     let mut sup = Supervisor {
         store: store.clone(),
         name: name.to_string(),
@@ -99,11 +104,20 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
             break;
         }
         match listener.accept() {
-            Ok((stream, _)) => {
-                if sup.serve(stream) {
-                    break;
+            Ok((stream, _)) => match peer_allowed(&stream, owner) {
+                Ok(()) => {
+                    if sup.serve(stream) {
+                        break;
+                    }
                 }
-            }
+                Err(why) => {
+                    log(format!("refused a connection: {why}"));
+                    let reply = Reply::Error { message: why };
+                    let mut text = serde_json::to_string(&reply).unwrap_or_default();
+                    text.push('\n');
+                    let _ = (&stream).write_all(text.as_bytes());
+                }
+            },
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(50))
             }
@@ -114,6 +128,44 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
     let _ = std::fs::remove_file(&sock);
     log("supervisor exits");
     Ok(())
+}
+
+/// Root and the partition's owner may drive a supervisor; anyone else could have it read
+/// any file it can read (as a disk) or create files where it can write (as a console log).
+fn peer_allowed(stream: &UnixStream, owner: u32) -> Result<(), String> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills a ucred of the size given, on a socket this process owns.
+    let r = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(stream),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(format!(
+            "cannot read the peer's credentials: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    check_peer(cred.uid, cred.pid, owner)
+}
+
+fn check_peer(uid: u32, pid: i32, owner: u32) -> Result<(), String> {
+    if uid == 0 || uid == owner {
+        Ok(())
+    } else {
+        Err(format!(
+            "uid {uid} (pid {pid}) is neither root nor the partition's owner (uid {owner})"
+        ))
+    }
 }
 
 impl Supervisor {
@@ -348,4 +400,20 @@ impl Supervisor {
 /// Whether the supervisor recorded in a partition is still running.
 pub fn supervisor_alive(sup: Option<ProcId>) -> bool {
     sup.map(|p| p.alive()).unwrap_or(false)
+}
+
+#[cfg(test)]
+mod peer_tests {
+    use super::*;
+
+    #[test]
+    fn only_root_and_the_owner_are_answered() {
+        check_peer(0, 1, 1000).unwrap();
+        check_peer(1000, 1, 1000).unwrap();
+        let e = check_peer(65534, 42, 1000).unwrap_err();
+        assert!(
+            e.contains("uid 65534 (pid 42)") && e.contains("uid 1000"),
+            "{e}"
+        );
+    }
 }
