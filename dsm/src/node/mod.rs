@@ -554,8 +554,16 @@ impl Node {
             c.master = true;
             c.copyset = NodeSet::EMPTY;
         }
+        // Paper: send finish, then restart the VM process.
+        self.finish_fetch(page, access, out);
+        self.after_change(page, out);
+        self.run_deferred(page, out)
+    }
+
+    /// Tells the manager a fetch is over (the asynchronous protocol only; Ivy's owner
+    /// already knows).
+    fn finish_fetch(&mut self, page: PageNo, access: Access, out: &mut Vec<Action>) {
         if self.protocol == Protocol::Vmp {
-            // Paper: send finish, then restart the VM process.
             let requester = self.id;
             let finish = Message::Finish {
                 page,
@@ -564,23 +572,13 @@ impl Node {
             };
             self.send(self.manager(page), finish, out);
         }
-        self.after_change(page, out);
-        self.run_deferred(page, out)
     }
 
     /// A local copy was granted without any data moving (the owner asked for its own page).
     fn grant_local(&mut self, page: PageNo, access: Access, out: &mut Vec<Action>) {
         self.set_prot(page, Prot::granted_by(access), out);
         self.copy(page).fetch = None;
-        if self.protocol == Protocol::Vmp {
-            let requester = self.id;
-            let finish = Message::Finish {
-                page,
-                access,
-                requester,
-            };
-            self.send(self.manager(page), finish, out);
-        }
+        self.finish_fetch(page, access, out);
         self.kick(page, out);
     }
 

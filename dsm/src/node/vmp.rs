@@ -11,6 +11,17 @@ use crate::wire::Message;
 
 type R = Result<(), super::ProtocolError>;
 
+/// A fetch or finish must reach the page's manager from the node it names as requester.
+fn check_request(n: &Node, from: NodeId, msg: &Message, page: PageNo, requester: NodeId) -> R {
+    if n.manager(page) != n.id {
+        return Err(unexpected(from, msg, "this node does not manage the page"));
+    }
+    if requester != from {
+        return Err(unexpected(from, msg, "requester is not the sender"));
+    }
+    Ok(())
+}
+
 pub(super) fn on_message(n: &mut Node, from: NodeId, msg: Message, out: &mut Vec<Action>) -> R {
     match msg {
         Message::Fetch {
@@ -18,12 +29,7 @@ pub(super) fn on_message(n: &mut Node, from: NodeId, msg: Message, out: &mut Vec
             access,
             requester,
         } => {
-            if n.manager(page) != n.id {
-                return Err(unexpected(from, &msg, "this node does not manage the page"));
-            }
-            if requester != from {
-                return Err(unexpected(from, &msg, "requester is not the sender"));
-            }
+            check_request(n, from, &msg, page, requester)?;
             let m = n.managed(page);
             if m.queue.iter().any(|q| q.0 == requester) {
                 return Err(unexpected(
@@ -75,12 +81,7 @@ pub(super) fn on_message(n: &mut Node, from: NodeId, msg: Message, out: &mut Vec
             access,
             requester,
         } => {
-            if n.manager(page) != n.id {
-                return Err(unexpected(from, &msg, "this node does not manage the page"));
-            }
-            if requester != from {
-                return Err(unexpected(from, &msg, "requester is not the sender"));
-            }
+            check_request(n, from, &msg, page, requester)?;
             let m = n.managed(page);
             if m.busy != Some((requester, access)) {
                 return Err(unexpected(
