@@ -8,9 +8,9 @@
 use super::BenchArgs;
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, ExitCode, Stdio};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 /// One experiment's run as the page shows it.
 struct Outcome {
@@ -19,6 +19,7 @@ struct Outcome {
     stderr: String,
     /// Why the experiment did not succeed; None when it exited 0.
     error: Option<String>,
+    started: SystemTime,
     seconds: f64,
 }
 
@@ -91,12 +92,13 @@ fn run_one(exe: &Path, name: &'static str, args: &BenchArgs) -> Outcome {
     if let (Some(e), "vmms") = (&args.extent, name) {
         cmd.args(["--extent", e]);
     }
-    let start = Instant::now();
+    let (start, started) = (Instant::now(), SystemTime::now());
     let outcome = |stdout: String, stderr: String, error: Option<String>| Outcome {
         name,
         stdout,
         stderr,
         error,
+        started,
         seconds: start.elapsed().as_secs_f64(),
     };
     let mut child = match cmd
@@ -196,19 +198,24 @@ fn verdicts(stdout: &str) -> Vec<&str> {
         .collect()
 }
 
-/// The charts an experiment wrote, as paths relative to the page: those its report names
-/// on `plot:` lines and that are inside the output directory.
-fn charts(stdout: &str, out: &Path) -> Vec<String> {
-    let mut found: Vec<String> = stdout
-        .lines()
-        .filter_map(|l| l.strip_prefix("plot: "))
-        .filter_map(|p| {
-            let p = PathBuf::from(p.trim());
-            let rel = p.strip_prefix(out).ok()?.to_str()?.to_string();
-            out.join(&rel).is_file().then_some(rel)
+/// The charts an experiment wrote in this run, as paths relative to the page: `NAME.svg`
+/// and `NAME-*.svg` in the output directory, written since it started (a chart left by an
+/// earlier run of an experiment that failed this time is not its chart).
+fn charts(name: &str, out: &Path, since: SystemTime) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir(out) else {
+        return Vec::new();
+    };
+    let mut found: Vec<String> = dir
+        .flatten()
+        .filter_map(|e| {
+            let file = e.file_name().to_str()?.to_string();
+            let stem = file.strip_suffix(".svg")?;
+            let ours = stem == name || stem.starts_with(&format!("{name}-"));
+            let fresh = e.metadata().ok()?.modified().ok()? >= since;
+            (ours && fresh).then_some(file)
         })
         .collect();
-    found.dedup();
+    found.sort();
     found
 }
 
@@ -370,7 +377,7 @@ fn page_html(outcomes: &[Outcome], m: &Machine, out: &Path, quick: bool) -> Stri
             }
             h.push_str("</pre>\n");
         }
-        for c in charts(&o.stdout, out) {
+        for c in charts(o.name, out, o.started) {
             let c = esc(&c);
             let _ = writeln!(
                 h,
@@ -401,6 +408,7 @@ mod tests {
             stdout: stdout.into(),
             stderr: "stderr <here>".into(),
             error: error.map(str::to_string),
+            started: SystemTime::UNIX_EPOCH,
             seconds: 1.0,
         }
     }
@@ -408,14 +416,11 @@ mod tests {
     #[test]
     fn the_page_escapes_text_links_charts_relatively_and_shows_failures() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("seq.svg"), "<svg/>").unwrap();
-        let plot = format!("plot: {}\n", dir.path().join("seq.svg").display());
+        for f in ["seq.svg", "seq-2.svg", "sequel.svg", "seq.csv"] {
+            std::fs::write(dir.path().join(f), "<svg/>").unwrap();
+        }
         let outs = [
-            outcome(
-                "seq",
-                &format!("fib  1 < 2  MET  paper\nother MISSEDX\n{plot}plot: /elsewhere/x.svg\n"),
-                None,
-            ),
+            outcome("seq", "fib  1 < 2  MET  paper\nother MISSEDX\n", None),
             outcome("mint", "", Some("exit status: 1: needs root & cgroups")),
         ];
         let m = Machine {
@@ -427,8 +432,9 @@ mod tests {
         };
         let page = page_html(&outs, &m, dir.path(), true);
         assert!(page.contains("<section id=\"seq\">") && page.contains("<section id=\"mint\">"));
-        assert!(page.contains("<img src=\"seq.svg\""), "{page}");
-        assert!(!page.contains("/elsewhere/x.svg\""), "{page}");
+        let images: Vec<&str> = page.split("<img src=\"").skip(1).collect();
+        assert_eq!(images.len(), 2, "{page}");
+        assert!(images[0].starts_with("seq-2.svg\"") && images[1].starts_with("seq.svg\""));
         assert!(page.contains("fib  1 &lt; 2  MET  paper"), "{page}");
         assert!(page.contains("A &lt;cpu&gt;") && page.contains("abc1234"));
         assert!(page.contains("FAILED: exit status: 1: needs root &amp; cgroups"));
