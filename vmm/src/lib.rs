@@ -15,6 +15,7 @@ mod irq;
 mod loader;
 mod metrics;
 pub mod pmem;
+pub mod pmem_readahead;
 pub mod seccomp;
 #[cfg(feature = "testing")]
 pub mod testing;
