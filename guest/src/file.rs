@@ -12,8 +12,13 @@
 //! - Disk, direct (`OPEN_DIRECT`, for `mint-io`): read/write go straight between the device
 //!   and the user buffer, whole sectors only.
 //!
-//! The page cache is direct-mapped: file page `p` lives at `cache + p * 4096`, so runs of
-//! missing or dirty pages go to the device as single requests.
+//! The page cache is direct-mapped: file page `p` lives in slot `p % slots` at
+//! `cache + slot * 4096`, so runs of missing or dirty pages go to the device as single
+//! requests. There is a slot for every page unless `probe.page_cache=SIZE` caps the cache
+//! (as a guest with less RAM than the file has): a page then evicts the one in its slot,
+//! written back first if dirty. A sequential pass over a file twice the cap evicts each page
+//! before the next pass reaches it, as LRU or FIFO would: the proportion of paper 000's §5.2
+//! (256 MB of guest RAM, a 512 MB file), where warm virtio reads still reach the device.
 
 use crate::abi::{Error, FD, OPEN_DIRECT, STORAGE_BLK, STORAGE_PMEM};
 use crate::global::Global;
@@ -42,6 +47,9 @@ struct File {
     /// Page cache (pool pages) and one state byte per page; 0 for pmem and direct.
     cache: u64,
     state: u64,
+    /// Cache slots (pages), and per slot the file page in it plus one (0: empty), as u32.
+    slots: u64,
+    owner: u64,
     mapped: bool,
 }
 
@@ -83,6 +91,8 @@ pub fn open(storage: u64, index: u64, bytes: u64, flags: u64) -> Result<u64, Err
         pos: 0,
         cache: 0,
         state: 0,
+        slots: 0,
+        owner: 0,
         mapped: false,
     };
     match storage {
@@ -106,19 +116,35 @@ pub fn open(storage: u64, index: u64, bytes: u64, flags: u64) -> Result<u64, Err
                 direct,
             };
             if !direct {
+                if pages >= 1 << 32 {
+                    return Err(Error::OutOfRange);
+                }
+                let slots = cap_pages().map_or(pages, |c| c.clamp(1, pages));
                 let state_pages = pages.div_ceil(PAGE);
-                if mm::free_bytes() < (pages + state_pages) * PAGE {
+                let owner_pages = (slots * 4).div_ceil(PAGE);
+                if mm::free_bytes() < (slots + state_pages + owner_pages) * PAGE {
                     return Err(Error::NoMemory);
                 }
-                f.cache = mm::alloc(pages).ok_or(Error::NoMemory)?;
+                f.cache = mm::alloc(slots).ok_or(Error::NoMemory)?;
                 f.state = mm::alloc(state_pages).ok_or(Error::NoMemory)?;
+                f.owner = mm::alloc(owner_pages).ok_or(Error::NoMemory)?;
+                f.slots = slots;
                 mm::zero(f.state, state_pages * PAGE);
+                mm::zero(f.owner, owner_pages * PAGE);
             }
         }
         _ => return Err(Error::BadArgument),
     }
     *open_file() = Some(f);
     Ok(FD)
+}
+
+/// The page cache's size in pages from `probe.page_cache=SIZE` (K, M, G suffixes), at
+/// least one readahead; None: no cap.
+fn cap_pages() -> Option<u64> {
+    let v = crate::bootinfo::get().param(b"probe.page_cache")?;
+    let bytes = workloads::task::parse_num(core::str::from_utf8(v).ok()?)?;
+    Some((bytes / PAGE).max(READAHEAD))
 }
 
 impl File {
@@ -143,60 +169,174 @@ impl File {
         }
     }
 
-    /// Reads every absent page in `p0..p1` from the disk, one request per run.
-    fn fill(&self, p0: u64, p1: u64) -> Result<(), Error> {
+    fn slot(&self, p: u64) -> u64 {
+        p % self.slots
+    }
+
+    /// Where file page `p` lives (or will) in the cache.
+    fn at(&self, p: u64) -> u64 {
+        self.cache + self.slot(p) * PAGE
+    }
+
+    /// The file page in slot `s`, if any.
+    fn owner(&self, s: u64) -> Option<u64> {
+        debug_assert!(s < self.slots);
+        // SAFETY: `open` gave a cached file one u32 per slot in pool pages of its own, which
+        // live until the next task; every caller passes a slot below `slots`.
+        let o = unsafe { *((self.owner + s * 4) as *const u32) };
+        (o != 0).then(|| u64::from(o) - 1)
+    }
+
+    fn set_owner(&self, s: u64, p: Option<u64>) {
+        debug_assert!(s < self.slots);
+        let v = p.map_or(0, |p| p as u32 + 1);
+        // SAFETY: as in `owner`.
+        unsafe { *((self.owner + s * 4) as *mut u32) = v };
+    }
+
+    /// Bytes of the run of pages `p..e` that are inside the file.
+    fn run_len(&self, p: u64, e: u64) -> u64 {
+        ((e - p) * PAGE).min(self.bytes - p * PAGE)
+    }
+
+    /// The end of the run of slots from `s` (below `s1`) that hold dirty file pages
+    /// `q, q + 1, ...`: one device request writes it back.
+    fn dirty_run(&self, s: u64, s1: u64, q: u64) -> u64 {
+        let mut e = s + 1;
+        while e < s1 && self.owner(e) == Some(q + (e - s)) && self.st(q + (e - s)) == DIRTY {
+            e += 1;
+        }
+        e
+    }
+
+    /// Empties slots `s0..s1` (no wrap), writing dirty pages back one request per run of
+    /// consecutive file pages and unmapping the pages that leave.
+    fn evict(&self, s0: u64, s1: u64) -> Result<(), Error> {
+        let mut s = s0;
+        while s < s1 {
+            let Some(q) = self.owner(s) else {
+                s += 1;
+                continue;
+            };
+            let mut e = s + 1;
+            if self.st(q) == DIRTY {
+                e = self.dirty_run(s, s1, q);
+                let len = self.run_len(q, q + (e - s));
+                virtio::rw(self.disk(), true, q * 8, self.cache + s * PAGE, len)?;
+            }
+            for k in s..e {
+                let page = q + (k - s);
+                self.set_st(page, ABSENT);
+                self.set_owner(k, None);
+                if self.mapped {
+                    mm::unmap(Which::File, page);
+                }
+            }
+            s = e;
+        }
+        Ok(())
+    }
+
+    /// Gives every absent page in `p0..p1` (at most `slots` pages) its slot, reading it from
+    /// the disk when `read`, one request per run; else it is about to be overwritten whole.
+    fn fill_with(&self, p0: u64, p1: u64, read: bool) -> Result<(), Error> {
+        debug_assert!(p1 - p0 <= self.slots);
         let mut p = p0;
         while p < p1 {
             if self.st(p) != ABSENT {
                 p += 1;
                 continue;
             }
+            let room = self.slots - self.slot(p);
             let mut e = p + 1;
-            while e < p1 && self.st(e) == ABSENT {
+            while e < p1 && e - p < room && self.st(e) == ABSENT {
                 e += 1;
             }
-            let len = ((e - p) * PAGE).min(self.bytes - p * PAGE);
-            virtio::rw(self.disk(), false, p * 8, self.cache + p * PAGE, len)?;
+            let (s0, s1) = (self.slot(p), self.slot(p) + (e - p));
+            self.evict(s0, s1)?;
+            if read {
+                virtio::rw(self.disk(), false, p * 8, self.at(p), self.run_len(p, e))?;
+            }
             for q in p..e {
                 self.set_st(q, CLEAN);
+                self.set_owner(self.slot(q), Some(q));
             }
             p = e;
         }
         Ok(())
     }
 
-    /// Makes pages `p0..p1` present, reading ahead on a miss.
+    /// Reads every absent page in `p0..p1` (at most `slots` pages) from the disk.
+    fn fill(&self, p0: u64, p1: u64) -> Result<(), Error> {
+        self.fill_with(p0, p1, true)
+    }
+
+    /// Makes pages `p0..p1` (at most `slots` pages) present, reading ahead on a miss as far
+    /// as the cache holds without evicting `p0..p1` themselves.
     fn ensure(&self, p0: u64, p1: u64) -> Result<(), Error> {
         for p in p0..p1 {
             if self.st(p) == ABSENT {
-                let end = p1.max(p + READAHEAD).min(self.pages);
+                let end = p1.max(p + READAHEAD).min(self.pages).min(p0 + self.slots);
                 return self.fill(p, end);
             }
         }
         Ok(())
     }
 
+    /// The end of the chunk of pages starting at `p` below `p1` that lies in consecutive
+    /// slots, so one copy reaches it.
+    fn chunk_end(&self, p: u64, p1: u64) -> u64 {
+        p1.min(p + (self.slots - self.slot(p)))
+    }
+
     /// Writes every dirty page back (one request per run), write-protecting mapped pages.
     fn writeback(&self) -> Result<(), Error> {
-        let mut p = 0;
-        while p < self.pages {
-            if self.st(p) != DIRTY {
-                p += 1;
+        let mut s = 0;
+        while s < self.slots {
+            let Some(q) = self.owner(s).filter(|&q| self.st(q) == DIRTY) else {
+                s += 1;
                 continue;
-            }
-            let mut e = p + 1;
-            while e < self.pages && self.st(e) == DIRTY {
-                e += 1;
-            }
-            let len = ((e - p) * PAGE).min(self.bytes - p * PAGE);
-            virtio::rw(self.disk(), true, p * 8, self.cache + p * PAGE, len)?;
-            for q in p..e {
-                self.set_st(q, CLEAN);
+            };
+            let e = self.dirty_run(s, self.slots, q);
+            let len = self.run_len(q, q + (e - s));
+            virtio::rw(self.disk(), true, q * 8, self.cache + s * PAGE, len)?;
+            for k in 0..e - s {
+                self.set_st(q + k, CLEAN);
                 if self.mapped {
-                    mm::write_protect(Which::File, q);
+                    mm::write_protect(Which::File, q + k);
                 }
             }
-            p = e;
+            s = e;
+        }
+        Ok(())
+    }
+
+    /// Read or write system call on the page cache: chunk by chunk of consecutive slots.
+    fn cached_rw(&self, write: bool, buf: u64, pos: u64, n: u64) -> Result<(), Error> {
+        let (p0, p1) = (pos / PAGE, (pos + n).div_ceil(PAGE));
+        let mut c0 = p0;
+        while c0 < p1 {
+            let c1 = self.chunk_end(c0, p1);
+            let b0 = pos.max(c0 * PAGE);
+            let b1 = (pos + n).min(c1 * PAGE);
+            let (cache, user) = (self.at(c0) + (b0 - c0 * PAGE), buf + (b0 - pos));
+            if write {
+                for p in [c0, c1 - 1] {
+                    let whole = p * PAGE >= b0 && (p + 1) * PAGE <= b1;
+                    if !whole {
+                        self.fill(p, p + 1)?;
+                    }
+                }
+                self.fill_with(c0, c1, false)?;
+                mm::kcopy(cache, user, b1 - b0);
+                for p in c0..c1 {
+                    self.set_st(p, DIRTY);
+                }
+            } else {
+                self.ensure(c0, c1)?;
+                mm::kcopy(user, cache, b1 - b0);
+            }
+            c0 = c1;
         }
         Ok(())
     }
@@ -233,24 +373,7 @@ pub fn rw(fd: u64, write: bool, buf: u64, len: u64) -> Result<u64, Error> {
             }
             virtio::rw(disk, write, pos / 512, buf, n)?;
         }
-        Backing::Blk { direct: false, .. } => {
-            let (p0, p1) = (pos / PAGE, (pos + n).div_ceil(PAGE));
-            if write {
-                for p in [p0, p1 - 1] {
-                    let whole = p * PAGE >= pos && (p + 1) * PAGE <= pos + n;
-                    if !whole {
-                        f.fill(p, p + 1)?;
-                    }
-                }
-                mm::kcopy(f.cache + pos, buf, n);
-                for p in p0..p1 {
-                    f.set_st(p, DIRTY);
-                }
-            } else {
-                f.ensure(p0, p1)?;
-                mm::kcopy(buf, f.cache + pos, n);
-            }
-        }
+        Backing::Blk { direct: false, .. } => f.cached_rw(write, buf, pos, n)?,
     }
     f.pos = pos + n;
     Ok(n)
@@ -299,6 +422,7 @@ pub fn drop_caches(fd: u64) -> Result<u64, Error> {
     if let Backing::Blk { direct: false, .. } = f.backing {
         f.writeback()?;
         mm::zero(f.state, f.pages.div_ceil(PAGE) * PAGE);
+        mm::zero(f.owner, (f.slots * 4).div_ceil(PAGE) * PAGE);
     }
     if f.mapped {
         mm::unmap_all(Which::File);
@@ -320,7 +444,7 @@ pub fn fault(k: u64, write: bool) -> Option<(u64, bool)> {
             if write {
                 f.set_st(k, DIRTY);
             }
-            Some((f.cache + k * PAGE, f.st(k) == DIRTY))
+            Some((f.at(k), f.st(k) == DIRTY))
         }
     }
 }

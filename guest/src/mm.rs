@@ -188,21 +188,33 @@ pub fn unmap_all(which: Which) {
     }
 }
 
-/// Makes page `k` of the window read-only if it is mapped.
-pub fn write_protect(which: Which, k: u64) {
+/// Replaces page `k`'s PTE by what `f` makes of it, if anything, and drops the old one
+/// from the TLB.
+fn edit_pte(which: Which, k: u64, f: impl FnOnce(u64) -> Option<u64>) {
     if let Some(w) = window(which) {
         if k < w.pages {
             let pte = (w.ptes + k * 8) as *mut u64;
             // SAFETY: `k < w.pages`, so `pte` is inside the window's flat PTE array (pool
             // pages `map_window` allocated, which no Rust reference points into).
             unsafe {
-                if *pte & RW != 0 {
-                    *pte &= !RW;
+                if let Some(v) = f(*pte) {
+                    *pte = v;
                     invlpg(w.base + k * PAGE);
                 }
             }
         }
     }
+}
+
+/// Removes page `k` of the window if it is mapped (its page-cache slot went to another
+/// page).
+pub fn unmap(which: Which, k: u64) {
+    edit_pte(which, k, |e| (e & P != 0).then_some(0));
+}
+
+/// Makes page `k` of the window read-only if it is mapped.
+pub fn write_protect(which: Which, k: u64) {
+    edit_pte(which, k, |e| (e & RW != 0).then_some(e & !RW));
 }
 
 /// Handles a #PF from CPL3 in one of the windows. False: not ours (the task faulted).

@@ -1,15 +1,122 @@
-//! `--quick` smoke runs of the paper experiments: each runs end to end on KVM and writes
-//! its CSV. Figures are not asserted (timings belong to the benchmarks); what each run
-//! must show — rows for every configuration, matching results — is.
+//! `musubi bench all --quick`: one run of every paper experiment end to end on KVM, shared
+//! by the tests here so CI runs each experiment once. The page it writes must show every
+//! experiment with its charts; each experiment's report and CSV must show what that
+//! experiment is about — rows for every configuration, matching results, the mechanism's
+//! counts. Figures are not asserted (timings belong to the benchmarks).
 
 mod common;
 use common::*;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::OnceLock;
 use std::time::Duration;
 
-/// Runs `musubi bench EXPERIMENT --quick`, checks that its report has `heading`, and
-/// returns its CSV.
+/// Every experiment's quick limit together, with room for a loaded CI machine.
+const ALL_LIMIT: Duration = Duration::from_secs(1800);
+
+const EXPERIMENTS: [&str; 6] = ["boot", "composite", "seq", "dsm-table", "mint", "vmms"];
+
+/// The one `musubi bench all --quick` run, made by whichever test asks first. A run that
+/// hangs fails every test here once, instead of being started again by each.
+fn all_quick() -> &'static (Run, tempfile::TempDir) {
+    static ALL: OnceLock<Result<(Run, tempfile::TempDir), String>> = OnceLock::new();
+    let run = ALL.get_or_init(|| {
+        let out = tempfile::tempdir().unwrap();
+        let args = [
+            "bench",
+            "all",
+            "--quick",
+            "--out",
+            out.path().to_str().unwrap(),
+        ];
+        std::panic::catch_unwind(|| run_with_limit(&args, ALL_LIMIT))
+            .map(|r| (r, out))
+            .map_err(|e| {
+                e.downcast_ref::<String>()
+                    .cloned()
+                    .unwrap_or_else(|| "musubi bench all panicked".into())
+            })
+    });
+    run.as_ref().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// One experiment of the shared run: its own report (the `EXPERIMENT.log` the run keeps)
+/// as stdout, and the run's directory; the experiment must have succeeded.
+fn quick(experiment: &str) -> (Run, &'static tempfile::TempDir) {
+    let (all, out) = all_quick();
+    assert!(
+        !all.stdout.contains(&format!("== {experiment}: FAILED")),
+        "{}",
+        all.explain()
+    );
+    let log = out.path().join(format!("{experiment}.log"));
+    let stdout = std::fs::read_to_string(&log).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}
+{}",
+            log.display(),
+            all.explain()
+        )
+    });
+    let r = Run {
+        code: all.code,
+        stdout,
+        stderr: all.stderr.clone(),
+    };
+    (r, out)
+}
+
+/// The page has a section for every experiment, and every image it shows is a file beside
+/// it (relative paths, so the directory can be moved or served as it is).
+#[test]
+fn bench_all_writes_a_page_with_every_experiment_and_its_charts() {
+    let (r, out) = all_quick();
+    let page = std::fs::read_to_string(out.path().join("index.html"))
+        .unwrap_or_else(|e| panic!("index.html: {e}\n{}", r.explain()));
+    for e in EXPERIMENTS {
+        assert!(
+            page.contains(&format!("<section id=\"{e}\">")),
+            "no section for {e}\n{page}"
+        );
+    }
+    for key in ["CPU", "kernel", "KVM", "date", "Musubi commit"] {
+        assert!(
+            page.contains(&format!("<th>{key}</th>")),
+            "no {key}\n{page}"
+        );
+    }
+    let images: Vec<&str> = page
+        .split("<img src=\"")
+        .skip(1)
+        .map(|s| &s[..s.find('"').unwrap()])
+        .collect();
+    for e in ["boot", "composite", "seq", "mint", "vmms"] {
+        assert!(
+            images.contains(&format!("{e}.svg").as_str()),
+            "{e}.svg is not on the page: {images:?}"
+        );
+    }
+    for i in images {
+        assert!(!Path::new(i).is_absolute(), "{i} is not relative");
+        assert!(out.path().join(i).is_file(), "{i} does not exist");
+    }
+    assert!(!page.contains("<span class=\"fail\">"), "{page}");
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+}
+
+/// The boot and vmms tests compare with QEMU.
+fn assert_qemu_installed() {
+    assert!(
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .any(|d| d.join("qemu-system-x86_64").exists()),
+        "this test compares with QEMU, and qemu-system-x86_64 is not installed \
+         (Debian: apt-get install qemu-system-x86)"
+    );
+}
+
+/// Checks that `experiment`'s report has `heading`, and returns its CSV.
 fn bench_csv(experiment: &str, heading: &str) -> CsvFile {
-    let (r, out) = quick_bench(experiment, Duration::from_secs(400));
+    let (r, out) = quick(experiment);
     assert!(r.stdout.contains(heading), "{}", r.explain());
     CsvFile::read(&out.path().join(format!("{experiment}.csv")))
 }
@@ -68,4 +175,217 @@ fn seq_computes_the_same_results_natively_and_in_the_vm() {
         assert_eq!(results.len(), 2, "{p}: one native and one VM run");
         assert_eq!(results[0], results[1], "{p}: native and VM results differ");
     }
+}
+
+/// With the real QEMU: Musubi's runs and QEMU's, or, if no CPU model lets QEMU boot on
+/// this host, QEMU reported unavailable in its own words; either way the bench succeeds.
+#[test]
+fn bench_boot_quick_writes_csv_and_svg() {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    );
+    assert_qemu_installed();
+    let (r, out) = quick("boot");
+    let (stdout, explain) = (&r.stdout, r.explain());
+    let csv = BootCsv::read(out.path());
+    csv.assert_musubi_measured();
+    let (cpu, unavailable) = (csv.t.col("cpu_model"), csv.t.col("unavailable"));
+    let qemu = csv.rows_of("qemu");
+    let hello = csv.t.col("to_hello_ms");
+    if stdout.contains("QEMU: runs with") {
+        // Three runs; a peer that fails one of them drops out and its row says why.
+        assert!((1..=3).contains(&qemu.len()), "{}", csv.t.text);
+        for r in &qemu {
+            assert!(!r[cpu].is_empty(), "{r:?}");
+            assert!(
+                stdout.contains(&format!("-cpu {}", r[cpu])) || r[cpu] == "default",
+                "the CPU model {} is not named in the output\n{explain}",
+                r[cpu]
+            );
+            if r[unavailable].is_empty() {
+                assert!(!r[hello].is_empty(), "{r:?}");
+            } else {
+                assert!(
+                    stdout.contains("qemu: unavailable, no comparison:"),
+                    "{explain}"
+                );
+            }
+        }
+        assert!(
+            qemu.len() == 3 || !qemu.last().unwrap()[unavailable].is_empty(),
+            "{}",
+            csv.t.text
+        );
+    } else {
+        assert_eq!(qemu.len(), 1, "{}", csv.t.text);
+        assert!(qemu[0][unavailable].contains("-cpu host"), "{:?}", qemu[0]);
+        assert!(
+            stdout.contains("qemu: unavailable, no comparison:"),
+            "{explain}"
+        );
+    }
+    assert_eq!(csv.t.rows.len(), 3 + qemu.len(), "{}", csv.t.text);
+
+    let svg = std::fs::read_to_string(out.path().join("boot.svg")).expect("boot.svg");
+    assert!(svg.starts_with("<svg") && svg.contains("musubi"), "{svg}");
+    assert!(
+        stdout.contains("MET") || stdout.contains("MISSED"),
+        "{explain}"
+    );
+}
+
+/// `musubi bench mint` creates two partitions and boots VMs in them, so it needs /dev/kvm and
+/// a writable cgroupfs (root); without them it fails, and so does this test.
+#[test]
+fn bench_mint_quick_covers_all_seven_configurations() {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    );
+    let (r, out) = quick("mint");
+    let (stdout, explain) = (&r.stdout, r.explain());
+    let t = CsvFile::read(&out.path().join("mint.csv"));
+    let (csv, rows) = (&t.text, &t.rows);
+    let (config, workload, ns) = (t.col("config"), t.col("workload"), t.col("ns"));
+    for c in 1..=7 {
+        let mine: Vec<_> = rows.iter().filter(|r| r[config] == c.to_string()).collect();
+        for w in ["cpu", "mem-256K", "mem-1024K", "io-256K", "io-1024K"] {
+            assert!(
+                mine.iter().any(|r| r[workload] == w),
+                "no {w} rows for configuration {c}\n{csv}"
+            );
+        }
+        for r in &mine {
+            let v: f64 = r[ns].parse().unwrap();
+            assert!(v > 0.0, "a repetition took no time: {r:?}");
+        }
+    }
+    assert!(out.path().join("mint.svg").exists(), "{explain}");
+    assert!(
+        stdout.contains("MET") || stdout.contains("MISSED"),
+        "{explain}"
+    );
+    // Nothing of the benchmark's partitions is left behind.
+    assert!(
+        std::fs::read_dir(out.path())
+            .unwrap()
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().starts_with("mint-disks")),
+        "scratch disks left in {}",
+        out.path().display()
+    );
+}
+
+#[test]
+fn quick_vmms_bench_covers_every_case_and_vmms_uses_no_virtio() {
+    assert_qemu_installed();
+    let (r, out) = quick("vmms");
+    let t = CsvFile::read(&out.path().join("vmms.csv"));
+    assert!(out.path().join("vmms.svg").exists(), "no vmms.svg");
+    let col = |name: &str| t.col(name);
+    let (exp, storage, fs, op, path, warm, requests) = (
+        col("experiment"),
+        col("storage"),
+        col("host_fs"),
+        col("op"),
+        col("path"),
+        col("warm"),
+        col("virtio_requests"),
+    );
+    let (doorbells, unavailable) = (col("run_doorbells"), col("unavailable"));
+    let rows = &t.rows;
+    // QEMU runs the read cases on tmpfs, or is reported unavailable with QEMU's reason.
+    let peer: Vec<_> = rows
+        .iter()
+        .filter(|r| r[storage].starts_with("qemu"))
+        .collect();
+    if peer.iter().all(|r| r[unavailable].is_empty()) {
+        for p in ["syscall", "mmap"] {
+            for w in ["warm", "cold"] {
+                assert!(
+                    peer.iter().any(|r| r[fs] == "tmpfs"
+                        && r[op] == "read"
+                        && r[path] == p
+                        && r[warm] == w),
+                    "no QEMU row for read {p} {w}\n{}",
+                    r.explain()
+                );
+            }
+        }
+    } else {
+        assert!(
+            r.stdout.contains("qemu: unavailable, no comparison:"),
+            "{}",
+            r.explain()
+        );
+    }
+    let mut seen: HashMap<(String, String, String, String, String), u64> = HashMap::new();
+    for row in rows
+        .iter()
+        .filter(|r| r[exp] == "5.2" && r[unavailable].is_empty())
+    {
+        let key = (
+            row[storage].to_string(),
+            row[fs].to_string(),
+            row[op].to_string(),
+            row[path].to_string(),
+            row[warm].to_string(),
+        );
+        let n: u64 = row[requests]
+            .parse()
+            .unwrap_or_else(|_| panic!("no virtio request count in {row:?}"));
+        // The guest counts the timed pass only, which a warm read serves from its cache;
+        // the VMM's doorbell count covers the whole run (QEMU runs have none).
+        let rung: Option<u64> = row[doorbells].parse().ok();
+        if row[storage] == "vmms" {
+            assert_eq!(n, 0, "a VMMS run posted virtio requests: {row:?}");
+            assert_eq!(rung, Some(0), "a VMMS run rang a virtio doorbell: {row:?}");
+        } else {
+            if row[storage].starts_with("virtio") {
+                assert!(
+                    rung.is_some_and(|d| d > 0),
+                    "a virtio run rang no doorbell: {row:?}"
+                );
+            }
+            if row[warm] == "cold" || row[op] == "write" {
+                assert!(n > 0, "a virtio run posted no virtio requests: {row:?}");
+            }
+        }
+        seen.insert(key, n);
+    }
+    let none_on_tmpfs_skipped = r.stdout.contains("virtio/none is skipped");
+    for s in ["vmms", "virtio/writeback", "virtio/none"] {
+        for f in ["tmpfs", "disk"] {
+            if s == "virtio/none" && f == "tmpfs" && none_on_tmpfs_skipped {
+                continue;
+            }
+            for o in ["read", "write"] {
+                for p in ["syscall", "mmap"] {
+                    for w in ["warm", "cold"] {
+                        let key = (s.into(), f.into(), o.into(), p.into(), w.into());
+                        assert!(
+                            seen.contains_key(&key),
+                            "no row for {key:?} in vmms.csv\n{}",
+                            r.explain()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // §5.3 ran too: the alone and disturbed conditions have rows.
+    let disturb = col("disturb");
+    for cond in ["none", "disturb"] {
+        assert!(
+            rows.iter().any(|r| r[exp] == "5.3" && r[disturb] == cond),
+            "no §5.3 rows for {cond}\n{}",
+            r.explain()
+        );
+    }
+    assert!(
+        r.stdout.contains("MET") || r.stdout.contains("MISSED"),
+        "{}",
+        r.explain()
+    );
 }

@@ -5,6 +5,7 @@
 //! bar ([`Harness::run_schedule`]), summaries ([`stats`]), tables and CSV ([`report`]),
 //! SVG charts ([`plot`]) and outside observation of a hypervisor process ([`watch`]).
 
+mod all;
 mod boot;
 mod composite;
 mod dsm_table;
@@ -25,7 +26,8 @@ use std::process::ExitCode;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Experiment to run: boot, composite, seq, dsm-table, mint, vmms.
+    /// Experiment to run: boot, composite, seq, dsm-table, mint, vmms, or all (every one,
+    /// and a page `index.html` in --out that shows them together).
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -51,6 +53,7 @@ const EXPERIMENTS: &[&str] = &["boot", "composite", "seq", "dsm-table", "mint", 
 
 pub fn run(args: &BenchArgs) -> ExitCode {
     let result = match args.experiment.as_str() {
+        "all" => return all::run(args),
         "boot" => Harness::new(args).and_then(|h| boot::run(&h, args)),
         "dsm-table" => Harness::new(args).and_then(|h| dsm_table::run(&h, args)),
         "composite" => Harness::new(args).and_then(|h| composite::run(&h, args)),
@@ -59,7 +62,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "vmms" => Harness::new(args).and_then(|h| vmms::run(&h, args)),
         other => {
             eprintln!(
-                "musubi bench: unknown experiment {other:?}; available: {}",
+                "musubi bench: unknown experiment {other:?}; available: {}, all",
                 EXPERIMENTS.join(", ")
             );
             return ExitCode::from(2);

@@ -276,3 +276,42 @@ pub fn fake_qemu(dir: &Path, body: &str) -> PathBuf {
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
     p
 }
+
+/// The boot benchmark's CSV, split by hypervisor.
+pub struct BootCsv {
+    pub t: CsvFile,
+}
+
+impl BootCsv {
+    pub fn read(out: &Path) -> BootCsv {
+        BootCsv {
+            t: CsvFile::read(&out.join("boot.csv")),
+        }
+    }
+
+    pub fn rows_of(&self, prefix: &str) -> Vec<&Vec<String>> {
+        let hv = self.t.col("hypervisor");
+        self.t
+            .rows
+            .iter()
+            .filter(|r| r[hv].starts_with(prefix))
+            .collect()
+    }
+
+    /// Musubi's three quick runs, each with its figures.
+    pub fn assert_musubi_measured(&self) {
+        let (hello, first) = (self.t.col("to_hello_ms"), self.t.col("to_first_kvm_run_ms"));
+        let musubi = self.rows_of("musubi");
+        assert_eq!(
+            musubi.len(),
+            3,
+            "three quick runs of musubi\n{}",
+            self.t.text
+        );
+        for r in &musubi {
+            let h: f64 = r[hello].parse().unwrap();
+            let f: f64 = r[first].parse().unwrap();
+            assert!(f > 0.0 && h >= f, "first KVM_RUN comes before hello: {r:?}");
+        }
+    }
+}

@@ -37,10 +37,12 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let plan = Plan::new(h, args)?;
     let started = Instant::now();
     println!(
-        "VMMS (paper 000 §5.2): {} extent (paper: {PAPER_EXTENT}), {} repetition(s), guest RAM {} MiB",
+        "VMMS (paper 000 §5.2): {} extent (paper: {PAPER_EXTENT}), {} repetition(s), guest RAM {} MiB, \
+         guest page cache {} (half the extent, as the paper's 256 MB guest reading 512 MB)",
         size_text(plan.extent),
         plan.reps,
-        plan.memory / MIB
+        plan.memory / MIB,
+        size_text(plan.page_cache)
     );
     let dirs = [HostDir::new(HostFs::Tmpfs)?, HostDir::new(HostFs::Disk)?];
     for d in &dirs {

@@ -304,9 +304,12 @@ impl Section52<'_> {
         }
         println!();
         println!(
-            "Cost of moving {} (median / min over {} run(s); ratios of medians)",
+            "Cost of moving {} (median / min over {} run(s); ratios of medians); guest page cache \
+             {} = {:.2} of the extent (paper: 256 MB RAM / 512 MB file = 0.50)",
             size_text(self.plan.extent),
-            self.plan.reps
+            self.plan.reps,
+            size_text(self.plan.page_cache),
+            self.plan.page_cache as f64 / self.plan.extent as f64
         );
         println!("{}", t.render());
         println!(

@@ -54,6 +54,14 @@ impl Sample {
     }
 }
 
+/// The same for Musubi and QEMU: both boot the probe guest, whose page cache is capped.
+fn cmdline(plan: &Plan, task: &str) -> String {
+    format!(
+        "probe.task_timeout=0 probe.page_cache={} probe.tasks={task}",
+        plan.page_cache
+    )
+}
+
 fn vm_config(plan: &Plan, storage: Storage, file: &Path, task: &str) -> VmConfig {
     let disk = |cache| {
         vec![DiskConfig {
@@ -77,7 +85,7 @@ fn vm_config(plan: &Plan, storage: Storage, file: &Path, task: &str) -> VmConfig
     };
     VmConfig {
         kernel: probe::image(),
-        cmdline: format!("probe.task_timeout=0 probe.tasks={task}"),
+        cmdline: cmdline(plan, task),
         initrd: None,
         cpus: 1,
         memory: plan.memory,
@@ -102,10 +110,7 @@ pub(super) fn musubi_run(
 
 /// The same task under QEMU (microvm, virtio-blk over virtio-mmio, host page cache on).
 pub(super) fn qemu_run(q: &Qemu, plan: &Plan, file: &Path, task: &str) -> Result<Sample, String> {
-    let mut cmd = q.command(
-        plan.memory / MIB,
-        &format!("probe.task_timeout=0 probe.tasks={task}"),
-    );
+    let mut cmd = q.command(plan.memory / MIB, &cmdline(plan, task));
     // With acpi=off microvm appends `virtio_mmio.device=` for each transport to the command
     // line, which is how the probe finds disks; the probe speaks virtio-mmio version 2 only.
     cmd.args(["-global", "virtio-mmio.force-legacy=false"])
