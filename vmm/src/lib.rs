@@ -17,7 +17,6 @@ mod irq;
 mod loader;
 mod metrics;
 pub mod pmem;
-pub mod pmem_readahead;
 pub mod seccomp;
 #[cfg(feature = "testing")]
 pub mod testing;
