@@ -447,6 +447,27 @@ VmFlags: rd wr mr mw me ac
     }
 
     #[test]
+    fn observing_to_the_marker_ends_the_child_there() {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo '{\"probe\":\"hello\"}'; sleep 30"]);
+        let o = observe_to_marker(
+            cmd,
+            &Watch {
+                marker: "{\"probe\":\"hello\"",
+                guest_bytes: None,
+                timeout: Duration::from_secs(20),
+                sample_every: Duration::from_millis(2),
+            },
+        )
+        .unwrap();
+        assert!(o.marker_ns.is_some());
+        assert!(
+            !o.timed_out,
+            "it was killed at the marker, not at the time limit"
+        );
+    }
+
+    #[test]
     fn a_child_past_its_time_is_killed() {
         let mut cmd = Command::new("sleep");
         cmd.arg("30");
