@@ -64,6 +64,72 @@ fn a_peer_that_fails_to_start_is_reported_unavailable_with_its_error() {
     assert!(out.path().join("boot.svg").exists(), "{explain}");
 }
 
+/// Firecracker and Cloud Hypervisor on PATH that fail at once (stand-ins: CI has neither):
+/// each is reported unavailable with what it said, in the CSV and the report, with no
+/// figures; Musubi's runs are measured and written, and the bench exits 0.
+#[test]
+fn failing_firecracker_and_cloud_hypervisor_are_reported_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let said = |name: &str| format!("{name}: Error: cannot open /dev/kvm (fake)");
+    for name in ["firecracker", "cloud-hypervisor"] {
+        fake_vmm(
+            dir.path(),
+            name,
+            &format!("echo '{}' >&2; exit 1", said(name)),
+        );
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut cmd = musubi();
+    cmd.env(
+        "PATH",
+        std::env::join_paths(
+            std::iter::once(dir.path().to_path_buf()).chain(std::env::split_paths(&path)),
+        )
+        .unwrap(),
+    );
+    let (r, out) = quick_bench_in(
+        cmd,
+        "boot",
+        &["--compare", "firecracker,cloud-hypervisor"],
+        LIMIT,
+    );
+    let explain = r.explain();
+    let csv = BootCsv::read(out.path());
+    csv.assert_musubi_measured();
+    assert!(
+        csv.rows_of("qemu").is_empty(),
+        "qemu was not listed
+{}",
+        csv.t.text
+    );
+    for name in ["firecracker", "cloud-hypervisor"] {
+        let rows = csv.rows_of(name);
+        assert_eq!(
+            rows.len(),
+            1,
+            "one row for {name}
+{}",
+            csv.t.text
+        );
+        let why = &rows[0][csv.t.col("unavailable")];
+        assert!(
+            why.contains(&said(name)),
+            "the row does not quote {name}: {why}"
+        );
+        for col in ["to_first_kvm_run_ms", "to_hello_ms", "max_overhead_mib"] {
+            assert!(rows[0][csv.t.col(col)].is_empty(), "{col}: {:?}", rows[0]);
+        }
+        let report = r
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}: unavailable, no comparison:")))
+            .unwrap_or_else(|| panic!("the report does not say {name} is unavailable\n{explain}"));
+        assert!(report.contains(&said(name)), "{report}");
+    }
+    assert_eq!(csv.t.rows.len(), 3 + 2, "{}", csv.t.text);
+    assert!(out.path().join("boot.svg").exists(), "{explain}");
+}
+
 /// A QEMU that aborts on `-cpu host`, as QEMU 7.2 did on a 6.18 kernel, and boots with
 /// anything else: the bench falls back to the next CPU model, says so, and measures with it.
 #[test]

@@ -1,10 +1,13 @@
 //! `musubi bench boot`: how fast a VM starts and how much memory the VMM itself costs,
-//! Musubi beside QEMU on the same probe guest image, measured the same way from outside.
+//! Musubi beside QEMU, Firecracker and Cloud Hypervisor on the same probe guest image,
+//! measured the same way from outside: exec to first `KVM_RUN` by an `LD_PRELOAD` shim,
+//! memory from `/proc/PID/smaps` outside the guest-RAM mapping.
 
+use super::peers::{self, Kind, Micro};
 use super::qemu::{self, Outcome, Peer, Qemu, Standing};
 use super::report::{cell, figures_table, median_min, mib, ms, Csv, Figure, Table};
 use super::stats::{max, ratio, Summary};
-use super::watch::{observe, time_to_marker, Watch};
+use super::watch::{observe, observe_to_marker, time_to_marker, Observed, Watch};
 use super::{plot, BenchArgs, Harness};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -25,11 +28,16 @@ const TARGET_OVERHEAD_MIB: f64 = 3.0;
 const FC_STARTUP_CPU_MS: f64 = 8.0;
 const FC_OVERHEAD_MIB: f64 = 5.0;
 const FC_SOURCE: &str = "Firecracker's published specification";
+/// Goals against the peers, each a ratio from one run.
+const GOAL_FIRST_RUN_VS_CH: f64 = 0.5;
+const GOAL_OVERHEAD_VS_FC: f64 = 0.75;
+const GOAL_SOURCE: &str = "Musubi goal, same run";
 
 #[derive(Clone, Debug)]
 enum Hv {
     Musubi { exe: PathBuf },
     Qemu(Qemu),
+    Micro(Micro),
 }
 
 impl Hv {
@@ -37,12 +45,13 @@ impl Hv {
         match self {
             Hv::Musubi { .. } => "musubi".into(),
             Hv::Qemu(q) => format!("qemu ({})", q.machine),
+            Hv::Micro(m) => m.kind.name().into(),
         }
     }
 
     fn cpu_model(&self) -> &'static str {
         match self {
-            Hv::Musubi { .. } => "",
+            Hv::Musubi { .. } | Hv::Micro(_) => "",
             Hv::Qemu(q) => q.cpu_model(),
         }
     }
@@ -51,7 +60,12 @@ impl Hv {
 /// One run, all times from the parent's spawn of the hypervisor.
 #[derive(Clone, Debug)]
 struct Sample {
+    /// When the parent spawned the VMM (CLOCK_MONOTONIC ns).
+    spawn_ns: u64,
     to_first_run_ns: Option<u64>,
+    /// Musubi only: the same from its `--report`'s `first_run_monotonic_ns`, to check the
+    /// shim against.
+    report_first_run_ns: Option<u64>,
     /// The part of `to_first_run_ns` spent inside the VMM's VM setup (the report's own
     /// `to_first_run_ns`); the rest is exec, dynamic loading and argument parsing.
     setup_ns: Option<u64>,
@@ -61,7 +75,8 @@ struct Sample {
     max_private_overhead: Option<u64>,
     mem_samples: u32,
     exits: Option<u64>,
-    status: i32,
+    /// `None` for a peer killed once it printed hello.
+    status: Option<i32>,
 }
 
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
@@ -70,6 +85,22 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     let reps = if h.quick { 3 } else { 10 };
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the musubi binary: {e}"))?;
+    let listed = peers::parse_compare(args.compare.as_deref())?;
+    // The same shim times every VMM's first KVM_RUN; without it the peers' start-up is n/a
+    // and Musubi's comes from its --report.
+    let shim = match peers::build_shim(&h.out) {
+        Ok(so) => {
+            println!(
+                "first KVM_RUN: timed for every VMM by the LD_PRELOAD shim {}",
+                so.display()
+            );
+            Some(so)
+        }
+        Err(why) => {
+            println!("first KVM_RUN: peers not timed (n/a), {why}");
+            None
+        }
+    };
 
     println!(
         "boot: probe guest (probe.tasks=hello), 1 vCPU, 128 MiB; {reps} runs per hypervisor, interleaved"
@@ -78,17 +109,48 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     // microvm boots a PVH ELF with `-kernel` and has the least device model, so it is the
     // fair comparison; `-M pc` is the fallback if this QEMU's microvm cannot boot the probe.
     // The probe's successful boot is QEMU's warm-up run.
-    let mut peer = Standing::default();
+    // Peers that never ran: name and why, one CSV row each.
+    let mut missing: Vec<(String, String)> = Vec::new();
     match qemu::peer(args, &["microvm", "pc"])? {
         Peer::Skipped(why) => println!("QEMU: skipped, {why}"),
         Peer::Ready(q) => configs.push(Hv::Qemu(q)),
-        Peer::Unavailable(why) => peer.unavailable = Some(why),
+        Peer::Unavailable(why) => missing.push(("qemu".into(), why)),
     }
-    // One discarded run, so the first measured run does not pay for cold caches.
-    one_run(&configs[0]).map_err(|e| format!("{} warm-up run: {e}", configs[0].name()))?;
+    for kind in listed.iter().filter_map(|n| Kind::of(n)) {
+        let found = crate::probe::materialize()
+            .map_err(|e| format!("cannot write the probe guest's ELF for it: {e}"))
+            .and_then(|elf| Micro::find(kind, &elf, &h.out));
+        match found {
+            Ok(m) => {
+                println!("{}: runs {}", kind.name(), kind.filters(shim.is_some()));
+                configs.push(Hv::Micro(m));
+            }
+            Err(why) => {
+                println!("{}: unavailable, Musubi runs alone: {why}", kind.name());
+                missing.push((kind.name().into(), why));
+            }
+        }
+    }
+    let shim = shim.as_deref();
+    // One discarded run each, so the first measured run does not pay for cold caches; a
+    // peer whose warm-up fails is out.
+    one_run(&configs[0], shim).map_err(|e| format!("{} warm-up run: {e}", configs[0].name()))?;
+    let mut standing: Vec<Standing> = configs.iter().map(|_| Standing::default()).collect();
+    for (c, st) in configs.iter().zip(standing.iter_mut()).skip(1) {
+        if let Hv::Micro(_) = c {
+            let _ = st.run(&format!("{} warm-up run", c.name()), || one_run(c, shim));
+        }
+    }
     let runs = h.run_schedule(&configs, reps, Hv::name, |rep, c| match c {
-        Hv::Musubi { .. } => one_run(c).map(Outcome::Measured),
-        Hv::Qemu(_) => Ok(peer.run(&format!("{} run {}", c.name(), rep + 1), || one_run(c))),
+        Hv::Musubi { .. } => one_run(c, shim).map(Outcome::Measured),
+        _ => {
+            let i = configs.iter().position(|x| std::ptr::eq(x, c)).unwrap_or(0);
+            Ok(
+                standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
+                    one_run(c, shim)
+                }),
+            )
+        }
     })?;
 
     let mut csv = Csv::new(&[
@@ -96,6 +158,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "rep",
         "hypervisor",
         "to_first_kvm_run_ms",
+        "report_first_kvm_run_ms",
         "vm_setup_ms",
         "to_hello_ms",
         "to_exit_ms",
@@ -115,6 +178,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 rep,
                 hv.name(),
                 cell(s.to_first_run_ns.map(|n| ms(n as f64))),
+                cell(s.report_first_run_ns.map(|n| ms(n as f64))),
                 cell(s.setup_ns.map(|n| ms(n as f64))),
                 ms(s.to_hello_ns as f64),
                 ms(s.to_exit_ns as f64),
@@ -122,7 +186,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 cell(s.max_private_overhead.map(|b| mib(b as f64))),
                 s.mem_samples.to_string(),
                 cell(s.exits),
-                s.status.to_string(),
+                cell(s.status),
                 hv.cpu_model().to_string(),
                 String::new(),
             ]),
@@ -132,17 +196,24 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             Outcome::NotMade => {}
         }
     }
-    // A peer that never started has no runs, and one row that says why.
-    if !configs.iter().any(|c| matches!(c, Hv::Qemu(_))) {
-        if let Some(why) = &peer.unavailable {
-            csv.row(unavailable_row(
-                String::new(),
-                String::new(),
-                "qemu".into(),
-                "",
-                why,
-            ));
+    // A peer that never started, or failed its warm-up, has no runs, and one row that says
+    // why.
+    for (c, st) in configs.iter().zip(&standing).skip(1) {
+        let ran = runs
+            .iter()
+            .any(|r| std::ptr::eq(&configs[r.1], c) && !matches!(r.2, Outcome::NotMade));
+        if let (false, Some(why)) = (ran, &st.unavailable) {
+            missing.push((c.name(), why.clone()));
         }
+    }
+    for (name, why) in &missing {
+        csv.row(unavailable_row(
+            String::new(),
+            String::new(),
+            name.clone(),
+            "",
+            why,
+        ));
     }
     let csv_path = h.write_csv("boot.csv", &csv)?;
 
@@ -176,17 +247,28 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 .unwrap_or_else(|| "n/a".into()),
         ]);
     }
-    if sums.len() == 2 && !per[1].is_empty() {
-        let (m, q) = (&sums[0], &sums[1]);
-        let r = |a: Option<f64>, b: Option<f64>| {
-            a.zip(b)
-                .and_then(|(a, b)| ratio(a, b))
-                .map(|x| format!("{x:.2}x"))
-                .unwrap_or_else(|| "n/a".into())
+    let r = |a: Option<f64>, b: Option<f64>| {
+        a.zip(b)
+            .and_then(|(a, b)| ratio(a, b))
+            .map(|x| format!("{x:.2}x"))
+            .unwrap_or_else(|| "n/a".into())
+    };
+    for (c, q) in configs.iter().zip(&sums).skip(1) {
+        let m = &sums[0];
+        if q.hello.is_none() {
+            continue;
+        }
+        let peer = match c {
+            Hv::Micro(p) => p.kind.name(),
+            _ => "qemu",
         };
         t.row([
-            "musubi / qemu".to_string(),
-            "n/a".into(),
+            format!("musubi / {peer}"),
+            format!(
+                "{} / {}",
+                r(m.first_run.map(|s| s.median), q.first_run.map(|s| s.median)),
+                r(m.first_run.map(|s| s.min), q.first_run.map(|s| s.min))
+            ),
             format!(
                 "{} / {}",
                 r(m.hello.map(|s| s.median), q.hello.map(|s| s.median)),
@@ -199,21 +281,57 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     println!();
     print!("{}", t.render());
-    println!("first KVM_RUN: not observable for QEMU without tracing (n/a). exits: the whole run,");
-    println!("  i.e. hello plus the exit-port write; QEMU's are not counted (n/a).");
+    println!(
+        "first KVM_RUN: spawn to the first KVM_RUN ioctl, stamped by the same LD_PRELOAD shim"
+    );
+    println!("  in every VMM (n/a without a C compiler; then Musubi's comes from its --report).");
+    println!("  exits: the whole run, i.e. hello plus the exit-port write; the peers' are not counted (n/a).");
+    println!(
+        "  The peers without an exit port (firecracker, cloud-hypervisor) are killed at hello."
+    );
     for c in &configs {
-        if let Hv::Qemu(q) = c {
-            println!("{}: ran with {}.", c.name(), q.options());
+        match c {
+            Hv::Qemu(q) => println!("{}: ran with {}.", c.name(), q.options()),
+            Hv::Micro(m) => println!("{}: ran {}.", c.name(), m.kind.filters(shim.is_some())),
+            Hv::Musubi { .. } => {}
         }
     }
-    peer.print();
+    for (c, st) in configs.iter().zip(&standing).skip(1) {
+        let name = match c {
+            Hv::Micro(m) => m.kind.name(),
+            _ => "qemu",
+        };
+        st.print_as(name);
+    }
+    for (name, why) in &missing {
+        if !configs.iter().any(|c| c.name() == *name) {
+            println!("{name}: unavailable, no comparison: {why}");
+        }
+    }
     if let (Some(all), Some(setup)) = (sums[0].first_run, sums[0].setup) {
         println!(
-            "musubi's first KVM_RUN, median: {} ms in VM setup (run_vm to KVM_RUN), {} ms before it",
-            ms(setup.median),
-            ms(all.median - setup.median)
+            "musubi's phases to first KVM_RUN, median: {} ms before run_vm (exec, dynamic loading,",
+            ms(all.median - setup.median),
         );
-        println!("  (exec, dynamic loading, argument parsing).");
+        println!(
+            "  argument parsing), {} ms in VM setup (run_vm to KVM_RUN; per-phase times with",
+            ms(setup.median)
+        );
+        println!("  MUSUBI_LOG=vmm=debug).");
+    }
+    let gaps: Vec<f64> = per[0]
+        .iter()
+        .filter_map(|s| {
+            let (a, b) = (s.to_first_run_ns?, s.report_first_run_ns?);
+            Some(b as f64 - a as f64)
+        })
+        .collect();
+    if let (Some(_), Some(gap)) = (shim, super::stats::median(&gaps)) {
+        println!(
+            "musubi: --report's first_run_monotonic_ns minus the shim's stamp, median {:.1} us",
+            gap / 1e3
+        );
+        println!("  (the report stamps just before the ioctl; the shim inside it).");
     }
     for (c, s) in configs.iter().zip(&per) {
         let missed = s.iter().filter(|x| x.max_overhead.is_none()).count();
@@ -226,7 +344,22 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         }
     }
 
+    let peer_sums = |kind: Kind| {
+        configs
+            .iter()
+            .zip(&sums)
+            .find(|(c, _)| matches!(c, Hv::Micro(m) if m.kind == kind))
+            .map(|(_, s)| s)
+    };
     let m = &sums[0];
+    let vs_ch = peer_sums(Kind::CloudHypervisor)
+        .and_then(|p| p.first_run)
+        .zip(m.first_run)
+        .and_then(|(p, m)| ratio(m.median, p.median));
+    let vs_fc = peer_sums(Kind::Firecracker)
+        .and_then(|p| p.overhead)
+        .zip(m.overhead)
+        .and_then(|(p, m)| ratio(m, p));
     let first_ms = m.first_run.map(|s| s.median / 1e6);
     let overhead_mib = m.overhead.map(in_mib);
     let fig = |what: &str,
@@ -277,6 +410,22 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             format!("<= {FC_OVERHEAD_MIB} MiB"),
             FC_SOURCE,
             |v| v <= FC_OVERHEAD_MIB,
+        ),
+        fig(
+            "first KVM_RUN, musubi / cloud-hypervisor (median)",
+            vs_ch,
+            "x",
+            format!("<= {GOAL_FIRST_RUN_VS_CH:.2}x"),
+            GOAL_SOURCE,
+            |v| v <= GOAL_FIRST_RUN_VS_CH,
+        ),
+        fig(
+            "RSS outside guest RAM, musubi / firecracker (max)",
+            vs_fc,
+            "x",
+            format!("<= {GOAL_OVERHEAD_VS_FC:.2}x"),
+            GOAL_SOURCE,
+            |v| v <= GOAL_OVERHEAD_VS_FC,
         ),
     ];
     println!();
@@ -389,17 +538,31 @@ impl Sums {
 /// `unavailable`.
 fn unavailable_row(run: String, rep: String, hv: String, cpu: &str, why: &str) -> Vec<String> {
     let mut row = vec![run, rep, hv];
-    row.resize(12, String::new());
+    row.resize(13, String::new());
     row.push(cpu.to_string());
     row.push(why.to_string());
     row
 }
 
-fn one_run(hv: &Hv) -> Result<Sample, String> {
-    match hv {
-        Hv::Musubi { exe } => run_musubi(exe),
-        Hv::Qemu(q) => run_qemu(q),
+/// One run of `hv`, timed by the shim when there is one.
+fn one_run(hv: &Hv, shim: Option<&Path>) -> Result<Sample, String> {
+    let dir = tempfile::tempdir().map_err(|e| format!("cannot make a temporary directory: {e}"))?;
+    let stamp = dir.path().join("first-kvm-run");
+    let timed = |mut cmd: Command| {
+        if let Some(so) = shim {
+            peers::with_shim(&mut cmd, so, &stamp);
+        }
+        cmd
+    };
+    let mut s = match hv {
+        Hv::Musubi { exe } => run_musubi(exe, dir.path(), &timed)?,
+        Hv::Qemu(q) => run_qemu(q, &timed)?,
+        Hv::Micro(m) => run_micro(m, timed(m.command(shim.is_some())))?,
+    };
+    if let Some(at) = peers::read_stamp(&stamp) {
+        s.to_first_run_ns = Some(at.saturating_sub(s.spawn_ns));
     }
+    Ok(s)
 }
 
 fn watch() -> Watch<'static> {
@@ -411,9 +574,12 @@ fn watch() -> Watch<'static> {
     }
 }
 
-fn run_musubi(exe: &Path) -> Result<Sample, String> {
-    let dir = tempfile::tempdir().map_err(|e| format!("cannot make a temporary directory: {e}"))?;
-    let report = dir.path().join("report.json");
+fn run_musubi(
+    exe: &Path,
+    dir: &Path,
+    timed: &dyn Fn(Command) -> Command,
+) -> Result<Sample, String> {
+    let report = dir.join("report.json");
     let mut cmd = Command::new(exe);
     cmd.args([
         "run",
@@ -430,7 +596,8 @@ fn run_musubi(exe: &Path) -> Result<Sample, String> {
         "--report",
     ])
     .arg(&report);
-    let o = observe(cmd, &watch()).map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
+    let o = observe(timed(cmd), &watch())
+        .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
     let hello = time_to_marker(&o, 0, MUSUBI_LINES)?;
     let text = std::fs::read_to_string(&report)
         .map_err(|e| format!("musubi wrote no --report file {}: {e}", report.display()))?;
@@ -442,8 +609,11 @@ fn run_musubi(exe: &Path) -> Result<Sample, String> {
             report.display()
         )
     })?;
+    let from_report = first.saturating_sub(o.spawn_ns);
     Ok(Sample {
-        to_first_run_ns: Some(first.saturating_sub(o.spawn_ns)),
+        spawn_ns: o.spawn_ns,
+        to_first_run_ns: Some(from_report),
+        report_first_run_ns: Some(from_report),
         setup_ns: r["to_first_run_ns"].as_u64(),
         to_hello_ns: hello,
         to_exit_ns: o.end_ns - o.spawn_ns,
@@ -451,15 +621,35 @@ fn run_musubi(exe: &Path) -> Result<Sample, String> {
         max_private_overhead: o.max_private_overhead,
         mem_samples: o.samples,
         exits: r["total_exits"].as_u64(),
-        status: 0,
+        status: Some(0),
     })
 }
 
-fn run_qemu(q: &Qemu) -> Result<Sample, String> {
-    let o = observe(q.hello_command(), &watch()).map_err(|e| format!("cannot start QEMU: {e}"))?;
+fn run_qemu(q: &Qemu, timed: &dyn Fn(Command) -> Command) -> Result<Sample, String> {
+    let o = observe(timed(q.hello_command()), &watch())
+        .map_err(|e| format!("cannot start QEMU: {e}"))?;
     let hello = time_to_marker(&o, qemu::CLEAN_STATUS, qemu::STDERR_LINES)?;
-    Ok(Sample {
+    Ok(peer_sample(&o, hello, Some(qemu::CLEAN_STATUS)))
+}
+
+/// Firecracker or Cloud Hypervisor: no exit port, so the run ends when hello is printed.
+fn run_micro(m: &Micro, cmd: Command) -> Result<Sample, String> {
+    let o = observe_to_marker(cmd, &watch())
+        .map_err(|e| format!("cannot start {}: {e}", m.kind.name()))?;
+    match o.marker_ns {
+        Some(at) => Ok(peer_sample(&o, at.saturating_sub(o.spawn_ns), None)),
+        None => Err(time_to_marker(&o, 0, qemu::STDERR_LINES)
+            .err()
+            .unwrap_or_else(|| "no hello".into())),
+    }
+}
+
+/// A peer's run: memory from outside, start-up only from the shim.
+fn peer_sample(o: &Observed, hello: u64, status: Option<i32>) -> Sample {
+    Sample {
+        spawn_ns: o.spawn_ns,
         to_first_run_ns: None,
+        report_first_run_ns: None,
         setup_ns: None,
         to_hello_ns: hello,
         to_exit_ns: o.end_ns - o.spawn_ns,
@@ -467,6 +657,6 @@ fn run_qemu(q: &Qemu) -> Result<Sample, String> {
         max_private_overhead: o.max_private_overhead,
         mem_samples: o.samples,
         exits: None,
-        status: qemu::CLEAN_STATUS,
-    })
+        status,
+    }
 }

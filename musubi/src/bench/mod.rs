@@ -11,6 +11,7 @@ mod composite;
 mod dsm_table;
 mod guest_run;
 mod mint;
+mod peers;
 pub mod plot;
 mod qemu;
 pub mod report;
@@ -35,10 +36,11 @@ pub struct BenchArgs {
     /// Directory for the CSV and plot files.
     #[arg(long, value_name = "DIR", default_value = "bench-out")]
     pub out: PathBuf,
-    /// Also run the same guest under another hypervisor in the same run (boot and vmms
-    /// compare with QEMU whenever it is installed; this makes a missing QEMU reported as
-    /// unavailable). Musubi's own figures are measured and written whatever the peer does.
-    #[arg(long, value_name = "qemu")]
+    /// Also run the same guest under other hypervisors in the same run, a comma-separated
+    /// list of qemu, firecracker, cloud-hypervisor (boot takes all three, vmms qemu; without
+    /// it both compare with QEMU whenever it is installed). A listed peer that is missing
+    /// or fails is reported unavailable; Musubi's own figures are written whatever it does.
+    #[arg(long, value_name = "LIST")]
     pub compare: Option<String>,
     /// The QEMU executable to compare with, instead of qemu-system-x86_64 on PATH; implies
     /// --compare qemu.

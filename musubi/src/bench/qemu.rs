@@ -152,26 +152,27 @@ impl Standing {
 
     /// The report's line on the peer when it dropped out.
     pub fn print(&self) {
+        self.print_as("qemu");
+    }
+
+    /// The same for the peer called `name`.
+    pub fn print_as(&self, name: &str) {
         if let Some(why) = &self.unavailable {
-            println!("qemu: unavailable, no comparison: {why}");
+            println!("{name}: unavailable, no comparison: {why}");
         }
     }
 }
 
-/// Finds QEMU (`--qemu`, else `qemu-system-x86_64` on PATH) and, when `--compare qemu` or
-/// `--qemu` asks for it or it is installed, boots the probe guest with each of `machines`
+/// Finds QEMU (`--qemu`, else `qemu-system-x86_64` on PATH) and, when `--compare` lists
+/// `qemu`, `--qemu` asks for it, or it is installed and no `--compare` list leaves it out, boots the probe guest with each of `machines`
 /// and each CPU model in turn until one works, printing what it tried. Fails only on a
 /// `--compare` value that names no peer, the one mistake the person must correct.
 pub fn peer(args: &BenchArgs, machines: &[&'static str]) -> Result<Peer, String> {
-    let asked = match args.compare.as_deref() {
-        Some("qemu") => true,
-        Some(other) => {
-            return Err(format!(
-                "--compare {other:?}: the only hypervisor to compare with is `qemu`"
-            ))
-        }
-        None => args.qemu.is_some(),
-    };
+    let listed = super::peers::parse_compare(args.compare.as_deref())?;
+    let asked = listed.contains(&"qemu") || args.qemu.is_some();
+    if args.compare.is_some() && !asked {
+        return Ok(Peer::Skipped("not in --compare".into()));
+    }
     let exe = match &args.qemu {
         Some(p) if is_executable(p) => Ok(p.clone()),
         Some(p) => Err(format!("--qemu {}: not an executable file", p.display())),

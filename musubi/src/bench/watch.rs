@@ -129,14 +129,26 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(5);
 
 /// Spawns `cmd` with its console on a pipe, stamps the marker line, samples memory until it
 /// ends, and kills it at the timeout.
-pub fn observe(mut cmd: Command, w: &Watch) -> std::io::Result<Observed> {
+pub fn observe(cmd: Command, w: &Watch) -> std::io::Result<Observed> {
+    observe_with(cmd, w, false)
+}
+
+/// [`observe`], but the child is killed as soon as the marker line arrives: for a VMM that
+/// has no exit port and would otherwise run (or reboot the guest) until the timeout.
+pub fn observe_to_marker(cmd: Command, w: &Watch) -> std::io::Result<Observed> {
+    observe_with(cmd, w, true)
+}
+
+fn observe_with(mut cmd: Command, w: &Watch, stop_at_marker: bool) -> std::io::Result<Observed> {
     let spawn_ns = monotonic_ns();
     let started = Instant::now();
     let mut child = spawn_in_own_group(&mut cmd)?;
     let out = child.stdout.take().expect("stdout is piped");
     let err = child.stderr.take().expect("stderr is piped");
     let marker = w.marker.to_string();
-    let reader = std::thread::spawn(move || read_console(out, &marker));
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen_by_reader = seen.clone();
+    let reader = std::thread::spawn(move || read_console(out, &marker, &seen_by_reader));
     let err_reader = std::thread::spawn(move || {
         let mut s = String::new();
         let _ = BufReader::new(err).read_to_string(&mut s);
@@ -159,6 +171,9 @@ pub fn observe(mut cmd: Command, w: &Watch) -> std::io::Result<Observed> {
     let ended = loop {
         if let Some(guest_bytes) = w.guest_bytes {
             sample(&smaps, guest_bytes, &mut o);
+        }
+        if stop_at_marker && seen.load(std::sync::atomic::Ordering::Acquire) {
+            break Ok(());
         }
         match has_ended(&child) {
             Ok(true) => break Ok(()),
@@ -272,7 +287,11 @@ fn sample(smaps: &str, guest_bytes: u64, o: &mut Observed) {
 }
 
 /// Reads the console to its end and returns it with the time the marker line arrived.
-fn read_console(out: impl Read, marker: &str) -> (String, Option<u64>) {
+fn read_console(
+    out: impl Read,
+    marker: &str,
+    seen: &std::sync::atomic::AtomicBool,
+) -> (String, Option<u64>) {
     let mut r = BufReader::new(out);
     let mut all = Vec::new();
     let mut line = Vec::new();
@@ -289,6 +308,7 @@ fn read_console(out: impl Read, marker: &str) -> (String, Option<u64>) {
                 .starts_with(marker)
         {
             at = Some(monotonic_ns());
+            seen.store(true, std::sync::atomic::Ordering::Release);
         }
         all.extend_from_slice(&line);
     }
@@ -424,6 +444,27 @@ VmFlags: rd wr mr mw me ac
         assert!(o.stdout.starts_with("booting\n"));
         assert!(o.samples >= 1, "the shell was sampled while it slept");
         assert_eq!(o.guest_samples, 0);
+    }
+
+    #[test]
+    fn observing_to_the_marker_ends_the_child_there() {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo '{\"probe\":\"hello\"}'; sleep 30"]);
+        let o = observe_to_marker(
+            cmd,
+            &Watch {
+                marker: "{\"probe\":\"hello\"",
+                guest_bytes: None,
+                timeout: Duration::from_secs(20),
+                sample_every: Duration::from_millis(2),
+            },
+        )
+        .unwrap();
+        assert!(o.marker_ns.is_some());
+        assert!(
+            !o.timed_out,
+            "it was killed at the marker, not at the time limit"
+        );
     }
 
     #[test]

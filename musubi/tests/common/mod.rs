@@ -59,11 +59,16 @@ pub fn run_with_limit(args: &[&str], limit: Duration) -> Run {
 /// As [`run_with_limit`], with `input` written to a pipe on stdin, which is then closed
 /// (stdin is empty without it).
 pub fn run_with_stdin(args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
+    run_command(musubi(), args, input, limit)
+}
+
+/// As [`run_with_stdin`], with `cmd` (`musubi()` with its environment changed) instead.
+pub fn run_command(mut cmd: Command, args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
     assert!(
         Path::new("/dev/kvm").exists(),
         "these tests need /dev/kvm, which this machine lacks"
     );
-    let mut child = musubi()
+    let mut child = cmd
         .args(args)
         .stdin(if input.is_some() {
             Stdio::piped()
@@ -207,6 +212,16 @@ pub fn quick_bench_with(
     extra: &[&str],
     limit: Duration,
 ) -> (Run, tempfile::TempDir) {
+    quick_bench_in(musubi(), experiment, extra, limit)
+}
+
+/// [`quick_bench_with`], run by `cmd` (`musubi()` with its environment changed).
+pub fn quick_bench_in(
+    cmd: Command,
+    experiment: &str,
+    extra: &[&str],
+    limit: Duration,
+) -> (Run, tempfile::TempDir) {
     let out = tempfile::tempdir().unwrap();
     let mut args = vec![
         "bench",
@@ -216,7 +231,7 @@ pub fn quick_bench_with(
         out.path().to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
-    let r = run_with_limit(&args, limit);
+    let r = run_command(cmd, &args, None, limit);
     assert_eq!(r.code, Some(0), "{}", r.explain());
     (r, out)
 }
@@ -270,8 +285,13 @@ fn split_csv_line(line: &str) -> Vec<String> {
 /// A stand-in for QEMU, named like it, in `dir`: a shell script with `body`, for tests of
 /// what a benchmark does when its peer fails (`--qemu` points at it).
 pub fn fake_qemu(dir: &Path, body: &str) -> PathBuf {
+    fake_vmm(dir, "qemu-system-x86_64", body)
+}
+
+/// A stand-in for the peer VMM `name` in `dir`: a shell script with `body`.
+pub fn fake_vmm(dir: &Path, name: &str, body: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
-    let p = dir.join("qemu-system-x86_64");
+    let p = dir.join(name);
     std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
     p
