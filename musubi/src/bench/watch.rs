@@ -510,13 +510,19 @@ VmFlags: rd wr mr mw me ac
             .trim()
             .parse()
             .expect("the shell printed its child's pid");
-        // Dead: gone, or a zombie waiting for its new parent to reap it.
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat.rsplit(')').next().unwrap_or("").trim_start();
-        assert!(
-            stat.is_empty() || state.starts_with('Z') || !stat.contains("(sleep)"),
-            "the shell's sleep {pid} still runs: {stat}"
-        );
+        // Dead: gone, or a zombie waiting for its new parent to reap it. SIGKILL is sent
+        // by the time observe returns, but the process may still be on its way out.
+        let dead = |stat: &str| {
+            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+            stat.is_empty() || state.starts_with('Z') || !stat.contains("(sleep)")
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        while !dead(&stat) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+            stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        }
+        assert!(dead(&stat), "the shell's sleep {pid} still runs: {stat}");
     }
 
     #[test]
