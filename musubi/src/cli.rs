@@ -53,7 +53,7 @@ pub struct VmArgs {
 /// The JSON form of a VM. Sizes may be numbers (bytes) or strings such as "256M".
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
-struct FileConfig {
+pub struct FileConfig {
     kernel: Option<String>,
     cmdline: Option<String>,
     initrd: Option<PathBuf>,
@@ -73,6 +73,12 @@ pub const DEFAULT_PROBE_CMDLINE: &str = "probe.tasks=hello";
 
 impl VmArgs {
     pub fn to_config(&self) -> Result<VmConfig, String> {
+        self.to_config_over(FileConfig::default())
+    }
+
+    /// The VM from these flags over `base` (a cluster file's `vm` section), with a
+    /// `--config` file, if given, in between.
+    pub fn to_config_over(&self, base: FileConfig) -> Result<VmConfig, String> {
         let file = match &self.config {
             Some(p) => {
                 let text = std::fs::read_to_string(p)
@@ -91,7 +97,7 @@ impl VmArgs {
                     )
                 })?
             }
-            None => FileConfig::default(),
+            None => base,
         };
         let kernel_arg = self.kernel.clone().or(file.kernel).ok_or(
             "--kernel is required (a vmlinux, a bzImage, or `probe` for the bundled guest)",
@@ -155,6 +161,34 @@ impl VmArgs {
             serial,
             exits,
         })
+    }
+}
+
+impl VmArgs {
+    /// The flags again, as a command line: how `run --nodes` hands the same VM to each node.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        let mut put = |flag: &str, v: Option<String>| {
+            if let Some(v) = v {
+                a.push(flag.to_string());
+                a.push(v);
+            }
+        };
+        put("--kernel", self.kernel.clone());
+        put("--cmdline", self.cmdline.clone());
+        put("--initrd", self.initrd.as_ref().map(|p| p.display().to_string()));
+        put("--cpus", self.cpus.map(|c| c.to_string()));
+        put("--memory", self.memory.clone());
+        for d in &self.disk {
+            put("--disk", Some(d.clone()));
+        }
+        for p in &self.pmem {
+            put("--pmem", Some(p.clone()));
+        }
+        put("--serial", self.serial.clone());
+        put("--exits", self.exits.clone());
+        put("--config", self.config.as_ref().map(|p| p.display().to_string()));
+        a
     }
 }
 

@@ -4,6 +4,7 @@ mod bench;
 mod cli;
 mod console;
 mod demo;
+mod nodes;
 mod partition_cli;
 mod probe;
 mod run;
@@ -52,6 +53,46 @@ enum Command {
         /// call (status 126), `log` only has the kernel log it, `false` installs none.
         #[arg(long, value_name = "true|false|log", default_value = "true")]
         seccomp: vmm::seccomp::SeccompMode,
+        /// Spread the VM over N node processes on this host, linked over loopback TCP: the
+        /// vCPUs are dealt round-robin, guest RAM is kept coherent page by page, node 0
+        /// holds the devices. Exit status as without it; 123 if a node was lost. --pmem is
+        /// refused with more than one node.
+        #[arg(long, value_name = "N")]
+        nodes: Option<u16>,
+        /// Coherence protocol with --nodes: `vmp` (the paper's manager protocol) or `ivy`.
+        #[arg(long, value_name = "vmp|ivy", default_value = "vmp", requires = "nodes")]
+        protocol: String,
+        /// Memory ordering with --nodes: `tso` (x86 ordering across nodes) or `paper` (the
+        /// paper's unacknowledged invalidations; UNSAFE for x86 guests: a reader can see a
+        /// new flag and old data).
+        #[arg(long, value_name = "tso|paper", default_value = "tso", requires = "nodes")]
+        ordering: String,
+    },
+    /// Run one node of a VM spread over several hosts, as the cluster file describes
+    /// (JSON: "vm" with the fields of --config, "nodes" [{"address": "IP:PORT", "vcpus":
+    /// [..]}], "protocol", "ordering", "secret_file", "io_node"). Every node must be
+    /// started with the same cluster file, VM and secret; the node with vCPU 0 (io_node)
+    /// holds the devices. Exits with the VM's status, or 123 when a node is lost.
+    Node {
+        #[arg(long, value_name = "FILE")]
+        cluster: std::path::PathBuf,
+        /// Which entry of the cluster's "nodes" this is (0-based).
+        #[arg(long, value_name = "K")]
+        id: u16,
+        /// VM flags override the cluster file's "vm" section.
+        #[command(flatten)]
+        vm: cli::VmArgs,
+        /// Stop the VM after this many seconds (status 126).
+        #[arg(long, value_name = "SECONDS")]
+        timeout: Option<f64>,
+        /// Write this node's JSON report at exit.
+        #[arg(long, value_name = "FILE")]
+        report: Option<std::path::PathBuf>,
+        /// Write this node's exit and coherence accounting at exit and on SIGUSR1.
+        #[arg(long, value_name = "FILE")]
+        metrics: Option<std::path::PathBuf>,
+        #[arg(long, value_name = "true|false|log", default_value = "true")]
+        seccomp: vmm::seccomp::SeccompMode,
     },
     /// Boot the bundled probe guest on 2 vCPUs with a temporary disk, run hello, blk-fill
     /// and blk-crc, check the disk on the host, and summarize.
@@ -93,6 +134,60 @@ fn main() -> ExitCode {
             report,
             metrics,
             seccomp,
+            nodes: Some(n),
+            protocol,
+            ordering,
+        } => {
+            let protocol = match nodes::parse_protocol("--protocol", &protocol) {
+                Ok(p) => p,
+                Err(e) => return fail(e),
+            };
+            let ordering = match nodes::parse_ordering("--ordering", &ordering) {
+                Ok(o) => o,
+                Err(e) => return fail(e),
+            };
+            nodes::launch(nodes::LaunchArgs {
+                nodes: n,
+                protocol,
+                ordering,
+                vm: &vm,
+                timeout,
+                report: report.as_deref(),
+                metrics,
+                seccomp,
+            })
+        }
+        Command::Node {
+            cluster,
+            id,
+            vm,
+            timeout,
+            report,
+            metrics,
+            seccomp,
+        } => {
+            let timeout = match timeout {
+                Some(t) if t.is_finite() && t > 0.0 => Some(std::time::Duration::from_secs_f64(t)),
+                Some(t) => return fail(format!("--timeout {t}: expected a positive number of seconds")),
+                None => None,
+            };
+            nodes::node(nodes::NodeArgs {
+                cluster: &cluster,
+                id,
+                vm: &vm,
+                timeout,
+                report: report.as_deref(),
+                metrics,
+                seccomp,
+            })
+        }
+        Command::Run {
+            vm,
+            timeout,
+            report,
+            metrics,
+            seccomp,
+            ..
         } => run::run(run::RunArgs {
             vm: &vm,
             timeout,

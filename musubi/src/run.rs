@@ -124,7 +124,7 @@ pub fn run(args: RunArgs) -> ExitCode {
 }
 
 /// Replaces `path` whole, so a reader never sees half a file.
-fn write_json(path: &Path, flag: &str, value: &serde_json::Value) {
+pub fn write_json(path: &Path, flag: &str, value: &serde_json::Value) {
     let tmp = path.with_extension("tmp");
     let text = serde_json::to_string_pretty(value).unwrap_or_default();
     if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
@@ -132,7 +132,7 @@ fn write_json(path: &Path, flag: &str, value: &serde_json::Value) {
     }
 }
 
-fn report_json(r: &vmm::RunReport) -> serde_json::Value {
+pub fn report_json(r: &vmm::RunReport) -> serde_json::Value {
     serde_json::json!({
         "outcome": r.outcome,
         "exit_code": r.outcome.exit_code(),

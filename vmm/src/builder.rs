@@ -6,11 +6,13 @@
 //! The library installs no process-wide signal handlers: the program that embeds it decides
 //! what SIGTERM or SIGUSR1 mean and acts through a [`VmHandle`].
 
+use crate::arch::x86_64::cpuid::NodeLeaves;
 use crate::arch::x86_64::layout::{GuestLayout, CMDLINE_MAX_SIZE};
 use crate::arch::x86_64::{acpi, linux, mptable, pvh, regs};
 use crate::config::{ExitsMode, VmConfig};
 use crate::control::{Outcome, RunControl};
 use crate::device_manager::{create_devices, DeviceError, Devices};
+use crate::exit::ExitBus;
 use crate::io_thread::IoThread;
 use crate::irq::IrqLine;
 use crate::loader::{load_kernel, EntryPoint, LoadError};
@@ -115,11 +117,53 @@ pub struct Vm {
     vcpus: Vec<Vcpu>,
     control: Arc<RunControl>,
     capture: Option<Arc<Mutex<Vec<u8>>>>,
+    /// Where the vCPUs' port and MMIO exits go: the local devices unless a node forwards them.
+    bus: Arc<dyn ExitBus>,
+    /// More entries for `--metrics` (a node's coherence counters).
+    extra_metrics: Option<ExtraMetrics>,
+}
+
+/// A source of more `--metrics` entries, called whenever the metrics are read.
+pub(crate) type ExtraMetrics = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+
+/// Which share of a VM one process builds. A whole VM is the usual case; a node of a VM
+/// spread over several hosts builds only its own vCPUs, on guest RAM the coherence layer
+/// shares, and only the node that serves I/O holds devices and loads the guest.
+pub(crate) struct Part {
+    /// Global ids (APIC ids) of the vCPUs created here.
+    pub vcpus: Vec<u8>,
+    /// Guest RAM made elsewhere; anonymous memory of this process when `None`.
+    pub ram: Option<SharedRam>,
+    /// This process holds the devices, loads the kernel and writes the firmware tables.
+    pub devices: bool,
+    /// What the vCPUs are told about the nodes (multi-node VMs only).
+    pub node: Option<NodeLeaves>,
+}
+
+/// A guest-RAM mapping owned by someone else (see [`GuestRam::shared`]).
+pub(crate) struct SharedRam {
+    pub host: *mut u8,
+    pub len: usize,
+    pub owner: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl Part {
+    fn whole(config: &VmConfig) -> Part {
+        Part {
+            vcpus: (0..config.cpus).collect(),
+            ram: None,
+            devices: true,
+            node: None,
+        }
+    }
 }
 
 /// What the VM's threads and its handles share.
 struct Shared {
     exits: ExitsMode,
+    /// Global id of each vCPU of `metrics`, in order.
+    vcpu_ids: Vec<u8>,
+    extra_metrics: Option<ExtraMetrics>,
     ram: Arc<GuestRam>,
     control: Arc<RunControl>,
     metrics: Vec<Arc<VcpuMetrics>>,
@@ -147,11 +191,11 @@ impl Shared {
             let e = irq_paths.entry(irq.path()).or_insert(serde_json::json!(0));
             *e = serde_json::json!(e.as_u64().unwrap_or(0) + irq.count());
         }
-        serde_json::json!({
+        let mut json = serde_json::json!({
             "exits_mode": self.exits.to_string(),
             "total_exits": all.iter().map(|d| d.count).sum::<u64>(),
             "exits": all,
-            "vcpus": per_vcpu.into_iter().enumerate().map(|(i, e)| serde_json::json!({"id": i, "exits": e})).collect::<Vec<_>>(),
+            "vcpus": per_vcpu.into_iter().zip(&self.vcpu_ids).map(|(e, id)| serde_json::json!({"id": id, "exits": e})).collect::<Vec<_>>(),
             "notifications": {
                 "mmio_exit": notify_exits,
                 "ioeventfd": self.ioeventfd_served.load(Ordering::Relaxed),
@@ -161,7 +205,13 @@ impl Shared {
                 "backend": self.ram.backend(),
                 "vcpu_threads": self.ram.vcpu_threads(),
             },
-        })
+        });
+        if let (Some(extra), Some(obj)) = (&self.extra_metrics, json.as_object_mut()) {
+            if let serde_json::Value::Object(more) = extra() {
+                obj.extend(more);
+            }
+        }
+        json
     }
 }
 
@@ -215,6 +265,15 @@ impl Vmm {
     /// Creates the VM described by `config`: memory, kernel, devices, firmware tables and
     /// vCPUs, in that order. Nothing runs until [`Vm::start`].
     pub fn build(config: &VmConfig, opts: &RunOptions) -> Result<Vm, BuildError> {
+        Self::build_part(config, opts, Part::whole(config))
+    }
+
+    /// Builds `part` of the VM described by `config`.
+    pub(crate) fn build_part(
+        config: &VmConfig,
+        opts: &RunOptions,
+        part: Part,
+    ) -> Result<Vm, BuildError> {
         let started = Instant::now();
         install_kick_handler().map_err(|source| BuildError::Thread {
             what: "vCPU kick handler",
@@ -242,15 +301,24 @@ impl Vmm {
         let addrs: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
         let pmem = pmem_files.map(&addrs)?;
         let mut kvm = KvmVm::new()?;
-        let ram = Arc::new(GuestRam::new(&layout, RamBackend::Anonymous)?);
+        let ram = Arc::new(match part.ram {
+            None => GuestRam::new(&layout, RamBackend::Anonymous)?,
+            // SAFETY: the owner of a shared mapping keeps it mapped while it lives, and
+            // `GuestRam` keeps the owner.
+            Some(r) => unsafe { GuestRam::shared(&layout, r.host, r.len, r.owner)? },
+        });
         kvm.register_memory(ram.memory())?;
         pmem.register(&mut kvm)?;
         kvm.create_interrupt_controllers()?;
         let mem = pmem.extend_guest_memory(ram.memory().clone())?;
         phase("vm and memory");
 
-        // 2. The kernel.
-        let (entry, kernel_end) = load_kernel(&mem, &config.kernel)?;
+        // 2. The kernel, loaded once for the whole VM by the node that holds the devices.
+        let loaded = if part.devices {
+            Some(load_kernel(&mem, &config.kernel)?)
+        } else {
+            None
+        };
         phase("kernel loaded");
 
         // 3. Devices, and the command line that announces them.
@@ -258,55 +326,62 @@ impl Vmm {
         let capture = opts
             .capture_serial
             .then(|| Arc::new(Mutex::new(Vec::new())));
-        let devices = create_devices(
-            &kvm,
-            &mem,
-            config,
-            &layout,
-            capture.clone(),
-            pmem.devices(),
-            control.clone(),
-        )?;
-        let cmdline = build_cmdline(&config.cmdline, &devices)?;
-        mem.write_slice(cmdline.as_bytes_with_nul(), GuestAddress(layout.cmdline))?;
+        let devices = if part.devices {
+            create_devices(
+                &kvm,
+                &mem,
+                config,
+                &layout,
+                capture.clone(),
+                pmem.devices(),
+                control.clone(),
+            )?
+        } else {
+            // A node without devices still has the legacy set (serial off), never reached:
+            // its vCPUs' exits go to the node that holds the real ones.
+            let bare = VmConfig {
+                disks: Vec::new(),
+                pmem: Vec::new(),
+                serial: crate::config::SerialMode::Off,
+                ..config.clone()
+            };
+            create_devices(
+                &kvm,
+                &mem,
+                &bare,
+                &layout,
+                None,
+                Default::default(),
+                control.clone(),
+            )?
+        };
         phase("devices");
 
-        // 4. Firmware tables and boot structures. Both CPU tables: the MP table for simple
-        // guests, ACPI for kernels built without MP-table parsing (Debian's cloud kernel).
-        mptable::write_mptable(&mem, layout.cpus)?;
-        let rsdp = acpi::write_acpi_tables(&mem, layout.cpus)?;
-        let e820 = layout.e820();
-        let initrd = load_initrd(&mem, config, &layout, &entry, kernel_end)?;
-        match entry {
-            EntryPoint::Pvh(_) => {
-                pvh::write_start_info(&mem, &e820, layout.cmdline, Some(rsdp))?;
-                if let Some((addr, size)) = initrd {
-                    pvh::add_initrd_module(&mem, addr, size)?;
-                }
-            }
-            EntryPoint::Linux64 { header, .. } => {
-                let len = cmdline.as_bytes_with_nul().len() - 1;
-                linux::write_boot_params(&mem, header, &e820, layout.cmdline, len, initrd)?;
-                linux::set_acpi_rsdp_addr(&mem, rsdp)?;
-                linux::write_boot_gdt_and_page_tables(&mem)?;
-            }
+        if let Some((entry, kernel_end)) = loaded {
+            write_boot_data(config, &layout, &mem, &devices, &entry, kernel_end)?;
+            phase("firmware tables");
         }
-        phase("firmware tables");
+        let entry = loaded.map(|l| l.0);
 
         // 5. vCPUs: the BSP gets the entry state; APs wait for INIT/SIPI in the kernel.
-        let vcpus = (0..layout.cpus)
-            .map(|id| Vcpu::new(kvm.kvm(), kvm.fd(), id, layout.cpus))
+        let vcpus = part
+            .vcpus
+            .iter()
+            .map(|&id| Vcpu::new(kvm.kvm(), kvm.fd(), id, layout.cpus, part.node))
             .collect::<Result<Vec<_>, _>>()?;
-        match entry {
-            EntryPoint::Pvh(rip) => {
-                vcpus[0].set_regs(&regs::pvh_regs(rip, layout.pvh_start_info), regs::pvh_sregs)
-            }
-            EntryPoint::Linux64 { entry, .. } => {
-                vcpus[0].set_regs(&linux::long_mode_regs(entry), linux::long_mode_sregs)
-            }
-        }?;
+        if let (Some(bsp), Some(entry)) = (vcpus.iter().find(|v| v.id == 0), entry) {
+            match entry {
+                EntryPoint::Pvh(rip) => {
+                    bsp.set_regs(&regs::pvh_regs(rip, layout.pvh_start_info), regs::pvh_sregs)
+                }
+                EntryPoint::Linux64 { entry, .. } => {
+                    bsp.set_regs(&linux::long_mode_regs(entry), linux::long_mode_sregs)
+                }
+            }?;
+        }
         phase("vcpus");
 
+        let bus: Arc<dyn ExitBus> = devices.bus.clone();
         Ok(Vm {
             started,
             opts: opts.clone(),
@@ -320,14 +395,75 @@ impl Vmm {
             vcpus,
             control,
             capture,
+            bus,
+            extra_metrics: None,
         })
     }
+}
+
+/// The command line, firmware tables and boot structures, written into guest memory by the
+/// process that loaded the kernel.
+fn write_boot_data(
+    config: &VmConfig,
+    layout: &GuestLayout,
+    mem: &GuestMemoryMmap,
+    devices: &Devices,
+    entry: &EntryPoint,
+    kernel_end: u64,
+) -> Result<(), BuildError> {
+    let cmdline = build_cmdline(&config.cmdline, devices)?;
+    mem.write_slice(cmdline.as_bytes_with_nul(), GuestAddress(layout.cmdline))?;
+
+    // 4. Firmware tables and boot structures. Both CPU tables: the MP table for simple
+    // guests, ACPI for kernels built without MP-table parsing (Debian's cloud kernel).
+    mptable::write_mptable(mem, layout.cpus)?;
+    let rsdp = acpi::write_acpi_tables(mem, layout.cpus)?;
+    let e820 = layout.e820();
+    let initrd = load_initrd(mem, config, layout, entry, kernel_end)?;
+    match entry {
+        EntryPoint::Pvh(_) => {
+            pvh::write_start_info(mem, &e820, layout.cmdline, Some(rsdp))?;
+            if let Some((addr, size)) = initrd {
+                pvh::add_initrd_module(mem, addr, size)?;
+            }
+        }
+        EntryPoint::Linux64 { header, .. } => {
+            let len = cmdline.as_bytes_with_nul().len() - 1;
+            linux::write_boot_params(mem, *header, &e820, layout.cmdline, len, initrd)?;
+            linux::set_acpi_rsdp_addr(mem, rsdp)?;
+            linux::write_boot_gdt_and_page_tables(mem)?;
+        }
+    }
+    Ok(())
 }
 
 impl Vm {
     /// The guest-physical map the VM was built with.
     pub fn layout(&self) -> &GuestLayout {
         &self.layout
+    }
+
+    /// The local devices' bus, for serving exits other nodes forward.
+    pub(crate) fn local_bus(&self) -> Arc<dyn ExitBus> {
+        self.devices.bus.clone()
+    }
+
+    /// Sends the vCPUs' exits to `bus` instead of the local devices.
+    pub(crate) fn set_bus(&mut self, bus: Arc<dyn ExitBus>) {
+        self.bus = bus;
+    }
+
+    pub(crate) fn set_extra_metrics(&mut self, extra: ExtraMetrics) {
+        self.extra_metrics = Some(extra);
+    }
+
+    pub(crate) fn control(&self) -> Arc<RunControl> {
+        self.control.clone()
+    }
+
+    /// The VM fd, for injecting interrupts from other threads.
+    pub(crate) fn vm_fd(&self) -> Arc<kvm_ioctls::VmFd> {
+        self.kvm.shared_fd()
     }
 
     /// Starts the I/O thread (kernel exit path) and one thread per vCPU.
@@ -347,6 +483,8 @@ impl Vm {
         };
         let shared = Arc::new(Shared {
             exits: self.exits,
+            vcpu_ids: self.vcpus.iter().map(|v| v.id).collect(),
+            extra_metrics: self.extra_metrics.clone(),
             ram: self.ram.clone(),
             control: self.control.clone(),
             metrics: self.vcpus.iter().map(|_| Arc::default()).collect(),
@@ -368,7 +506,7 @@ impl Vm {
             .zip(&statuses)
         {
             let ctx = VcpuContext {
-                bus: self.devices.bus.clone(),
+                bus: self.bus.clone(),
                 control: self.control.clone(),
                 metrics: metrics.clone(),
                 status: status.clone(),

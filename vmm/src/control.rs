@@ -21,7 +21,19 @@ pub enum Outcome {
     /// The person at the console asked to quit (`Ctrl-A x`); like pulling the plug, but
     /// asked for, so it is no failure.
     ConsoleQuit,
+    /// Another node of a multi-node VM ended the VM; `code` is the status it ended with, so
+    /// every node reports the guest's status.
+    Peer { node: u16, code: i32 },
+    /// A node of a multi-node VM was lost: the pages it owned are gone, so no node may run on.
+    NodeLost {
+        node: u16,
+        pages: u64,
+        why: String,
+    },
 }
+
+/// The exit status of every surviving node when a node of its VM is lost.
+pub const NODE_LOST_STATUS: i32 = 123;
 
 impl Outcome {
     /// The process exit status `musubi run` returns for this outcome.
@@ -33,6 +45,8 @@ impl Outcome {
             Outcome::VmmError(_) => 126,
             Outcome::Signal(s) => 128 + s,
             Outcome::ConsoleQuit => 0,
+            Outcome::Peer { code, .. } => *code,
+            Outcome::NodeLost { .. } => NODE_LOST_STATUS,
         }
     }
 
@@ -45,6 +59,8 @@ impl Outcome {
             Outcome::VmmError(_) => "vmm_error",
             Outcome::Signal(_) => "signal",
             Outcome::ConsoleQuit => "console_quit",
+            Outcome::Peer { .. } => "peer",
+            Outcome::NodeLost { .. } => "node_lost",
         }
     }
 }
@@ -53,7 +69,7 @@ impl Outcome {
 /// `{"kind": "signal", "signal": 15}`: what a report reader can match on.
 impl serde::Serialize for Outcome {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut m = s.serialize_map(Some(2))?;
+        let mut m = s.serialize_map(None)?;
         m.serialize_entry("kind", self.kind())?;
         match self {
             Outcome::GuestExit(n) => m.serialize_entry("status", n)?,
@@ -62,6 +78,15 @@ impl serde::Serialize for Outcome {
             }
             Outcome::Signal(sig) => m.serialize_entry("signal", sig)?,
             Outcome::Shutdown | Outcome::ConsoleQuit => {}
+            Outcome::Peer { node, code } => {
+                m.serialize_entry("node", node)?;
+                m.serialize_entry("status", code)?;
+            }
+            Outcome::NodeLost { node, pages, why } => {
+                m.serialize_entry("node", node)?;
+                m.serialize_entry("pages", pages)?;
+                m.serialize_entry("message", why)?;
+            }
         }
         m.end()
     }

@@ -96,20 +96,20 @@ pub struct LocalBus {
 }
 
 impl ExitBus for LocalBus {
-    fn pio_read(&self, port: u16, data: &mut [u8]) {
+    fn pio_read(&self, _: u8, port: u16, data: &mut [u8]) {
         if self.io.pio_read(PioAddress(port), data).is_err() {
             data.fill(0xff);
         }
     }
-    fn pio_write(&self, port: u16, data: &[u8]) {
+    fn pio_write(&self, _: u8, port: u16, data: &[u8]) {
         let _ = self.io.pio_write(PioAddress(port), data);
     }
-    fn mmio_read(&self, addr: u64, data: &mut [u8]) {
+    fn mmio_read(&self, _: u8, addr: u64, data: &mut [u8]) {
         if self.io.mmio_read(MmioAddress(addr), data).is_err() {
             data.fill(0xff);
         }
     }
-    fn mmio_write(&self, addr: u64, data: &[u8]) {
+    fn mmio_write(&self, _: u8, addr: u64, data: &[u8]) {
         let _ = self.io.mmio_write(MmioAddress(addr), data);
     }
     fn mmio_target(&self, addr: u64) -> MmioTarget {

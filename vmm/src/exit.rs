@@ -10,13 +10,15 @@ use kvm_ioctls::VcpuExit;
 /// Where port and MMIO accesses that leave KVM_RUN go. A local VM serves them from its own
 /// devices; a node of a multi-host VM forwards them to the node that holds the devices.
 pub trait ExitBus: Send + Sync {
-    /// Fills `data` from the device at `port`; unclaimed ports read as all ones.
-    fn pio_read(&self, port: u16, data: &mut [u8]);
+    /// Fills `data` from the device at `port`; unclaimed ports read as all ones. `vcpu` is
+    /// the global id of the vCPU that exited: a node forwarding the access names it, and
+    /// paravirtual ports (IPIs) need the sender.
+    fn pio_read(&self, vcpu: u8, port: u16, data: &mut [u8]);
     /// Writes nobody claims are dropped, as on a PC bus.
-    fn pio_write(&self, port: u16, data: &[u8]);
+    fn pio_write(&self, vcpu: u8, port: u16, data: &[u8]);
     /// Fills `data` from the device at `addr`; unclaimed addresses read as all ones.
-    fn mmio_read(&self, addr: u64, data: &mut [u8]);
-    fn mmio_write(&self, addr: u64, data: &[u8]);
+    fn mmio_read(&self, vcpu: u8, addr: u64, data: &mut [u8]);
+    fn mmio_write(&self, vcpu: u8, addr: u64, data: &[u8]);
     /// Which device register `addr` is, for the exit accounting.
     fn mmio_target(&self, addr: u64) -> MmioTarget;
 }
@@ -61,22 +63,22 @@ pub fn handle_exit(
     };
     match exit {
         VcpuExit::IoOut(port, data) => {
-            bus.pio_write(port, data);
+            bus.pio_write(id, port, data);
             (ExitReason::IoOut(port), ExitAction::Continue)
         }
         VcpuExit::IoIn(port, data) => {
-            bus.pio_read(port, data);
+            bus.pio_read(id, port, data);
             (ExitReason::IoIn(port), ExitAction::Continue)
         }
         VcpuExit::MmioWrite(addr, data) => {
-            bus.mmio_write(addr, data);
+            bus.mmio_write(id, addr, data);
             (
                 ExitReason::MmioWrite(bus.mmio_target(addr)),
                 ExitAction::Continue,
             )
         }
         VcpuExit::MmioRead(addr, data) => {
-            bus.mmio_read(addr, data);
+            bus.mmio_read(id, addr, data);
             (
                 ExitReason::MmioRead(bus.mmio_target(addr)),
                 ExitAction::Continue,
@@ -138,21 +140,21 @@ mod tests {
     }
 
     impl ExitBus for RecordingBus {
-        fn pio_read(&self, port: u16, data: &mut [u8]) {
+        fn pio_read(&self, _: u8, port: u16, data: &mut [u8]) {
             self.log.lock().unwrap().push(format!("in {port:#x}"));
             data.fill(0x5a);
         }
-        fn pio_write(&self, port: u16, data: &[u8]) {
+        fn pio_write(&self, _: u8, port: u16, data: &[u8]) {
             self.log
                 .lock()
                 .unwrap()
                 .push(format!("out {port:#x} {data:?}"));
         }
-        fn mmio_read(&self, addr: u64, data: &mut [u8]) {
+        fn mmio_read(&self, _: u8, addr: u64, data: &mut [u8]) {
             self.log.lock().unwrap().push(format!("read {addr:#x}"));
             data.fill(0xa5);
         }
-        fn mmio_write(&self, addr: u64, data: &[u8]) {
+        fn mmio_write(&self, _: u8, addr: u64, data: &[u8]) {
             self.log
                 .lock()
                 .unwrap()

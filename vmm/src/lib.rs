@@ -16,6 +16,7 @@ mod io_thread;
 mod irq;
 mod loader;
 mod metrics;
+pub mod node;
 pub mod pmem;
 pub mod seccomp;
 #[cfg(feature = "testing")]
@@ -25,4 +26,4 @@ mod vstate;
 pub use builder::{
     monotonic_ns, run_vm, BuildError, RunOptions, RunReport, RunningVm, Vm, VmHandle, Vmm,
 };
-pub use control::Outcome;
+pub use control::{Outcome, NODE_LOST_STATUS};

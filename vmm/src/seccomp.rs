@@ -37,6 +37,17 @@ impl std::str::FromStr for SeccompMode {
     }
 }
 
+/// The flag value that selects this mode.
+impl std::fmt::Display for SeccompMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SeccompMode::Enforce => "true",
+            SeccompMode::Log => "log",
+            SeccompMode::Off => "false",
+        })
+    }
+}
+
 /// The kinds of threads a VM runs, each with its own filter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]

@@ -2,8 +2,8 @@
 //! host thread runs each vCPU (so a fault on guest memory can be tied to a vCPU).
 
 use crate::arch::x86_64::layout::GuestLayout;
-use std::sync::Mutex;
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use std::sync::{Arc, Mutex};
+use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
@@ -12,6 +12,10 @@ pub enum MemoryError {
         size: u64,
         source: vm_memory::mmap::FromRangesError,
     },
+    #[error("guest RAM kept coherent across nodes must be one range of {want} MiB at 0 below the 32-bit hole; the layout has {ranges} range(s) and the shared mapping is {got} MiB")]
+    SharedShape { want: u64, got: u64, ranges: usize },
+    #[error("cannot use the shared guest-RAM mapping: {0}")]
+    Shared(String),
 }
 
 /// What keeps guest RAM's contents.
@@ -22,11 +26,16 @@ pub enum RamBackend {
     /// resident overhead stays independent of the guest's size. A RAM kept coherent across
     /// hosts registers the same mappings with userfaultfd instead of taking faults locally.
     Anonymous,
+    /// A mapping owned by the coherence layer of a VM spread over several nodes: pages come
+    /// and go as the protocol moves them, through userfaultfd.
+    Coherent,
 }
 
 pub struct GuestRam {
     mem: GuestMemoryMmap,
     backend: RamBackend,
+    /// Whatever owns a mapping made elsewhere, kept so the mapping outlives the VM.
+    _owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Host thread id of each vCPU, filled in as vCPU threads start.
     vcpu_threads: Mutex<Vec<Option<i32>>>,
 }
@@ -46,6 +55,49 @@ impl GuestRam {
         Ok(Self {
             mem,
             backend,
+            _owner: None,
+            vcpu_threads: Mutex::new(vec![None; layout.cpus as usize]),
+        })
+    }
+
+    /// Guest RAM on a mapping made elsewhere (`host..host + len`, kept alive by `owner`): the
+    /// coherence layer of a multi-node VM owns it and serves its faults.
+    ///
+    /// # Safety
+    /// `host..host + len` must be a private anonymous read-write mapping that stays mapped for
+    /// as long as `owner` lives.
+    pub unsafe fn shared(
+        layout: &GuestLayout,
+        host: *mut u8,
+        len: usize,
+        owner: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Self, MemoryError> {
+        if layout.ram.len() != 1 || layout.ram[0].start != 0 || layout.ram[0].len != len as u64 {
+            return Err(MemoryError::SharedShape {
+                want: layout.ram_size >> 20,
+                got: (len as u64) >> 20,
+                ranges: layout.ram.len(),
+            });
+        }
+        // SAFETY: the caller guarantees the mapping and its lifetime; `owner` is kept below.
+        let region = unsafe {
+            MmapRegion::build_raw(
+                host,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            )
+        }
+        .map_err(|e| MemoryError::Shared(e.to_string()))?;
+        let region = GuestRegionMmap::new(region, GuestAddress(0)).ok_or_else(|| {
+            MemoryError::Shared("the region does not fit the address space".into())
+        })?;
+        let mem = GuestMemoryMmap::from_regions(vec![region])
+            .map_err(|e| MemoryError::Shared(e.to_string()))?;
+        Ok(Self {
+            mem,
+            backend: RamBackend::Coherent,
+            _owner: Some(owner),
             vcpu_threads: Mutex::new(vec![None; layout.cpus as usize]),
         })
     }

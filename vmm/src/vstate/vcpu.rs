@@ -1,6 +1,6 @@
 //! One vCPU: its KVM set-up and the thread that runs it until the VM ends.
 
-use crate::arch::x86_64::cpuid::filter_cpuid;
+use crate::arch::x86_64::cpuid::{add_node_leaves, filter_cpuid, NodeLeaves};
 use crate::control::{panic_message, Outcome, RunControl};
 use crate::exit::{crash_outcome, handle_exit, ExitAction, ExitBus};
 use crate::metrics::VcpuMetrics;
@@ -24,6 +24,8 @@ pub enum VcpuError {
         what: &'static str,
         source: kvm_ioctls::Error,
     },
+    #[error("vCPU {id}: no room left in the CPUID table for the multi-node leaves")]
+    CpuidFull { id: u8 },
     #[error("vCPU {id}: KVM refused to set MSR {index:#x}")]
     MsrRejected { id: u8, index: u32 },
 }
@@ -145,13 +147,22 @@ const APIC_MODE_EXTINT: u32 = 0x7;
 const APIC_MODE_NMI: u32 = 0x4;
 
 impl Vcpu {
-    pub fn new(kvm: &Kvm, vm: &VmFd, id: u8, count: u8) -> Result<Self, VcpuError> {
+    pub fn new(
+        kvm: &Kvm,
+        vm: &VmFd,
+        id: u8,
+        count: u8,
+        node: Option<NodeLeaves>,
+    ) -> Result<Self, VcpuError> {
         let err = |what| move |source| VcpuError::Ioctl { id, what, source };
         let fd = vm.create_vcpu(id as u64).map_err(err("KVM_CREATE_VCPU"))?;
         let mut cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(err("KVM_GET_SUPPORTED_CPUID"))?;
         filter_cpuid(&mut cpuid, id, count);
+        if let Some(leaves) = node {
+            add_node_leaves(&mut cpuid, leaves).map_err(|_| VcpuError::CpuidFull { id })?;
+        }
         fd.set_cpuid2(&cpuid).map_err(err("KVM_SET_CPUID2"))?;
         let msrs = Msrs::from_entries(&[
             kvm_msr_entry {

@@ -1,7 +1,7 @@
 //! The CPUID each vCPU sees: KVM's supported set, made per-CPU and trimmed of what the
 //! guest must not rely on.
 
-use kvm_bindings::CpuId;
+use kvm_bindings::{kvm_cpuid_entry2, CpuId};
 
 /// Leaf 1 ECX bit 31: "running under a hypervisor".
 const LEAF1_ECX_HYPERVISOR: u32 = 1 << 31;
@@ -36,10 +36,79 @@ pub fn filter_cpuid(cpuid: &mut CpuId, id: u8, count: u8) {
     }
 }
 
+/// Where a vCPU of a VM spread over several nodes learns that it is one, in the hypervisor
+/// range but clear of KVM's own leaves at 0x4000_0000, which the guest may still use.
+pub const NODE_LEAF: u32 = 0x4000_0100;
+/// "MusubiMusubi" in EBX, ECX, EDX.
+const NODE_SIGNATURE: [u32; 3] = [
+    u32::from_le_bytes(*b"Musu"),
+    u32::from_le_bytes(*b"biMu"),
+    u32::from_le_bytes(*b"subi"),
+];
+/// Leaf `NODE_LEAF + 1`, EAX bit 0: IPIs go through the paravirtual port in EBX.
+const NODE_FEATURE_PV_IPI: u32 = 1;
+
+/// What a vCPU of a multi-node VM is told about the VM it belongs to.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeLeaves {
+    pub nodes: u16,
+    /// The node this vCPU runs on.
+    pub node: u16,
+    /// The port a guest writes to send an IPI that may cross nodes.
+    pub ipi_port: u16,
+}
+
+/// Adds the multi-node leaves: a single-node VM has none, so its guests use the LAPIC as on
+/// any PC. A guest cannot send an IPI to a vCPU of another node through its LAPIC (KVM
+/// delivers ICR writes in the kernel, to local vCPUs only), so it is told to use the port.
+pub fn add_node_leaves(
+    cpuid: &mut CpuId,
+    leaves: NodeLeaves,
+) -> Result<(), vmm_sys_util::fam::Error> {
+    let [ebx, ecx, edx] = NODE_SIGNATURE;
+    cpuid.push(kvm_cpuid_entry2 {
+        function: NODE_LEAF,
+        eax: NODE_LEAF + 1,
+        ebx,
+        ecx,
+        edx,
+        ..Default::default()
+    })?;
+    cpuid.push(kvm_cpuid_entry2 {
+        function: NODE_LEAF + 1,
+        eax: NODE_FEATURE_PV_IPI,
+        ebx: leaves.ipi_port as u32,
+        ecx: leaves.nodes as u32,
+        edx: leaves.node as u32,
+        ..Default::default()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvm_bindings::kvm_cpuid_entry2;
+
+    #[test]
+    fn node_leaves_carry_the_signature_and_the_node() {
+        let mut c = CpuId::new(0).unwrap();
+        add_node_leaves(
+            &mut c,
+            NodeLeaves {
+                nodes: 3,
+                node: 2,
+                ipi_port: 0x5a0,
+            },
+        )
+        .unwrap();
+        let e = c.as_slice();
+        let sig: Vec<u8> = [e[0].ebx, e[0].ecx, e[0].edx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        assert_eq!(&sig, b"MusubiMusubi");
+        assert_eq!(e[0].eax, NODE_LEAF + 1);
+        assert_eq!((e[1].eax, e[1].ebx, e[1].ecx, e[1].edx), (1, 0x5a0, 3, 2));
+    }
 
     #[test]
     fn apic_id_and_hypervisor_bit_are_set() {

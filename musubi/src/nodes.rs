@@ -1,0 +1,405 @@
+//! One VM over several nodes from the command line: `musubi node` runs one node from a
+//! cluster file, and `musubi run --nodes N` starts N such node processes on this host over
+//! loopback and supervises them as one VM.
+
+use crate::cli::{FileConfig, VmArgs};
+use crate::run::{report_json, write_json};
+use serde::Deserialize;
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
+use signal_hook::iterator::Signals;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+use vmm::node::{ClusterSpec, Node, NodeAddr, NodeOptions};
+
+/// How long a node waits for every other node to come up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+/// After one node process ended, how long the others get to end by themselves (they see the
+/// stop or the loss) before they are killed.
+const PEERS_GRACE: Duration = Duration::from_secs(8);
+
+/// The cluster file: the VM (same fields as `--config`) and its nodes.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ClusterFile {
+    #[serde(default)]
+    vm: FileConfig,
+    /// `vmp` (default) or `ivy`.
+    protocol: Option<String>,
+    /// `tso` (default) or `paper` (unsafe for x86 guests).
+    ordering: Option<String>,
+    /// Relative to the cluster file's directory.
+    secret_file: PathBuf,
+    #[serde(default)]
+    io_node: u16,
+    nodes: Vec<ClusterNode>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ClusterNode {
+    address: String,
+    vcpus: Vec<u8>,
+}
+
+pub fn parse_protocol(flag: &str, s: &str) -> Result<dsm::Protocol, String> {
+    match s {
+        "vmp" => Ok(dsm::Protocol::Vmp),
+        "ivy" => Ok(dsm::Protocol::Ivy),
+        _ => Err(format!("{flag} {s:?}: expected vmp or ivy")),
+    }
+}
+
+pub fn parse_ordering(flag: &str, s: &str) -> Result<dsm::Ordering, String> {
+    match s {
+        "tso" => Ok(dsm::Ordering::Tso),
+        "paper" => Ok(dsm::Ordering::Paper),
+        _ => Err(format!(
+            "{flag} {s:?}: expected tso or paper (paper is unsafe for x86 guests)"
+        )),
+    }
+}
+
+/// Reads a cluster file into the VM it describes (flags override its `vm` section) and
+/// the cluster.
+fn read_cluster(path: &Path, vm: &VmArgs) -> Result<(vmm::config::VmConfig, ClusterSpec), String> {
+    let at = |e: String| format!("--cluster {}: {e}", path.display());
+    let text = std::fs::read_to_string(path).map_err(|e| at(e.to_string()))?;
+    let json = &mut serde_json::Deserializer::from_str(&text);
+    let file: ClusterFile = serde_path_to_error::deserialize(json).map_err(|e| {
+        at(format!("invalid cluster file: {}: {}", e.path(), e.inner()))
+    })?;
+    let protocol = parse_protocol("protocol", file.protocol.as_deref().unwrap_or("vmp")).map_err(at)?;
+    let ordering = parse_ordering("ordering", file.ordering.as_deref().unwrap_or("tso")).map_err(at)?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let secret_path = dir.join(&file.secret_file);
+    let secret = std::fs::read(&secret_path)
+        .map_err(|e| at(format!("secret_file {}: {e}", secret_path.display())))?;
+    let nodes = file
+        .nodes
+        .into_iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let address: SocketAddr = n.address.parse().map_err(|e| {
+                at(format!("nodes[{i}].address {:?}: {e} (expected IP:PORT)", n.address))
+            })?;
+            Ok(NodeAddr {
+                address,
+                vcpus: n.vcpus,
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let config = vm.to_config_over(file.vm)?;
+    let cluster = ClusterSpec {
+        nodes,
+        protocol,
+        ordering,
+        io_node: file.io_node,
+        secret,
+    };
+    Ok((config, cluster))
+}
+
+pub struct NodeArgs<'a> {
+    pub cluster: &'a Path,
+    pub id: u16,
+    pub vm: &'a VmArgs,
+    pub timeout: Option<Duration>,
+    pub report: Option<&'a Path>,
+    pub metrics: Option<PathBuf>,
+    pub seccomp: vmm::seccomp::SeccompMode,
+}
+
+/// `musubi node`: runs one node until the VM ends anywhere.
+pub fn node(args: NodeArgs) -> ExitCode {
+    let id = args.id;
+    let fail = |msg: String| {
+        eprintln!("musubi: node {id}: {msg}");
+        ExitCode::from(1)
+    };
+    let (config, cluster) = match read_cluster(args.cluster, args.vm) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let mut signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
+        Ok(s) => s,
+        Err(e) => return fail(format!("cannot install signal handlers: {e}")),
+    };
+    let opts = vmm::RunOptions {
+        capture_serial: false,
+        timeout: args.timeout,
+        seccomp: args.seccomp,
+    };
+    let node_opts = NodeOptions {
+        cluster,
+        id,
+        connect_timeout: CONNECT_TIMEOUT,
+    };
+    let built = match Node::build(&config, &opts, &node_opts) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("musubi: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let running = match built.start() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("musubi: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let signal_handle = signals.handle();
+    let vm = running.handle();
+    let metrics_path = args.metrics.clone();
+    let watcher = std::thread::spawn(move || {
+        for sig in signals.forever() {
+            match sig {
+                SIGUSR1 => {
+                    if let Some(p) = &metrics_path {
+                        write_json(p, "--metrics", &vm.metrics());
+                    }
+                }
+                s => vm.stop(vmm::Outcome::Signal(s)),
+            }
+        }
+    });
+    let done = running.wait();
+    signal_handle.close();
+    let _ = watcher.join();
+    let report = &done.report;
+    if let Some(p) = &args.metrics {
+        write_json(p, "--metrics", &report.metrics);
+    }
+    if let Some(p) = args.report {
+        let mut j = report_json(report);
+        j["node"] = serde_json::json!(id);
+        j["coherence"] = done.coherence.clone();
+        write_json(p, "--report", &j);
+    }
+    match &report.outcome {
+        vmm::Outcome::GuestCrash(m) => eprintln!("musubi: node {id}: guest crashed: {m}"),
+        vmm::Outcome::VmmError(m) => eprintln!("musubi: node {id}: {m}"),
+        vmm::Outcome::Signal(s) => eprintln!("musubi: node {id}: stopped by signal {s}"),
+        vmm::Outcome::NodeLost { node, pages, why } => eprintln!(
+            "musubi: node {id}: lost node {node} ({why}); it owned {pages} pages of guest memory, so the VM cannot go on"
+        ),
+        _ => {}
+    }
+    if let Some(e) = &done.coherence_error {
+        if !matches!(report.outcome, vmm::Outcome::NodeLost { .. }) {
+            eprintln!("musubi: node {id}: coherence: {e}");
+        }
+    }
+    ExitCode::from(report.outcome.exit_code() as u8)
+}
+
+pub struct LaunchArgs<'a> {
+    pub nodes: u16,
+    pub protocol: dsm::Protocol,
+    pub ordering: dsm::Ordering,
+    pub vm: &'a VmArgs,
+    pub timeout: Option<f64>,
+    pub report: Option<&'a Path>,
+    pub metrics: Option<PathBuf>,
+    pub seccomp: vmm::seccomp::SeccompMode,
+}
+
+/// `musubi run --nodes N`: the VM over N node processes on this host.
+pub fn launch(args: LaunchArgs) -> ExitCode {
+    let fail = |msg: String| {
+        eprintln!("musubi: {msg}");
+        ExitCode::from(1)
+    };
+    let config = match args.vm.to_config() {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let n = args.nodes;
+    if n == 0 {
+        return fail("--nodes 0: a VM needs at least one node".into());
+    }
+    // Refuse what no node could run before starting any.
+    let placeholder: Vec<SocketAddr> = (0..n)
+        .map(|i| SocketAddr::from(([127, 0, 0, 1], 1 + i)))
+        .collect();
+    let check = ClusterSpec::round_robin(&placeholder, config.cpus, args.protocol, args.ordering, vec![0; 32]);
+    if let Err(e) = check.check(&config, 0) {
+        return fail(format!("--nodes {n}: {e}"));
+    }
+    let dir = match tempfile::Builder::new().prefix("musubi-nodes-").tempdir() {
+        Ok(d) => d,
+        Err(e) => return fail(format!("cannot create a directory for the cluster file: {e}")),
+    };
+    let cluster_path = match write_cluster(dir.path(), n, config.cpus, args.protocol, args.ordering) {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    let mut signals = match Signals::new([SIGTERM, SIGINT, SIGHUP]) {
+        Ok(s) => s,
+        Err(e) => return fail(format!("cannot install signal handlers: {e}")),
+    };
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return fail(format!("cannot find this program to start the nodes: {e}")),
+    };
+    let report_of = |k: u16| dir.path().join(format!("node{k}.report.json"));
+    let metrics_of = |k: u16| dir.path().join(format!("node{k}.metrics.json"));
+    let mut children: Vec<(u16, Child)> = Vec::new();
+    for k in 0..n {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("node")
+            .arg("--cluster")
+            .arg(&cluster_path)
+            .args(["--id", &k.to_string()])
+            .args(args.vm.to_args())
+            .args(["--seccomp", &args.seccomp.to_string()])
+            .arg("--report")
+            .arg(report_of(k));
+        if args.metrics.is_some() {
+            cmd.arg("--metrics").arg(metrics_of(k));
+        }
+        if let Some(t) = args.timeout {
+            cmd.args(["--timeout", &t.to_string()]);
+        }
+        // The I/O node holds the serial console.
+        if k != 0 {
+            cmd.stdin(Stdio::null());
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push((k, c)),
+            Err(e) => {
+                for (_, c) in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return fail(format!("cannot start node {k}: {e}"));
+            }
+        }
+    }
+    let statuses = supervise(&mut children, &mut signals);
+    let code = statuses
+        .iter()
+        .find(|(k, _)| *k == 0)
+        .and_then(|(_, c)| *c)
+        .or_else(|| statuses.iter().find_map(|(_, c)| c.filter(|&c| c != 0)))
+        .unwrap_or(1);
+    let read = |p: PathBuf| -> serde_json::Value {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or(serde_json::Value::Null)
+    };
+    if let Some(p) = args.report {
+        let nodes: Vec<serde_json::Value> = (0..n).map(|k| read(report_of(k))).collect();
+        let mut j = nodes[0].clone();
+        if !j.is_object() {
+            j = serde_json::json!({});
+        }
+        j["exit_code"] = serde_json::json!(code);
+        j["nodes"] = serde_json::Value::Array(nodes);
+        write_json(p, "--report", &j);
+    }
+    if let Some(p) = &args.metrics {
+        let nodes: Vec<serde_json::Value> = (0..n).map(|k| read(metrics_of(k))).collect();
+        write_json(p, "--metrics", &serde_json::json!({ "nodes": nodes }));
+    }
+    ExitCode::from(code as u8)
+}
+
+/// Waits for every node process; passes stop signals on, and once one process has ended,
+/// gives the others [`PEERS_GRACE`] to follow before killing them. Returns each node's exit
+/// status (None if it was killed).
+fn supervise(children: &mut Vec<(u16, Child)>, signals: &mut Signals) -> Vec<(u16, Option<i32>)> {
+    let mut done: Vec<(u16, Option<i32>)> = Vec::new();
+    let mut first_end: Option<Instant> = None;
+    while !children.is_empty() {
+        for sig in signals.pending() {
+            for (_, c) in children.iter() {
+                // SAFETY: kill only sends a signal to a child this process started and has
+                // not yet reaped.
+                unsafe { libc::kill(c.id() as i32, sig) };
+            }
+        }
+        let mut i = 0;
+        while i < children.len() {
+            match children[i].1.try_wait() {
+                Ok(Some(status)) => {
+                    let (k, _) = children.remove(i);
+                    first_end.get_or_insert_with(Instant::now);
+                    done.push((k, status.code()));
+                }
+                Ok(None) => i += 1,
+                Err(_) => {
+                    let (k, _) = children.remove(i);
+                    done.push((k, None));
+                }
+            }
+        }
+        if first_end.is_some_and(|t| t.elapsed() > PEERS_GRACE) {
+            for (k, c) in children.iter_mut() {
+                eprintln!(
+                    "musubi: node {k} did not end within {PEERS_GRACE:?} of another node; killed"
+                );
+                let _ = c.kill();
+                let _ = c.wait();
+                done.push((*k, None));
+            }
+            children.clear();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    done
+}
+
+/// Writes a cluster file for `n` nodes on loopback ports free right now, with a fresh
+/// secret beside it (both readable by this user only).
+fn write_cluster(
+    dir: &Path,
+    n: u16,
+    cpus: u8,
+    protocol: dsm::Protocol,
+    ordering: dsm::Ordering,
+) -> Result<PathBuf, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut secret = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut secret))
+        .map_err(|e| format!("cannot read a secret from /dev/urandom: {e}"))?;
+    let secret_path = dir.join("secret");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&secret_path)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &secret))
+        .map_err(|e| format!("cannot write {}: {e}", secret_path.display()))?;
+    // Ports the kernel hands out now; the nodes bind them a moment later.
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("cannot find a free loopback port: {e}"))?;
+    let addrs: Vec<SocketAddr> = listeners
+        .iter()
+        .map(|l| l.local_addr())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("cannot find a free loopback port: {e}"))?;
+    drop(listeners);
+    let spec = ClusterSpec::round_robin(&addrs, cpus, protocol, ordering, Vec::new());
+    let json = serde_json::json!({
+        "protocol": protocol.name(),
+        "ordering": ordering.name(),
+        "secret_file": "secret",
+        "io_node": 0,
+        "nodes": spec.nodes.iter().map(|nd| serde_json::json!({
+            "address": nd.address.to_string(),
+            "vcpus": nd.vcpus,
+        })).collect::<Vec<_>>(),
+    });
+    let path = dir.join("cluster.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap_or_default())
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(path)
+}

@@ -1,0 +1,416 @@
+//! One node of a VM spread over several hosts: its share of the vCPUs, on guest RAM the
+//! coherence layer (`dsm-host`) keeps consistent with the other nodes, with device accesses
+//! forwarded to the node that holds the devices and IPIs carried to the node of their target.
+//!
+//! Every node builds the same guest-physical layout from the same configuration; only the
+//! I/O node loads the guest and creates devices, and the other nodes' vCPUs wait for the
+//! start-up IPIs its BSP sends them.
+
+mod bus;
+pub mod cluster;
+mod ipi;
+
+pub use cluster::{ClusterError, ClusterSpec, NodeAddr};
+pub use ipi::IPI_PORT;
+
+use crate::arch::x86_64::cpuid::NodeLeaves;
+use crate::builder::{BuildError, Part, RunOptions, RunReport, RunningVm, SharedRam, VmHandle};
+use crate::config::{KernelImage, VmConfig};
+use crate::control::{Outcome, RunControl};
+use crate::exit::ExitBus;
+use crate::Vmm;
+use bus::{BusCounters, NodeBus, Replies};
+use dsm::NodeId;
+use dsm_host::{
+    config_hash, CoherenceHandle, Envelope, Inbox, InboxSender, Inbound, Interrupt, LinkParams,
+    Memory, Setup, TcpConfig, TcpTransport,
+};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Weak};
+use std::time::Duration;
+
+/// Faults are counted by guest-physical ranges of this size in `--metrics`.
+const FAULT_RANGE_BYTES: u64 = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    #[error("node {id}: cannot listen on {addr}: {source}")]
+    Listen {
+        id: u16,
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("--kernel {path}: {source}")]
+    Kernel {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("node {id}: joining the other nodes: {source}")]
+    Join {
+        id: u16,
+        source: dsm_host::TransportError,
+    },
+    #[error("node {id}: guest RAM: {source}")]
+    Memory {
+        id: u16,
+        source: dsm_host::MemoryError,
+    },
+    #[error("node {id}: {source}")]
+    Coherence {
+        id: u16,
+        source: dsm_host::CoherenceError,
+    },
+    #[error("node {id}: {source}")]
+    Build { id: u16, source: BuildError },
+    #[error("node {id}: cannot start its {what} thread: {source}")]
+    Thread {
+        id: u16,
+        what: &'static str,
+        source: std::io::Error,
+    },
+}
+
+/// Which node this is, of which cluster.
+#[derive(Clone, Debug)]
+pub struct NodeOptions {
+    pub cluster: ClusterSpec,
+    pub id: u16,
+    /// How long to wait for every other node to come up and link.
+    pub connect_timeout: Duration,
+}
+
+/// A node with its VM share built and its peers linked, not yet running.
+pub struct Node {
+    id: u16,
+    vm: crate::Vm,
+    coherence: Arc<CoherenceHandle>,
+    outbox: InboxSender,
+    events: mpsc::Receiver<(NodeId, Envelope)>,
+    peers: Vec<u16>,
+    ctx: ControlContext,
+}
+
+/// What the node's control thread needs to act on messages from peers.
+#[derive(Clone)]
+struct ControlContext {
+    me: u16,
+    node_of: Arc<Vec<u16>>,
+    local: Option<Arc<dyn ExitBus>>,
+    vm: Arc<kvm_ioctls::VmFd>,
+    replies: Arc<Replies>,
+    control: Arc<RunControl>,
+    outbox: InboxSender,
+    /// Set when the VM ended because a peer said so, so this node does not echo the stop.
+    ended_by_peer: Arc<AtomicBool>,
+}
+
+/// A node whose vCPUs run.
+pub struct RunningNode {
+    id: u16,
+    running: RunningVm,
+    coherence: Arc<CoherenceHandle>,
+    outbox: InboxSender,
+    peers: Vec<u16>,
+    ended_by_peer: Arc<AtomicBool>,
+    control_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// What one node reports at the end.
+#[derive(Debug)]
+pub struct NodeReport {
+    pub node: u16,
+    pub report: RunReport,
+    /// The coherence counters (faults, messages), as in `--metrics`.
+    pub coherence: serde_json::Value,
+    /// Why the coherence layer failed, if it did.
+    pub coherence_error: Option<String>,
+}
+
+impl Node {
+    /// Links with every other node of `node.cluster`, puts guest RAM under the coherence
+    /// protocol and builds this node's share of the VM. Blocks until all nodes are up.
+    pub fn build(config: &VmConfig, opts: &RunOptions, node: &NodeOptions) -> Result<Node, NodeError> {
+        let cluster = &node.cluster;
+        let id = node.id;
+        cluster.check(config, id)?;
+        let me = &cluster.nodes[id as usize];
+        let listener = TcpListener::bind(me.address).map_err(|source| NodeError::Listen {
+            id,
+            addr: me.address,
+            source,
+        })?;
+        let hash = config_hash(&canonical(config, cluster)?);
+        let (outbox, inbox) = Inbox::new().map_err(|source| NodeError::Thread {
+            id,
+            what: "coherence inbox",
+            source,
+        })?;
+        let peers: Vec<u16> = (0..cluster.nodes.len() as u16).filter(|&p| p != id).collect();
+        let tcp = TcpConfig {
+            link: LinkParams {
+                me: NodeId(id),
+                secret: cluster.secret.clone(),
+                config_hash: hash,
+                timeout: node.connect_timeout,
+            },
+            peers: peers
+                .iter()
+                .map(|&p| (NodeId(p), cluster.nodes[p as usize].address))
+                .collect(),
+            connect_timeout: node.connect_timeout,
+        };
+        let transport = TcpTransport::establish(&tcp, &listener, outbox.clone())
+            .map_err(|source| NodeError::Join { id, source })?;
+        drop(listener);
+
+        let memory = Arc::new(
+            Memory::new(0, config.memory as usize).map_err(|source| NodeError::Memory { id, source })?,
+        );
+        let (events_tx, events) = mpsc::channel();
+        let nodes = cluster.nodes.len() as u16;
+        let coherence = Arc::new(
+            CoherenceHandle::spawn(Setup {
+                memory: Arc::clone(&memory),
+                node: dsm::Config {
+                    id: NodeId(id),
+                    nodes,
+                    protocol: cluster.protocol,
+                    placement: Arc::new(dsm::Modulo { nodes }),
+                    ordering: cluster.ordering,
+                },
+                transport: Box::new(transport),
+                inbox: (outbox.clone(), inbox),
+                control: Some(events_tx),
+                range_bytes: FAULT_RANGE_BYTES,
+            })
+            .map_err(|source| NodeError::Coherence { id, source })?,
+        );
+
+        let holds_devices = id == cluster.io_node;
+        let part = Part {
+            vcpus: me.vcpus.clone(),
+            ram: Some(SharedRam {
+                host: memory.host_addr(),
+                len: memory.len(),
+                owner: memory.clone(),
+            }),
+            devices: holds_devices,
+            node: Some(NodeLeaves {
+                nodes,
+                node: id,
+                ipi_port: IPI_PORT,
+            }),
+        };
+        let mut vm = Vmm::build_part(config, opts, part).map_err(|source| NodeError::Build { id, source })?;
+        let node_of: Arc<Vec<u16>> = Arc::new(
+            (0..config.cpus)
+                .map(|v| cluster.node_of(v).expect("checked: every vCPU has a node"))
+                .collect(),
+        );
+        let replies = Arc::new(Replies::new(config.cpus));
+        let counters = Arc::new(BusCounters::default());
+        let local = holds_devices.then(|| vm.local_bus());
+        let bus = NodeBus {
+            me: id,
+            io_node: cluster.io_node,
+            cpus: config.cpus,
+            node_of: node_of.to_vec(),
+            local: local.clone(),
+            outbox: outbox.clone(),
+            vm: vm.vm_fd(),
+            replies: replies.clone(),
+            control: vm.control(),
+            counters: counters.clone(),
+        };
+        vm.set_bus(Arc::new(bus));
+        let weak: Weak<CoherenceHandle> = Arc::downgrade(&coherence);
+        let (protocol, ordering) = (cluster.protocol, cluster.ordering);
+        vm.set_extra_metrics(Arc::new(move || {
+            let stats = weak
+                .upgrade()
+                .map(|c| serde_json::to_value(c.stats()).unwrap_or_default())
+                .unwrap_or_default();
+            serde_json::json!({
+                "node": {
+                    "id": id,
+                    "nodes": nodes,
+                    "protocol": protocol.name(),
+                    "ordering": ordering.name(),
+                    "forwarded_exits": counters.forwarded.load(Ordering::Relaxed),
+                    "ipis_local": counters.ipis_local.load(Ordering::Relaxed),
+                    "ipis_remote": counters.ipis_remote.load(Ordering::Relaxed),
+                    "coherence": stats,
+                }
+            })
+        }));
+        let ctx = ControlContext {
+            me: id,
+            node_of,
+            local,
+            vm: vm.vm_fd(),
+            replies,
+            control: vm.control(),
+            outbox: outbox.clone(),
+            ended_by_peer: Arc::default(),
+        };
+        Ok(Node {
+            id,
+            vm,
+            coherence,
+            outbox,
+            events,
+            peers,
+            ctx,
+        })
+    }
+
+    /// Starts this node's vCPUs and the thread that answers its peers.
+    pub fn start(self) -> Result<RunningNode, NodeError> {
+        let id = self.id;
+        let ctx = self.ctx.clone();
+        let events = self.events;
+        let control_thread = std::thread::Builder::new()
+            .name(format!("node{id}-control"))
+            .spawn(move || control_loop(ctx, events))
+            .map_err(|source| NodeError::Thread {
+                id,
+                what: "control",
+                source,
+            })?;
+        let running = self
+            .vm
+            .start()
+            .map_err(|source| NodeError::Build { id, source })?;
+        Ok(RunningNode {
+            id,
+            running,
+            coherence: self.coherence,
+            outbox: self.outbox,
+            peers: self.peers,
+            ended_by_peer: self.ctx.ended_by_peer,
+            control_thread: Some(control_thread),
+        })
+    }
+}
+
+impl RunningNode {
+    pub fn handle(&self) -> VmHandle {
+        self.running.handle()
+    }
+
+    /// Waits for the VM to end here or anywhere; an end that started here is told to every
+    /// other node, with the status this node reports.
+    pub fn wait(mut self) -> NodeReport {
+        let report = self.running.wait();
+        if !self.ended_by_peer.load(Ordering::Acquire) {
+            let code = report.outcome.exit_code();
+            for &p in &self.peers {
+                self.outbox.push(Inbound::Send {
+                    to: NodeId(p),
+                    env: Envelope::Stop { code },
+                });
+            }
+        }
+        if let Some(t) = self.control_thread.take() {
+            let _ = t.join();
+        }
+        let coherence = match Arc::try_unwrap(self.coherence) {
+            Ok(c) => c.join(),
+            Err(shared) => {
+                shared.stop();
+                Ok(shared.stats())
+            }
+        };
+        let (coherence, coherence_error) = match coherence {
+            Ok(stats) => (serde_json::to_value(stats).unwrap_or_default(), None),
+            Err(e) => (serde_json::Value::Null, Some(e.to_string())),
+        };
+        NodeReport {
+            node: self.id,
+            report,
+            coherence,
+            coherence_error,
+        }
+    }
+}
+
+/// Answers peers until the VM ends: serves forwarded accesses (on the I/O node), hands
+/// answers to waiting vCPUs, injects interrupts and ends the VM when a peer ends it.
+fn control_loop(ctx: ControlContext, events: mpsc::Receiver<(NodeId, Envelope)>) {
+    while !ctx.control.is_finished() {
+        let (from, env) = match events.recv_timeout(Duration::from_millis(50)) {
+            Ok(e) => e,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                ctx.control.finish(Outcome::VmmError(format!(
+                    "node {}: the coherence thread stopped; guest memory can no longer be kept coherent",
+                    ctx.me
+                )));
+                return;
+            }
+        };
+        match env {
+            Envelope::Exit(e) => {
+                // Only the node that holds the devices serves accesses, and only for vCPUs
+                // the sender runs: anything else is a peer's fault, dropped.
+                let sender_runs_it = ctx.node_of.get(e.vcpu as usize) == Some(&from.0);
+                if let (Some(local), true) = (&ctx.local, sender_runs_it) {
+                    let data = bus::serve(local.as_ref(), &e);
+                    ctx.outbox.push(Inbound::Send {
+                        to: from,
+                        env: Envelope::ExitReply { vcpu: e.vcpu, data },
+                    });
+                }
+            }
+            Envelope::ExitReply { vcpu, data } => {
+                if ctx.node_of.get(vcpu as usize) == Some(&ctx.me) {
+                    ctx.replies.answer(vcpu, data);
+                }
+            }
+            Envelope::Interrupt(Interrupt::Msi { address, data }) => {
+                if let Some(m) = bus::accept_remote(&ctx.node_of, ctx.me, address, data) {
+                    bus::inject(&ctx.vm, m.address, m.data);
+                }
+            }
+            Envelope::Stop { code } => {
+                ctx.ended_by_peer.store(true, Ordering::Release);
+                ctx.control.finish(Outcome::Peer { node: from.0, code });
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The bytes every node's configuration hash is taken over: the VM as resolved (the
+/// kernel's contents, not its path, so hosts may keep it in different places) and the
+/// cluster.
+fn canonical(config: &VmConfig, cluster: &ClusterSpec) -> Result<Vec<u8>, NodeError> {
+    let kernel = match &config.kernel {
+        KernelImage::File(p) => std::fs::read(p).map_err(|source| NodeError::Kernel {
+            path: p.display().to_string(),
+            source,
+        })?,
+        KernelImage::Bytes { data, .. } => data.to_vec(),
+    };
+    let disks: Vec<String> = config
+        .disks
+        .iter()
+        .map(|d| format!("{}:{}:{:?}", d.path.display(), d.readonly, d.cache))
+        .collect();
+    let mut out = format!(
+        "cmdline={:?} initrd={:?} cpus={} memory={} disks={:?} exits={} {}\nkernel=",
+        config.cmdline,
+        config.initrd,
+        config.cpus,
+        config.memory,
+        disks,
+        config.exits,
+        cluster.canonical()
+    )
+    .into_bytes();
+    out.extend_from_slice(&kernel);
+    Ok(out)
+}
