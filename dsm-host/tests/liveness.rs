@@ -31,6 +31,14 @@ fn lost(events: &[NodeEvent]) -> Vec<&NodeEvent> {
         .collect()
 }
 
+/// What a node should report when `peer` leaves with `code`, and nothing else.
+fn only_stopped(peer: u16, code: i32) -> Vec<NodeEvent> {
+    vec![NodeEvent::PeerStopped {
+        peer: NodeId(peer),
+        code,
+    }]
+}
+
 /// Waits (bounded) until every protocol message sent has been received, so that every
 /// manager's directory is up to date.
 fn settle(nodes: &[Running]) {
@@ -120,24 +128,12 @@ fn a_stop_broadcast_reaches_every_peer_and_is_no_loss() {
     // Longer than the loss timeout: a loss, were one reported, would be among these.
     for n in &rest {
         let got = events_until(&n.events, 2 * FAST.loss_timeout, |_| false);
-        assert_eq!(
-            got,
-            vec![NodeEvent::PeerStopped {
-                peer: NodeId(0),
-                code: 3
-            }]
-        );
+        assert_eq!(got, only_stopped(0, 3));
     }
     // The others still see each other alive, and stop the same way.
     assert!(rest[0].node.broadcast_stop(3));
     let got = events_until(&rest[1].events, WAIT, |e| !e.is_empty());
-    assert_eq!(
-        got,
-        vec![NodeEvent::PeerStopped {
-            peer: NodeId(1),
-            code: 3
-        }]
-    );
+    assert_eq!(got, only_stopped(1, 3));
     assert!(rest[1].node.broadcast_stop(3));
     for n in rest {
         let stats = n.node.join().expect("ends cleanly");
@@ -271,13 +267,7 @@ fn heartbeats_flow_while_a_thread_is_stopped_on_a_fault() {
     drop(link);
     // A peer that said Stop and then hung up has left, not been lost.
     let got = events_until(&node0.events, 2 * FAST.loss_timeout, |_| false);
-    assert_eq!(
-        got,
-        vec![NodeEvent::PeerStopped {
-            peer: NodeId(1),
-            code: 7
-        }]
-    );
+    assert_eq!(got, only_stopped(1, 7));
     let stats = node0.node.join().expect("nothing was lost");
     assert_eq!(stats.faults.resolved, stats.faults.count);
 }
