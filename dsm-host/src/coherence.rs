@@ -1,5 +1,10 @@
 //! The coherence thread of one node: waits on the userfaultfd and the inbox, turns faults and
 //! messages into dsm events, and carries out the node's actions on memory and peers.
+//!
+//! It also tells the VMM about its peers ([`NodeEvent`]). A peer that leaves says `Stop`
+//! first ([`CoherenceHandle::broadcast_stop`]); one that goes silent or whose link ends
+//! without it is lost, and since the pages it held cannot be had any more and any copy here
+//! may be stale, this node then serves no more faults and the VMM is expected to end.
 
 use crate::backend::Backend;
 use crate::envelope::Envelope;
@@ -7,6 +12,7 @@ use crate::memory::{Memory, MemoryError};
 use crate::stats::NodeStats;
 use crate::transport::{Inbound, Inbox, InboxSender, Transport, TransportError};
 use dsm::{Action, ConfigError, Event, Message, Node, NodeId, PageOp, VcpuId};
+use std::collections::BTreeMap;
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsRawFd;
 use std::sync::{mpsc, Arc, Mutex};
@@ -27,11 +33,15 @@ pub enum CoherenceError {
         msg: &'static str,
         source: TransportError,
     },
-    #[error("node {node} lost its link to node {peer}: {error}")]
-    PeerFailed {
+    #[error(
+        "node {node} lost node {peer}: {why}; it owned {pages_owned} pages by this node's \
+         directory, and this node stopped serving faults"
+    )]
+    PeerLost {
         node: NodeId,
         peer: NodeId,
-        error: String,
+        pages_owned: u64,
+        why: String,
     },
     #[error("node {node} waiting for faults and messages: {source}")]
     Poll {
@@ -47,6 +57,28 @@ pub enum CoherenceError {
     Panicked(NodeId),
 }
 
+/// What the VMM hears from its node's coherence thread, in the order it happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodeEvent {
+    /// A control envelope from a peer: an exit to serve, the reply to one, an interrupt.
+    /// Never a `Stop` (that is [`NodeEvent::PeerStopped`]) nor a heartbeat (the transport
+    /// consumes those).
+    Control(NodeId, Envelope),
+    /// `peer` went silent for the loss timeout, or its link ended (reset, closed, a frame
+    /// failing its MAC or malformed) without a `Stop`. `pages_owned` is how many pages this
+    /// node's manager directory says it held ([`dsm::Node::pages_owned_by`]), a lower bound
+    /// on what the VM lost with it. This node has stopped serving faults: `join` will return
+    /// [`CoherenceError::PeerLost`] for the first peer lost.
+    PeerLost {
+        peer: NodeId,
+        pages_owned: u64,
+        why: String,
+    },
+    /// `peer` said `Stop`: the VM is ending with exit status `code`. Its link ending after
+    /// that is no loss.
+    PeerStopped { peer: NodeId, code: i32 },
+}
+
 /// What one node's coherence thread needs.
 pub struct Setup {
     pub memory: Arc<Memory>,
@@ -54,9 +86,9 @@ pub struct Setup {
     pub transport: Box<dyn Transport>,
     /// Both ends of the inbox the transport's receivers feed.
     pub inbox: (InboxSender, Inbox),
-    /// Where control messages from peers (exits, interrupts, stop, heartbeat) go; dropped if
+    /// Where control messages from peers and news of their stopping or loss go; dropped if
     /// `None`.
-    pub control: Option<mpsc::Sender<(NodeId, Envelope)>>,
+    pub events: Option<mpsc::Sender<NodeEvent>>,
     /// Size of the guest-physical ranges faults are counted by.
     pub range_bytes: u64,
 }
@@ -76,6 +108,7 @@ impl CoherenceHandle {
     pub fn spawn(s: Setup) -> Result<CoherenceHandle, CoherenceError> {
         let me = s.node.id;
         let placement = Arc::clone(&s.node.placement);
+        let nodes = s.node.nodes;
         let node = Node::new(s.node)?;
         let stats = Arc::new(Mutex::new(NodeStats::new(me.0, s.range_bytes)));
         let (sender, inbox) = s.inbox;
@@ -84,7 +117,13 @@ impl CoherenceHandle {
             node,
             backend: Backend::new(s.memory, me, placement),
             transport: s.transport,
-            control: s.control,
+            peers: (0..nodes)
+                .map(NodeId)
+                .filter(|&n| n != me)
+                .map(|n| (n, PeerState::Up))
+                .collect(),
+            lost: None,
+            events: s.events,
             stats: Arc::clone(&stats),
             waiting: HashMap::new(),
             next_id: 0,
@@ -114,13 +153,22 @@ impl CoherenceHandle {
         self.inbox.push(Inbound::Send { to, env })
     }
 
-    /// Asks the thread to stop after what it has already received; `join` waits for it.
+    /// Asks the thread to stop after what it has already received; `join` waits for it. Peers
+    /// are not told: once this node's transport closes they count it lost, so stop every
+    /// node before joining any, or use [`Self::broadcast_stop`].
     pub fn stop(&self) {
         self.inbox.push(Inbound::Stop);
     }
 
-    /// Stops the thread (if not yet asked), waits for it, and then closes its transport:
-    /// stop every node before joining any, so no node sees a peer vanish while running.
+    /// Tells every peer still linked that the VM ends with `code` (they see
+    /// [`NodeEvent::PeerStopped`]) and stops the thread; `join` then closes the links, after
+    /// the `Stop`s have been delivered (bounded wait). False if the thread has already gone.
+    pub fn broadcast_stop(&self, code: i32) -> bool {
+        self.inbox.push(Inbound::StopAll { code })
+    }
+
+    /// Stops the thread (if not yet asked), waits for it, and then closes its transport.
+    /// Returns [`CoherenceError::PeerLost`] if a peer was lost while it ran.
     pub fn join(mut self) -> Result<NodeStats, CoherenceError> {
         self.stop();
         let t = self.thread.take().expect("joined once");
@@ -139,12 +187,25 @@ impl Drop for CoherenceHandle {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PeerState {
+    Up,
+    /// A send failed: nothing more goes to it, and its receiver will soon say whether it left
+    /// (`Stop`) or was lost.
+    SendFailed,
+    Stopped,
+    Lost,
+}
+
 struct Worker {
     me: NodeId,
     node: Node,
     backend: Backend,
     transport: Box<dyn Transport>,
-    control: Option<mpsc::Sender<(NodeId, Envelope)>>,
+    peers: BTreeMap<NodeId, PeerState>,
+    /// The first peer lost: from then on no fault is served.
+    lost: Option<(NodeId, u64, String)>,
+    events: Option<mpsc::Sender<NodeEvent>>,
     stats: Arc<Mutex<NodeStats>>,
     /// Faults not yet resumed, by the id given to the protocol as the "vCPU". Each fault gets
     /// a fresh id: a thread woken early (a wake covers every thread on the page) faults again
@@ -180,11 +241,18 @@ impl Worker {
             },
         ];
         loop {
+            if self.lost.is_some() {
+                // Faults stay unanswered: the pages may be stale or gone with the peer.
+                fds[0].fd = -1;
+            }
             crate::memory::poll(&mut fds, -1).map_err(|source| CoherenceError::Poll {
                 node: self.me,
                 source,
             })?;
-            while let Some(f) = mem.read_fault().map_err(|e| self.mem_err(e))? {
+            while self.lost.is_none() {
+                let Some(f) = mem.read_fault().map_err(|e| self.mem_err(e))? else {
+                    break;
+                };
                 tracing::trace!(node = %self.me, page = f.page, addr = f.addr, thread = f.thread,
                     kind = ?f.kind, access = %f.access, "fault");
                 self.stats().faults.record_fault(&f);
@@ -199,43 +267,117 @@ impl Worker {
             }
             for item in inbox.drain() {
                 match item {
-                    Inbound::Stop => return Ok(()),
-                    Inbound::PeerFailed { peer, error } => {
-                        return Err(CoherenceError::PeerFailed {
-                            node: self.me,
-                            peer,
-                            error,
-                        })
+                    Inbound::Stop => return self.outcome(),
+                    Inbound::StopAll { code } => {
+                        let up: Vec<NodeId> = self
+                            .peers
+                            .iter()
+                            .filter(|p| *p.1 == PeerState::Up)
+                            .map(|p| *p.0)
+                            .collect();
+                        for to in up {
+                            self.send(to, Envelope::Stop { code })?;
+                        }
+                        return self.outcome();
                     }
+                    Inbound::PeerFailed { peer, error } => self.lose(peer, error),
                     Inbound::Send { to, env } => self.send(to, env)?,
                     Inbound::Frame {
                         from,
                         env: Envelope::Dsm(msg),
                     } => {
                         NodeStats::count(&mut self.stats().received, msg.name());
-                        self.feed(Event::Message { from, msg })?;
+                        if self.lost.is_none() {
+                            self.feed(Event::Message { from, msg })?;
+                        }
+                    }
+                    Inbound::Frame {
+                        from,
+                        env: Envelope::Stop { code },
+                    } => {
+                        self.stats().control_received += 1;
+                        let s = self.peers.entry(from).or_insert(PeerState::Up);
+                        if matches!(*s, PeerState::Up | PeerState::SendFailed) {
+                            *s = PeerState::Stopped;
+                            tracing::info!(node = %self.me, peer = %from, code, "peer stopped");
+                            self.event(NodeEvent::PeerStopped { peer: from, code });
+                        }
                     }
                     Inbound::Frame { from, env } => {
                         self.stats().control_received += 1;
-                        if let Some(c) = &self.control {
-                            let _ = c.send((from, env));
-                        }
+                        self.event(NodeEvent::Control(from, env));
                     }
                 }
             }
         }
     }
 
+    fn event(&self, e: NodeEvent) {
+        if let Some(tx) = &self.events {
+            let _ = tx.send(e);
+        }
+    }
+
+    fn outcome(&self) -> Result<(), CoherenceError> {
+        match &self.lost {
+            None => Ok(()),
+            Some((peer, pages_owned, why)) => Err(CoherenceError::PeerLost {
+                node: self.me,
+                peer: *peer,
+                pages_owned: *pages_owned,
+                why: why.clone(),
+            }),
+        }
+    }
+
+    /// Reports `peer` lost, once, unless it said `Stop` first, and stops serving faults.
+    fn lose(&mut self, peer: NodeId, why: String) {
+        let s = self.peers.entry(peer).or_insert(PeerState::Up);
+        if matches!(*s, PeerState::Stopped | PeerState::Lost) {
+            return;
+        }
+        *s = PeerState::Lost;
+        let pages_owned = self
+            .node
+            .pages_owned_by(peer, self.backend.memory().pages());
+        tracing::error!(node = %self.me, %peer, pages_owned, why, "peer lost; no more faults served");
+        self.event(NodeEvent::PeerLost {
+            peer,
+            pages_owned,
+            why: why.clone(),
+        });
+        if self.lost.is_none() {
+            self.lost = Some((peer, pages_owned, why));
+        }
+    }
+
+    /// Sends to a peer that is still up; what is meant for a peer that left, was lost or
+    /// whose link broke is dropped, since nobody is there to act on it. A failed send on a
+    /// link is not reported here: the link's receiver says soon after whether the peer left
+    /// or was lost, and only it can tell.
     fn send(&mut self, to: NodeId, env: Envelope) -> Result<(), CoherenceError> {
         let name = env.name();
-        self.transport
-            .send(to, &env)
-            .map_err(|source| CoherenceError::Send {
-                node: self.me,
-                to,
-                msg: name,
-                source,
-            })?;
+        let state = self.peers.get(&to).copied().unwrap_or(PeerState::Up);
+        if state != PeerState::Up {
+            tracing::debug!(node = %self.me, %to, msg = name, ?state, "not sent: peer is not up");
+            return Ok(());
+        }
+        match self.transport.send(to, &env) {
+            Ok(()) => {}
+            Err(TransportError::Link(e)) => {
+                tracing::warn!(node = %self.me, %to, msg = name, error = %e, "send failed");
+                self.peers.insert(to, PeerState::SendFailed);
+                return Ok(());
+            }
+            Err(source) => {
+                return Err(CoherenceError::Send {
+                    node: self.me,
+                    to,
+                    msg: name,
+                    source,
+                })
+            }
+        }
         NodeStats::count(&mut self.stats().sent, name);
         Ok(())
     }

@@ -26,8 +26,10 @@ pub enum IoSpace {
 pub enum Interrupt {
     /// A message-signalled interrupt, injected on the target with `KVM_SIGNAL_MSI`.
     Msi { address: u64, data: u32 },
-    /// An inter-processor interrupt to one vCPU.
-    Ipi { vcpu: u32, vector: u8 },
+    /// An inter-processor interrupt to one vCPU. `icr` is the low word of the sender's
+    /// interrupt command register as written (vector, delivery mode, level, trigger), so INIT
+    /// and STARTUP travel as faithfully as fixed interrupts; the destination is `vcpu`.
+    Ipi { vcpu: u32, icr: u32 },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,10 +42,13 @@ pub enum Envelope {
         data: Vec<u8>,
     },
     Interrupt(Interrupt),
-    /// The VM is ending; `code` is the exit status the whole VM reports.
+    /// The VM is ending; `code` is the exit status the whole VM reports. A connection that
+    /// closes after this is a peer that left, not one that was lost.
     Stop {
         code: i32,
     },
+    /// Proof of life, sent by the transport on its own timer so that a peer can tell a slow
+    /// node from a dead one; consumed by the receiving transport.
     Heartbeat {
         seq: u64,
     },
@@ -179,11 +184,11 @@ impl Envelope {
                 out.extend_from_slice(&address.to_le_bytes());
                 out.extend_from_slice(&data.to_le_bytes());
             }
-            Envelope::Interrupt(Interrupt::Ipi { vcpu, vector }) => {
+            Envelope::Interrupt(Interrupt::Ipi { vcpu, icr }) => {
                 out.push(T_INTERRUPT);
                 out.push(1);
                 out.extend_from_slice(&vcpu.to_le_bytes());
-                out.push(*vector);
+                out.extend_from_slice(&icr.to_le_bytes());
             }
             Envelope::Stop { code } => {
                 out.push(T_STOP);
@@ -246,8 +251,8 @@ impl Envelope {
                 }
                 1 => {
                     let vcpu = c.u32()?;
-                    let vector = c.u8()?;
-                    Envelope::Interrupt(Interrupt::Ipi { vcpu, vector })
+                    let icr = c.u32()?;
+                    Envelope::Interrupt(Interrupt::Ipi { vcpu, icr })
                 }
                 _ => return Err(c.err("interrupt kind must be 0 (MSI) or 1 (IPI)")),
             },
@@ -294,9 +299,15 @@ mod tests {
                 address: 0xfee0_0000,
                 data: 0x4041,
             }),
+            // INIT, level assert: delivery mode 5 in bits 8..=10, level in bit 14.
             Envelope::Interrupt(Interrupt::Ipi {
                 vcpu: 5,
-                vector: 0xf0,
+                icr: 0x0000_4500,
+            }),
+            // STARTUP with vector 0x9a.
+            Envelope::Interrupt(Interrupt::Ipi {
+                vcpu: 1,
+                icr: 0x0000_069a,
             }),
             Envelope::Stop { code: -3 },
             Envelope::Heartbeat { seq: u64::MAX },

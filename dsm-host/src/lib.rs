@@ -16,11 +16,12 @@ pub mod stats;
 pub mod transport;
 
 pub use backend::Backend;
-pub use coherence::{CoherenceError, CoherenceHandle, Setup};
+pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup};
 pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace};
 pub use link::{config_hash, Link, LinkError, LinkParams, Role};
 pub use memory::{Fault, FaultKind, Memory, MemoryError};
 pub use stats::{FaultStats, NodeStats};
 pub use transport::{
-    Inbound, Inbox, InboxSender, TcpConfig, TcpTransport, Transport, TransportError,
+    Inbound, Inbox, InboxSender, Liveness, TcpConfig, TcpTransport, Transport, TransportError,
+    DEFAULT_HEARTBEAT, DEFAULT_LOSS_TIMEOUT,
 };

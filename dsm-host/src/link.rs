@@ -24,7 +24,7 @@ type HmacSha256 = Hmac<Sha256>;
 
 const MAGIC: &[u8; 8] = b"MUSUBIDS";
 /// Bumped on any change of the handshake or frame layout.
-pub const LINK_VERSION: u8 = 1;
+pub const LINK_VERSION: u8 = 2;
 const HELLO_LEN: usize = 8 + 1 + 2 + 32 + 32;
 const MAC_LEN: usize = 32;
 /// Largest frame body accepted: a page message is about 4.1 KiB.
@@ -89,6 +89,12 @@ pub enum LinkError {
     },
     #[error("peer {peer} closed the connection")]
     Closed { peer: String },
+    #[error(
+        "no frame from {peer} for {ms} ms (not even a heartbeat): it is down, hung or cut off"
+    )]
+    Silent { peer: String, ms: u128 },
+    #[error("the link to {peer} is unusable since a send failed part way: {why}")]
+    Unusable { peer: String, why: String },
 }
 
 /// Which end opened the connection; part of what each proof covers.
@@ -160,6 +166,9 @@ pub struct LinkWriter {
     key: [u8; 32],
     seq: u64,
     buf: Vec<u8>,
+    /// Why an earlier send failed: the peer may hold part of a frame, so nothing more may
+    /// follow on this stream.
+    broken: Option<String>,
 }
 
 /// Receiving half of a link.
@@ -169,6 +178,8 @@ pub struct LinkReader {
     key: [u8; 32],
     seq: u64,
     buf: Vec<u8>,
+    /// Longest wait for the next bytes before the peer counts as lost.
+    silence: Option<Duration>,
 }
 
 /// An authenticated stream to one peer.
@@ -318,8 +329,9 @@ impl Link {
             Role::Dialer => (d2l, l2d),
             Role::Listener => (l2d, d2l),
         };
-        // Frames after the handshake block as long as needed (a peer may be paused); stopping
-        // shuts the socket down.
+        // Frames after the handshake block as long as needed unless the owner of the link
+        // bounds the silence it accepts ([`LinkReader::limit_silence`]); stopping shuts the
+        // socket down.
         stream
             .set_read_timeout(None)
             .and_then(|()| stream.set_write_timeout(None))
@@ -336,6 +348,7 @@ impl Link {
                 key: recv_key,
                 seq: 0,
                 buf: Vec::new(),
+                silence: None,
             },
             writer: LinkWriter {
                 stream,
@@ -343,14 +356,23 @@ impl Link {
                 key: send_key,
                 seq: 0,
                 buf: Vec::new(),
+                broken: None,
             },
         })
     }
 }
 
 impl LinkWriter {
-    /// Sends one envelope as one frame; frames arrive in the order sent.
+    /// Sends one envelope as one frame; frames arrive in the order sent. A failed send leaves
+    /// the link unusable and ends this direction, so the peer sees the link end rather than
+    /// a torn frame followed by good ones.
     pub fn send(&mut self, env: &Envelope) -> Result<(), LinkError> {
+        if let Some(why) = &self.broken {
+            return Err(LinkError::Unusable {
+                peer: self.peer.clone(),
+                why: why.clone(),
+            });
+        }
         self.buf.clear();
         self.buf.extend_from_slice(&[0; 4]);
         env.encode(&mut self.buf);
@@ -367,13 +389,47 @@ impl LinkWriter {
         );
         self.buf.extend_from_slice(&tag);
         self.seq += 1;
+        self.stream.write_all(&self.buf).map_err(|source| {
+            let _ = self.stream.shutdown(Shutdown::Write);
+            let stalled = matches!(source.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut);
+            let e = LinkError::Io {
+                peer: self.peer.clone(),
+                what: if stalled {
+                    "sending a frame (the peer stopped reading)"
+                } else {
+                    "sending a frame"
+                },
+                source,
+            };
+            self.broken = Some(e.to_string());
+            e
+        })
+    }
+
+    /// Bounds how long one send may wait for the peer to make room: a peer that stops
+    /// reading must not hold up the sender (and its heartbeats to other peers) forever.
+    pub fn limit_stall(&self, limit: Duration) -> Result<(), LinkError> {
         self.stream
-            .write_all(&self.buf)
+            .set_write_timeout(Some(limit))
             .map_err(|source| LinkError::Io {
                 peer: self.peer.clone(),
-                what: "sending a frame",
+                what: "setting the send timeout",
                 source,
             })
+    }
+
+    /// A second handle on the socket, for ending it from another thread while a send waits.
+    pub fn try_clone_socket(&self) -> Result<TcpStream, LinkError> {
+        self.stream.try_clone().map_err(|source| LinkError::Io {
+            peer: self.peer.clone(),
+            what: "cloning the stream",
+            source,
+        })
+    }
+
+    /// True once a send has failed; nothing more goes out.
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
     }
 
     /// Ends both directions, which also wakes a reader blocked on this stream.
@@ -397,6 +453,35 @@ impl LinkReader {
         r
     }
 
+    /// Makes a peer that sends nothing at all (not even heartbeats) for `limit` an error of
+    /// its own, [`LinkError::Silent`], instead of a wait that never ends.
+    pub fn limit_silence(&mut self, limit: Duration) -> Result<(), LinkError> {
+        self.stream
+            .set_read_timeout(Some(limit))
+            .map_err(|source| LinkError::Io {
+                peer: self.peer.clone(),
+                what: "setting the receive timeout",
+                source,
+            })?;
+        self.silence = Some(limit);
+        Ok(())
+    }
+
+    /// A read timeout under [`Self::limit_silence`] is the peer's silence, said as such.
+    fn quiet(&self, e: LinkError) -> LinkError {
+        match (e, self.silence) {
+            (LinkError::Io { source, .. }, Some(limit))
+                if matches!(source.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
+            {
+                LinkError::Silent {
+                    peer: self.peer.clone(),
+                    ms: limit.as_millis(),
+                }
+            }
+            (e, _) => e,
+        }
+    }
+
     fn read_frame(&mut self) -> Result<Envelope, LinkError> {
         let seq = self.seq;
         let mut len_le = [0u8; 4];
@@ -405,7 +490,8 @@ impl LinkReader {
             &mut len_le,
             &self.peer,
             "reading a frame length",
-        )?;
+        )
+        .map_err(|e| self.quiet(e))?;
         let len = u32::from_le_bytes(len_le) as usize;
         let min = MAC_LEN + 1;
         if !(min..=MAX_FRAME).contains(&len) {
@@ -431,11 +517,11 @@ impl LinkReader {
                 Ok(n) => got += n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(source) => {
-                    return Err(LinkError::Io {
+                    return Err(self.quiet(LinkError::Io {
                         peer: self.peer.clone(),
                         what: "reading a frame",
                         source,
-                    })
+                    }))
                 }
             }
         }

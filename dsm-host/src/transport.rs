@@ -3,14 +3,15 @@
 //! stream per pair of nodes, which gives the per-pair order the protocol relies on).
 
 use crate::envelope::Envelope;
-use crate::link::{Link, LinkError, LinkParams, LinkWriter, Role};
+use crate::link::{Link, LinkError, LinkParams, LinkReader, LinkWriter, Role};
 use dsm::NodeId;
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -55,10 +56,15 @@ pub enum Inbound {
         from: NodeId,
         env: Envelope,
     },
-    /// The link to `peer` ended; nothing more comes from it.
+    /// The link to `peer` ended without a `Stop` from it, or went silent; nothing more comes
+    /// from it.
     PeerFailed {
         peer: NodeId,
         error: String,
+    },
+    /// Send `Stop { code }` to every peer still linked, then end like [`Inbound::Stop`].
+    StopAll {
+        code: i32,
     },
     /// Send `env` to `to` from the coherence thread, in order with its protocol messages.
     Send {
@@ -124,6 +130,35 @@ impl InboxSender {
     }
 }
 
+/// Default period of heartbeats.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_millis(200);
+/// Default silence after which a peer is lost: seven heartbeats missed, so a loaded host is
+/// not mistaken for a dead one, and still short enough for a VMM to notice, stop its VM and
+/// exit within a few seconds.
+pub const DEFAULT_LOSS_TIMEOUT: Duration = Duration::from_millis(1500);
+/// Longest [`TcpTransport::close`] waits for what it sent to be acknowledged.
+const CLOSE_DRAIN: Duration = Duration::from_secs(1);
+
+/// How a node tells a dead peer from a quiet one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Liveness {
+    /// How often each peer gets a heartbeat, from a thread of its own, so that neither a busy
+    /// coherence thread nor a vCPU stopped on a fault delays it.
+    pub heartbeat: Duration,
+    /// A peer from which nothing at all arrived for this long is lost. Also bounds one send to
+    /// a peer that stopped reading. Keep it several heartbeat periods.
+    pub loss_timeout: Duration,
+}
+
+impl Default for Liveness {
+    fn default() -> Liveness {
+        Liveness {
+            heartbeat: DEFAULT_HEARTBEAT,
+            loss_timeout: DEFAULT_LOSS_TIMEOUT,
+        }
+    }
+}
+
 /// Addresses and credentials for joining the other nodes.
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
@@ -133,20 +168,54 @@ pub struct TcpConfig {
     /// How long to keep dialing a peer that is not listening yet, and to wait for peers to
     /// dial in.
     pub connect_timeout: Duration,
+    pub liveness: Liveness,
+}
+
+/// What the sending side, the heartbeat thread and the receiver share about one peer.
+struct PeerLink {
+    id: NodeId,
+    writer: Mutex<LinkWriter>,
+    /// Another handle on the socket, so closing never waits for a writer stuck in a send.
+    socket: TcpStream,
+    /// The peer said `Stop`: it is leaving, so its connection ending is no loss, and it gets
+    /// no more heartbeats.
+    stopped: AtomicBool,
+}
+
+impl PeerLink {
+    fn writer(&self) -> MutexGuard<'_, LinkWriter> {
+        self.writer.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes sent to the peer and not yet acknowledged by it.
+    fn unacknowledged(&self) -> Option<usize> {
+        let mut n: libc::c_int = 0;
+        // SAFETY: TIOCOUTQ (SIOCOUTQ for sockets) writes one int through the pointer, which
+        // points at a live local.
+        let r = unsafe { libc::ioctl(self.socket.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+        (r == 0).then_some(n.max(0) as usize)
+    }
 }
 
 /// One stream per pair of nodes: a node dials the peers with lower ids and accepts the ones
-/// with higher ids, so each pair opens exactly one connection.
+/// with higher ids, so each pair opens exactly one connection. Every peer gets heartbeats and
+/// is watched for silence ([`Liveness`]); a peer that is lost is reported to the inbox as
+/// [`Inbound::PeerFailed`] by its receiver thread, and only there, once.
 pub struct TcpTransport {
-    writers: BTreeMap<NodeId, LinkWriter>,
+    peers: BTreeMap<NodeId, Arc<PeerLink>>,
     readers: Vec<JoinHandle<()>>,
+    /// One heartbeat thread per peer, each ended by dropping its sender.
+    beats: Vec<(mpsc::Sender<()>, JoinHandle<()>)>,
+    /// Set while this node closes its own links, whose ends are then no peer's failure.
+    closing: Arc<AtomicBool>,
 }
 
 impl TcpTransport {
-    /// Connects to every peer (blocking until all are linked or one fails) and starts one
-    /// receiver thread per peer feeding `inbox`. A connection that fails the handshake ends
-    /// this with its error: the nodes of a VM start together from one configuration, so a
-    /// stranger or a mismatched node is a set-up fault to report, not to wait out.
+    /// Connects to every peer (blocking until all are linked or one fails), then starts one
+    /// receiver thread per peer feeding `inbox` and one heartbeat thread per peer. A
+    /// connection that fails the handshake ends this with its error: the nodes of a VM start
+    /// together from one configuration, so a stranger or a mismatched node is a set-up fault
+    /// to report, not to wait out.
     pub fn establish(
         cfg: &TcpConfig,
         listener: &TcpListener,
@@ -205,46 +274,121 @@ impl TcpTransport {
             }
         }
         let mut t = TcpTransport {
-            writers: BTreeMap::new(),
+            peers: BTreeMap::new(),
             readers: Vec::new(),
+            beats: Vec::new(),
+            closing: Arc::new(AtomicBool::new(false)),
         };
+        let live = cfg.liveness;
         for (peer, link) in links {
             let Link {
                 mut reader, writer, ..
             } = link;
-            t.writers.insert(peer, writer);
-            let inbox = inbox.clone();
+            reader.limit_silence(live.loss_timeout)?;
+            writer.limit_stall(live.loss_timeout)?;
+            let socket = writer.try_clone_socket()?;
+            let shared = Arc::new(PeerLink {
+                id: peer,
+                writer: Mutex::new(writer),
+                socket,
+                stopped: AtomicBool::new(false),
+            });
+            t.peers.insert(peer, Arc::clone(&shared));
+            let (inbox, closing, link) =
+                (inbox.clone(), Arc::clone(&t.closing), Arc::clone(&shared));
             let h = std::thread::Builder::new()
                 .name(format!("dsm-rx-{}", peer.0))
-                .spawn(move || loop {
-                    match reader.recv() {
-                        Ok(env) => {
-                            if !inbox.push(Inbound::Frame { from: peer, env }) {
-                                return;
-                            }
-                        }
-                        Err(e) => {
-                            inbox.push(Inbound::PeerFailed {
-                                peer,
-                                error: e.to_string(),
-                            });
-                            return;
-                        }
-                    }
-                })
+                .spawn(move || receive(reader, &link, &inbox, &closing))
                 .map_err(|source| TransportError::Spawn { peer, source })?;
             t.readers.push(h);
+            let (tx, rx) = mpsc::channel();
+            let h = std::thread::Builder::new()
+                .name(format!("dsm-beat-{}", peer.0))
+                .spawn(move || beat(&shared, live.heartbeat, &rx))
+                .map_err(|source| TransportError::Spawn { peer, source })?;
+            t.beats.push((tx, h));
         }
         Ok(t)
     }
 
-    /// Closes every link and waits for the receiver threads.
+    /// Closes every link and waits for the receiver and heartbeat threads. What was sent
+    /// before (a `Stop` above all) is given a bounded moment to be acknowledged first, so a
+    /// peer reads it before it sees the connection end.
     pub fn close(&mut self) {
-        for w in self.writers.values() {
-            w.shutdown();
+        self.closing.store(true, Ordering::SeqCst);
+        for (tx, h) in self.beats.drain(..) {
+            drop(tx);
+            let _ = h.join();
+        }
+        for p in self.peers.values() {
+            let _ = p.socket.shutdown(Shutdown::Write);
+        }
+        let until = Instant::now() + CLOSE_DRAIN;
+        for p in self.peers.values() {
+            while p.unacknowledged().is_some_and(|n| n > 0) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        for p in self.peers.values() {
+            let _ = p.socket.shutdown(Shutdown::Both);
         }
         for h in self.readers.drain(..) {
             let _ = h.join();
+        }
+    }
+
+    /// The peers linked to.
+    pub fn peers(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.peers.keys().copied()
+    }
+}
+
+/// A receiver thread: hands every frame but heartbeats to the inbox, and reports the end of
+/// the link as the peer's failure unless the peer said `Stop` first or this node is closing.
+fn receive(mut reader: LinkReader, link: &PeerLink, inbox: &InboxSender, closing: &AtomicBool) {
+    let peer = link.id;
+    loop {
+        match reader.recv() {
+            Ok(Envelope::Heartbeat { .. }) => {}
+            Ok(env) => {
+                if matches!(env, Envelope::Stop { .. }) {
+                    link.stopped.store(true, Ordering::SeqCst);
+                }
+                if !inbox.push(Inbound::Frame { from: peer, env }) {
+                    return;
+                }
+            }
+            Err(e) => {
+                if !link.stopped.load(Ordering::SeqCst) && !closing.load(Ordering::SeqCst) {
+                    inbox.push(Inbound::PeerFailed {
+                        peer,
+                        error: e.to_string(),
+                    });
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// A heartbeat thread: one beat at once and then every `period` until told to end. A failed
+/// beat is left to the receiver to report: the send has ended the link, which the peer and
+/// this node's receiver then see, and a peer that stopped cleanly must not look lost.
+fn beat(link: &PeerLink, period: Duration, end: &mpsc::Receiver<()>) {
+    for seq in 0u64.. {
+        if !link.stopped.load(Ordering::SeqCst) {
+            let mut w = link.writer();
+            if !w.is_broken() {
+                if let Err(e) = w.send(&Envelope::Heartbeat { seq }) {
+                    tracing::debug!(peer = %link.id, error = %e, "heartbeat not sent");
+                }
+            }
+        }
+        if !matches!(
+            end.recv_timeout(period),
+            Err(mpsc::RecvTimeoutError::Timeout)
+        ) {
+            return;
         }
     }
 }
@@ -257,11 +401,9 @@ impl Drop for TcpTransport {
 
 impl Transport for TcpTransport {
     fn send(&mut self, to: NodeId, env: &Envelope) -> Result<(), TransportError> {
-        let w = self
-            .writers
-            .get_mut(&to)
-            .ok_or(TransportError::NoPeer(to))?;
-        Ok(w.send(env)?)
+        let p = self.peers.get(&to).ok_or(TransportError::NoPeer(to))?;
+        let r = p.writer().send(env);
+        Ok(r?)
     }
 }
 

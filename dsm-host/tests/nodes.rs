@@ -3,15 +3,14 @@
 
 mod common;
 
-use common::{pattern, region, toucher, WAIT};
-use dsm::{Modulo, NodeId, Protocol, PAGE_SIZE};
+use common::{cluster, pattern, region, start, toucher, WAIT};
+use dsm::{NodeId, Protocol, PAGE_SIZE};
 use dsm_host::{
-    config_hash, CoherenceHandle, Envelope, Inbox, LinkParams, Memory, NodeStats, Setup, TcpConfig,
-    TcpTransport, Transport, TransportError,
+    CoherenceHandle, Envelope, Exit, Inbox, Interrupt, IoSpace, Liveness, Memory, NodeEvent,
+    NodeStats, Transport, TransportError,
 };
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::net::TcpListener;
 use std::os::fd::AsRawFd;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -23,32 +22,6 @@ impl Transport for Alone {
     fn send(&mut self, to: NodeId, _: &Envelope) -> Result<(), TransportError> {
         Err(TransportError::NoPeer(to))
     }
-}
-
-fn start(
-    mem: &Arc<Memory>,
-    id: u16,
-    nodes: u16,
-    protocol: Protocol,
-    t: Box<dyn Transport>,
-    inbox: (dsm_host::InboxSender, Inbox),
-    control: mpsc::Sender<(NodeId, Envelope)>,
-) -> CoherenceHandle {
-    CoherenceHandle::spawn(Setup {
-        memory: Arc::clone(mem),
-        node: dsm::Config {
-            id: NodeId(id),
-            nodes,
-            protocol,
-            placement: Arc::new(Modulo { nodes }),
-            ordering: dsm::Ordering::default(),
-        },
-        transport: t,
-        inbox,
-        control: Some(control),
-        range_bytes: 2 * PAGE_SIZE as u64,
-    })
-    .expect("starting the coherence thread")
 }
 
 #[test]
@@ -111,40 +84,20 @@ struct Pair {
     a: CoherenceHandle,
     mb: Arc<Memory>,
     b: CoherenceHandle,
-    /// Control messages node 1 received.
-    b_control: mpsc::Receiver<(NodeId, Envelope)>,
+    /// What node 1 reported.
+    b_events: mpsc::Receiver<NodeEvent>,
 }
 
 fn pair(protocol: Protocol) -> Pair {
-    let la = TcpListener::bind("127.0.0.1:0").unwrap();
-    let lb = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addrs = [la.local_addr().unwrap(), lb.local_addr().unwrap()];
-    let cfg = |me: u16| TcpConfig {
-        link: LinkParams {
-            me: NodeId(me),
-            secret: b"two nodes, one secret".to_vec(),
-            config_hash: config_hash(b"vm: 2 nodes, 16 KiB"),
-            timeout: WAIT,
-        },
-        peers: vec![(NodeId(1 - me), addrs[1 - me as usize])],
-        connect_timeout: WAIT,
-    };
-    let (ia, ib) = (Inbox::new().unwrap(), Inbox::new().unwrap());
-    let (sa, sb) = (ia.0.clone(), ib.0.clone());
-    let ca = cfg(0);
-    let ta = std::thread::spawn(move || TcpTransport::establish(&ca, &la, sa));
-    let tb = TcpTransport::establish(&cfg(1), &lb, sb).expect("node 1 links to node 0");
-    let ta = ta.join().unwrap().expect("node 0 links to node 1");
-    let (ma, mb) = (region(0, 4), region(0, 4));
-    let (b_tx, b_control) = mpsc::channel();
-    let a = start(&ma, 0, 2, protocol, Box::new(ta), ia, mpsc::channel().0);
-    let b = start(&mb, 1, 2, protocol, Box::new(tb), ib, b_tx);
+    let mut nodes = cluster(2, protocol, Liveness::default());
+    let b = nodes.pop().unwrap();
+    let a = nodes.pop().unwrap();
     Pair {
-        ma,
-        a,
-        mb,
-        b,
-        b_control,
+        ma: a.mem,
+        a: a.node,
+        mb: b.mem,
+        b: b.node,
+        b_events: b.events,
     }
 }
 
@@ -224,22 +177,58 @@ fn a_page_written_on_one_node_is_read_on_the_other_and_back_under_ivy() {
 #[test]
 fn control_messages_reach_the_peer_in_order_with_the_protocol_traffic() {
     let p = pair(Protocol::Vmp);
-    for seq in 0..3 {
-        assert!(p.a.send(NodeId(1), Envelope::Heartbeat { seq }));
+    let sent = [
+        Envelope::Exit(Exit {
+            vcpu: 1,
+            space: IoSpace::Port,
+            write: true,
+            addr: 0x3f8,
+            data: vec![b'x'],
+        }),
+        Envelope::Interrupt(Interrupt::Ipi {
+            vcpu: 1,
+            icr: 0x0000_4500,
+        }),
+        Envelope::ExitReply {
+            vcpu: 0,
+            data: vec![0x60],
+        },
+    ];
+    for env in &sent {
+        assert!(p.a.send(NodeId(1), env.clone()));
     }
     assert!(p.a.send(NodeId(1), Envelope::Stop { code: 4 }));
-    for seq in 0..3 {
-        let got = p.b_control.recv_timeout(WAIT).expect("heartbeat arrives");
-        assert_eq!(got, (NodeId(0), Envelope::Heartbeat { seq }));
+    for env in &sent {
+        let got = p
+            .b_events
+            .recv_timeout(WAIT)
+            .expect("control message arrives");
+        assert_eq!(got, NodeEvent::Control(NodeId(0), env.clone()));
     }
-    let got = p.b_control.recv_timeout(WAIT).expect("stop arrives");
-    assert_eq!(got, (NodeId(0), Envelope::Stop { code: 4 }));
+    let got = p.b_events.recv_timeout(WAIT).expect("stop arrives");
+    assert_eq!(
+        got,
+        NodeEvent::PeerStopped {
+            peer: NodeId(0),
+            code: 4
+        }
+    );
     p.a.stop();
     p.b.stop();
     let sa = p.a.join().unwrap();
     let sb = p.b.join().unwrap();
     assert_eq!(sb.control_received, 4);
-    assert_eq!(sa.sent, counts(&[("heartbeat", 3), ("stop", 1)]));
+    assert_eq!(
+        sa.sent,
+        counts(&[
+            ("exit", 1),
+            ("interrupt", 1),
+            ("exit-reply", 1),
+            ("stop", 1)
+        ])
+    );
+    // Heartbeats flowed all along but are the transport's business, not the VMM's.
+    assert!(p.b_events.try_iter().next().is_none());
 }
 
 /// Threads on both nodes increment their own counters, all in the same two pages, so the

@@ -3,25 +3,15 @@
 
 mod common;
 
-use common::WAIT;
+use common::{params, WAIT};
 use dsm::{Access, Message, NodeId};
 use dsm_host::{
-    config_hash, Envelope, Inbound, Inbox, Link, LinkError, LinkParams, Role, TcpConfig,
-    TcpTransport,
+    Envelope, Inbound, Inbox, Link, LinkError, LinkParams, Liveness, Role, TcpConfig, TcpTransport,
 };
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-fn params(me: u16, secret: &[u8], config: &[u8]) -> LinkParams {
-    LinkParams {
-        me: NodeId(me),
-        secret: secret.to_vec(),
-        config_hash: config_hash(config),
-        timeout: WAIT,
-    }
-}
 
 /// Node 0 waiting, on a thread, for one peer to dial in and run the handshake.
 fn accept_one(p: LinkParams) -> (SocketAddr, JoinHandle<Result<Link, LinkError>>) {
@@ -205,6 +195,7 @@ fn the_tcp_transport_reports_a_forged_frame_as_a_failed_peer() {
         link: params(0, b"s", b"c"),
         peers: vec![(NodeId(1), addr)],
         connect_timeout: WAIT,
+        liveness: Liveness::default(),
     };
     let t = std::thread::spawn(move || TcpTransport::establish(&cfg, &l, tx));
     let s = TcpStream::connect(addr).unwrap();
@@ -213,7 +204,13 @@ fn the_tcp_transport_reports_a_forged_frame_as_a_failed_peer() {
         .expect("node 1 links");
     let transport = t.join().expect("no panic").expect("node 0 links");
 
+    // Heartbeats are consumed by the transport; anything else reaches the inbox.
     peer.writer.send(&Envelope::Heartbeat { seq: 5 }).unwrap();
+    let reply = Envelope::ExitReply {
+        vcpu: 3,
+        data: vec![5],
+    };
+    peer.writer.send(&reply).unwrap();
     let hb = Envelope::Heartbeat { seq: 6 }.to_bytes();
     raw.write_all(&frame(&hb, [0xab; 32])).unwrap();
 
@@ -229,8 +226,8 @@ fn the_tcp_transport_reports_a_forged_frame_as_a_failed_peer() {
             &got[0],
             Inbound::Frame {
                 from: NodeId(1),
-                env: Envelope::Heartbeat { seq: 5 }
-            }
+                env
+            } if *env == reply
         ),
         "{got:?}"
     );

@@ -236,3 +236,50 @@ fn replay() {
         panic!("{f}");
     }
 }
+
+/// After writes move pages around, each manager's directory names the writer as owner, under
+/// both protocols; a page never touched counts for its initial owner, and pages managed
+/// elsewhere are not counted.
+#[test]
+fn the_directory_counts_the_pages_a_node_owns() {
+    for (protocol, ordering) in MODES {
+        let cfg = SimConfig {
+            protocol,
+            ordering,
+            seed: 1,
+            nodes: 3,
+            vcpus: 1,
+            pages: 9,
+            steps: 0,
+            delay: 3,
+            local: 1,
+            think: 0,
+            workload: Workload::Uniform { write_pct: 0 },
+        };
+        let pages = cfg.pages;
+        // Page 7 starts on node 2 though node 1 manages it.
+        let placement = Fixed {
+            nodes: 3,
+            pages: vec![(7, NodeId(1), NodeId(2))],
+        };
+        let mut sim = Sim::with_placement(cfg, Arc::new(placement));
+        // Node 2 writes pages 0 and 3 (managed by 0) and 4 (managed by 1); node 1 reads 6.
+        for (node, page, access) in [
+            (2, 0, Access::Write),
+            (2, 3, Access::Write),
+            (2, 4, Access::Write),
+            (1, 6, Access::Read),
+        ] {
+            sim.access(node, 0, page, access).unwrap();
+            sim.run_until_quiet().unwrap();
+        }
+        let owned = |at: u16, peer: u16| sim.node(at).pages_owned_by(NodeId(peer), 0..pages);
+        let what = protocol.name();
+        assert_eq!(owned(0, 2), 2, "{what}: pages 0 and 3");
+        assert_eq!(owned(1, 2), 2, "{what}: page 4, and page 7 untouched");
+        assert_eq!(owned(0, 1), 0, "{what}: a read copy is not ownership");
+        assert_eq!(owned(0, 0), 1, "{what}: page 6 stays with node 0");
+        assert_eq!(owned(2, 2), 3, "{what}: pages 2, 5 and 8, never touched");
+        assert_eq!(owned(0, 2) + owned(1, 2) + owned(2, 2), 7);
+    }
+}

@@ -1,13 +1,18 @@
-//! Helpers shared by the integration tests: regions, patterned pages, and threads that touch
-//! memory and may stop on a fault, waited for with a bound.
+//! Helpers shared by the integration tests: regions, patterned pages, threads that touch
+//! memory and may stop on a fault, waited for with a bound, and nodes of one VM linked over
+//! loopback.
 
 #![allow(dead_code)]
 
-use dsm::{PageData, PageNo, PAGE_SIZE};
-use dsm_host::Memory;
+use dsm::{Modulo, NodeId, PageData, PageNo, Protocol, PAGE_SIZE};
+use dsm_host::{
+    config_hash, CoherenceHandle, Inbox, InboxSender, LinkParams, Liveness, Memory, NodeEvent,
+    Setup, TcpConfig, TcpTransport, Transport,
+};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Bound on every wait; a test that needs it has failed.
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -103,4 +108,125 @@ impl<T> Pending<T> {
     pub fn still_stopped(&self) -> bool {
         matches!(self.rx.try_recv(), Err(mpsc::TryRecvError::Empty))
     }
+}
+
+/// The secret and configuration every node of a test VM shares.
+pub const SECRET: &[u8] = b"one VM, one secret";
+pub const CONFIG: &[u8] = b"vm: test nodes, 16 KiB";
+
+pub fn params(me: u16, secret: &[u8], config: &[u8]) -> LinkParams {
+    LinkParams {
+        me: NodeId(me),
+        secret: secret.to_vec(),
+        config_hash: config_hash(config),
+        timeout: WAIT,
+    }
+}
+
+/// Node `me`'s view of a VM whose nodes listen at `addrs` (indexed by node id).
+pub fn tcp_config(me: u16, addrs: &[SocketAddr], liveness: Liveness) -> TcpConfig {
+    TcpConfig {
+        link: params(me, SECRET, CONFIG),
+        peers: (0..addrs.len() as u16)
+            .filter(|&n| n != me)
+            .map(|n| (NodeId(n), addrs[n as usize]))
+            .collect(),
+        connect_timeout: WAIT,
+        liveness,
+    }
+}
+
+/// Starts the coherence thread of node `id` of `nodes` on `mem`, placing page `n` on node
+/// `n mod nodes`, with fault ranges of two pages.
+pub fn start(
+    mem: &Arc<Memory>,
+    id: u16,
+    nodes: u16,
+    protocol: Protocol,
+    transport: Box<dyn Transport>,
+    inbox: (InboxSender, Inbox),
+    events: mpsc::Sender<NodeEvent>,
+) -> CoherenceHandle {
+    CoherenceHandle::spawn(Setup {
+        memory: Arc::clone(mem),
+        node: dsm::Config {
+            id: NodeId(id),
+            nodes,
+            protocol,
+            placement: Arc::new(Modulo { nodes }),
+            ordering: dsm::Ordering::default(),
+        },
+        transport,
+        inbox,
+        events: Some(events),
+        range_bytes: 2 * PAGE_SIZE as u64,
+    })
+    .expect("starting the coherence thread")
+}
+
+/// One node of a test VM: its memory, its coherence thread and what it reports.
+pub struct Running {
+    pub mem: Arc<Memory>,
+    pub node: CoherenceHandle,
+    pub events: mpsc::Receiver<NodeEvent>,
+}
+
+/// `nodes` nodes of one VM in this process, each with four pages, linked over loopback and
+/// running.
+pub fn cluster(nodes: u16, protocol: Protocol, liveness: Liveness) -> Vec<Running> {
+    let listeners: Vec<TcpListener> = (0..nodes)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let linking: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(me, l)| {
+            let cfg = tcp_config(me as u16, &addrs, liveness);
+            let inbox = Inbox::new().unwrap();
+            let tx = inbox.0.clone();
+            let t = std::thread::spawn(move || TcpTransport::establish(&cfg, &l, tx));
+            (t, inbox)
+        })
+        .collect();
+    linking
+        .into_iter()
+        .enumerate()
+        .map(|(me, (t, inbox))| {
+            let transport = t
+                .join()
+                .expect("no panic")
+                .unwrap_or_else(|e| panic!("node {me} links to its peers: {e}"));
+            let mem = region(0, 4);
+            let (tx, events) = mpsc::channel();
+            let node = start(
+                &mem,
+                me as u16,
+                nodes,
+                protocol,
+                Box::new(transport),
+                inbox,
+                tx,
+            );
+            Running { mem, node, events }
+        })
+        .collect()
+}
+
+/// Events until `done` says enough or `within` passes; heartbeats must not be among them.
+pub fn events_until(
+    rx: &mpsc::Receiver<NodeEvent>,
+    within: Duration,
+    mut done: impl FnMut(&[NodeEvent]) -> bool,
+) -> Vec<NodeEvent> {
+    let t0 = Instant::now();
+    let mut got = Vec::new();
+    while !done(&got) {
+        let left = within.saturating_sub(t0.elapsed());
+        match rx.recv_timeout(left) {
+            Ok(e) => got.push(e),
+            Err(_) => break,
+        }
+    }
+    got
 }

@@ -285,6 +285,37 @@ impl Node {
                 .all(|m| m.busy.is_none() && m.queue.is_empty() && m.acks.is_empty())
     }
 
+    /// How many pages of `pages` this node's manager directory says `peer` holds: the pages
+    /// this node manages whose recorded owner is `peer`. Meant for a host that has lost `peer`
+    /// and must say how much of the guest went with it.
+    ///
+    /// Only the directory kept here is consulted, so with N nodes this covers about 1/N of the
+    /// pages (those placed on this node as manager); what `peer` holds of pages managed
+    /// elsewhere only their managers know. A page never asked for counts for its initial owner.
+    /// Per protocol:
+    /// - VMP: the owner recorded at the last `finish`, and also a page whose write fetch by
+    ///   `peer` is being served (the old owner has given up or is giving up its copy, so the
+    ///   only current one may be in flight to `peer`).
+    /// - Ivy: the manager's probable owner, which already names a writer from the moment its
+    ///   request was forwarded, so a page in flight to `peer` is counted too.
+    pub fn pages_owned_by(&self, peer: NodeId, pages: std::ops::Range<PageNo>) -> u64 {
+        let mut n = 0;
+        for page in pages {
+            if self.manager(page) != self.id {
+                continue;
+            }
+            let owned = match self.managed.get(&page) {
+                None => self.placement.initial_owner(page) == peer,
+                Some(m) => {
+                    m.owner == peer
+                        || (self.protocol == Protocol::Vmp && m.busy == Some((peer, Access::Write)))
+                }
+            };
+            n += u64::from(owned);
+        }
+        n
+    }
+
     /// Feeds one event; the actions to carry out, in order, are appended to `out`. On error
     /// the event was refused and the node is unchanged by it.
     pub fn handle(&mut self, ev: Event, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
