@@ -23,12 +23,17 @@ use bus::{BusCounters, NodeBus, Replies};
 use dsm::NodeId;
 use dsm_host::{
     config_hash, CoherenceHandle, Envelope, Inbox, InboxSender, Inbound, Interrupt, LinkParams,
-    Memory, Setup, TcpConfig, TcpTransport,
+    Liveness, Memory, NodeEvent, Setup, TcpConfig, TcpTransport,
 };
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Weak};
-use std::time::Duration;
+use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// After a node is lost, how long the survivors' teardown may take before the node reports
+/// anyway: a vCPU stopped on a page the lost node held can stay stopped in the kernel, and
+/// the process that embeds the node ends it by exiting.
+const LOSS_TEARDOWN: Duration = Duration::from_secs(2);
 
 /// Faults are counted by guest-physical ranges of this size in `--metrics`.
 const FAULT_RANGE_BYTES: u64 = 1 << 20;
@@ -87,9 +92,7 @@ pub struct Node {
     id: u16,
     vm: crate::Vm,
     coherence: Arc<CoherenceHandle>,
-    outbox: InboxSender,
-    events: mpsc::Receiver<(NodeId, Envelope)>,
-    peers: Vec<u16>,
+    events: mpsc::Receiver<NodeEvent>,
     ctx: ControlContext,
 }
 
@@ -105,6 +108,8 @@ struct ControlContext {
     outbox: InboxSender,
     /// Set when the VM ended because a peer said so, so this node does not echo the stop.
     ended_by_peer: Arc<AtomicBool>,
+    /// When a peer was lost, and what that ends the VM with.
+    lost: Arc<Mutex<Option<(Instant, Outcome)>>>,
 }
 
 /// A node whose vCPUs run.
@@ -112,9 +117,8 @@ pub struct RunningNode {
     id: u16,
     running: RunningVm,
     coherence: Arc<CoherenceHandle>,
-    outbox: InboxSender,
-    peers: Vec<u16>,
     ended_by_peer: Arc<AtomicBool>,
+    lost: Arc<Mutex<Option<(Instant, Outcome)>>>,
     control_thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -127,6 +131,9 @@ pub struct NodeReport {
     pub coherence: serde_json::Value,
     /// Why the coherence layer failed, if it did.
     pub coherence_error: Option<String>,
+    /// Some of this node's threads could not be stopped (they wait on pages a lost node
+    /// held); the caller should end the process.
+    pub threads_left: bool,
 }
 
 impl Node {
@@ -148,7 +155,9 @@ impl Node {
             what: "coherence inbox",
             source,
         })?;
-        let peers: Vec<u16> = (0..cluster.nodes.len() as u16).filter(|&p| p != id).collect();
+        let peers: Vec<u16> = (0..cluster.nodes.len() as u16)
+            .filter(|&p| p != id)
+            .collect();
         let tcp = TcpConfig {
             link: LinkParams {
                 me: NodeId(id),
@@ -161,6 +170,7 @@ impl Node {
                 .map(|&p| (NodeId(p), cluster.nodes[p as usize].address))
                 .collect(),
             connect_timeout: node.connect_timeout,
+            liveness: Liveness::default(),
         };
         let transport = TcpTransport::establish(&tcp, &listener, outbox.clone())
             .map_err(|source| NodeError::Join { id, source })?;
@@ -183,7 +193,7 @@ impl Node {
                 },
                 transport: Box::new(transport),
                 inbox: (outbox.clone(), inbox),
-                control: Some(events_tx),
+                events: Some(events_tx),
                 range_bytes: FAULT_RANGE_BYTES,
             })
             .map_err(|source| NodeError::Coherence { id, source })?,
@@ -255,14 +265,13 @@ impl Node {
             control: vm.control(),
             outbox: outbox.clone(),
             ended_by_peer: Arc::default(),
+            lost: Arc::default(),
         };
         Ok(Node {
             id,
             vm,
             coherence,
-            outbox,
             events,
-            peers,
             ctx,
         })
     }
@@ -288,9 +297,8 @@ impl Node {
             id,
             running,
             coherence: self.coherence,
-            outbox: self.outbox,
-            peers: self.peers,
             ended_by_peer: self.ctx.ended_by_peer,
+            lost: self.ctx.lost,
             control_thread: Some(control_thread),
         })
     }
@@ -304,25 +312,50 @@ impl RunningNode {
     /// Waits for the VM to end here or anywhere; an end that started here is told to every
     /// other node, with the status this node reports.
     pub fn wait(mut self) -> NodeReport {
-        let report = self.running.wait();
-        if !self.ended_by_peer.load(Ordering::Acquire) {
-            let code = report.outcome.exit_code();
-            for &p in &self.peers {
-                self.outbox.push(Inbound::Send {
-                    to: NodeId(p),
-                    env: Envelope::Stop { code },
-                });
+        let handle = self.running.handle();
+        let started = Instant::now();
+        let (tx, rx) = mpsc::channel();
+        let running = self.running;
+        std::thread::spawn(move || {
+            let _ = tx.send(running.wait());
+        });
+        let mut threads_left = false;
+        let report = loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(r) => break r,
+                Err(_) => {
+                    let lost = self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    if let Some((at, outcome)) = lost.filter(|(at, _)| at.elapsed() > LOSS_TEARDOWN) {
+                        tracing::warn!("node {}: vCPUs still stopped on pages of the lost node {:?} after the loss", self.id, at.elapsed());
+                        threads_left = true;
+                        break RunReport {
+                            outcome,
+                            exits: Vec::new(),
+                            total_exits: 0,
+                            interrupts: 0,
+                            serial: Vec::new(),
+                            metrics: handle.metrics(),
+                            ioeventfd_notifications: 0,
+                            to_first_run: None,
+                            first_run_monotonic_ns: None,
+                            wall: started.elapsed(),
+                        };
+                    }
+                }
             }
+        };
+        if !self.ended_by_peer.load(Ordering::Acquire) {
+            self.coherence.broadcast_stop(report.outcome.exit_code());
         }
-        if let Some(t) = self.control_thread.take() {
-            let _ = t.join();
+        if !threads_left {
+            if let Some(t) = self.control_thread.take() {
+                let _ = t.join();
+            }
         }
         let coherence = match Arc::try_unwrap(self.coherence) {
-            Ok(c) => c.join(),
-            Err(shared) => {
-                shared.stop();
-                Ok(shared.stats())
-            }
+            Ok(c) if !threads_left => c.join(),
+            Ok(c) => Ok(c.stats()),
+            Err(shared) => Ok(shared.stats()),
         };
         let (coherence, coherence_error) = match coherence {
             Ok(stats) => (serde_json::to_value(stats).unwrap_or_default(), None),
@@ -333,16 +366,39 @@ impl RunningNode {
             report,
             coherence,
             coherence_error,
+            threads_left,
         }
     }
 }
 
 /// Answers peers until the VM ends: serves forwarded accesses (on the I/O node), hands
 /// answers to waiting vCPUs, injects interrupts and ends the VM when a peer ends it.
-fn control_loop(ctx: ControlContext, events: mpsc::Receiver<(NodeId, Envelope)>) {
+fn control_loop(ctx: ControlContext, events: mpsc::Receiver<NodeEvent>) {
     while !ctx.control.is_finished() {
         let (from, env) = match events.recv_timeout(Duration::from_millis(50)) {
-            Ok(e) => e,
+            Ok(NodeEvent::Control(from, env)) => (from, env),
+            Ok(NodeEvent::PeerStopped { peer, code }) => {
+                ctx.ended_by_peer.store(true, Ordering::Release);
+                ctx.control.finish(Outcome::Peer { node: peer.0, code });
+                continue;
+            }
+            Ok(NodeEvent::PeerLost {
+                peer,
+                pages_owned,
+                why,
+            }) => {
+                // Every survivor finds the loss itself and reports it, so nobody is told.
+                ctx.ended_by_peer.store(true, Ordering::Release);
+                let outcome = Outcome::NodeLost {
+                    node: peer.0,
+                    pages: pages_owned,
+                    why,
+                };
+                *ctx.lost.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some((Instant::now(), outcome.clone()));
+                ctx.control.finish(outcome);
+                continue;
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => continue,
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 ctx.control.finish(Outcome::VmmError(format!(
@@ -374,10 +430,6 @@ fn control_loop(ctx: ControlContext, events: mpsc::Receiver<(NodeId, Envelope)>)
                 if let Some(m) = bus::accept_remote(&ctx.node_of, ctx.me, address, data) {
                     bus::inject(&ctx.vm, m.address, m.data);
                 }
-            }
-            Envelope::Stop { code } => {
-                ctx.ended_by_peer.store(true, Ordering::Release);
-                ctx.control.finish(Outcome::Peer { node: from.0, code });
             }
             _ => {}
         }
