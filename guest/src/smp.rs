@@ -310,13 +310,27 @@ pub fn wait(cpu: usize, until: u64) -> Option<u64> {
     loop {
         if mb.state.load(Ordering::SeqCst) == DONE {
             let r = mb.result.load(Ordering::Relaxed);
-            mb.state.store(IDLE, Ordering::SeqCst);
+            // A job its deadline ended stays DONE, so the task's report names the CPU
+            // (`unfinished`) until `reap` clears it before the next task.
+            if !crate::user::timed_out(r) {
+                mb.state.store(IDLE, Ordering::SeqCst);
+            }
             return Some(r);
         }
         if until != 0 && rdtsc() >= until {
             return None;
         }
         timer::idle();
+    }
+}
+
+/// Forgets the results nobody collected (jobs ended by an earlier task's deadline), so
+/// `unfinished` speaks of the next task only.
+pub fn reap() {
+    for mb in MAILBOXES.iter() {
+        let _ = mb
+            .state
+            .compare_exchange(DONE, IDLE, Ordering::SeqCst, Ordering::SeqCst);
     }
 }
 

@@ -68,6 +68,7 @@ pub fn run_all(info: &BootInfo) -> u8 {
                 bad.get_or_insert(why);
             }
         }
+        smp::reap();
         let s = if option_name(task).is_some() {
             bad_argument(
                 task,
@@ -140,6 +141,7 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
             Some(Ok(t)) => {
                 return finish(
                     t.name(),
+                    cpu,
                     user::run_task(cpu, wtasks::workload, &t, timeout()),
                 )
             }
@@ -156,11 +158,11 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         (b"hello", None) if cpu == 0 => hello(0) as u8,
         (b"hello", None) => {
             if smp::post_kernel(cpu, hello, 0).is_err() {
-                return finish("hello", Outcome::NoCpu);
+                return finish("hello", cpu, Outcome::NoCpu);
             }
             match smp::wait(cpu, crate::arch::rdtsc() + 10 * timer::tsc_hz()) {
                 Some(s) => s as u8,
-                None => finish("hello", Outcome::TimedOut),
+                None => finish("hello", cpu, Outcome::TimedOut),
             }
         }
         (b"shared-counter", a) => match num(a) {
@@ -238,7 +240,7 @@ fn timeout() -> u64 {
 }
 
 fn run_user(name: &str, cpu: usize, entry: UserEntry, param: u64) -> u8 {
-    finish(name, user::run(cpu, entry, param, timeout()))
+    finish(name, cpu, user::run(cpu, entry, param, timeout()))
 }
 
 /// The `hello` line, printed by the CPU that runs this (`cpu=K` runs it on CPU K as a
@@ -247,12 +249,13 @@ fn hello(_: u64) -> u64 {
     let info = bootinfo::get();
     let n = smp::online();
     kprint!(
-        "{{\"probe\":\"hello\",\"cpus\":{},\"memory_bytes\":{},\"nodes\":{},\"pv_ipi\":{},\"cpu\":{},\"cpu_nodes\":[",
+        "{{\"probe\":\"hello\",\"cpus\":{},\"memory_bytes\":{},\"nodes\":{},\"pv_ipi\":{},\"cpu\":{},\"apic_id\":{},\"cpu_nodes\":[",
         n,
         info.ram_bytes(),
         apic::nodes(),
         apic::pv_ipi_port().is_some(),
-        smp::current()
+        smp::current(),
+        apic::id()
     );
     for c in 0..n {
         match smp::node_of(c) {
@@ -265,7 +268,8 @@ fn hello(_: u64) -> u64 {
 }
 
 /// The task's status from how it ended; reports time-outs and faults.
-fn finish(name: &str, outcome: Outcome) -> u8 {
+/// `cpu`: where the task's user code ran.
+fn finish(name: &str, cpu: usize, outcome: Outcome) -> u8 {
     let timeout = timeout();
     match outcome {
         Outcome::Exit(code) => code,
@@ -276,7 +280,7 @@ fn finish(name: &str, outcome: Outcome) -> u8 {
                 timeout
             );
             let mut first = true;
-            for c in (1..smp::online()).filter(|&c| smp::unfinished(c)) {
+            for c in (1..smp::online()).filter(|&c| c == cpu || smp::unfinished(c)) {
                 kprint!("{}{}", if first { "" } else { "," }, c);
                 first = false;
             }
