@@ -251,7 +251,7 @@ pub fn exception_name(v: u64) -> &'static str {
 
 extern "C" fn trap_dispatch(f: &mut TrapFrame) {
     match f.vector {
-        14 if f.cs & 3 == 3 && crate::mm::user_fault(f.error, read_cr2()) => {}
+        14 if f.cs & 3 == 3 && !smp::on_worker() && crate::mm::user_fault(f.error, read_cr2()) => {}
         6 if f.cs & 3 == 3 && f.rip == ulib::syscall_gate() => {
             f.rip += 2;
             user::syscall(f);

@@ -193,6 +193,8 @@ const DONE: u32 = 3;
 struct Mailbox {
     state: AtomicU32,
     kernel: AtomicBool,
+    /// A worker of a task that runs on several CPUs at once (`user::cpu_start`).
+    worker: AtomicBool,
     entry: AtomicU64,
     rsp: AtomicU64,
     a0: AtomicU64,
@@ -206,6 +208,7 @@ static MAILBOXES: [Mailbox; MAX_CPUS] = [const {
     Mailbox {
         state: AtomicU32::new(IDLE),
         kernel: AtomicBool::new(false),
+        worker: AtomicBool::new(false),
         entry: AtomicU64::new(0),
         rsp: AtomicU64::new(0),
         a0: AtomicU64::new(0),
@@ -261,6 +264,7 @@ pub enum PostError {
 fn post(
     cpu: usize,
     kernel: bool,
+    worker: bool,
     entry: u64,
     rsp: u64,
     a: [u64; 3],
@@ -275,6 +279,7 @@ fn post(
         return Err(PostError::Busy);
     }
     mb.kernel.store(kernel, Ordering::Relaxed);
+    mb.worker.store(worker, Ordering::Relaxed);
     mb.entry.store(entry, Ordering::Relaxed);
     mb.rsp.store(rsp, Ordering::Relaxed);
     mb.a0.store(a[0], Ordering::Relaxed);
@@ -287,20 +292,30 @@ fn post(
 }
 
 /// Has AP `cpu` enter `entry` at CPL3 on stack `rsp` with arguments `a` (see
-/// `user::enter`), ended by its tick once the TSC passes `deadline` (0: never).
+/// `user::enter`), ended by its tick once the TSC passes `deadline` (0: never). A `worker`
+/// runs beside the BSP's task (see `on_worker`).
 pub fn post_user(
     cpu: usize,
+    worker: bool,
     entry: u64,
     rsp: u64,
     a: [u64; 3],
     deadline: u64,
 ) -> Result<(), PostError> {
-    post(cpu, false, entry, rsp, a, deadline)
+    post(cpu, false, worker, entry, rsp, a, deadline)
+}
+
+/// True if this CPU runs a worker of a multi-CPU task: other CPUs run user code and system
+/// calls at the same time, so it gets only the system calls that touch no shared kernel
+/// state, and no demand-paged windows.
+pub fn on_worker() -> bool {
+    let cpu = current();
+    cpu != 0 && MAILBOXES[cpu].worker.load(Ordering::Relaxed)
 }
 
 /// Has AP `cpu` run `f(arg)` at CPL0.
 pub fn post_kernel(cpu: usize, f: KernelJob, arg: u64) -> Result<(), PostError> {
-    post(cpu, true, f as usize as u64, 0, [arg, 0, 0], 0)
+    post(cpu, true, false, f as usize as u64, 0, [arg, 0, 0], 0)
 }
 
 /// Waits until CPU `cpu` finishes its job or the TSC passes `until` (0: no limit); returns

@@ -86,8 +86,8 @@ pub fn run_all(info: &BootInfo) -> u8 {
     status
 }
 
-/// Tasks whose user code `cpu=K` may move to another CPU.
-const MOVABLE: [&[u8]; 10] = [
+/// Tasks besides the workload tasks whose user code `cpu=K` may move to another CPU.
+const MOVABLE: [&[u8]; 9] = [
     b"hello",
     b"user-hello",
     b"blk-crc",
@@ -97,7 +97,6 @@ const MOVABLE: [&[u8]; 10] = [
     b"fault",
     b"pmem-crc",
     b"pmem-fill",
-    b"fib",
 ];
 
 fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
@@ -109,9 +108,13 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         a.and_then(|a| core::str::from_utf8(a).ok())
             .and_then(|s| s.parse::<u64>().ok())
     };
+    let workload = core::str::from_utf8(name)
+        .ok()
+        .and_then(|n| workloads::task::parse(n, None))
+        .is_some();
     let cpu = match opts.cpu {
-        Some(_) if !MOVABLE.contains(&name) || opts.procs.is_some() => {
-            return bad_argument(task, "cpu=K applies to hello, user-hello, blk-*, spin, fault, pmem-* and fib without procs=");
+        Some(_) if !(MOVABLE.contains(&name) || workload) || opts.procs.is_some() => {
+            return bad_argument(task, "cpu=K applies to hello, user-hello, blk-*, spin, fault, pmem-* and the workload tasks (fib without procs=)");
         }
         Some(k) if k as usize >= smp::online() => {
             return bad_argument(task, "cpu=K needs K below the number of CPUs online");

@@ -228,7 +228,7 @@ fn run_inner(cpu: usize, entry: UserEntry, param: u64, timeout_s: u64, reserved:
         let code = enter(0, entry, top - 8, args, deadline);
         return outcome(0, code);
     }
-    if smp::post_user(cpu, entry, top - 8, args, deadline).is_err() {
+    if smp::post_user(cpu, false, entry, top - 8, args, deadline).is_err() {
         return Outcome::NoCpu;
     }
     let until = match deadline {
@@ -317,7 +317,7 @@ fn cpu_start(cpu: usize, entry: u64, stack_top: u64, arg: u64) -> Result<u64, Er
     if entry < lo || entry >= hi || !in_arena(rsp, 8) {
         return Err(Error::BadArgument);
     }
-    smp::post_user(cpu, entry, rsp, [arg, cpu as u64, 0], deadline(0))
+    smp::post_user(cpu, true, entry, rsp, [arg, cpu as u64, 0], deadline(0))
         .map(|_| 0)
         .map_err(|e| match e {
             smp::PostError::NoCpu => Error::NoSuchCpu,
@@ -349,7 +349,17 @@ pub fn timed_out(code: u64) -> bool {
 
 pub fn syscall(f: &mut TrapFrame) {
     let (a0, a1, a2, a3) = (f.rdi, f.rsi, f.rdx, f.r10);
+    let shared_safe = matches!(
+        f.rax,
+        abi::SYS_EXIT
+            | abi::SYS_WRITE
+            | abi::SYS_TSC_HZ
+            | abi::SYS_GETPID
+            | abi::SYS_CPU_COUNT
+            | abi::SYS_CPU_NODE
+    );
     let result: Result<u64, Error> = match f.rax {
+        _ if !shared_safe && smp::on_worker() => Err(Error::NoSuchCall),
         // SAFETY: a system call comes from the running task, inside `run_user_asm` on this
         // CPU.
         abi::SYS_EXIT => unsafe { resume_kernel_asm(a0 & 0xff, smp::current() as u64) },
