@@ -32,6 +32,19 @@ pub const SYS_DROP_CACHES: u64 = 19;
 pub const SYS_STATS: u64 = 20;
 /// A demand-zero mapping of N pages; returns its virtual address.
 pub const SYS_ANON_MAP: u64 = 21;
+/// CPUs online (indices `0..n`; 0 is the BSP).
+pub const SYS_CPU_COUNT: u64 = 22;
+/// `cpu_node(cpu)`: the node (host) CPU `cpu` runs on; 0 on a single-node VM.
+pub const SYS_CPU_NODE: u64 = 23;
+/// `cpu_start(cpu, entry, stack_top, arg)`, from the BSP only: AP `cpu` enters
+/// `entry(arg, cpu, 0)` at CPL3 on `stack_top` (in the arena), under the caller's deadline.
+pub const SYS_CPU_START: u64 = 24;
+/// `cpu_wait(cpu)`, from the BSP only: waits (bounded by the caller's deadline) for AP
+/// `cpu`'s entry to end; returns its exit status, `CPU_FAULTED | vector` or `CPU_TIMED_OUT`.
+pub const SYS_CPU_WAIT: u64 = 25;
+
+pub const CPU_FAULTED: u64 = 0x100;
+pub const CPU_TIMED_OUT: u64 = 0x200;
 
 pub const PMEM_BASE: u64 = 0;
 pub const PMEM_SIZE: u64 = 1;
@@ -75,6 +88,10 @@ pub enum Error {
     NoMemory = 10,
     /// No such file descriptor, memory-storage region, or the file was not opened.
     BadFd = 11,
+    /// No such CPU online, or the call is for the BSP only.
+    NoSuchCpu = 12,
+    /// The CPU still runs an earlier entry.
+    Busy = 13,
 }
 
 impl Error {
@@ -90,6 +107,8 @@ impl Error {
             8 => Error::OutOfRange,
             10 => Error::NoMemory,
             11 => Error::BadFd,
+            12 => Error::NoSuchCpu,
+            13 => Error::Busy,
             _ => Error::NoSuchCall,
         }
     }
@@ -107,6 +126,8 @@ impl Error {
             Error::NoSuchCall => "no-such-call",
             Error::NoMemory => "no-memory",
             Error::BadFd => "bad-fd",
+            Error::NoSuchCpu => "no-such-cpu",
+            Error::Busy => "busy",
         }
     }
 
@@ -129,4 +150,6 @@ pub const STATUS_UNKNOWN_TASK: u8 = 2;
 pub const STATUS_BLK_FAILED: u8 = 3;
 pub const STATUS_USER_FAULT: u8 = 4;
 pub const STATUS_CONSOLE_TIMEOUT: u8 = 5;
+/// A multi-CPU task computed a wrong result (`shared-counter` not exact, `fib` mismatch).
+pub const STATUS_WRONG_RESULT: u8 = 6;
 pub const STATUS_KERNEL_FAULT: u8 = 101;

@@ -1,8 +1,8 @@
 //! Local APIC (xAPIC, MMIO), IOAPIC and the legacy PICs.
 
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use crate::arch::{mmio_read32, mmio_write32, outb};
+use crate::arch::{cpuid, mmio_read32, mmio_write32, outb, outl};
 use crate::cpu::{PIC_VECTOR_BASE, SPURIOUS_VECTOR};
 
 static LAPIC_BASE: AtomicU64 = AtomicU64::new(0xfee0_0000);
@@ -49,8 +49,70 @@ pub fn eoi() {
     write(REG_EOI, 0);
 }
 
-/// Sends an IPI and waits (bounded) for the delivery-status bit to clear.
+/// Musubi's paravirtual leaves: the signature leaf and the one after it.
+const PV_LEAF: u32 = 0x4000_0100;
+/// EBX, ECX, EDX of `PV_LEAF`: "MusubiMusubi".
+const PV_SIGNATURE: [u32; 3] = [
+    u32::from_le_bytes(*b"Musu"),
+    u32::from_le_bytes(*b"biMu"),
+    u32::from_le_bytes(*b"subi"),
+];
+/// The I/O port for paravirtual IPIs, plus one (0: none, use the LAPIC ICR).
+static PV_IPI_PORT: AtomicU32 = AtomicU32::new(0);
+static NODES: AtomicU32 = AtomicU32::new(1);
+static PV_LEAF_SEEN: AtomicBool = AtomicBool::new(false);
+
+/// True if the VMM advertises Musubi's paravirtual leaves (several nodes).
+fn pv_leaf_present() -> bool {
+    let r = cpuid(PV_LEAF, 0);
+    [r.ebx, r.ecx, r.edx] == PV_SIGNATURE && r.eax > PV_LEAF
+}
+
+/// Reads the paravirtual leaves (BSP, at boot, before any IPI): the IPI port, if offered,
+/// and the number of nodes. Without the signature nothing changes: one node, LAPIC IPIs.
+pub fn pv_detect() {
+    if !pv_leaf_present() {
+        return;
+    }
+    PV_LEAF_SEEN.store(true, Ordering::Relaxed);
+    let r = cpuid(PV_LEAF + 1, 0);
+    NODES.store(r.ecx.max(1), Ordering::Relaxed);
+    if r.eax & 1 != 0 && r.ebx <= 0xffff {
+        PV_IPI_PORT.store(r.ebx + 1, Ordering::Relaxed);
+    }
+}
+
+/// Number of nodes (hosts) the VM spans: 1 without the paravirtual leaf.
+pub fn nodes() -> u32 {
+    NODES.load(Ordering::Relaxed)
+}
+
+/// The paravirtual IPI port, if the VMM offers one.
+pub fn pv_ipi_port() -> Option<u16> {
+    match PV_IPI_PORT.load(Ordering::Relaxed) {
+        0 => None,
+        p => Some((p - 1) as u16),
+    }
+}
+
+/// The node of the CPU executing this (CPUID leaf 0x4000_0101 EDX); 0 without the leaf.
+pub fn this_node() -> u32 {
+    if PV_LEAF_SEEN.load(Ordering::Relaxed) {
+        cpuid(PV_LEAF + 1, 0).edx
+    } else {
+        0
+    }
+}
+
+/// Sends an IPI: through the paravirtual port when the VMM offers one (a LAPIC cannot reach
+/// vCPUs on other nodes), else through the ICR, waiting (bounded) for the delivery-status
+/// bit to clear. `icr_lo` is the ICR low word (vector, delivery mode, level, trigger,
+/// destination shorthand 0 or 3).
 pub fn send_ipi(dest: u32, icr_lo: u32) {
+    if let Some(port) = pv_ipi_port() {
+        outl(port, (dest << 24) | (icr_lo & 0x000f_ffff));
+        return;
+    }
     write(REG_ICR_HI, dest << 24);
     write(REG_ICR_LO, icr_lo);
     for _ in 0..100 {

@@ -5,7 +5,7 @@ use core::sync::atomic::{AtomicBool, Ordering};
 use crate::abi::STATUS_KERNEL_FAULT;
 use crate::arch::{cpuid, exit_vm, read_cr2};
 use crate::global::Global;
-use crate::{apic, console, kprintln, timer, ulib, user, virtio};
+use crate::{apic, console, kprintln, smp, timer, ulib, user, virtio};
 
 pub const MAX_CPUS: usize = 32;
 
@@ -42,7 +42,7 @@ pub static GDT: Global<[u64; GDT_LEN]> = Global::new(gdt_init());
 /// All TSSs share one I/O permission bitmap: TSS `i` sits at `i * TSS_STRIDE` and its
 /// I/O-map base points at the common, all-zero (all ports allowed) bitmap after them. CPL3
 /// tasks then use port I/O directly; IOPL=3 does not survive in PVH-booted guests here.
-const TSS_STRIDE: usize = 128;
+pub const TSS_STRIDE: usize = 128;
 const IOMAP_OFF: usize = MAX_CPUS * TSS_STRIDE;
 const TSS_AREA_LEN: usize = IOMAP_OFF + 8192 + 16;
 
@@ -251,18 +251,22 @@ pub fn exception_name(v: u64) -> &'static str {
 
 extern "C" fn trap_dispatch(f: &mut TrapFrame) {
     match f.vector {
-        14 if f.cs & 3 == 3 && crate::mm::user_fault(f.error, read_cr2()) => {}
+        14 if f.cs & 3 == 3 && !smp::on_worker() && crate::mm::user_fault(f.error, read_cr2()) => {}
         6 if f.cs & 3 == 3 && f.rip == ulib::syscall_gate() => {
             f.rip += 2;
             user::syscall(f);
         }
         timer::TIMER_VECTOR => {
-            timer::tick();
+            let cpu = smp::current();
+            if cpu == 0 {
+                timer::tick();
+            }
             apic::eoi();
             if f.cs & 3 == 3 {
-                user::check_deadline();
+                user::check_deadline(cpu);
             }
         }
+        smp::WAKE_VECTOR => apic::eoi(),
         console::CONSOLE_VECTOR => console::irq(),
         v if (virtio::VECTOR_BASE..virtio::VECTOR_BASE + virtio::MAX_DEVS as u64).contains(&v) => {
             virtio::irq((v - virtio::VECTOR_BASE) as usize);

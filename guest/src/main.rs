@@ -17,6 +17,7 @@ mod cpu;
 mod file;
 mod global;
 mod mm;
+mod mtasks;
 mod paging;
 mod pmem;
 mod serial;
@@ -54,6 +55,8 @@ extern "C" fn kmain(start_info: u32) -> ! {
     apic::set_bases(platform.lapic, platform.ioapic);
     apic::enable();
     let bsp = apic::id();
+    apic::pv_detect();
+    smp::init_bsp(bsp);
     timer::calibrate_tsc();
     timer::start_lapic_timer();
     kprintln!(
@@ -69,11 +72,17 @@ extern "C" fn kmain(start_info: u32) -> ! {
     );
     let online = smp::start_aps(&platform, bsp);
     kprintln!(
-        "probe: {} cpus listed ({}), {} online; {} bytes RAM",
+        "probe: {} cpus listed ({}), {} online; {} bytes RAM; {} node(s), {} IPIs",
         platform.ncpus,
         platform.source,
         online,
-        info.ram_bytes()
+        info.ram_bytes(),
+        apic::nodes(),
+        if apic::pv_ipi_port().is_some() {
+            "paravirtual"
+        } else {
+            "LAPIC"
+        }
     );
     virtio::probe_all(info, bsp);
     pmem::init(info);

@@ -1,8 +1,9 @@
 //! CPU discovery (Intel MP table, else ACPI MADT) and AP start-up (INIT, SIPI, SIPI).
 
-use core::sync::atomic::{AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use crate::apic;
+use crate::arch::{rdtsc, sti_hlt_cli};
 use crate::boot::{enter_long_mode, load_data_segments, Stack};
 use crate::bootinfo::BootInfo;
 use crate::cpu::{self, GDT, GDT_BYTES, MAX_CPUS};
@@ -38,6 +39,8 @@ pub static ONLINE: AtomicU32 = AtomicU32::new(1);
 /// they can all be started at once.
 static AP_NEXT: AtomicU32 = AtomicU32::new(1);
 
+/// Kernel stack of each AP; also what its traps from user mode run on (`current` tells
+/// the CPUs apart by it).
 const AP_STACK_SIZE: usize = 8192;
 #[link_section = ".noinit.apstacks"]
 static AP_STACKS: Global<Stack<{ AP_STACK_SIZE * (MAX_CPUS - 1) }>> =
@@ -121,13 +124,239 @@ ap_entry64:
 );
 
 extern "C" fn ap_main(idx: u32) -> ! {
-    cpu::load(idx as usize);
+    let cpu = idx as usize;
+    cpu::load(cpu);
     apic::enable();
+    CPU_APIC[cpu].store(apic::id(), Ordering::Relaxed);
+    CPU_NODE[cpu].store(apic::this_node(), Ordering::Relaxed);
+    timer::start_ap_timer();
+    CPU_UP[cpu].store(true, Ordering::SeqCst);
     ONLINE.fetch_add(1, Ordering::SeqCst);
+    let mb = &MAILBOXES[cpu];
     loop {
-        // SAFETY: this CPU's IDT and TSS are loaded (`cpu::load` above) and its handlers
-        // restore every register they use; waiting with interrupts on is all an AP does.
-        unsafe { core::arch::asm!("sti", "hlt", options(nomem, nostack)) };
+        if mb.state.load(Ordering::Acquire) != POSTED {
+            // Woken by the dispatch IPI or, should one be lost, by this CPU's tick.
+            sti_hlt_cli();
+            continue;
+        }
+        mb.state.store(RUNNING, Ordering::SeqCst);
+        // Another task may have changed the user windows since this CPU last ran one.
+        crate::paging::flush_tlb();
+        let a = [
+            mb.a0.load(Ordering::Relaxed),
+            mb.a1.load(Ordering::Relaxed),
+            mb.a2.load(Ordering::Relaxed),
+        ];
+        let entry = mb.entry.load(Ordering::Relaxed);
+        let result = if mb.kernel.load(Ordering::Relaxed) {
+            // SAFETY: `post_kernel` stored a `KernelJob` function pointer here.
+            let f: KernelJob = unsafe { core::mem::transmute::<u64, KernelJob>(entry) };
+            f(a[0])
+        } else {
+            crate::user::enter(
+                cpu,
+                entry,
+                mb.rsp.load(Ordering::Relaxed),
+                a,
+                mb.deadline.load(Ordering::Relaxed),
+            )
+        };
+        mb.result.store(result, Ordering::Relaxed);
+        mb.state.store(DONE, Ordering::SeqCst);
+        apic::send_ipi(CPU_APIC[0].load(Ordering::Relaxed), WAKE_IPI);
+    }
+}
+
+/// Vector of the IPI that tells a CPU its mailbox has work (or the BSP that a job is done);
+/// its handler only acknowledges it.
+pub const WAKE_VECTOR: u64 = 0x50;
+/// ICR low word of a wake-up: fixed delivery, level assert, no shorthand.
+const WAKE_IPI: u32 = (1 << 14) | WAKE_VECTOR as u32;
+
+/// APIC id and node of each CPU index (0: the BSP; APs in the order they reported in).
+static CPU_APIC: [AtomicU32; MAX_CPUS] = [const { AtomicU32::new(0) }; MAX_CPUS];
+static CPU_NODE: [AtomicU32; MAX_CPUS] = [const { AtomicU32::new(0) }; MAX_CPUS];
+static CPU_UP: [AtomicBool; MAX_CPUS] = [const { AtomicBool::new(false) }; MAX_CPUS];
+
+/// A function an AP runs at CPL0 for the BSP (`post_kernel`); returns the job's result.
+pub type KernelJob = fn(u64) -> u64;
+
+const IDLE: u32 = 0;
+const POSTED: u32 = 1;
+const RUNNING: u32 = 2;
+const DONE: u32 = 3;
+
+/// One CPU's work slot. The BSP fills it and sets `state` to POSTED; the CPU runs the job,
+/// stores `result` and sets DONE; the BSP takes the result and sets IDLE. A DONE slot whose
+/// result nobody collected (its waiter gave up) may be posted to again.
+#[repr(C, align(64))]
+struct Mailbox {
+    state: AtomicU32,
+    kernel: AtomicBool,
+    /// A worker of a task that runs on several CPUs at once (`user::cpu_start`).
+    worker: AtomicBool,
+    entry: AtomicU64,
+    rsp: AtomicU64,
+    a0: AtomicU64,
+    a1: AtomicU64,
+    a2: AtomicU64,
+    deadline: AtomicU64,
+    result: AtomicU64,
+}
+
+static MAILBOXES: [Mailbox; MAX_CPUS] = [const {
+    Mailbox {
+        state: AtomicU32::new(IDLE),
+        kernel: AtomicBool::new(false),
+        worker: AtomicBool::new(false),
+        entry: AtomicU64::new(0),
+        rsp: AtomicU64::new(0),
+        a0: AtomicU64::new(0),
+        a1: AtomicU64::new(0),
+        a2: AtomicU64::new(0),
+        deadline: AtomicU64::new(0),
+        result: AtomicU64::new(0),
+    }
+}; MAX_CPUS];
+
+/// Records the BSP as CPU 0 (after `apic::pv_detect`, before `start_aps`).
+pub fn init_bsp(bsp: u32) {
+    CPU_APIC[0].store(bsp, Ordering::Relaxed);
+    CPU_NODE[0].store(apic::this_node(), Ordering::Relaxed);
+    CPU_UP[0].store(true, Ordering::SeqCst);
+}
+
+pub fn online() -> usize {
+    ONLINE.load(Ordering::SeqCst) as usize
+}
+
+/// The node CPU `cpu` read from CPUID when it came up (0 on a single-node VM).
+pub fn node_of(cpu: usize) -> Option<u32> {
+    (cpu < MAX_CPUS && CPU_UP[cpu].load(Ordering::SeqCst))
+        .then(|| CPU_NODE[cpu].load(Ordering::Relaxed))
+}
+
+/// Index of the CPU running this kernel code, from the stack it runs on (AP `i` runs on
+/// AP stack `i - 1`; the BSP, the IST stack and anything else count as CPU 0).
+pub fn current() -> usize {
+    let rsp: u64;
+    // SAFETY: reads the stack pointer; no other effect.
+    unsafe {
+        core::arch::asm!("mov {}, rsp", out(reg) rsp, options(nomem, nostack, preserves_flags))
+    };
+    let base = AP_STACKS.addr();
+    if rsp > base && rsp < base + (AP_STACK_SIZE * (MAX_CPUS - 1)) as u64 {
+        ((rsp - base) / AP_STACK_SIZE as u64) as usize + 1
+    } else {
+        0
+    }
+}
+
+/// Why a job could not be handed to a CPU.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum PostError {
+    /// No such CPU, it is not online, or it is the BSP.
+    NoCpu,
+    /// It still runs an earlier job.
+    Busy,
+}
+
+fn post(
+    cpu: usize,
+    kernel: bool,
+    worker: bool,
+    entry: u64,
+    rsp: u64,
+    a: [u64; 3],
+    deadline: u64,
+) -> Result<(), PostError> {
+    if cpu == 0 || node_of(cpu).is_none() {
+        return Err(PostError::NoCpu);
+    }
+    let mb = &MAILBOXES[cpu];
+    let s = mb.state.load(Ordering::SeqCst);
+    if s == POSTED || s == RUNNING {
+        return Err(PostError::Busy);
+    }
+    mb.kernel.store(kernel, Ordering::Relaxed);
+    mb.worker.store(worker, Ordering::Relaxed);
+    mb.entry.store(entry, Ordering::Relaxed);
+    mb.rsp.store(rsp, Ordering::Relaxed);
+    mb.a0.store(a[0], Ordering::Relaxed);
+    mb.a1.store(a[1], Ordering::Relaxed);
+    mb.a2.store(a[2], Ordering::Relaxed);
+    mb.deadline.store(deadline, Ordering::Relaxed);
+    mb.state.store(POSTED, Ordering::SeqCst);
+    apic::send_ipi(CPU_APIC[cpu].load(Ordering::Relaxed), WAKE_IPI);
+    Ok(())
+}
+
+/// Has AP `cpu` enter `entry` at CPL3 on stack `rsp` with arguments `a` (see
+/// `user::enter`), ended by its tick once the TSC passes `deadline` (0: never). A `worker`
+/// runs beside the BSP's task (see `on_worker`).
+pub fn post_user(
+    cpu: usize,
+    worker: bool,
+    entry: u64,
+    rsp: u64,
+    a: [u64; 3],
+    deadline: u64,
+) -> Result<(), PostError> {
+    post(cpu, false, worker, entry, rsp, a, deadline)
+}
+
+/// True if this CPU runs a worker of a multi-CPU task: other CPUs run user code and system
+/// calls at the same time, so it gets only the system calls that touch no shared kernel
+/// state, and no demand-paged windows.
+pub fn on_worker() -> bool {
+    let cpu = current();
+    cpu != 0 && MAILBOXES[cpu].worker.load(Ordering::Relaxed)
+}
+
+/// Has AP `cpu` run `f(arg)` at CPL0.
+pub fn post_kernel(cpu: usize, f: KernelJob, arg: u64) -> Result<(), PostError> {
+    post(cpu, true, false, f as usize as u64, 0, [arg, 0, 0], 0)
+}
+
+/// Waits until CPU `cpu` finishes its job or the TSC passes `until` (0: no limit); returns
+/// the job's result, or `None` if it is still running.
+pub fn wait(cpu: usize, until: u64) -> Option<u64> {
+    let mb = &MAILBOXES[cpu];
+    loop {
+        if mb.state.load(Ordering::SeqCst) == DONE {
+            let r = mb.result.load(Ordering::Relaxed);
+            // A job its deadline ended stays DONE, so the task's report names the CPU
+            // (`unfinished`) until `reap` clears it before the next task.
+            if !crate::user::timed_out(r) {
+                mb.state.store(IDLE, Ordering::SeqCst);
+            }
+            return Some(r);
+        }
+        if until != 0 && rdtsc() >= until {
+            return None;
+        }
+        timer::idle();
+    }
+}
+
+/// Forgets the results nobody collected (jobs ended by an earlier task's deadline), so
+/// `unfinished` speaks of the next task only.
+pub fn reap() {
+    for mb in MAILBOXES.iter() {
+        let _ = mb
+            .state
+            .compare_exchange(DONE, IDLE, Ordering::SeqCst, Ordering::SeqCst);
+    }
+}
+
+/// True if CPU `cpu`'s job is still posted or running, or ended by its deadline with
+/// nobody collecting the result (for reports of tasks that ran out of time).
+pub fn unfinished(cpu: usize) -> bool {
+    let mb = &MAILBOXES[cpu];
+    match mb.state.load(Ordering::SeqCst) {
+        POSTED | RUNNING => true,
+        DONE => crate::user::timed_out(mb.result.load(Ordering::Relaxed)),
+        _ => false,
     }
 }
 

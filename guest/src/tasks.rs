@@ -7,7 +7,7 @@ use crate::arch::exit_vm;
 use crate::bootinfo::{self, BootInfo};
 use crate::ulib::JsonBytes;
 use crate::user::{self, Outcome, UserEntry};
-use crate::{console, cpu, kprint, kprintln, smp, timer, utasks, virtio, wtasks};
+use crate::{apic, console, cpu, kprint, kprintln, mtasks, smp, timer, utasks, virtio, wtasks};
 
 /// Shows command-line bytes (which may be anything) safely inside a JSON string.
 pub struct Lossy<'a>(pub &'a [u8]);
@@ -18,12 +18,67 @@ impl fmt::Display for Lossy<'_> {
     }
 }
 
-/// Runs the tasks in order. The VM's status is the first non-zero task status.
+/// Options that follow a task in the list (`fib=30,procs=4`) and belong to it.
+#[derive(Clone, Copy, Default)]
+pub struct Opts {
+    /// `procs=P`: P copies of the task spread over the CPUs (`fib`).
+    pub procs: Option<u64>,
+    /// `iters=N`: iterations (`litmus`).
+    pub iters: Option<u64>,
+    /// `cpu=K`: run the task's user code on CPU K.
+    pub cpu: Option<u64>,
+}
+
+fn option_name(item: &[u8]) -> Option<&'static str> {
+    ["procs", "iters", "cpu"]
+        .into_iter()
+        .find(|o| item.len() > o.len() && item.starts_with(o.as_bytes()) && item[o.len()] == b'=')
+}
+
+impl Opts {
+    fn set(&mut self, item: &[u8]) -> Result<(), &'static str> {
+        let name = option_name(item).ok_or("not an option")?;
+        let v = core::str::from_utf8(&item[name.len() + 1..])
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok());
+        let slot = match name {
+            "procs" => &mut self.procs,
+            "iters" => &mut self.iters,
+            _ => &mut self.cpu,
+        };
+        *slot = Some(v.ok_or("procs=, iters= and cpu= need a decimal number")?);
+        Ok(())
+    }
+}
+
+/// Runs the tasks in order. The VM's status is the first non-zero task status. Items
+/// `procs=P`, `iters=N` and `cpu=K` are options of the task before them.
 pub fn run_all(info: &BootInfo) -> u8 {
     let list = info.param(b"probe.tasks").unwrap_or(b"hello");
     let mut status = 0;
-    for task in list.split(|&b| b == b',').filter(|t| !t.is_empty()) {
-        let s = run_one(info, task);
+    let mut items = list
+        .split(|&b| b == b',')
+        .filter(|t| !t.is_empty())
+        .peekable();
+    while let Some(task) = items.next() {
+        let mut opts = Opts::default();
+        let mut bad = None;
+        while let Some(o) = items.next_if(|i| option_name(i).is_some()) {
+            if let Err(why) = opts.set(o) {
+                bad.get_or_insert(why);
+            }
+        }
+        smp::reap();
+        let s = if option_name(task).is_some() {
+            bad_argument(
+                task,
+                "procs=, iters= and cpu= must follow the task they belong to",
+            )
+        } else if let Some(why) = bad {
+            bad_argument(task, why)
+        } else {
+            run_one(info, task, opts)
+        };
         if status == 0 {
             status = s;
         }
@@ -31,7 +86,20 @@ pub fn run_all(info: &BootInfo) -> u8 {
     status
 }
 
-fn run_one(info: &BootInfo, task: &[u8]) -> u8 {
+/// Tasks besides the workload tasks whose user code `cpu=K` may move to another CPU.
+const MOVABLE: [&[u8]; 9] = [
+    b"hello",
+    b"user-hello",
+    b"blk-crc",
+    b"blk-id",
+    b"blk-fill",
+    b"spin",
+    b"fault",
+    b"pmem-crc",
+    b"pmem-fill",
+];
+
+fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
     let (name, arg) = match task.iter().position(|&b| b == b'=') {
         Some(i) => (&task[..i], Some(&task[i + 1..])),
         None => (task, None),
@@ -40,47 +108,97 @@ fn run_one(info: &BootInfo, task: &[u8]) -> u8 {
         a.and_then(|a| core::str::from_utf8(a).ok())
             .and_then(|s| s.parse::<u64>().ok())
     };
+    let workload = core::str::from_utf8(name)
+        .ok()
+        .and_then(|n| workloads::task::parse(n, None))
+        .is_some();
+    let cpu = match opts.cpu {
+        Some(_) if !(MOVABLE.contains(&name) || workload) || opts.procs.is_some() => {
+            return bad_argument(task, "cpu=K applies to hello, user-hello, blk-*, spin, fault, pmem-* and the workload tasks (fib without procs=)");
+        }
+        Some(k) if k as usize >= smp::online() => {
+            return bad_argument(task, "cpu=K needs K below the number of CPUs online");
+        }
+        Some(k) => k as usize,
+        None => 0,
+    };
+    if opts.procs.is_some() && name != b"fib" {
+        return bad_argument(task, "procs=P applies to fib only");
+    }
+    if opts.iters.is_some() && name != b"litmus" {
+        return bad_argument(task, "iters=N applies to litmus only");
+    }
+    if let (b"fib", Some(p)) = (name, opts.procs) {
+        return match num(arg) {
+            Some(n) if n <= 100 && (1..=mtasks::MAX_PROCS).contains(&p) => {
+                run_user("fib", 0, mtasks::fib_procs, n | p << 32)
+            }
+            _ => bad_argument(task, "fib=N,procs=P needs N <= 100 and P in 1..=256"),
+        };
+    }
     if let (Ok(n), Ok(a)) = (
         core::str::from_utf8(name),
         arg.map(core::str::from_utf8).transpose(),
     ) {
         match workloads::task::parse(n, a) {
             Some(Ok(t)) => {
-                return finish(t.name(), user::run_task(wtasks::workload, &t, timeout()))
+                return finish(
+                    t.name(),
+                    cpu,
+                    user::run_task(cpu, wtasks::workload, &t, timeout()),
+                )
             }
             Some(Err(usage)) => return bad_argument(task, usage),
             None => {}
         }
     }
     match (name, arg) {
-        (b"pmem-crc", None) => run_user("pmem-crc", utasks::pmem_crc, 0),
+        (b"pmem-crc", None) => run_user("pmem-crc", cpu, utasks::pmem_crc, 0),
         (b"pmem-fill", a) => match num(a) {
-            Some(seed) => run_user("pmem-fill", utasks::pmem_fill, seed),
+            Some(seed) => run_user("pmem-fill", cpu, utasks::pmem_fill, seed),
             None => bad_argument(task, "pmem-fill=SEED needs a decimal seed"),
         },
+        (b"hello", None) if cpu == 0 => hello(0) as u8,
         (b"hello", None) => {
-            kprintln!(
-                "{{\"probe\":\"hello\",\"cpus\":{},\"memory_bytes\":{}}}",
-                smp::ONLINE.load(core::sync::atomic::Ordering::SeqCst),
-                info.ram_bytes()
-            );
-            0
+            if smp::post_kernel(cpu, hello, 0).is_err() {
+                return finish("hello", cpu, Outcome::NoCpu);
+            }
+            match smp::wait(cpu, crate::arch::rdtsc() + 10 * timer::tsc_hz()) {
+                Some(s) => s as u8,
+                None => finish("hello", cpu, Outcome::TimedOut),
+            }
+        }
+        (b"shared-counter", a) => match num(a) {
+            Some(n) if n > 0 => run_user("shared-counter", 0, mtasks::shared_counter, n),
+            _ => bad_argument(task, "shared-counter=N needs a positive count"),
+        },
+        (b"litmus", a) => {
+            let test = match a {
+                Some(b"mp") => 0,
+                Some(b"iriw") => 1,
+                Some(b"2+2w") => 2,
+                _ => return bad_argument(task, "litmus=mp|iriw|2+2w[,iters=N]"),
+            };
+            match opts.iters.unwrap_or(mtasks::DEFAULT_ITERS) {
+                n @ 1..=0xffff_ffff => run_user("litmus", 0, mtasks::litmus, test | n << 8),
+                _ => bad_argument(task, "litmus iters=N needs N in 1..=4294967295"),
+            }
         }
         (b"timer", None) => timer_task(),
         (b"console-echo", a) => match a.map_or(Some(console::DEFAULT_WAIT_S), |a| num(Some(a))) {
             Some(secs) if secs > 0 => console::echo_task(secs),
             _ => bad_argument(task, "console-echo=SECS needs a positive number of seconds"),
         },
-        (b"user-hello", None) => run_user("user-hello", utasks::user_hello, 0),
-        (b"blk-crc", None) => run_user("blk-crc", utasks::blk_crc, 0),
-        (b"blk-id", None) => run_user("blk-id", utasks::blk_id, 0),
+        (b"user-hello", None) => run_user("user-hello", cpu, utasks::user_hello, 0),
+        (b"blk-crc", None) => run_user("blk-crc", cpu, utasks::blk_crc, 0),
+        (b"blk-id", None) => run_user("blk-id", cpu, utasks::blk_id, 0),
         (b"blk-fill", a) => match num(a) {
-            Some(seed) => run_user("blk-fill", utasks::blk_fill, seed),
+            Some(seed) => run_user("blk-fill", cpu, utasks::blk_fill, seed),
             None => bad_argument(task, "blk-fill=SEED needs a decimal seed"),
         },
-        (b"fault", None) => run_user("fault", utasks::fault, 0),
+        (b"fault", None) => run_user("fault", cpu, utasks::fault, 0),
         (b"spin", a) => match num(a) {
-            Some(n) => run_user("spin", utasks::spin, n),
+            Some(n) => run_user("spin", cpu, utasks::spin, n),
             None => bad_argument(task, "spin=N needs a decimal iteration count"),
         },
         (b"exit", a) => match num(a) {
@@ -124,20 +242,58 @@ fn timeout() -> u64 {
         .unwrap_or(DEFAULT_TASK_TIMEOUT_S)
 }
 
-fn run_user(name: &str, entry: UserEntry, param: u64) -> u8 {
-    finish(name, user::run(entry, param, timeout()))
+fn run_user(name: &str, cpu: usize, entry: UserEntry, param: u64) -> u8 {
+    finish(name, cpu, user::run(cpu, entry, param, timeout()))
+}
+
+/// The `hello` line, printed by the CPU that runs this (`cpu=K` runs it on CPU K as a
+/// kernel job): CPUs online, RAM, nodes and the node each CPU found itself on.
+fn hello(_: u64) -> u64 {
+    let info = bootinfo::get();
+    let n = smp::online();
+    kprint!(
+        "{{\"probe\":\"hello\",\"cpus\":{},\"memory_bytes\":{},\"nodes\":{},\"pv_ipi\":{},\"cpu\":{},\"apic_id\":{},\"cpu_nodes\":[",
+        n,
+        info.ram_bytes(),
+        apic::nodes(),
+        apic::pv_ipi_port().is_some(),
+        smp::current(),
+        apic::id()
+    );
+    for c in 0..n {
+        match smp::node_of(c) {
+            Some(node) => kprint!("{}{}", if c > 0 { "," } else { "" }, node),
+            None => kprint!("{}null", if c > 0 { "," } else { "" }),
+        }
+    }
+    kprintln!("]}}");
+    0
 }
 
 /// The task's status from how it ended; reports time-outs and faults.
-fn finish(name: &str, outcome: Outcome) -> u8 {
+/// `cpu`: where the task's user code ran.
+fn finish(name: &str, cpu: usize, outcome: Outcome) -> u8 {
     let timeout = timeout();
     match outcome {
         Outcome::Exit(code) => code,
         Outcome::TimedOut => {
-            kprintln!(
-                "{{\"probe\":\"{}\",\"ok\":false,\"error\":\"task still running after {} s\"}}",
+            kprint!(
+                "{{\"probe\":\"{}\",\"ok\":false,\"error\":\"task still running after {} s\",\"unfinished_cpus\":[",
                 name,
                 timeout
+            );
+            let mut first = true;
+            for c in (1..smp::online()).filter(|&c| c == cpu || smp::unfinished(c)) {
+                kprint!("{}{}", if first { "" } else { "," }, c);
+                first = false;
+            }
+            kprintln!("]}}");
+            STATUS_USER_FAULT
+        }
+        Outcome::NoCpu => {
+            kprintln!(
+                "{{\"probe\":\"{}\",\"ok\":false,\"error\":\"the CPU asked for is not online or still busy\"}}",
+                name
             );
             STATUS_USER_FAULT
         }

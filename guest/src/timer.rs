@@ -13,6 +13,8 @@ static TICKS: AtomicU64 = AtomicU64::new(0);
 static TSC_HZ: AtomicU64 = AtomicU64::new(1_000_000_000);
 static LAPIC_HZ: AtomicU64 = AtomicU64::new(0);
 static TIMER_OK: AtomicBool = AtomicBool::new(false);
+/// The LAPIC timer's initial count for one tick (set by the BSP, used by the APs too).
+static PERIOD: AtomicU64 = AtomicU64::new(0);
 static SOURCE: Global<&'static str> = Global::new("assumed");
 
 pub fn tick() {
@@ -168,6 +170,7 @@ pub fn start_lapic_timer() {
     let hz = elapsed as u64 * tsc_hz() / (t1 - t0).max(1);
     LAPIC_HZ.store(hz, Ordering::Relaxed);
     let period = (hz / TICK_HZ).clamp(1, u32::MAX as u64) as u32;
+    PERIOD.store(period as u64, Ordering::Relaxed);
     apic::write(apic::REG_LVT_TIMER, (1 << 17) | TIMER_VECTOR as u32);
     apic::write(apic::REG_TIMER_INIT, period);
     let end = rdtsc() + tsc_hz() / 5;
@@ -181,6 +184,18 @@ pub fn start_lapic_timer() {
     // SAFETY: disabling interrupts has no memory effects.
     unsafe { core::arch::asm!("cli") };
     TIMER_OK.store(ticks() != before, Ordering::Relaxed);
+}
+
+/// Starts an AP's LAPIC timer with the BSP's tick period: an AP's tick wakes it to look at
+/// its mailbox, ends its user task at the deadline, and paces its bounded waits.
+pub fn start_ap_timer() {
+    let period = PERIOD.load(Ordering::Relaxed);
+    if period == 0 {
+        return;
+    }
+    apic::write(apic::REG_TIMER_DIV, 0x3);
+    apic::write(apic::REG_LVT_TIMER, (1 << 17) | TIMER_VECTOR as u32);
+    apic::write(apic::REG_TIMER_INIT, period as u32);
 }
 
 /// Sleeps until the next interrupt if the tick works, else spins briefly.

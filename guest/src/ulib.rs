@@ -265,3 +265,28 @@ impl Stats {
         }
     }
 }
+
+pub fn cpu_count() -> usize {
+    syscall(abi::SYS_CPU_COUNT, 0, 0, 0, 0) as usize
+}
+
+pub fn cpu_node(cpu: usize) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_CPU_NODE, cpu as u64, 0, 0, 0))
+}
+
+/// Starts `entry(arg, cpu, 0)` at CPL3 on AP `cpu` with the stack ending at `stack_top`.
+pub fn cpu_start(
+    cpu: usize,
+    entry: extern "C" fn(u64, u64, u64) -> !,
+    stack_top: u64,
+    arg: u64,
+) -> Result<(), Error> {
+    let e = entry as usize as u64;
+    decode(syscall(abi::SYS_CPU_START, cpu as u64, e, stack_top, arg)).map(|_| ())
+}
+
+/// Waits for AP `cpu`'s entry to end: its exit status, `abi::CPU_FAULTED | vector` or
+/// `abi::CPU_TIMED_OUT`.
+pub fn cpu_wait(cpu: usize) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_CPU_WAIT, cpu as u64, 0, 0, 0))
+}

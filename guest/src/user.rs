@@ -1,6 +1,8 @@
 //! User-mode (CPL3) tasks: entering them, their system calls, and their faults.
 //!
-//! A task runs on the BSP with `iretq` into the user code segment and interrupts enabled.
+//! A task runs on one CPU (the BSP unless told otherwise; an AP gets it through its
+//! mailbox, `smp::post_user`) with `iretq` into the user code segment and interrupts
+//! enabled. Each CPU has its own saved kernel stack pointer, TSS, deadline and fault slot.
 //!
 //! System calls enter through an exception: user code calls `user_syscall_gate`, whose `ud2`
 //! raises #UD, and the kernel treats a #UD at exactly that address from CPL3 as a system
@@ -17,25 +19,27 @@
 //! kernel-only. Block requests hand arena addresses straight to the device (identity
 //! mapping): the kernel copies nothing.
 
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::abi::{self, Error};
 use crate::arch::rdtsc;
 use crate::bootinfo::BootInfo;
-use crate::cpu::{self, TrapFrame, UCODE, UDATA};
+use crate::cpu::{self, TrapFrame, MAX_CPUS, UCODE, UDATA};
 use crate::global::Global;
-use crate::{file, mm, paging, pmem, serial, timer, virtio};
+use crate::{file, mm, paging, pmem, serial, smp, timer, virtio};
 
-/// Set by `run_user`: the kernel stack pointer to resume at.
-static KSAVE: Global<u64> = Global::new(0);
+/// Set by `run_user_asm`, one per CPU: the kernel stack pointer to resume at.
+static KSAVE: Global<[u64; MAX_CPUS]> = Global::new([0; MAX_CPUS]);
 static ARENA: Global<(u64, u64)> = Global::new((0, 0));
-static FAULT: Global<Option<FaultInfo>> = Global::new(None);
+static FAULT: Global<[Option<FaultInfo>; MAX_CPUS]> = Global::new([None; MAX_CPUS]);
 
-/// What ended the current task, if a fault did.
-fn fault_info() -> &'static mut Option<FaultInfo> {
-    // SAFETY: FAULT is used only on the BSP: set by the trap path of a task's fault, read by
-    // `run_inner` once the task is over; each use ends before the next begins.
-    unsafe { FAULT.get() }
+/// What ended the current task on `cpu`, if a fault did.
+fn fault_info(cpu: usize) -> &'static mut Option<FaultInfo> {
+    // SAFETY: slot `cpu` is used only by that CPU while its task runs (set by the trap path
+    // of the task's fault, read by `enter` once the task is over), and by the BSP once that
+    // CPU reported the job done; each use ends before the next begins. The reference is
+    // made to the one slot, never to the whole array.
+    unsafe { &mut *(FAULT.addr() as *mut Option<FaultInfo>).add(cpu.min(MAX_CPUS - 1)) }
 }
 
 const USER_STACK: u64 = 256 * 1024;
@@ -43,7 +47,6 @@ const MAX_ARENA: u64 = 256 << 20;
 const MIN_ARENA: u64 = 32 << 20;
 /// Bytes at the end of a task's data area that hold its parameters (`run_task`).
 const PARAM_BYTES: u64 = 512;
-const FAULTED: u64 = u64::MAX;
 
 #[derive(Clone, Copy)]
 pub struct FaultInfo {
@@ -58,11 +61,13 @@ pub enum Outcome {
     Fault(FaultInfo),
     /// Still running in user mode when its time ran out (`probe.task_timeout`).
     TimedOut,
+    /// The CPU asked for is not online or still runs an earlier task.
+    NoCpu,
 }
 
-/// TSC value after which a task that the tick finds in user mode is ended; 0 = no limit.
-static DEADLINE: AtomicU64 = AtomicU64::new(0);
-const TIMED_OUT: u64 = u64::MAX - 1;
+/// Per CPU: TSC value after which a task that the tick finds in user mode is ended;
+/// 0 = no limit.
+static DEADLINE: [AtomicU64; MAX_CPUS] = [const { AtomicU64::new(0) }; MAX_CPUS];
 
 /// Entry of a user task: (arena base, arena bytes usable for data, task parameter).
 pub type UserEntry = extern "C" fn(u64, u64, u64) -> !;
@@ -79,8 +84,9 @@ run_user_asm:
     push %r13
     push %r14
     push %r15
-    mov %rsp, {ksave}
-    mov %rsp, {tss}+4
+    mov %rsp, {ksave}(,%r9,8)
+    imul ${tss_stride}, %r9, %rax
+    mov %rsp, {tss}+4(%rax)
     pushq ${udata}
     push %rsi
     pushq $0x202
@@ -105,7 +111,7 @@ run_user_asm:
 
     .global resume_kernel_asm
 resume_kernel_asm:
-    mov {ksave}, %rsp
+    mov {ksave}(,%rsi,8), %rsp
     mov %rdi, %rax
     pop %r15
     pop %r14
@@ -117,25 +123,28 @@ resume_kernel_asm:
     "#,
     ksave = sym KSAVE,
     tss = sym cpu::TSS_AREA,
+    tss_stride = const cpu::TSS_STRIDE,
     udata = const UDATA,
     ucode = const UCODE,
     options(att_syntax)
 );
 
 extern "C" {
-    /// Enters `entry` at CPL3 on stack `rsp` with arguments `a0..a2`; returns the code that
-    /// `resume_kernel_asm` was given.
+    /// Enters `entry` at CPL3 on stack `rsp` with arguments `a0..a2` on CPU `cpu` (the
+    /// calling one); returns the code that `resume_kernel_asm` was given.
     ///
     /// # Safety
-    /// `entry` and `rsp` must lie in memory the task may use (kernel text, its arena), and the
-    /// TSS must be loaded: it receives the kernel stack pointer for traps from user mode.
-    fn run_user_asm(entry: u64, rsp: u64, a0: u64, a1: u64, a2: u64) -> u64;
-    /// Returns `code` from the current `run_user_asm`, dropping the kernel stack above it.
+    /// `entry` and `rsp` must lie in memory the task may use (kernel text, its arena), and
+    /// `cpu`'s TSS must be loaded: it receives the kernel stack pointer for traps from user
+    /// mode.
+    fn run_user_asm(entry: u64, rsp: u64, a0: u64, a1: u64, a2: u64, cpu: u64) -> u64;
+    /// Returns `code` from the current `run_user_asm` of CPU `cpu` (the calling one),
+    /// dropping the kernel stack above it.
     ///
     /// # Safety
-    /// A `run_user_asm` must be under way, and nothing on the kernel stack between it and
-    /// the caller may need dropping (only the trap path and system calls call this).
-    fn resume_kernel_asm(code: u64) -> !;
+    /// A `run_user_asm` must be under way on `cpu`, and nothing on the kernel stack between
+    /// it and the caller may need dropping (only the trap path and system calls call this).
+    fn resume_kernel_asm(code: u64, cpu: u64) -> !;
 }
 
 /// Picks the task arena and the kernel's page pool (`mm`) from the largest usable-RAM
@@ -167,8 +176,13 @@ pub fn arena() -> (u64, u64) {
 }
 
 /// Runs `entry` with a copy of `task` (at the end of its data area) as its parameter: the
-/// entry gets the address of the copy, and a data area without it.
-pub fn run_task(entry: UserEntry, task: &workloads::task::Task, timeout_s: u64) -> Outcome {
+/// entry gets the address of the copy, and a data area without it. On CPU `cpu`.
+pub fn run_task(
+    cpu: usize,
+    entry: UserEntry,
+    task: &workloads::task::Task,
+    timeout_s: u64,
+) -> Outcome {
     const { assert!(core::mem::size_of::<workloads::task::Task>() as u64 <= PARAM_BYTES) };
     let (base, len) = arena();
     if len < USER_STACK * 2 {
@@ -179,15 +193,21 @@ pub fn run_task(entry: UserEntry, task: &workloads::task::Task, timeout_s: u64) 
     // no task is using now; `Task` fits in PARAM_BYTES (the const assertion) and the arena
     // is 2 MiB-aligned, so `at` is aligned for it.
     unsafe { core::ptr::write(at as *mut workloads::task::Task, *task) };
-    run_inner(entry, at, timeout_s, PARAM_BYTES)
+    run_inner(cpu, entry, at, timeout_s, PARAM_BYTES)
 }
 
-/// Runs `entry` at CPL3 until it exits or faults.
-pub fn run(entry: UserEntry, param: u64, timeout_s: u64) -> Outcome {
-    run_inner(entry, param, timeout_s, 0)
+/// Runs `entry` at CPL3 on CPU `cpu` until it exits or faults.
+pub fn run(cpu: usize, entry: UserEntry, param: u64, timeout_s: u64) -> Outcome {
+    run_inner(cpu, entry, param, timeout_s, 0)
 }
 
-fn run_inner(entry: UserEntry, param: u64, timeout_s: u64, reserved: u64) -> Outcome {
+/// Raw codes of `enter` besides an exit status (0..=255).
+const FAULTED: u64 = u64::MAX;
+const TIMED_OUT: u64 = u64::MAX - 1;
+/// Time the BSP allows an AP past its task's deadline to report in.
+const AP_GRACE_S: u64 = 2;
+
+fn run_inner(cpu: usize, entry: UserEntry, param: u64, timeout_s: u64, reserved: u64) -> Outcome {
     let (base, len) = arena();
     if len < USER_STACK * 2 {
         return Outcome::Exit(abi::STATUS_USER_FAULT);
@@ -198,53 +218,79 @@ fn run_inner(entry: UserEntry, param: u64, timeout_s: u64, reserved: u64) -> Out
     // A zero return address, so the entry sees the stack alignment of a called function.
     // SAFETY: `top - 8` is an aligned word at the top of the arena, which no task uses now.
     unsafe { core::ptr::write_volatile((top - 8) as *mut u64, 0) };
-    *fault_info() = None;
     let deadline = match timeout_s {
         0 => 0,
         s => rdtsc().saturating_add(s.saturating_mul(timer::tsc_hz())),
     };
-    DEADLINE.store(deadline, Ordering::Relaxed);
-    // SAFETY: `entry` is a task body in kernel text (mapped user-readable), `top - 8` the top
-    // of the task's arena stack; `cpu::init_bsp` loaded the BSP's TSS.
-    let code = unsafe {
-        run_user_asm(
-            entry as usize as u64,
-            top - 8,
-            base,
-            len - USER_STACK - reserved,
-            param,
-        )
+    let args = [base, len - USER_STACK - reserved, param];
+    let entry = entry as usize as u64;
+    if cpu == 0 {
+        let code = enter(0, entry, top - 8, args, deadline);
+        return outcome(0, code);
+    }
+    if smp::post_user(cpu, false, entry, top - 8, args, deadline).is_err() {
+        return Outcome::NoCpu;
+    }
+    let until = match deadline {
+        0 => 0,
+        d => d.saturating_add(AP_GRACE_S * timer::tsc_hz()),
     };
-    DEADLINE.store(0, Ordering::Relaxed);
-    match *fault_info() {
+    match smp::wait(cpu, until) {
+        Some(code) => outcome(cpu, code),
+        None => Outcome::TimedOut,
+    }
+}
+
+/// Runs `entry(a[0], a[1], a[2])` at CPL3 on stack `rsp` on this CPU, `cpu`, until it
+/// exits, faults or (seen by this CPU's tick) the TSC passes `deadline` (0: no limit).
+/// Returns the raw code for `outcome`.
+pub fn enter(cpu: usize, entry: u64, rsp: u64, a: [u64; 3], deadline: u64) -> u64 {
+    *fault_info(cpu) = None;
+    DEADLINE[cpu].store(deadline, Ordering::Relaxed);
+    // SAFETY: callers pass a task body in kernel text (mapped user-readable) and a stack in
+    // the task arena; `cpu` is the calling CPU, whose TSS `cpu::load` loaded.
+    let code = unsafe { run_user_asm(entry, rsp, a[0], a[1], a[2], cpu as u64) };
+    DEADLINE[cpu].store(0, Ordering::Relaxed);
+    code
+}
+
+/// What a raw code from `enter` on `cpu` means.
+pub fn outcome(cpu: usize, code: u64) -> Outcome {
+    match *fault_info(cpu) {
         _ if code == TIMED_OUT => Outcome::TimedOut,
         Some(f) if code == FAULTED => Outcome::Fault(f),
         _ => Outcome::Exit(code as u8),
     }
 }
 
-/// Called on every tick that interrupted user mode: ends a task that overran its time.
-/// The tick's EOI has been sent; the abandoned kernel stack holds nothing of value.
-pub fn check_deadline() {
-    let d = DEADLINE.load(Ordering::Relaxed);
+/// Called on every tick that interrupted user mode on `cpu`: ends a task that overran its
+/// time. The tick's EOI has been sent; the abandoned kernel stack holds nothing of value.
+pub fn check_deadline(cpu: usize) {
+    let d = DEADLINE[cpu].load(Ordering::Relaxed);
     if d != 0 && rdtsc() > d {
-        // SAFETY: a deadline is set only while `run_user_asm` runs, and the tick's trap frame
-        // below holds nothing that needs dropping.
-        unsafe { resume_kernel_asm(TIMED_OUT) }
+        // SAFETY: a deadline is set only while `run_user_asm` runs on `cpu`, and the tick's
+        // trap frame below holds nothing that needs dropping.
+        unsafe { resume_kernel_asm(TIMED_OUT, cpu as u64) }
     }
+}
+
+/// The calling task's deadline (TSC; 0: none).
+pub fn deadline(cpu: usize) -> u64 {
+    DEADLINE[cpu].load(Ordering::Relaxed)
 }
 
 /// Ends the current task after a CPL3 exception (already reported by the trap path).
 pub fn fault(f: &TrapFrame, cr2: u64) -> ! {
-    *fault_info() = Some(FaultInfo {
+    let cpu = smp::current();
+    *fault_info(cpu) = Some(FaultInfo {
         vector: f.vector,
         error: f.error,
         rip: f.rip,
         cr2,
     });
-    // SAFETY: the fault came from CPL3, so `run_user_asm` is under way; the trap frame
-    // below is plain data.
-    unsafe { resume_kernel_asm(FAULTED) }
+    // SAFETY: the fault came from CPL3, so `run_user_asm` is under way on this CPU; the
+    // trap frame below is plain data.
+    unsafe { resume_kernel_asm(FAULTED, cpu as u64) }
 }
 
 pub fn in_arena(addr: u64, len: u64) -> bool {
@@ -258,16 +304,75 @@ fn readable(addr: u64, len: u64) -> bool {
     in_arena(addr, len) || (addr >= lo && len <= hi - lo && addr - lo <= hi - lo - len)
 }
 
+/// Held while a system call writes to the console.
+static SERIAL_LOCK: AtomicBool = AtomicBool::new(false);
+
+/// `cpu_start`: the BSP's task starts `entry(arg, cpu, 0)` on AP `cpu`.
+fn cpu_start(cpu: usize, entry: u64, stack_top: u64, arg: u64) -> Result<u64, Error> {
+    let (lo, hi) = paging::user_ro_range();
+    let rsp = (stack_top & !15).wrapping_sub(8);
+    if smp::current() != 0 || cpu == 0 {
+        return Err(Error::NoSuchCpu);
+    }
+    if entry < lo || entry >= hi || !in_arena(rsp, 8) {
+        return Err(Error::BadArgument);
+    }
+    smp::post_user(cpu, true, entry, rsp, [arg, cpu as u64, 0], deadline(0))
+        .map(|_| 0)
+        .map_err(|e| match e {
+            smp::PostError::NoCpu => Error::NoSuchCpu,
+            smp::PostError::Busy => Error::Busy,
+        })
+}
+
+/// `cpu_wait`: the BSP's task waits for AP `cpu`'s entry to end.
+fn cpu_wait(cpu: usize) -> Result<u64, Error> {
+    if smp::current() != 0 || cpu == 0 || smp::node_of(cpu).is_none() {
+        return Err(Error::NoSuchCpu);
+    }
+    let until = match deadline(0) {
+        0 => 0,
+        d => d.saturating_add(AP_GRACE_S * timer::tsc_hz()),
+    };
+    match smp::wait(cpu, until).map(|code| outcome(cpu, code)) {
+        Some(Outcome::Exit(c)) => Ok(c as u64),
+        Some(Outcome::Fault(f)) => Ok(abi::CPU_FAULTED | f.vector),
+        Some(_) => Ok(abi::CPU_TIMED_OUT),
+        None => Err(Error::Timeout),
+    }
+}
+
+/// True if `code` (a job result from `enter`) says the task ran out of time.
+pub fn timed_out(code: u64) -> bool {
+    code == TIMED_OUT
+}
+
 pub fn syscall(f: &mut TrapFrame) {
     let (a0, a1, a2, a3) = (f.rdi, f.rsi, f.rdx, f.r10);
+    let shared_safe = matches!(
+        f.rax,
+        abi::SYS_EXIT
+            | abi::SYS_WRITE
+            | abi::SYS_TSC_HZ
+            | abi::SYS_GETPID
+            | abi::SYS_CPU_COUNT
+            | abi::SYS_CPU_NODE
+    );
     let result: Result<u64, Error> = match f.rax {
-        // SAFETY: a system call comes from the running task, inside `run_user_asm`.
-        abi::SYS_EXIT => unsafe { resume_kernel_asm(a0 & 0xff) },
+        _ if !shared_safe && smp::on_worker() => Err(Error::NoSuchCall),
+        // SAFETY: a system call comes from the running task, inside `run_user_asm` on this
+        // CPU.
+        abi::SYS_EXIT => unsafe { resume_kernel_asm(a0 & 0xff, smp::current() as u64) },
         abi::SYS_WRITE => {
             if readable(a0, a1) {
+                // One CPU's line at a time: tasks on several CPUs may write at once.
+                while SERIAL_LOCK.swap(true, Ordering::Acquire) {
+                    core::hint::spin_loop();
+                }
                 // SAFETY: `readable` checked that the bytes are in the task's arena or the
                 // kernel's read-only image, both mapped; the task is stopped in this call.
                 serial::write(unsafe { core::slice::from_raw_parts(a0 as *const u8, a1 as usize) });
+                SERIAL_LOCK.store(false, Ordering::Release);
                 Ok(a1)
             } else {
                 Err(Error::BadArgument)
@@ -319,6 +424,12 @@ pub fn syscall(f: &mut TrapFrame) {
             _ => Err(Error::BadArgument),
         },
         abi::SYS_ANON_MAP => mm::map_window(mm::Which::Anon, a0).ok_or(Error::NoMemory),
+        abi::SYS_CPU_COUNT => Ok(smp::online() as u64),
+        abi::SYS_CPU_NODE => smp::node_of(a0 as usize)
+            .map(u64::from)
+            .ok_or(Error::NoSuchCpu),
+        abi::SYS_CPU_START => cpu_start(a0 as usize, a1, a2, a3),
+        abi::SYS_CPU_WAIT => cpu_wait(a0 as usize),
         _ => Err(Error::NoSuchCall),
     };
     f.rax = match result {

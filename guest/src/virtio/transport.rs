@@ -2,7 +2,7 @@
 //!
 //! Requests are synchronous: one chain in flight per device, descriptors 0..n. Completion is
 //! seen in the used ring; the CPU first polls, then waits in `hlt`, woken by the device's
-//! IOAPIC interrupt or the LAPIC tick, and every wait is bounded.
+//! IOAPIC interrupt (routed to the BSP only) or the LAPIC tick, and every wait is bounded.
 
 use core::mem::{align_of, size_of};
 use core::sync::atomic::{compiler_fence, AtomicU64, Ordering};
@@ -372,13 +372,21 @@ impl Device {
     /// Polls the used ring with the device's interrupt suppressed for `poll_us()`, then asks
     /// for the interrupt and halts until it comes. The used index is read again after the
     /// flag changes, so a completion that raced the change is not waited for in vain.
+    ///
+    /// On an AP (a task moved there with `cpu=K`) the interrupt would go to the BSP, so
+    /// the wait goes on polling, halting until this CPU's tick between looks.
     fn wait_used(&mut self, ms: u64) -> bool {
         let seen = self.used_seen;
         let mut done = timer::spin_for(poll_us(), || self.used_idx() != seen);
         if !done {
-            self.set_avail_flags(0);
+            let bsp = crate::smp::current() == 0;
+            if bsp {
+                self.set_avail_flags(0);
+            }
             done = timer::wait_for(ms, || self.used_idx() != seen);
-            self.set_avail_flags(quiet_flags());
+            if bsp {
+                self.set_avail_flags(quiet_flags());
+            }
         }
         if done {
             self.used_seen = self.used_seen.wrapping_add(1);
