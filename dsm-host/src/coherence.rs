@@ -123,6 +123,7 @@ impl CoherenceHandle {
                 .map(|n| (n, PeerState::Up))
                 .collect(),
             lost: None,
+            ending: false,
             events: s.events,
             stats: Arc::clone(&stats),
             waiting: HashMap::new(),
@@ -205,6 +206,9 @@ struct Worker {
     peers: BTreeMap<NodeId, PeerState>,
     /// The first peer lost: from then on no fault is served.
     lost: Option<(NodeId, u64, String)>,
+    /// A peer said `Stop`: the VM is ending, and the other peers closing their links as
+    /// they end too is no loss.
+    ending: bool,
     events: Option<mpsc::Sender<NodeEvent>>,
     stats: Arc<Mutex<NodeStats>>,
     /// Faults not yet resumed, by the id given to the protocol as the "vCPU". Each fault gets
@@ -299,6 +303,7 @@ impl Worker {
                         let s = self.peers.entry(from).or_insert(PeerState::Up);
                         if matches!(*s, PeerState::Up | PeerState::SendFailed) {
                             *s = PeerState::Stopped;
+                            self.ending = true;
                             tracing::info!(node = %self.me, peer = %from, code, "peer stopped");
                             self.event(NodeEvent::PeerStopped { peer: from, code });
                         }
@@ -334,6 +339,11 @@ impl Worker {
     fn lose(&mut self, peer: NodeId, why: String) {
         let s = self.peers.entry(peer).or_insert(PeerState::Up);
         if matches!(*s, PeerState::Stopped | PeerState::Lost) {
+            return;
+        }
+        if self.ending {
+            *s = PeerState::Stopped;
+            tracing::info!(node = %self.me, %peer, why, "peer left while the VM ends");
             return;
         }
         *s = PeerState::Lost;

@@ -189,6 +189,12 @@ fn program(kind: ThreadKind, mode: SeccompMode) -> Result<BpfProgram, SeccompErr
     for nr in lists.iter().flat_map(|l| l.iter()) {
         rules.insert(*nr, vec![]);
     }
+    if kind == ThreadKind::Vcpu {
+        // A vCPU of a multi-node VM hands forwarded exits and IPIs to its node's coherence
+        // thread, whose inbox rings a socket bell. It can send only on sockets it already
+        // has: `socket` and `connect` stay refused.
+        rules.insert(libc::SYS_sendto, vec![]);
+    }
     if kind != ThreadKind::Control {
         rules.insert(libc::SYS_ioctl, kvm_ioctls_only().map_err(build)?);
         rules.insert(libc::SYS_epoll_wait, vec![]);
