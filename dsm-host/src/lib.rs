@@ -18,7 +18,7 @@ pub mod transport;
 pub use backend::Backend;
 pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup};
 pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace};
-pub use link::{config_hash, Link, LinkError, LinkParams, Role};
+pub use link::{config_hash, config_hash_of_parts, Link, LinkError, LinkParams, Role};
 pub use memory::{Fault, FaultKind, Memory, MemoryError};
 pub use stats::{FaultStats, NodeStats};
 pub use transport::{

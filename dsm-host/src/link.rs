@@ -56,14 +56,16 @@ pub enum LinkError {
     )]
     Auth { peer: String, node: NodeId },
     #[error(
-        "peer {peer} (node {node}) runs a different VM configuration (hash {theirs} there, \
-         {ours} here): start every node with the same configuration"
+        "peer {peer} (node {node}) runs a different VM configuration ({differs} differ; hash \
+         {theirs} there, {ours} here): start every node with the same configuration"
     )]
     ConfigMismatch {
         peer: String,
         node: NodeId,
         ours: String,
         theirs: String,
+        /// The parts of the configuration whose hashes differ ([`LinkParams::config_parts`]).
+        differs: String,
     },
     #[error("frame from {peer} announces {len} bytes, accepted {min}..={max}")]
     FrameLength {
@@ -118,8 +120,11 @@ impl Role {
 pub struct LinkParams {
     pub me: NodeId,
     pub secret: Vec<u8>,
-    /// Hash of this node's resolved VM configuration ([`config_hash`]).
+    /// Hash of this node's resolved VM configuration ([`config_hash`]), or, when
+    /// `config_parts` names its parts, one 4-byte hash per part ([`config_hash_of_parts`]), so
+    /// a refusal can say which parts differ.
     pub config_hash: [u8; 32],
+    pub config_parts: Vec<String>,
     /// Bound on each read and write of the handshake.
     pub timeout: Duration,
 }
@@ -137,6 +142,43 @@ impl std::fmt::Debug for LinkParams {
 /// SHA-256 of a canonical encoding of the resolved VM configuration, compared at handshake.
 pub fn config_hash(canonical: &[u8]) -> [u8; 32] {
     Sha256::digest(canonical).into()
+}
+
+/// The most parts [`config_hash_of_parts`] keeps apart.
+pub const MAX_CONFIG_PARTS: usize = 8;
+
+/// A configuration hash made of one 4-byte SHA-256 prefix per part (at most
+/// [`MAX_CONFIG_PARTS`]; later parts share the last slot), so two nodes that disagree learn
+/// which parts differ without sending the configuration itself.
+pub fn config_hash_of_parts(parts: &[&[u8]]) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    let mut last = Sha256::new();
+    for (i, p) in parts.iter().enumerate() {
+        if i < MAX_CONFIG_PARTS - 1 {
+            out[i * 4..i * 4 + 4].copy_from_slice(&Sha256::digest(p)[..4]);
+        } else {
+            last.update(p);
+        }
+    }
+    if parts.len() >= MAX_CONFIG_PARTS {
+        out[28..].copy_from_slice(&last.finalize()[..4]);
+    }
+    out
+}
+
+fn differing_parts(names: &[String], ours: &[u8; 32], theirs: &[u8; 32]) -> String {
+    let differ: Vec<&str> = names
+        .iter()
+        .take(MAX_CONFIG_PARTS)
+        .enumerate()
+        .filter(|(i, _)| ours[i * 4..i * 4 + 4] != theirs[i * 4..i * 4 + 4])
+        .map(|(_, n)| n.as_str())
+        .collect();
+    if differ.is_empty() {
+        "some settings".into()
+    } else {
+        differ.join(", ")
+    }
 }
 
 fn hex(b: &[u8]) -> String {
@@ -315,6 +357,7 @@ impl Link {
                 node: claimed,
                 ours: hex(&p.config_hash[..8]),
                 theirs: hex(&their_hash[..8]),
+                differs: differing_parts(&p.config_parts, &p.config_hash, &their_hash),
             });
         }
 

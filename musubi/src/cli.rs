@@ -176,7 +176,10 @@ impl VmArgs {
         };
         put("--kernel", self.kernel.clone());
         put("--cmdline", self.cmdline.clone());
-        put("--initrd", self.initrd.as_ref().map(|p| p.display().to_string()));
+        put(
+            "--initrd",
+            self.initrd.as_ref().map(|p| p.display().to_string()),
+        );
         put("--cpus", self.cpus.map(|c| c.to_string()));
         put("--memory", self.memory.clone());
         for d in &self.disk {
@@ -187,7 +190,10 @@ impl VmArgs {
         }
         put("--serial", self.serial.clone());
         put("--exits", self.exits.clone());
-        put("--config", self.config.as_ref().map(|p| p.display().to_string()));
+        put(
+            "--config",
+            self.config.as_ref().map(|p| p.display().to_string()),
+        );
         a
     }
 }

@@ -60,12 +60,22 @@ enum Command {
         #[arg(long, value_name = "N")]
         nodes: Option<u16>,
         /// Coherence protocol with --nodes: `vmp` (the paper's manager protocol) or `ivy`.
-        #[arg(long, value_name = "vmp|ivy", default_value = "vmp", requires = "nodes")]
+        #[arg(
+            long,
+            value_name = "vmp|ivy",
+            default_value = "vmp",
+            requires = "nodes"
+        )]
         protocol: String,
         /// Memory ordering with --nodes: `tso` (x86 ordering across nodes) or `paper` (the
         /// paper's unacknowledged invalidations; UNSAFE for x86 guests: a reader can see a
         /// new flag and old data).
-        #[arg(long, value_name = "tso|paper", default_value = "tso", requires = "nodes")]
+        #[arg(
+            long,
+            value_name = "tso|paper",
+            default_value = "tso",
+            requires = "nodes"
+        )]
         ordering: String,
     },
     /// Run one node of a VM spread over several hosts, as the cluster file describes
@@ -168,7 +178,11 @@ fn main() -> ExitCode {
         } => {
             let timeout = match timeout {
                 Some(t) if t.is_finite() && t > 0.0 => Some(std::time::Duration::from_secs_f64(t)),
-                Some(t) => return fail(format!("--timeout {t}: expected a positive number of seconds")),
+                Some(t) => {
+                    return fail(format!(
+                        "--timeout {t}: expected a positive number of seconds"
+                    ))
+                }
                 None => None,
             };
             nodes::node(nodes::NodeArgs {

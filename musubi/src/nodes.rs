@@ -67,11 +67,12 @@ fn read_cluster(path: &Path, vm: &VmArgs) -> Result<(vmm::config::VmConfig, Clus
     let at = |e: String| format!("--cluster {}: {e}", path.display());
     let text = std::fs::read_to_string(path).map_err(|e| at(e.to_string()))?;
     let json = &mut serde_json::Deserializer::from_str(&text);
-    let file: ClusterFile = serde_path_to_error::deserialize(json).map_err(|e| {
-        at(format!("invalid cluster file: {}: {}", e.path(), e.inner()))
-    })?;
-    let protocol = parse_protocol("protocol", file.protocol.as_deref().unwrap_or("vmp")).map_err(at)?;
-    let ordering = parse_ordering("ordering", file.ordering.as_deref().unwrap_or("tso")).map_err(at)?;
+    let file: ClusterFile = serde_path_to_error::deserialize(json)
+        .map_err(|e| at(format!("invalid cluster file: {}: {}", e.path(), e.inner())))?;
+    let protocol =
+        parse_protocol("protocol", file.protocol.as_deref().unwrap_or("vmp")).map_err(at)?;
+    let ordering =
+        parse_ordering("ordering", file.ordering.as_deref().unwrap_or("tso")).map_err(at)?;
     let dir = path.parent().unwrap_or(Path::new("."));
     let secret_path = dir.join(&file.secret_file);
     let secret = std::fs::read(&secret_path)
@@ -82,7 +83,10 @@ fn read_cluster(path: &Path, vm: &VmArgs) -> Result<(vmm::config::VmConfig, Clus
         .enumerate()
         .map(|(i, n)| {
             let address: SocketAddr = n.address.parse().map_err(|e| {
-                at(format!("nodes[{i}].address {:?}: {e} (expected IP:PORT)", n.address))
+                at(format!(
+                    "nodes[{i}].address {:?}: {e} (expected IP:PORT)",
+                    n.address
+                ))
             })?;
             Ok(NodeAddr {
                 address,
@@ -224,15 +228,26 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
     let placeholder: Vec<SocketAddr> = (0..n)
         .map(|i| SocketAddr::from(([127, 0, 0, 1], 1 + i)))
         .collect();
-    let check = ClusterSpec::round_robin(&placeholder, config.cpus, args.protocol, args.ordering, vec![0; 32]);
+    let check = ClusterSpec::round_robin(
+        &placeholder,
+        config.cpus,
+        args.protocol,
+        args.ordering,
+        vec![0; 32],
+    );
     if let Err(e) = check.check(&config, 0) {
         return fail(format!("--nodes {n}: {e}"));
     }
     let dir = match tempfile::Builder::new().prefix("musubi-nodes-").tempdir() {
         Ok(d) => d,
-        Err(e) => return fail(format!("cannot create a directory for the cluster file: {e}")),
+        Err(e) => {
+            return fail(format!(
+                "cannot create a directory for the cluster file: {e}"
+            ))
+        }
     };
-    let cluster_path = match write_cluster(dir.path(), n, config.cpus, args.protocol, args.ordering) {
+    let cluster_path = match write_cluster(dir.path(), n, config.cpus, args.protocol, args.ordering)
+    {
         Ok(p) => p,
         Err(e) => return fail(e),
     };
@@ -399,7 +414,10 @@ fn write_cluster(
         })).collect::<Vec<_>>(),
     });
     let path = dir.join("cluster.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap_or_default())
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&json).unwrap_or_default(),
+    )
+    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     Ok(path)
 }

@@ -23,7 +23,11 @@ struct Cluster {
 impl Cluster {
     fn new(vcpus: &[&[u8]]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("secret"), b"a secret of the nodes of this VM").unwrap();
+        std::fs::write(
+            dir.path().join("secret"),
+            b"a secret of the nodes of this VM",
+        )
+        .unwrap();
         let listeners: Vec<TcpListener> = vcpus
             .iter()
             .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
@@ -46,14 +50,25 @@ impl Cluster {
     /// Starts node `k` of the probe guest running `tasks` on `cpus` vCPUs, with `extra`
     /// flags; its output goes to files in the cluster's directory.
     fn spawn(&self, k: u16, cpus: u8, tasks: &str, extra: &[&str]) -> Child {
-        let log = |s: &str| std::fs::File::create(self.dir.path().join(format!("node{k}.{s}"))).unwrap();
+        let log =
+            |s: &str| std::fs::File::create(self.dir.path().join(format!("node{k}.{s}"))).unwrap();
         musubi()
             .arg("node")
             .arg("--cluster")
             .arg(self.file())
-            .args(["--id", &k.to_string(), "--kernel", "probe", "--memory", "64M"])
+            .args([
+                "--id",
+                &k.to_string(),
+                "--kernel",
+                "probe",
+                "--memory",
+                "64M",
+            ])
             .args(["--cpus", &cpus.to_string(), "--timeout", "120"])
-            .args(["--cmdline", &format!("probe.task_timeout=100 probe.tasks={tasks}")])
+            .args([
+                "--cmdline",
+                &format!("probe.task_timeout=100 probe.tasks={tasks}"),
+            ])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(log("out"))
@@ -84,8 +99,15 @@ fn assert_kvm() {
 /// Waits (bounded) until `path` has at least `min` bytes.
 fn wait_for_output(path: &Path, what: &str, limit: Duration) {
     let t0 = Instant::now();
-    while std::fs::read_to_string(path).map(|s| !s.contains(what)).unwrap_or(true) {
-        assert!(t0.elapsed() < limit, "{} never printed {what:?}", path.display());
+    while std::fs::read_to_string(path)
+        .map(|s| !s.contains(what))
+        .unwrap_or(true)
+    {
+        assert!(
+            t0.elapsed() < limit,
+            "{} never printed {what:?}",
+            path.display()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -96,7 +118,11 @@ fn killing_a_node_ends_every_other_node_with_its_name_within_five_seconds() {
     let c = Cluster::new(&[&[0], &[1], &[2]]);
     // spin=0 runs until stopped, so the VM is still running when a node goes.
     let mut nodes: Vec<Child> = (0..3).map(|k| c.spawn(k, 3, "spin=0", &[])).collect();
-    wait_for_output(&c.dir.path().join("node0.out"), "command line", Duration::from_secs(60));
+    wait_for_output(
+        &c.dir.path().join("node0.out"),
+        "command line",
+        Duration::from_secs(60),
+    );
     std::thread::sleep(Duration::from_millis(500));
     nodes[2].kill().unwrap();
     let killed = Instant::now();
@@ -105,10 +131,17 @@ fn killing_a_node_ends_every_other_node_with_its_name_within_five_seconds() {
         let s = wait_with_limit(n, Duration::from_secs(30), &format!("node {k}"));
         let took = killed.elapsed();
         assert_eq!(s.code(), Some(NODE_LOST), "{}", c.explain(3));
-        assert!(took < Duration::from_secs(5), "node {k} ended {took:?} after the kill; {}", c.explain(3));
+        assert!(
+            took < Duration::from_secs(5),
+            "node {k} ended {took:?} after the kill; {}",
+            c.explain(3)
+        );
         let err = c.stderr(k as u16);
         assert!(err.contains("lost node 2"), "node {k}: {err}");
-        assert!(err.contains("pages"), "node {k} says how many pages it owned: {err}");
+        assert!(
+            err.contains("pages"),
+            "node {k} says how many pages it owned: {err}"
+        );
         assert!(!err.contains("panicked"), "{err}");
     }
 }
@@ -125,7 +158,9 @@ fn a_node_with_another_secret_is_refused() {
     let mut b = musubi()
         .args(["node", "--cluster"])
         .arg(other.join("cluster.json"))
-        .args(["--id", "1", "--kernel", "probe", "--memory", "64M", "--cpus", "2"])
+        .args([
+            "--id", "1", "--kernel", "probe", "--memory", "64M", "--cpus", "2",
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -146,7 +181,7 @@ fn a_node_with_another_secret_is_refused() {
 }
 
 #[test]
-fn a_node_with_another_vm_configuration_is_refused_by_what_differs() {
+fn a_node_with_another_vm_configuration_is_refused_naming_what_differs() {
     assert_kvm();
     let c = Cluster::new(&[&[0], &[1]]);
     let mut a = c.spawn(0, 2, "hello", &[]);
@@ -156,7 +191,7 @@ fn a_node_with_another_vm_configuration_is_refused_by_what_differs() {
     assert_ne!(sa.code(), Some(0));
     assert_ne!(sb.code(), Some(0));
     let both = c.explain(2);
-    assert!(both.contains("different VM configuration"), "{both}");
+    assert!(both.contains("different VM configuration (exits differ"), "{both}");
     assert!(!both.contains("panicked"), "{both}");
 }
 
@@ -173,7 +208,10 @@ fn garbage_from_a_peer_ends_its_connection_with_an_error_not_a_crash() {
     let st = wait_with_limit(&mut b, Duration::from_secs(60), "node 1");
     let err = c.stderr(1);
     assert_eq!(st.code(), Some(1), "{err}");
-    assert!(err.contains("node 0") || err.contains("n0"), "names the peer: {err}");
+    assert!(
+        err.contains("node 0") || err.contains("n0"),
+        "names the peer: {err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -186,4 +224,97 @@ fn pmem_with_several_nodes_is_refused() {
     let r: Run = run_probe("hello", &["--nodes", "2", "--cpus", "2", "--pmem", &pmem]);
     assert_eq!(r.code, Some(1), "{}", r.explain());
     assert!(r.stderr.contains("--pmem with 2 nodes"), "{}", r.explain());
+}
+
+/// The probe guest on `nodes` node processes (`musubi run --nodes`), with `flags` added.
+fn run_nodes(nodes: u16, cpus: u8, tasks: &str, flags: &[&str]) -> Run {
+    let (n, c) = (nodes.to_string(), cpus.to_string());
+    let mut all = vec!["--nodes", &n, "--cpus", &c, "--memory", "64M"];
+    all.extend_from_slice(flags);
+    run_probe(tasks, &all)
+}
+
+#[test]
+fn two_and_three_node_vms_start_every_cpu_on_its_own_node() {
+    for nodes in [2u16, 3] {
+        let r = run_nodes(nodes, nodes as u8, "hello", &[]);
+        assert_eq!(r.code, Some(0), "{}", r.explain());
+        let h = r.result("hello");
+        assert_eq!(h["cpus"], nodes, "{}", r.explain());
+        assert_eq!(h["nodes"], nodes);
+        assert_eq!(h["pv_ipi"], true);
+        let mut on: Vec<u64> = h["cpu_nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        on.sort();
+        assert_eq!(
+            on,
+            (0..nodes as u64).collect::<Vec<_>>(),
+            "one CPU per node: {h}"
+        );
+    }
+}
+
+#[test]
+fn a_shared_counter_is_exact_under_both_protocols() {
+    for (nodes, protocol) in [(2u16, "vmp"), (2, "ivy"), (3, "vmp")] {
+        let r = run_nodes(
+            nodes,
+            nodes as u8,
+            "shared-counter=2000",
+            &["--protocol", protocol],
+        );
+        assert_eq!(r.code, Some(0), "{protocol}: {}", r.explain());
+        let c = r.result("shared-counter");
+        assert_eq!(c["expected"], 2000 * nodes as u64, "{c}");
+        assert_eq!(c["locked"], c["expected"], "{protocol}: spinlock total {c}");
+        assert_eq!(c["xadd"], c["expected"], "{protocol}: lock xadd total {c}");
+        assert_eq!(c["exact"], true);
+    }
+}
+
+#[test]
+fn message_passing_across_nodes_shows_no_forbidden_outcome_by_default() {
+    let r = run_nodes(2, 2, "litmus=mp,iters=200", &[]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    let l = r.result("litmus");
+    assert_eq!(
+        l["nodes"],
+        serde_json::json!([0, 1]),
+        "writer and reader on different nodes: {l}"
+    );
+    let seen: u64 = l["outcomes"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(seen, 200, "every iteration is accounted for: {l}");
+    assert_eq!(l["forbidden"], 0, "{l}");
+}
+
+#[test]
+fn a_vcpu_on_another_node_prints_and_reads_the_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = common::temp_image(dir.path(), "d.img", 1 << 20);
+    let data = std::fs::read(&img).unwrap();
+    let disk = format!("path={},readonly=on", img.display());
+    let r = run_nodes(2, 2, "hello,cpu=1,blk-crc,cpu=1", &["--disk", &disk]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    let h = r.result("hello");
+    assert_eq!(
+        (h["cpu"].as_u64(), h["cpu_nodes"][1].as_u64()),
+        (Some(1), Some(1)),
+        "{h}"
+    );
+    let c = r.result("blk-crc");
+    assert_eq!(
+        c["disks"][0]["crc32"].as_str().unwrap(),
+        format!("{:#010x}", crc32fast::hash(&data)),
+        "{}",
+        r.explain()
+    );
 }

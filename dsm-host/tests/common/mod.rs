@@ -119,6 +119,7 @@ pub fn params(me: u16, secret: &[u8], config: &[u8]) -> LinkParams {
         me: NodeId(me),
         secret: secret.to_vec(),
         config_hash: config_hash(config),
+        config_parts: Vec::new(),
         timeout: WAIT,
     }
 }

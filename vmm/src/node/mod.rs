@@ -22,7 +22,7 @@ use crate::Vmm;
 use bus::{BusCounters, NodeBus, Replies};
 use dsm::NodeId;
 use dsm_host::{
-    config_hash, CoherenceHandle, Envelope, Inbox, InboxSender, Inbound, Interrupt, LinkParams,
+    config_hash_of_parts, CoherenceHandle, Envelope, Inbox, InboxSender, Inbound, Interrupt, LinkParams,
     Liveness, Memory, NodeEvent, Setup, TcpConfig, TcpTransport,
 };
 use std::net::TcpListener;
@@ -149,7 +149,8 @@ impl Node {
             addr: me.address,
             source,
         })?;
-        let hash = config_hash(&canonical(config, cluster)?);
+        let parts = canonical_parts(config, cluster)?;
+        let hash = config_hash_of_parts(&parts.iter().map(|(_, p)| p.as_slice()).collect::<Vec<_>>());
         let (outbox, inbox) = Inbox::new().map_err(|source| NodeError::Thread {
             id,
             what: "coherence inbox",
@@ -163,6 +164,7 @@ impl Node {
                 me: NodeId(id),
                 secret: cluster.secret.clone(),
                 config_hash: hash,
+                config_parts: parts.iter().map(|(n, _)| n.to_string()).collect(),
                 timeout: node.connect_timeout,
             },
             peers: peers
@@ -436,10 +438,13 @@ fn control_loop(ctx: ControlContext, events: mpsc::Receiver<NodeEvent>) {
     }
 }
 
-/// The bytes every node's configuration hash is taken over: the VM as resolved (the
-/// kernel's contents, not its path, so hosts may keep it in different places) and the
-/// cluster.
-fn canonical(config: &VmConfig, cluster: &ClusterSpec) -> Result<Vec<u8>, NodeError> {
+/// What every node's configuration hash covers, part by part so a refusal can name what
+/// differs: the VM as resolved (the kernel's contents, not its path, so hosts may keep it in
+/// different places) and the cluster.
+fn canonical_parts(
+    config: &VmConfig,
+    cluster: &ClusterSpec,
+) -> Result<Vec<(&'static str, Vec<u8>)>, NodeError> {
     let kernel = match &config.kernel {
         KernelImage::File(p) => std::fs::read(p).map_err(|source| NodeError::Kernel {
             path: p.display().to_string(),
@@ -452,17 +457,15 @@ fn canonical(config: &VmConfig, cluster: &ClusterSpec) -> Result<Vec<u8>, NodeEr
         .iter()
         .map(|d| format!("{}:{}:{:?}", d.path.display(), d.readonly, d.cache))
         .collect();
-    let mut out = format!(
-        "cmdline={:?} initrd={:?} cpus={} memory={} disks={:?} exits={} {}\nkernel=",
-        config.cmdline,
-        config.initrd,
-        config.cpus,
-        config.memory,
-        disks,
-        config.exits,
-        cluster.canonical()
-    )
-    .into_bytes();
-    out.extend_from_slice(&kernel);
-    Ok(out)
+    let text = |s: String| s.into_bytes();
+    Ok(vec![
+        ("kernel", kernel),
+        ("cmdline", text(config.cmdline.clone())),
+        ("cpus", text(config.cpus.to_string())),
+        ("memory", text(config.memory.to_string())),
+        ("disks", text(format!("{disks:?}"))),
+        ("exits", text(config.exits.to_string())),
+        ("cluster (nodes, vCPUs, protocol, ordering)", text(cluster.canonical())),
+        ("initrd", text(format!("{:?}", config.initrd))),
+    ])
 }
