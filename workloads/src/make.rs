@@ -35,7 +35,7 @@ pub const OBJ_MAGIC: [u8; 4] = *b"MOBJ";
 /// GNU awk 3.1.4's size, as paper 002 describes it: about 140 files, 60,000 lines.
 pub const PAPER_FILES: u64 = 140;
 /// Optimisation passes over each token stream: the compile's weight per line (see
-/// `compile`). About 10 µs of work per source line natively on a current x86 core.
+/// `compile`). About 7 µs of work per source line natively on the machines here.
 pub const DEFAULT_PASSES: u64 = 96;
 const FIRST_LINES: u64 = 50;
 const SPREAD_LINES: u64 = 621;
