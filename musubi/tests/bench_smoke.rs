@@ -165,7 +165,7 @@ fn composite_runs_every_workload_on_both_exit_paths() {
 #[test]
 fn composite_builds_the_make_workload_natively_and_on_both_exit_paths() {
     let (r, out) = quick("composite");
-    let report = r.stdout.split("make of ").nth(1).unwrap_or_else(|| {
+    let report = r.stdout.split("\nmake of ").nth(1).unwrap_or_else(|| {
         panic!("no make table\n{}", r.explain());
     });
     let header = report.lines().nth(1).unwrap_or_default();
