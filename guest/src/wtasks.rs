@@ -5,7 +5,7 @@
 use core::hint::black_box;
 
 use workloads::task::{self, Counters, Measured, Op, Path, Storage, StorageIo, Task};
-use workloads::{compile, cycles_to_ns, XorShift64};
+use workloads::{compile, cycles_to_ns, make, XorShift64};
 
 use crate::abi::{self, Error, STATUS_BLK_FAILED, STATUS_UNKNOWN_TASK};
 use crate::arch::outb;
@@ -40,6 +40,9 @@ fn bytes_at<'a>(addr: u64, len: u64) -> &'a mut [u8] {
 pub extern "C" fn workload(buf: u64, len: u64, param: u64) -> ! {
     // SAFETY: `user::run_task` wrote a `Task` at `param`, aligned, just for this entry.
     let t = unsafe { core::ptr::read(param as *const Task) };
+    if let Task::Make { files, passes } = t {
+        build(files, passes, buf, len);
+    }
     let hz = ulib::tsc_hz();
     let mut cycles = [0u64; MAX_REPS];
     let mut ns = [0u64; MAX_REPS];
@@ -228,6 +231,9 @@ fn run(
             counters = k;
             1
         }
+        Task::Make { .. } => {
+            return Err(Failure("make runs from its own entry", STATUS_UNKNOWN_TASK))
+        }
     };
     Ok((reps, result, counters))
 }
@@ -330,4 +336,120 @@ fn storage_io(s: &StorageIo, buf: u64, len: u64) -> Result<(u64, Counters), Fail
     pass(s, fd, va, buf)?;
     let c = ulib::rdtsc() - t0;
     Ok((c, s0.delta(&ulib::stats())))
+}
+
+/// `make=FILES:PASSES`: builds the first `files` sources listed in the make directory at the
+/// start of disk 0 (see `workloads::make`), as a make would: read the directory, then per
+/// file read the source, compile it in user mode and write the object to its slot, and sync
+/// at the end. Every file access is a system call on one cached open file of the whole disk
+/// (the guest kernel's page cache, filled from virtio-blk with readahead and written back by
+/// fsync). Time inside system calls and in the compile is stamped separately.
+fn build(files: u64, passes: u64, buf: u64, len: u64) -> ! {
+    let hz = ulib::tsc_hz();
+    let mut b = make::Build {
+        files,
+        passes,
+        ..make::Build::default()
+    };
+    let s0 = ulib::stats();
+    let r = build_files(&mut b, buf, len);
+    let counters = s0.delta(&ulib::stats());
+    let mut l = Line::new();
+    let status = match r {
+        Ok(()) => {
+            b.ns = cycles_to_ns(b.cycles, hz);
+            b.sys_ns = cycles_to_ns(b.sys_ns, hz);
+            b.compile_ns = cycles_to_ns(b.compile_ns, hz);
+            make::report(&mut l, &b, &counters);
+            0
+        }
+        Err(Failure(why, status)) => {
+            task::report_error(&mut l, "make", why);
+            status
+        }
+    };
+    l.send();
+    ulib::exit(status)
+}
+
+/// The build; `b.sys_ns` and `b.compile_ns` hold TSC cycles until the caller converts them.
+fn build_files(b: &mut make::Build, buf: u64, len: u64) -> Result<(), Failure> {
+    const DIR: u64 = make::BLOCK;
+    const TEXT: u64 = make::MAX_SOURCE as u64;
+    const OBJ: u64 = 2 * make::MAX_SOURCE as u64 + make::OBJ_HEADER as u64;
+    const SYMS: u64 = compile::SYMS as u64 * 8;
+    if DIR + TEXT + OBJ + SYMS > len {
+        return Err(too_big());
+    }
+    let (dir_at, text_at, obj_at) = (buf, buf + DIR, buf + DIR + TEXT);
+    let disk_bytes =
+        ulib::disk_capacity(0).map_err(|_| Failure("no disk", STATUS_BLK_FAILED))? * 512;
+    if disk_bytes < DIR {
+        return Err(Failure(
+            "disk smaller than the make directory",
+            STATUS_BLK_FAILED,
+        ));
+    }
+    // SAFETY: the arena after the directory, text and object buffers, disjoint from them
+    // (checked to fit above) and 8-byte aligned (buf is page-aligned, the sizes multiples of 8).
+    let syms =
+        unsafe { core::slice::from_raw_parts_mut((obj_at + OBJ) as *mut u64, compile::SYMS) };
+    let sys = |b: &mut make::Build, f: &mut dyn FnMut() -> Result<u64, Error>| {
+        let t0 = ulib::rdtsc();
+        let r = f();
+        b.sys_ns += ulib::rdtsc() - t0;
+        b.syscalls += 1;
+        r.map_err(Failure::from)
+    };
+    let t0 = ulib::rdtsc();
+    let fd = sys(b, &mut || ulib::open(abi::STORAGE_BLK, 0, disk_bytes, 0))?;
+    sys(b, &mut || ulib::read(fd, dir_at, DIR))?;
+    b.bytes_read += DIR;
+    let dir = bytes_at(dir_at, DIR);
+    let listed = make::read_dir(dir).map_err(|why| Failure(why, STATUS_UNKNOWN_TASK))?;
+    if b.files > listed as u64 {
+        return Err(Failure(
+            "more files asked for than the disk lists",
+            STATUS_UNKNOWN_TASK,
+        ));
+    }
+    for i in 0..b.files as usize {
+        let e = make::entry(dir, i);
+        if e.src_len > TEXT || e.src_off + e.src_len > disk_bytes {
+            return Err(Failure(
+                "a source is too large or off the disk",
+                STATUS_UNKNOWN_TASK,
+            ));
+        }
+        sys(b, &mut || ulib::lseek(fd, e.src_off))?;
+        if sys(b, &mut || ulib::read(fd, text_at, e.src_len))? != e.src_len {
+            return Err(Failure("short read", STATUS_BLK_FAILED));
+        }
+        b.bytes_read += e.src_len;
+        let c0 = ulib::rdtsc();
+        let o = make::compile(
+            bytes_at(text_at, e.src_len),
+            b.passes,
+            syms,
+            bytes_at(obj_at, OBJ),
+        )
+        .ok_or(Failure("object buffer too small", STATUS_UNKNOWN_TASK))?;
+        b.compile_ns += ulib::rdtsc() - c0;
+        let n = o.len as u64;
+        if n > e.obj_room || e.obj_off + n > disk_bytes {
+            return Err(Failure(
+                "an object does not fit its slot",
+                STATUS_UNKNOWN_TASK,
+            ));
+        }
+        sys(b, &mut || ulib::lseek(fd, e.obj_off))?;
+        if sys(b, &mut || ulib::write_fd(fd, obj_at, n))? != n {
+            return Err(Failure("short write", STATUS_BLK_FAILED));
+        }
+        b.bytes_written += n;
+        b.result = make::fold(b.result, o.code);
+    }
+    sys(b, &mut || ulib::fsync(fd))?;
+    b.cycles = ulib::rdtsc() - t0;
+    Ok(())
 }

@@ -159,6 +159,59 @@ fn composite_runs_every_workload_on_both_exit_paths() {
     }
 }
 
+/// Paper 002's Table 1 workload: a make-like build natively and on both exit paths, its
+/// table beside the paper's three times with exits per file, and every object the guest
+/// wrote checked against the native build (a run whose objects differ fails).
+#[test]
+fn composite_builds_the_make_workload_natively_and_on_both_exit_paths() {
+    let (r, out) = quick("composite");
+    let report = r.stdout.split("\nmake of ").nth(1).unwrap_or_else(|| {
+        panic!("no make table\n{}", r.explain());
+    });
+    let header = report.lines().nth(1).unwrap_or_default();
+    for col in [
+        "paper s",
+        "exits/file",
+        "doorbell exits/file",
+        "guest-kernel emulation",
+    ] {
+        assert!(header.contains(col), "no {col} column\n{report}");
+    }
+    for (row, paper) in [("native", "13.0"), ("user", "20.4"), ("kernel", "15.5")] {
+        let line = report
+            .lines()
+            .find(|l| l.starts_with(&format!("{row} ")))
+            .unwrap_or_else(|| panic!("no {row} row\n{report}"));
+        assert!(line.contains(paper), "{line}");
+    }
+    assert!(
+        report.contains("byte for byte the native compile"),
+        "{report}"
+    );
+    let t = CsvFile::read(&out.path().join("composite-make.csv"));
+    let (at, files, verified, doorbells) = (
+        t.col("where"),
+        t.col("files"),
+        t.col("objects_verified"),
+        t.col("doorbell_exits"),
+    );
+    for path in ["native", "user", "kernel"] {
+        assert!(
+            t.rows.iter().any(|r| r[at] == path && r[files] != "1"),
+            "no full {path} build\n{}",
+            t.text
+        );
+    }
+    for row in &t.rows {
+        assert_eq!(row[verified], row[files], "{row:?}");
+        match row[at].as_str() {
+            "kernel" => assert_eq!(row[doorbells], "0", "{row:?}"),
+            "user" => assert!(row[doorbells].parse::<u64>().unwrap() > 0, "{row:?}"),
+            _ => {}
+        }
+    }
+}
+
 #[test]
 fn seq_computes_the_same_results_natively_and_in_the_vm() {
     let t = bench_csv("seq", "V/P");

@@ -15,22 +15,22 @@ pub const MIN_SYMS: usize = 4096;
 pub const TEXT_BYTES: usize = 64 * 1024;
 pub const SYMS: usize = 4096;
 
-const LONGEST_LINE: usize = 96;
+pub(crate) const LONGEST_LINE: usize = 96;
 const KEYWORDS: [&[u8]; 6] = [b"int", b"return", b"if", b"while", b"for", b"else"];
 const OPS: [&[u8]; 6] = [b" + ", b" - ", b" * ", b" & ", b" | ", b" ^ "];
 
-struct Text<'a> {
-    buf: &'a mut [u8],
-    len: usize,
+pub(crate) struct Text<'a> {
+    pub(crate) buf: &'a mut [u8],
+    pub(crate) len: usize,
 }
 
 impl Text<'_> {
-    fn put(&mut self, s: &[u8]) {
+    pub(crate) fn put(&mut self, s: &[u8]) {
         self.buf[self.len..self.len + s.len()].copy_from_slice(s);
         self.len += s.len();
     }
 
-    fn num(&mut self, mut v: u64) {
+    pub(crate) fn num(&mut self, mut v: u64) {
         let mut d = [0u8; 20];
         let mut k = 0;
         loop {
@@ -66,7 +66,7 @@ impl Text<'_> {
     }
 
     /// One statement line, at most `LONGEST_LINE` bytes.
-    fn line(&mut self, r: &mut XorShift64) {
+    pub(crate) fn line(&mut self, r: &mut XorShift64) {
         let kind = r.below(8);
         match kind {
             0 => self.put(b"  if (v"),
@@ -109,8 +109,14 @@ fn intern(syms: &mut [u64], h: u64) -> u64 {
     u64::MAX
 }
 
-/// Tokenizes `text` and folds it into `code`; returns the number of tokens.
-fn compile_block(text: &[u8], syms: &mut [u64], code: &mut u64) -> u64 {
+/// Tokenizes `text` and folds it into `code`, handing each token's word to `emit`; returns
+/// the number of tokens.
+pub(crate) fn compile_block(
+    text: &[u8],
+    syms: &mut [u64],
+    code: &mut u64,
+    mut emit: impl FnMut(u64),
+) -> u64 {
     let mut tokens = 0;
     let mut i = 0;
     while i < text.len() {
@@ -142,6 +148,7 @@ fn compile_block(text: &[u8], syms: &mut [u64], code: &mut u64) -> u64 {
             c as u64
         };
         *code = (*code ^ word).wrapping_mul(0x0000_0100_0000_01b3);
+        emit(word);
     }
     tokens
 }
@@ -173,7 +180,7 @@ pub fn compile_like(n: u64, text: &mut [u8], syms: &mut [u64]) -> u64 {
             left -= 1;
         }
         let len = t.len;
-        tokens += compile_block(&text[..len], syms, &mut code);
+        tokens += compile_block(&text[..len], syms, &mut code, |_| {});
     }
     let symbols = syms.iter().filter(|&&s| s != 0).count() as u64;
     code ^ (symbols << 48) ^ tokens
@@ -200,7 +207,7 @@ mod tests {
         let mut syms = [0u64; SYMS];
         let mut code = FNV_OFFSET;
         assert_eq!(
-            compile_block(b"  int v1 = 42 + f3(v9);\n", &mut syms, &mut code),
+            compile_block(b"  int v1 = 42 + f3(v9);\n", &mut syms, &mut code, |_| {}),
             10
         );
         assert_eq!(syms.iter().filter(|&&s| s != 0).count(), 3);

@@ -13,6 +13,7 @@ pub mod fill;
 pub mod json;
 pub mod kernels;
 pub mod ls;
+pub mod make;
 pub mod rng;
 pub mod task;
 

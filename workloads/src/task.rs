@@ -63,18 +63,50 @@ impl StorageIo {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Task {
-    MintCpu { m: u64, reps: u32 },
-    MintMem { kb: u64, count: u64, reps: u32 },
-    MintIo { kb: u64, count: u64, reps: u32 },
-    BlkSmallReads { count: u64 },
-    SerialOut { count: u64 },
-    PortPing { count: u64 },
-    PageTouch { count: u64 },
-    Fib { n: u64 },
-    Getpid { n: u64 },
-    LsLike { n: u64 },
-    CompileLike { n: u64 },
+    MintCpu {
+        m: u64,
+        reps: u32,
+    },
+    MintMem {
+        kb: u64,
+        count: u64,
+        reps: u32,
+    },
+    MintIo {
+        kb: u64,
+        count: u64,
+        reps: u32,
+    },
+    BlkSmallReads {
+        count: u64,
+    },
+    SerialOut {
+        count: u64,
+    },
+    PortPing {
+        count: u64,
+    },
+    PageTouch {
+        count: u64,
+    },
+    Fib {
+        n: u64,
+    },
+    Getpid {
+        n: u64,
+    },
+    LsLike {
+        n: u64,
+    },
+    CompileLike {
+        n: u64,
+    },
     StorageIo(StorageIo),
+    /// A make-like build of `files` sources from the disk (see `make`).
+    Make {
+        files: u64,
+        passes: u64,
+    },
 }
 
 impl Task {
@@ -92,6 +124,7 @@ impl Task {
             Task::LsLike { .. } => "ls-like",
             Task::CompileLike { .. } => "compile-like",
             Task::StorageIo(_) => "storage-io",
+            Task::Make { .. } => "make",
         }
     }
 }
@@ -231,6 +264,20 @@ pub fn parse(name: &str, arg: Option<&str>) -> Option<Result<Task, &'static str>
         "getpid" => one("getpid=N").map(|n| Task::Getpid { n }),
         "ls-like" => one("ls-like=N").map(|n| Task::LsLike { n }),
         "compile-like" => one("compile-like=N").map(|n| Task::CompileLike { n }),
+        "make" => {
+            const U: &str = "make=FILES[:PASSES] (FILES 1..=255, the sources on disk 0)";
+            arg.and_then(|a| fields::<2>(a, 1))
+                .filter(|(v, _)| (1..=crate::make::MAX_FILES as u64).contains(&v[0]))
+                .map(|(v, k)| Task::Make {
+                    files: v[0],
+                    passes: if k > 1 {
+                        v[1]
+                    } else {
+                        crate::make::DEFAULT_PASSES
+                    },
+                })
+                .ok_or(U)
+        }
         "storage-io" => arg
             .ok_or("storage-io needs an argument")
             .and_then(storage_io)
@@ -310,6 +357,14 @@ pub fn report<W: Write>(w: &mut W, task: &Task, m: &Measured) {
                 .opt("virtio_requests", m.counters.virtio_requests)
                 .opt("interrupts", m.counters.interrupts);
         }
+        Task::Make { files, passes } => {
+            // The probe guest prints the full line (`make::report`); this is the short form.
+            o.u("files", files)
+                .u("passes", passes)
+                .u("cycles", one(m.cycles))
+                .u("ns", one(m.ns))
+                .u("result", m.result);
+        }
     }
     o.end();
 }
@@ -373,6 +428,20 @@ mod tests {
                 chunk: 64 << 10,
             })))
         );
+        assert_eq!(
+            p("make=140"),
+            Some(Ok(Task::Make {
+                files: 140,
+                passes: crate::make::DEFAULT_PASSES
+            }))
+        );
+        assert_eq!(
+            p("make=3:0"),
+            Some(Ok(Task::Make {
+                files: 3,
+                passes: 0
+            }))
+        );
         assert_eq!(p("hello"), None);
     }
 
@@ -386,6 +455,10 @@ mod tests {
             "mint-mem=0:5",
             "mint-io=256",
             "fib=101",
+            "make",
+            "make=0",
+            "make=256",
+            "make=3:1:2",
             "storage-io=disk:read:syscall:warm:8M",
             "storage-io=pmem:read:syscall:warm:1000",
             "storage-io=pmem:read:syscall:hot:8M",

@@ -293,6 +293,12 @@ fn run(t: &Task, o: &Opts) -> Result<Out, String> {
             out = Out::one(c, n);
             out.result = r;
         }
+        Task::Make { .. } => {
+            return Err(
+                "make runs natively in `musubi bench composite`, over one real file per source"
+                    .into(),
+            )
+        }
         Task::StorageIo(s) => {
             let (c, n, f) = storage_io(&s, o)?;
             out = Out::one(c, n);
