@@ -31,7 +31,7 @@ pub enum CoherenceError {
         node: NodeId,
         to: NodeId,
         msg: &'static str,
-        source: TransportError,
+        source: Box<TransportError>,
     },
     #[error(
         "node {node} lost node {peer}: {why}; it owned {pages_owned} pages by this node's \
@@ -384,7 +384,7 @@ impl Worker {
                     node: self.me,
                     to,
                     msg: name,
-                    source,
+                    source: Box::new(source),
                 })
             }
         }

@@ -191,7 +191,10 @@ fn a_node_with_another_vm_configuration_is_refused_naming_what_differs() {
     assert_ne!(sa.code(), Some(0));
     assert_ne!(sb.code(), Some(0));
     let both = c.explain(2);
-    assert!(both.contains("different VM configuration (exits differ"), "{both}");
+    assert!(
+        both.contains("different VM configuration (exits differ"),
+        "{both}"
+    );
     assert!(!both.contains("panicked"), "{both}");
 }
 

@@ -25,11 +25,7 @@ pub enum Outcome {
     /// every node reports the guest's status.
     Peer { node: u16, code: i32 },
     /// A node of a multi-node VM was lost: the pages it owned are gone, so no node may run on.
-    NodeLost {
-        node: u16,
-        pages: u64,
-        why: String,
-    },
+    NodeLost { node: u16, pages: u64, why: String },
 }
 
 /// The exit status of every surviving node when a node of its VM is lost.

@@ -7,7 +7,7 @@ use crate::control::RunControl;
 use crate::exit::ExitBus;
 use crate::metrics::MmioTarget;
 use dsm::NodeId;
-use dsm_host::{Envelope, Exit, InboxSender, Inbound, Interrupt, IoSpace};
+use dsm_host::{Envelope, Exit, Inbound, InboxSender, Interrupt, IoSpace};
 use kvm_bindings::kvm_msi;
 use kvm_ioctls::VmFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -174,7 +174,13 @@ impl ExitBus for NodeBus {
         match &self.local {
             _ if port == IPI_PORT => data.fill(0xff),
             Some(local) => local.pio_read(vcpu, port, data),
-            None => self.forward(vcpu, IoSpace::Port, port as u64, &vec![0; data.len()], Some(data)),
+            None => self.forward(
+                vcpu,
+                IoSpace::Port,
+                port as u64,
+                &vec![0; data.len()],
+                Some(data),
+            ),
         }
     }
     fn pio_write(&self, vcpu: u8, port: u16, data: &[u8]) {

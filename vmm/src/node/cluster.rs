@@ -52,12 +52,18 @@ pub enum ClusterError {
     NoVcpus(usize),
     #[error("io_node {io}: the cluster has nodes 0..{nodes}")]
     NoIoNode { io: u16, nodes: usize },
-    #[error("io_node {io} must run vCPU 0, the CPU that boots the guest (it runs on node {holder})")]
+    #[error(
+        "io_node {io} must run vCPU 0, the CPU that boots the guest (it runs on node {holder})"
+    )]
     BspElsewhere { io: u16, holder: usize },
     #[error("--id {id}: the cluster has nodes 0..{nodes}")]
     NoSuchNode { id: u16, nodes: usize },
     #[error("nodes[{a}] and nodes[{b}] both listen on {addr}")]
-    SameAddress { a: usize, b: usize, addr: SocketAddr },
+    SameAddress {
+        a: usize,
+        b: usize,
+        addr: SocketAddr,
+    },
     #[error(
         "--pmem with {0} nodes: a file mapped into guest memory is not kept coherent across \
          hosts (each node would see its own copy); use --disk, or run on one node"
@@ -233,8 +239,13 @@ mod tests {
         assert_eq!(c.check(&vm(4), 2), Ok(()));
         assert_eq!(c.node_of(3), Some(0));
         assert_eq!(c.node_of(9), None);
-        assert!(c.canonical().contains("protocol=vmp ordering=tso io_node=0"));
-        assert!(!format!("{c:?}").contains("7, 7"), "the secret is not printed");
+        assert!(c
+            .canonical()
+            .contains("protocol=vmp ordering=tso io_node=0"));
+        assert!(
+            !format!("{c:?}").contains("7, 7"),
+            "the secret is not printed"
+        );
     }
 
     #[test]

@@ -119,7 +119,10 @@ mod tests {
 
     #[test]
     fn nothing_deliverable_is_dropped() {
-        assert!(decode(0, 2, &write(1, DM_INIT << 8)).is_empty(), "INIT de-assert");
+        assert!(
+            decode(0, 2, &write(1, DM_INIT << 8)).is_empty(),
+            "INIT de-assert"
+        );
         assert!(decode(0, 2, &write(1, DM_SMI << 8)).is_empty());
         assert!(decode(0, 2, &write(7, 0x30)).is_empty(), "no such vCPU");
         assert!(decode(0, 2, &[1, 2]).is_empty(), "a 2-byte write");

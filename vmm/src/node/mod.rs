@@ -22,8 +22,8 @@ use crate::Vmm;
 use bus::{BusCounters, NodeBus, Replies};
 use dsm::NodeId;
 use dsm_host::{
-    config_hash_of_parts, CoherenceHandle, Envelope, Inbox, InboxSender, Inbound, Interrupt, LinkParams,
-    Liveness, Memory, NodeEvent, Setup, TcpConfig, TcpTransport,
+    config_hash_of_parts, CoherenceHandle, Envelope, Inbound, Inbox, InboxSender, Interrupt,
+    LinkParams, Liveness, Memory, NodeEvent, Setup, TcpConfig, TcpTransport,
 };
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -139,7 +139,11 @@ pub struct NodeReport {
 impl Node {
     /// Links with every other node of `node.cluster`, puts guest RAM under the coherence
     /// protocol and builds this node's share of the VM. Blocks until all nodes are up.
-    pub fn build(config: &VmConfig, opts: &RunOptions, node: &NodeOptions) -> Result<Node, NodeError> {
+    pub fn build(
+        config: &VmConfig,
+        opts: &RunOptions,
+        node: &NodeOptions,
+    ) -> Result<Node, NodeError> {
         let cluster = &node.cluster;
         let id = node.id;
         cluster.check(config, id)?;
@@ -150,7 +154,8 @@ impl Node {
             source,
         })?;
         let parts = canonical_parts(config, cluster)?;
-        let hash = config_hash_of_parts(&parts.iter().map(|(_, p)| p.as_slice()).collect::<Vec<_>>());
+        let hash =
+            config_hash_of_parts(&parts.iter().map(|(_, p)| p.as_slice()).collect::<Vec<_>>());
         let (outbox, inbox) = Inbox::new().map_err(|source| NodeError::Thread {
             id,
             what: "coherence inbox",
@@ -179,7 +184,8 @@ impl Node {
         drop(listener);
 
         let memory = Arc::new(
-            Memory::new(0, config.memory as usize).map_err(|source| NodeError::Memory { id, source })?,
+            Memory::new(0, config.memory as usize)
+                .map_err(|source| NodeError::Memory { id, source })?,
         );
         let (events_tx, events) = mpsc::channel();
         let nodes = cluster.nodes.len() as u16;
@@ -216,7 +222,8 @@ impl Node {
                 ipi_port: IPI_PORT,
             }),
         };
-        let mut vm = Vmm::build_part(config, opts, part).map_err(|source| NodeError::Build { id, source })?;
+        let mut vm = Vmm::build_part(config, opts, part)
+            .map_err(|source| NodeError::Build { id, source })?;
         let node_of: Arc<Vec<u16>> = Arc::new(
             (0..config.cpus)
                 .map(|v| cluster.node_of(v).expect("checked: every vCPU has a node"))
@@ -327,7 +334,8 @@ impl RunningNode {
                 Ok(r) => break r,
                 Err(_) => {
                     let lost = self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                    if let Some((at, outcome)) = lost.filter(|(at, _)| at.elapsed() > LOSS_TEARDOWN) {
+                    if let Some((at, outcome)) = lost.filter(|(at, _)| at.elapsed() > LOSS_TEARDOWN)
+                    {
                         tracing::warn!("node {}: vCPUs still stopped on pages of the lost node {:?} after the loss", self.id, at.elapsed());
                         threads_left = true;
                         break RunReport {
@@ -423,10 +431,10 @@ fn control_loop(ctx: ControlContext, events: mpsc::Receiver<NodeEvent>) {
                     });
                 }
             }
-            Envelope::ExitReply { vcpu, data } => {
-                if ctx.node_of.get(vcpu as usize) == Some(&ctx.me) {
-                    ctx.replies.answer(vcpu, data);
-                }
+            Envelope::ExitReply { vcpu, data }
+                if ctx.node_of.get(vcpu as usize) == Some(&ctx.me) =>
+            {
+                ctx.replies.answer(vcpu, data);
             }
             Envelope::Interrupt(Interrupt::Msi { address, data }) => {
                 if let Some(m) = bus::accept_remote(&ctx.node_of, ctx.me, address, data) {
@@ -465,7 +473,10 @@ fn canonical_parts(
         ("memory", text(config.memory.to_string())),
         ("disks", text(format!("{disks:?}"))),
         ("exits", text(config.exits.to_string())),
-        ("cluster (nodes, vCPUs, protocol, ordering)", text(cluster.canonical())),
+        (
+            "cluster (nodes, vCPUs, protocol, ordering)",
+            text(cluster.canonical()),
+        ),
         ("initrd", text(format!("{:?}", config.initrd))),
     ])
 }
