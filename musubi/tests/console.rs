@@ -27,6 +27,9 @@ struct OnTerminal {
     master: std::fs::File,
     /// Held so the terminal's settings can be read after `musubi` ends.
     slave: Option<OwnedFd>,
+    /// The terminal's settings before `musubi` started, read before the spawn so the
+    /// program cannot have changed them yet.
+    before: libc::termios,
     output: Arc<Mutex<Vec<u8>>>,
     reader: Option<std::thread::JoinHandle<()>>,
 }
@@ -66,6 +69,7 @@ impl OnTerminal {
         // SAFETY: both descriptors are fresh and owned by nothing else.
         let (master, slave) = unsafe { (OwnedFd::from_raw_fd(m), OwnedFd::from_raw_fd(s)) };
         let io = || Stdio::from(slave.try_clone().unwrap());
+        let before = termios(&slave);
         let child = musubi()
             .args(args)
             .stdin(io())
@@ -87,6 +91,7 @@ impl OnTerminal {
             child,
             master,
             slave: Some(slave),
+            before,
             output,
             reader: Some(reader),
         }
@@ -159,7 +164,7 @@ fn on_a_terminal(tasks: &str, act: impl FnOnce(&mut OnTerminal)) -> (Option<i32>
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let mut t = OnTerminal::start(&args(tasks, &report));
-    let before = t.termios();
+    let before = t.before;
     t.wait_for_output(PROMPT);
     let during = t.termios();
     assert_eq!(
