@@ -50,6 +50,28 @@ pub struct VmArgs {
     pub config: Option<PathBuf>,
 }
 
+/// How a VM run is bounded and observed: shared by `run` and `node`.
+#[derive(Args, Debug, Clone)]
+pub struct RunFlags {
+    /// Stop the VM after this many seconds (status 126).
+    #[arg(long, value_name = "SECONDS")]
+    pub timeout: Option<f64>,
+    /// Write a JSON report at exit: outcome, exits by reason with VMM time, interrupts,
+    /// and the time to the first KVM_RUN.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
+    /// Write the exit accounting (per vCPU, per port and device register, VMM time with a
+    /// log2 histogram, doorbells and interrupts by path; with nodes, the coherence counters)
+    /// as JSON at exit and on SIGUSR1.
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+    /// System-call filters per thread kind (vCPU, virtio I/O, control): `true` makes a call
+    /// outside them fail and end the VM with a message naming the thread and the call
+    /// (status 126), `log` only has the kernel log it, `false` installs none.
+    #[arg(long, value_name = "true|false|log", default_value = "true")]
+    pub seccomp: vmm::seccomp::SeccompMode,
+}
+
 /// The JSON form of a VM. Sizes may be numbers (bytes) or strings such as "256M".
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]

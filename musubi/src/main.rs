@@ -36,23 +36,8 @@ enum Command {
     Run {
         #[command(flatten)]
         vm: cli::VmArgs,
-        /// Stop the VM after this many seconds (status 126).
-        #[arg(long, value_name = "SECONDS")]
-        timeout: Option<f64>,
-        /// Write a JSON report at exit: outcome, exits by reason with VMM time, interrupts,
-        /// and the time to the first KVM_RUN.
-        #[arg(long, value_name = "FILE")]
-        report: Option<std::path::PathBuf>,
-        /// Write the exit accounting (per vCPU, per port and device register, VMM time
-        /// with a log2 histogram, doorbells and interrupts by path) as JSON at exit and on
-        /// SIGUSR1.
-        #[arg(long, value_name = "FILE")]
-        metrics: Option<std::path::PathBuf>,
-        /// System-call filters per thread kind (vCPU, virtio I/O, control): `true` makes a
-        /// call outside them fail and end the VM with a message naming the thread and the
-        /// call (status 126), `log` only has the kernel log it, `false` installs none.
-        #[arg(long, value_name = "true|false|log", default_value = "true")]
-        seccomp: vmm::seccomp::SeccompMode,
+        #[command(flatten)]
+        run: cli::RunFlags,
         /// Spread the VM over N node processes on this host, linked over loopback TCP: the
         /// vCPUs are dealt round-robin, guest RAM is kept coherent page by page, node 0
         /// holds the devices. Exit status as without it; 123 if a node was lost. --pmem is
@@ -92,17 +77,9 @@ enum Command {
         /// VM flags override the cluster file's "vm" section.
         #[command(flatten)]
         vm: cli::VmArgs,
-        /// Stop the VM after this many seconds (status 126).
-        #[arg(long, value_name = "SECONDS")]
-        timeout: Option<f64>,
-        /// Write this node's JSON report at exit.
-        #[arg(long, value_name = "FILE")]
-        report: Option<std::path::PathBuf>,
-        /// Write this node's exit and coherence accounting at exit and on SIGUSR1.
-        #[arg(long, value_name = "FILE")]
-        metrics: Option<std::path::PathBuf>,
-        #[arg(long, value_name = "true|false|log", default_value = "true")]
-        seccomp: vmm::seccomp::SeccompMode,
+        /// This node's report and metrics (with its coherence counters).
+        #[command(flatten)]
+        run: cli::RunFlags,
     },
     /// Boot the bundled probe guest on 2 vCPUs with a temporary disk, run hello, blk-fill
     /// and blk-crc, check the disk on the host, and summarize.
@@ -140,10 +117,13 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Run {
             vm,
-            timeout,
-            report,
-            metrics,
-            seccomp,
+            run:
+                cli::RunFlags {
+                    timeout,
+                    report,
+                    metrics,
+                    seccomp,
+                },
             nodes: Some(n),
             protocol,
             ordering,
@@ -171,10 +151,13 @@ fn main() -> ExitCode {
             cluster,
             id,
             vm,
-            timeout,
-            report,
-            metrics,
-            seccomp,
+            run:
+                cli::RunFlags {
+                    timeout,
+                    report,
+                    metrics,
+                    seccomp,
+                },
         } => {
             let timeout = match timeout {
                 Some(t) if t.is_finite() && t > 0.0 => Some(std::time::Duration::from_secs_f64(t)),
@@ -197,10 +180,13 @@ fn main() -> ExitCode {
         }
         Command::Run {
             vm,
-            timeout,
-            report,
-            metrics,
-            seccomp,
+            run:
+                cli::RunFlags {
+                    timeout,
+                    report,
+                    metrics,
+                    seccomp,
+                },
             ..
         } => run::run(run::RunArgs {
             vm: &vm,

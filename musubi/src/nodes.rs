@@ -3,7 +3,7 @@
 //! loopback and supervises them as one VM.
 
 use crate::cli::{FileConfig, VmArgs};
-use crate::run::{report_json, write_json};
+use crate::run::{report_json, write_json, SignalWatch};
 use serde::Deserialize;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
@@ -126,7 +126,7 @@ pub fn node(args: NodeArgs) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
-    let mut signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
+    let signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
         Ok(s) => s,
         Err(e) => return fail(format!("cannot install signal handlers: {e}")),
     };
@@ -154,24 +154,9 @@ pub fn node(args: NodeArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let signal_handle = signals.handle();
-    let vm = running.handle();
-    let metrics_path = args.metrics.clone();
-    let watcher = std::thread::spawn(move || {
-        for sig in signals.forever() {
-            match sig {
-                SIGUSR1 => {
-                    if let Some(p) = &metrics_path {
-                        write_json(p, "--metrics", &vm.metrics());
-                    }
-                }
-                s => vm.stop(vmm::Outcome::Signal(s)),
-            }
-        }
-    });
+    let watch = SignalWatch::start(signals, running.handle(), args.metrics.clone());
     let done = running.wait();
-    signal_handle.close();
-    let _ = watcher.join();
+    watch.close();
     let report = &done.report;
     if let Some(p) = &args.metrics {
         write_json(p, "--metrics", &report.metrics);

@@ -40,7 +40,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     };
     // Registered before the VM exists, so a signal that arrives while it is being built
     // is held and stops it as soon as it runs.
-    let mut signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
+    let signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
         Ok(s) => s,
         Err(e) => return fail(format!("cannot install signal handlers: {e}")),
     };
@@ -86,24 +86,9 @@ pub fn run(args: RunArgs) -> ExitCode {
     } else {
         None
     };
-    let signal_handle = signals.handle();
-    let vm = running.handle();
-    let metrics_path = args.metrics.clone();
-    let watcher = std::thread::spawn(move || {
-        for sig in signals.forever() {
-            match sig {
-                SIGUSR1 => {
-                    if let Some(p) = &metrics_path {
-                        write_json(p, "--metrics", &vm.metrics());
-                    }
-                }
-                s => vm.stop(vmm::Outcome::Signal(s)),
-            }
-        }
-    });
+    let watch = SignalWatch::start(signals, running.handle(), args.metrics.clone());
     let report = running.wait();
-    signal_handle.close();
-    let _ = watcher.join();
+    watch.close();
     drop(input);
     drop(raw_mode);
 
@@ -121,6 +106,37 @@ pub fn run(args: RunArgs) -> ExitCode {
         _ => {}
     }
     ExitCode::from(report.outcome.exit_code() as u8)
+}
+
+/// Stops the VM on SIGTERM, SIGINT and SIGHUP and writes its metrics on SIGUSR1, from a
+/// thread of its own, until closed.
+pub struct SignalWatch {
+    handle: signal_hook::iterator::Handle,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl SignalWatch {
+    pub fn start(mut signals: Signals, vm: vmm::VmHandle, metrics: Option<PathBuf>) -> SignalWatch {
+        let handle = signals.handle();
+        let thread = std::thread::spawn(move || {
+            for sig in signals.forever() {
+                match sig {
+                    SIGUSR1 => {
+                        if let Some(p) = &metrics {
+                            write_json(p, "--metrics", &vm.metrics());
+                        }
+                    }
+                    s => vm.stop(vmm::Outcome::Signal(s)),
+                }
+            }
+        });
+        SignalWatch { handle, thread }
+    }
+
+    pub fn close(self) {
+        self.handle.close();
+        let _ = self.thread.join();
+    }
 }
 
 /// Replaces `path` whole, so a reader never sees half a file.
