@@ -152,6 +152,23 @@ impl Memory {
         Ok(mem)
     }
 
+    /// Takes the region out of userfaultfd: faults waiting on it are let go and later ones
+    /// are served by the kernel as for any anonymous memory (zeros where nothing is).
+    ///
+    /// For the end of a VM only, once its vCPUs are stopped: a page whose holder has already
+    /// ended can never be fetched, and a fault KVM started on its own (an asynchronous page
+    /// fault worker) would otherwise hold up the VM's destruction for good. No guest code
+    /// runs after this, so nothing sees the stale or empty pages.
+    pub fn release(&self) -> Result<(), MemoryError> {
+        self.uffd
+            .unregister(self.base.as_ptr().cast(), self.len)
+            .map_err(|source| MemoryError::Register {
+                addr: self.base.as_ptr() as usize,
+                len: self.len,
+                source,
+            })
+    }
+
     /// Host address of the first byte; guest-physical `gpa()` lives there.
     pub fn host_addr(&self) -> *mut u8 {
         self.base.as_ptr()

@@ -121,6 +121,8 @@ pub struct Vm {
     bus: Arc<dyn ExitBus>,
     /// More entries for `--metrics` (a node's coherence counters).
     extra_metrics: Option<ExtraMetrics>,
+    /// Run once the vCPUs and the I/O thread have stopped, before the VM is destroyed.
+    on_stopped: Option<Box<dyn FnOnce() + Send>>,
 }
 
 /// A source of more `--metrics` entries, called whenever the metrics are read.
@@ -397,6 +399,7 @@ impl Vmm {
             capture,
             bus,
             extra_metrics: None,
+            on_stopped: None,
         })
     }
 }
@@ -451,6 +454,12 @@ impl Vm {
     /// Sends the vCPUs' exits to `bus` instead of the local devices.
     pub(crate) fn set_bus(&mut self, bus: Arc<dyn ExitBus>) {
         self.bus = bus;
+    }
+
+    /// `f` runs once no guest code runs any more, before the VM is destroyed (a node lets
+    /// go of guest RAM's userfaultfd there).
+    pub(crate) fn set_on_stopped(&mut self, f: Box<dyn FnOnce() + Send>) {
+        self.on_stopped = Some(f);
     }
 
     pub(crate) fn set_extra_metrics(&mut self, extra: ExtraMetrics) {
@@ -593,6 +602,9 @@ impl RunningVm {
         stop_vcpus(std::mem::take(&mut self.threads));
         if let Some(t) = self.io_thread.as_mut() {
             t.stop();
+        }
+        if let Some(f) = self.vm.on_stopped.take() {
+            f();
         }
         let mut flush_errors = self.vm.devices.flush();
         flush_errors.extend(self.vm.pmem.sync());

@@ -116,6 +116,14 @@ impl RunControl {
         }
     }
 
+    /// The outcome, once the VM has one.
+    pub fn outcome(&self) -> Option<Outcome> {
+        self.outcome
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     pub fn is_finished(&self) -> bool {
         self.finished.load(Ordering::Acquire)
     }

@@ -34,6 +34,11 @@ use std::time::{Duration, Instant};
 /// anyway: a vCPU stopped on a page the lost node held can stay stopped in the kernel, and
 /// the process that embeds the node ends it by exiting.
 const LOSS_TEARDOWN: Duration = Duration::from_secs(2);
+/// Once the VM has an outcome, how long its vCPUs may take to stop before guest RAM leaves
+/// userfaultfd, so a vCPU waiting on a page no node will send (its holder ended first) is let
+/// go; and how long the whole teardown may take before the node reports anyway.
+const STOP_UNSTICK: Duration = Duration::from_secs(1);
+const TEARDOWN: Duration = Duration::from_secs(10);
 
 /// Faults are counted by guest-physical ranges of this size in `--metrics`.
 const FAULT_RANGE_BYTES: u64 = 1 << 20;
@@ -90,6 +95,7 @@ pub struct NodeOptions {
 /// A node with its VM share built and its peers linked, not yet running.
 pub struct Node {
     id: u16,
+    memory: Arc<Memory>,
     vm: crate::Vm,
     coherence: Arc<CoherenceHandle>,
     events: mpsc::Receiver<NodeEvent>,
@@ -115,6 +121,8 @@ struct ControlContext {
 /// A node whose vCPUs run.
 pub struct RunningNode {
     id: u16,
+    memory: Arc<Memory>,
+    control: Arc<RunControl>,
     running: RunningVm,
     coherence: Arc<CoherenceHandle>,
     ended_by_peer: Arc<AtomicBool>,
@@ -245,6 +253,12 @@ impl Node {
             counters: counters.clone(),
         };
         vm.set_bus(Arc::new(bus));
+        let held = Arc::clone(&memory);
+        vm.set_on_stopped(Box::new(move || {
+            if let Err(e) = held.release() {
+                tracing::warn!(node = id, "letting go of guest RAM's userfaultfd: {e}");
+            }
+        }));
         let weak: Weak<CoherenceHandle> = Arc::downgrade(&coherence);
         let (protocol, ordering) = (cluster.protocol, cluster.ordering);
         vm.set_extra_metrics(Arc::new(move || {
@@ -278,6 +292,7 @@ impl Node {
         };
         Ok(Node {
             id,
+            memory,
             vm,
             coherence,
             events,
@@ -304,6 +319,8 @@ impl Node {
             .map_err(|source| NodeError::Build { id, source })?;
         Ok(RunningNode {
             id,
+            memory: self.memory,
+            control: self.ctx.control.clone(),
             running,
             coherence: self.coherence,
             ended_by_peer: self.ctx.ended_by_peer,
@@ -329,14 +346,33 @@ impl RunningNode {
             let _ = tx.send(running.wait());
         });
         let mut threads_left = false;
+        let mut finished_at: Option<Instant> = None;
+        let mut released = false;
         let report = loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(r) => break r,
                 Err(_) => {
+                    if self.control.is_finished() {
+                        let at = *finished_at.get_or_insert_with(Instant::now);
+                        if !released && at.elapsed() > STOP_UNSTICK {
+                            released = true;
+                            tracing::warn!(node = self.id, "vCPUs still running {:?} after the VM ended; letting go of guest RAM's userfaultfd", at.elapsed());
+                            let _ = self.memory.release();
+                        }
+                    }
                     let lost = self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                    if let Some((at, outcome)) = lost.filter(|(at, _)| at.elapsed() > LOSS_TEARDOWN)
+                    let stuck = finished_at
+                        .filter(|at| at.elapsed() > TEARDOWN)
+                        .and_then(|at| self.control.outcome().map(|o| (at, o)));
+                    if let Some((at, outcome)) = lost
+                        .filter(|(at, _)| at.elapsed() > LOSS_TEARDOWN)
+                        .or(stuck)
                     {
-                        tracing::warn!("node {}: vCPUs still stopped on pages of the lost node {:?} after the loss", self.id, at.elapsed());
+                        tracing::warn!(
+                            "node {}: threads still stopped {:?} after the VM ended",
+                            self.id,
+                            at.elapsed()
+                        );
                         threads_left = true;
                         break RunReport {
                             outcome,
