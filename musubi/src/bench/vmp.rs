@@ -24,7 +24,18 @@ use vmm::config::ExitsMode;
 /// A wedged node process, not a slow one: the largest full-size run takes about a second.
 const RUN_LIMIT: Duration = Duration::from_secs(120);
 /// The coherence messages (the nodes also send `interrupt`, an IPI, which is not one).
-const COHERENCE: [&str; 6] = ["fetch", "inv", "finish", "inval", "inval-ack", "page"];
+const COHERENCE: [&str; 8] = [
+    "fetch",
+    "inv",
+    "finish",
+    "req",
+    "fwd",
+    "inval",
+    "inval-ack",
+    "page",
+];
+/// The messages that open a remote fetch: the paper's protocol's and Ivy's.
+const REQUESTS: [&str; 2] = ["fetch", "req"];
 /// Paper 004 Fig. 6: fib(46), 8 processes, 8 nodes.
 const PAPER_SPEEDUP_8: f64 = 6.6;
 
@@ -79,11 +90,7 @@ struct RunFigures {
 
 impl RunFigures {
     fn busy_ns(&self, cpu: u64) -> f64 {
-        self.tasks
-            .iter()
-            .filter(|t| t.0 == cpu)
-            .map(|t| t.1)
-            .sum()
+        self.tasks.iter().filter(|t| t.0 == cpu).map(|t| t.1).sum()
     }
 }
 
@@ -141,6 +148,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
     let scratch = tempfile::tempdir().map_err(|e| format!("scratch directory: {e}"))?;
+    let load_before = loadavg();
     let started = Instant::now();
     let runs = h.run_schedule(&configs, reps, Config::name, |rep, c| {
         run_one(&exe, scratch.path(), c, procs, rep)
@@ -330,12 +338,8 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 .filter_map(node_of)
                 .map(|n| (fault_ns(&n.buckets) - base_fault).max(0.0))
                 .collect());
-            let base_vmm = med(bs
-                .iter()
-                .filter_map(node_of)
-                .map(|n| n.vmm_ns)
-                .collect())
-            .unwrap_or(0.0);
+            let base_vmm =
+                med(bs.iter().filter_map(node_of).map(|n| n.vmm_ns).collect()).unwrap_or(0.0);
             let misc = med(rs
                 .iter()
                 .filter_map(node_of)
@@ -374,8 +378,9 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
          same; it includes faults of the node's VMM threads, not only its vCPU's. Misc: the VMM's own\n\
          handling time of this vCPU's exits less the baseline's (the nested KVM's share of each exit is not\n\
          in it). Idle: Total less the time this vCPU spent in fib tasks (waiting for the others, and start-up).\n\
-         rest: Total - Native - Mem - Misc - Idle, what none of the columns explains (negative when the\n\
-         task ran faster than on one node, or the estimates overlap).\n"
+         rest: Total - Native - Mem - Misc - Idle, what none of the columns explains: chiefly time a vCPU\n\
+         thread waited for a host core (node processes, their coherence threads and any other load share\n\
+         this host's cores), and the nested KVM's share of exits; negative when the estimates overlap.\n"
     );
 
     // ---- Fig. 8 and Fig. 7 at the largest grain on the most nodes ----
@@ -494,8 +499,8 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     println!(
         "A node's fault histogram mixes faults resolved without a message (a write to a page it already\n\
          owns) with remote fetches; the remote fetches are taken to be its slowest k faults, k = the fetch\n\
-         requests it sent. Quantiles interpolate inside the power-of-two buckets. Paper Fig. 8: most fetches\n\
-         took a few ms, some tens of ms (100 Mb/s Ethernet, 2005).\n"
+         requests it sent (fetch for vmp, req for Ivy). Quantiles interpolate inside the power-of-two\n\
+         buckets. Paper Fig. 8: most fetches took a few ms, some tens of ms (100 Mb/s Ethernet, 2005).\n"
     );
     println!("Messages per page fetch (coherence messages sent, IPIs excluded) beside the simulator's Table 3");
     println!("{}", msg_table.render());
@@ -548,7 +553,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             None
         },
     });
-    if max_nodes >= 2 {
+    if max_nodes > 2 {
         let best = speedups
             .get(&(top, format!("{max_nodes}n vmp/tso")))
             .copied();
@@ -567,14 +572,18 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         );
     }
     println!(
-        "runs took {:.1} s in all; grains {:?}; {reps} run(s) per configuration",
+        "runs took {:.1} s in all; grains {:?}; {reps} run(s) per configuration; host load average \
+         (1 min) {} before, {} after, on {} cores: whatever else runs takes cores from the nodes",
         started.elapsed().as_secs_f64(),
-        grains
+        grains,
+        load_before,
+        loadavg(),
+        default_nodes()
     );
 
     h.write_csv("vmp-latency.csv", &hist_csv)?;
     let mut panels = vec![plot::Panel {
-        title: format!("speedup over 1 node, fib"),
+        title: "speedup over 1 node, fib".into(),
         unit: "x".into(),
         bars,
     }];
@@ -653,8 +662,8 @@ fn run_one(
             ))
         }
     };
-    let text = std::fs::read_to_string(&metrics)
-        .map_err(|e| format!("{}: {e}", metrics.display()))?;
+    let text =
+        std::fs::read_to_string(&metrics).map_err(|e| format!("{}: {e}", metrics.display()))?;
     let m: Value =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", metrics.display()))?;
     let nodes = m["nodes"]
@@ -680,10 +689,17 @@ fn run_one(
         .as_array()
         .ok_or("the result has no tasks")?
         .iter()
-        .map(|t| (t["cpu"].as_u64().unwrap_or(0), t["ns"].as_f64().unwrap_or(0.0)))
+        .map(|t| {
+            (
+                t["cpu"].as_u64().unwrap_or(0),
+                t["ns"].as_f64().unwrap_or(0.0),
+            )
+        })
         .collect();
     Ok(RunFigures {
-        wall_ns: line["wall_ns"].as_f64().ok_or("the result has no wall_ns")?,
+        wall_ns: line["wall_ns"]
+            .as_f64()
+            .ok_or("the result has no wall_ns")?,
         tasks,
         nodes,
     })
@@ -717,7 +733,7 @@ fn node_figures(m: &Value) -> NodeFigures {
     NodeFigures {
         id: u(&node["id"]) as u16,
         faults: u(&f["count"]),
-        fetches: u(&sent["fetch"]),
+        fetches: REQUESTS.iter().map(|k| u(&sent[*k])).sum(),
         messages: COHERENCE.iter().map(|k| u(&sent[*k])).sum(),
         buckets,
         by_range,
@@ -808,6 +824,14 @@ fn loopback_rtt(count: usize, out: usize, back: usize) -> Result<Vec<f64>, Strin
     drop(c);
     let _ = server.join();
     result.map(|_| times)
+}
+
+/// The host's 1-minute load average, as /proc/loadavg gives it.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(String::from))
+        .unwrap_or_else(|| "n/a".into())
 }
 
 fn add(into: &mut [u64], b: &[u64]) {
