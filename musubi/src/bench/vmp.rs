@@ -327,24 +327,17 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 .map(|r| r.tasks.iter().filter(|t| t.0 == cpu as u64).count())
                 .unwrap_or(0);
             let native = native_task.map(|n| n * tasks_here as f64);
-            let base_fault = med(bs
-                .iter()
-                .filter_map(node_of)
-                .map(|n| fault_ns(&n.buckets))
-                .collect())
-            .unwrap_or(0.0);
-            let mem = med(rs
-                .iter()
-                .filter_map(node_of)
-                .map(|n| (fault_ns(&n.buckets) - base_fault).max(0.0))
-                .collect());
-            let base_vmm =
-                med(bs.iter().filter_map(node_of).map(|n| n.vmm_ns).collect()).unwrap_or(0.0);
-            let misc = med(rs
-                .iter()
-                .filter_map(node_of)
-                .map(|n| (n.vmm_ns - base_vmm).max(0.0))
-                .collect());
+            // A node figure in the runs, less its median in the baseline runs.
+            let above_baseline = |f: &dyn Fn(&NodeFigures) -> f64| {
+                let base = med(bs.iter().filter_map(node_of).map(|n| f(&n)).collect());
+                med(rs
+                    .iter()
+                    .filter_map(node_of)
+                    .map(|n| (f(&n) - base.unwrap_or(0.0)).max(0.0))
+                    .collect())
+            };
+            let mem = above_baseline(&|n| fault_ns(&n.buckets));
+            let misc = above_baseline(&|n| n.vmm_ns);
             let busy = med(rs.iter().map(|r| r.busy_ns(cpu as u64)).collect());
             let idle = match (total, busy) {
                 (Some(t), Some(b)) => Some((t - b).max(0.0)),
