@@ -373,7 +373,10 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
          in it). Idle: Total less the time this vCPU spent in fib tasks (waiting for the others, and start-up).\n\
          rest: Total - Native - Mem - Misc - Idle, what none of the columns explains: chiefly time a vCPU\n\
          thread waited for a host core (node processes, their coherence threads and any other load share\n\
-         this host's cores), and the nested KVM's share of exits; negative when the estimates overlap.\n"
+         this host's cores), and the nested KVM's share of exits; negative when the estimates overlap.\n\
+         Mem and Misc are whole-run figures less a baseline run's: with small grains or one run each\n\
+         (--quick) the run-to-run spread of start-up alone can exceed the task phase, so read them there\n\
+         as noise.\n"
     );
 
     // ---- Fig. 8 and Fig. 7 at the largest grain on the most nodes ----
