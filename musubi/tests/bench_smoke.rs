@@ -14,7 +14,15 @@ use std::time::Duration;
 /// Every experiment's quick limit together, with room for a loaded CI machine.
 const ALL_LIMIT: Duration = Duration::from_secs(1800);
 
-const EXPERIMENTS: [&str; 6] = ["boot", "composite", "seq", "dsm-table", "mint", "vmms"];
+const EXPERIMENTS: [&str; 7] = [
+    "boot",
+    "composite",
+    "seq",
+    "dsm-table",
+    "mint",
+    "vmms",
+    "vmp",
+];
 
 /// The one `musubi bench all --quick` run, made by whichever test asks first. A run that
 /// hangs fails every test here once, instead of being started again by each.
@@ -90,7 +98,7 @@ fn bench_all_writes_a_page_with_every_experiment_and_its_charts() {
         .skip(1)
         .map(|s| &s[..s.find('"').unwrap()])
         .collect();
-    for e in ["boot", "composite", "seq", "mint", "vmms"] {
+    for e in ["boot", "composite", "seq", "mint", "vmms", "vmp"] {
         assert!(
             images.contains(&format!("{e}.svg").as_str()),
             "{e}.svg is not on the page: {images:?}"
@@ -210,6 +218,73 @@ fn composite_builds_the_make_workload_natively_and_on_both_exit_paths() {
             _ => {}
         }
     }
+}
+
+/// One VM over one and two nodes: every configuration ran, each node's coherence counted
+/// faults (the 2-node runs fetched pages over the wire) and no protocol error, and the report
+/// has the speedup table, the breakdown, the fetch latencies, messages beside Table 3 and
+/// both goal lines.
+#[test]
+fn vmp_runs_fib_on_one_and_two_nodes_with_both_protocols() {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    );
+    let t = bench_csv("vmp", "Parallel fib over 1..");
+    let (r, out) = quick("vmp");
+    for heading in [
+        "Breakdown per vCPU",
+        "Page faults, 2n vmp/tso",
+        "beside the simulator's Table 3",
+        "median page fetch / (exit + RTT)",
+        "2-node speedup",
+        "--link-delay",
+    ] {
+        assert!(
+            r.stdout.contains(heading),
+            "no {heading:?}\n{}",
+            r.explain()
+        );
+    }
+    let (nodes, protocol, ordering, node) = (
+        t.col("nodes"),
+        t.col("protocol"),
+        t.col("ordering"),
+        t.col("node"),
+    );
+    let (faults, fetches, errors) = (t.col("faults"), t.col("fetches"), t.col("protocol_errors"));
+    for (n, p, o) in [
+        ("1", "vmp", "tso"),
+        ("2", "vmp", "tso"),
+        ("2", "ivy", "tso"),
+        ("2", "vmp", "paper"),
+    ] {
+        let rows: Vec<_> = t
+            .rows
+            .iter()
+            .filter(|r| r[nodes] == n && r[protocol] == p && r[ordering] == o)
+            .collect();
+        assert!(!rows.is_empty(), "no {n}-node {p}/{o} rows\n{}", t.text);
+        for node_id in 0..n.parse::<u32>().unwrap() {
+            assert!(
+                rows.iter().any(|r| r[node] == node_id.to_string()),
+                "{n}-node {p}/{o}: no row for node {node_id}\n{}",
+                t.text
+            );
+        }
+        for row in &rows {
+            assert_eq!(row[errors], "0", "{row:?}");
+            if n == "2" {
+                assert!(row[faults].parse::<u64>().unwrap() > 0, "{row:?}");
+                assert!(row[fetches].parse::<u64>().unwrap() > 0, "{row:?}");
+            }
+        }
+    }
+    assert!(out.path().join("vmp.svg").exists(), "no vmp.svg");
+    assert!(
+        out.path().join("vmp-latency.csv").exists(),
+        "no vmp-latency.csv"
+    );
 }
 
 #[test]

@@ -92,6 +92,9 @@ fn run_one(exe: &Path, name: &'static str, args: &BenchArgs) -> Outcome {
     if let (Some(e), "vmms") = (&args.extent, name) {
         cmd.args(["--extent", e]);
     }
+    if let (Some(n), "vmp") = (args.nodes, name) {
+        cmd.args(["--nodes", &n.to_string()]);
+    }
     let (start, started) = (Instant::now(), SystemTime::now());
     let outcome = |stdout: String, stderr: String, error: Option<String>| Outcome {
         name,

@@ -18,6 +18,7 @@ pub mod report;
 mod seq;
 pub mod stats;
 mod vmms;
+mod vmp;
 pub mod watch;
 
 use clap::Args;
@@ -27,7 +28,7 @@ use std::process::ExitCode;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Experiment to run: boot, composite, seq, dsm-table, mint, vmms, or all (every one,
+    /// Experiment to run: boot, composite, seq, dsm-table, mint, vmms, vmp, or all (every one,
     /// and a page `index.html` in --out that shows them together).
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
@@ -49,9 +50,20 @@ pub struct BenchArgs {
     /// Bytes each storage run moves (vmms; the paper used 512M), e.g. 4M, 64M, 512M.
     #[arg(long, value_name = "SIZE")]
     pub extent: Option<String>,
+    /// Largest node count for vmp (runs 1..N nodes; default: this host's cores, at least 2).
+    #[arg(long, value_name = "N")]
+    pub nodes: Option<u16>,
 }
 
-const EXPERIMENTS: &[&str] = &["boot", "composite", "seq", "dsm-table", "mint", "vmms"];
+const EXPERIMENTS: &[&str] = &[
+    "boot",
+    "composite",
+    "seq",
+    "dsm-table",
+    "mint",
+    "vmms",
+    "vmp",
+];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
     let result = match args.experiment.as_str() {
@@ -62,6 +74,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "seq" => Harness::new(args).and_then(|h| seq::run(&h, args)),
         "mint" => Harness::new(args).and_then(|h| mint::run(&h, args)),
         "vmms" => Harness::new(args).and_then(|h| vmms::run(&h, args)),
+        "vmp" => Harness::new(args).and_then(|h| vmp::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}, all",

@@ -300,6 +300,7 @@ mod tests {
             compare: compare.map(String::from),
             extent: None,
             qemu,
+            nodes: None,
         }
     }
 

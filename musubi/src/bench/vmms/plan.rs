@@ -341,6 +341,7 @@ mod tests {
             compare: None,
             extent: Some("5000".into()),
             qemu: None,
+            nodes: None,
         };
         let e = Plan::new(&h, &args).err().unwrap();
         assert!(
