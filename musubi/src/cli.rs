@@ -72,6 +72,20 @@ pub struct RunFlags {
     pub seccomp: vmm::seccomp::SeccompMode,
 }
 
+impl RunFlags {
+    /// `--timeout` as a duration; anything but a positive finite number of seconds is refused
+    /// by name.
+    pub fn timeout(&self) -> Result<Option<std::time::Duration>, String> {
+        match self.timeout {
+            Some(t) if t.is_finite() && t > 0.0 => Ok(Some(std::time::Duration::from_secs_f64(t))),
+            Some(t) => Err(format!(
+                "--timeout {t}: expected a positive number of seconds"
+            )),
+            None => Ok(None),
+        }
+    }
+}
+
 /// The JSON form of a VM. Sizes may be numbers (bytes) or strings such as "256M".
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]

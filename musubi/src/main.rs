@@ -117,13 +117,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Run {
             vm,
-            run:
-                cli::RunFlags {
-                    timeout,
-                    report,
-                    metrics,
-                    seccomp,
-                },
+            run,
             nodes: Some(n),
             protocol,
             ordering,
@@ -141,60 +135,16 @@ fn main() -> ExitCode {
                 protocol,
                 ordering,
                 vm: &vm,
-                timeout,
-                report: report.as_deref(),
-                metrics,
-                seccomp,
+                run: &run,
             })
         }
         Command::Node {
             cluster,
             id,
             vm,
-            run:
-                cli::RunFlags {
-                    timeout,
-                    report,
-                    metrics,
-                    seccomp,
-                },
-        } => {
-            let timeout = match timeout {
-                Some(t) if t.is_finite() && t > 0.0 => Some(std::time::Duration::from_secs_f64(t)),
-                Some(t) => {
-                    return fail(format!(
-                        "--timeout {t}: expected a positive number of seconds"
-                    ))
-                }
-                None => None,
-            };
-            nodes::node(nodes::NodeArgs {
-                cluster: &cluster,
-                id,
-                vm: &vm,
-                timeout,
-                report: report.as_deref(),
-                metrics,
-                seccomp,
-            })
-        }
-        Command::Run {
-            vm,
-            run:
-                cli::RunFlags {
-                    timeout,
-                    report,
-                    metrics,
-                    seccomp,
-                },
-            ..
-        } => run::run(run::RunArgs {
-            vm: &vm,
-            timeout,
-            report: report.as_deref(),
-            metrics,
-            seccomp,
-        }),
+            run,
+        } => nodes::node(&cluster, id, &vm, &run),
+        Command::Run { vm, run, .. } => run::run(&vm, &run),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
         Command::Partition(args) => partition_cli::run(args),

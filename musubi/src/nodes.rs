@@ -2,7 +2,7 @@
 //! cluster file, and `musubi run --nodes N` starts N such node processes on this host over
 //! loopback and supervises them as one VM.
 
-use crate::cli::{FileConfig, VmArgs};
+use crate::cli::{FileConfig, RunFlags, VmArgs};
 use crate::run::{report_json, write_json, SignalWatch};
 use serde::Deserialize;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
@@ -105,24 +105,20 @@ fn read_cluster(path: &Path, vm: &VmArgs) -> Result<(vmm::config::VmConfig, Clus
     Ok((config, cluster))
 }
 
-pub struct NodeArgs<'a> {
-    pub cluster: &'a Path,
-    pub id: u16,
-    pub vm: &'a VmArgs,
-    pub timeout: Option<Duration>,
-    pub report: Option<&'a Path>,
-    pub metrics: Option<PathBuf>,
-    pub seccomp: vmm::seccomp::SeccompMode,
-}
-
-/// `musubi node`: runs one node until the VM ends anywhere.
-pub fn node(args: NodeArgs) -> ExitCode {
-    let id = args.id;
+/// `musubi node`: runs node `id` of `cluster` until the VM ends anywhere.
+pub fn node(cluster: &Path, id: u16, vm: &VmArgs, run: &RunFlags) -> ExitCode {
+    let timeout = match run.timeout() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("musubi: {e}");
+            return ExitCode::from(1);
+        }
+    };
     let fail = |msg: String| {
         eprintln!("musubi: node {id}: {msg}");
         ExitCode::from(1)
     };
-    let (config, cluster) = match read_cluster(args.cluster, args.vm) {
+    let (config, cluster) = match read_cluster(cluster, vm) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
@@ -132,8 +128,8 @@ pub fn node(args: NodeArgs) -> ExitCode {
     };
     let opts = vmm::RunOptions {
         capture_serial: false,
-        timeout: args.timeout,
-        seccomp: args.seccomp,
+        timeout,
+        seccomp: run.seccomp,
     };
     let node_opts = NodeOptions {
         cluster,
@@ -154,14 +150,14 @@ pub fn node(args: NodeArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let watch = SignalWatch::start(signals, running.handle(), args.metrics.clone());
+    let watch = SignalWatch::start(signals, running.handle(), run.metrics.clone());
     let done = running.wait();
     watch.close();
     let report = &done.report;
-    if let Some(p) = &args.metrics {
+    if let Some(p) = &run.metrics {
         write_json(p, "--metrics", &report.metrics);
     }
-    if let Some(p) = args.report {
+    if let Some(p) = &run.report {
         let mut j = report_json(report);
         j["node"] = serde_json::json!(id);
         j["coherence"] = done.coherence.clone();
@@ -189,10 +185,7 @@ pub struct LaunchArgs<'a> {
     pub protocol: dsm::Protocol,
     pub ordering: dsm::Ordering,
     pub vm: &'a VmArgs,
-    pub timeout: Option<f64>,
-    pub report: Option<&'a Path>,
-    pub metrics: Option<PathBuf>,
-    pub seccomp: vmm::seccomp::SeccompMode,
+    pub run: &'a RunFlags,
 }
 
 /// `musubi run --nodes N`: the VM over N node processes on this host.
@@ -254,13 +247,13 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
             .arg(&cluster_path)
             .args(["--id", &k.to_string()])
             .args(args.vm.to_args())
-            .args(["--seccomp", &args.seccomp.to_string()])
+            .args(["--seccomp", &args.run.seccomp.to_string()])
             .arg("--report")
             .arg(report_of(k));
-        if args.metrics.is_some() {
+        if args.run.metrics.is_some() {
             cmd.arg("--metrics").arg(metrics_of(k));
         }
-        if let Some(t) = args.timeout {
+        if let Some(t) = args.run.timeout {
             cmd.args(["--timeout", &t.to_string()]);
         }
         // The I/O node holds the serial console.
@@ -291,7 +284,7 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
             .and_then(|t| serde_json::from_str(&t).ok())
             .unwrap_or(serde_json::Value::Null)
     };
-    if let Some(p) = args.report {
+    if let Some(p) = &args.run.report {
         let nodes: Vec<serde_json::Value> = (0..n).map(|k| read(report_of(k))).collect();
         let mut j = nodes[0].clone();
         if !j.is_object() {
@@ -301,7 +294,7 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
         j["nodes"] = serde_json::Value::Array(nodes);
         write_json(p, "--report", &j);
     }
-    if let Some(p) = &args.metrics {
+    if let Some(p) = &args.run.metrics {
         let nodes: Vec<serde_json::Value> = (0..n).map(|k| read(metrics_of(k))).collect();
         write_json(p, "--metrics", &serde_json::json!({ "nodes": nodes }));
     }

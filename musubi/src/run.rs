@@ -8,35 +8,21 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
 
 const STDIN: std::os::fd::RawFd = 0;
 
-pub struct RunArgs<'a> {
-    pub vm: &'a cli::VmArgs,
-    pub timeout: Option<f64>,
-    pub report: Option<&'a Path>,
-    pub metrics: Option<PathBuf>,
-    pub seccomp: vmm::seccomp::SeccompMode,
-}
-
-pub fn run(args: RunArgs) -> ExitCode {
+pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags) -> ExitCode {
     let fail = |msg: String| {
         eprintln!("musubi: {msg}");
         ExitCode::from(1)
     };
-    let config = match args.vm.to_config() {
+    let config = match vm.to_config() {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
-    let timeout = match args.timeout {
-        Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
-        Some(t) => {
-            return fail(format!(
-                "--timeout {t}: expected a positive number of seconds"
-            ))
-        }
-        None => None,
+    let timeout = match run.timeout() {
+        Ok(t) => t,
+        Err(e) => return fail(e),
     };
     // Registered before the VM exists, so a signal that arrives while it is being built
     // is held and stops it as soon as it runs.
@@ -47,7 +33,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     let opts = vmm::RunOptions {
         capture_serial: false,
         timeout,
-        seccomp: args.seccomp,
+        seccomp: run.seccomp,
     };
     let built = match vmm::Vmm::build(&config, &opts) {
         Ok(vm) => vm,
@@ -72,7 +58,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     };
     // This thread only waits, flushes and writes reports from here on; the threads it
     // starts next (signals, console input) inherit its filter.
-    if let Err(e) = vmm::seccomp::apply(vmm::seccomp::ThreadKind::Control, args.seccomp) {
+    if let Err(e) = vmm::seccomp::apply(vmm::seccomp::ThreadKind::Control, run.seccomp) {
         running.stop(vmm::Outcome::VmmError(e.to_string()));
     }
     let input = if stdio {
@@ -86,16 +72,16 @@ pub fn run(args: RunArgs) -> ExitCode {
     } else {
         None
     };
-    let watch = SignalWatch::start(signals, running.handle(), args.metrics.clone());
+    let watch = SignalWatch::start(signals, running.handle(), run.metrics.clone());
     let report = running.wait();
     watch.close();
     drop(input);
     drop(raw_mode);
 
-    if let Some(p) = &args.metrics {
+    if let Some(p) = &run.metrics {
         write_json(p, "--metrics", &report.metrics);
     }
-    if let Some(p) = args.report {
+    if let Some(p) = &run.report {
         write_json(p, "--report", &report_json(&report));
     }
     match &report.outcome {

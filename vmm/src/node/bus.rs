@@ -79,7 +79,7 @@ pub(crate) struct NodeBus {
     pub io_node: u16,
     pub cpus: u8,
     /// Which node runs each vCPU.
-    pub node_of: Vec<u16>,
+    pub node_of: Arc<Vec<u16>>,
     /// The devices, on the node that holds them.
     pub local: Option<Arc<dyn ExitBus>>,
     /// The coherence thread's inbox: what goes to peers leaves in order with the protocol's

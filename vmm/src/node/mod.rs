@@ -244,7 +244,7 @@ impl Node {
             me: id,
             io_node: cluster.io_node,
             cpus: config.cpus,
-            node_of: node_of.to_vec(),
+            node_of: Arc::clone(&node_of),
             local: local.clone(),
             outbox: outbox.clone(),
             vm: vm.vm_fd(),
