@@ -385,21 +385,6 @@ mod tests {
     }
 
     #[test]
-    fn a_new_state_directory_is_private_whatever_the_umask() {
-        use std::os::unix::fs::PermissionsExt;
-        let t = tempfile::tempdir().unwrap();
-        let d = t.path().join("a/b");
-        // SAFETY: umask only changes this process's file-creation mask.
-        let old = unsafe { libc::umask(0) };
-        let r = Store::open(&d);
-        // SAFETY: as above.
-        unsafe { libc::umask(old) };
-        r.unwrap();
-        let mode = std::fs::metadata(&d).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o700);
-    }
-
-    #[test]
     fn records_round_trip_and_list_sorted() {
         let tmp = tempfile::tempdir().unwrap();
         let store = Store::open(tmp.path()).unwrap();
