@@ -106,13 +106,18 @@ fn main() -> ExitCode {
     // Output piped into `head` and the like ends quietly, as for other command-line tools.
     // SAFETY: restoring a signal's default disposition has no preconditions.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("MUSUBI_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // Without MUSUBI_LOG a plain level filter: parsing filter directives is start-up time
+    // every run would pay for a feature few runs use.
+    let log = tracing_subscriber::fmt().with_writer(std::io::stderr);
+    match std::env::var_os("MUSUBI_LOG") {
+        Some(_) => log
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_env("MUSUBI_LOG")
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            )
+            .init(),
+        None => log.with_max_level(tracing::Level::WARN).init(),
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Run {

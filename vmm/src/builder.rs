@@ -21,9 +21,10 @@ use crate::pmem::{host_phys_bits, PmemError, PmemRegions};
 use crate::seccomp::SeccompMode;
 use crate::vstate::memory::{GuestRam, MemoryError, RamBackend};
 use crate::vstate::vcpu::{
-    install_kick_handler, kick_signal, Vcpu, VcpuContext, VcpuError, VcpuState, VcpuStatus,
+    install_kick_handler, kick_signal, VcpuContext, VcpuError, VcpuState, VcpuStatus,
 };
-use crate::vstate::vm::{KvmVm, VmError};
+use crate::vstate::vcpu_thread::{Boot, PendingVcpu, Plan};
+use crate::vstate::vm::{open_kvm, KvmVm, VmError};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -114,7 +115,7 @@ pub struct Vm {
     mem: GuestMemoryMmap,
     pmem: PmemRegions,
     devices: Devices,
-    vcpus: Vec<Vcpu>,
+    vcpus: Vec<PendingVcpu>,
     control: Arc<RunControl>,
     capture: Option<Arc<Mutex<Vec<u8>>>>,
     /// Where the vCPUs' port and MMIO exits go: the local devices unless a node forwards them.
@@ -264,8 +265,9 @@ impl VmHandle {
 }
 
 impl Vmm {
-    /// Creates the VM described by `config`: memory, kernel, devices, firmware tables and
-    /// vCPUs, in that order. Nothing runs until [`Vm::start`].
+    /// Creates the VM described by `config`: memory, kernel, devices and firmware tables in
+    /// that order on this thread, the vCPUs meanwhile on their own threads. No guest code
+    /// runs until [`Vm::start`].
     pub fn build(config: &VmConfig, opts: &RunOptions) -> Result<Vm, BuildError> {
         Self::build_part(config, opts, Part::whole(config))
     }
@@ -302,7 +304,20 @@ impl Vmm {
         )?;
         let addrs: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
         let pmem = pmem_files.map(&addrs)?;
-        let mut kvm = KvmVm::new()?;
+        // The vCPU threads start first and set up their vCPUs beside the rest of the build
+        // (see `vcpu_thread`).
+        let host = open_kvm()?;
+        let plan = Plan::new(host.clone(), layout.cpus, part.node, opts.seccomp);
+        let vcpus = part
+            .vcpus
+            .iter()
+            .map(|&id| PendingVcpu::spawn(id, &plan))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|source| BuildError::Thread {
+                what: "vCPU",
+                source,
+            })?;
+        let mut kvm = KvmVm::create(host)?;
         let ram = Arc::new(match part.ram {
             None => GuestRam::new(&layout, RamBackend::Anonymous)?,
             // SAFETY: the owner of a shared mapping keeps it mapped while it lives, and
@@ -311,7 +326,11 @@ impl Vmm {
         });
         kvm.register_memory(ram.memory())?;
         pmem.register(&mut kvm)?;
-        kvm.create_interrupt_controllers()?;
+        kvm.create_irqchip()?;
+        for v in &vcpus {
+            v.create(&kvm.shared_fd());
+        }
+        kvm.create_pit()?;
         let mem = pmem.extend_guest_memory(ram.memory().clone())?;
         phase("vm and memory");
 
@@ -321,6 +340,19 @@ impl Vmm {
         } else {
             None
         };
+        let boot = loaded.as_ref().map(|(entry, _)| match *entry {
+            EntryPoint::Pvh(rip) => Boot {
+                regs: regs::pvh_regs(rip, layout.pvh_start_info),
+                sregs: regs::pvh_sregs,
+            },
+            EntryPoint::Linux64 { entry, .. } => Boot {
+                regs: linux::long_mode_regs(entry),
+                sregs: linux::long_mode_sregs,
+            },
+        });
+        for v in &vcpus {
+            v.boot(if v.id == 0 { boot } else { None });
+        }
         phase("kernel loaded");
 
         // 3. Devices, and the command line that announces them.
@@ -363,23 +395,9 @@ impl Vmm {
             write_boot_data(config, &layout, &mem, &devices, &entry, kernel_end)?;
             phase("firmware tables");
         }
-        let entry = loaded.map(|l| l.0);
-
-        // 5. vCPUs: the BSP gets the entry state; APs wait for INIT/SIPI in the kernel.
-        let vcpus = part
-            .vcpus
-            .iter()
-            .map(|&id| Vcpu::new(kvm.kvm(), kvm.fd(), id, layout.cpus, part.node))
-            .collect::<Result<Vec<_>, _>>()?;
-        if let (Some(bsp), Some(entry)) = (vcpus.iter().find(|v| v.id == 0), entry) {
-            match entry {
-                EntryPoint::Pvh(rip) => {
-                    bsp.set_regs(&regs::pvh_regs(rip, layout.pvh_start_info), regs::pvh_sregs)
-                }
-                EntryPoint::Linux64 { entry, .. } => {
-                    bsp.set_regs(&linux::long_mode_regs(entry), linux::long_mode_sregs)
-                }
-            }?;
+        // 5. vCPUs: the BSP has its entry state; APs wait for INIT/SIPI in the kernel.
+        for v in &vcpus {
+            v.ready()?;
         }
         phase("vcpus");
 
@@ -522,22 +540,14 @@ impl Vm {
                 request: request.clone(),
                 ram: self.ram.clone(),
                 first_run: first_run.clone(),
-                seccomp: self.opts.seccomp,
             };
-            let thread = std::thread::Builder::new()
-                .name(format!("vcpu{}", vcpu.id))
-                .spawn(move || vcpu.run(ctx));
-            match thread {
+            match vcpu.run(ctx) {
                 Ok(t) => threads.push(t),
-                Err(source) => {
+                Err(e) => {
                     // The VM ends before it started: stop the threads already running.
-                    self.control
-                        .finish(Outcome::VmmError("a vCPU thread did not start".into()));
+                    self.control.finish(Outcome::VmmError(e.to_string()));
                     stop_vcpus(threads);
-                    return Err(BuildError::Thread {
-                        what: "vCPU",
-                        source,
-                    });
+                    return Err(e.into());
                 }
             }
         }

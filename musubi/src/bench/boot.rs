@@ -35,7 +35,12 @@ const GOAL_SOURCE: &str = "Musubi goal, same run";
 
 #[derive(Clone, Debug)]
 enum Hv {
-    Musubi { exe: PathBuf },
+    /// Boots the probe guest from the same ELF file as the peers, not from the copy the
+    /// binary carries, so every VMM reads the same file the same way.
+    Musubi {
+        exe: PathBuf,
+        elf: PathBuf,
+    },
     Qemu(Qemu),
     Micro(Micro),
 }
@@ -66,8 +71,11 @@ struct Sample {
     /// Musubi only: the same from its `--report`'s `first_run_monotonic_ns`, to check the
     /// shim against.
     report_first_run_ns: Option<u64>,
+    /// `to_first_run_ns` is the shim's stamp. A statically linked VMM loads no preloaded
+    /// library, so its figure is then its own report's.
+    shim_timed: bool,
     /// The part of `to_first_run_ns` spent inside the VMM's VM setup (the report's own
-    /// `to_first_run_ns`); the rest is exec, dynamic loading and argument parsing.
+    /// `to_first_run_ns`); the rest is exec, process start-up and argument parsing.
     setup_ns: Option<u64>,
     to_hello_ns: u64,
     to_exit_ns: u64,
@@ -105,7 +113,12 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     println!(
         "boot: probe guest (probe.tasks=hello), 1 vCPU, 128 MiB; {reps} runs per hypervisor, interleaved"
     );
-    let mut configs = vec![Hv::Musubi { exe }];
+    let elf = crate::probe::materialize()
+        .map_err(|e| format!("cannot write the probe guest's ELF: {e}"))?;
+    let mut configs = vec![Hv::Musubi {
+        exe,
+        elf: elf.clone(),
+    }];
     // microvm boots a PVH ELF with `-kernel` and has the least device model, so it is the
     // fair comparison; `-M pc` is the fallback if this QEMU's microvm cannot boot the probe.
     // The probe's successful boot is QEMU's warm-up run.
@@ -117,9 +130,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         Peer::Unavailable(why) => missing.push(("qemu".into(), why)),
     }
     for kind in listed.iter().filter_map(|n| Kind::of(n)) {
-        let found = crate::probe::materialize()
-            .map_err(|e| format!("cannot write the probe guest's ELF for it: {e}"))
-            .and_then(|elf| Micro::find(kind, &elf, &h.out));
+        let found = Micro::find(kind, &elf, &h.out);
         match found {
             Ok(m) => {
                 println!("{}: runs {}", kind.name(), kind.filters(shim.is_some()));
@@ -310,7 +321,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     if let (Some(all), Some(setup)) = (sums[0].first_run, sums[0].setup) {
         println!(
-            "musubi's phases to first KVM_RUN, median: {} ms before run_vm (exec, dynamic loading,",
+            "musubi's phases to first KVM_RUN, median: {} ms before run_vm (exec, process start-up,",
             ms(all.median - setup.median),
         );
         println!(
@@ -321,6 +332,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     let gaps: Vec<f64> = per[0]
         .iter()
+        .filter(|s| s.shim_timed)
         .filter_map(|s| {
             let (a, b) = (s.to_first_run_ns?, s.report_first_run_ns?);
             Some(b as f64 - a as f64)
@@ -332,6 +344,12 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             gap / 1e3
         );
         println!("  (the report stamps just before the ioctl; the shim inside it).");
+    } else if shim.is_some() && !per[0].is_empty() {
+        println!(
+            "musubi: statically linked, so the shim cannot be preloaded into it; its first KVM_RUN"
+        );
+        println!("  is its --report's first_run_monotonic_ns, stamped just before the ioctl (on dynamically");
+        println!("  linked builds the two agreed within a few us).");
     }
     for (c, s) in configs.iter().zip(&per) {
         let missed = s.iter().filter(|x| x.max_overhead.is_none()).count();
@@ -555,12 +573,13 @@ fn one_run(hv: &Hv, shim: Option<&Path>) -> Result<Sample, String> {
         cmd
     };
     let mut s = match hv {
-        Hv::Musubi { exe } => run_musubi(exe, dir.path(), &timed)?,
+        Hv::Musubi { exe, elf } => run_musubi(exe, elf, dir.path(), &timed)?,
         Hv::Qemu(q) => run_qemu(q, &timed)?,
         Hv::Micro(m) => run_micro(m, timed(m.command(shim.is_some())))?,
     };
     if let Some(at) = peers::read_stamp(&stamp) {
         s.to_first_run_ns = Some(at.saturating_sub(s.spawn_ns));
+        s.shim_timed = true;
     }
     Ok(s)
 }
@@ -576,26 +595,26 @@ fn watch() -> Watch<'static> {
 
 fn run_musubi(
     exe: &Path,
+    elf: &Path,
     dir: &Path,
     timed: &dyn Fn(Command) -> Command,
 ) -> Result<Sample, String> {
     let report = dir.join("report.json");
     let mut cmd = Command::new(exe);
-    cmd.args([
-        "run",
-        "--kernel",
-        "probe",
-        "--cpus",
-        "1",
-        "--memory",
-        "128M",
-        "--cmdline",
-        "probe.tasks=hello",
-        "--serial",
-        "stdio",
-        "--report",
-    ])
-    .arg(&report);
+    cmd.args(["run", "--kernel"])
+        .arg(elf)
+        .args([
+            "--cpus",
+            "1",
+            "--memory",
+            "128M",
+            "--cmdline",
+            "probe.tasks=hello",
+            "--serial",
+            "stdio",
+            "--report",
+        ])
+        .arg(&report);
     let o = observe(timed(cmd), &watch())
         .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
     let hello = time_to_marker(&o, 0, MUSUBI_LINES)?;
@@ -614,6 +633,7 @@ fn run_musubi(
         spawn_ns: o.spawn_ns,
         to_first_run_ns: Some(from_report),
         report_first_run_ns: Some(from_report),
+        shim_timed: false,
         setup_ns: r["to_first_run_ns"].as_u64(),
         to_hello_ns: hello,
         to_exit_ns: o.end_ns - o.spawn_ns,
@@ -650,6 +670,7 @@ fn peer_sample(o: &Observed, hello: u64, status: Option<i32>) -> Sample {
         spawn_ns: o.spawn_ns,
         to_first_run_ns: None,
         report_first_run_ns: None,
+        shim_timed: false,
         setup_ns: None,
         to_hello_ns: hello,
         to_exit_ns: o.end_ns - o.spawn_ns,

@@ -2,4 +2,5 @@
 
 pub mod memory;
 pub mod vcpu;
+pub mod vcpu_thread;
 pub mod vm;

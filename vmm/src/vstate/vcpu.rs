@@ -4,13 +4,12 @@ use crate::arch::x86_64::cpuid::{add_node_leaves, filter_cpuid, NodeLeaves};
 use crate::control::{panic_message, Outcome, RunControl};
 use crate::exit::{crash_outcome, handle_exit, ExitAction, ExitBus};
 use crate::metrics::VcpuMetrics;
-use crate::seccomp::{self, SeccompMode, ThreadKind};
 use crate::vstate::memory::GuestRam;
 use kvm_bindings::{
-    kvm_lapic_state, kvm_msr_entry, kvm_run, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_HALTED,
+    kvm_lapic_state, kvm_msr_entry, kvm_run, CpuId, Msrs, KVM_MP_STATE_HALTED,
     KVM_MP_STATE_INIT_RECEIVED, KVM_MP_STATE_UNINITIALIZED,
 };
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use kvm_ioctls::{VcpuFd, VmFd};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -28,6 +27,15 @@ pub enum VcpuError {
     CpuidFull { id: u8 },
     #[error("vCPU {id}: KVM refused to set MSR {index:#x}")]
     MsrRejected { id: u8, index: u32 },
+    #[error("KVM_GET_SUPPORTED_CPUID failed: {0}")]
+    SupportedCpuid(kvm_ioctls::Error),
+    #[error("vCPU {id}: {source}")]
+    Seccomp {
+        id: u8,
+        source: crate::seccomp::SeccompError,
+    },
+    #[error("vCPU {id}: its thread ended while the VM was being built")]
+    ThreadEnded { id: u8 },
 }
 
 /// Signal used to kick a vCPU thread out of KVM_RUN.
@@ -127,7 +135,6 @@ pub struct VcpuContext {
     pub ram: Arc<GuestRam>,
     /// Set by the BSP at its first KVM_RUN.
     pub first_run: Arc<OnceLock<(Instant, u64)>>,
-    pub seccomp: SeccompMode,
 }
 
 pub struct Vcpu {
@@ -147,8 +154,9 @@ const APIC_MODE_EXTINT: u32 = 0x7;
 const APIC_MODE_NMI: u32 = 0x4;
 
 impl Vcpu {
+    /// Creates vCPU `id` of `count` with the host's `supported` CPUID, as KVM reports it.
     pub fn new(
-        kvm: &Kvm,
+        supported: &CpuId,
         vm: &VmFd,
         id: u8,
         count: u8,
@@ -156,9 +164,7 @@ impl Vcpu {
     ) -> Result<Self, VcpuError> {
         let err = |what| move |source| VcpuError::Ioctl { id, what, source };
         let fd = vm.create_vcpu(id as u64).map_err(err("KVM_CREATE_VCPU"))?;
-        let mut cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(err("KVM_GET_SUPPORTED_CPUID"))?;
+        let mut cpuid = supported.clone();
         filter_cpuid(&mut cpuid, id, count);
         if let Some(leaves) = node {
             add_node_leaves(&mut cpuid, leaves).map_err(|_| VcpuError::CpuidFull { id })?;
@@ -207,20 +213,20 @@ impl Vcpu {
         Ok(())
     }
 
-    /// Runs the vCPU until the VM ends. Exits are dispatched on this thread; anything
-    /// fatal, a panic included, is recorded in the VM's control as its outcome.
+    /// Makes this thread the one the vCPU is kicked on: the kick handler finds its run
+    /// structure here. Only the thread that runs the vCPU calls it.
+    pub fn bind_to_thread(&mut self) {
+        KVM_RUN.with(|r| r.set(self.fd.get_kvm_run()));
+    }
+
+    /// Runs the vCPU on the thread bound to it (its filter already installed) until the VM
+    /// ends. Exits are dispatched on this thread; anything fatal, a panic included, is
+    /// recorded in the VM's control as its outcome.
     pub fn run(mut self, ctx: VcpuContext) {
         let id = self.id;
         let control = ctx.control.clone();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            KVM_RUN.with(|r| r.set(self.fd.get_kvm_run()));
             ctx.ram.register_vcpu_thread(id, current_tid());
-            seccomp::block_process_signals(&[kick_signal()]);
-            if let Err(e) = seccomp::apply(ThreadKind::Vcpu, ctx.seccomp) {
-                ctx.control
-                    .finish(Outcome::VmmError(format!("vCPU {id}: {e}")));
-                return;
-            }
             #[cfg(feature = "testing")]
             if crate::testing::vcpu_makes_a_refused_call() {
                 // SAFETY: socket() only creates a descriptor; the filter refuses it.
@@ -228,7 +234,7 @@ impl Vcpu {
             }
             self.run_loop(&ctx);
         }));
-        KVM_RUN.with(|r| r.set(std::ptr::null_mut()));
+        unbind_thread();
         if let Err(panic) = result {
             control.finish(Outcome::VmmError(format!(
                 "vCPU {id} thread panicked: {}",
@@ -291,6 +297,11 @@ impl Vcpu {
 
 /// The interrupt-enable flag in RFLAGS.
 const RFLAGS_IF: u64 = 1 << 9;
+
+/// Forgets this thread's vCPU run structure, before the vCPU fd that maps it is dropped.
+pub fn unbind_thread() {
+    KVM_RUN.with(|r| r.set(std::ptr::null_mut()));
+}
 
 fn current_tid() -> i32 {
     // SAFETY: gettid has no preconditions.

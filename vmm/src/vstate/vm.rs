@@ -30,31 +30,38 @@ pub enum VmError {
 const KVM_TSS_ADDRESS: usize = 0xfffb_d000;
 
 pub struct KvmVm {
-    kvm: Kvm,
+    kvm: Arc<Kvm>,
     fd: Arc<VmFd>,
     next_slot: u32,
 }
 
+/// Opens `/dev/kvm` and checks that it offers what Musubi needs. Apart from creating the
+/// VM, so vCPU threads can start probing the host (CPUID) while the VM is created.
+pub fn open_kvm() -> Result<Arc<Kvm>, VmError> {
+    let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+    let v = kvm.get_api_version();
+    if v != kvm_bindings::KVM_API_VERSION as i32 {
+        return Err(VmError::ApiVersion(v));
+    }
+    for cap in [
+        Cap::Irqchip,
+        Cap::UserMemory,
+        Cap::SetTssAddr,
+        Cap::Pit2,
+        Cap::Irqfd,
+        Cap::Ioeventfd,
+        Cap::ImmediateExit,
+    ] {
+        if !kvm.check_extension(cap) {
+            return Err(VmError::MissingCap(cap));
+        }
+    }
+    Ok(Arc::new(kvm))
+}
+
 impl KvmVm {
-    pub fn new() -> Result<Self, VmError> {
-        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
-        let v = kvm.get_api_version();
-        if v != kvm_bindings::KVM_API_VERSION as i32 {
-            return Err(VmError::ApiVersion(v));
-        }
-        for cap in [
-            Cap::Irqchip,
-            Cap::UserMemory,
-            Cap::SetTssAddr,
-            Cap::Pit2,
-            Cap::Irqfd,
-            Cap::Ioeventfd,
-            Cap::ImmediateExit,
-        ] {
-            if !kvm.check_extension(cap) {
-                return Err(VmError::MissingCap(cap));
-            }
-        }
+    /// Creates a VM on an opened KVM.
+    pub fn create(kvm: Arc<Kvm>) -> Result<Self, VmError> {
         let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
         fd.set_tss_address(KVM_TSS_ADDRESS)
             .map_err(|source| VmError::Ioctl {
@@ -68,22 +75,31 @@ impl KvmVm {
         })
     }
 
-    /// Creates the in-kernel LAPICs' IOAPIC/PIC and the PIT. Call it after every memory
-    /// slot is registered: adding in-kernel I/O devices starts an SRCU grace period that a
-    /// later KVM_SET_USER_MEMORY_REGION must wait out (milliseconds on tick-paced kernels),
-    /// while slots registered first cost nothing extra. The grace period then runs while
-    /// the kernel is loaded and the devices and tables are built.
-    pub fn create_interrupt_controllers(&self) -> Result<(), VmError> {
-        let ioctl = |what| move |source| VmError::Ioctl { what, source };
-        self.fd
-            .create_irq_chip()
-            .map_err(ioctl("KVM_CREATE_IRQCHIP"))?;
+    /// Creates the in-kernel IOAPIC and PIC, which must exist before any vCPU (whose LAPIC
+    /// is then in the kernel too). Call it after every memory slot is registered: adding
+    /// in-kernel I/O devices starts an SRCU grace period that a later
+    /// KVM_SET_USER_MEMORY_REGION must wait out (milliseconds on tick-paced kernels), while
+    /// slots registered first cost nothing extra. The grace period then runs while the
+    /// kernel is loaded and the devices and tables are built.
+    pub fn create_irqchip(&self) -> Result<(), VmError> {
+        self.fd.create_irq_chip().map_err(|source| VmError::Ioctl {
+            what: "KVM_CREATE_IRQCHIP",
+            source,
+        })
+    }
+
+    /// Creates the in-kernel PIT. Unlike the irqchip it may come after the vCPUs, so it is
+    /// made while they are being created.
+    pub fn create_pit(&self) -> Result<(), VmError> {
         let pit = kvm_pit_config {
             // The speaker port is answered in the kernel, so a guest probing it costs no exit.
             flags: KVM_PIT_SPEAKER_DUMMY,
             ..Default::default()
         };
-        self.fd.create_pit2(pit).map_err(ioctl("KVM_CREATE_PIT2"))
+        self.fd.create_pit2(pit).map_err(|source| VmError::Ioctl {
+            what: "KVM_CREATE_PIT2",
+            source,
+        })
     }
 
     pub fn kvm(&self) -> &Kvm {
