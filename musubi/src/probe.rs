@@ -2,7 +2,6 @@
 
 use serde_json::Value;
 use std::path::PathBuf;
-use std::sync::Arc;
 use vmm::config::KernelImage;
 
 static PROBE_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/probe.elf"));
@@ -13,7 +12,7 @@ pub const PROBE_NAME: &str = "probe";
 pub fn image() -> KernelImage {
     KernelImage::Bytes {
         name: "probe (bundled probe guest)".into(),
-        data: Arc::from(PROBE_ELF),
+        data: PROBE_ELF.into(),
     }
 }
 

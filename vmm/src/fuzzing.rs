@@ -5,7 +5,6 @@
 use crate::config::{parse_size, DiskConfig, ExitsMode, KernelImage, SerialMode};
 use crate::loader::{load_kernel, EntryPoint};
 use crate::pmem::PmemConfig;
-use std::sync::Arc;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 /// Guest RAM of the loader target: small, so images easily reach past its end.
@@ -19,7 +18,7 @@ pub fn kernel_image(data: &[u8]) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let image = KernelImage::Bytes {
         name: "fuzz-kernel".into(),
-        data: Arc::from(data),
+        data: data.to_vec().into(),
     };
     let (entry, end) = match load_kernel(&mem, &image) {
         Ok(loaded) => loaded,

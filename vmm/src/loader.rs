@@ -69,7 +69,7 @@ pub fn load_kernel(
             })?;
             load_image(mem, path, &mut f)
         }
-        KernelImage::Bytes { data, .. } => load_image(mem, path, &mut Cursor::new(data.clone())),
+        KernelImage::Bytes { data, .. } => load_image(mem, path, &mut Cursor::new(&data[..])),
     }
 }
 
@@ -158,7 +158,6 @@ fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     fn mem() -> GuestMemoryMmap {
         GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 16 << 20)]).unwrap()
@@ -168,7 +167,7 @@ mod tests {
     fn text_is_not_a_kernel() {
         let k = KernelImage::Bytes {
             name: "notes.txt".into(),
-            data: Arc::from(&b"hello, this is not a kernel\n"[..]),
+            data: b"hello, this is not a kernel\n"[..].into(),
         };
         let e = load_kernel(&mem(), &k).unwrap_err().to_string();
         assert!(
@@ -188,7 +187,7 @@ mod tests {
     fn refusal(name: &str, image: Vec<u8>) -> String {
         let k = KernelImage::Bytes {
             name: name.into(),
-            data: Arc::from(image),
+            data: image.into(),
         };
         load_kernel(&mem(), &k).unwrap_err().to_string()
     }
@@ -227,7 +226,7 @@ mod tests {
     fn truncated_elf_is_rejected_not_panicking() {
         let k = KernelImage::Bytes {
             name: "short.elf".into(),
-            data: Arc::from(&b"\x7fELF\x02\x01\x01"[..]),
+            data: b"\x7fELF\x02\x01\x01"[..].into(),
         };
         let e = load_kernel(&mem(), &k).unwrap_err().to_string();
         assert!(e.contains("short.elf"), "{e}");

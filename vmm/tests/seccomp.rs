@@ -2,7 +2,6 @@
 //! naming the thread kind and the call. Its own test binary, because the hook that makes
 //! vCPUs misbehave is process-wide.
 
-use std::sync::Arc;
 use vmm::config::{ExitsMode, KernelImage, SerialMode, VmConfig};
 use vmm::seccomp::SeccompMode;
 use vmm::testing::{make_vcpus_call_a_refused_syscall, pvh_elf, Code};
@@ -15,7 +14,7 @@ fn a_refused_call_on_a_vcpu_thread_ends_the_vm_naming_thread_and_call() {
     let config = VmConfig {
         kernel: KernelImage::Bytes {
             name: "spin".into(),
-            data: Arc::from(pvh_elf(&code)),
+            data: pvh_elf(&code).into(),
         },
         cmdline: String::new(),
         initrd: None,

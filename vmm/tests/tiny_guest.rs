@@ -1,7 +1,6 @@
 //! Boots hand-assembled PVH guests, so the VMM's own path (loader, PVH entry, port exits,
 //! exit status, crash reporting) is tested without depending on the probe guest.
 
-use std::sync::Arc;
 use vmm::config::{ExitsMode, KernelImage, SerialMode, VmConfig};
 use vmm::testing::{pvh_elf, Code};
 use vmm::{run_vm, Outcome, RunOptions, Vmm};
@@ -10,7 +9,7 @@ fn config(code: &[u8], cpus: u8) -> VmConfig {
     VmConfig {
         kernel: KernelImage::Bytes {
             name: "tiny".into(),
-            data: Arc::from(pvh_elf(code)),
+            data: pvh_elf(code).into(),
         },
         cmdline: String::new(),
         initrd: None,

@@ -217,7 +217,9 @@ pub enum KernelImage {
     File(PathBuf),
     Bytes {
         name: String,
-        data: std::sync::Arc<[u8]>,
+        /// Borrowed for the image the binary carries: loading it copies it once, straight
+        /// into guest memory.
+        data: std::borrow::Cow<'static, [u8]>,
     },
 }
 
