@@ -186,6 +186,7 @@ impl Node {
                 .collect(),
             connect_timeout: node.connect_timeout,
             liveness: Liveness::default(),
+            link_delay: Duration::ZERO,
         };
         let transport = TcpTransport::establish(&tcp, &listener, outbox.clone())
             .map_err(|source| NodeError::Join { id, source })?;
