@@ -72,7 +72,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_nanos(ns.round() as u64))
 }
 
-fn duration_arg(s: &str) -> Result<Duration, String> {
+pub fn duration_arg(s: &str) -> Result<Duration, String> {
     parse_duration(s)
 }
 
