@@ -500,6 +500,40 @@ fn netns_without_ip_on_path_says_what_is_missing() {
 }
 
 #[test]
+fn netns_without_cap_net_admin_is_refused_naming_the_flag() {
+    // setpriv (util-linux) takes CAP_NET_ADMIN out of what musubi can have, as for a user
+    // without it.
+    let setpriv = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("setpriv"))
+        .find(|p| p.is_file())
+        .expect("this test drops a capability with util-linux's setpriv, which is not on PATH");
+    let mut cmd = std::process::Command::new(setpriv);
+    cmd.args([
+        "--bounding-set",
+        "-net_admin",
+        "--inh-caps",
+        "-net_admin",
+        "--",
+    ])
+    .arg(env!("CARGO_BIN_EXE_musubi"));
+    let args = probe_args("hello", &["--nodes", "2", "--cpus", "2", "--netns"]);
+    let r = common::run_command(
+        cmd,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        None,
+        RUN_LIMIT,
+    );
+    assert_eq!(r.code, Some(1), "{}", r.explain());
+    assert!(
+        r.stderr
+            .contains("--netns creates network namespaces and needs root")
+            && r.stderr.contains("lacks CAP_NET_ADMIN"),
+        "{}",
+        r.explain()
+    );
+}
+
+#[test]
 fn bad_link_delays_and_netns_without_nodes_are_refused_by_name() {
     for (flags, wants) in [
         (
