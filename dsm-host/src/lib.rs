@@ -4,11 +4,13 @@
 //! The protocol stays pure in `dsm`; this crate is the host side of its interface. Each node
 //! runs one coherence thread ([`coherence`]) that waits on the userfaultfd of its memory
 //! ([`memory`]) and on the messages its peers send ([`transport`], [`link`]), feeds them to
-//! its `dsm::Node`, and carries out the node's actions ([`backend`]). Nothing here uses KVM, so
+//! its `dsm::Node`, and carries out the node's actions ([`backend`]). A link can hold its frames
+//! back for a fixed time ([`delay`]) to emulate a slower network. Nothing here uses KVM, so
 //! it runs and is tested on plain anonymous memory; the VMM puts guest RAM on a [`Memory`].
 
 pub mod backend;
 pub mod coherence;
+pub mod delay;
 pub mod envelope;
 pub mod link;
 pub mod memory;
@@ -17,6 +19,7 @@ pub mod transport;
 
 pub use backend::Backend;
 pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup};
+pub use delay::{DelayLine, MAX_LINK_DELAY};
 pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace};
 pub use link::{config_hash, config_hash_of_parts, Link, LinkError, LinkParams, Role};
 pub use memory::{Fault, FaultKind, Memory, MemoryError};

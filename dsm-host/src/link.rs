@@ -11,12 +11,14 @@
 //! `HMAC(key, seq ‖ len ‖ envelope)`, where `seq` counts the frames of that direction and
 //! the key of each direction is derived from the secret and both nonces.
 
+use crate::delay::DelayLine;
 use crate::envelope::{Envelope, EnvelopeError};
 use dsm::NodeId;
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 
@@ -211,6 +213,8 @@ pub struct LinkWriter {
     /// Why an earlier send failed: the peer may hold part of a frame, so nothing more may
     /// follow on this stream.
     broken: Option<String>,
+    /// Set when frames are held back before they are written ([`LinkWriter::delay_by`]).
+    line: Option<Arc<DelayLine>>,
 }
 
 /// Receiving half of a link.
@@ -400,6 +404,7 @@ impl Link {
                 seq: 0,
                 buf: Vec::new(),
                 broken: None,
+                line: None,
             },
         })
     }
@@ -432,6 +437,17 @@ impl LinkWriter {
         );
         self.buf.extend_from_slice(&tag);
         self.seq += 1;
+        if let Some(line) = &self.line {
+            let room = self.buf.len();
+            let frame = std::mem::replace(&mut self.buf, Vec::with_capacity(room));
+            return line.push(frame).map_err(|why| {
+                self.broken = Some(why.clone());
+                LinkError::Unusable {
+                    peer: self.peer.clone(),
+                    why,
+                }
+            });
+        }
         self.stream.write_all(&self.buf).map_err(|source| {
             let _ = self.stream.shutdown(Shutdown::Write);
             let stalled = matches!(source.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut);
@@ -470,9 +486,38 @@ impl LinkWriter {
         })
     }
 
+    /// From now on holds every frame `delay` after its send before it is written, on a
+    /// thread of its own ([`DelayLine`]), so one machine can emulate a slower network while
+    /// [`LinkWriter::send`] still returns at once. A zero delay leaves the link as it is.
+    /// Call it after [`LinkWriter::limit_stall`]: the delaying thread writes through the same
+    /// socket and so under the same bound.
+    pub fn delay_by(&mut self, delay: Duration) -> Result<(), LinkError> {
+        if delay.is_zero() || self.line.is_some() {
+            return Ok(());
+        }
+        let io = |what| {
+            let peer = self.peer.clone();
+            move |source| LinkError::Io { peer, what, source }
+        };
+        let sink = self
+            .stream
+            .try_clone()
+            .map_err(io("cloning the stream for the delay"))?;
+        let line = DelayLine::start(sink, delay, "dsm-delay".into())
+            .map_err(io("starting the delay thread"))?;
+        self.line = Some(Arc::new(line));
+        Ok(())
+    }
+
+    /// The delay this link's frames go through, if any: whoever closes the link flushes it
+    /// first, so frames already sent are not cut off.
+    pub fn delay_line(&self) -> Option<Arc<DelayLine>> {
+        self.line.clone()
+    }
+
     /// True once a send has failed; nothing more goes out.
     pub fn is_broken(&self) -> bool {
-        self.broken.is_some()
+        self.broken.is_some() || self.line.as_ref().is_some_and(|l| l.failed().is_some())
     }
 
     /// Ends both directions, which also wakes a reader blocked on this stream.

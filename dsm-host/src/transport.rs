@@ -2,6 +2,7 @@
 //! the [`Inbox`] that received messages arrive in, and the TCP transport (one authenticated
 //! stream per pair of nodes, which gives the per-pair order the protocol relies on).
 
+use crate::delay::DelayLine;
 use crate::envelope::Envelope;
 use crate::link::{Link, LinkError, LinkParams, LinkReader, LinkWriter, Role};
 use dsm::NodeId;
@@ -169,6 +170,9 @@ pub struct TcpConfig {
     /// dial in.
     pub connect_timeout: Duration,
     pub liveness: Liveness,
+    /// One-way delay added to every frame this node sends (zero: none), to emulate a
+    /// slower network ([`crate::delay`]); at most [`crate::delay::MAX_LINK_DELAY`].
+    pub link_delay: Duration,
 }
 
 /// What the sending side, the heartbeat thread and the receiver share about one peer.
@@ -177,6 +181,8 @@ struct PeerLink {
     writer: Mutex<LinkWriter>,
     /// Another handle on the socket, so closing never waits for a writer stuck in a send.
     socket: TcpStream,
+    /// Frames sent but held back by the link delay, flushed before the link closes.
+    line: Option<Arc<DelayLine>>,
     /// The peer said `Stop`: it is leaving, so its connection ending is no loss, and it gets
     /// no more heartbeats.
     stopped: AtomicBool,
@@ -282,13 +288,17 @@ impl TcpTransport {
         let live = cfg.liveness;
         for (peer, link) in links {
             let Link {
-                mut reader, writer, ..
+                mut reader,
+                mut writer,
+                ..
             } = link;
             reader.limit_silence(live.loss_timeout)?;
             writer.limit_stall(live.loss_timeout)?;
+            writer.delay_by(cfg.link_delay)?;
             let socket = writer.try_clone_socket()?;
             let shared = Arc::new(PeerLink {
                 id: peer,
+                line: writer.delay_line(),
                 writer: Mutex::new(writer),
                 socket,
                 stopped: AtomicBool::new(false),
@@ -319,6 +329,9 @@ impl TcpTransport {
         for (tx, h) in self.beats.drain(..) {
             drop(tx);
             let _ = h.join();
+        }
+        for line in self.peers.values().filter_map(|p| p.line.as_ref()) {
+            line.flush(CLOSE_DRAIN + line.delay());
         }
         for p in self.peers.values() {
             let _ = p.socket.shutdown(Shutdown::Write);

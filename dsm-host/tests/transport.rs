@@ -114,6 +114,41 @@ fn frames_arrive_in_order_and_intact() {
     assert!(matches!(l.reader.recv(), Err(LinkError::Closed { .. })));
 }
 
+/// A delayed link delivers every frame intact, in order, and none before its send time plus
+/// the delay, and a frame sent just before the writer is dropped still arrives when the delay
+/// line is flushed first.
+#[test]
+fn a_delayed_link_keeps_order_and_holds_every_frame_for_the_delay() {
+    let delay = Duration::from_millis(2);
+    let (mut l, mut d, _) = linked();
+    d.writer.delay_by(delay).unwrap();
+    let mut sent_at = Vec::new();
+    for seq in 0..50u64 {
+        sent_at.push(Instant::now());
+        d.writer.send(&Envelope::Heartbeat { seq }).unwrap();
+        if seq % 10 == 9 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let mut got_at = Vec::new();
+    for seq in 0..50u64 {
+        assert_eq!(l.reader.recv().unwrap(), Envelope::Heartbeat { seq });
+        got_at.push(Instant::now());
+    }
+    for (seq, (s, g)) in sent_at.iter().zip(&got_at).enumerate() {
+        assert!(
+            *g >= *s + delay,
+            "frame {seq} arrived {:?} after its send, before the {delay:?} delay",
+            g.duration_since(*s)
+        );
+    }
+    d.writer.send(&Envelope::Stop { code: 7 }).unwrap();
+    let line = d.writer.delay_line().expect("the link is delayed");
+    assert!(line.flush(Duration::from_secs(10)));
+    drop(d);
+    assert_eq!(l.reader.recv().unwrap(), Envelope::Stop { code: 7 });
+}
+
 /// Writes `bytes` on an authenticated link behind its back and returns what the receiver
 /// makes of them.
 fn inject(bytes: &[u8], hang_up: bool) -> LinkError {
@@ -196,6 +231,7 @@ fn the_tcp_transport_reports_a_forged_frame_as_a_failed_peer() {
         peers: vec![(NodeId(1), addr)],
         connect_timeout: WAIT,
         liveness: Liveness::default(),
+        link_delay: Duration::ZERO,
     };
     let t = std::thread::spawn(move || TcpTransport::establish(&cfg, &l, tx));
     let s = TcpStream::connect(addr).unwrap();

@@ -4,6 +4,7 @@ mod bench;
 mod cli;
 mod console;
 mod demo;
+mod netns;
 mod nodes;
 mod partition_cli;
 mod probe;
@@ -38,7 +39,8 @@ enum Command {
         vm: cli::VmArgs,
         #[command(flatten)]
         run: cli::RunFlags,
-        /// Spread the VM over N node processes on this host, linked over loopback TCP: the
+        /// Spread the VM over N node processes on this host, linked over loopback TCP (or
+        /// their own network with --netns): the
         /// vCPUs are dealt round-robin, guest RAM is kept coherent page by page, node 0
         /// holds the devices. Exit status as without it; 123 if a node was lost. --pmem is
         /// refused with more than one node.
@@ -62,10 +64,13 @@ enum Command {
             requires = "nodes"
         )]
         ordering: String,
+        #[command(flatten)]
+        net: nodes::NetFlags,
     },
     /// Run one node of a VM spread over several hosts, as the cluster file describes
     /// (JSON: "vm" with the fields of --config, "nodes" [{"address": "IP:PORT", "vcpus":
-    /// [..]}], "protocol", "ordering", "secret_file", "io_node"). Every node must be
+    /// [..]}], "protocol", "ordering", "secret_file", "io_node", "link_delay" as
+    /// --link-delay of run). Every node must be
     /// started with the same cluster file, VM and secret; the node with vCPU 0 (io_node)
     /// holds the devices. Exits with the VM's status, or 123 when a node is lost.
     Node {
@@ -126,6 +131,7 @@ fn main() -> ExitCode {
             nodes: Some(n),
             protocol,
             ordering,
+            net,
         } => {
             let protocol = match nodes::parse_protocol("--protocol", &protocol) {
                 Ok(p) => p,
@@ -141,6 +147,7 @@ fn main() -> ExitCode {
                 ordering,
                 vm: &vm,
                 run: &run,
+                net: &net,
             })
         }
         Command::Node {

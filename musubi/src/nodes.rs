@@ -1,9 +1,11 @@
 //! One VM over several nodes from the command line: `musubi node` runs one node from a
 //! cluster file, and `musubi run --nodes N` starts N such node processes on this host over
-//! loopback and supervises them as one VM.
+//! loopback (or, with `--netns`, over a network of their own) and supervises them as one VM.
 
 use crate::cli::{FileConfig, RunFlags, VmArgs};
+use crate::netns::{self, Netns};
 use crate::run::{report_json, write_json, SignalWatch};
+use clap::Args;
 use serde::Deserialize;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
@@ -18,6 +20,61 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// After one node process ended, how long the others get to end by themselves (they see the
 /// stop or the loss) before they are killed.
 const PEERS_GRACE: Duration = Duration::from_secs(8);
+/// The port every node listens on under `--netns`: each has a namespace, so ports of its own.
+const NETNS_PORT: u16 = 7000;
+
+/// How `run --nodes` links its nodes.
+#[derive(Args, Debug, Clone, Default)]
+pub struct NetFlags {
+    /// With --nodes, as root: run each node in a network namespace of its own, the
+    /// namespaces joined by veth links to a bridge (addresses from 10.211.0.0/24, seen only
+    /// inside them), so node traffic crosses a real network stack instead of loopback. The
+    /// namespaces, links and bridge are removed when the run ends, however it ends (short of
+    /// SIGKILL). Needs iproute2's `ip`.
+    #[arg(long, requires = "nodes")]
+    pub netns: bool,
+    /// With --nodes: hold every frame a node sends for this long before it is written (a
+    /// one-way delay, e.g. 100us, 2ms; units ns, us, ms, s; at most 500ms), to emulate a
+    /// slower network. Done in Musubi's own link layer rather than with `tc netem`, which
+    /// some kernels lack (it needs CONFIG_NET_SCH_NETEM) and which needs root; so it works
+    /// with or without --netns, and between real hosts (the cluster file's "link_delay").
+    #[arg(long, value_name = "DURATION", requires = "nodes", value_parser = duration_arg)]
+    pub link_delay: Option<Duration>,
+}
+
+/// A link delay: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`, `s`), at most
+/// [`vmm::node::MAX_LINK_DELAY`]. The error says what would be accepted; the caller names the
+/// flag or field.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let expected = || {
+        format!(
+            "expected a number and a unit (ns, us, ms or s), e.g. 100us or 2ms, at most {:?}",
+            vmm::node::MAX_LINK_DELAY
+        )
+    };
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .ok_or_else(expected)?;
+    let (number, unit) = t.split_at(split);
+    let ns_per = match unit.trim() {
+        "ns" => 1.0,
+        "us" | "µs" => 1e3,
+        "ms" => 1e6,
+        "s" => 1e9,
+        _ => return Err(expected()),
+    };
+    let v: f64 = number.parse().map_err(|_| expected())?;
+    let ns = v * ns_per;
+    if !ns.is_finite() || ns > vmm::node::MAX_LINK_DELAY.as_nanos() as f64 {
+        return Err(expected());
+    }
+    Ok(Duration::from_nanos(ns.round() as u64))
+}
+
+pub fn duration_arg(s: &str) -> Result<Duration, String> {
+    parse_duration(s)
+}
 
 /// The cluster file: the VM (same fields as `--config`) and its nodes.
 #[derive(Deserialize, Debug)]
@@ -33,6 +90,8 @@ struct ClusterFile {
     secret_file: PathBuf,
     #[serde(default)]
     io_node: u16,
+    /// One-way delay on every frame a node sends, as `--link-delay` (e.g. "100us").
+    link_delay: Option<String>,
     nodes: Vec<ClusterNode>,
 }
 
@@ -61,9 +120,16 @@ pub fn parse_ordering(flag: &str, s: &str) -> Result<dsm::Ordering, String> {
     }
 }
 
+/// What a cluster file describes.
+struct Cluster {
+    config: vmm::config::VmConfig,
+    spec: ClusterSpec,
+    link_delay: Duration,
+}
+
 /// Reads a cluster file into the VM it describes (flags override its `vm` section) and
 /// the cluster.
-fn read_cluster(path: &Path, vm: &VmArgs) -> Result<(vmm::config::VmConfig, ClusterSpec), String> {
+fn read_cluster(path: &Path, vm: &VmArgs) -> Result<Cluster, String> {
     let at = |e: String| format!("--cluster {}: {e}", path.display());
     let text = std::fs::read_to_string(path).map_err(|e| at(e.to_string()))?;
     let json = &mut serde_json::Deserializer::from_str(&text);
@@ -73,6 +139,10 @@ fn read_cluster(path: &Path, vm: &VmArgs) -> Result<(vmm::config::VmConfig, Clus
         parse_protocol("protocol", file.protocol.as_deref().unwrap_or("vmp")).map_err(at)?;
     let ordering =
         parse_ordering("ordering", file.ordering.as_deref().unwrap_or("tso")).map_err(at)?;
+    let link_delay = match &file.link_delay {
+        Some(d) => parse_duration(d).map_err(|e| at(format!("link_delay {d:?}: {e}")))?,
+        None => Duration::ZERO,
+    };
     let dir = path.parent().unwrap_or(Path::new("."));
     let secret_path = dir.join(&file.secret_file);
     let secret = std::fs::read(&secret_path)
@@ -95,14 +165,18 @@ fn read_cluster(path: &Path, vm: &VmArgs) -> Result<(vmm::config::VmConfig, Clus
         })
         .collect::<Result<Vec<_>, String>>()?;
     let config = vm.to_config_over(file.vm)?;
-    let cluster = ClusterSpec {
+    let spec = ClusterSpec {
         nodes,
         protocol,
         ordering,
         io_node: file.io_node,
         secret,
     };
-    Ok((config, cluster))
+    Ok(Cluster {
+        config,
+        spec,
+        link_delay,
+    })
 }
 
 /// `musubi node`: runs node `id` of `cluster` until the VM ends anywhere.
@@ -118,7 +192,11 @@ pub fn node(cluster: &Path, id: u16, vm: &VmArgs, run: &RunFlags) -> ExitCode {
         eprintln!("musubi: node {id}: {msg}");
         ExitCode::from(1)
     };
-    let (config, cluster) = match read_cluster(cluster, vm) {
+    let Cluster {
+        config,
+        spec: cluster,
+        link_delay,
+    } = match read_cluster(cluster, vm) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
@@ -135,6 +213,7 @@ pub fn node(cluster: &Path, id: u16, vm: &VmArgs, run: &RunFlags) -> ExitCode {
         cluster,
         id,
         connect_timeout: CONNECT_TIMEOUT,
+        link_delay,
     };
     let built = match Node::build(&config, &opts, &node_opts) {
         Ok(n) => n,
@@ -186,6 +265,7 @@ pub struct LaunchArgs<'a> {
     pub ordering: dsm::Ordering,
     pub vm: &'a VmArgs,
     pub run: &'a RunFlags,
+    pub net: &'a NetFlags,
 }
 
 /// `musubi run --nodes N`: the VM over N node processes on this host.
@@ -224,14 +304,47 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
             ))
         }
     };
-    let cluster_path = match write_cluster(dir.path(), n, config.cpus, args.protocol, args.ordering)
-    {
-        Ok(p) => p,
-        Err(e) => return fail(e),
-    };
+    // Before anything is made that must be removed again: a stop signal from here on is
+    // seen, not fatal, so every exit path runs the clean-up.
     let mut signals = match Signals::new([SIGTERM, SIGINT, SIGHUP]) {
         Ok(s) => s,
         Err(e) => return fail(format!("cannot install signal handlers: {e}")),
+    };
+    let mut stopped_by = None;
+    let net = if args.net.netns {
+        let mut interrupted = || {
+            let s = signals.pending().next();
+            stopped_by = stopped_by.or(s);
+            s
+        };
+        match Netns::create(n, &mut interrupted) {
+            Ok(net) => Some(net),
+            Err(e) => {
+                eprintln!("musubi: {e}");
+                return ExitCode::from(stopped_by.map_or(1, |s| 128 + s as u8));
+            }
+        }
+    } else {
+        None
+    };
+    let addrs = match &net {
+        Some(_) => Ok((0..n)
+            .map(|k| SocketAddr::from((netns::address(k), NETNS_PORT)))
+            .collect()),
+        None => free_loopback_ports(n),
+    };
+    let cluster_path = match addrs.and_then(|addrs| {
+        write_cluster(
+            dir.path(),
+            &addrs,
+            config.cpus,
+            args.protocol,
+            args.ordering,
+            args.net.link_delay,
+        )
+    }) {
+        Ok(p) => p,
+        Err(e) => return fail(e),
     };
     let exe = match std::env::current_exe() {
         Ok(e) => e,
@@ -259,6 +372,9 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
         // The I/O node holds the serial console.
         if k != 0 {
             cmd.stdin(Stdio::null());
+        }
+        if let Some(net) = &net {
+            net.enter(k, &mut cmd);
         }
         match cmd.spawn() {
             Ok(c) => children.push((k, c)),
@@ -346,14 +462,29 @@ fn supervise(children: &mut Vec<(u16, Child)>, signals: &mut Signals) -> Vec<(u1
     done
 }
 
-/// Writes a cluster file for `n` nodes on loopback ports free right now, with a fresh
-/// secret beside it (both readable by this user only).
+/// `n` loopback addresses with ports the kernel hands out now; the nodes bind them a moment
+/// later.
+fn free_loopback_ports(n: u16) -> Result<Vec<SocketAddr>, String> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("cannot find a free loopback port: {e}"))?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("cannot find a free loopback port: {e}"))
+}
+
+/// Writes a cluster file for nodes at `addrs`, with a fresh secret beside it (both readable
+/// by this user only).
 fn write_cluster(
     dir: &Path,
-    n: u16,
+    addrs: &[SocketAddr],
     cpus: u8,
     protocol: dsm::Protocol,
     ordering: dsm::Ordering,
+    link_delay: Option<Duration>,
 ) -> Result<PathBuf, String> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
@@ -369,19 +500,8 @@ fn write_cluster(
         .open(&secret_path)
         .and_then(|mut f| std::io::Write::write_all(&mut f, &secret))
         .map_err(|e| format!("cannot write {}: {e}", secret_path.display()))?;
-    // Ports the kernel hands out now; the nodes bind them a moment later.
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("cannot find a free loopback port: {e}"))?;
-    let addrs: Vec<SocketAddr> = listeners
-        .iter()
-        .map(|l| l.local_addr())
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("cannot find a free loopback port: {e}"))?;
-    drop(listeners);
-    let spec = ClusterSpec::round_robin(&addrs, cpus, protocol, ordering, Vec::new());
-    let json = serde_json::json!({
+    let spec = ClusterSpec::round_robin(addrs, cpus, protocol, ordering, Vec::new());
+    let mut json = serde_json::json!({
         "protocol": protocol.name(),
         "ordering": ordering.name(),
         "secret_file": "secret",
@@ -391,6 +511,9 @@ fn write_cluster(
             "vcpus": nd.vcpus,
         })).collect::<Vec<_>>(),
     });
+    if let Some(d) = link_delay {
+        json["link_delay"] = serde_json::json!(format!("{}ns", d.as_nanos()));
+    }
     let path = dir.join("cluster.json");
     std::fs::write(
         &path,
@@ -398,4 +521,25 @@ fn write_cluster(
     )
     .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_delays_parse_with_their_unit() {
+        let ok = |s: &str| parse_duration(s).unwrap();
+        assert_eq!(ok("100us"), Duration::from_micros(100));
+        assert_eq!(ok("100µs"), Duration::from_micros(100));
+        assert_eq!(ok("2ms"), Duration::from_millis(2));
+        assert_eq!(ok("0.5ms"), Duration::from_micros(500));
+        assert_eq!(ok("250000ns"), Duration::from_micros(250));
+        assert_eq!(ok("0.1s"), Duration::from_millis(100));
+        assert_eq!(ok("0us"), Duration::ZERO);
+        for bad in ["abc", "100", "ms", "-1ms", "1.2.3ms", "2 hours", "", "1s"] {
+            let e = parse_duration(bad).unwrap_err();
+            assert!(e.contains("e.g. 100us or 2ms"), "{bad:?}: {e}");
+        }
+    }
 }

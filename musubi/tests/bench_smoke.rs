@@ -220,10 +220,11 @@ fn composite_builds_the_make_workload_natively_and_on_both_exit_paths() {
     }
 }
 
-/// One VM over one and two nodes: every configuration ran, each node's coherence counted
-/// faults (the 2-node runs fetched pages over the wire) and no protocol error, and the report
-/// has the speedup table, the breakdown, the fetch latencies, messages beside Table 3 and
-/// both goal lines.
+/// One VM over one and two nodes: every configuration ran, over loopback, a delayed link
+/// and (CI is root) network namespaces with and without the delay; each node's coherence
+/// counted faults (the 2-node runs fetched pages over the wire) and no protocol error, and the
+/// report has the speedup table, the links side by side, the breakdown, the fetch latencies,
+/// messages beside Table 3 and both goal lines.
 #[test]
 fn vmp_runs_fib_on_one_and_two_nodes_with_both_protocols() {
     assert!(
@@ -238,7 +239,8 @@ fn vmp_runs_fib_on_one_and_two_nodes_with_both_protocols() {
         "beside the simulator's Table 3",
         "median page fetch / (exit + RTT)",
         "2-node speedup",
-        "--link-delay",
+        "Links side by side, 2 nodes",
+        "--link-delay 100us",
     ] {
         assert!(
             r.stdout.contains(heading),
@@ -246,25 +248,30 @@ fn vmp_runs_fib_on_one_and_two_nodes_with_both_protocols() {
             r.explain()
         );
     }
-    let (nodes, protocol, ordering, node) = (
+    let (nodes, protocol, ordering, link, node) = (
         t.col("nodes"),
         t.col("protocol"),
         t.col("ordering"),
+        t.col("link"),
         t.col("node"),
     );
     let (faults, fetches, errors) = (t.col("faults"), t.col("fetches"), t.col("protocol_errors"));
-    for (n, p, o) in [
-        ("1", "vmp", "tso"),
-        ("2", "vmp", "tso"),
-        ("2", "ivy", "tso"),
-        ("2", "vmp", "paper"),
+    for (n, p, o, l) in [
+        ("1", "vmp", "tso", "loopback"),
+        ("2", "vmp", "tso", "loopback"),
+        ("2", "ivy", "tso", "loopback"),
+        ("2", "vmp", "paper", "loopback"),
+        ("2", "vmp", "tso", "loopback+100us"),
+        ("2", "ivy", "tso", "loopback+100us"),
+        ("2", "vmp", "tso", "netns"),
+        ("2", "ivy", "tso", "netns+100us"),
     ] {
         let rows: Vec<_> = t
             .rows
             .iter()
-            .filter(|r| r[nodes] == n && r[protocol] == p && r[ordering] == o)
+            .filter(|r| r[nodes] == n && r[protocol] == p && r[ordering] == o && r[link] == l)
             .collect();
-        assert!(!rows.is_empty(), "no {n}-node {p}/{o} rows\n{}", t.text);
+        assert!(!rows.is_empty(), "no {n}-node {p}/{o} {l} rows\n{}", t.text);
         for node_id in 0..n.parse::<u32>().unwrap() {
             assert!(
                 rows.iter().any(|r| r[node] == node_id.to_string()),

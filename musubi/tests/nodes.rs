@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{musubi, run_probe, wait_with_limit, Run};
+use common::{musubi, probe_args, run_probe, start_command, wait_with_limit, Run};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -237,27 +237,42 @@ fn run_nodes(nodes: u16, cpus: u8, tasks: &str, flags: &[&str]) -> Run {
     run_probe(tasks, &all)
 }
 
+/// `hello` saw `nodes` CPUs, each on a node of its own.
+fn assert_every_cpu_on_its_own_node(r: &Run, nodes: u16) {
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    let h = r.result("hello");
+    assert_eq!(h["cpus"], nodes, "{}", r.explain());
+    assert_eq!(h["nodes"], nodes);
+    assert_eq!(h["pv_ipi"], true);
+    let mut on: Vec<u64> = h["cpu_nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    on.sort();
+    assert_eq!(
+        on,
+        (0..nodes as u64).collect::<Vec<_>>(),
+        "one CPU per node: {h}"
+    );
+}
+
+/// `shared-counter=2000` on `nodes` CPUs added up exactly, both ways.
+fn assert_counter_exact(r: &Run, nodes: u16, what: &str) {
+    assert_eq!(r.code, Some(0), "{what}: {}", r.explain());
+    let c = r.result("shared-counter");
+    assert_eq!(c["expected"], 2000 * nodes as u64, "{c}");
+    assert_eq!(c["locked"], c["expected"], "{what}: spinlock total {c}");
+    assert_eq!(c["xadd"], c["expected"], "{what}: lock xadd total {c}");
+    assert_eq!(c["exact"], true);
+}
+
 #[test]
 fn two_and_three_node_vms_start_every_cpu_on_its_own_node() {
     for nodes in [2u16, 3] {
         let r = run_nodes(nodes, nodes as u8, "hello", &[]);
-        assert_eq!(r.code, Some(0), "{}", r.explain());
-        let h = r.result("hello");
-        assert_eq!(h["cpus"], nodes, "{}", r.explain());
-        assert_eq!(h["nodes"], nodes);
-        assert_eq!(h["pv_ipi"], true);
-        let mut on: Vec<u64> = h["cpu_nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap())
-            .collect();
-        on.sort();
-        assert_eq!(
-            on,
-            (0..nodes as u64).collect::<Vec<_>>(),
-            "one CPU per node: {h}"
-        );
+        assert_every_cpu_on_its_own_node(&r, nodes);
     }
 }
 
@@ -270,13 +285,14 @@ fn a_shared_counter_is_exact_under_both_protocols() {
             "shared-counter=2000",
             &["--protocol", protocol],
         );
-        assert_eq!(r.code, Some(0), "{protocol}: {}", r.explain());
-        let c = r.result("shared-counter");
-        assert_eq!(c["expected"], 2000 * nodes as u64, "{c}");
-        assert_eq!(c["locked"], c["expected"], "{protocol}: spinlock total {c}");
-        assert_eq!(c["xadd"], c["expected"], "{protocol}: lock xadd total {c}");
-        assert_eq!(c["exact"], true);
+        assert_counter_exact(&r, nodes, protocol);
     }
+}
+
+#[test]
+fn a_shared_counter_is_exact_over_a_delayed_link() {
+    let r = run_nodes(2, 2, "shared-counter=2000", &["--link-delay", "100us"]);
+    assert_counter_exact(&r, 2, "--link-delay 100us");
 }
 
 #[test]
@@ -319,5 +335,243 @@ fn a_vcpu_on_another_node_prints_and_reads_the_disk() {
         format!("{:#010x}", crc32fast::hash(&data)),
         "{}",
         r.explain()
+    );
+}
+
+/// iproute2's `ip`, which `--netns` drives and these tests read the host's state with.
+fn ip(args: &[&str]) -> String {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "these tests need iproute2's `ip` ({e}); install it (Debian: apt-get install \
+                 iproute2; .ci/run does)"
+            )
+        });
+    assert!(out.status.success(), "ip {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The namespaces and links the `--netns` run of launcher `pid` left on this host: every
+/// name it makes carries its pid.
+fn leftovers(pid: u32) -> Vec<String> {
+    let (ns, link) = (format!("musubi-{pid}-"), format!("mb{pid}"));
+    let mut left: Vec<String> = ip(&["netns", "list"])
+        .lines()
+        .filter(|l| l.contains(&ns))
+        .map(|l| format!("namespace {l}"))
+        .collect();
+    left.extend(
+        ip(&["-o", "link", "show"])
+            .lines()
+            .filter(|l| l.contains(&link))
+            .map(|l| format!("link {l}")),
+    );
+    left
+}
+
+/// `musubi run --nodes` started (not waited for) with the probe guest running `tasks`.
+fn start_nodes(nodes: u16, tasks: &str, flags: &[&str]) -> common::Started {
+    let n = nodes.to_string();
+    let mut all = vec!["--nodes", &n, "--cpus", &n, "--memory", "64M"];
+    all.extend_from_slice(flags);
+    let args = probe_args(tasks, &all);
+    start_command(
+        musubi(),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        None,
+    )
+}
+
+const RUN_LIMIT: Duration = Duration::from_secs(240);
+
+#[test]
+fn nodes_in_their_own_namespaces_over_a_delayed_link_see_every_cpu_and_leave_nothing() {
+    ip(&["-V"]);
+    let started = start_nodes(2, "hello", &["--netns", "--link-delay", "100us"]);
+    let pid = started.child.id();
+    let r = started.finish(RUN_LIMIT);
+    assert_every_cpu_on_its_own_node(&r, 2);
+    assert_eq!(leftovers(pid), Vec::<String>::new(), "{}", r.explain());
+}
+
+#[test]
+fn sigterm_to_the_launcher_of_a_netns_run_leaves_nothing_behind() {
+    ip(&["-V"]);
+    // spin=0 runs until stopped, so the VM is running when the signal comes.
+    let mut started = start_nodes(2, "spin=0", &["--netns"]);
+    let pid = started.child.id();
+    let t0 = Instant::now();
+    // Both node processes are inside their namespaces (`ip netns pids` fails while a
+    // namespace does not exist yet).
+    let inside = |k: u16| {
+        std::process::Command::new("ip")
+            .args(["netns", "pids", &format!("musubi-{pid}-n{k}")])
+            .output()
+            .is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+    };
+    while !(inside(0) && inside(1)) {
+        if t0.elapsed() > Duration::from_secs(60) || started.child.try_wait().unwrap().is_some() {
+            let r = started.finish(RUN_LIMIT);
+            panic!(
+                "the nodes never started in their namespaces: {}",
+                r.explain()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+    let r = started.finish(RUN_LIMIT);
+    assert_ne!(r.code, Some(0), "{}", r.explain());
+    assert!(r.stderr.contains("stopped by signal 15"), "{}", r.explain());
+    assert_eq!(leftovers(pid), Vec::<String>::new(), "{}", r.explain());
+}
+
+#[test]
+fn a_failed_ip_command_half_way_through_set_up_is_named_and_undone() {
+    ip(&["-V"]);
+    let real = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("ip"))
+        .find(|p| p.is_file())
+        .expect("ip is on PATH");
+    let dir = tempfile::tempdir().unwrap();
+    let calls = dir.path().join("calls");
+    // The 11th call adds the second node's veth pair: the first node's namespace and link
+    // and the second's namespace exist by then.
+    common::fake_vmm(
+        dir.path(),
+        "ip",
+        &format!(
+            "echo x >> {calls}\n\
+             if [ $(wc -l < {calls}) -eq 11 ]; then echo 'RTNETLINK answers: injected failure' >&2; exit 2; fi\n\
+             exec {real} \"$@\"",
+            calls = calls.display(),
+            real = real.display()
+        ),
+    );
+    let path = std::env::join_paths(
+        std::iter::once(dir.path().to_path_buf())
+            .chain(std::env::split_paths(&std::env::var_os("PATH").unwrap())),
+    )
+    .unwrap();
+    let mut cmd = musubi();
+    cmd.env("PATH", path);
+    let args = probe_args("hello", &["--nodes", "2", "--cpus", "2", "--netns"]);
+    let started = start_command(
+        cmd,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        None,
+    );
+    let pid = started.child.id();
+    let r = started.finish(RUN_LIMIT);
+    assert_eq!(r.code, Some(1), "{}", r.explain());
+    assert!(
+        r.stderr.contains("--netns: `ip -n musubi-")
+            && r.stderr.contains("link add")
+            && r.stderr
+                .contains("failed (exit status: 2): RTNETLINK answers: injected failure"),
+        "names the command and what it printed: {}",
+        r.explain()
+    );
+    assert_eq!(leftovers(pid), Vec::<String>::new(), "{}", r.explain());
+}
+
+#[test]
+fn netns_without_ip_on_path_says_what_is_missing() {
+    let empty = tempfile::tempdir().unwrap();
+    let mut cmd = musubi();
+    cmd.env("PATH", empty.path());
+    let args = probe_args("hello", &["--nodes", "2", "--cpus", "2", "--netns"]);
+    let r = common::run_command(
+        cmd,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        None,
+        RUN_LIMIT,
+    );
+    assert_eq!(r.code, Some(1), "{}", r.explain());
+    assert!(
+        r.stderr.contains("--netns") && r.stderr.contains("iproute2"),
+        "{}",
+        r.explain()
+    );
+}
+
+#[test]
+fn netns_without_cap_net_admin_is_refused_naming_the_flag() {
+    // setpriv (util-linux) takes CAP_NET_ADMIN out of what musubi can have, as for a user
+    // without it.
+    let setpriv = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("setpriv"))
+        .find(|p| p.is_file())
+        .expect("this test drops a capability with util-linux's setpriv, which is not on PATH");
+    let mut cmd = std::process::Command::new(setpriv);
+    cmd.args([
+        "--bounding-set",
+        "-net_admin",
+        "--inh-caps",
+        "-net_admin",
+        "--",
+    ])
+    .arg(env!("CARGO_BIN_EXE_musubi"));
+    let args = probe_args("hello", &["--nodes", "2", "--cpus", "2", "--netns"]);
+    let r = common::run_command(
+        cmd,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        None,
+        RUN_LIMIT,
+    );
+    assert_eq!(r.code, Some(1), "{}", r.explain());
+    assert!(
+        r.stderr
+            .contains("--netns creates network namespaces and needs root")
+            && r.stderr.contains("lacks CAP_NET_ADMIN"),
+        "{}",
+        r.explain()
+    );
+}
+
+#[test]
+fn bad_link_delays_and_netns_without_nodes_are_refused_by_name() {
+    for (flags, wants) in [
+        (
+            vec!["--nodes", "2", "--link-delay", "abc"],
+            vec!["--link-delay", "abc", "e.g. 100us or 2ms"],
+        ),
+        (
+            vec!["--nodes", "2", "--link-delay", "3s"],
+            vec!["--link-delay", "3s", "at most 500ms"],
+        ),
+        (vec!["--netns"], vec!["--netns", "--nodes"]),
+        (
+            vec!["--link-delay", "100us"],
+            vec!["--link-delay", "--nodes"],
+        ),
+    ] {
+        let r = run_probe("hello", &flags);
+        assert_eq!(r.code, Some(2), "{flags:?}: {}", r.explain());
+        for w in wants {
+            assert!(
+                r.stderr.contains(w),
+                "{flags:?}: no {w:?} in {}",
+                r.explain()
+            );
+        }
+    }
+    // The cluster file's field, as real hosts give it.
+    let c = Cluster::new(&[&[0], &[1]]);
+    let mut file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(c.file()).unwrap()).unwrap();
+    file["link_delay"] = serde_json::json!("fast");
+    std::fs::write(c.file(), file.to_string()).unwrap();
+    let mut node = c.spawn(0, 2, "hello", &[]);
+    let st = wait_with_limit(&mut node, Duration::from_secs(60), "node 0");
+    let err = c.stderr(0);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cluster.json: link_delay \"fast\": expected a number and a unit"),
+        "{err}"
     );
 }

@@ -134,6 +134,7 @@ pub fn tcp_config(me: u16, addrs: &[SocketAddr], liveness: Liveness) -> TcpConfi
             .collect(),
         connect_timeout: WAIT,
         liveness,
+        link_delay: Duration::ZERO,
     }
 }
 

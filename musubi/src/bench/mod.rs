@@ -53,6 +53,11 @@ pub struct BenchArgs {
     /// Largest node count for vmp (runs 1..N nodes; default: this host's cores, at least 2).
     #[arg(long, value_name = "N")]
     pub nodes: Option<u16>,
+    /// One-way link delay of vmp's delayed runs (`run --link-delay`), e.g. 100us, 2ms. The
+    /// delayed runs come beside the loopback ones (and, as root, beside runs with each node
+    /// in its own network namespace).
+    #[arg(long, value_name = "DURATION", default_value = "100us", value_parser = crate::nodes::duration_arg)]
+    pub link_delay: std::time::Duration,
 }
 
 const EXPERIMENTS: &[&str] = &[

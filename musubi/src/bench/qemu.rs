@@ -301,6 +301,7 @@ mod tests {
             extent: None,
             qemu,
             nodes: None,
+            link_delay: std::time::Duration::from_micros(100),
         }
     }
 

@@ -3,7 +3,9 @@
 //! one node), the per-vCPU breakdown of Table 2 as far as it can be measured here, the page
 //! fetch latencies (Fig. 8) and the fetched guest-physical ranges (Fig. 7), and messages per
 //! fetch beside the simulator's Table 3. In the same run it times one loopback TCP round trip
-//! and one VM exit, so the fetch latency can be judged against what it is made of.
+//! and one VM exit, so the fetch latency can be judged against what it is made of. The
+//! largest node count also runs over a delayed link (`--link-delay`) and, as root, with each
+//! node in its own network namespace (`--netns`), beside the loopback runs.
 
 use super::guest_run::in_vm;
 use super::report::{figures_table, Csv, Figure, Table};
@@ -39,6 +41,43 @@ const REQUESTS: [&str; 2] = ["fetch", "req"];
 /// Paper 004 Fig. 6: fib(46), 8 processes, 8 nodes.
 const PAPER_SPEEDUP_8: f64 = 6.6;
 
+/// How the nodes of a run are linked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Link {
+    /// Each node in its own network namespace, joined by veth links and a bridge.
+    netns: bool,
+    /// One-way delay on every frame (zero: none).
+    delay: Duration,
+}
+
+const LOOPBACK: Link = Link {
+    netns: false,
+    delay: Duration::ZERO,
+};
+
+impl Link {
+    fn name(&self) -> String {
+        let base = if self.netns { "netns" } else { "loopback" };
+        if self.delay.is_zero() {
+            base.into()
+        } else {
+            format!("{base}+{}", delay_name(self.delay))
+        }
+    }
+}
+
+/// `100us`, `2ms`: as `--link-delay` takes it.
+fn delay_name(d: Duration) -> String {
+    let us = d.as_micros();
+    if us >= 1000 && us.is_multiple_of(1000) {
+        format!("{}ms", us / 1000)
+    } else if d.as_nanos().is_multiple_of(1000) {
+        format!("{us}us")
+    } else {
+        format!("{}ns", d.as_nanos())
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Config {
     nodes: u16,
@@ -46,20 +85,38 @@ struct Config {
     ordering: &'static str,
     /// fib(n) per process; 1 is the baseline run (boot, start-up and reporting only).
     fib: u32,
+    link: Link,
 }
 
 impl Config {
     fn name(&self) -> String {
         format!(
-            "{}n {}/{} fib({})",
-            self.nodes, self.protocol, self.ordering, self.fib
+            "{}n {}/{} fib({}){}",
+            self.nodes,
+            self.protocol,
+            self.ordering,
+            self.fib,
+            self.link_suffix()
         )
     }
     fn label(&self) -> String {
         if self.nodes == 1 {
             "1 node".into()
         } else {
-            format!("{}n {}/{}", self.nodes, self.protocol, self.ordering)
+            format!(
+                "{}n {}/{}{}",
+                self.nodes,
+                self.protocol,
+                self.ordering,
+                self.link_suffix()
+            )
+        }
+    }
+    fn link_suffix(&self) -> String {
+        if self.link == LOOPBACK {
+            String::new()
+        } else {
+            format!(" {}", self.link.name())
         }
     }
 }
@@ -125,6 +182,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                     protocol: "vmp",
                     ordering: "tso",
                     fib,
+                    link: LOOPBACK,
                 });
                 continue;
             }
@@ -134,6 +192,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                     protocol,
                     ordering: "tso",
                     fib,
+                    link: LOOPBACK,
                 });
             }
         }
@@ -143,7 +202,26 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 protocol: "vmp",
                 ordering: "paper",
                 fib,
+                link: LOOPBACK,
             });
+        }
+    }
+    // The other links, at the largest node count and the task grains (the breakdown's
+    // baseline runs stay on loopback).
+    let links = other_links(args.link_delay);
+    if max_nodes > 1 {
+        for &fib in &grains {
+            for &link in &links {
+                for protocol in ["vmp", "ivy"] {
+                    configs.push(Config {
+                        nodes: max_nodes,
+                        protocol,
+                        ordering: "tso",
+                        fib,
+                        link,
+                    });
+                }
+            }
         }
     }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
@@ -163,18 +241,15 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         r.ns().ok_or("port-ping: no time in its result")? / pings as f64
     };
 
-    let of = |c: &Config| -> Vec<&RunFigures> {
-        runs.iter()
-            .filter(|(_, ci, _)| configs[*ci] == *c)
-            .map(|(_, _, r)| r)
-            .collect()
-    };
+    let of = |c: &Config| runs_of(&runs, &configs, c);
     let med = |xs: Vec<f64>| median(&xs);
+    let one_node_wall = |fib: u32| one_node_wall(&runs, &configs, fib);
 
     let mut csv = Csv::new(&[
         "nodes",
         "protocol",
         "ordering",
+        "link",
         "fib",
         "procs",
         "rep",
@@ -196,6 +271,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 c.nodes.to_string(),
                 c.protocol.to_string(),
                 c.ordering.to_string(),
+                c.link.name(),
                 c.fib.to_string(),
                 procs.to_string(),
                 rep.to_string(),
@@ -231,14 +307,11 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     let mut speedups: BTreeMap<(u32, String), f64> = BTreeMap::new();
     let mut bars = Vec::new();
     for &fib in &grains {
-        let one = Config {
-            nodes: 1,
-            protocol: "vmp",
-            ordering: "tso",
-            fib,
-        };
-        let base = med(of(&one).iter().map(|r| r.wall_ns).collect());
-        for c in configs.iter().filter(|c| c.fib == fib) {
+        let base = one_node_wall(fib);
+        for c in configs
+            .iter()
+            .filter(|c| c.fib == fib && c.link == LOOPBACK)
+        {
             let rs = of(c);
             let wall = med(rs.iter().map(|r| r.wall_ns).collect());
             let sp = match (base, wall) {
@@ -280,10 +353,11 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         "wall = the guest's own time from starting the workers to the last task's end (rdtsc);\n\
          speedup = 1-node wall / N-node wall for the same {procs} processes. Paper: {PAPER_SPEEDUP_8}x on 8 nodes\n\
          for fib(46). This host has {} cores and every node is a process on it, with a vCPU thread and a\n\
-         coherence thread each, so more nodes than cores cannot speed up; --link-delay (a slower,\n\
-         paper-like network) is not implemented yet, so every link here is loopback.\n",
+         coherence thread each, so more nodes than cores cannot speed up. Every link in this table is\n\
+         loopback; the other links follow below.\n",
         default_nodes()
     );
+    links_side_by_side(&runs, &configs, &grains, args.link_delay);
 
     // ---- Table 2: per-vCPU breakdown at the largest grain on the most nodes ----
     let top = *grains.last().unwrap_or(&1);
@@ -293,6 +367,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             protocol: "vmp",
             ordering: "tso",
             fib: top,
+            link: LOOPBACK,
         };
         med(of(&one)
             .iter()
@@ -311,7 +386,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     ]);
     let breakdown_configs: Vec<Config> = configs
         .iter()
-        .filter(|c| c.fib == top && (c.nodes == 1 || c.nodes == max_nodes))
+        .filter(|c| c.fib == top && c.link == LOOPBACK && (c.nodes == 1 || c.nodes == max_nodes))
         .copied()
         .collect();
     for c in &breakdown_configs {
@@ -400,7 +475,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     let mut vmp_median = None;
     for c in configs
         .iter()
-        .filter(|c| c.fib == top && c.nodes == max_nodes && c.nodes > 1)
+        .filter(|c| c.fib == top && c.nodes == max_nodes && c.nodes > 1 && c.link == LOOPBACK)
     {
         let rs = of(c);
         let mut all = vec![0u64; 64];
@@ -600,6 +675,165 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     h.write_results("vmp", &csv, "one VM over several nodes", &panels)
 }
 
+/// The links the largest node count runs over besides loopback: loopback with `delay`, and,
+/// where this process may create network namespaces, namespaces with and without it.
+fn other_links(delay: Duration) -> Vec<Link> {
+    let mut links = Vec::new();
+    if !delay.is_zero() {
+        links.push(Link {
+            netns: false,
+            delay,
+        });
+    }
+    match netns_available() {
+        Ok(()) => {
+            links.push(Link {
+                netns: true,
+                delay: Duration::ZERO,
+            });
+            if !delay.is_zero() {
+                links.push(Link { netns: true, delay });
+            }
+        }
+        Err(why) => println!("(--netns runs left out: {why})"),
+    }
+    links
+}
+
+/// Whether `run --netns` can work here: root, and iproute2's `ip`.
+fn netns_available() -> Result<(), String> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("not root".into());
+    }
+    match Command::new("ip").arg("-V").output() {
+        Ok(o) if o.status.success() => Ok(()),
+        _ => Err("iproute2's `ip` is not installed".into()),
+    }
+}
+
+/// The remote fetches of `rs` as a log2 histogram: each node's slowest k faults, k = the
+/// fetch requests it sent.
+fn remote_fetches(rs: &[&RunFigures]) -> Vec<u64> {
+    let mut remote = vec![0u64; 64];
+    for n in rs.iter().flat_map(|r| &r.nodes) {
+        add(&mut remote, &slowest(&n.buckets, n.fetches));
+    }
+    remote
+}
+
+/// The runs of configuration `c`.
+fn runs_of<'a>(
+    runs: &'a [(usize, usize, RunFigures)],
+    configs: &[Config],
+    c: &Config,
+) -> Vec<&'a RunFigures> {
+    runs.iter()
+        .filter(|(_, ci, _)| configs[*ci] == *c)
+        .map(|(_, _, r)| r)
+        .collect()
+}
+
+/// The median wall time of fib(`fib`) on one node.
+fn one_node_wall(runs: &[(usize, usize, RunFigures)], configs: &[Config], fib: u32) -> Option<f64> {
+    let one = Config {
+        nodes: 1,
+        protocol: "vmp",
+        ordering: "tso",
+        fib,
+        link: LOOPBACK,
+    };
+    let walls: Vec<f64> = runs_of(runs, configs, &one)
+        .iter()
+        .map(|r| r.wall_ns)
+        .collect();
+    median(&walls)
+}
+
+/// The largest node count's runs over each link, beside its loopback runs.
+fn links_side_by_side(
+    runs: &[(usize, usize, RunFigures)],
+    configs: &[Config],
+    grains: &[u32],
+    delay: Duration,
+) {
+    if configs.iter().all(|c| c.link == LOOPBACK) {
+        return;
+    }
+    let mut t = Table::new(&[
+        "grain",
+        "vm",
+        "link",
+        ">wall ms",
+        ">speedup",
+        ">x loopback wall",
+        ">fetch median",
+        ">- loopback's",
+        ">fetch p99",
+        ">msgs/fetch",
+    ]);
+    for &fib in grains {
+        let shown = configs.iter().filter(|c| {
+            c.fib == fib
+                && c.nodes > 1
+                && c.ordering == "tso"
+                && configs
+                    .iter()
+                    .any(|o| o.link != LOOPBACK && o.protocol == c.protocol && o.nodes == c.nodes)
+        });
+        for c in shown {
+            let rs = runs_of(runs, configs, c);
+            let loopback = Config {
+                link: LOOPBACK,
+                ..*c
+            };
+            let loop_rs = runs_of(runs, configs, &loopback);
+            let wall = median(&rs.iter().map(|r| r.wall_ns).collect::<Vec<_>>());
+            let loop_wall = median(&loop_rs.iter().map(|r| r.wall_ns).collect::<Vec<_>>());
+            let remote = remote_fetches(&rs);
+            let fetch = quantile(&remote, 0.5);
+            let loop_fetch = quantile(&remote_fetches(&loop_rs), 0.5);
+            let (fetches, msgs) = rs
+                .iter()
+                .flat_map(|r| &r.nodes)
+                .fold((0u64, 0u64), |(f, m), n| (f + n.fetches, m + n.messages));
+            let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+                (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+                _ => None,
+            };
+            t.row([
+                format!("fib({fib})"),
+                format!("{}n {}", c.nodes, c.protocol),
+                c.link.name(),
+                opt(wall.map(|w| w / 1e6), 2),
+                opt(ratio(one_node_wall(runs, configs, fib), wall), 2),
+                opt(ratio(wall, loop_wall), 2),
+                us(fetch),
+                match (fetch, loop_fetch) {
+                    (Some(a), Some(b)) => format!("{:+.1} us", (a - b) / 1e3),
+                    _ => "n/a".into(),
+                },
+                us(quantile(&remote, 0.99)),
+                opt((fetches > 0).then(|| msgs as f64 / fetches as f64), 2),
+            ]);
+        }
+    }
+    println!(
+        "Links side by side, {} nodes (loopback; loopback with a one-way delay of {} on every frame;\n\
+         each node in its own network namespace, veth links and a bridge, as root), median of the runs",
+        configs.iter().map(|c| c.nodes).max().unwrap_or(1),
+        delay_name(delay)
+    );
+    println!("{}", t.render());
+    println!(
+        "The delay is --link-delay {d}, added by the nodes' own link layer (tc netem is not in this host's\n\
+         kernel): every frame is held {d} on the sending side. A remote fetch crosses the link at least\n\
+         twice (request, page), so it should take at least 2 x {d} longer than over loopback; more when\n\
+         a fetch is forwarded or waits for invalidations. speedup = 1-node wall / this wall, as above.\n",
+        d = delay_name(delay)
+    );
+}
+
 /// Runs one VM over `c.nodes` node processes and reads its result line and metrics.
 fn run_one(
     exe: &Path,
@@ -609,8 +843,12 @@ fn run_one(
     rep: usize,
 ) -> Result<RunFigures, String> {
     let metrics: PathBuf = scratch.join(format!(
-        "{}-{}-{}-{}-{rep}.json",
-        c.nodes, c.protocol, c.ordering, c.fib
+        "{}-{}-{}-{}-{}-{rep}.json",
+        c.nodes,
+        c.protocol,
+        c.ordering,
+        c.link.name(),
+        c.fib
     ));
     let mut cmd = Command::new(exe);
     cmd.args([
@@ -630,6 +868,12 @@ fn run_one(
         "--metrics",
     ])
     .arg(&metrics);
+    if c.link.netns {
+        cmd.arg("--netns");
+    }
+    if !c.link.delay.is_zero() {
+        cmd.args(["--link-delay", &delay_name(c.link.delay)]);
+    }
     let w = Watch {
         marker: "probe: done",
         guest_bytes: None,
@@ -922,12 +1166,37 @@ mod tests {
     }
 
     #[test]
+    fn links_are_named_as_the_flags_take_them() {
+        let d = |us| Duration::from_micros(us);
+        assert_eq!(LOOPBACK.name(), "loopback");
+        let delayed = Link {
+            netns: false,
+            delay: d(100),
+        };
+        assert_eq!(delayed.name(), "loopback+100us");
+        let ns = Link {
+            netns: true,
+            delay: d(2000),
+        };
+        assert_eq!(ns.name(), "netns+2ms");
+        assert_eq!(delay_name(Duration::from_nanos(1500)), "1500ns");
+        for s in ["100us", "2ms", "1500ns", "1500us"] {
+            let parsed = crate::nodes::parse_duration(s).unwrap();
+            assert_eq!(
+                crate::nodes::parse_duration(&delay_name(parsed)),
+                Ok(parsed)
+            );
+        }
+    }
+
+    #[test]
     fn simulator_range_for_two_nodes() {
         let c = Config {
             nodes: 2,
             protocol: "vmp",
             ordering: "paper",
             fib: 1,
+            link: LOOPBACK,
         };
         assert_eq!(sim_range(&c, 2), ("2-3".to_string(), "2-3".to_string()));
     }

@@ -63,7 +63,21 @@ pub fn run_with_stdin(args: &[&str], input: Option<&[u8]>, limit: Duration) -> R
 }
 
 /// As [`run_with_stdin`], with `cmd` (`musubi()` with its environment changed) instead.
-pub fn run_command(mut cmd: Command, args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
+pub fn run_command(cmd: Command, args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
+    start_command(cmd, args, input).finish(limit)
+}
+
+/// A musubi process whose output is being collected, for tests that act on it while it
+/// runs (its pid, a signal).
+pub struct Started {
+    pub child: Child,
+    what: String,
+    out: std::thread::JoinHandle<String>,
+    err: std::thread::JoinHandle<String>,
+}
+
+/// Starts `cmd` with `args` as [`run_command`] does, without waiting for it.
+pub fn start_command(mut cmd: Command, args: &[&str], input: Option<&[u8]>) -> Started {
     assert!(
         Path::new("/dev/kvm").exists(),
         "these tests need /dev/kvm, which this machine lacks"
@@ -85,13 +99,23 @@ pub fn run_command(mut cmd: Command, args: &[&str], input: Option<&[u8]>, limit:
     }
     let out = child.stdout.take().unwrap();
     let err = child.stderr.take().unwrap();
-    let t_out = std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default());
-    let t_err = std::thread::spawn(move || std::io::read_to_string(err).unwrap_or_default());
-    let status = wait_with_limit(&mut child, limit, &format!("musubi {args:?}"));
-    Run {
-        code: status.code(),
-        stdout: t_out.join().unwrap(),
-        stderr: t_err.join().unwrap(),
+    Started {
+        child,
+        what: format!("musubi {args:?}"),
+        out: std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default()),
+        err: std::thread::spawn(move || std::io::read_to_string(err).unwrap_or_default()),
+    }
+}
+
+impl Started {
+    /// Waits for the process (failing the test after `limit`) and returns what it printed.
+    pub fn finish(mut self, limit: Duration) -> Run {
+        let status = wait_with_limit(&mut self.child, limit, &self.what);
+        Run {
+            code: status.code(),
+            stdout: self.out.join().unwrap(),
+            stderr: self.err.join().unwrap(),
+        }
     }
 }
 

@@ -11,6 +11,7 @@ pub mod cluster;
 mod ipi;
 
 pub use cluster::{ClusterError, ClusterSpec, NodeAddr};
+pub use dsm_host::MAX_LINK_DELAY;
 pub use ipi::IPI_PORT;
 
 use crate::arch::x86_64::cpuid::NodeLeaves;
@@ -90,6 +91,10 @@ pub struct NodeOptions {
     pub id: u16,
     /// How long to wait for every other node to come up and link.
     pub connect_timeout: Duration,
+    /// One-way delay on every frame this node sends (zero: none), to emulate a slower
+    /// network. Not part of the configuration hash: it changes timing, never what the guest
+    /// can observe of memory.
+    pub link_delay: Duration,
 }
 
 /// A node with its VM share built and its peers linked, not yet running.
@@ -186,6 +191,7 @@ impl Node {
                 .collect(),
             connect_timeout: node.connect_timeout,
             liveness: Liveness::default(),
+            link_delay: node.link_delay,
         };
         let transport = TcpTransport::establish(&tcp, &listener, outbox.clone())
             .map_err(|source| NodeError::Join { id, source })?;

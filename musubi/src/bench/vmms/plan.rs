@@ -342,6 +342,7 @@ mod tests {
             extent: Some("5000".into()),
             qemu: None,
             nodes: None,
+            link_delay: std::time::Duration::from_micros(100),
         };
         let e = Plan::new(&h, &args).err().unwrap();
         assert!(
