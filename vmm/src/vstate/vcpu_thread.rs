@@ -14,17 +14,9 @@ use crate::arch::x86_64::cpuid::NodeLeaves;
 use crate::seccomp::{self, SeccompMode, ThreadKind};
 use kvm_bindings::{kvm_regs, kvm_sregs, CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VmFd};
-use std::sync::mpsc::{channel, Receiver, RecvError, Sender, TryRecvError};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
-
-/// How long the two last hand-offs of a start (the vCPU's "ready", the VM's "run") are
-/// awaited by spinning before the waiter sleeps. Each is expected within microseconds, and
-/// waking a sleeping thread on another core costs about a hundred of them on a virtual host,
-/// once per hand-off on the way to the first KVM_RUN. Bounded, so a VM that is built and
-/// started later costs this much CPU once per vCPU.
-const HAND_OFF_SPIN: Duration = Duration::from_millis(1);
 
 /// The host's supported CPUID, asked of KVM once per VM by whichever vCPU thread comes first.
 type SharedCpuid = Arc<OnceLock<Result<CpuId, kvm_ioctls::Error>>>;
@@ -107,7 +99,9 @@ impl PendingVcpu {
 
     /// Waits until the vCPU exists, is configured and filtered, or the reason it is not.
     pub fn ready(&self) -> Result<(), VcpuError> {
-        recv_soon(&self.ready).unwrap_or(Err(VcpuError::ThreadEnded { id: self.id }))
+        self.ready
+            .recv()
+            .unwrap_or(Err(VcpuError::ThreadEnded { id: self.id }))
     }
 
     /// Lets the vCPU run; the thread is the caller's from here on.
@@ -182,21 +176,8 @@ fn set_up_and_run(id: u8, plan: Plan, inbox: Receiver<Order>, done: Sender<Resul
             return;
         }
     };
-    match recv_soon(&inbox) {
+    match inbox.recv() {
         Ok(Order::Run(ctx)) => vcpu.run(ctx),
         _ => unbind_thread(),
-    }
-}
-
-/// Receives from `rx`, spinning for up to [`HAND_OFF_SPIN`] before blocking.
-fn recv_soon<T>(rx: &Receiver<T>) -> Result<T, RecvError> {
-    let until = Instant::now() + HAND_OFF_SPIN;
-    loop {
-        match rx.try_recv() {
-            Ok(v) => return Ok(v),
-            Err(TryRecvError::Disconnected) => return Err(RecvError),
-            Err(TryRecvError::Empty) if Instant::now() < until => std::hint::spin_loop(),
-            Err(TryRecvError::Empty) => return rx.recv(),
-        }
     }
 }
