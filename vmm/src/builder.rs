@@ -307,7 +307,13 @@ impl Vmm {
         // The vCPU threads start first and set up their vCPUs beside the rest of the build
         // (see `vcpu_thread`).
         let host = open_kvm()?;
-        let plan = Plan::new(host.clone(), layout.cpus, part.node, opts.seccomp);
+        let plan = Plan::new(
+            host.clone(),
+            layout.cpus,
+            part.vcpus.len(),
+            part.node,
+            opts.seccomp,
+        );
         let vcpus = part
             .vcpus
             .iter()
@@ -395,11 +401,6 @@ impl Vmm {
             write_boot_data(config, &layout, &mem, &devices, &entry, kernel_end)?;
             phase("firmware tables");
         }
-        // 5. vCPUs: the BSP has its entry state; APs wait for INIT/SIPI in the kernel.
-        for v in &vcpus {
-            v.ready()?;
-        }
-        phase("vcpus");
 
         let bus: Arc<dyn ExitBus> = devices.bus.clone();
         Ok(Vm {
@@ -527,12 +528,14 @@ impl Vm {
         let request = Arc::new(AtomicU64::new(0));
         let statuses: Vec<Arc<VcpuStatus>> = self.vcpus.iter().map(|_| Arc::default()).collect();
         let mut threads = Vec::new();
+        // The BSP has its entry state; APs wait for INIT/SIPI in the kernel. A vCPU whose
+        // set-up failed ends the VM with the reason as soon as it is told to run.
         for ((vcpu, metrics), status) in std::mem::take(&mut self.vcpus)
             .into_iter()
             .zip(&shared.metrics)
             .zip(&statuses)
         {
-            let ctx = VcpuContext {
+            threads.push(vcpu.run(VcpuContext {
                 bus: self.bus.clone(),
                 control: self.control.clone(),
                 metrics: metrics.clone(),
@@ -540,16 +543,10 @@ impl Vm {
                 request: request.clone(),
                 ram: self.ram.clone(),
                 first_run: first_run.clone(),
-            };
-            match vcpu.run(ctx) {
-                Ok(t) => threads.push(t),
-                Err(e) => {
-                    // The VM ends before it started: stop the threads already running.
-                    self.control.finish(Outcome::VmmError(e.to_string()));
-                    stop_vcpus(threads);
-                    return Err(e.into());
-                }
-            }
+            }));
+        }
+        if shared.vcpu_ids.contains(&0) {
+            stay_quiet_until_first_run(&first_run, &self.control);
         }
         Ok(RunningVm {
             vm: self,
@@ -560,6 +557,24 @@ impl Vm {
             io_thread,
             first_run,
         })
+    }
+}
+
+/// How long [`Vm::start`] keeps the calling thread quiet at most while the BSP finishes its
+/// set-up, and how often it looks.
+const QUIET_START_LIMIT: Duration = Duration::from_millis(50);
+const QUIET_START_POLL: Duration = Duration::from_micros(20);
+
+/// Returns once the BSP has entered the guest (or the VM ended, or the limit passed). What
+/// the caller does next (starting threads, installing filters) changes the process's
+/// mappings, and every such change interrupts the other threads of the process with a TLB
+/// shoot-down: on a virtual host that slowed the BSP's last KVM calls twofold. The wait
+/// sleeps in short steps rather than blocking, as a blocked waiter would have to be woken
+/// by the BSP on its way into the guest.
+fn stay_quiet_until_first_run(first_run: &OnceLock<(Instant, u64)>, control: &RunControl) {
+    let until = Instant::now() + QUIET_START_LIMIT;
+    while first_run.get().is_none() && !control.is_finished() && Instant::now() < until {
+        std::thread::sleep(QUIET_START_POLL);
     }
 }
 

@@ -127,3 +127,17 @@ pub fn make_vcpus_call_a_refused_syscall() {
 pub(crate) fn vcpu_makes_a_refused_call() -> bool {
     VCPU_REFUSED_CALL.load(std::sync::atomic::Ordering::SeqCst)
 }
+
+/// vCPU whose set-up is made to panic, plus one; 0 for none.
+static VCPU_SET_UP_PANICS: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+
+/// Makes the set-up of vCPU `id` panic in every VM built from now on, so tests can check that
+/// a vCPU that never came up ends the VM with the reason instead of leaving it waiting.
+/// Process-wide: use it only in a test binary of its own.
+pub fn make_vcpu_set_up_panic(id: u8) {
+    VCPU_SET_UP_PANICS.store(u16::from(id) + 1, std::sync::atomic::Ordering::SeqCst);
+}
+
+pub(crate) fn vcpu_set_up_panics(id: u8) -> bool {
+    VCPU_SET_UP_PANICS.load(std::sync::atomic::Ordering::SeqCst) == u16::from(id) + 1
+}

@@ -36,6 +36,8 @@ pub enum VcpuError {
     },
     #[error("vCPU {id}: its thread ended while the VM was being built")]
     ThreadEnded { id: u8 },
+    #[error("vCPU {id}: its set-up panicked: {why}")]
+    SetUpPanicked { id: u8, why: String },
 }
 
 /// Signal used to kick a vCPU thread out of KVM_RUN.

@@ -1,6 +1,7 @@
-//! vCPU threads that start with the build: each installs its filter, probes the host's
-//! CPUID, and creates and configures its own vCPU while the building thread creates memory,
-//! loads the kernel and builds devices, then waits for the order to run.
+//! vCPU threads that start with the build: each probes the host's CPUID, compiles its
+//! filter, creates and configures its own vCPU and installs the filter while the building
+//! thread creates memory, loads the kernel and builds devices, then waits for the order to
+//! run.
 //!
 //! Done one after the other on the building thread, these KVM calls were the larger part of
 //! the time to the first KVM_RUN: KVM_GET_SUPPORTED_CPUID executes CPUID for every leaf (each
@@ -11,11 +12,12 @@
 
 use super::vcpu::{kick_signal, unbind_thread, Vcpu, VcpuContext, VcpuError};
 use crate::arch::x86_64::cpuid::NodeLeaves;
+use crate::control::{panic_message, Outcome};
 use crate::seccomp::{self, SeccompMode, ThreadKind};
 use kvm_bindings::{kvm_regs, kvm_sregs, CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VmFd};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 /// The host's supported CPUID, asked of KVM once per VM by whichever vCPU thread comes first.
@@ -47,17 +49,76 @@ pub struct Plan {
     pub node: Option<NodeLeaves>,
     pub seccomp: SeccompMode,
     cpuid: SharedCpuid,
+    /// vCPUs of this process set up (or failed), against how many there are: the BSP waits
+    /// for all of them before its first KVM_RUN, so no start-up IPI it sends can find an AP
+    /// that does not exist yet.
+    settled: Arc<(Mutex<Settled>, Condvar)>,
+    local: usize,
 }
 
 impl Plan {
-    pub fn new(kvm: Arc<Kvm>, count: u8, node: Option<NodeLeaves>, seccomp: SeccompMode) -> Plan {
+    /// `local` vCPUs of a VM of `count` are made in this process.
+    pub fn new(
+        kvm: Arc<Kvm>,
+        count: u8,
+        local: usize,
+        node: Option<NodeLeaves>,
+        seccomp: SeccompMode,
+    ) -> Plan {
         Plan {
             kvm,
             count,
             node,
             seccomp,
             cpuid: SharedCpuid::default(),
+            settled: Arc::default(),
+            local,
         }
+    }
+
+    /// Counts this thread's vCPU as settled when dropped, on every way out of its set-up
+    /// (an early end or a panic included), so the BSP never waits for a thread that is gone.
+    fn settling(&self) -> Settling<'_> {
+        Settling(self, None)
+    }
+
+    /// Waits until every vCPU of this process is set up, and returns why one is not, if
+    /// one failed.
+    fn wait_all_settled(&self) -> Option<String> {
+        let (state, changed) = &*self.settled;
+        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+        while state.count < self.local {
+            state = changed.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+        state.failure.clone()
+    }
+}
+
+#[derive(Default)]
+struct Settled {
+    count: usize,
+    /// The first vCPU set-up that failed, and why.
+    failure: Option<String>,
+}
+
+/// Counts one vCPU as settled when dropped, with its failure if `fail` recorded one.
+struct Settling<'a>(&'a Plan, Option<String>);
+
+impl Settling<'_> {
+    fn fail(&mut self, why: String) {
+        self.1 = Some(why);
+    }
+}
+
+impl Drop for Settling<'_> {
+    fn drop(&mut self) {
+        let (state, changed) = &*self.0.settled;
+        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+        state.count += 1;
+        if state.failure.is_none() {
+            state.failure = self.1.take();
+        }
+        changed.notify_all();
     }
 }
 
@@ -65,7 +126,6 @@ impl Plan {
 pub struct PendingVcpu {
     pub id: u8,
     orders: Option<Sender<Order>>,
-    ready: Receiver<Result<(), VcpuError>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -73,15 +133,13 @@ impl PendingVcpu {
     /// Starts the thread of vCPU `id`; it probes CPUID and compiles its filter at once.
     pub fn spawn(id: u8, plan: &Plan) -> std::io::Result<PendingVcpu> {
         let (orders, inbox) = channel();
-        let (done, ready) = channel();
         let plan = plan.clone();
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
-            .spawn(move || set_up_and_run(id, plan, inbox, done))?;
+            .spawn(move || set_up_and_run(id, plan, inbox))?;
         Ok(PendingVcpu {
             id,
             orders: Some(orders),
-            ready,
             thread: Some(thread),
         })
     }
@@ -91,36 +149,33 @@ impl PendingVcpu {
         self.order(Order::Create(vm.clone()));
     }
 
-    /// Gives the thread its entry state (the BSP) or none, after which it installs its
-    /// filter and reports.
+    /// Gives the thread its entry state (the BSP) or none.
     pub fn boot(&self, boot: Option<Boot>) {
         self.order(Order::Boot(boot));
     }
 
-    /// Waits until the vCPU exists, is configured and filtered, or the reason it is not.
-    pub fn ready(&self) -> Result<(), VcpuError> {
-        self.ready
-            .recv()
-            .unwrap_or(Err(VcpuError::ThreadEnded { id: self.id }))
-    }
-
-    /// Lets the vCPU run; the thread is the caller's from here on.
-    pub fn run(mut self, ctx: VcpuContext) -> Result<JoinHandle<()>, VcpuError> {
-        let id = self.id;
-        let sent = self.orders.take().map(|o| o.send(Order::Run(ctx)).is_ok());
-        match (sent, self.thread.take()) {
-            (Some(true), Some(t)) => Ok(t),
-            (_, t) => {
-                if let Some(t) = t {
-                    let _ = t.join();
-                }
-                Err(VcpuError::ThreadEnded { id })
-            }
+    /// Lets the vCPU run as soon as it is set up, and hands its thread over. Nothing waits
+    /// here: a thread still busy with its set-up finds the order in its queue and enters the
+    /// guest without sleeping, and a set-up that failed ends the VM through `ctx`'s control
+    /// with the reason.
+    pub fn run(mut self, ctx: VcpuContext) -> JoinHandle<()> {
+        let control = ctx.control.clone();
+        let sent = self
+            .orders
+            .take()
+            .is_some_and(|o| o.send(Order::Run(ctx)).is_ok());
+        if !sent {
+            control.finish(Outcome::VmmError(
+                VcpuError::ThreadEnded { id: self.id }.to_string(),
+            ));
         }
+        self.thread
+            .take()
+            .expect("a pending vCPU keeps its thread until it runs")
     }
 
     fn order(&self, order: Order) {
-        // A thread that has ended has reported why through `ready`.
+        // A thread that has ended reports why when it is told to run.
         if let Some(o) = &self.orders {
             let _ = o.send(order);
         }
@@ -137,47 +192,90 @@ impl Drop for PendingVcpu {
     }
 }
 
-fn set_up_and_run(id: u8, plan: Plan, inbox: Receiver<Order>, done: Sender<Result<(), VcpuError>>) {
+fn set_up_and_run(id: u8, plan: Plan, inbox: Receiver<Order>) {
     seccomp::block_process_signals(&[kick_signal()]);
-    // Work that needs no VM yet: the filter, which allows every KVM call left to make here,
-    // and the host's CPUID.
-    let filtered = seccomp::prepare(ThreadKind::Vcpu, plan.seccomp)
-        .and_then(|f| f.install())
-        .map_err(|source| VcpuError::Seccomp { id, source });
+    let mut settling = plan.settling();
+    let set_up =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| set_up(id, &plan, &inbox)));
+    let set_up = match set_up {
+        Ok(Some(r)) => r,
+        // The build was abandoned.
+        Ok(None) => return,
+        Err(panic) => Err(VcpuError::SetUpPanicked {
+            id,
+            why: panic_message(&*panic),
+        }),
+    };
+    if let Err(e) = &set_up {
+        settling.fail(e.to_string());
+    }
+    drop(settling);
+    // Orders a failed set-up left unread come before the one to run.
+    let ctx = loop {
+        match inbox.recv() {
+            Ok(Order::Run(ctx)) => break ctx,
+            Ok(_) => continue,
+            Err(_) => {
+                unbind_thread();
+                return;
+            }
+        }
+    };
+    match set_up {
+        Ok(vcpu) => {
+            // The BSP enters the guest only with every vCPU of this process in place.
+            match (id == 0).then(|| plan.wait_all_settled()).flatten() {
+                None => vcpu.run(ctx),
+                Some(why) => {
+                    unbind_thread();
+                    ctx.control.finish(Outcome::VmmError(why));
+                }
+            }
+        }
+        Err(e) => {
+            unbind_thread();
+            ctx.control.finish(Outcome::VmmError(e.to_string()));
+        }
+    }
+}
+
+/// Creates and configures vCPU `id` as the orders come; `None` if the build was abandoned
+/// before they all came.
+fn set_up(id: u8, plan: &Plan, inbox: &Receiver<Order>) -> Option<Result<Vcpu, VcpuError>> {
+    // Work that needs no VM yet: the host's CPUID first (the vCPU cannot be configured
+    // without it), then the filter, compiled while the VM's interrupt controllers are made.
     let supported = plan
         .cpuid
         .get_or_init(|| plan.kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES))
         .clone()
         .map_err(VcpuError::SupportedCpuid);
+    let filter = seccomp::prepare(ThreadKind::Vcpu, plan.seccomp)
+        .map_err(|source| VcpuError::Seccomp { id, source });
     let Ok(Order::Create(vm)) = inbox.recv() else {
-        return;
+        return None;
     };
-    let vcpu = filtered
-        .and(supported)
-        .and_then(|c| Vcpu::new(&c, &vm, id, plan.count, plan.node));
+    let vcpu = supported
+        .and_then(|c| Vcpu::new(&c, &vm, id, plan.count, plan.node))
+        .and_then(|v| {
+            // Every KVM call left to make here is one the filter allows.
+            filter?
+                .install()
+                .map_err(|source| VcpuError::Seccomp { id, source })?;
+            Ok(v)
+        });
     drop(vm);
+    #[cfg(feature = "testing")]
+    if crate::testing::vcpu_set_up_panics(id) {
+        panic!("set-up failure injected by a test");
+    }
     let Ok(Order::Boot(boot)) = inbox.recv() else {
-        return;
+        return None;
     };
-    let set_up = vcpu.and_then(|mut v| {
+    Some(vcpu.and_then(|mut v| {
         if let Some(b) = boot {
             v.set_regs(&b.regs, b.sregs)?;
         }
         v.bind_to_thread();
         Ok(v)
-    });
-    let vcpu = match set_up {
-        Ok(v) => {
-            let _ = done.send(Ok(()));
-            v
-        }
-        Err(e) => {
-            let _ = done.send(Err(e));
-            return;
-        }
-    };
-    match inbox.recv() {
-        Ok(Order::Run(ctx)) => vcpu.run(ctx),
-        _ => unbind_thread(),
-    }
+    }))
 }
