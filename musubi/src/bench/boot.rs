@@ -94,12 +94,12 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let reps = if h.quick { 3 } else { 10 };
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the musubi binary: {e}"))?;
     let listed = peers::parse_compare(args.compare.as_deref())?;
-    // The same shim times every VMM's first KVM_RUN; without it the peers' start-up is n/a
-    // and Musubi's comes from its --report.
+    // The shim times every dynamically linked VMM's first KVM_RUN; without it the peers'
+    // start-up is n/a. Musubi's comes from its --report when the shim cannot enter it.
     let shim = match peers::build_shim(&h.out) {
         Ok(so) => {
             println!(
-                "first KVM_RUN: timed for every VMM by the LD_PRELOAD shim {}",
+                "first KVM_RUN: timed by the LD_PRELOAD shim {} in every VMM it can enter",
                 so.display()
             );
             Some(so)
@@ -292,10 +292,9 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     println!();
     print!("{}", t.render());
-    println!(
-        "first KVM_RUN: spawn to the first KVM_RUN ioctl, stamped by the same LD_PRELOAD shim"
-    );
-    println!("  in every VMM (n/a without a C compiler; then Musubi's comes from its --report).");
+    println!("first KVM_RUN: spawn to the first KVM_RUN ioctl, stamped by the LD_PRELOAD shim in");
+    println!("  every dynamically linked VMM (n/a without a C compiler) and by Musubi's --report");
+    println!("  when the shim cannot enter it (see below).");
     println!("  exits: the whole run, i.e. hello plus the exit-port write; the peers' are not counted (n/a).");
     println!(
         "  The peers without an exit port (firecracker, cloud-hypervisor) are killed at hello."
