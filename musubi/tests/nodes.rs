@@ -479,18 +479,19 @@ fn a_failed_ip_command_half_way_through_set_up_is_named_and_undone() {
     assert_eq!(leftovers(pid), Vec::<String>::new(), "{}", r.explain());
 }
 
+/// Runs `cmd` (musubi, or a program that runs it) with `args`, bounded like every run here.
+fn run_with(cmd: std::process::Command, args: &[String]) -> Run {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    common::run_command(cmd, &args, None, RUN_LIMIT)
+}
+
 #[test]
 fn netns_without_ip_on_path_says_what_is_missing() {
     let empty = tempfile::tempdir().unwrap();
     let mut cmd = musubi();
     cmd.env("PATH", empty.path());
     let args = probe_args("hello", &["--nodes", "2", "--cpus", "2", "--netns"]);
-    let r = common::run_command(
-        cmd,
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        None,
-        RUN_LIMIT,
-    );
+    let r = run_with(cmd, &args);
     assert_eq!(r.code, Some(1), "{}", r.explain());
     assert!(
         r.stderr.contains("--netns") && r.stderr.contains("iproute2"),
@@ -517,12 +518,7 @@ fn netns_without_cap_net_admin_is_refused_naming_the_flag() {
     ])
     .arg(env!("CARGO_BIN_EXE_musubi"));
     let args = probe_args("hello", &["--nodes", "2", "--cpus", "2", "--netns"]);
-    let r = common::run_command(
-        cmd,
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        None,
-        RUN_LIMIT,
-    );
+    let r = run_with(cmd, &args);
     assert_eq!(r.code, Some(1), "{}", r.explain());
     assert!(
         r.stderr

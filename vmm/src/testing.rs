@@ -141,3 +141,31 @@ pub fn make_vcpu_set_up_panic(id: u8) {
 pub(crate) fn vcpu_set_up_panics(id: u8) -> bool {
     VCPU_SET_UP_PANICS.load(std::sync::atomic::Ordering::SeqCst) == u16::from(id) + 1
 }
+
+/// A VM of `cpus` vCPUs and 32 MiB that boots `code` (see [`Code`]), serial off.
+pub fn tiny_config(code: &[u8], cpus: u8) -> crate::config::VmConfig {
+    use crate::config::{ExitsMode, KernelImage, SerialMode, VmConfig};
+    VmConfig {
+        kernel: KernelImage::Bytes {
+            name: "tiny".into(),
+            data: pvh_elf(code).into(),
+        },
+        cmdline: String::new(),
+        initrd: None,
+        cpus,
+        memory: 32 << 20,
+        disks: vec![],
+        pmem: vec![],
+        serial: SerialMode::Off,
+        exits: ExitsMode::Kernel,
+    }
+}
+
+/// Filters enforced, a minute at most, and the serial output kept when `capture_serial`.
+pub fn tiny_opts(capture_serial: bool) -> crate::RunOptions {
+    crate::RunOptions {
+        capture_serial,
+        timeout: Some(std::time::Duration::from_secs(60)),
+        seccomp: crate::seccomp::SeccompMode::Enforce,
+    }
+}

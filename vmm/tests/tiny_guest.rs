@@ -1,33 +1,16 @@
 //! Boots hand-assembled PVH guests, so the VMM's own path (loader, PVH entry, port exits,
 //! exit status, crash reporting) is tested without depending on the probe guest.
 
-use vmm::config::{ExitsMode, KernelImage, SerialMode, VmConfig};
-use vmm::testing::{pvh_elf, Code};
+use vmm::config::{ExitsMode, VmConfig};
+use vmm::testing::{tiny_config, tiny_opts, Code};
 use vmm::{run_vm, Outcome, RunOptions, Vmm};
 
 fn config(code: &[u8], cpus: u8) -> VmConfig {
-    VmConfig {
-        kernel: KernelImage::Bytes {
-            name: "tiny".into(),
-            data: pvh_elf(code).into(),
-        },
-        cmdline: String::new(),
-        initrd: None,
-        cpus,
-        memory: 32 << 20,
-        disks: vec![],
-        pmem: vec![],
-        serial: SerialMode::Off,
-        exits: ExitsMode::Kernel,
-    }
+    tiny_config(code, cpus)
 }
 
 fn opts() -> RunOptions {
-    RunOptions {
-        capture_serial: true,
-        timeout: Some(std::time::Duration::from_secs(60)),
-        seccomp: vmm::seccomp::SeccompMode::Enforce,
-    }
+    tiny_opts(true)
 }
 
 fn out8(port: u16, byte: u8) -> Vec<u8> {
