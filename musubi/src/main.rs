@@ -108,6 +108,10 @@ enum GuestCommand {
 }
 
 fn main() -> ExitCode {
+    // `run` gets KVM opened, an empty VM created and the host's CPUID probed while the
+    // arguments are parsed and the configuration read; anything else never uses it.
+    let host =
+        (std::env::args_os().nth(1).as_deref() == Some("run".as_ref())).then(vmm::HostPrep::start);
     // Output piped into `head` and the like ends quietly, as for other command-line tools.
     // SAFETY: restoring a signal's default disposition has no preconditions.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
@@ -156,7 +160,7 @@ fn main() -> ExitCode {
             vm,
             run,
         } => nodes::node(&cluster, id, &vm, &run),
-        Command::Run { vm, run, .. } => run::run(&vm, &run),
+        Command::Run { vm, run, .. } => run::run(&vm, &run, host),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
         Command::Partition(args) => partition_cli::run(args),

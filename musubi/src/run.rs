@@ -11,7 +11,8 @@ use std::process::ExitCode;
 
 const STDIN: std::os::fd::RawFd = 0;
 
-pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags) -> ExitCode {
+/// `host`: KVM work started before the arguments were parsed, if any.
+pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, host: Option<vmm::HostPrep>) -> ExitCode {
     let fail = |msg: String| {
         eprintln!("musubi: {msg}");
         ExitCode::from(1)
@@ -35,7 +36,10 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags) -> ExitCode {
         timeout,
         seccomp: run.seccomp,
     };
-    let built = match vmm::Vmm::build(&config, &opts) {
+    let built = match host.map_or_else(
+        || vmm::Vmm::build(&config, &opts),
+        |h| vmm::Vmm::build_on(&config, &opts, h),
+    ) {
         Ok(vm) => vm,
         Err(e) => return fail(e.to_string()),
     };

@@ -19,6 +19,7 @@ use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::metrics::{detailed, summarize, ExitSummary, VcpuMetrics};
 use crate::pmem::{host_phys_bits, PmemError, PmemRegions};
 use crate::seccomp::SeccompMode;
+use crate::vstate::host::HostPrep;
 use crate::vstate::memory::{GuestRam, MemoryError, RamBackend};
 use crate::vstate::vcpu::{
     install_kick_handler, kick_signal, VcpuContext, VcpuError, VcpuState, VcpuStatus,
@@ -269,7 +270,16 @@ impl Vmm {
     /// that order on this thread, the vCPUs meanwhile on their own threads. No guest code
     /// runs until [`Vm::start`].
     pub fn build(config: &VmConfig, opts: &RunOptions) -> Result<Vm, BuildError> {
-        Self::build_part(config, opts, Part::whole(config))
+        Self::build_part(config, opts, Part::whole(config), None)
+    }
+
+    /// [`Vmm::build`] on KVM work started earlier with [`HostPrep::start`].
+    pub fn build_on(
+        config: &VmConfig,
+        opts: &RunOptions,
+        host: HostPrep,
+    ) -> Result<Vm, BuildError> {
+        Self::build_part(config, opts, Part::whole(config), Some(host))
     }
 
     /// Builds `part` of the VM described by `config`.
@@ -277,6 +287,7 @@ impl Vmm {
         config: &VmConfig,
         opts: &RunOptions,
         part: Part,
+        host: Option<HostPrep>,
     ) -> Result<Vm, BuildError> {
         let started = Instant::now();
         install_kick_handler().map_err(|source| BuildError::Thread {
@@ -305,15 +316,24 @@ impl Vmm {
         let addrs: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
         let pmem = pmem_files.map(&addrs)?;
         // The vCPU threads start first and set up their vCPUs beside the rest of the build
-        // (see `vcpu_thread`).
-        let host = open_kvm()?;
+        // (see `vcpu_thread`); without prepared KVM work they probe CPUID while the VM is
+        // created.
+        let ready = host.and_then(HostPrep::take).transpose()?;
+        let kvm_host = match &ready {
+            Some(r) => r.vm.kvm_arc(),
+            None => open_kvm()?,
+        };
         let plan = Plan::new(
-            host.clone(),
+            kvm_host.clone(),
             layout.cpus,
             part.vcpus.len(),
             part.node,
             opts.seccomp,
         );
+        let ready = ready.map(|r| {
+            plan.set_cpuid(r.cpuid);
+            r.vm
+        });
         let vcpus = part
             .vcpus
             .iter()
@@ -323,7 +343,10 @@ impl Vmm {
                 what: "vCPU",
                 source,
             })?;
-        let mut kvm = KvmVm::create(host)?;
+        let mut kvm = match ready {
+            Some(vm) => vm,
+            None => KvmVm::create(kvm_host)?,
+        };
         let ram = Arc::new(match part.ram {
             None => GuestRam::new(&layout, RamBackend::Anonymous)?,
             // SAFETY: the owner of a shared mapping keeps it mapped while it lives, and

@@ -27,3 +27,4 @@ pub use builder::{
     monotonic_ns, run_vm, BuildError, RunOptions, RunReport, RunningVm, Vm, VmHandle, Vmm,
 };
 pub use control::{Outcome, NODE_LOST_STATUS};
+pub use vstate::host::HostPrep;

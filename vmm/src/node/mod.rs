@@ -236,7 +236,7 @@ impl Node {
                 ipi_port: IPI_PORT,
             }),
         };
-        let mut vm = Vmm::build_part(config, opts, part)
+        let mut vm = Vmm::build_part(config, opts, part, None)
             .map_err(|source| NodeError::Build { id, source })?;
         let node_of: Arc<Vec<u16>> = Arc::new(
             (0..config.cpus)

@@ -76,6 +76,11 @@ impl Plan {
         }
     }
 
+    /// Gives the vCPU threads the host's CPUID, probed before they started.
+    pub fn set_cpuid(&self, cpuid: Result<CpuId, kvm_ioctls::Error>) {
+        let _ = self.cpuid.set(cpuid);
+    }
+
     /// Counts this thread's vCPU as settled when dropped, on every way out of its set-up
     /// (an early end or a panic included), so the BSP never waits for a thread that is gone.
     fn settling(&self) -> Settling<'_> {

@@ -102,6 +102,10 @@ impl KvmVm {
         })
     }
 
+    pub fn kvm_arc(&self) -> Arc<Kvm> {
+        self.kvm.clone()
+    }
+
     pub fn kvm(&self) -> &Kvm {
         &self.kvm
     }
