@@ -318,22 +318,24 @@ impl Vmm {
         // The vCPU threads start first and set up their vCPUs beside the rest of the build
         // (see `vcpu_thread`); without prepared KVM work they probe CPUID while the VM is
         // created.
-        let ready = host.and_then(HostPrep::take).transpose()?;
+        let (ready, cpuid) = match host.and_then(HostPrep::take) {
+            Some((vm, cpuid)) => (Some(vm?), Some(cpuid)),
+            None => (None, None),
+        };
         let kvm_host = match &ready {
-            Some(r) => r.vm.kvm_arc(),
+            Some(vm) => vm.kvm_arc(),
             None => open_kvm()?,
         };
-        let plan = Plan::new(
+        let mut plan = Plan::new(
             kvm_host.clone(),
             layout.cpus,
             part.vcpus.len(),
             part.node,
             opts.seccomp,
         );
-        let ready = ready.map(|r| {
-            plan.set_cpuid(r.cpuid);
-            r.vm
-        });
+        if let Some(cell) = cpuid {
+            plan.share_cpuid(cell);
+        }
         let vcpus = part
             .vcpus
             .iter()
@@ -359,7 +361,6 @@ impl Vmm {
         for v in &vcpus {
             v.create(&kvm.shared_fd());
         }
-        kvm.create_pit()?;
         let mem = pmem.extend_guest_memory(ram.memory().clone())?;
         phase("vm and memory");
 
@@ -424,6 +425,9 @@ impl Vmm {
             write_boot_data(config, &layout, &mem, &devices, &entry, kernel_end)?;
             phase("firmware tables");
         }
+        // Last: by now the vCPUs are still being created on their threads, and nothing
+        // before them waits for this.
+        kvm.create_pit()?;
 
         let bus: Arc<dyn ExitBus> = devices.bus.clone();
         Ok(Vm {

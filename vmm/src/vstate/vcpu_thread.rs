@@ -21,7 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 /// The host's supported CPUID, asked of KVM once per VM by whichever vCPU thread comes first.
-type SharedCpuid = Arc<OnceLock<Result<CpuId, kvm_ioctls::Error>>>;
+pub(crate) type SharedCpuid = Arc<OnceLock<Result<CpuId, kvm_ioctls::Error>>>;
 
 /// Where the BSP starts: its registers and how its special registers are set.
 #[derive(Clone, Copy)]
@@ -76,9 +76,10 @@ impl Plan {
         }
     }
 
-    /// Gives the vCPU threads the host's CPUID, probed before they started.
-    pub fn set_cpuid(&self, cpuid: Result<CpuId, kvm_ioctls::Error>) {
-        let _ = self.cpuid.set(cpuid);
+    /// Has the vCPU threads take the host's CPUID from `cell`, which another thread fills
+    /// (or is filling) instead of probing it themselves.
+    pub fn share_cpuid(&mut self, cell: SharedCpuid) {
+        self.cpuid = cell;
     }
 
     /// Counts this thread's vCPU as settled when dropped, on every way out of its set-up

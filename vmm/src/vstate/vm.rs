@@ -89,7 +89,8 @@ impl KvmVm {
     }
 
     /// Creates the in-kernel PIT. Unlike the irqchip it may come after the vCPUs, so it is
-    /// made while they are being created.
+    /// made while they are being created. Like the irqchip it adds in-kernel I/O devices, so
+    /// no memory slot may follow it.
     pub fn create_pit(&self) -> Result<(), VmError> {
         let pit = kvm_pit_config {
             // The speaker port is answered in the kernel, so a guest probing it costs no exit.
