@@ -425,8 +425,8 @@ impl Vmm {
             write_boot_data(config, &layout, &mem, &devices, &entry, kernel_end)?;
             phase("firmware tables");
         }
-        // Last: by now the vCPUs are still being created on their threads, and nothing
-        // before them waits for this.
+        // Last: KVM_CREATE_PIT2 runs under the VM's lock, which KVM_CREATE_VCPU takes too,
+        // so made earlier it held up the vCPUs being created on their threads.
         kvm.create_pit()?;
 
         let bus: Arc<dyn ExitBus> = devices.bus.clone();
