@@ -34,8 +34,8 @@ pub enum CoherenceError {
         source: Box<TransportError>,
     },
     #[error(
-        "node {node} lost node {peer}: {why}; it owned {pages_owned} pages by this node's \
-         directory, and this node stopped serving faults"
+        "node {node} lost node {peer}: {why}; it owned at least {pages_owned} pages (those \
+         this node's directory manages), and this node stopped serving faults"
     )]
     PeerLost {
         node: NodeId,

@@ -247,7 +247,7 @@ pub fn node(cluster: &Path, id: u16, vm: &VmArgs, run: &RunFlags) -> ExitCode {
         vmm::Outcome::VmmError(m) => eprintln!("musubi: node {id}: {m}"),
         vmm::Outcome::Signal(s) => eprintln!("musubi: node {id}: stopped by signal {s}"),
         vmm::Outcome::NodeLost { node, pages, why } => eprintln!(
-            "musubi: node {id}: lost node {node} ({why}); it owned {pages} pages of guest memory, so the VM cannot go on"
+            "musubi: node {id}: lost node {node} ({why}); it owned at least {pages} pages of guest memory (those this node's directory manages), so the VM cannot go on"
         ),
         _ => {}
     }
