@@ -113,7 +113,10 @@ const BASE: &[i64] = &[
     libc::SYS_fstat,
     libc::SYS_statx,
     libc::SYS_newfstatat,
+    // musl's spellings of the same: `stat` for metadata, `tkill` for pthread_kill.
+    libc::SYS_stat,
     libc::SYS_tgkill,
+    libc::SYS_tkill,
 ];
 
 /// Device I/O against disk images and memory-storage files, and interrupt eventfds.
@@ -135,6 +138,8 @@ const DEVICE_IO: &[i64] = &[
 /// start a signal or console thread, restore the terminal.
 const CONTROL: &[i64] = &[
     libc::SYS_openat,
+    // musl opens files with `open`.
+    libc::SYS_open,
     libc::SYS_rename,
     libc::SYS_renameat,
     libc::SYS_renameat2,
