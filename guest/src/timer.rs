@@ -9,7 +9,12 @@ use crate::global::Global;
 pub const TIMER_VECTOR: u64 = 0x20;
 pub const TICK_HZ: u64 = 100;
 
-static TICKS: AtomicU64 = AtomicU64::new(0);
+/// The tick count, on a page of its own. The BSP writes it at every tick; on a VM spread
+/// over several hosts, any other CPU reading a variable that shared its page would make that
+/// page travel between hosts at the tick rate (about 200 page faults a second on two nodes).
+#[repr(C, align(4096))]
+struct OwnPage(AtomicU64);
+static TICKS: OwnPage = OwnPage(AtomicU64::new(0));
 static TSC_HZ: AtomicU64 = AtomicU64::new(1_000_000_000);
 static LAPIC_HZ: AtomicU64 = AtomicU64::new(0);
 static TIMER_OK: AtomicBool = AtomicBool::new(false);
@@ -18,11 +23,11 @@ static PERIOD: AtomicU64 = AtomicU64::new(0);
 static SOURCE: Global<&'static str> = Global::new("assumed");
 
 pub fn tick() {
-    TICKS.fetch_add(1, Ordering::Relaxed);
+    TICKS.0.fetch_add(1, Ordering::Relaxed);
 }
 
 pub fn ticks() -> u64 {
-    TICKS.load(Ordering::Relaxed)
+    TICKS.0.load(Ordering::Relaxed)
 }
 
 pub fn tsc_hz() -> u64 {

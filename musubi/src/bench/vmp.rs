@@ -151,11 +151,13 @@ impl RunFigures {
     }
 }
 
+/// Task grains: a small one where page fetches weigh, and one long enough (about half a
+/// second per task here) that they do not, nearer the paper's fib(46).
 fn grains(quick: bool) -> Vec<u32> {
     if quick {
         vec![27]
     } else {
-        vec![30, 38]
+        vec![30, 38, 42]
     }
 }
 
