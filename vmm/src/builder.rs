@@ -594,10 +594,10 @@ const QUIET_START_POLL: Duration = Duration::from_micros(20);
 
 /// Returns once the BSP has entered the guest (or the VM ended, or the limit passed). What
 /// the caller does next (starting threads, installing filters) changes the process's
-/// mappings, and every such change interrupts the other threads of the process with a TLB
-/// shoot-down: on a virtual host that slowed the BSP's last KVM calls twofold. The wait
-/// sleeps in short steps rather than blocking, as a blocked waiter would have to be woken
-/// by the BSP on its way into the guest.
+/// mappings; overlapping the BSP's last KVM calls, that made them about twice as slow on a
+/// virtual host (TLB shoot-downs to the BSP's core are the likely cause). The wait sleeps in
+/// short steps rather than blocking, as a blocked waiter would have to be woken by the BSP
+/// on its way into the guest.
 fn stay_quiet_until_first_run(first_run: &OnceLock<(Instant, u64)>, control: &RunControl) {
     let until = Instant::now() + QUIET_START_LIMIT;
     while first_run.get().is_none() && !control.is_finished() && Instant::now() < until {
