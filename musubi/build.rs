@@ -5,13 +5,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
-    let here = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     // Code `musubi run` never executes is linked apart from the code it does (see cold.ld).
-    let cold = here.join("cold.ld");
+    let cold = manifest.join("cold.ld");
     println!("cargo:rerun-if-changed={}", cold.display());
     println!("cargo:rustc-link-arg-bins=-Wl,-T,{}", cold.display());
 
-    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     let guest = manifest.parent().unwrap().join("guest");
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     // A target directory of its own: the outer build holds the lock on the workspace's.

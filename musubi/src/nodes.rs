@@ -38,7 +38,7 @@ pub struct NetFlags {
     /// slower network. Done in Musubi's own link layer rather than with `tc netem`, which
     /// some kernels lack (it needs CONFIG_NET_SCH_NETEM) and which needs root; so it works
     /// with or without --netns, and between real hosts (the cluster file's "link_delay").
-    #[arg(long, value_name = "DURATION", requires = "nodes", value_parser = duration_arg)]
+    #[arg(long, value_name = "DURATION", requires = "nodes", value_parser = parse_duration)]
     pub link_delay: Option<Duration>,
 }
 
@@ -70,10 +70,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(expected());
     }
     Ok(Duration::from_nanos(ns.round() as u64))
-}
-
-pub fn duration_arg(s: &str) -> Result<Duration, String> {
-    parse_duration(s)
 }
 
 /// The cluster file: the VM (same fields as `--config`) and its nodes.

@@ -56,7 +56,7 @@ pub struct BenchArgs {
     /// One-way link delay of vmp's delayed runs (`run --link-delay`), e.g. 100us, 2ms. The
     /// delayed runs come beside the loopback ones (and, as root, beside runs with each node
     /// in its own network namespace).
-    #[arg(long, value_name = "DURATION", default_value = "100us", value_parser = crate::nodes::duration_arg)]
+    #[arg(long, value_name = "DURATION", default_value = "100us", value_parser = crate::nodes::parse_duration)]
     pub link_delay: std::time::Duration,
 }
 

@@ -43,11 +43,11 @@ enum Order {
 /// What every vCPU thread of a VM is given when it starts.
 #[derive(Clone)]
 pub struct Plan {
-    pub kvm: Arc<Kvm>,
+    kvm: Arc<Kvm>,
     /// vCPUs in the whole VM (the CPUID topology).
-    pub count: u8,
-    pub node: Option<NodeLeaves>,
-    pub seccomp: SeccompMode,
+    count: u8,
+    node: Option<NodeLeaves>,
+    seccomp: SeccompMode,
     cpuid: SharedCpuid,
     /// vCPUs of this process set up (or failed), against how many there are: the BSP waits
     /// for all of them before its first KVM_RUN, so no start-up IPI it sends can find an AP

@@ -88,9 +88,9 @@ impl KvmVm {
         })
     }
 
-    /// Creates the in-kernel PIT. Unlike the irqchip it may come after the vCPUs, so it is
-    /// made while they are being created. Like the irqchip it adds in-kernel I/O devices, so
-    /// no memory slot may follow it.
+    /// Creates the in-kernel PIT. Unlike the irqchip it may come after the vCPUs, and it
+    /// runs under the VM lock that KVM_CREATE_VCPU also takes, so the build makes it last.
+    /// Like the irqchip it adds in-kernel I/O devices, so no memory slot may follow it.
     pub fn create_pit(&self) -> Result<(), VmError> {
         let pit = kvm_pit_config {
             // The speaker port is answered in the kernel, so a guest probing it costs no exit.
