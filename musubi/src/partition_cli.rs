@@ -214,7 +214,7 @@ fn storage_files(args: &[String]) -> ExitCode {
     let argv = ["musubi", "run"].map(String::from).into_iter();
     let vm = match crate::Cli::try_parse_from(argv.chain(args.iter().cloned())) {
         Ok(crate::Cli {
-            command: crate::Command::Run { vm, .. },
+            command: crate::Command::Run(crate::RunCmd { vm, .. }),
         }) => vm.to_config(),
         Ok(_) => Err("the arguments after -- are not those of `musubi run`".into()),
         Err(e) => Err(e.to_string().trim_end().to_string()),
