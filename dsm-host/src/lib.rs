@@ -21,10 +21,10 @@ pub use backend::Backend;
 pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup};
 pub use delay::{DelayLine, MAX_LINK_DELAY};
 pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace};
-pub use link::{config_hash, config_hash_of_parts, Link, LinkError, LinkParams, Role};
+pub use link::{config_hash, config_hash_of_parts, Link, LinkError, LinkParams, LinkReader, Role};
 pub use memory::{Fault, FaultKind, Memory, MemoryError};
 pub use stats::{FaultStats, NodeStats};
 pub use transport::{
-    Inbound, Inbox, InboxSender, Liveness, TcpConfig, TcpTransport, Transport, TransportError,
-    DEFAULT_HEARTBEAT, DEFAULT_LOSS_TIMEOUT,
+    Inbound, Inbox, InboxSender, Liveness, PeerReader, TcpConfig, TcpTransport, Transport,
+    TransportError, DEFAULT_HEARTBEAT, DEFAULT_LOSS_TIMEOUT,
 };

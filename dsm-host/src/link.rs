@@ -18,6 +18,7 @@ use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
@@ -226,6 +227,8 @@ pub struct LinkReader {
     buf: Vec<u8>,
     /// Longest wait for the next bytes before the peer counts as lost.
     silence: Option<Duration>,
+    /// Bytes [`LinkReader::recv_ready`] has read past the last whole frame.
+    pending: Vec<u8>,
 }
 
 /// An authenticated stream to one peer.
@@ -396,6 +399,7 @@ impl Link {
                 seq: 0,
                 buf: Vec::new(),
                 silence: None,
+                pending: Vec::new(),
             },
             writer: LinkWriter {
                 stream,
@@ -530,6 +534,13 @@ impl LinkWriter {
     }
 }
 
+impl AsRawFd for LinkReader {
+    /// Readable when bytes of a frame have arrived, or the stream has ended.
+    fn as_raw_fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+}
+
 impl LinkReader {
     /// Reads the next frame. Any error ends the link (the socket is shut down both ways):
     /// after a bad frame nothing further on the stream can be trusted.
@@ -567,6 +578,127 @@ impl LinkReader {
                 }
             }
             (e, _) => e,
+        }
+    }
+
+    /// Reads what has arrived, without waiting, and appends the whole frames in it to `out`;
+    /// the start of a frame not yet complete waits for the next call. For a thread that
+    /// polls the socket beside other work. The socket itself stays blocking (each read asks
+    /// not to wait), since the writer shares it. An error ends the link as for
+    /// [`LinkReader::recv`], after the frames before it are in `out`; the peer closing the
+    /// stream between frames is [`LinkError::Closed`].
+    pub fn recv_ready(&mut self, out: &mut Vec<Envelope>) -> Result<(), LinkError> {
+        let r = self.read_ready(out);
+        if r.is_err() {
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
+        r
+    }
+
+    fn read_ready(&mut self, out: &mut Vec<Envelope>) -> Result<(), LinkError> {
+        const CHUNK: usize = 64 * 1024;
+        let mut closed = false;
+        loop {
+            let old = self.pending.len();
+            self.pending.resize(old + CHUNK, 0);
+            // SAFETY: the pointer and length name the CHUNK bytes just added to `pending`.
+            let n = unsafe {
+                libc::recv(
+                    self.stream.as_raw_fd(),
+                    self.pending[old..].as_mut_ptr().cast(),
+                    CHUNK,
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            let got = usize::try_from(n).unwrap_or(0);
+            self.pending.truncate(old + got);
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                match e.kind() {
+                    ErrorKind::WouldBlock => break,
+                    ErrorKind::Interrupted => continue,
+                    _ => {
+                        return Err(LinkError::Io {
+                            peer: self.peer.clone(),
+                            what: "reading frames",
+                            source: e,
+                        })
+                    }
+                }
+            }
+            if n == 0 {
+                closed = true;
+                break;
+            }
+            if got < CHUNK {
+                break;
+            }
+        }
+        let mut at = 0;
+        while let Some(len_le) = self.pending.get(at..at + 4) {
+            let len_le: [u8; 4] = len_le.try_into().expect("four bytes");
+            let len = u32::from_le_bytes(len_le) as usize;
+            let min = MAC_LEN + 1;
+            if !(min..=MAX_FRAME).contains(&len) {
+                return Err(LinkError::FrameLength {
+                    peer: self.peer.clone(),
+                    len,
+                    min,
+                    max: MAX_FRAME,
+                });
+            }
+            let Some(frame) = self.pending.get(at + 4..at + 4 + len) else {
+                break;
+            };
+            let seq = self.seq;
+            let (body, tag) = frame.split_at(len - MAC_LEN);
+            if !verify(&self.key, &[&seq.to_le_bytes(), &len_le, body], tag) {
+                return Err(LinkError::BadMac {
+                    peer: self.peer.clone(),
+                    seq,
+                });
+            }
+            self.seq += 1;
+            out.push(
+                Envelope::decode(body).map_err(|source| LinkError::Malformed {
+                    peer: self.peer.clone(),
+                    seq,
+                    source,
+                })?,
+            );
+            at += 4 + len;
+        }
+        self.pending.drain(..at);
+        // Said as `recv` says it: an end inside the length is a close, inside the body a cut.
+        match self.pending.get(..4) {
+            _ if !closed => Ok(()),
+            None => Err(LinkError::Closed {
+                peer: self.peer.clone(),
+            }),
+            Some(len_le) => Err(LinkError::Truncated {
+                peer: self.peer.clone(),
+                seq: self.seq,
+                got: self.pending.len() - 4,
+                len: u32::from_le_bytes(len_le.try_into().expect("four bytes")) as usize,
+            }),
+        }
+    }
+
+    /// Ends the link both ways, as a read error does.
+    pub fn shutdown(&self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    /// The longest silence allowed ([`LinkReader::limit_silence`]), if any.
+    pub fn silence_limit(&self) -> Option<Duration> {
+        self.silence
+    }
+
+    /// The error a silence longer than [`LinkReader::silence_limit`] is.
+    pub fn silent_error(&self) -> LinkError {
+        LinkError::Silent {
+            peer: self.peer.clone(),
+            ms: self.silence.unwrap_or_default().as_millis(),
         }
     }
 

@@ -48,6 +48,27 @@ pub enum TransportError {
 /// Sends to peers. Messages to one peer must arrive in the order sent.
 pub trait Transport: Send {
     fn send(&mut self, to: NodeId, env: &Envelope) -> Result<(), TransportError>;
+
+    /// The receiving ends of the links, for the coherence thread to read itself; a transport
+    /// that hands them over puts nothing from those peers into the inbox. Empty for a
+    /// transport that delivers through the inbox only.
+    fn take_readers(&mut self) -> Vec<PeerReader> {
+        Vec::new()
+    }
+}
+
+/// The receiving end of the link to one peer, read by the thread that polls it.
+pub struct PeerReader {
+    pub peer: NodeId,
+    pub reader: LinkReader,
+    link: Arc<PeerLink>,
+}
+
+impl PeerReader {
+    /// Records that the peer said `Stop`: it gets no more heartbeats.
+    pub fn note_stop(&self) {
+        self.link.stopped.store(true, Ordering::SeqCst);
+    }
 }
 
 /// Something for the coherence thread to handle.
@@ -205,10 +226,16 @@ impl PeerLink {
 
 /// One stream per pair of nodes: a node dials the peers with lower ids and accepts the ones
 /// with higher ids, so each pair opens exactly one connection. Every peer gets heartbeats and
-/// is watched for silence ([`Liveness`]); a peer that is lost is reported to the inbox as
-/// [`Inbound::PeerFailed`] by its receiver thread, and only there, once.
+/// is watched for silence ([`Liveness`]). Frames are read by the coherence thread, which
+/// takes the links' receiving ends ([`Transport::take_readers`]) and reports a lost peer
+/// itself; without one, [`TcpTransport::spawn_receivers`] gives each link a thread that puts
+/// its frames into the inbox and reports the loss there as [`Inbound::PeerFailed`], once.
 pub struct TcpTransport {
     peers: BTreeMap<NodeId, Arc<PeerLink>>,
+    /// The links' receiving ends until they are taken ([`Transport::take_readers`]) or
+    /// given receiver threads ([`TcpTransport::spawn_receivers`]).
+    unread: Vec<PeerReader>,
+    inbox: InboxSender,
     readers: Vec<JoinHandle<()>>,
     /// One heartbeat thread per peer, each ended by dropping its sender.
     beats: Vec<(mpsc::Sender<()>, JoinHandle<()>)>,
@@ -218,7 +245,7 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     /// Connects to every peer (blocking until all are linked or one fails), then starts one
-    /// receiver thread per peer feeding `inbox` and one heartbeat thread per peer. A
+    /// heartbeat thread per peer; `inbox` is where receiver threads would put frames. A
     /// connection that fails the handshake ends this with its error: the nodes of a VM start
     /// together from one configuration, so a stranger or a mismatched node is a set-up fault
     /// to report, not to wait out.
@@ -281,6 +308,8 @@ impl TcpTransport {
         }
         let mut t = TcpTransport {
             peers: BTreeMap::new(),
+            unread: Vec::new(),
+            inbox,
             readers: Vec::new(),
             beats: Vec::new(),
             closing: Arc::new(AtomicBool::new(false)),
@@ -304,13 +333,11 @@ impl TcpTransport {
                 stopped: AtomicBool::new(false),
             });
             t.peers.insert(peer, Arc::clone(&shared));
-            let (inbox, closing, link) =
-                (inbox.clone(), Arc::clone(&t.closing), Arc::clone(&shared));
-            let h = std::thread::Builder::new()
-                .name(format!("dsm-rx-{}", peer.0))
-                .spawn(move || receive(reader, &link, &inbox, &closing))
-                .map_err(|source| TransportError::Spawn { peer, source })?;
-            t.readers.push(h);
+            t.unread.push(PeerReader {
+                peer,
+                reader,
+                link: Arc::clone(&shared),
+            });
             let (tx, rx) = mpsc::channel();
             let h = std::thread::Builder::new()
                 .name(format!("dsm-beat-{}", peer.0))
@@ -319,6 +346,20 @@ impl TcpTransport {
             t.beats.push((tx, h));
         }
         Ok(t)
+    }
+
+    /// Gives every link not taken by [`Transport::take_readers`] a receiver thread that puts
+    /// its frames into the inbox.
+    pub fn spawn_receivers(&mut self) -> Result<(), TransportError> {
+        for PeerReader { peer, reader, link } in std::mem::take(&mut self.unread) {
+            let (inbox, closing) = (self.inbox.clone(), Arc::clone(&self.closing));
+            let h = std::thread::Builder::new()
+                .name(format!("dsm-rx-{}", peer.0))
+                .spawn(move || receive(reader, &link, &inbox, &closing))
+                .map_err(|source| TransportError::Spawn { peer, source })?;
+            self.readers.push(h);
+        }
+        Ok(())
     }
 
     /// Closes every link and waits for the receiver and heartbeat threads. What was sent
@@ -417,6 +458,10 @@ impl Transport for TcpTransport {
         let p = self.peers.get(&to).ok_or(TransportError::NoPeer(to))?;
         let r = p.writer().send(env);
         Ok(r?)
+    }
+
+    fn take_readers(&mut self) -> Vec<PeerReader> {
+        std::mem::take(&mut self.unread)
     }
 }
 

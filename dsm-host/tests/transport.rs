@@ -6,10 +6,12 @@ mod common;
 use common::{params, WAIT};
 use dsm::{Access, Message, NodeId};
 use dsm_host::{
-    Envelope, Inbound, Inbox, Link, LinkError, LinkParams, Liveness, Role, TcpConfig, TcpTransport,
+    Envelope, Inbound, Inbox, Link, LinkError, LinkParams, LinkReader, Liveness, Role, TcpConfig,
+    TcpTransport,
 };
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -114,6 +116,59 @@ fn frames_arrive_in_order_and_intact() {
     assert!(matches!(l.reader.recv(), Err(LinkError::Closed { .. })));
 }
 
+/// A polling reader gets whole frames whatever pieces the bytes arrive in, and in order; the
+/// peer closing between frames is a close.
+#[test]
+fn frames_read_without_waiting_arrive_whole_and_in_order() {
+    let (mut l, mut d, mut raw) = linked();
+    let sent = [
+        Envelope::Dsm(Message::PageData {
+            page: 7,
+            access: Access::Read,
+            data: common::pattern(3),
+        }),
+        Envelope::Heartbeat { seq: 1 },
+        Envelope::Stop { code: 4 },
+    ];
+    let mut frames = Vec::new();
+    l.reader
+        .recv_ready(&mut frames)
+        .expect("nothing yet is no error");
+    assert!(frames.is_empty());
+    // The frames as the writer puts them on the wire, taken off the reader's socket before
+    // the reader sees them, then sent again from the writer's side in pieces that end inside
+    // a length and inside a body.
+    for e in &sent {
+        d.writer.send(e).unwrap();
+    }
+    // SAFETY: a duplicate of the reader's socket, owned and closed by `tap`.
+    let mut tap = unsafe {
+        <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(libc::dup(l.reader.as_raw_fd()))
+    };
+    tap.set_read_timeout(Some(WAIT)).unwrap();
+    let mut wire = Vec::new();
+    for _ in &sent {
+        let mut len = [0u8; 4];
+        tap.read_exact(&mut len).unwrap();
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        tap.read_exact(&mut body).unwrap();
+        wire.extend_from_slice(&len);
+        wire.extend_from_slice(&body);
+    }
+    let cuts = [2, 9, 4100, wire.len()];
+    let mut at = 0;
+    for cut in cuts {
+        raw.write_all(&wire[at..cut]).unwrap();
+        at = cut;
+        std::thread::sleep(Duration::from_millis(5));
+        l.reader.recv_ready(&mut frames).unwrap();
+    }
+    assert_eq!(frames, sent);
+    raw.shutdown(Shutdown::Write).unwrap();
+    let e = recv_ready_until_error(&mut l.reader);
+    assert!(matches!(e, LinkError::Closed { .. }), "{e:?}");
+}
+
 /// A delayed link delivers every frame intact, in order, and none before its send time plus
 /// the delay, and a frame sent just before the writer is dropped still arrives when the delay
 /// line is flushed first.
@@ -151,13 +206,32 @@ fn a_delayed_link_keeps_order_and_holds_every_frame_for_the_delay() {
 
 /// Writes `bytes` on an authenticated link behind its back and returns what the receiver
 /// makes of them.
-fn inject(bytes: &[u8], hang_up: bool) -> LinkError {
+/// Reads with [`LinkReader::recv_ready`], as a polling thread does, until it fails.
+fn recv_ready_until_error(r: &mut LinkReader) -> LinkError {
+    let t0 = Instant::now();
+    let mut frames = Vec::new();
+    loop {
+        assert!(t0.elapsed() < WAIT, "no error after {WAIT:?}: {frames:?}");
+        if let Err(e) = r.recv_ready(&mut frames) {
+            return e;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Both ways of reading a link: waiting for a frame, and taking what has arrived.
+const READERS: [fn(&mut LinkReader) -> LinkError; 2] = [
+    |r| r.recv().expect_err("the receiver refuses the bytes"),
+    recv_ready_until_error,
+];
+
+fn inject(bytes: &[u8], hang_up: bool, read: fn(&mut LinkReader) -> LinkError) -> LinkError {
     let (mut l, _d, mut raw) = linked();
     raw.write_all(bytes).unwrap();
     if hang_up {
         raw.shutdown(Shutdown::Write).unwrap();
     }
-    let e = l.reader.recv().expect_err("the receiver refuses the bytes");
+    let e = read(&mut l.reader);
     // The receiver has ended the connection: the sender sees it closed.
     raw.set_read_timeout(Some(WAIT)).unwrap();
     let mut buf = [0u8; 64];
@@ -178,6 +252,12 @@ fn frame(body: &[u8], tag: [u8; 32]) -> Vec<u8> {
 
 #[test]
 fn bad_frames_end_the_link_with_an_error_naming_the_fault() {
+    for read in READERS {
+        bad_frames_end_the_link(|bytes, hang_up| inject(bytes, hang_up, read));
+    }
+}
+
+fn bad_frames_end_the_link(inject: impl Fn(&[u8], bool) -> LinkError) {
     let hb = Envelope::Heartbeat { seq: 1 }.to_bytes();
     let e = inject(&frame(&hb, [0; 32]), false);
     assert!(matches!(e, LinkError::BadMac { seq: 0, .. }), "{e:?}");
@@ -238,7 +318,8 @@ fn the_tcp_transport_reports_a_forged_frame_as_a_failed_peer() {
     let mut raw = s.try_clone().unwrap();
     let mut peer = Link::handshake(s, Role::Dialer, Some(NodeId(0)), &params(1, b"s", b"c"))
         .expect("node 1 links");
-    let transport = t.join().expect("no panic").expect("node 0 links");
+    let mut transport = t.join().expect("no panic").expect("node 0 links");
+    transport.spawn_receivers().expect("receiver threads start");
 
     // Heartbeats are consumed by the transport; anything else reaches the inbox.
     peer.writer.send(&Envelope::Heartbeat { seq: 5 }).unwrap();
