@@ -204,6 +204,46 @@ fn verify(key: &[u8], parts: &[&[u8]], tag: &[u8]) -> bool {
     m.verify_slice(tag).is_ok()
 }
 
+/// The body length a frame's length word gives, if it is one a peer may send.
+fn frame_len(peer: &str, len_le: [u8; 4]) -> Result<usize, LinkError> {
+    let len = u32::from_le_bytes(len_le) as usize;
+    let min = MAC_LEN + 1;
+    if !(min..=MAX_FRAME).contains(&len) {
+        return Err(LinkError::FrameLength {
+            peer: peer.to_string(),
+            len,
+            min,
+            max: MAX_FRAME,
+        });
+    }
+    Ok(len)
+}
+
+/// Checks the MAC of frame number `*seq` (`frame` is its body and tag) and decodes it; the
+/// number moves on only for a frame that passes.
+fn open_frame(
+    key: &[u8],
+    seq: &mut u64,
+    peer: &str,
+    len_le: [u8; 4],
+    frame: &[u8],
+) -> Result<Envelope, LinkError> {
+    let n = *seq;
+    let (body, tag) = frame.split_at(frame.len() - MAC_LEN);
+    if !verify(key, &[&n.to_le_bytes(), &len_le, body], tag) {
+        return Err(LinkError::BadMac {
+            peer: peer.to_string(),
+            seq: n,
+        });
+    }
+    *seq += 1;
+    Envelope::decode(body).map_err(|source| LinkError::Malformed {
+        peer: peer.to_string(),
+        seq: n,
+        source,
+    })
+}
+
 /// Sending half of a link.
 pub struct LinkWriter {
     stream: TcpStream,
@@ -637,35 +677,17 @@ impl LinkReader {
         let mut at = 0;
         while let Some(len_le) = self.pending.get(at..at + 4) {
             let len_le: [u8; 4] = len_le.try_into().expect("four bytes");
-            let len = u32::from_le_bytes(len_le) as usize;
-            let min = MAC_LEN + 1;
-            if !(min..=MAX_FRAME).contains(&len) {
-                return Err(LinkError::FrameLength {
-                    peer: self.peer.clone(),
-                    len,
-                    min,
-                    max: MAX_FRAME,
-                });
-            }
+            let len = frame_len(&self.peer, len_le)?;
             let Some(frame) = self.pending.get(at + 4..at + 4 + len) else {
                 break;
             };
-            let seq = self.seq;
-            let (body, tag) = frame.split_at(len - MAC_LEN);
-            if !verify(&self.key, &[&seq.to_le_bytes(), &len_le, body], tag) {
-                return Err(LinkError::BadMac {
-                    peer: self.peer.clone(),
-                    seq,
-                });
-            }
-            self.seq += 1;
-            out.push(
-                Envelope::decode(body).map_err(|source| LinkError::Malformed {
-                    peer: self.peer.clone(),
-                    seq,
-                    source,
-                })?,
-            );
+            out.push(open_frame(
+                &self.key,
+                &mut self.seq,
+                &self.peer,
+                len_le,
+                frame,
+            )?);
             at += 4 + len;
         }
         self.pending.drain(..at);
@@ -712,16 +734,7 @@ impl LinkReader {
             "reading a frame length",
         )
         .map_err(|e| self.quiet(e))?;
-        let len = u32::from_le_bytes(len_le) as usize;
-        let min = MAC_LEN + 1;
-        if !(min..=MAX_FRAME).contains(&len) {
-            return Err(LinkError::FrameLength {
-                peer: self.peer.clone(),
-                len,
-                min,
-                max: MAX_FRAME,
-            });
-        }
+        let len = frame_len(&self.peer, len_le)?;
         self.buf.resize(len, 0);
         let mut got = 0;
         while got < len {
@@ -745,19 +758,7 @@ impl LinkReader {
                 }
             }
         }
-        let (body, tag) = self.buf.split_at(len - MAC_LEN);
-        if !verify(&self.key, &[&seq.to_le_bytes(), &len_le, body], tag) {
-            return Err(LinkError::BadMac {
-                peer: self.peer.clone(),
-                seq,
-            });
-        }
-        self.seq += 1;
-        Envelope::decode(body).map_err(|source| LinkError::Malformed {
-            peer: self.peer.clone(),
-            seq,
-            source,
-        })
+        open_frame(&self.key, &mut self.seq, &self.peer, len_le, &self.buf)
     }
 
     pub fn peer(&self) -> &str {

@@ -91,19 +91,24 @@ fn a_peer_not_speaking_the_handshake_is_refused() {
     assert!(matches!(e, LinkError::Closed { .. }), "{e:?}");
 }
 
+/// A page, a heartbeat and a stop: the largest frame and the two smallest.
+fn page_beat_stop(page: u64, access: Access, code: i32) -> [Envelope; 3] {
+    [
+        Envelope::Dsm(Message::PageData {
+            page,
+            access,
+            data: common::pattern(page as u8),
+        }),
+        Envelope::Heartbeat { seq: 1 },
+        Envelope::Stop { code },
+    ]
+}
+
 #[test]
 fn frames_arrive_in_order_and_intact() {
     let (mut l, mut d, _) = linked();
     assert_eq!((l.peer, d.peer), (NodeId(1), NodeId(0)));
-    let sent = [
-        Envelope::Dsm(Message::PageData {
-            page: 42,
-            access: Access::Write,
-            data: common::pattern(9),
-        }),
-        Envelope::Heartbeat { seq: 1 },
-        Envelope::Stop { code: 0 },
-    ];
+    let sent = page_beat_stop(42, Access::Write, 0);
     for e in &sent {
         d.writer.send(e).unwrap();
     }
@@ -121,15 +126,7 @@ fn frames_arrive_in_order_and_intact() {
 #[test]
 fn frames_read_without_waiting_arrive_whole_and_in_order() {
     let (mut l, mut d, mut raw) = linked();
-    let sent = [
-        Envelope::Dsm(Message::PageData {
-            page: 7,
-            access: Access::Read,
-            data: common::pattern(3),
-        }),
-        Envelope::Heartbeat { seq: 1 },
-        Envelope::Stop { code: 4 },
-    ];
+    let sent = page_beat_stop(7, Access::Read, 4);
     let mut frames = Vec::new();
     l.reader
         .recv_ready(&mut frames)
