@@ -289,8 +289,6 @@ fn start(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
-    use std::os::unix::fs::PermissionsExt;
 
     fn args(compare: Option<&str>, qemu: Option<PathBuf>) -> BenchArgs {
         BenchArgs {
@@ -307,12 +305,7 @@ mod tests {
 
     /// A stand-in for QEMU: a shell script with `body`.
     fn script(dir: &Path, body: &str) -> PathBuf {
-        let p = dir.join("fake-qemu");
-        let mut f = std::fs::File::create(&p).unwrap();
-        writeln!(f, "#!/bin/sh\n{body}").unwrap();
-        drop(f);
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-        p
+        vmm::testing::shell_script(&dir.join("fake-qemu"), body)
     }
 
     #[test]

@@ -314,11 +314,7 @@ pub fn fake_qemu(dir: &Path, body: &str) -> PathBuf {
 
 /// A stand-in for the peer VMM `name` in `dir`: a shell script with `body`.
 pub fn fake_vmm(dir: &Path, name: &str, body: &str) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let p = dir.join(name);
-    std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-    p
+    vmm::testing::shell_script(&dir.join(name), body)
 }
 
 /// The boot benchmark's CSV, split by hypervisor.
