@@ -639,19 +639,24 @@ impl LinkReader {
         const CHUNK: usize = 64 * 1024;
         let mut closed = false;
         loop {
-            let old = self.pending.len();
-            self.pending.resize(old + CHUNK, 0);
-            // SAFETY: the pointer and length name the CHUNK bytes just added to `pending`.
+            // Read into the spare capacity, not into bytes zeroed first: this runs for every
+            // message a node receives.
+            self.pending.reserve(CHUNK);
+            let spare = self.pending.spare_capacity_mut();
+            let room = spare.len();
+            // SAFETY: the pointer and length name `pending`'s spare capacity, which recv
+            // writes at most `room` bytes of.
             let n = unsafe {
                 libc::recv(
                     self.stream.as_raw_fd(),
-                    self.pending[old..].as_mut_ptr().cast(),
-                    CHUNK,
+                    spare.as_mut_ptr().cast(),
+                    room,
                     libc::MSG_DONTWAIT,
                 )
             };
             let got = usize::try_from(n).unwrap_or(0);
-            self.pending.truncate(old + got);
+            // SAFETY: recv initialized the first `got` bytes of the spare capacity.
+            unsafe { self.pending.set_len(self.pending.len() + got) };
             if n < 0 {
                 let e = std::io::Error::last_os_error();
                 match e.kind() {
@@ -670,7 +675,7 @@ impl LinkReader {
                 closed = true;
                 break;
             }
-            if got < CHUNK {
+            if got < room {
                 break;
             }
         }

@@ -115,8 +115,11 @@ enum GuestCommand {
 fn main() -> ExitCode {
     // `run` gets KVM opened, an empty VM created and the host's CPUID probed while the
     // arguments are parsed and the configuration read; anything else never uses it.
-    let host =
-        (std::env::args_os().nth(1).as_deref() == Some("run".as_ref())).then(vmm::HostPrep::start);
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let host = args
+        .get(1)
+        .is_some_and(|a| a == "run")
+        .then(vmm::HostPrep::start);
     // Output piped into `head` and the like ends quietly, as for other command-line tools.
     // SAFETY: restoring a signal's default disposition has no preconditions.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
@@ -132,7 +135,7 @@ fn main() -> ExitCode {
             .init(),
         None => log.with_max_level(tracing::Level::WARN).init(),
     }
-    let cli = parse(std::env::args_os().collect());
+    let cli = parse(args);
     match cli.command {
         Command::Run(RunCmd {
             vm,
