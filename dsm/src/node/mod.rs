@@ -585,9 +585,12 @@ impl Node {
             c.master = true;
             c.copyset = NodeSet::EMPTY;
         }
-        // Paper: send finish, then restart the VM process.
-        self.finish_fetch(page, access, out);
+        // The paper sends finish, then restarts the VM process. Restarting first takes a
+        // send off the waiting vCPU's path: finish only frees the manager for the next
+        // fetch of this page, which has to wait for it either way. A fetch that `kick`
+        // sends for a stronger access reaches the manager first and waits in its queue.
         self.after_change(page, out);
+        self.finish_fetch(page, access, out);
         self.run_deferred(page, out)
     }
 
@@ -609,8 +612,8 @@ impl Node {
     fn grant_local(&mut self, page: PageNo, access: Access, out: &mut Vec<Action>) {
         self.set_prot(page, Prot::granted_by(access), out);
         self.copy(page).fetch = None;
-        self.finish_fetch(page, access, out);
         self.kick(page, out);
+        self.finish_fetch(page, access, out);
     }
 
     fn after_change(&mut self, page: PageNo, out: &mut Vec<Action>) {
