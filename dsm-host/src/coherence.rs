@@ -9,6 +9,7 @@
 use crate::backend::Backend;
 use crate::envelope::Envelope;
 use crate::memory::{Memory, MemoryError};
+use crate::poll_window::{self, PollWindow, Waited};
 use crate::stats::NodeStats;
 use crate::transport::{Inbound, Inbox, InboxSender, PeerReader, Transport, TransportError};
 use dsm::{Action, ConfigError, Event, Message, Node, NodeId, PageOp, VcpuId};
@@ -17,7 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsRawFd;
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -91,6 +92,9 @@ pub struct Setup {
     pub events: Option<mpsc::Sender<NodeEvent>>,
     /// Size of the guest-physical ranges faults are counted by.
     pub range_bytes: u64,
+    /// The most the thread polls for a peer's answer before it sleeps, while a fault waits
+    /// (zero: it sleeps at once); see [`crate::poll_window`].
+    pub poll_window: Duration,
 }
 
 type Outcome = (Result<(), CoherenceError>, Box<dyn Transport>);
@@ -128,6 +132,7 @@ impl CoherenceHandle {
             stats: Arc::clone(&stats),
             waiting: HashMap::new(),
             next_id: 0,
+            poll: PollWindow::new(s.poll_window),
         };
         let thread = std::thread::Builder::new()
             .name(format!("dsm-node-{}", me.0))
@@ -235,6 +240,7 @@ struct Worker {
     /// and must not look like the same stop twice.
     waiting: HashMap<VcpuId, Instant>,
     next_id: VcpuId,
+    poll: PollWindow,
 }
 
 impl Worker {
@@ -291,10 +297,34 @@ impl Worker {
                 })
                 .min()
                 .unwrap_or(-1);
-            crate::memory::poll(&mut fds, timeout).map_err(|source| CoherenceError::Poll {
-                node: self.me,
-                source,
+            // Polled only while a fault waits for a peer: its vCPU is stopped until then.
+            let outstanding = !self.waiting.is_empty() && self.lost.is_none();
+            let window = if outstanding {
+                self.poll.current()
+            } else {
+                Duration::ZERO
+            };
+            let waited = poll_window::wait(&mut fds, window, timeout).map_err(|source| {
+                CoherenceError::Poll {
+                    node: self.me,
+                    source,
+                }
             })?;
+            if outstanding {
+                self.poll.update(waited);
+                let mut s = self.stats();
+                let polled = match waited {
+                    Waited::Polled { after } => {
+                        s.polling.answered += 1;
+                        after
+                    }
+                    Waited::Slept { .. } => {
+                        s.polling.slept += 1;
+                        window
+                    }
+                };
+                s.polling.polled_ns += polled.as_nanos() as u64;
+            }
             while self.lost.is_none() {
                 let Some(f) = mem.read_fault().map_err(|e| self.mem_err(e))? else {
                     break;

@@ -14,6 +14,7 @@ pub mod delay;
 pub mod envelope;
 pub mod link;
 pub mod memory;
+pub mod poll_window;
 pub mod stats;
 pub mod transport;
 
@@ -23,6 +24,7 @@ pub use delay::{DelayLine, MAX_LINK_DELAY};
 pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace};
 pub use link::{config_hash, config_hash_of_parts, Link, LinkError, LinkParams, LinkReader, Role};
 pub use memory::{Fault, FaultKind, Memory, MemoryError};
+pub use poll_window::DEFAULT_POLL_WINDOW;
 pub use stats::{FaultStats, NodeStats};
 pub use transport::{
     Inbound, Inbox, InboxSender, Liveness, PeerReader, TcpConfig, TcpTransport, Transport,

@@ -73,6 +73,19 @@ pub struct NodeStats {
     pub last_protocol_error: Option<String>,
     /// Pages whose bytes were installed from a peer.
     pub installs: u64,
+    pub polling: PollStats,
+}
+
+/// The waits of the coherence thread while a fault of its node was outstanding
+/// ([`crate::poll_window`]).
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct PollStats {
+    /// Something came while the thread polled.
+    pub answered: u64,
+    /// Nothing came within the window: the thread slept.
+    pub slept: u64,
+    /// Time spent in those waits before something came or the thread went to sleep.
+    pub polled_ns: u64,
 }
 
 impl NodeStats {

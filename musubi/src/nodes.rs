@@ -40,9 +40,15 @@ pub struct NetFlags {
     /// with or without --netns, and between real hosts (the cluster file's "link_delay").
     #[arg(long, value_name = "DURATION", requires = "nodes", value_parser = parse_duration)]
     pub link_delay: Option<Duration>,
+    /// With --nodes: while a fault waits for a peer's answer, how long a node polls for it
+    /// before it sleeps (the cluster file's "fetch_poll"; default 200us, 0 to sleep at once).
+    /// The faulting vCPU is stopped meanwhile; polling saves the wake-up when the answer
+    /// comes, and the window shrinks by itself on links slower than it.
+    #[arg(long, value_name = "DURATION", requires = "nodes", value_parser = parse_duration)]
+    pub fetch_poll: Option<Duration>,
 }
 
-/// A link delay: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`, `s`), at most
+/// A link delay or poll window: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`, `s`), at most
 /// [`vmm::node::MAX_LINK_DELAY`]. The error says what would be accepted; the caller names the
 /// flag or field.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -88,6 +94,8 @@ struct ClusterFile {
     io_node: u16,
     /// One-way delay on every frame a node sends, as `--link-delay` (e.g. "100us").
     link_delay: Option<String>,
+    /// As `--fetch-poll` (e.g. "200us", "0us").
+    fetch_poll: Option<String>,
     nodes: Vec<ClusterNode>,
 }
 
@@ -121,6 +129,7 @@ struct Cluster {
     config: vmm::config::VmConfig,
     spec: ClusterSpec,
     link_delay: Duration,
+    fetch_poll: Duration,
 }
 
 /// Reads a cluster file into the VM it describes (flags override its `vm` section) and
@@ -138,6 +147,10 @@ fn read_cluster(path: &Path, vm: &VmArgs) -> Result<Cluster, String> {
     let link_delay = match &file.link_delay {
         Some(d) => parse_duration(d).map_err(|e| at(format!("link_delay {d:?}: {e}")))?,
         None => Duration::ZERO,
+    };
+    let fetch_poll = match &file.fetch_poll {
+        Some(d) => parse_duration(d).map_err(|e| at(format!("fetch_poll {d:?}: {e}")))?,
+        None => vmm::node::DEFAULT_POLL_WINDOW,
     };
     let dir = path.parent().unwrap_or(Path::new("."));
     let secret_path = dir.join(&file.secret_file);
@@ -172,6 +185,7 @@ fn read_cluster(path: &Path, vm: &VmArgs) -> Result<Cluster, String> {
         config,
         spec,
         link_delay,
+        fetch_poll,
     })
 }
 
@@ -192,6 +206,7 @@ pub fn node(cluster: &Path, id: u16, vm: &VmArgs, run: &RunFlags) -> ExitCode {
         config,
         spec: cluster,
         link_delay,
+        fetch_poll,
     } = match read_cluster(cluster, vm) {
         Ok(c) => c,
         Err(e) => return fail(e),
@@ -210,6 +225,7 @@ pub fn node(cluster: &Path, id: u16, vm: &VmArgs, run: &RunFlags) -> ExitCode {
         id,
         connect_timeout: CONNECT_TIMEOUT,
         link_delay,
+        fetch_poll,
     };
     let built = match Node::build(&config, &opts, &node_opts) {
         Ok(n) => n,
@@ -336,7 +352,7 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
             config.cpus,
             args.protocol,
             args.ordering,
-            args.net.link_delay,
+            args.net,
         )
     }) {
         Ok(p) => p,
@@ -480,7 +496,7 @@ fn write_cluster(
     cpus: u8,
     protocol: dsm::Protocol,
     ordering: dsm::Ordering,
-    link_delay: Option<Duration>,
+    net: &NetFlags,
 ) -> Result<PathBuf, String> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
@@ -507,8 +523,11 @@ fn write_cluster(
             "vcpus": nd.vcpus,
         })).collect::<Vec<_>>(),
     });
-    if let Some(d) = link_delay {
+    if let Some(d) = net.link_delay {
         json["link_delay"] = serde_json::json!(format!("{}ns", d.as_nanos()));
+    }
+    if let Some(d) = net.fetch_poll {
+        json["fetch_poll"] = serde_json::json!(format!("{}ns", d.as_nanos()));
     }
     let path = dir.join("cluster.json");
     std::fs::write(

@@ -289,6 +289,36 @@ fn a_shared_counter_is_exact_under_both_protocols() {
     }
 }
 
+/// The nodes' `polling` figures from a `--metrics` file of `run --nodes`, summed.
+fn polling(metrics: &Path) -> (u64, u64) {
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(metrics).unwrap()).unwrap();
+    let mut sum = (0, 0);
+    for n in m["nodes"].as_array().expect("one entry per node") {
+        let p = &n["node"]["coherence"]["polling"];
+        sum.0 += p["answered"].as_u64().expect("polling.answered");
+        sum.1 += p["slept"].as_u64().expect("polling.slept");
+    }
+    sum
+}
+
+#[test]
+fn a_shared_counter_is_exact_whether_nodes_poll_for_answers_or_sleep() {
+    let dir = tempfile::tempdir().unwrap();
+    for poll in ["200us", "0us"] {
+        let metrics = dir.path().join(format!("{poll}.json"));
+        let m = metrics.to_str().unwrap();
+        let flags = ["--fetch-poll", poll, "--metrics", m];
+        let r = run_nodes(2, 2, "shared-counter=2000", &flags);
+        assert_counter_exact(&r, 2, poll);
+        let (answered, slept) = polling(&metrics);
+        assert!(answered + slept > 0, "{poll}: no wait with a fault out");
+        if poll == "0us" {
+            assert_eq!(answered, 0, "a node polled with --fetch-poll 0us");
+        }
+    }
+}
+
 #[test]
 fn a_shared_counter_is_exact_over_a_delayed_link() {
     let r = run_nodes(2, 2, "shared-counter=2000", &["--link-delay", "100us"]);
@@ -530,7 +560,7 @@ fn netns_without_cap_net_admin_is_refused_naming_the_flag() {
 }
 
 #[test]
-fn bad_link_delays_and_netns_without_nodes_are_refused_by_name() {
+fn bad_link_delays_fetch_polls_and_netns_without_nodes_are_refused_by_name() {
     for (flags, wants) in [
         (
             vec!["--nodes", "2", "--link-delay", "abc"],
@@ -544,6 +574,14 @@ fn bad_link_delays_and_netns_without_nodes_are_refused_by_name() {
         (
             vec!["--link-delay", "100us"],
             vec!["--link-delay", "--nodes"],
+        ),
+        (
+            vec!["--nodes", "2", "--fetch-poll", "soon"],
+            vec!["--fetch-poll", "soon", "e.g. 100us or 2ms"],
+        ),
+        (
+            vec!["--fetch-poll", "100us"],
+            vec!["--fetch-poll", "--nodes"],
         ),
     ] {
         let r = run_probe("hello", &flags);
@@ -568,6 +606,17 @@ fn bad_link_delays_and_netns_without_nodes_are_refused_by_name() {
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(
         err.contains("cluster.json: link_delay \"fast\": expected a number and a unit"),
+        "{err}"
+    );
+    file["link_delay"] = serde_json::json!("100us");
+    file["fetch_poll"] = serde_json::json!("-1us");
+    std::fs::write(c.file(), file.to_string()).unwrap();
+    let mut node = c.spawn(0, 2, "hello", &[]);
+    let st = wait_with_limit(&mut node, Duration::from_secs(60), "node 0");
+    let err = c.stderr(0);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cluster.json: fetch_poll \"-1us\": expected a number and a unit"),
         "{err}"
     );
 }

@@ -162,6 +162,7 @@ pub fn start(
         inbox,
         events: Some(events),
         range_bytes: 2 * PAGE_SIZE as u64,
+        poll_window: dsm_host::DEFAULT_POLL_WINDOW,
     })
     .expect("starting the coherence thread")
 }

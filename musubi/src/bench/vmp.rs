@@ -86,6 +86,9 @@ struct Config {
     /// fib(n) per process; 1 is the baseline run (boot, start-up and reporting only).
     fib: u32,
     link: Link,
+    /// Nodes poll for a peer's answer before sleeping (`run --fetch-poll`, default); false
+    /// runs them with `--fetch-poll 0us` to show what polling saves.
+    poll: bool,
 }
 
 impl Config {
@@ -113,11 +116,14 @@ impl Config {
         }
     }
     fn link_suffix(&self) -> String {
-        if self.link == LOOPBACK {
-            String::new()
-        } else {
-            format!(" {}", self.link.name())
+        let mut s = String::new();
+        if self.link != LOOPBACK {
+            s = format!(" {}", self.link.name());
         }
+        if !self.poll {
+            s.push_str(" no-poll");
+        }
+        s
     }
 }
 
@@ -185,6 +191,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                     ordering: "tso",
                     fib,
                     link: LOOPBACK,
+                    poll: true,
                 });
                 continue;
             }
@@ -195,6 +202,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                     ordering: "tso",
                     fib,
                     link: LOOPBACK,
+                    poll: true,
                 });
             }
         }
@@ -205,7 +213,18 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 ordering: "paper",
                 fib,
                 link: LOOPBACK,
+                poll: true,
             });
+            if Some(&fib) == grains.last() {
+                configs.push(Config {
+                    nodes: max_nodes,
+                    protocol: "vmp",
+                    ordering: "tso",
+                    fib,
+                    link: LOOPBACK,
+                    poll: false,
+                });
+            }
         }
     }
     // The other links, at the largest node count and the task grains (the breakdown's
@@ -221,6 +240,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                         ordering: "tso",
                         fib,
                         link,
+                        poll: true,
                     });
                 }
             }
@@ -252,6 +272,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         "protocol",
         "ordering",
         "link",
+        "polling",
         "fib",
         "procs",
         "rep",
@@ -274,6 +295,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 c.protocol.to_string(),
                 c.ordering.to_string(),
                 c.link.name(),
+                if c.poll { "yes" } else { "no" }.to_string(),
                 c.fib.to_string(),
                 procs.to_string(),
                 rep.to_string(),
@@ -301,6 +323,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         "nodes",
         "protocol",
         "ordering",
+        "polling",
         ">wall ms",
         ">speedup",
         ">faults/run",
@@ -343,6 +366,14 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 c.nodes.to_string(),
                 c.protocol.to_string(),
                 c.ordering.to_string(),
+                if c.nodes == 1 {
+                    "-"
+                } else if c.poll {
+                    "yes"
+                } else {
+                    "no"
+                }
+                .to_string(),
                 opt(wall.map(|w| w / 1e6), 2),
                 opt(sp, 2),
                 opt(faults, 0),
@@ -356,7 +387,8 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
          speedup = 1-node wall / N-node wall for the same {procs} processes. Paper: {PAPER_SPEEDUP_8}x on 8 nodes\n\
          for fib(46). This host has {} cores and every node is a process on it, with a vCPU thread and a\n\
          coherence thread each, so more nodes than cores cannot speed up. Every link in this table is\n\
-         loopback; the other links follow below.\n",
+         loopback; the other links follow below. polling: whether a node polls for a peer's answer\n\
+         before it sleeps while one of its faults waits (run --fetch-poll; no = --fetch-poll 0us).\n",
         default_nodes()
     );
     links_side_by_side(&runs, &configs, &grains, args.link_delay);
@@ -370,6 +402,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             ordering: "tso",
             fib: top,
             link: LOOPBACK,
+            poll: true,
         };
         med(of(&one)
             .iter()
@@ -388,7 +421,9 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     ]);
     let breakdown_configs: Vec<Config> = configs
         .iter()
-        .filter(|c| c.fib == top && c.link == LOOPBACK && (c.nodes == 1 || c.nodes == max_nodes))
+        .filter(|c| {
+            c.fib == top && c.link == LOOPBACK && c.poll && (c.nodes == 1 || c.nodes == max_nodes)
+        })
         .copied()
         .collect();
     for c in &breakdown_configs {
@@ -461,6 +496,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     let mut hist_csv = Csv::new(&[
         "protocol",
         "ordering",
+        "polling",
         "bucket_ns_low",
         "faults",
         "remote_fetches",
@@ -502,6 +538,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 hist_csv.row([
                     c.protocol.to_string(),
                     c.ordering.to_string(),
+                    if c.poll { "yes" } else { "no" }.to_string(),
                     (1u64 << i).to_string(),
                     a.to_string(),
                     r.to_string(),
@@ -543,7 +580,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             range_bytes / 1024,
             shown.join(", ")
         );
-        if c.protocol == "vmp" && c.ordering == "tso" {
+        if c.protocol == "vmp" && c.ordering == "tso" && c.poll {
             vmp_median = m_remote;
             for (i, r) in remote.iter().enumerate().filter(|(_, r)| **r > 0) {
                 hist_bars.push(plot::Bar {
@@ -744,6 +781,7 @@ fn one_node_wall(runs: &[(usize, usize, RunFigures)], configs: &[Config], fib: u
         ordering: "tso",
         fib,
         link: LOOPBACK,
+        poll: true,
     };
     let walls: Vec<f64> = runs_of(runs, configs, &one)
         .iter()
@@ -779,6 +817,7 @@ fn links_side_by_side(
             c.fib == fib
                 && c.nodes > 1
                 && c.ordering == "tso"
+                && c.poll
                 && configs
                     .iter()
                     .any(|o| o.link != LOOPBACK && o.protocol == c.protocol && o.nodes == c.nodes)
@@ -787,6 +826,7 @@ fn links_side_by_side(
             let rs = runs_of(runs, configs, c);
             let loopback = Config {
                 link: LOOPBACK,
+                poll: true,
                 ..*c
             };
             let loop_rs = runs_of(runs, configs, &loopback);
@@ -875,6 +915,9 @@ fn run_one(
     }
     if !c.link.delay.is_zero() {
         cmd.args(["--link-delay", &delay_name(c.link.delay)]);
+    }
+    if !c.poll {
+        cmd.args(["--fetch-poll", "0us"]);
     }
     let w = Watch {
         marker: "probe: done",
@@ -1199,6 +1242,7 @@ mod tests {
             ordering: "paper",
             fib: 1,
             link: LOOPBACK,
+            poll: true,
         };
         assert_eq!(sim_range(&c, 2), ("2-3".to_string(), "2-3".to_string()));
     }

@@ -11,7 +11,7 @@ pub mod cluster;
 mod ipi;
 
 pub use cluster::{ClusterError, ClusterSpec, NodeAddr};
-pub use dsm_host::MAX_LINK_DELAY;
+pub use dsm_host::{DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
 pub use ipi::IPI_PORT;
 
 use crate::arch::x86_64::cpuid::NodeLeaves;
@@ -95,6 +95,10 @@ pub struct NodeOptions {
     /// network. Not part of the configuration hash: it changes timing, never what the guest
     /// can observe of memory.
     pub link_delay: Duration,
+    /// The most this node's coherence thread polls for a peer's answer, while one of its
+    /// faults waits, before it sleeps (zero: it sleeps at once). Timing only, like
+    /// `link_delay`: not part of the configuration hash.
+    pub fetch_poll: Duration,
 }
 
 /// A node with its VM share built and its peers linked, not yet running.
@@ -217,6 +221,7 @@ impl Node {
                 inbox: (outbox.clone(), inbox),
                 events: Some(events_tx),
                 range_bytes: FAULT_RANGE_BYTES,
+                poll_window: node.fetch_poll,
             })
             .map_err(|source| NodeError::Coherence { id, source })?,
         );
