@@ -5,6 +5,7 @@
 use super::vcpu_thread::SharedCpuid;
 use super::vm::{open_kvm, KvmVm, VmError};
 use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+use std::os::unix::thread::JoinHandleExt;
 use std::sync::mpsc::{channel, Receiver};
 
 /// KVM made ready on a thread of its own; [`crate::Vmm::build_on`] takes it.
@@ -33,6 +34,10 @@ impl HostPrep {
         let started = std::thread::Builder::new()
             .name("kvm-prep".into())
             .spawn(work)
+            .inspect(|t| {
+                // The thread ends with its work, so its narrowed mask is never given back.
+                let _ = super::spread::away_from_caller(t.as_pthread_t() as libc::pthread_t);
+            })
             .is_ok();
         HostPrep {
             vm: started.then_some(rx),

@@ -2,6 +2,7 @@
 
 pub mod host;
 pub mod memory;
+pub mod spread;
 pub mod vcpu;
 pub mod vcpu_thread;
 pub mod vm;
