@@ -594,29 +594,18 @@ fn bad_link_delays_fetch_polls_and_netns_without_nodes_are_refused_by_name() {
             );
         }
     }
-    // The cluster file's field, as real hosts give it.
+    // The cluster file's fields, as real hosts give them.
     let c = Cluster::new(&[&[0], &[1]]);
-    let mut file: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(c.file()).unwrap()).unwrap();
-    file["link_delay"] = serde_json::json!("fast");
-    std::fs::write(c.file(), file.to_string()).unwrap();
-    let mut node = c.spawn(0, 2, "hello", &[]);
-    let st = wait_with_limit(&mut node, Duration::from_secs(60), "node 0");
-    let err = c.stderr(0);
-    assert_eq!(st.code(), Some(1), "{err}");
-    assert!(
-        err.contains("cluster.json: link_delay \"fast\": expected a number and a unit"),
-        "{err}"
-    );
-    file["link_delay"] = serde_json::json!("100us");
-    file["fetch_poll"] = serde_json::json!("-1us");
-    std::fs::write(c.file(), file.to_string()).unwrap();
-    let mut node = c.spawn(0, 2, "hello", &[]);
-    let st = wait_with_limit(&mut node, Duration::from_secs(60), "node 0");
-    let err = c.stderr(0);
-    assert_eq!(st.code(), Some(1), "{err}");
-    assert!(
-        err.contains("cluster.json: fetch_poll \"-1us\": expected a number and a unit"),
-        "{err}"
-    );
+    let text = std::fs::read_to_string(c.file()).unwrap();
+    for (field, bad) in [("link_delay", "fast"), ("fetch_poll", "-1us")] {
+        let mut file: serde_json::Value = serde_json::from_str(&text).unwrap();
+        file[field] = serde_json::json!(bad);
+        std::fs::write(c.file(), file.to_string()).unwrap();
+        let mut node = c.spawn(0, 2, "hello", &[]);
+        let st = wait_with_limit(&mut node, Duration::from_secs(60), "node 0");
+        let err = c.stderr(0);
+        assert_eq!(st.code(), Some(1), "{err}");
+        let wants = format!("cluster.json: {field} {bad:?}: expected a number and a unit");
+        assert!(err.contains(&wants), "{err}");
+    }
 }
