@@ -5,7 +5,8 @@
 //! the answer to a remote fetch also waits for the core to come back. Meanwhile the vCPU that
 //! faulted is stopped, so its core has little else to do. On the 2-core development host,
 //! polling up to 200 us took the median remote fetch from 71 to 57-60 us (about 1,700 fetches
-//! each), the page's trip from the owner to the requester most of all.
+//! each), the page's trip from the owner to the requester most of all; in `bench vmp`, which
+//! runs without polling beside it, the gain showed in one full run and not in the next.
 //!
 //! The window adapts as KVM's halt polling does: an answer that came soon after the window
 //! ended grows it, one that came much later (a slow or delayed link) shrinks it, so polling

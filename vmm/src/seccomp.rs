@@ -242,23 +242,12 @@ extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
     }
 }
 
-/// Installs the filter for `kind` on the calling thread (and the threads it starts later).
+/// Installs the filter for `kind` on the calling thread (and the threads it starts later),
+/// nothing with `--seccomp false`, after making sure the handler that reports refused calls
+/// is in place.
 pub fn apply(kind: ThreadKind, mode: SeccompMode) -> Result<(), SeccompError> {
-    prepare(kind, mode)?.install()
-}
-
-/// A filter compiled ahead of its installation, so a thread can compile it while it waits
-/// for other work and install it later without delay.
-pub struct Prepared {
-    kind: ThreadKind,
-    bpf: Option<BpfProgram>,
-}
-
-/// Compiles the filter for `kind` (nothing with `--seccomp false`) and makes sure the
-/// handler that reports refused calls is in place.
-pub fn prepare(kind: ThreadKind, mode: SeccompMode) -> Result<Prepared, SeccompError> {
     if mode == SeccompMode::Off {
-        return Ok(Prepared { kind, bpf: None });
+        return Ok(());
     }
     static HANDLER: std::sync::OnceLock<Result<(), i32>> = std::sync::OnceLock::new();
     HANDLER
@@ -267,25 +256,13 @@ pub fn prepare(kind: ThreadKind, mode: SeccompMode) -> Result<Prepared, SeccompE
                 .map_err(|e| e.errno())
         })
         .map_err(|e| SeccompError::Handler(std::io::Error::from_raw_os_error(e)))?;
-    Ok(Prepared {
-        kind,
-        bpf: Some(program(kind, mode)?),
-    })
-}
-
-impl Prepared {
-    /// Installs the filter on the calling thread (and the threads it starts later).
-    pub fn install(self) -> Result<(), SeccompError> {
-        let Some(bpf) = self.bpf else {
-            return Ok(());
-        };
-        seccompiler::apply_filter(&bpf).map_err(|source| SeccompError::Install {
-            kind: self.kind.name(),
-            source,
-        })?;
-        KIND.with(|k| k.set(self.kind as u8));
-        Ok(())
-    }
+    let bpf = program(kind, mode)?;
+    seccompiler::apply_filter(&bpf).map_err(|source| SeccompError::Install {
+        kind: kind.name(),
+        source,
+    })?;
+    KIND.with(|k| k.set(kind as u8));
+    Ok(())
 }
 
 /// The first call a filter refused, as a message naming the thread kind and the call.

@@ -1,7 +1,6 @@
-//! vCPU threads that start with the build: each probes the host's CPUID, compiles its
-//! filter, creates and configures its own vCPU and installs the filter while the building
-//! thread creates memory, loads the kernel and builds devices, then waits for the order to
-//! run.
+//! vCPU threads that start with the build: each probes the host's CPUID, installs its
+//! filter, and creates and configures its own vCPU while the building thread creates
+//! memory, loads the kernel and builds devices, then waits for the order to run.
 //!
 //! Done one after the other on the building thread, these KVM calls were the larger part of
 //! the time to the first KVM_RUN: KVM_GET_SUPPORTED_CPUID executes CPUID for every leaf (each
@@ -269,8 +268,7 @@ fn set_up(id: u8, plan: &Plan, inbox: &Receiver<Order>) -> Option<Result<Vcpu, V
     // every system call number to find the ones it always allows), which here overlaps
     // the build instead of delaying the first KVM_RUN. Everything left to do on this
     // thread (KVM ioctls, futexes, the vCPU's mapping) is allowed by it.
-    let filtered = seccomp::prepare(ThreadKind::Vcpu, plan.seccomp)
-        .and_then(|f| f.install())
+    let filtered = seccomp::apply(ThreadKind::Vcpu, plan.seccomp)
         .map_err(|source| VcpuError::Seccomp { id, source });
     let Ok(Order::Create(vm)) = inbox.recv() else {
         return None;
