@@ -101,13 +101,21 @@ fn pair(protocol: Protocol) -> Pair {
     }
 }
 
-/// Waits (bounded) until every message either node sent has been received by the other.
-fn settle(a: &CoherenceHandle, b: &CoherenceHandle) -> (NodeStats, NodeStats) {
+/// Waits (bounded) until every message either node sent has been received by the other,
+/// then ends both and returns their final counts. A node may still be sending when the
+/// thread it woke has gone on (it wakes the thread first), so the figures to check are the
+/// ones `join` returns, after the coherence thread has finished what it was doing.
+fn settle_and_end(a: CoherenceHandle, b: CoherenceHandle) -> (NodeStats, NodeStats) {
     let t0 = Instant::now();
     loop {
         let (sa, sb) = (a.stats(), b.stats());
         if sa.sent == sb.received && sb.sent == sa.received {
-            return (sa, sb);
+            a.stop();
+            b.stop();
+            return (
+                a.join().expect("node 0 ends cleanly"),
+                b.join().expect("node 1 ends cleanly"),
+            );
         }
         assert!(
             t0.elapsed() < WAIT,
@@ -139,11 +147,7 @@ fn single_writer_round_trip(protocol: Protocol) -> (NodeStats, NodeStats) {
         expect[..],
         "A reads what B wrote"
     );
-    let (sa, sb) = settle(&a, &b);
-    a.stop();
-    b.stop();
-    a.join().expect("node 0 ends cleanly");
-    b.join().expect("node 1 ends cleanly");
+    let (sa, sb) = settle_and_end(a, b);
     assert_eq!(sa.protocol_errors + sb.protocol_errors, 0, "{sa:?} {sb:?}");
     assert_eq!(sa.faults.resolved, sa.faults.count);
     assert_eq!(sb.faults.resolved, sb.faults.count);
@@ -273,11 +277,7 @@ fn contended_counters(protocol: Protocol) {
             }
         }
     }
-    let (sa, sb) = settle(&p.a, &p.b);
-    p.a.stop();
-    p.b.stop();
-    p.a.join().expect("node 0 ends cleanly");
-    p.b.join().expect("node 1 ends cleanly");
+    let (sa, sb) = settle_and_end(p.a, p.b);
     assert_eq!(sa.protocol_errors + sb.protocol_errors, 0, "{sa:?} {sb:?}");
 }
 
