@@ -279,6 +279,7 @@ impl Worker {
         let mut fds = vec![pollfd(mem.as_raw_fd()), pollfd(inbox.as_raw_fd())];
         fds.extend(links.iter().map(|l| pollfd(l.r.reader.as_raw_fd())));
         let mut frames = Vec::new();
+        let mut closed = Vec::new();
         loop {
             if self.lost.is_some() {
                 // Faults stay unanswered: the pages may be stale or gone with the peer.
@@ -369,7 +370,7 @@ impl Worker {
                 if let Err(e) = read {
                     l.open = false;
                     fd.fd = -1;
-                    self.lose(l.r.peer, e.to_string());
+                    closed.push((l.r.peer, e.to_string()));
                 }
             }
             let now = Instant::now();
@@ -385,6 +386,11 @@ impl Worker {
                 if let Some(done) = self.handle(item)? {
                     return done;
                 }
+            }
+            // A close is judged after the inbox: when this node was told to stop in the same
+            // wake-up, the peer that closed was ending too, and that is no loss.
+            for (peer, why) in closed.drain(..) {
+                self.lose(peer, why);
             }
         }
     }
