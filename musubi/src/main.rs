@@ -13,6 +13,18 @@ mod run;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+/// dlmalloc rather than musl's allocator. musl's returns freed memory to the kernel at once,
+/// so start-up's short-lived buffers cost an mmap and an munmap each, and an munmap in a
+/// process with a thread on another core is a TLB shoot-down: an inter-processor interrupt,
+/// a VM exit on a virtual host. Measured on such a host (31 runs), parsing `run`'s arguments
+/// beside the KVM helper took 0.40 ms with musl's allocator and 0.15 ms with this one, and
+/// compiling the vCPU's seccomp filter 0.13 and 0.03 ms. dlmalloc keeps freed chunks for
+/// reuse and gives memory back only past a 2 MiB trim threshold. Between fork and exec no
+/// child of this program allocates (every `pre_exec` closure says so), so its one lock
+/// needs no fork handlers.
+#[global_allocator]
+static ALLOC: dlmalloc::GlobalDlmalloc = dlmalloc::GlobalDlmalloc;
+
 #[derive(Parser)]
 #[command(
     name = "musubi",
