@@ -318,12 +318,12 @@ impl Vmm {
         // The vCPU threads start first and set up their vCPUs beside the rest of the build
         // (see `vcpu_thread`); without prepared KVM work they probe CPUID while the VM is
         // created.
-        let (ready, cpuid) = match host.and_then(HostPrep::take) {
-            Some((vm, cpuid)) => (Some(vm?), Some(cpuid)),
-            None => (None, None),
+        let (ready, cpuid, mut spare) = match host.and_then(HostPrep::take) {
+            Some(p) => (Some(p.kvm?), Some(p.cpuid), p.spare),
+            None => (None, None, None),
         };
-        let kvm_host = match &ready {
-            Some(vm) => vm.kvm_arc(),
+        let kvm_host = match ready {
+            Some(kvm) => kvm,
             None => open_kvm()?,
         };
         let mut plan = Plan::new(
@@ -339,16 +339,13 @@ impl Vmm {
         let vcpus = part
             .vcpus
             .iter()
-            .map(|&id| PendingVcpu::spawn(id, &plan))
+            .map(|&id| PendingVcpu::spawn(id, &plan, spare.take()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|source| BuildError::Thread {
                 what: "vCPU",
                 source,
             })?;
-        let mut kvm = match ready {
-            Some(vm) => vm,
-            None => KvmVm::create(kvm_host)?,
-        };
+        let mut kvm = KvmVm::create(kvm_host)?;
         let ram = Arc::new(match part.ram {
             None => GuestRam::new(&layout, RamBackend::Anonymous)?,
             // SAFETY: the owner of a shared mapping keeps it mapped while it lives, and

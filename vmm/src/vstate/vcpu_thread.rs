@@ -9,6 +9,7 @@
 //! period that creating the in-kernel irqchip started. Here they overlap the rest of the
 //! build, and the thread that runs the vCPU already exists when the VM starts.
 
+use super::host::SpareThread;
 use super::spread;
 use super::vcpu::{kick_signal, unbind_thread, Vcpu, VcpuContext, VcpuError};
 use crate::arch::x86_64::cpuid::NodeLeaves;
@@ -139,14 +140,41 @@ pub struct PendingVcpu {
 }
 
 impl PendingVcpu {
-    /// Starts the thread of vCPU `id`; it probes CPUID and compiles its filter at once.
-    pub fn spawn(id: u8, plan: &Plan) -> std::io::Result<PendingVcpu> {
+    /// Starts the thread of vCPU `id`, on `spare` if given; it probes CPUID and installs
+    /// its filter at once.
+    pub(crate) fn spawn(
+        id: u8,
+        plan: &Plan,
+        spare: Option<SpareThread>,
+    ) -> std::io::Result<PendingVcpu> {
         let (orders, inbox) = channel();
         let plan = plan.clone();
+        let job: Box<dyn FnOnce() + Send> = Box::new(move || {
+            name_this_thread(id);
+            set_up_and_run(id, plan, inbox)
+        });
+        let (job, narrowed) = match spare {
+            Some(mut t) => {
+                let narrowed = t.narrowed.take();
+                match t.take_over(job) {
+                    Ok(thread) => {
+                        return Ok(PendingVcpu {
+                            id,
+                            orders: Some(orders),
+                            thread: Some(thread),
+                            narrowed,
+                        })
+                    }
+                    Err(job) => (job, None),
+                }
+            }
+            None => (job, None),
+        };
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
-            .spawn(move || set_up_and_run(id, plan, inbox))?;
-        let narrowed = spread::away_from_caller(thread.as_pthread_t() as libc::pthread_t);
+            .spawn(job)?;
+        let narrowed =
+            narrowed.or_else(|| spread::away_from_caller(thread.as_pthread_t() as libc::pthread_t));
         Ok(PendingVcpu {
             id,
             orders: Some(orders),
@@ -204,6 +232,15 @@ impl Drop for PendingVcpu {
             let _ = t.join();
         }
     }
+}
+
+/// Names the thread `vcpuN` for the kernel (`ps`, `/proc/PID/task/*/comm`), whichever
+/// thread it was started as.
+fn name_this_thread(id: u8) {
+    let name = format!("vcpu{id}\0");
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes, which `name`
+    // is and outlives the call.
+    unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr()) };
 }
 
 fn set_up_and_run(id: u8, plan: Plan, inbox: Receiver<Order>) {
