@@ -10,6 +10,7 @@ mod boot;
 mod composite;
 mod dsm_table;
 mod guest_run;
+mod hot_text;
 mod mint;
 mod peers;
 pub mod plot;
