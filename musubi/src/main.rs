@@ -125,8 +125,9 @@ enum GuestCommand {
 }
 
 fn main() -> ExitCode {
-    // `run` gets KVM opened, an empty VM created and the host's CPUID probed while the
-    // arguments are parsed and the configuration read; anything else never uses it.
+    // `run` gets KVM opened and the host's CPUID probed while the arguments are parsed and
+    // the configuration read, on the thread that then runs vCPU 0; anything else never
+    // uses it.
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let host = args
         .get(1)
