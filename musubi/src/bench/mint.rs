@@ -798,8 +798,8 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
             ours: fmt_pct(p64),
             reference: format!("< {:.0}%", w.goal_6_over_4()),
             source: match w.kind {
-                Kind::Io { .. } => "issue 4 goal; bound: report §6.1.3, 7 vs 6 ~+8%".into(),
-                _ => "issue 4 goal".into(),
+                Kind::Io { .. } => "Musubi goal; bound: report §6.1.3, 7 vs 6 ~+8%".into(),
+                _ => "Musubi goal".into(),
             },
             met: p64.map(|p| p < w.goal_6_over_4()),
         });

@@ -267,7 +267,7 @@ impl Section52<'_> {
                     .map(|(c, x)| format!("min {x:.2}x ({c})"))
                     .unwrap_or_else(|| "-".into()),
                 reference: "> 1x".into(),
-                source: "issue 3 goal; paper: 1.4x at least".into(),
+                source: "Musubi goal; paper: 1.4x at least".into(),
                 met: worst.map(|(_, x)| *x > 1.0),
             });
         }
