@@ -29,22 +29,22 @@ pub struct HostPrep {
 }
 
 /// Work handed to the thread once its own is done.
-type Job = Box<dyn FnOnce() + Send>;
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
 
 /// The thread that prepared KVM, waiting for one more job. Dropped unused, it ends.
 pub(crate) struct SpareThread {
     jobs: Sender<Job>,
     thread: JoinHandle<()>,
-    /// Its mask without the spawner's core, kept for whoever takes the thread over.
-    pub(crate) narrowed: Option<Narrowed>,
+    /// Its mask without the spawner's core, for whoever takes the thread over to restore.
+    narrowed: Option<Narrowed>,
 }
 
 impl SpareThread {
-    /// Runs `job` on this thread and hands its handle over; the job back if the thread has
-    /// already ended (it gave up when KVM could not be opened).
-    pub(crate) fn take_over(self, job: Job) -> Result<JoinHandle<()>, Job> {
+    /// Runs `job` on this thread and hands over its handle and narrowed mask; the job back
+    /// if the thread has already ended (it gave up when KVM could not be opened).
+    pub(crate) fn take_over(self, job: Job) -> Result<(JoinHandle<()>, Option<Narrowed>), Job> {
         match self.jobs.send(job) {
-            Ok(()) => Ok(self.thread),
+            Ok(()) => Ok((self.thread, self.narrowed)),
             Err(e) => Err(e.0),
         }
     }
@@ -128,7 +128,7 @@ mod tests {
             let name = std::thread::current().name().map(String::from);
             tx.send((name, cpuid.get().is_some())).unwrap();
         });
-        let thread = p
+        let (thread, _) = p
             .spare
             .expect("the thread is running")
             .take_over(job)

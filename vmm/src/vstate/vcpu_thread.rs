@@ -9,7 +9,7 @@
 //! period that creating the in-kernel irqchip started. Here they overlap the rest of the
 //! build, and the thread that runs the vCPU already exists when the VM starts.
 
-use super::host::SpareThread;
+use super::host::{Job, SpareThread};
 use super::spread;
 use super::vcpu::{kick_signal, unbind_thread, Vcpu, VcpuContext, VcpuError};
 use crate::arch::x86_64::cpuid::NodeLeaves;
@@ -149,38 +149,36 @@ impl PendingVcpu {
     ) -> std::io::Result<PendingVcpu> {
         let (orders, inbox) = channel();
         let plan = plan.clone();
-        let job: Box<dyn FnOnce() + Send> = Box::new(move || {
-            name_this_thread(id);
-            set_up_and_run(id, plan, inbox)
-        });
-        let (job, narrowed) = match spare {
-            Some(mut t) => {
-                let narrowed = t.narrowed.take();
-                match t.take_over(job) {
-                    Ok(thread) => {
-                        return Ok(PendingVcpu {
-                            id,
-                            orders: Some(orders),
-                            thread: Some(thread),
-                            narrowed,
-                        })
-                    }
-                    Err(job) => (job, None),
-                }
-            }
-            None => (job, None),
+        let run = move || set_up_and_run(id, plan, inbox);
+        let (thread, narrowed) = match spare {
+            Some(t) => match t.take_over(Box::new(move || {
+                name_this_thread(id);
+                run()
+            })) {
+                Ok(taken) => taken,
+                // The helper ended early (KVM could not be opened): a thread of its own.
+                Err(job) => Self::start_thread(id, job)?,
+            },
+            None => Self::start_thread(id, Box::new(run))?,
         };
-        let thread = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(job)?;
-        let narrowed =
-            narrowed.or_else(|| spread::away_from_caller(thread.as_pthread_t() as libc::pthread_t));
         Ok(PendingVcpu {
             id,
             orders: Some(orders),
             thread: Some(thread),
             narrowed,
         })
+    }
+
+    /// A new thread for vCPU `id`'s set-up, asked off the calling thread's core.
+    fn start_thread(
+        id: u8,
+        job: Job,
+    ) -> std::io::Result<(JoinHandle<()>, Option<spread::Narrowed>)> {
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(job)?;
+        let narrowed = spread::away_from_caller(thread.as_pthread_t() as libc::pthread_t);
+        Ok((thread, narrowed))
     }
 
     /// Has the thread create its vCPU on `vm`, whose interrupt controllers exist.
@@ -234,8 +232,8 @@ impl Drop for PendingVcpu {
     }
 }
 
-/// Names the thread `vcpuN` for the kernel (`ps`, `/proc/PID/task/*/comm`), whichever
-/// thread it was started as.
+/// Names a thread taken over for vCPU `id` `vcpuN` for the kernel (`ps`,
+/// `/proc/PID/task/*/comm`), as a thread started for it is named.
 fn name_this_thread(id: u8) {
     let name = format!("vcpu{id}\0");
     // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes, which `name`
