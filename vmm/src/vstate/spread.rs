@@ -1,11 +1,13 @@
 //! Start-up threads asked to run beside the thread that starts them, not after it.
 //!
 //! Start-up overlaps work on helper threads: KVM is opened and the host's CPUID probed
-//! while the arguments are parsed, and each vCPU is set up while the VM is built. A scheduler that packs runnable threads onto busy cores (the development host's
-//! kernel does, `sched_vcpu_pack`) leaves a new thread queued behind its spawner until the
-//! spawner blocks, so none of that overlapped: measured there, 31 runs alternating two
-//! builds, the median time to the first KVM_RUN went from 2.44 to 1.87 ms with the helpers
-//! kept off the spawner's core (and the vCPU filter installed beside the build). Where the scheduler spreads threads anyway, this only says so outright.
+//! while the arguments are parsed, and each vCPU is set up while the VM is built. A
+//! scheduler that packs runnable threads onto busy cores (the development host's kernel
+//! does, `sched_vcpu_pack`) leaves a new thread queued behind its spawner until the spawner
+//! blocks, so none of that overlapped: measured there, 31 runs alternating two builds, the
+//! median time to the first KVM_RUN went from 2.44 to 1.87 ms with the helpers kept off the
+//! spawner's core (and the vCPU filter installed beside the build). Where the scheduler
+//! spreads threads anyway, this only says so outright.
 //!
 //! The helper's CPU mask becomes the spawner's without the spawner's current core; with no
 //! other core allowed (one CPU, or a cpuset of one) nothing changes. A thread that goes on
