@@ -48,9 +48,9 @@ pub struct NetFlags {
     pub fetch_poll: Option<Duration>,
 }
 
-/// A link delay or poll window: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`, `s`), at most
-/// [`vmm::node::MAX_LINK_DELAY`]. The error says what would be accepted; the caller names the
-/// flag or field.
+/// A link delay or poll window: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`,
+/// `s`), at most [`vmm::node::MAX_LINK_DELAY`]. The error says what would be accepted; the
+/// caller names the flag or field.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let expected = || {
         format!(
