@@ -17,6 +17,7 @@ pub mod memory;
 pub mod poll_window;
 pub mod stats;
 pub mod transport;
+mod uffd;
 
 pub use backend::Backend;
 pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup};

@@ -1,12 +1,12 @@
 //! One region of anonymous memory under userfaultfd: the page primitives the coherence
 //! protocol needs (install, write-protect, discard, wake) and the faults it must serve.
 
+use crate::uffd::Uffd;
 use dsm::{Access, PageData, PageNo, PAGE_SIZE};
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
 use std::time::Duration;
 use thiserror::Error;
-use userfaultfd::{FaultKind as UffdKind, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
 #[derive(Debug, Error)]
 pub enum MemoryError {
@@ -15,7 +15,7 @@ pub enum MemoryError {
          read-write access to /dev/userfaultfd or vm.unprivileged_userfaultfd=1, and \
          write-protect faults need Linux 5.7 or later"
     )]
-    Unavailable { source: userfaultfd::Error },
+    Unavailable { source: std::io::Error },
     #[error("region of {len} bytes at guest-physical {gpa:#x}: {why}")]
     Layout {
         gpa: u64,
@@ -30,7 +30,7 @@ pub enum MemoryError {
     Register {
         addr: usize,
         len: usize,
-        source: userfaultfd::Error,
+        source: std::io::Error,
     },
     #[error("page {page:#x} is outside the region (pages {first:#x}..{end:#x})")]
     OutOfRange {
@@ -46,7 +46,7 @@ pub enum MemoryError {
         source: std::io::Error,
     },
     #[error("reading userfaultfd events: {0}")]
-    Read(userfaultfd::Error),
+    Read(std::io::Error),
     #[error("waiting for userfaultfd events: {0}")]
     Poll(std::io::Error),
 }
@@ -87,15 +87,6 @@ unsafe impl Send for Memory {}
 // SAFETY: as for `Send`; no method hands out references into the mapping.
 unsafe impl Sync for Memory {}
 
-fn io_err(e: userfaultfd::Error) -> std::io::Error {
-    match e {
-        userfaultfd::Error::SystemError(errno) | userfaultfd::Error::CopyFailed(errno) => {
-            std::io::Error::from_raw_os_error(errno as i32)
-        }
-        other => std::io::Error::other(other.to_string()),
-    }
-}
-
 impl Memory {
     /// Maps `len` bytes (a multiple of the page size) standing for guest-physical
     /// `gpa..gpa+len`. Every page starts absent, so its first access faults.
@@ -110,13 +101,7 @@ impl Memory {
         if gpa.checked_add(len as u64).is_none() {
             return Err(layout("region wraps the guest-physical address space"));
         }
-        let uffd = UffdBuilder::new()
-            .close_on_exec(true)
-            .non_blocking(true)
-            .user_mode_only(false)
-            .require_features(FeatureFlags::PAGEFAULT_FLAG_WP | FeatureFlags::THREAD_ID)
-            .create()
-            .map_err(|source| MemoryError::Unavailable { source })?;
+        let uffd = Uffd::open().map_err(|source| MemoryError::Unavailable { source })?;
         // SAFETY: a fresh anonymous private mapping at an address the kernel picks; no
         // existing memory is touched.
         let p = unsafe {
@@ -143,7 +128,7 @@ impl Memory {
             uffd,
         };
         mem.uffd
-            .register_with_mode(p, len, RegisterMode::MISSING | RegisterMode::WRITE_PROTECT)
+            .register(p as u64, len as u64)
             .map_err(|source| MemoryError::Register {
                 addr: p as usize,
                 len,
@@ -161,7 +146,7 @@ impl Memory {
     /// runs after this, so nothing sees the stale or empty pages.
     pub fn release(&self) -> Result<(), MemoryError> {
         self.uffd
-            .unregister(self.base.as_ptr().cast(), self.len)
+            .unregister(self.base.as_ptr() as u64, self.len as u64)
             .map_err(|source| MemoryError::Register {
                 addr: self.base.as_ptr() as usize,
                 len: self.len,
@@ -238,47 +223,25 @@ impl Memory {
         writable: bool,
     ) -> Result<bool, MemoryError> {
         let addr = self.page_addr(page)?;
-        let mut mode = userfaultfd_sys::UFFDIO_COPY_MODE_DONTWAKE;
-        if !writable {
-            mode |= userfaultfd_sys::UFFDIO_COPY_MODE_WP;
+        // The kernel reads PAGE_SIZE bytes from `data`, a live buffer of that size, and
+        // writes only into our registered mapping, at a page-aligned address inside it.
+        let r = self
+            .uffd
+            .copy(addr as u64, data.as_ptr(), PAGE_SIZE as u64, !writable);
+        match r {
+            Ok(()) => Ok(true),
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+            Err(e) => Err(self.op_err("UFFDIO_COPY", page, addr, e)),
         }
-        let mut copy = userfaultfd_sys::uffdio_copy {
-            dst: addr as u64,
-            src: data.as_ptr() as u64,
-            len: PAGE_SIZE as u64,
-            mode,
-            copy: 0,
-        };
-        // SAFETY: UFFDIO_COPY reads PAGE_SIZE bytes from `data` (a live buffer of that size)
-        // and writes only into our registered mapping at a page-aligned address inside it.
-        let r = unsafe {
-            libc::ioctl(
-                self.uffd.as_raw_fd(),
-                userfaultfd_sys::UFFDIO_COPY as _,
-                &mut copy as *mut userfaultfd_sys::uffdio_copy,
-            )
-        };
-        if r == 0 {
-            return Ok(true);
-        }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EEXIST) {
-            return Ok(false);
-        }
-        Err(self.op_err("UFFDIO_COPY", page, addr, e))
     }
 
     /// Write-protects a present page (`UFFDIO_WRITEPROTECT` mode WP), or lifts that without
     /// waking anyone. Once it returns, no thread can complete a write to the page.
     pub fn write_protect(&self, page: PageNo, on: bool) -> Result<(), MemoryError> {
         let addr = self.page_addr(page)?;
-        let r = if on {
-            self.uffd.write_protect(addr.cast(), PAGE_SIZE)
-        } else {
-            self.uffd
-                .remove_write_protection(addr.cast(), PAGE_SIZE, false)
-        };
-        r.map_err(|e| self.op_err("UFFDIO_WRITEPROTECT", page, addr, io_err(e)))
+        self.uffd
+            .write_protect(addr as u64, PAGE_SIZE as u64, on)
+            .map_err(|e| self.op_err("UFFDIO_WRITEPROTECT", page, addr, e))
     }
 
     /// Discards the page (`MADV_DONTNEED`): its next access faults as missing.
@@ -297,8 +260,8 @@ impl Memory {
     pub fn wake(&self, page: PageNo) -> Result<(), MemoryError> {
         let addr = self.page_addr(page)?;
         self.uffd
-            .wake(addr.cast(), PAGE_SIZE)
-            .map_err(|e| self.op_err("UFFDIO_WAKE", page, addr, io_err(e)))
+            .wake(addr as u64, PAGE_SIZE as u64)
+            .map_err(|e| self.op_err("UFFDIO_WAKE", page, addr, e))
     }
 
     /// Copies a page out with plain loads.
@@ -333,36 +296,27 @@ impl Memory {
     /// Reads one pending fault without waiting.
     pub fn read_fault(&self) -> Result<Option<Fault>, MemoryError> {
         loop {
-            match self.uffd.read_event().map_err(MemoryError::Read)? {
-                None => return Ok(None),
-                Some(userfaultfd::Event::Pagefault {
-                    kind,
-                    rw,
-                    addr,
-                    thread_id,
-                }) => {
-                    let addr = addr as usize;
-                    let Some(page) = self.page_of(addr) else {
-                        // Only our region is registered; anything else is not ours to serve.
-                        continue;
-                    };
-                    let kind = match kind {
-                        UffdKind::WriteProtected => FaultKind::WriteProtect,
-                        _ => FaultKind::Missing,
-                    };
-                    let write =
-                        kind == FaultKind::WriteProtect || rw == userfaultfd::ReadWrite::Write;
-                    return Ok(Some(Fault {
-                        page,
-                        addr,
-                        kind,
-                        access: if write { Access::Write } else { Access::Read },
-                        thread: thread_id.as_raw(),
-                    }));
-                }
-                // Fork, remap, remove and unmap events were not asked for.
-                Some(_) => continue,
-            }
+            let Some(f) = self.uffd.read_fault().map_err(MemoryError::Read)? else {
+                return Ok(None);
+            };
+            let addr = f.addr as usize;
+            let Some(page) = self.page_of(addr) else {
+                // Only our region is registered; anything else is not ours to serve.
+                continue;
+            };
+            let kind = if f.write_protected {
+                FaultKind::WriteProtect
+            } else {
+                FaultKind::Missing
+            };
+            let write = f.write_protected || f.write;
+            return Ok(Some(Fault {
+                page,
+                addr,
+                kind,
+                access: if write { Access::Write } else { Access::Read },
+                thread: f.thread as i32,
+            }));
         }
     }
 }
