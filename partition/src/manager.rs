@@ -6,12 +6,12 @@ use crate::proto::{self, Reply, Request, Status};
 use crate::resources::{self, CpuList};
 use crate::store::{self, check_name, now_secs, PartitionRecord, ProcId, Store, VmRecord, VmState};
 use crate::Error;
+use host_resources::Size;
 use serde::{Deserialize, Serialize};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use vmm::config::Size;
 
 /// How long `create` waits for a new supervisor to answer.
 const SUPERVISOR_START: Duration = Duration::from_secs(10);
@@ -146,7 +146,7 @@ impl Manager {
                 mems.difference(&node_online)
             )));
         }
-        let memory = vmm::config::parse_size("--memory", &req.memory)
+        let memory = host_resources::parse_size("--memory", &req.memory)
             .map_err(|e| Error::refused(e.to_string()))?;
         if memory == 0 {
             return Err(Error::refused(format!(
@@ -508,7 +508,7 @@ fn host_nodes() -> CpuList {
 }
 
 fn canonical_disk(d: &Path) -> Result<PathBuf, Error> {
-    vmm::config::check_storage_file("--disk ", d).map_err(|e| Error::refused(e.to_string()))?;
+    host_resources::check_storage_file("--disk ", d).map_err(|e| Error::refused(e.to_string()))?;
     d.canonicalize()
         .map_err(|e| Error::refused(format!("--disk {}: {e}", d.display())))
 }

@@ -108,7 +108,8 @@ pub fn host_reserve(mem_total: u64) -> u64 {
 
 /// `MemTotal` of the host, in bytes.
 pub fn mem_total() -> Result<u64, Error> {
-    vmm::config::host_memory_bytes().map_err(|e| Error::system(format!("host RAM (sysinfo): {e}")))
+    host_resources::host_memory_bytes()
+        .map_err(|e| Error::system(format!("host RAM (sysinfo): {e}")))
 }
 
 /// The CPUs the kernel has online.

@@ -60,7 +60,7 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
         rec.cgroup.version,
         rec.cgroup.places[0].proc_path,
         rec.cpus,
-        vmm::config::Size(rec.memory)
+        host_resources::Size(rec.memory)
     ));
     // SAFETY: the handler only stores to an atomic.
     unsafe {

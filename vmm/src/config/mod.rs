@@ -1,10 +1,9 @@
 //! What a user asks a VM to be: parsed from flags and JSON, validated before any KVM call.
 
-pub mod size;
 pub mod spec;
 
 pub use devices::virtio::block::CacheMode;
-pub use size::{Size, SizeError, SIZE_SYNTAX};
+pub use host_resources::{host_memory_bytes, Size, SizeError, SIZE_SYNTAX};
 
 use crate::arch::x86_64::{acpi, mptable};
 use serde::{Deserialize, Serialize};
@@ -40,15 +39,8 @@ pub enum ConfigError {
         why: String,
         syntax: &'static str,
     },
-    #[error(
-        "{flag}{}: {what}; expected a regular file or a block device",
-        path.display()
-    )]
-    NotStorage {
-        flag: &'static str,
-        path: PathBuf,
-        what: String,
-    },
+    #[error(transparent)]
+    NotStorage(#[from] host_resources::NotStorage),
     #[error("--serial {0:?}: expected stdio, off or file=PATH")]
     BadSerial(String),
     #[error(
@@ -100,38 +92,10 @@ impl std::str::FromStr for DiskConfig {
     }
 }
 
-/// Checks that `path`, given as `flag` (e.g. `--disk path=`), can hold storage: a regular file or a block device (its size and,
-/// for `O_DIRECT`, its block size are the device's own). Anything else is refused before it
-/// is opened: a FIFO would block the open, a directory or character device holds no blocks.
+/// Checks that `path`, given as `flag`, can hold storage (see
+/// [`host_resources::check_storage_file`]).
 pub fn check_storage_file(flag: &'static str, path: &Path) -> Result<(), ConfigError> {
-    use std::os::unix::fs::FileTypeExt;
-    let refuse = |what: String| ConfigError::NotStorage {
-        flag,
-        path: path.to_path_buf(),
-        what,
-    };
-    let ft = std::fs::metadata(path)
-        .map_err(|e| {
-            refuse(match e.kind() {
-                std::io::ErrorKind::NotFound => "no such file".into(),
-                _ => e.to_string(),
-            })
-        })?
-        .file_type();
-    let what = if ft.is_file() || ft.is_block_device() {
-        return Ok(());
-    } else if ft.is_dir() {
-        "is a directory"
-    } else if ft.is_fifo() {
-        "is a FIFO"
-    } else if ft.is_char_device() {
-        "is a character device"
-    } else if ft.is_socket() {
-        "is a socket"
-    } else {
-        "is not a file"
-    };
-    Err(refuse(what.into()))
+    Ok(host_resources::check_storage_file(flag, path)?)
 }
 
 /// Which part of the hypervisor handles the hot traps (paper 002's composite design).
@@ -287,30 +251,11 @@ impl VmConfig {
 
 /// Parses a size given to `flag` (see [`Size`] for the grammar).
 pub fn parse_size(flag: &str, value: &str) -> Result<u64, ConfigError> {
-    value
-        .parse::<Size>()
-        .map(Size::bytes)
-        .map_err(|why| ConfigError::BadSize {
-            flag: flag.to_string(),
-            value: value.to_string(),
-            why,
-        })
-}
-
-/// Bytes of RAM the host has, the kernel's `MemTotal` (what /proc/meminfo shows first). The
-/// one place it is read, for VM sizes and for partitions alike. `sysinfo` rather than the
-/// file, which every `musubi run` checks on its way to the guest: one call instead of
-/// opening, reading in growing pieces and closing a file the kernel composes from all its
-/// memory counters.
-pub fn host_memory_bytes() -> std::io::Result<u64> {
-    // SAFETY: sysinfo only fills the struct it is given.
-    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
-    if unsafe { libc::sysinfo(&mut info) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    (info.totalram as u64)
-        .checked_mul(u64::from(info.mem_unit.max(1)))
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "RAM size overflows"))
+    host_resources::parse_size(flag, value).map_err(|e| ConfigError::BadSize {
+        flag: e.flag,
+        value: e.value,
+        why: e.why,
+    })
 }
 
 /// The smallest RAM the VM can boot with: the boot structures and a kernel at 1 MiB.
@@ -351,16 +296,6 @@ pub fn check_cpus(n: u64) -> Result<u8, ConfigError> {
     }
 }
 
-/// A FIFO named `pipe` in `dir`, for tests that storage refuses one without opening it.
-#[cfg(test)]
-pub(crate) fn fifo_in(dir: &Path) -> PathBuf {
-    let fifo = dir.join("pipe");
-    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    // SAFETY: mkfifo(3) with a valid NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
-    fifo
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -376,17 +311,6 @@ mod tests {
             );
             assert!(e.ends_with(SIZE_SYNTAX), "{e}");
         }
-    }
-
-    #[test]
-    fn host_memory_is_memtotal() {
-        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
-        let kib: u64 = meminfo
-            .lines()
-            .find_map(|l| l.strip_prefix("MemTotal:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("a MemTotal line");
-        assert_eq!(host_memory_bytes().unwrap(), kib * 1024);
     }
 
     #[test]
@@ -467,30 +391,6 @@ mod tests {
                 "--pmem file=p.img"
             ]
         );
-    }
-
-    #[test]
-    fn storage_is_a_regular_file_or_a_block_device() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("disk.img");
-        std::fs::write(&file, [0u8; 512]).unwrap();
-        check_storage_file("--disk path=", &file).unwrap();
-        let fifo = fifo_in(dir.path());
-        for (path, what) in [
-            (dir.path().to_path_buf(), "is a directory"),
-            (fifo, "is a FIFO"),
-            ("/dev/null".into(), "is a character device"),
-            (dir.path().join("missing.img"), "no such file"),
-        ] {
-            let e = check_storage_file("--disk path=", &path)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.starts_with(&format!("--disk path={}: {what};", path.display()))
-                    && e.ends_with("expected a regular file or a block device"),
-                "{e}"
-            );
-        }
     }
 
     #[test]

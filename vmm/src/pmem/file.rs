@@ -172,7 +172,7 @@ mod tests {
     #[test]
     fn only_regular_files_and_block_devices_are_opened() {
         let dir = tempfile::tempdir().unwrap();
-        let fifo = crate::config::fifo_in(dir.path());
+        let fifo = host_resources::fifo_in(dir.path());
         // A FIFO is refused by its kind, not waited on.
         for (path, what) in [(dir.path(), "is a directory"), (&fifo, "is a FIFO")] {
             let e = open_err(&cfg(path));
