@@ -305,6 +305,7 @@ pub fn parse_size(flag: &str, value: &str) -> Result<u64, ConfigError> {
 pub fn host_memory_bytes() -> std::io::Result<u64> {
     // SAFETY: sysinfo only fills the struct it is given.
     let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: sysinfo only writes the struct it is given, which outlives the call.
     if unsafe { libc::sysinfo(&mut info) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
