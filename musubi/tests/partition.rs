@@ -535,8 +535,8 @@ fn killing_one_supervisor_stops_only_its_own_vms() {
     let a = env.show("a");
     let sup_a = a["supervisor_state"]["pid"].as_u64().unwrap();
     let sup_b = env.show("b")["supervisor_state"]["pid"].as_u64().unwrap();
-    // SAFETY: kill(2) on the supervisor this test's partition started.
     assert_eq!(
+        // SAFETY: kill(2) on the supervisor this test's partition started.
         unsafe { libc::kill(sup_a as libc::pid_t, libc::SIGKILL) },
         0
     );

@@ -5,12 +5,8 @@
 //! with a VMM error naming the thread kind and the call, after the usual teardown (disks
 //! and memory storage are still flushed).
 
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule, TargetArch,
-};
+use seccompiler::sock_filter;
 use std::cell::Cell;
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// How filters are applied (`--seccomp`).
@@ -71,11 +67,6 @@ impl ThreadKind {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SeccompError {
-    #[error("cannot build the {kind} thread's seccomp filter: {source}")]
-    Build {
-        kind: &'static str,
-        source: seccompiler::BackendError,
-    },
     #[error("cannot install the {kind} thread's seccomp filter: {source}")]
     Install {
         kind: &'static str,
@@ -85,133 +76,30 @@ pub enum SeccompError {
     Handler(std::io::Error),
 }
 
-/// Calls every Rust thread here makes: memory for the allocator, futexes for locks,
-/// signal return for kicks, writes of log lines, thread exit.
-const BASE: &[i64] = &[
-    libc::SYS_futex,
-    libc::SYS_mmap,
-    libc::SYS_munmap,
-    libc::SYS_mremap,
-    libc::SYS_madvise,
-    libc::SYS_mprotect,
-    libc::SYS_brk,
-    libc::SYS_rt_sigreturn,
-    libc::SYS_rt_sigprocmask,
-    libc::SYS_sigaltstack,
-    libc::SYS_exit,
-    libc::SYS_exit_group,
-    libc::SYS_sched_yield,
-    libc::SYS_gettid,
-    libc::SYS_getpid,
-    libc::SYS_clock_gettime,
-    libc::SYS_clock_nanosleep,
-    libc::SYS_nanosleep,
-    libc::SYS_getrandom,
-    libc::SYS_write,
-    libc::SYS_writev,
-    libc::SYS_close,
-    libc::SYS_fstat,
-    libc::SYS_statx,
-    libc::SYS_newfstatat,
-    // musl's spellings of the same: `stat` for metadata, `tkill` for pthread_kill.
-    libc::SYS_stat,
-    libc::SYS_tgkill,
-    libc::SYS_tkill,
-];
+/// The rules, compiled to BPF by the build script; here only for the test that checks the
+/// embedded programs against them.
+#[cfg(test)]
+#[path = "seccomp_rules.rs"]
+mod rules;
 
-/// Device I/O against disk images and memory-storage files, and interrupt eventfds.
-const DEVICE_IO: &[i64] = &[
-    libc::SYS_read,
-    libc::SYS_pread64,
-    libc::SYS_pwrite64,
-    libc::SYS_preadv,
-    libc::SYS_pwritev,
-    libc::SYS_preadv2,
-    libc::SYS_pwritev2,
-    libc::SYS_lseek,
-    libc::SYS_fsync,
-    libc::SYS_fdatasync,
-    libc::SYS_msync,
-];
-
-/// What the control thread does after start: wait, kick, flush, write reports, unmap,
-/// start a signal or console thread, restore the terminal.
-const CONTROL: &[i64] = &[
-    libc::SYS_openat,
-    // musl opens files with `open`.
-    libc::SYS_open,
-    libc::SYS_rename,
-    libc::SYS_renameat,
-    libc::SYS_renameat2,
-    libc::SYS_unlink,
-    libc::SYS_unlinkat,
-    libc::SYS_ioctl,
-    libc::SYS_poll,
-    libc::SYS_ppoll,
-    libc::SYS_recvfrom,
-    libc::SYS_recvmsg,
-    libc::SYS_sendto,
-    libc::SYS_sendmsg,
-    libc::SYS_epoll_wait,
-    libc::SYS_epoll_pwait,
-    libc::SYS_epoll_ctl,
-    libc::SYS_rt_sigaction,
-    libc::SYS_clone,
-    libc::SYS_clone3,
-    libc::SYS_set_robust_list,
-    libc::SYS_rseq,
-    libc::SYS_prctl,
-    libc::SYS_sched_getaffinity,
-    libc::SYS_fcntl,
-    libc::SYS_dup,
-    libc::SYS_pipe2,
-    libc::SYS_kill,
-    libc::SYS_wait4,
-];
-
-/// KVM's ioctls all have type 0xAE; a vCPU or I/O thread needs no other ioctl.
-const KVMIO: u64 = 0xae;
-
-fn kvm_ioctls_only() -> Result<Vec<SeccompRule>, seccompiler::BackendError> {
-    Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
-        1,
-        SeccompCmpArgLen::Dword,
-        SeccompCmpOp::MaskedEq(0xff00),
-        KVMIO << 8,
-    )?])?])
+/// The programs the build script compiled, one per thread kind and mismatch action.
+mod programs {
+    use super::sock_filter;
+    include!(concat!(env!("OUT_DIR"), "/seccomp_programs.rs"));
 }
 
-fn program(kind: ThreadKind, mode: SeccompMode) -> Result<BpfProgram, SeccompError> {
-    let build = |e| SeccompError::Build {
-        kind: kind.name(),
-        source: e,
-    };
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    let lists: &[&[i64]] = match kind {
-        ThreadKind::Vcpu | ThreadKind::Io => &[BASE, DEVICE_IO],
-        ThreadKind::Control => &[BASE, DEVICE_IO, CONTROL],
-    };
-    for nr in lists.iter().flat_map(|l| l.iter()) {
-        rules.insert(*nr, vec![]);
+/// The filter for `kind`; a call outside it traps (and fails with EPERM), or with
+/// `--seccomp log` is allowed and logged by the kernel.
+fn program(kind: ThreadKind, mode: SeccompMode) -> &'static [sock_filter] {
+    let log = mode == SeccompMode::Log;
+    match (kind, log) {
+        (ThreadKind::Vcpu, false) => programs::VCPU_TRAP,
+        (ThreadKind::Vcpu, true) => programs::VCPU_LOG,
+        (ThreadKind::Io, false) => programs::IO_TRAP,
+        (ThreadKind::Io, true) => programs::IO_LOG,
+        (ThreadKind::Control, false) => programs::CONTROL_TRAP,
+        (ThreadKind::Control, true) => programs::CONTROL_LOG,
     }
-    if kind == ThreadKind::Vcpu {
-        // A vCPU of a multi-node VM hands forwarded exits and IPIs to its node's coherence
-        // thread, whose inbox rings a socket bell. It can send only on sockets it already
-        // has: `socket` and `connect` stay refused.
-        rules.insert(libc::SYS_sendto, vec![]);
-    }
-    if kind != ThreadKind::Control {
-        rules.insert(libc::SYS_ioctl, kvm_ioctls_only().map_err(build)?);
-        rules.insert(libc::SYS_epoll_wait, vec![]);
-        rules.insert(libc::SYS_epoll_pwait, vec![]);
-    }
-    let mismatch = match mode {
-        SeccompMode::Log => SeccompAction::Log,
-        _ => SeccompAction::Trap,
-    };
-    let filter = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, TargetArch::x86_64)
-        .map_err(build)?;
-    filter.try_into().map_err(build)
 }
 
 thread_local! {
@@ -256,8 +144,7 @@ pub fn apply(kind: ThreadKind, mode: SeccompMode) -> Result<(), SeccompError> {
                 .map_err(|e| e.errno())
         })
         .map_err(|e| SeccompError::Handler(std::io::Error::from_raw_os_error(e)))?;
-    let bpf = program(kind, mode)?;
-    seccompiler::apply_filter(&bpf).map_err(|source| SeccompError::Install {
+    seccompiler::apply_filter(program(kind, mode)).map_err(|source| SeccompError::Install {
         kind: kind.name(),
         source,
     })?;
@@ -310,11 +197,40 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_kind_compiles_in_every_mode() {
-        for kind in [ThreadKind::Vcpu, ThreadKind::Io, ThreadKind::Control] {
+    fn embedded_programs_equal_a_compile_of_the_rules_on_the_target() {
+        let pairs = [
+            (ThreadKind::Vcpu, rules::Kind::Vcpu),
+            (ThreadKind::Io, rules::Kind::Io),
+            (ThreadKind::Control, rules::Kind::Control),
+        ];
+        for (kind, rule_kind) in pairs {
             for mode in [SeccompMode::Enforce, SeccompMode::Log] {
-                assert!(!program(kind, mode).unwrap().is_empty());
+                let compiled = rules::program(rule_kind, mode == SeccompMode::Log).unwrap();
+                assert!(!compiled.is_empty(), "{kind:?} {mode}");
+                assert_eq!(program(kind, mode), &compiled[..], "{kind:?} {mode}");
             }
+        }
+    }
+
+    #[test]
+    fn modes_differ_only_in_the_mismatch_action() {
+        for kind in [ThreadKind::Vcpu, ThreadKind::Io, ThreadKind::Control] {
+            let trap = program(kind, SeccompMode::Enforce);
+            let log = program(kind, SeccompMode::Log);
+            assert_eq!(trap.len(), log.len(), "{kind:?}");
+            let differing: Vec<_> = trap
+                .iter()
+                .zip(log)
+                .filter(|(t, l)| t != l)
+                .map(|(t, l)| (t.k, l.k))
+                .collect();
+            assert!(!differing.is_empty(), "{kind:?}");
+            assert!(
+                differing
+                    .iter()
+                    .all(|&(t, l)| t == libc::SECCOMP_RET_TRAP && l == libc::SECCOMP_RET_LOG),
+                "{kind:?}: {differing:x?}"
+            );
         }
     }
 

@@ -140,7 +140,7 @@ struct AlignedBuf {
     layout: Layout,
 }
 
-// The buffer is owned exclusively, like a Vec.
+// SAFETY: the buffer is owned exclusively, like a Vec, so another thread may own it.
 unsafe impl Send for AlignedBuf {}
 
 impl AlignedBuf {

@@ -359,17 +359,19 @@ fn storage_io(s: &StorageIo, o: &Opts) -> Result<(u64, u64, u64), String> {
         let mut off = 0;
         while off < bytes {
             let n = chunk.min(bytes - off);
-            // SAFETY (mmap cases): `p` maps `bytes` bytes of the file.
             match (s.path, s.op) {
                 (Path::Syscall, Op::Read) => f.read_exact(&mut buf[..n]).map_err(e)?,
                 (Path::Syscall, Op::Write) => f.write_all(&buf[..n]).map_err(e)?,
-                (Path::Mmap, Op::Read) => workloads::copy_bytes(&mut buf[..n], unsafe {
-                    core::slice::from_raw_parts(p.add(off), n)
-                }),
-                (Path::Mmap, Op::Write) => workloads::copy_bytes(
-                    unsafe { core::slice::from_raw_parts_mut(p.add(off), n) },
-                    &buf[..n],
-                ),
+                (Path::Mmap, Op::Read) => {
+                    // SAFETY: `p` maps `bytes` bytes of the file and `off + n <= bytes`.
+                    let mapped = unsafe { core::slice::from_raw_parts(p.add(off), n) };
+                    workloads::copy_bytes(&mut buf[..n], mapped)
+                }
+                (Path::Mmap, Op::Write) => {
+                    // SAFETY: as for reads, and no other reference to the mapping is live.
+                    let mapped = unsafe { core::slice::from_raw_parts_mut(p.add(off), n) };
+                    workloads::copy_bytes(mapped, &buf[..n])
+                }
             }
             off += n;
         }

@@ -79,6 +79,7 @@ mod tests {
                 seen_tx.send(mask_of_self()).unwrap();
             }
         });
+        // SAFETY: CPU_COUNT only reads the set behind the reference it is given.
         let count = |m: &libc::cpu_set_t| unsafe { libc::CPU_COUNT(m) };
         let id = helper.as_pthread_t() as libc::pthread_t;
         match away_from_caller(id) {
@@ -90,6 +91,7 @@ mod tests {
                 n.restore(id);
                 go_tx.send(()).unwrap();
                 assert!(
+                    // SAFETY: CPU_EQUAL only reads the two sets behind the references it is given.
                     unsafe { libc::CPU_EQUAL(&seen_rx.recv().unwrap(), &before) },
                     "the whole mask is back"
                 );

@@ -64,6 +64,7 @@ impl HostDir {
 fn statfs_type(p: &Path) -> Option<i64> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statfs is plain integers, for which all-zero bytes are a valid value.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is a NUL-terminated path and `st` a properly sized out-parameter.
     let r = unsafe { libc::statfs(c.as_ptr(), &mut st) };

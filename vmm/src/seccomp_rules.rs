@@ -1,0 +1,160 @@
+//! The system calls each thread kind may make: one list, read by the build script, which
+//! compiles it to the BPF programs the VMM embeds, and by the unit test that checks those
+//! programs against a compile of the same rules on the target.
+//!
+//! Every number is the kernel's for x86-64, whichever C library the compiling program links:
+//! libc's `SYS_*` constants are the kernel's table on glibc and musl alike, and the KVM
+//! ioctl type comes from kvm-bindings, generated from the kernel's headers.
+
+use seccompiler::{
+    BackendError, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition,
+    SeccompFilter, SeccompRule, TargetArch,
+};
+use std::collections::BTreeMap;
+
+/// The thread kinds with a filter of their own, mirrored by `seccomp::ThreadKind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Vcpu,
+    Io,
+    Control,
+}
+
+// The build script walks every kind by name; the unit test names them one by one.
+#[cfg_attr(test, allow(dead_code))]
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::Vcpu, Kind::Io, Kind::Control];
+
+    /// The stem of the generated constants that hold this kind's programs.
+    pub fn ident(self) -> &'static str {
+        match self {
+            Kind::Vcpu => "VCPU",
+            Kind::Io => "IO",
+            Kind::Control => "CONTROL",
+        }
+    }
+}
+
+/// Calls every Rust thread here makes: memory for the allocator, futexes for locks,
+/// signal return for kicks, writes of log lines, thread exit.
+const BASE: &[i64] = &[
+    libc::SYS_futex,
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_mremap,
+    libc::SYS_madvise,
+    libc::SYS_mprotect,
+    libc::SYS_brk,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_sigaltstack,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+    libc::SYS_sched_yield,
+    libc::SYS_gettid,
+    libc::SYS_getpid,
+    libc::SYS_clock_gettime,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_nanosleep,
+    libc::SYS_getrandom,
+    libc::SYS_write,
+    libc::SYS_writev,
+    libc::SYS_close,
+    libc::SYS_fstat,
+    libc::SYS_statx,
+    libc::SYS_newfstatat,
+    // musl's spellings of the same: `stat` for metadata, `tkill` for pthread_kill.
+    libc::SYS_stat,
+    libc::SYS_tgkill,
+    libc::SYS_tkill,
+];
+
+/// Device I/O against disk images and memory-storage files, and interrupt eventfds.
+const DEVICE_IO: &[i64] = &[
+    libc::SYS_read,
+    libc::SYS_pread64,
+    libc::SYS_pwrite64,
+    libc::SYS_preadv,
+    libc::SYS_pwritev,
+    libc::SYS_preadv2,
+    libc::SYS_pwritev2,
+    libc::SYS_lseek,
+    libc::SYS_fsync,
+    libc::SYS_fdatasync,
+    libc::SYS_msync,
+];
+
+/// What the control thread does after start: wait, kick, flush, write reports, unmap,
+/// start a signal or console thread, restore the terminal.
+const CONTROL: &[i64] = &[
+    libc::SYS_openat,
+    // musl opens files with `open`.
+    libc::SYS_open,
+    libc::SYS_rename,
+    libc::SYS_renameat,
+    libc::SYS_renameat2,
+    libc::SYS_unlink,
+    libc::SYS_unlinkat,
+    libc::SYS_ioctl,
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+    libc::SYS_recvfrom,
+    libc::SYS_recvmsg,
+    libc::SYS_sendto,
+    libc::SYS_sendmsg,
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_epoll_ctl,
+    libc::SYS_rt_sigaction,
+    libc::SYS_clone,
+    libc::SYS_clone3,
+    libc::SYS_set_robust_list,
+    libc::SYS_rseq,
+    libc::SYS_prctl,
+    libc::SYS_sched_getaffinity,
+    libc::SYS_fcntl,
+    libc::SYS_dup,
+    libc::SYS_pipe2,
+    libc::SYS_kill,
+    libc::SYS_wait4,
+];
+
+/// A vCPU or I/O thread needs no ioctl outside KVM's type.
+fn kvm_ioctls_only() -> Result<Vec<SeccompRule>, BackendError> {
+    Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
+        1,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::MaskedEq(0xff00),
+        u64::from(kvm_bindings::KVMIO) << 8,
+    )?])?])
+}
+
+/// The filter for `kind`; a call outside it traps (the VMM's SIGSYS handler makes it fail
+/// with EPERM), or with `log` is allowed and logged by the kernel.
+pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    let lists: &[&[i64]] = match kind {
+        Kind::Vcpu | Kind::Io => &[BASE, DEVICE_IO],
+        Kind::Control => &[BASE, DEVICE_IO, CONTROL],
+    };
+    for nr in lists.iter().flat_map(|l| l.iter()) {
+        rules.insert(*nr, vec![]);
+    }
+    if kind == Kind::Vcpu {
+        // A vCPU of a multi-node VM hands forwarded exits and IPIs to its node's coherence
+        // thread, whose inbox rings a socket bell. It can send only on sockets it already
+        // has: `socket` and `connect` stay refused.
+        rules.insert(libc::SYS_sendto, vec![]);
+    }
+    if kind != Kind::Control {
+        rules.insert(libc::SYS_ioctl, kvm_ioctls_only()?);
+        rules.insert(libc::SYS_epoll_wait, vec![]);
+        rules.insert(libc::SYS_epoll_pwait, vec![]);
+    }
+    let mismatch = if log {
+        SeccompAction::Log
+    } else {
+        SeccompAction::Trap
+    };
+    SeccompFilter::new(rules, mismatch, SeccompAction::Allow, TargetArch::x86_64)?.try_into()
+}
