@@ -306,8 +306,10 @@ pub fn unbind_thread() {
 }
 
 fn current_tid() -> i32 {
-    // SAFETY: gettid has no preconditions.
-    unsafe { libc::gettid() }
+    // The system call rather than libc's `gettid`: in a static musl build linked with LTO
+    // that symbol came out unresolved (address 0), and the vCPU thread jumped there.
+    // SAFETY: gettid has no preconditions and takes no arguments.
+    unsafe { libc::syscall(libc::SYS_gettid) as i32 }
 }
 
 fn set_lvt_mode(lapic: &mut kvm_lapic_state, reg: usize, mode: u32) {
