@@ -6,13 +6,13 @@
 //! The library installs no process-wide signal handlers: the program that embeds it decides
 //! what SIGTERM or SIGUSR1 mean and acts through a [`VmHandle`].
 
-use crate::arch::x86_64::cpuid::NodeLeaves;
+use crate::arch::x86_64::cpuid::Topology;
 use crate::arch::x86_64::layout::{GuestLayout, CMDLINE_MAX_SIZE};
 use crate::arch::x86_64::{acpi, linux, mptable, pvh, regs};
 use crate::config::{ExitsMode, VmConfig};
 use crate::control::{Outcome, RunControl};
 use crate::device_manager::{create_devices, DeviceError, Devices};
-use crate::exit::ExitBus;
+use crate::exit::DeviceBus;
 use crate::io_thread::IoThread;
 use crate::irq::IrqLine;
 use crate::loader::{load_kernel, EntryPoint, LoadError};
@@ -120,7 +120,7 @@ pub struct Vm {
     control: Arc<RunControl>,
     capture: Option<Arc<Mutex<Vec<u8>>>>,
     /// Where the vCPUs' port and MMIO exits go: the local devices unless a node forwards them.
-    bus: Arc<dyn ExitBus>,
+    bus: Arc<dyn DeviceBus>,
     /// More entries for `--metrics` (a node's coherence counters).
     extra_metrics: Option<ExtraMetrics>,
     /// Run once the vCPUs and the I/O thread have stopped, before the VM is destroyed.
@@ -128,37 +128,137 @@ pub struct Vm {
 }
 
 /// A source of more `--metrics` entries, called whenever the metrics are read.
-pub(crate) type ExtraMetrics = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+pub type ExtraMetrics = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
 
-/// Which share of a VM one process builds. A whole VM is the usual case; a node of a VM
-/// spread over several hosts builds only its own vCPUs, on guest RAM the coherence layer
-/// shares, and only the node that serves I/O holds devices and loads the guest.
-pub(crate) struct Part {
+/// Builds a VM, or the share of one that this process runs. A whole VM on this host is
+/// [`Vmm::build`]; the builder is for the VMs that are not made in one piece from their
+/// configuration: a node of a VM over several hosts (its own vCPUs only, on guest RAM the
+/// coherence layer maps, devices only on one node), and next a snapshot restore and a
+/// migration destination (guest RAM filled from elsewhere, no kernel to load).
+///
+/// Every node builds the same guest-physical layout from the same configuration, so the
+/// share is described by what differs, each with the whole-VM case as its default.
+pub struct VmBuilder<'a> {
+    config: &'a VmConfig,
+    opts: RunOptions,
     /// Global ids (APIC ids) of the vCPUs created here.
-    pub vcpus: Vec<u8>,
-    /// Guest RAM made elsewhere; anonymous memory of this process when `None`.
-    pub ram: Option<SharedRam>,
+    vcpus: Vec<u8>,
+    ram: GuestRamSource,
     /// This process holds the devices, loads the kernel and writes the firmware tables.
-    pub devices: bool,
-    /// What the vCPUs are told about the nodes (multi-node VMs only).
-    pub node: Option<NodeLeaves>,
+    devices: bool,
+    topology: Option<Topology>,
+    on_stopped: Option<Box<dyn FnOnce() + Send>>,
+    extra_metrics: Option<ExtraMetrics>,
 }
 
-/// A guest-RAM mapping owned by someone else (see [`GuestRam::shared`]).
-pub(crate) struct SharedRam {
-    pub host: *mut u8,
-    pub len: usize,
-    pub owner: Arc<dyn std::any::Any + Send + Sync>,
+/// Where guest RAM comes from.
+pub enum GuestRamSource {
+    /// Anonymous memory of this process, zeroed: a VM that boots from its kernel.
+    Anonymous,
+    /// A mapping someone else made and keeps filled (a coherence layer's shared RAM, a
+    /// snapshot's file), which the VM registers with KVM as it is.
+    External(ExternalRam),
 }
 
-impl Part {
-    fn whole(config: &VmConfig) -> Part {
-        Part {
+/// A guest-RAM mapping owned by someone else. The VM holds `owner` until it is destroyed,
+/// which is what keeps the mapping alive.
+pub struct ExternalRam {
+    host: *mut u8,
+    len: usize,
+    owner: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl ExternalRam {
+    /// # Safety
+    /// `host..host + len` must be a readable and writable mapping, at least as long as the
+    /// VM's RAM, that stays mapped as long as `owner` lives and that nothing else unmaps or
+    /// remaps meanwhile.
+    pub unsafe fn new(
+        host: *mut u8,
+        len: usize,
+        owner: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> ExternalRam {
+        ExternalRam { host, len, owner }
+    }
+}
+
+impl<'a> VmBuilder<'a> {
+    /// The whole VM of `config`, on this host: every vCPU, anonymous RAM, the devices.
+    pub fn new(config: &'a VmConfig) -> VmBuilder<'a> {
+        VmBuilder {
+            config,
+            opts: RunOptions::default(),
             vcpus: (0..config.cpus).collect(),
-            ram: None,
+            ram: GuestRamSource::Anonymous,
             devices: true,
-            node: None,
+            topology: None,
+            on_stopped: None,
+            extra_metrics: None,
         }
+    }
+
+    /// How the VM is observed (serial capture, timeout, system-call filters).
+    pub fn options(mut self, opts: RunOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// Creates only these vCPUs (global APIC ids); the others run elsewhere. Only the vCPU
+    /// with id 0 gets the boot entry state; the others wait for start-up IPIs.
+    pub fn vcpus(mut self, ids: Vec<u8>) -> Self {
+        self.vcpus = ids;
+        self
+    }
+
+    pub fn guest_ram(mut self, ram: GuestRamSource) -> Self {
+        self.ram = ram;
+        self
+    }
+
+    /// Whether this process holds the devices, loads the kernel and writes the firmware
+    /// tables. Exactly one share of a VM does; the others forward device accesses to it
+    /// through their own [`DeviceBus`] (see [`Vm::set_device_bus`]).
+    pub fn devices(mut self, devices: bool) -> Self {
+        self.devices = devices;
+        self
+    }
+
+    /// Tells the guest, through CPUID, that it runs over several nodes and how to send
+    /// IPIs that cross them.
+    pub fn topology(mut self, topology: Topology) -> Self {
+        self.topology = Some(topology);
+        self
+    }
+
+    /// `f` runs once no guest code runs any more, before the VM is destroyed: the moment
+    /// an owner of external RAM can stop serving its faults.
+    pub fn on_stopped(mut self, f: impl FnOnce() + Send + 'static) -> Self {
+        self.on_stopped = Some(Box::new(f));
+        self
+    }
+
+    /// Creates memory, vCPUs, devices and boot data. No guest code runs until
+    /// [`Vm::start`].
+    pub fn build(self) -> Result<Vm, BuildError> {
+        Vmm::build_share(self, None)
+    }
+}
+
+/// Sends message-signalled interrupts into a VM, as a device would.
+#[derive(Clone)]
+pub struct MsiInjector(Arc<kvm_ioctls::VmFd>);
+
+impl MsiInjector {
+    /// Delivers the MSI with this address and data. KVM refuses one that names no vCPU of
+    /// this process (the error says so); like a PC, such an interrupt is simply lost.
+    pub fn signal(&self, address: u32, data: u32) -> Result<(), kvm_ioctls::Error> {
+        let msi = kvm_bindings::kvm_msi {
+            address_lo: address,
+            address_hi: 0,
+            data,
+            ..Default::default()
+        };
+        self.0.signal_msi(msi).map(|_| ())
     }
 }
 
@@ -270,7 +370,7 @@ impl Vmm {
     /// that order on this thread, the vCPUs meanwhile on their own threads. No guest code
     /// runs until [`Vm::start`].
     pub fn build(config: &VmConfig, opts: &RunOptions) -> Result<Vm, BuildError> {
-        Self::build_part(config, opts, Part::whole(config), None)
+        VmBuilder::new(config).options(opts.clone()).build()
     }
 
     /// [`Vmm::build`] on KVM work started earlier with [`HostPrep::start`].
@@ -279,16 +379,12 @@ impl Vmm {
         opts: &RunOptions,
         host: HostPrep,
     ) -> Result<Vm, BuildError> {
-        Self::build_part(config, opts, Part::whole(config), Some(host))
+        Self::build_share(VmBuilder::new(config).options(opts.clone()), Some(host))
     }
 
-    /// Builds `part` of the VM described by `config`.
-    pub(crate) fn build_part(
-        config: &VmConfig,
-        opts: &RunOptions,
-        part: Part,
-        host: Option<HostPrep>,
-    ) -> Result<Vm, BuildError> {
+    fn build_share(share: VmBuilder, host: Option<HostPrep>) -> Result<Vm, BuildError> {
+        let config = share.config;
+        let opts = &share.opts;
         let started = Instant::now();
         install_kick_handler().map_err(|source| BuildError::Thread {
             what: "vCPU kick handler",
@@ -329,14 +425,14 @@ impl Vmm {
         let mut plan = Plan::new(
             kvm_host.clone(),
             layout.cpus,
-            part.vcpus.len(),
-            part.node,
+            share.vcpus.len(),
+            share.topology,
             opts.seccomp,
         );
         if let Some(cell) = cpuid {
             plan.share_cpuid(cell);
         }
-        let vcpus = part
+        let vcpus = share
             .vcpus
             .iter()
             .map(|&id| PendingVcpu::spawn(id, &plan, spare.take()))
@@ -346,11 +442,13 @@ impl Vmm {
                 source,
             })?;
         let mut kvm = KvmVm::create(kvm_host)?;
-        let ram = Arc::new(match part.ram {
-            None => GuestRam::new(&layout, RamBackend::Anonymous)?,
-            // SAFETY: the owner of a shared mapping keeps it mapped while it lives, and
-            // `GuestRam` keeps the owner.
-            Some(r) => unsafe { GuestRam::shared(&layout, r.host, r.len, r.owner)? },
+        let ram = Arc::new(match share.ram {
+            GuestRamSource::Anonymous => GuestRam::new(&layout, RamBackend::Anonymous)?,
+            // SAFETY: `ExternalRam::new`'s contract: the owner keeps the mapping while it
+            // lives, and `GuestRam` keeps the owner.
+            GuestRamSource::External(r) => unsafe {
+                GuestRam::shared(&layout, r.host, r.len, r.owner)?
+            },
         });
         kvm.register_memory(ram.memory())?;
         pmem.register(&mut kvm)?;
@@ -362,7 +460,7 @@ impl Vmm {
         phase("vm and memory");
 
         // 2. The kernel, loaded once for the whole VM by the node that holds the devices.
-        let loaded = if part.devices {
+        let loaded = if share.devices {
             Some(load_kernel(&mem, &config.kernel)?)
         } else {
             None
@@ -387,7 +485,7 @@ impl Vmm {
         let capture = opts
             .capture_serial
             .then(|| Arc::new(Mutex::new(Vec::new())));
-        let devices = if part.devices {
+        let devices = if share.devices {
             create_devices(
                 &kvm,
                 &mem,
@@ -426,7 +524,7 @@ impl Vmm {
         // so made earlier it held up the vCPUs being created on their threads.
         kvm.create_pit()?;
 
-        let bus: Arc<dyn ExitBus> = devices.bus.clone();
+        let bus: Arc<dyn DeviceBus> = devices.bus.clone();
         Ok(Vm {
             started,
             opts: opts.clone(),
@@ -441,8 +539,8 @@ impl Vmm {
             control,
             capture,
             bus,
-            extra_metrics: None,
-            on_stopped: None,
+            extra_metrics: share.extra_metrics,
+            on_stopped: share.on_stopped,
         })
     }
 }
@@ -489,33 +587,33 @@ impl Vm {
         &self.layout
     }
 
-    /// The local devices' bus, for serving exits other nodes forward.
-    pub(crate) fn local_bus(&self) -> Arc<dyn ExitBus> {
+    /// The bus of this process's own devices: a share of a VM that holds the devices
+    /// serves the accesses other shares forward to it here.
+    pub fn device_bus(&self) -> Arc<dyn DeviceBus> {
         self.devices.bus.clone()
     }
 
-    /// Sends the vCPUs' exits to `bus` instead of the local devices.
-    pub(crate) fn set_bus(&mut self, bus: Arc<dyn ExitBus>) {
+    /// Sends the vCPUs' port and MMIO accesses to `bus` instead of the local devices (a
+    /// node forwards them to the node that holds the devices, and carries IPIs).
+    pub fn set_device_bus(&mut self, bus: Arc<dyn DeviceBus>) {
         self.bus = bus;
     }
 
-    /// `f` runs once no guest code runs any more, before the VM is destroyed (a node lets
-    /// go of guest RAM's userfaultfd there).
-    pub(crate) fn set_on_stopped(&mut self, f: Box<dyn FnOnce() + Send>) {
-        self.on_stopped = Some(f);
-    }
-
-    pub(crate) fn set_extra_metrics(&mut self, extra: ExtraMetrics) {
+    /// Adds `extra()`'s object to the metrics whenever they are read (a node's coherence
+    /// counters). Set after the build, as the counters usually live in the device bus.
+    pub fn set_extra_metrics(&mut self, extra: ExtraMetrics) {
         self.extra_metrics = Some(extra);
     }
 
-    pub(crate) fn control(&self) -> Arc<RunControl> {
+    /// Where the VM's outcome is decided: a node ends the VM when a peer does, and its
+    /// forwarded accesses stop waiting once the VM has ended.
+    pub fn run_control(&self) -> Arc<RunControl> {
         self.control.clone()
     }
 
-    /// The VM fd, for injecting interrupts from other threads.
-    pub(crate) fn vm_fd(&self) -> Arc<kvm_ioctls::VmFd> {
-        self.kvm.shared_fd()
+    /// Delivers interrupts into the VM from any thread (IPIs that came from another node).
+    pub fn msi_injector(&self) -> MsiInjector {
+        MsiInjector(self.kvm.shared_fd())
     }
 
     /// Starts the I/O thread (kernel exit path) and one thread per vCPU.

@@ -3,6 +3,10 @@
 //! The surface is small on purpose: a configuration ([`config`], with the memory-storage
 //! specs of [`pmem`]), [`Vmm::build`] → [`Vm::start`] → [`RunningVm::wait`], and what a run
 //! reports. Everything else is the VMM's own business.
+//!
+//! A VM that is not made in one piece on this host (a node of a VM over several hosts, in
+//! the `musubi-cluster` crate) is built with [`VmBuilder`] and routes its device accesses
+//! through its own [`DeviceBus`].
 
 mod arch;
 mod builder;
@@ -16,15 +20,18 @@ mod io_thread;
 mod irq;
 mod loader;
 mod metrics;
-pub mod node;
 pub mod pmem;
 pub mod seccomp;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod vstate;
 
+pub use arch::x86_64::cpuid::Topology;
 pub use builder::{
-    monotonic_ns, run_vm, BuildError, RunOptions, RunReport, RunningVm, Vm, VmHandle, Vmm,
+    monotonic_ns, run_vm, BuildError, ExternalRam, ExtraMetrics, GuestRamSource, MsiInjector,
+    RunOptions, RunReport, RunningVm, Vm, VmBuilder, VmHandle, Vmm,
 };
-pub use control::{Outcome, NODE_LOST_STATUS};
+pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
+pub use exit::DeviceBus;
+pub use metrics::MmioTarget;
 pub use vstate::host::HostPrep;

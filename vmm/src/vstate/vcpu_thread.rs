@@ -12,7 +12,7 @@
 use super::host::{Job, SpareThread};
 use super::spread;
 use super::vcpu::{kick_signal, unbind_thread, Vcpu, VcpuContext, VcpuError};
-use crate::arch::x86_64::cpuid::NodeLeaves;
+use crate::arch::x86_64::cpuid::Topology;
 use crate::control::{panic_message, Outcome};
 use crate::seccomp::{self, SeccompMode, ThreadKind};
 use kvm_bindings::{kvm_regs, kvm_sregs, CpuId, KVM_MAX_CPUID_ENTRIES};
@@ -48,7 +48,7 @@ pub struct Plan {
     kvm: Arc<Kvm>,
     /// vCPUs in the whole VM (the CPUID topology).
     count: u8,
-    node: Option<NodeLeaves>,
+    node: Option<Topology>,
     seccomp: SeccompMode,
     cpuid: SharedCpuid,
     /// vCPUs of this process set up (or failed), against how many there are: the BSP waits
@@ -64,7 +64,7 @@ impl Plan {
         kvm: Arc<Kvm>,
         count: u8,
         local: usize,
-        node: Option<NodeLeaves>,
+        node: Option<Topology>,
         seccomp: SeccompMode,
     ) -> Plan {
         Plan {
