@@ -19,12 +19,11 @@ use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::metrics::{detailed, summarize, ExitSummary, VcpuMetrics};
 use crate::pmem::{host_phys_bits, PmemError, PmemRegions};
 use crate::seccomp::SeccompMode;
-use crate::vstate::host::HostPrep;
 use crate::vstate::memory::{GuestRam, MemoryError, RamBackend};
 use crate::vstate::vcpu::{
     install_kick_handler, kick_signal, VcpuContext, VcpuError, VcpuState, VcpuStatus,
 };
-use crate::vstate::vcpu_thread::{Boot, PendingVcpu, Plan};
+use crate::vstate::vcpu_thread::{Boot, PendingVcpu, VcpuSetup};
 use crate::vstate::vm::{open_kvm, KvmVm, VmError};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -240,7 +239,7 @@ impl<'a> VmBuilder<'a> {
     /// Creates memory, vCPUs, devices and boot data. No guest code runs until
     /// [`Vm::start`].
     pub fn build(self) -> Result<Vm, BuildError> {
-        Vmm::build_share(self, None)
+        Vmm::build_share(self)
     }
 }
 
@@ -373,16 +372,7 @@ impl Vmm {
         VmBuilder::new(config).options(opts.clone()).build()
     }
 
-    /// [`Vmm::build`] on KVM work started earlier with [`HostPrep::start`].
-    pub fn build_on(
-        config: &VmConfig,
-        opts: &RunOptions,
-        host: HostPrep,
-    ) -> Result<Vm, BuildError> {
-        Self::build_share(VmBuilder::new(config).options(opts.clone()), Some(host))
-    }
-
-    fn build_share(share: VmBuilder, host: Option<HostPrep>) -> Result<Vm, BuildError> {
+    fn build_share(share: VmBuilder) -> Result<Vm, BuildError> {
         let config = share.config;
         let opts = &share.opts;
         let started = Instant::now();
@@ -412,30 +402,19 @@ impl Vmm {
         let addrs: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
         let pmem = pmem_files.map(&addrs)?;
         // The vCPU threads start first and set up their vCPUs beside the rest of the build
-        // (see `vcpu_thread`); without prepared KVM work they probe CPUID while the VM is
-        // created.
-        let (ready, cpuid, mut spare) = match host.and_then(HostPrep::take) {
-            Some(p) => (Some(p.kvm?), Some(p.cpuid), p.spare),
-            None => (None, None, None),
-        };
-        let kvm_host = match ready {
-            Some(kvm) => kvm,
-            None => open_kvm()?,
-        };
-        let mut plan = Plan::new(
+        // (see `vcpu_thread`): the first probes the host's CPUID while the VM is created.
+        let kvm_host = open_kvm()?;
+        let setup = VcpuSetup::new(
             kvm_host.clone(),
             layout.cpus,
             share.vcpus.len(),
             share.topology,
             opts.seccomp,
         );
-        if let Some(cell) = cpuid {
-            plan.share_cpuid(cell);
-        }
         let vcpus = share
             .vcpus
             .iter()
-            .map(|&id| PendingVcpu::spawn(id, &plan, spare.take()))
+            .map(|&id| PendingVcpu::spawn(id, &setup))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|source| BuildError::Thread {
                 what: "vCPU",
@@ -667,9 +646,6 @@ impl Vm {
                 first_run: first_run.clone(),
             }));
         }
-        if shared.vcpu_ids.contains(&0) {
-            stay_quiet_until_first_run(&first_run, &self.control);
-        }
         Ok(RunningVm {
             vm: self,
             shared,
@@ -679,24 +655,6 @@ impl Vm {
             io_thread,
             first_run,
         })
-    }
-}
-
-/// How long [`Vm::start`] keeps the calling thread quiet at most while the BSP finishes its
-/// set-up, and how often it looks.
-const QUIET_START_LIMIT: Duration = Duration::from_millis(50);
-const QUIET_START_POLL: Duration = Duration::from_micros(20);
-
-/// Returns once the BSP has entered the guest (or the VM ended, or the limit passed). What
-/// the caller does next (starting threads, installing filters) changes the process's
-/// mappings; overlapping the BSP's last KVM calls, that made them about twice as slow on a
-/// virtual host (TLB shoot-downs to the BSP's core are the likely cause). The wait sleeps in
-/// short steps rather than blocking, as a blocked waiter would have to be woken by the BSP
-/// on its way into the guest.
-fn stay_quiet_until_first_run(first_run: &OnceLock<(Instant, u64)>, control: &RunControl) {
-    let until = Instant::now() + QUIET_START_LIMIT;
-    while first_run.get().is_none() && !control.is_finished() && Instant::now() < until {
-        std::thread::sleep(QUIET_START_POLL);
     }
 }
 

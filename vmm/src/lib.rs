@@ -34,4 +34,3 @@ pub use builder::{
 pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
 pub use exit::DeviceBus;
 pub use metrics::MmioTarget;
-pub use vstate::host::HostPrep;
