@@ -9,6 +9,7 @@
 //! through its own [`DeviceBus`].
 
 mod arch;
+mod boot_data;
 mod builder;
 pub mod config;
 mod control;
@@ -16,11 +17,13 @@ mod device_manager;
 mod exit;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod idle;
 mod io_thread;
 mod irq;
 mod loader;
 mod metrics;
 pub mod pmem;
+mod running;
 pub mod seccomp;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -28,9 +31,10 @@ mod vstate;
 
 pub use arch::x86_64::cpuid::Topology;
 pub use builder::{
-    monotonic_ns, run_vm, BuildError, ExternalRam, ExtraMetrics, GuestRamSource, MsiInjector,
-    RunOptions, RunReport, RunningVm, Vm, VmBuilder, VmHandle, Vmm,
+    BuildError, ExternalRam, ExtraMetrics, GuestRamSource, MsiInjector, RunOptions, Vm, VmBuilder,
+    Vmm,
 };
 pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
 pub use exit::DeviceBus;
 pub use metrics::MmioTarget;
+pub use running::{monotonic_ns, run_vm, RunReport, RunningVm, VmHandle};

@@ -250,7 +250,7 @@ impl Vcpu {
         if id == 0 {
             let _ = ctx
                 .first_run
-                .set((Instant::now(), crate::builder::monotonic_ns()));
+                .set((Instant::now(), crate::running::monotonic_ns()));
         }
         while !ctx.control.is_finished() {
             let result = self.fd.run();
