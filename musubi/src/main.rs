@@ -125,14 +125,7 @@ enum GuestCommand {
 }
 
 fn main() -> ExitCode {
-    // `run` gets KVM opened and the host's CPUID probed while the arguments are parsed and
-    // the configuration read, on the thread that then runs vCPU 0; anything else never
-    // uses it.
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let host = args
-        .get(1)
-        .is_some_and(|a| a == "run")
-        .then(vmm::HostPrep::start);
     // Output piped into `head` and the like ends quietly, as for other command-line tools.
     // SAFETY: restoring a signal's default disposition has no preconditions.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
@@ -181,7 +174,7 @@ fn main() -> ExitCode {
             vm,
             run,
         } => nodes::node(&cluster, id, &vm, &run),
-        Command::Run(RunCmd { vm, run, .. }) => run::run(&vm, &run, host),
+        Command::Run(RunCmd { vm, run, .. }) => run::run(&vm, &run),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
         Command::Partition(args) => partition_cli::run(args),

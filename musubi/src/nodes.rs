@@ -6,6 +6,7 @@ use crate::cli::{FileConfig, RunFlags, VmArgs};
 use crate::netns::{self, Netns};
 use crate::run::{report_json, write_json, SignalWatch};
 use clap::Args;
+use musubi_cluster::{ClusterSpec, Node, NodeAddr, NodeOptions};
 use serde::Deserialize;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
@@ -13,7 +14,6 @@ use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
-use vmm::node::{ClusterSpec, Node, NodeAddr, NodeOptions};
 
 /// How long a node waits for every other node to come up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -49,13 +49,13 @@ pub struct NetFlags {
 }
 
 /// A link delay or poll window: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`,
-/// `s`), at most [`vmm::node::MAX_LINK_DELAY`]. The error says what would be accepted; the
+/// `s`), at most [`musubi_cluster::MAX_LINK_DELAY`]. The error says what would be accepted; the
 /// caller names the flag or field.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let expected = || {
         format!(
             "expected a number and a unit (ns, us, ms or s), e.g. 100us or 2ms, at most {:?}",
-            vmm::node::MAX_LINK_DELAY
+            musubi_cluster::MAX_LINK_DELAY
         )
     };
     let t = s.trim();
@@ -72,7 +72,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     let v: f64 = number.parse().map_err(|_| expected())?;
     let ns = v * ns_per;
-    if !ns.is_finite() || ns > vmm::node::MAX_LINK_DELAY.as_nanos() as f64 {
+    if !ns.is_finite() || ns > musubi_cluster::MAX_LINK_DELAY.as_nanos() as f64 {
         return Err(expected());
     }
     Ok(Duration::from_nanos(ns.round() as u64))
@@ -150,7 +150,7 @@ fn read_cluster(path: &Path, vm: &VmArgs) -> Result<Cluster, String> {
     };
     let fetch_poll = match &file.fetch_poll {
         Some(d) => parse_duration(d).map_err(|e| at(format!("fetch_poll {d:?}: {e}")))?,
-        None => vmm::node::DEFAULT_POLL_WINDOW,
+        None => musubi_cluster::DEFAULT_POLL_WINDOW,
     };
     let dir = path.parent().unwrap_or(Path::new("."));
     let secret_path = dir.join(&file.secret_file);

@@ -11,8 +11,7 @@ use std::process::ExitCode;
 
 const STDIN: std::os::fd::RawFd = 0;
 
-/// `host`: KVM work started before the arguments were parsed, if any.
-pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, host: Option<vmm::HostPrep>) -> ExitCode {
+pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags) -> ExitCode {
     let fail = |msg: String| {
         eprintln!("musubi: {msg}");
         ExitCode::from(1)
@@ -36,10 +35,7 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, host: Option<vmm::HostPrep>) -
         timeout,
         seccomp: run.seccomp,
     };
-    let built = match host.map_or_else(
-        || vmm::Vmm::build(&config, &opts),
-        |h| vmm::Vmm::build_on(&config, &opts, h),
-    ) {
+    let built = match vmm::Vmm::build(&config, &opts) {
         Ok(vm) => vm,
         Err(e) => return fail(e.to_string()),
     };

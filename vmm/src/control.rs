@@ -97,6 +97,10 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_default()
 }
 
+/// Where a VM's outcome is decided, shared by every thread of the VM and by whoever embeds
+/// it: the first [`RunControl::finish`] wins, so a guest exit, a crash, a signal and a peer's
+/// stop racing each other end the VM once, and vCPUs check [`RunControl::is_finished`] after
+/// every exit without taking a lock.
 #[derive(Default)]
 pub struct RunControl {
     outcome: Mutex<Option<Outcome>>,
@@ -124,6 +128,7 @@ impl RunControl {
             .clone()
     }
 
+    /// Whether the VM has an outcome (and its threads should stop).
     pub fn is_finished(&self) -> bool {
         self.finished.load(Ordering::Acquire)
     }

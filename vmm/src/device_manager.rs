@@ -5,7 +5,7 @@ use crate::arch::x86_64::layout::{
 };
 use crate::config::{ExitsMode, SerialMode, VmConfig};
 use crate::control::RunControl;
-use crate::exit::ExitBus;
+use crate::exit::DeviceBus;
 use crate::io_thread::Notifier;
 use crate::irq::{IrqLine, UserIrq};
 use crate::metrics::MmioTarget;
@@ -95,7 +95,7 @@ pub struct LocalBus {
     names: Arc<MmioNames>,
 }
 
-impl ExitBus for LocalBus {
+impl DeviceBus for LocalBus {
     fn pio_read(&self, _: u8, port: u16, data: &mut [u8]) {
         if self.io.pio_read(PioAddress(port), data).is_err() {
             data.fill(0xff);

@@ -9,7 +9,7 @@ use kvm_ioctls::VcpuExit;
 
 /// Where port and MMIO accesses that leave KVM_RUN go. A local VM serves them from its own
 /// devices; a node of a multi-host VM forwards them to the node that holds the devices.
-pub trait ExitBus: Send + Sync {
+pub trait DeviceBus: Send + Sync {
     /// Fills `data` from the device at `port`; unclaimed ports read as all ones. `vcpu` is
     /// the global id of the vCPU that exited: a node forwarding the access names it, and
     /// paravirtual ports (IPIs) need the sender.
@@ -46,7 +46,7 @@ pub enum ExitAction {
 /// Dispatches one exit of vCPU `id` and says what it was, for the accounting.
 pub fn handle_exit(
     exit: Result<VcpuExit<'_>, kvm_ioctls::Error>,
-    bus: &dyn ExitBus,
+    bus: &dyn DeviceBus,
     id: u8,
 ) -> (ExitReason, ExitAction) {
     let exit = match exit {
@@ -139,7 +139,7 @@ mod tests {
         log: Mutex<Vec<String>>,
     }
 
-    impl ExitBus for RecordingBus {
+    impl DeviceBus for RecordingBus {
         fn pio_read(&self, _: u8, port: u16, data: &mut [u8]) {
             self.log.lock().unwrap().push(format!("in {port:#x}"));
             data.fill(0x5a);

@@ -3,8 +3,13 @@
 //! The surface is small on purpose: a configuration ([`config`], with the memory-storage
 //! specs of [`pmem`]), [`Vmm::build`] → [`Vm::start`] → [`RunningVm::wait`], and what a run
 //! reports. Everything else is the VMM's own business.
+//!
+//! A VM that is not made in one piece on this host (a node of a VM over several hosts, in
+//! the `musubi-cluster` crate) is built with [`VmBuilder`] and routes its device accesses
+//! through its own [`DeviceBus`].
 
 mod arch;
+mod boot_data;
 mod builder;
 pub mod config;
 mod control;
@@ -12,19 +17,24 @@ mod device_manager;
 mod exit;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod idle;
 mod io_thread;
 mod irq;
 mod loader;
 mod metrics;
-pub mod node;
 pub mod pmem;
+mod running;
 pub mod seccomp;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod vstate;
 
+pub use arch::x86_64::cpuid::Topology;
 pub use builder::{
-    monotonic_ns, run_vm, BuildError, RunOptions, RunReport, RunningVm, Vm, VmHandle, Vmm,
+    BuildError, ExternalRam, ExtraMetrics, GuestRamSource, MsiInjector, RunOptions, Vm, VmBuilder,
+    Vmm,
 };
-pub use control::{Outcome, NODE_LOST_STATUS};
-pub use vstate::host::HostPrep;
+pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
+pub use exit::DeviceBus;
+pub use metrics::MmioTarget;
+pub use running::{monotonic_ns, run_vm, RunReport, RunningVm, VmHandle};

@@ -1,8 +1,8 @@
 //! One vCPU: its KVM set-up and the thread that runs it until the VM ends.
 
-use crate::arch::x86_64::cpuid::{add_node_leaves, filter_cpuid, NodeLeaves};
+use crate::arch::x86_64::cpuid::{add_node_leaves, filter_cpuid, Topology};
 use crate::control::{panic_message, Outcome, RunControl};
-use crate::exit::{crash_outcome, handle_exit, ExitAction, ExitBus};
+use crate::exit::{crash_outcome, handle_exit, DeviceBus, ExitAction};
 use crate::metrics::VcpuMetrics;
 use crate::vstate::memory::GuestRam;
 use kvm_bindings::{
@@ -128,7 +128,7 @@ impl VcpuStatus {
 
 /// What a vCPU thread shares with the VM that runs it.
 pub struct VcpuContext {
-    pub bus: Arc<dyn ExitBus>,
+    pub bus: Arc<dyn DeviceBus>,
     pub control: Arc<RunControl>,
     pub metrics: Arc<VcpuMetrics>,
     pub status: Arc<VcpuStatus>,
@@ -162,7 +162,7 @@ impl Vcpu {
         vm: &VmFd,
         id: u8,
         count: u8,
-        node: Option<NodeLeaves>,
+        node: Option<Topology>,
     ) -> Result<Self, VcpuError> {
         let err = |what| move |source| VcpuError::Ioctl { id, what, source };
         let fd = vm.create_vcpu(id as u64).map_err(err("KVM_CREATE_VCPU"))?;
@@ -250,7 +250,7 @@ impl Vcpu {
         if id == 0 {
             let _ = ctx
                 .first_run
-                .set((Instant::now(), crate::builder::monotonic_ns()));
+                .set((Instant::now(), crate::running::monotonic_ns()));
         }
         while !ctx.control.is_finished() {
             let result = self.fd.run();

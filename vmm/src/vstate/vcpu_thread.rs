@@ -9,15 +9,12 @@
 //! period that creating the in-kernel irqchip started. Here they overlap the rest of the
 //! build, and the thread that runs the vCPU already exists when the VM starts.
 
-use super::host::{Job, SpareThread};
-use super::spread;
 use super::vcpu::{kick_signal, unbind_thread, Vcpu, VcpuContext, VcpuError};
-use crate::arch::x86_64::cpuid::NodeLeaves;
+use crate::arch::x86_64::cpuid::Topology;
 use crate::control::{panic_message, Outcome};
 use crate::seccomp::{self, SeccompMode, ThreadKind};
 use kvm_bindings::{kvm_regs, kvm_sregs, CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VmFd};
-use std::os::unix::thread::JoinHandleExt;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -33,7 +30,7 @@ pub struct Boot {
 }
 
 /// What the building thread tells a vCPU thread, in this order.
-enum Order {
+enum VcpuStep {
     /// The in-kernel interrupt controllers exist: create the vCPU on this VM.
     Create(Arc<VmFd>),
     /// The kernel is loaded: the BSP's entry state (`None` for the other vCPUs).
@@ -44,30 +41,30 @@ enum Order {
 
 /// What every vCPU thread of a VM is given when it starts.
 #[derive(Clone)]
-pub struct Plan {
+pub struct VcpuSetup {
     kvm: Arc<Kvm>,
     /// vCPUs in the whole VM (the CPUID topology).
     count: u8,
-    node: Option<NodeLeaves>,
+    node: Option<Topology>,
     seccomp: SeccompMode,
     cpuid: SharedCpuid,
     /// vCPUs of this process set up (or failed), against how many there are: the BSP waits
     /// for all of them before its first KVM_RUN, so no start-up IPI it sends can find an AP
     /// that does not exist yet.
-    settled: Arc<(Mutex<Settled>, Condvar)>,
+    settled: Arc<(Mutex<SetUpTally>, Condvar)>,
     local: usize,
 }
 
-impl Plan {
+impl VcpuSetup {
     /// `local` vCPUs of a VM of `count` are made in this process.
     pub fn new(
         kvm: Arc<Kvm>,
         count: u8,
         local: usize,
-        node: Option<NodeLeaves>,
+        node: Option<Topology>,
         seccomp: SeccompMode,
-    ) -> Plan {
-        Plan {
+    ) -> VcpuSetup {
+        VcpuSetup {
             kvm,
             count,
             node,
@@ -78,16 +75,10 @@ impl Plan {
         }
     }
 
-    /// Has the vCPU threads take the host's CPUID from `cell`, which another thread fills
-    /// (or is filling) instead of probing it themselves.
-    pub fn share_cpuid(&mut self, cell: SharedCpuid) {
-        self.cpuid = cell;
-    }
-
     /// Counts this thread's vCPU as settled when dropped, on every way out of its set-up
     /// (an early end or a panic included), so the BSP never waits for a thread that is gone.
-    fn settling(&self) -> Settling<'_> {
-        Settling(self, None)
+    fn settling(&self) -> SetUpReport<'_> {
+        SetUpReport(self, None)
     }
 
     /// Waits until every vCPU of this process is set up, and returns why one is not, if
@@ -103,22 +94,22 @@ impl Plan {
 }
 
 #[derive(Default)]
-struct Settled {
+struct SetUpTally {
     count: usize,
     /// The first vCPU set-up that failed, and why.
     failure: Option<String>,
 }
 
 /// Counts one vCPU as settled when dropped, with its failure if `fail` recorded one.
-struct Settling<'a>(&'a Plan, Option<String>);
+struct SetUpReport<'a>(&'a VcpuSetup, Option<String>);
 
-impl Settling<'_> {
+impl SetUpReport<'_> {
     fn fail(&mut self, why: String) {
         self.1 = Some(why);
     }
 }
 
-impl Drop for Settling<'_> {
+impl Drop for SetUpReport<'_> {
     fn drop(&mut self) {
         let (state, changed) = &*self.0.settled;
         let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
@@ -133,62 +124,33 @@ impl Drop for Settling<'_> {
 /// A vCPU thread that has not been told to run. Dropping it ends the thread.
 pub struct PendingVcpu {
     pub id: u8,
-    orders: Option<Sender<Order>>,
+    orders: Option<Sender<VcpuStep>>,
     thread: Option<JoinHandle<()>>,
-    /// Its set-up runs off the building thread's core; the guest may run on any.
-    narrowed: Option<spread::Narrowed>,
 }
 
 impl PendingVcpu {
-    /// Starts the thread of vCPU `id`, on `spare` if given; it probes CPUID and installs
-    /// its filter at once.
-    pub(crate) fn spawn(
-        id: u8,
-        plan: &Plan,
-        spare: Option<SpareThread>,
-    ) -> std::io::Result<PendingVcpu> {
+    /// Starts the thread of vCPU `id`; it probes CPUID and installs its filter at once.
+    pub(crate) fn spawn(id: u8, setup: &VcpuSetup) -> std::io::Result<PendingVcpu> {
         let (orders, inbox) = channel();
-        let plan = plan.clone();
-        let run = move || set_up_and_run(id, plan, inbox);
-        let (thread, narrowed) = match spare {
-            Some(t) => match t.take_over(Box::new(move || {
-                name_this_thread(id);
-                run()
-            })) {
-                Ok(taken) => taken,
-                // The helper ended early (KVM could not be opened): a thread of its own.
-                Err(job) => Self::start_thread(id, job)?,
-            },
-            None => Self::start_thread(id, Box::new(run))?,
-        };
+        let setup = setup.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || set_up_and_run(id, setup, inbox))?;
         Ok(PendingVcpu {
             id,
             orders: Some(orders),
             thread: Some(thread),
-            narrowed,
         })
-    }
-
-    /// A new thread for vCPU `id`'s set-up, asked off the calling thread's core.
-    fn start_thread(
-        id: u8,
-        job: Job,
-    ) -> std::io::Result<(JoinHandle<()>, Option<spread::Narrowed>)> {
-        let thread = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(job)?;
-        let narrowed = spread::away_from_caller(thread.as_pthread_t() as libc::pthread_t);
-        Ok((thread, narrowed))
     }
 
     /// Has the thread create its vCPU on `vm`, whose interrupt controllers exist.
     pub fn create(&self, vm: &Arc<VmFd>) {
-        self.order(Order::Create(vm.clone()));
+        self.order(VcpuStep::Create(vm.clone()));
     }
 
     /// Gives the thread its entry state (the BSP) or none.
     pub fn boot(&self, boot: Option<Boot>) {
-        self.order(Order::Boot(boot));
+        self.order(VcpuStep::Boot(boot));
     }
 
     /// Lets the vCPU run as soon as it is set up, and hands its thread over. Nothing waits
@@ -197,13 +159,10 @@ impl PendingVcpu {
     /// with the reason.
     pub fn run(mut self, ctx: VcpuContext) -> JoinHandle<()> {
         let control = ctx.control.clone();
-        if let (Some(n), Some(t)) = (self.narrowed.take(), &self.thread) {
-            n.restore(t.as_pthread_t() as libc::pthread_t);
-        }
         let sent = self
             .orders
             .take()
-            .is_some_and(|o| o.send(Order::Run(ctx)).is_ok());
+            .is_some_and(|o| o.send(VcpuStep::Run(ctx)).is_ok());
         if !sent {
             control.finish(Outcome::VmmError(
                 VcpuError::ThreadEnded { id: self.id }.to_string(),
@@ -214,7 +173,7 @@ impl PendingVcpu {
             .expect("a pending vCPU keeps its thread until it runs")
     }
 
-    fn order(&self, order: Order) {
+    fn order(&self, order: VcpuStep) {
         // A thread that has ended reports why when it is told to run.
         if let Some(o) = &self.orders {
             let _ = o.send(order);
@@ -232,20 +191,11 @@ impl Drop for PendingVcpu {
     }
 }
 
-/// Names a thread taken over for vCPU `id` `vcpuN` for the kernel (`ps`,
-/// `/proc/PID/task/*/comm`), as a thread started for it is named.
-fn name_this_thread(id: u8) {
-    let name = format!("vcpu{id}\0");
-    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes, which `name`
-    // is and outlives the call.
-    unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr()) };
-}
-
-fn set_up_and_run(id: u8, plan: Plan, inbox: Receiver<Order>) {
+fn set_up_and_run(id: u8, setup: VcpuSetup, inbox: Receiver<VcpuStep>) {
     seccomp::block_process_signals(&[kick_signal()]);
-    let mut settling = plan.settling();
+    let mut settling = setup.settling();
     let set_up =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| set_up(id, &plan, &inbox)));
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| set_up(id, &setup, &inbox)));
     let set_up = match set_up {
         Ok(Some(r)) => r,
         // The build was abandoned.
@@ -262,7 +212,7 @@ fn set_up_and_run(id: u8, plan: Plan, inbox: Receiver<Order>) {
     // Orders a failed set-up left unread come before the one to run.
     let ctx = loop {
         match inbox.recv() {
-            Ok(Order::Run(ctx)) => break ctx,
+            Ok(VcpuStep::Run(ctx)) => break ctx,
             Ok(_) => continue,
             Err(_) => {
                 unbind_thread();
@@ -273,7 +223,7 @@ fn set_up_and_run(id: u8, plan: Plan, inbox: Receiver<Order>) {
     match set_up {
         Ok(vcpu) => {
             // The BSP enters the guest only with every vCPU of this process in place.
-            match (id == 0).then(|| plan.wait_all_settled()).flatten() {
+            match (id == 0).then(|| setup.wait_all_settled()).flatten() {
                 None => vcpu.run(ctx),
                 Some(why) => {
                     unbind_thread();
@@ -290,12 +240,16 @@ fn set_up_and_run(id: u8, plan: Plan, inbox: Receiver<Order>) {
 
 /// Creates and configures vCPU `id` as the orders come; `None` if the build was abandoned
 /// before they all came.
-fn set_up(id: u8, plan: &Plan, inbox: &Receiver<Order>) -> Option<Result<Vcpu, VcpuError>> {
+fn set_up(
+    id: u8,
+    setup: &VcpuSetup,
+    inbox: &Receiver<VcpuStep>,
+) -> Option<Result<Vcpu, VcpuError>> {
     // Work that needs no VM yet: the host's CPUID first (the vCPU cannot be configured
     // without it), then the filter, while the VM's interrupt controllers are made.
-    let supported = plan
+    let supported = setup
         .cpuid
-        .get_or_init(|| plan.kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES))
+        .get_or_init(|| setup.kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES))
         .clone()
         .map_err(VcpuError::SupportedCpuid);
     // The filter goes on before the VM's interrupt controllers exist rather than after
@@ -303,20 +257,20 @@ fn set_up(id: u8, plan: &Plan, inbox: &Receiver<Order>) -> Option<Result<Vcpu, V
     // every system call number to find the ones it always allows), which here overlaps
     // the build instead of delaying the first KVM_RUN. Everything left to do on this
     // thread (KVM ioctls, futexes, the vCPU's mapping) is allowed by it.
-    let filtered = seccomp::apply(ThreadKind::Vcpu, plan.seccomp)
+    let filtered = seccomp::apply(ThreadKind::Vcpu, setup.seccomp)
         .map_err(|source| VcpuError::Seccomp { id, source });
-    let Ok(Order::Create(vm)) = inbox.recv() else {
+    let Ok(VcpuStep::Create(vm)) = inbox.recv() else {
         return None;
     };
     let vcpu = filtered
         .and(supported)
-        .and_then(|c| Vcpu::new(&c, &vm, id, plan.count, plan.node));
+        .and_then(|c| Vcpu::new(&c, &vm, id, setup.count, setup.node));
     drop(vm);
     #[cfg(feature = "testing")]
     if crate::testing::vcpu_set_up_panics(id) {
         panic!("set-up failure injected by a test");
     }
-    let Ok(Order::Boot(boot)) = inbox.recv() else {
+    let Ok(VcpuStep::Boot(boot)) = inbox.recv() else {
         return None;
     };
     Some(vcpu.and_then(|mut v| {

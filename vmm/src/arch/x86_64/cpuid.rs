@@ -50,7 +50,7 @@ const NODE_FEATURE_PV_IPI: u32 = 1;
 
 /// What a vCPU of a multi-node VM is told about the VM it belongs to.
 #[derive(Clone, Copy, Debug)]
-pub struct NodeLeaves {
+pub struct Topology {
     pub nodes: u16,
     /// The node this vCPU runs on.
     pub node: u16,
@@ -63,7 +63,7 @@ pub struct NodeLeaves {
 /// delivers ICR writes in the kernel, to local vCPUs only), so it is told to use the port.
 pub fn add_node_leaves(
     cpuid: &mut CpuId,
-    leaves: NodeLeaves,
+    leaves: Topology,
 ) -> Result<(), vmm_sys_util::fam::Error> {
     let [ebx, ecx, edx] = NODE_SIGNATURE;
     cpuid.push(kvm_cpuid_entry2 {
@@ -93,7 +93,7 @@ mod tests {
         let mut c = CpuId::new(0).unwrap();
         add_node_leaves(
             &mut c,
-            NodeLeaves {
+            Topology {
                 nodes: 3,
                 node: 2,
                 ipi_port: 0x5a0,

@@ -1,26 +1,8 @@
-//! One node of a VM spread over several hosts: its share of the vCPUs, on guest RAM the
-//! coherence layer (`dsm-host`) keeps consistent with the other nodes, with device accesses
-//! forwarded to the node that holds the devices and IPIs carried to the node of their target.
-//!
-//! Every node builds the same guest-physical layout from the same configuration; only the
-//! I/O node loads the guest and creates devices, and the other nodes' vCPUs wait for the
-//! start-up IPIs its BSP sends them.
+//! Builds, starts and waits for this host's node of the VM.
 
-mod bus;
-pub mod cluster;
-mod ipi;
-
-pub use cluster::{ClusterError, ClusterSpec, NodeAddr};
-pub use dsm_host::{DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
-pub use ipi::IPI_PORT;
-
-use crate::arch::x86_64::cpuid::NodeLeaves;
-use crate::builder::{BuildError, Part, RunOptions, RunReport, RunningVm, SharedRam, VmHandle};
-use crate::config::{KernelImage, VmConfig};
-use crate::control::{Outcome, RunControl};
-use crate::exit::ExitBus;
-use crate::Vmm;
-use bus::{BusCounters, NodeBus, Replies};
+use crate::bus::{self, BusCounters, NodeBus, Replies};
+use crate::ipi::IPI_PORT;
+use crate::spec::{ClusterError, ClusterSpec};
 use dsm::NodeId;
 use dsm_host::{
     config_hash_of_parts, CoherenceHandle, Envelope, Inbound, Inbox, InboxSender, Interrupt,
@@ -30,6 +12,11 @@ use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
+use vmm::config::{KernelImage, VmConfig};
+use vmm::{
+    BuildError, DeviceBus, ExternalRam, GuestRamSource, Outcome, RunControl, RunOptions, RunReport,
+    RunningVm, Topology, VmBuilder, VmHandle,
+};
 
 /// After a node is lost, how long the survivors' teardown may take before the node reports
 /// anyway: a vCPU stopped on a page the lost node held can stay stopped in the kernel, and
@@ -105,7 +92,7 @@ pub struct NodeOptions {
 pub struct Node {
     id: u16,
     memory: Arc<Memory>,
-    vm: crate::Vm,
+    vm: vmm::Vm,
     coherence: Arc<CoherenceHandle>,
     events: mpsc::Receiver<NodeEvent>,
     ctx: ControlContext,
@@ -116,8 +103,8 @@ pub struct Node {
 struct ControlContext {
     me: u16,
     node_of: Arc<Vec<u16>>,
-    local: Option<Arc<dyn ExitBus>>,
-    vm: Arc<kvm_ioctls::VmFd>,
+    local: Option<Arc<dyn DeviceBus>>,
+    msi: vmm::MsiInjector,
     replies: Arc<Replies>,
     control: Arc<RunControl>,
     outbox: InboxSender,
@@ -227,21 +214,26 @@ impl Node {
         );
 
         let holds_devices = id == cluster.io_node;
-        let part = Part {
-            vcpus: me.vcpus.clone(),
-            ram: Some(SharedRam {
-                host: memory.host_addr(),
-                len: memory.len(),
-                owner: memory.clone(),
-            }),
-            devices: holds_devices,
-            node: Some(NodeLeaves {
+        // SAFETY: `Memory` keeps its mapping while it lives, and the VM keeps it as the
+        // mapping's owner.
+        let ram = unsafe { ExternalRam::new(memory.host_addr(), memory.len(), memory.clone()) };
+        let held = Arc::clone(&memory);
+        let mut vm = VmBuilder::new(config)
+            .options(opts.clone())
+            .vcpus(me.vcpus.clone())
+            .guest_ram(GuestRamSource::External(ram))
+            .devices(holds_devices)
+            .topology(Topology {
                 nodes,
                 node: id,
                 ipi_port: IPI_PORT,
-            }),
-        };
-        let mut vm = Vmm::build_part(config, opts, part, None)
+            })
+            .on_stopped(move || {
+                if let Err(e) = held.release() {
+                    tracing::warn!(node = id, "letting go of guest RAM's userfaultfd: {e}");
+                }
+            })
+            .build()
             .map_err(|source| NodeError::Build { id, source })?;
         let node_of: Arc<Vec<u16>> = Arc::new(
             (0..config.cpus)
@@ -250,7 +242,7 @@ impl Node {
         );
         let replies = Arc::new(Replies::new(config.cpus));
         let counters = Arc::new(BusCounters::default());
-        let local = holds_devices.then(|| vm.local_bus());
+        let local = holds_devices.then(|| vm.device_bus());
         let bus = NodeBus {
             me: id,
             io_node: cluster.io_node,
@@ -258,18 +250,12 @@ impl Node {
             node_of: Arc::clone(&node_of),
             local: local.clone(),
             outbox: outbox.clone(),
-            vm: vm.vm_fd(),
+            msi: vm.msi_injector(),
             replies: replies.clone(),
-            control: vm.control(),
+            control: vm.run_control(),
             counters: counters.clone(),
         };
-        vm.set_bus(Arc::new(bus));
-        let held = Arc::clone(&memory);
-        vm.set_on_stopped(Box::new(move || {
-            if let Err(e) = held.release() {
-                tracing::warn!(node = id, "letting go of guest RAM's userfaultfd: {e}");
-            }
-        }));
+        vm.set_device_bus(Arc::new(bus));
         let weak: Weak<CoherenceHandle> = Arc::downgrade(&coherence);
         let (protocol, ordering) = (cluster.protocol, cluster.ordering);
         vm.set_extra_metrics(Arc::new(move || {
@@ -294,9 +280,9 @@ impl Node {
             me: id,
             node_of,
             local,
-            vm: vm.vm_fd(),
+            msi: vm.msi_injector(),
             replies,
-            control: vm.control(),
+            control: vm.run_control(),
             outbox: outbox.clone(),
             ended_by_peer: Arc::default(),
             lost: Arc::default(),
@@ -485,7 +471,7 @@ fn control_loop(ctx: ControlContext, events: mpsc::Receiver<NodeEvent>) {
             }
             Envelope::Interrupt(Interrupt::Msi { address, data }) => {
                 if let Some(m) = bus::accept_remote(&ctx.node_of, ctx.me, address, data) {
-                    bus::inject(&ctx.vm, m.address, m.data);
+                    bus::inject(&ctx.msi, m.address, m.data);
                 }
             }
             _ => {}

@@ -3,16 +3,12 @@
 //! waiting vCPU.
 
 use super::ipi::{self, Msi, IPI_PORT};
-use crate::control::RunControl;
-use crate::exit::ExitBus;
-use crate::metrics::MmioTarget;
 use dsm::NodeId;
 use dsm_host::{Envelope, Exit, Inbound, InboxSender, Interrupt, IoSpace};
-use kvm_bindings::kvm_msi;
-use kvm_ioctls::VmFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
+use vmm::{DeviceBus, MmioTarget, MsiInjector, RunControl};
 
 /// How often a vCPU waiting for a forwarded access checks whether the VM has ended.
 const REPLY_TICK: Duration = Duration::from_millis(50);
@@ -81,11 +77,11 @@ pub(crate) struct NodeBus {
     /// Which node runs each vCPU.
     pub node_of: Arc<Vec<u16>>,
     /// The devices, on the node that holds them.
-    pub local: Option<Arc<dyn ExitBus>>,
+    pub local: Option<Arc<dyn DeviceBus>>,
     /// The coherence thread's inbox: what goes to peers leaves in order with the protocol's
     /// own messages, so a doorbell never overtakes the page writes before it.
     pub outbox: InboxSender,
-    pub vm: Arc<VmFd>,
+    pub msi: MsiInjector,
     pub replies: Arc<Replies>,
     pub control: Arc<RunControl>,
     pub counters: Arc<BusCounters>,
@@ -129,7 +125,7 @@ impl NodeBus {
             let node = self.node_of.get(m.vcpu as usize).copied();
             if node == Some(self.me) {
                 self.counters.ipis_local.fetch_add(1, Ordering::Relaxed);
-                inject(&self.vm, m.address, m.data);
+                inject(&self.msi, m.address, m.data);
             } else if let Some(node) = node {
                 self.counters.ipis_remote.fetch_add(1, Ordering::Relaxed);
                 self.send(
@@ -146,14 +142,8 @@ impl NodeBus {
 
 /// Injects one MSI into this node's VM. A refused MSI means the guest named a vCPU that is
 /// not here; like a PC, the interrupt is lost.
-pub(crate) fn inject(vm: &VmFd, address: u32, data: u32) {
-    let msi = kvm_msi {
-        address_lo: address,
-        address_hi: 0,
-        data,
-        ..Default::default()
-    };
-    if let Err(e) = vm.signal_msi(msi) {
+pub(crate) fn inject(msi: &MsiInjector, address: u32, data: u32) {
+    if let Err(e) = msi.signal(address, data) {
         tracing::debug!(vcpu = ipi::target_of(address), "MSI not delivered: {e}");
     }
 }
@@ -169,7 +159,7 @@ pub(crate) fn accept_remote(node_of: &[u16], me: u16, address: u64, data: u32) -
     })
 }
 
-impl ExitBus for NodeBus {
+impl DeviceBus for NodeBus {
     fn pio_read(&self, vcpu: u8, port: u16, data: &mut [u8]) {
         match &self.local {
             _ if port == IPI_PORT => data.fill(0xff),
@@ -212,7 +202,7 @@ impl ExitBus for NodeBus {
 
 /// Serves one access another node forwarded, on the local devices; the answer for a read
 /// is the bytes read, for a write nothing.
-pub(crate) fn serve(local: &dyn ExitBus, e: &Exit) -> Vec<u8> {
+pub(crate) fn serve(local: &dyn DeviceBus, e: &Exit) -> Vec<u8> {
     let vcpu = e.vcpu as u8;
     let mut data = e.data.clone();
     match (e.space, e.write) {

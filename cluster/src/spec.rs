@@ -1,8 +1,8 @@
 //! Who the nodes of a multi-node VM are: addresses, vCPUs, protocol and the shared secret,
 //! checked against the VM before any node starts.
 
-use crate::config::VmConfig;
 use std::net::SocketAddr;
+use vmm::config::VmConfig;
 
 /// The most nodes one VM spans (the protocol's limit).
 pub const MAX_NODES: usize = dsm::types::MAX_NODES;
@@ -198,7 +198,7 @@ impl ClusterSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{ExitsMode, KernelImage, SerialMode};
+    use vmm::config::{ExitsMode, KernelImage, SerialMode};
 
     fn vm(cpus: u8) -> VmConfig {
         VmConfig {

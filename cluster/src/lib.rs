@@ -1,0 +1,21 @@
+//! One node of a VM spread over several hosts: its share of the vCPUs, on guest RAM the
+//! coherence layer (`dsm-host`) keeps consistent with the other nodes, with device accesses
+//! forwarded to the node that holds the devices and IPIs carried to the node of their target.
+//!
+//! Every node builds the same guest-physical layout from the same configuration; only the
+//! I/O node loads the guest and creates devices, and the other nodes' vCPUs wait for the
+//! start-up IPIs its BSP sends them.
+//!
+//! Built on the `vmm` crate's public [`vmm::VmBuilder`]: a node builds its share of the
+//! vCPUs on guest RAM that `dsm-host` maps, and routes the vCPUs' port and MMIO accesses
+//! through its own [`vmm::DeviceBus`].
+
+mod bus;
+mod ipi;
+mod node;
+pub mod spec;
+
+pub use dsm_host::{DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
+pub use ipi::IPI_PORT;
+pub use node::{Node, NodeError, NodeOptions, NodeReport, RunningNode};
+pub use spec::{ClusterError, ClusterSpec, NodeAddr};
