@@ -329,15 +329,6 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         );
         println!("  MUSUBI_LOG=vmm=debug).");
     }
-    if let Hv::Musubi { exe, .. } = &configs[0] {
-        match super::hot_text::matched(exe) {
-            Ok((found, listed)) => println!(
-                "musubi: {found} of the {listed} functions musubi/hot.ld gathers at the front of the code \
-                 are in this binary (regenerate the list with scripts/hot-text when few are)."
-            ),
-            Err(e) => println!("musubi: hot.ld match not counted: {e}"),
-        }
-    }
     let gaps: Vec<f64> = per[0]
         .iter()
         .filter(|s| s.shim_timed)

@@ -10,7 +10,6 @@ mod boot;
 mod composite;
 mod dsm_table;
 mod guest_run;
-mod hot_text;
 mod mint;
 mod peers;
 pub mod plot;
