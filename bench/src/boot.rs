@@ -92,7 +92,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         return Err("/dev/kvm does not exist: this benchmark boots VMs and needs KVM".into());
     }
     let reps = if h.quick { 3 } else { 10 };
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find the musubi binary: {e}"))?;
+    let exe = crate::probe::musubi()?;
     let listed = peers::parse_compare(args.compare.as_deref())?;
     // The shim times every dynamically linked VMM's first KVM_RUN; without it the peers'
     // start-up is n/a. Musubi's comes from its --report when the shim cannot enter it.
@@ -113,8 +113,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     println!(
         "boot: probe guest (probe.tasks=hello), 1 vCPU, 128 MiB; {reps} runs per hypervisor, interleaved"
     );
-    let elf = crate::probe::materialize()
-        .map_err(|e| format!("cannot write the probe guest's ELF: {e}"))?;
+    let elf = crate::probe::materialize()?;
     let mut configs = vec![Hv::Musubi {
         exe,
         elf: elf.clone(),

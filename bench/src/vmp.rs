@@ -246,7 +246,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             }
         }
     }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let exe = crate::probe::musubi()?;
     let scratch = tempfile::tempdir().map_err(|e| format!("scratch directory: {e}"))?;
     let load_before = loadavg();
     let started = Instant::now();
@@ -1226,11 +1226,8 @@ mod tests {
         assert_eq!(ns.name(), "netns+2ms");
         assert_eq!(delay_name(Duration::from_nanos(1500)), "1500ns");
         for s in ["100us", "2ms", "1500ns", "1500us"] {
-            let parsed = crate::nodes::parse_duration(s).unwrap();
-            assert_eq!(
-                crate::nodes::parse_duration(&delay_name(parsed)),
-                Ok(parsed)
-            );
+            let parsed = vmm::node::parse_duration(s).unwrap();
+            assert_eq!(vmm::node::parse_duration(&delay_name(parsed)), Ok(parsed));
         }
     }
 
