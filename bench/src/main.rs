@@ -11,6 +11,7 @@ mod boot;
 mod composite;
 mod dsm_table;
 mod guest_run;
+mod kvm_trace;
 mod mint;
 mod peers;
 pub mod plot;
