@@ -2,8 +2,13 @@
 //! its `ttf`/`ab_glyph` features, only estimates label widths, so no system font or
 //! fontconfig is needed to produce a chart; the viewer renders the text.
 
+use plotters::coord::ranged1d::SegmentedCoord;
+use plotters::coord::types::RangedCoordusize;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+/// The bar rows' axis.
+type SegmentedRanged = SegmentedCoord<RangedCoordusize>;
 use std::path::Path;
 
 /// One bar: the median of a metric for one configuration, with its minimum marked.
@@ -31,7 +36,7 @@ pub struct Series {
 
 /// A line chart: how a metric changes along a numeric axis (speedup against node count, a
 /// cumulative distribution against latency).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Lines {
     pub title: String,
     pub x_desc: String,
@@ -39,10 +44,13 @@ pub struct Lines {
     /// A logarithmic x axis, for values spread over orders of magnitude.
     pub log_x: bool,
     pub series: Vec<Series>,
+    /// Where the legend goes: a corner the lines leave empty. At the top, the y axis is
+    /// stretched to leave it room above the lines.
+    pub legend: SeriesLabelPosition,
 }
 
 /// One part of a chart file, drawn under the one before it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub enum Drawing {
     Bars(Panel),
     Lines(Lines),
@@ -113,21 +121,27 @@ fn value_text(v: f64) -> String {
     }
 }
 
+/// A tick of a line chart's x axis: whole numbers (node counts, powers of ten) plainly.
+fn axis_text(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e9 {
+        format!("{v:.0}")
+    } else {
+        value_text(v)
+    }
+}
+
 /// Horizontal bars, one row each: the label on the left where it has room, the value just
-/// past the bar's end.
+/// past the bar's end. Values over more than two orders of magnitude get a log axis, so
+/// the small ones are not flat against it.
 fn draw_bars<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     panel: &Panel,
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let n = panel.bars.len().max(1);
-    let top = panel
-        .bars
-        .iter()
-        .map(|b| b.value)
-        .filter(|v| v.is_finite())
-        .fold(0.0, f64::max);
-    // Room past the longest bar for its value.
-    let top = if top > 0.0 { top * 1.25 } else { 1.0 };
+    let finite = || panel.bars.iter().map(|b| b.value).filter(|v| v.is_finite());
+    let top = finite().fold(0.0, f64::max);
+    let bottom = finite().fold(f64::INFINITY, f64::min);
+    let log = bottom > 0.0 && top / bottom > 100.0;
     let longest = panel
         .bars
         .iter()
@@ -135,16 +149,43 @@ fn draw_bars<DB: DrawingBackend>(
         .max()
         .unwrap_or(4) as u32;
     let label_px = (longest * CHAR_PX + 12).clamp(60, WIDTH / 2);
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            format!("{} ({})", panel.title, panel.unit),
-            ("sans-serif", 17),
-        )
+    let caption = if log {
+        format!("{} ({}, log scale)", panel.title, panel.unit)
+    } else {
+        format!("{} ({})", panel.title, panel.unit)
+    };
+    let mut builder = ChartBuilder::on(area);
+    builder
+        .caption(caption, ("sans-serif", 17))
         .margin(10)
         .margin_right(24)
         .x_label_area_size(30)
-        .y_label_area_size(label_px)
-        .build_cartesian_2d(0f64..top, (0..n - 1).into_segmented())?;
+        .y_label_area_size(label_px);
+    let rows = (0..n - 1).into_segmented();
+    if log {
+        // Room past the longest bar for its value: a factor, on a log axis.
+        let (lo, hi) = (bottom / 2.0, top * 8.0);
+        let mut chart = builder.build_cartesian_2d((lo..hi).log_scale(), rows)?;
+        fill_bars(&mut chart, panel, lo)
+    } else {
+        // Room past the longest bar for its value.
+        let top = if top > 0.0 { top * 1.25 } else { 1.0 };
+        let mut chart = builder.build_cartesian_2d(0f64..top, rows)?;
+        fill_bars(&mut chart, panel, 0.0)
+    }
+}
+
+/// The mesh, bars from `base`, minimum ticks and values of [`draw_bars`].
+fn fill_bars<'a, DB, X>(
+    chart: &mut ChartContext<'a, DB, Cartesian2d<X, SegmentedRanged>>,
+    panel: &Panel,
+    base: f64,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>>
+where
+    DB: DrawingBackend + 'a,
+    X: Ranged<ValueType = f64> + plotters::coord::ranged1d::ValueFormatter<f64>,
+{
+    let n = panel.bars.len().max(1);
     // Row i from the top is bar i.
     let row = |i: usize| n - 1 - i;
     let labels: Vec<String> = panel.bars.iter().map(|b| b.label.clone()).collect();
@@ -163,8 +204,8 @@ fn draw_bars<DB: DrawingBackend>(
     chart.draw_series(panel.bars.iter().enumerate().map(|(i, b)| {
         let mut r = Rectangle::new(
             [
-                (0.0, SegmentValue::Exact(row(i))),
-                (b.value, SegmentValue::Exact(row(i) + 1)),
+                (base, SegmentValue::Exact(row(i))),
+                (b.value.max(base), SegmentValue::Exact(row(i) + 1)),
             ],
             COLOURS[i % COLOURS.len()].filled(),
         );
@@ -173,7 +214,7 @@ fn draw_bars<DB: DrawingBackend>(
     }))?;
     // The minimum over repetitions as a black tick across the bar.
     chart.draw_series(panel.bars.iter().enumerate().filter_map(|(i, b)| {
-        let low = b.low?;
+        let low = b.low?.max(base);
         let mut r = Rectangle::new(
             [
                 (low, SegmentValue::Exact(row(i))),
@@ -189,7 +230,7 @@ fn draw_bars<DB: DrawingBackend>(
         .color(&BLACK)
         .pos(Pos::new(HPos::Left, VPos::Center));
     chart.draw_series(panel.bars.iter().enumerate().map(|(i, b)| {
-        EmptyElement::at((b.value, SegmentValue::CenterOf(row(i))))
+        EmptyElement::at((b.value.max(base), SegmentValue::CenterOf(row(i))))
             + Text::new(
                 match b.low {
                     Some(l) => format!("{} (min {})", value_text(b.value), value_text(l)),
@@ -221,7 +262,19 @@ fn draw_lines<DB: DrawingBackend>(
     } else {
         (1.0, 2.0)
     };
-    let y_hi = if y_hi > 0.0 { y_hi * 1.15 } else { 1.0 };
+    let at_top = matches!(
+        l.legend,
+        SeriesLabelPosition::UpperLeft
+            | SeriesLabelPosition::UpperMiddle
+            | SeriesLabelPosition::UpperRight
+    );
+    let y_hi = if y_hi <= 0.0 {
+        1.0
+    } else if at_top {
+        y_hi * 1.6
+    } else {
+        y_hi * 1.1
+    };
     let mut builder = ChartBuilder::on(area);
     builder
         .caption(&l.title, ("sans-serif", 17))
@@ -237,7 +290,7 @@ fn draw_lines<DB: DrawingBackend>(
             .label_style(("sans-serif", FONT))
             .x_desc(l.x_desc.as_str())
             .y_desc(l.y_desc.as_str())
-            .x_label_formatter(&|v| value_text(*v))
+            .x_label_formatter(&|v| axis_text(*v))
             .draw()?;
         series_of(&mut chart, l)?;
     } else {
@@ -249,7 +302,7 @@ fn draw_lines<DB: DrawingBackend>(
             .x_desc(l.x_desc.as_str())
             .y_desc(l.y_desc.as_str())
             .x_labels(((x_hi - x_lo) as usize + 1).clamp(2, 12))
-            .x_label_formatter(&|v| value_text(*v))
+            .x_label_formatter(&|v| axis_text(*v))
             .draw()?;
         series_of(&mut chart, l)?;
     }
@@ -278,7 +331,7 @@ where
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(l.legend.clone())
         .label_font(("sans-serif", FONT))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
@@ -336,6 +389,50 @@ mod tests {
             "(min 9.00)",
             "<rect",
         ] {
+            assert!(svg.contains(s), "{s} missing from the SVG");
+        }
+    }
+
+    #[test]
+    fn lines_and_wide_bars_are_drawn_with_legend_and_log_axes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("l.svg");
+        chart(
+            &p,
+            "nodes",
+            &[
+                Drawing::Lines(Lines {
+                    title: "speedup".into(),
+                    x_desc: "nodes".into(),
+                    y_desc: "x".into(),
+                    log_x: false,
+                    legend: SeriesLabelPosition::UpperLeft,
+                    series: vec![Series {
+                        name: "vmp/tso".into(),
+                        points: vec![(2.0, 1.8), (1.0, 1.0)],
+                    }],
+                }),
+                Drawing::Bars(Panel {
+                    title: "V/P".into(),
+                    unit: "x".into(),
+                    bars: vec![
+                        Bar {
+                            label: "fib".into(),
+                            value: 0.9,
+                            low: None,
+                        },
+                        Bar {
+                            label: "getpid".into(),
+                            value: 2700.0,
+                            low: None,
+                        },
+                    ],
+                }),
+            ],
+        )
+        .unwrap();
+        let svg = std::fs::read_to_string(&p).unwrap();
+        for s in ["vmp/tso", "nodes", "log scale", "2700", "0.90", "<polyline"] {
             assert!(svg.contains(s), "{s} missing from the SVG");
         }
     }

@@ -600,7 +600,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             let label = c.label();
             let name = label.split_once(' ').map_or(label.as_str(), |(_, l)| l);
             cdf.push(plot::Series {
-                name: format!("{name}{}", if c.poll { "" } else { " no poll" }),
+                name: name.to_string(),
                 points,
             });
         }
@@ -714,6 +714,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         x_desc: "nodes".into(),
         y_desc: "speedup (x)".into(),
         log_x: false,
+        legend: plotters::prelude::SeriesLabelPosition::UpperLeft,
         series: lines
             .into_iter()
             .map(|(name, points)| plot::Series { name, points })
@@ -725,6 +726,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             x_desc: "latency (us, log scale; at the top of each power-of-two bucket)".into(),
             y_desc: "fetches done (%)".into(),
             log_x: true,
+            legend: plotters::prelude::SeriesLabelPosition::LowerRight,
             series: cdf,
         }));
     }
