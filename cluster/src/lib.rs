@@ -17,5 +17,5 @@ pub mod spec;
 
 pub use dsm_host::{DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
 pub use ipi::IPI_PORT;
-pub use node::{Node, NodeError, NodeOptions, NodeReport, RunningNode};
+pub use node::{parse_duration, Node, NodeError, NodeOptions, NodeReport, RunningNode};
 pub use spec::{ClusterError, ClusterSpec, NodeAddr};

@@ -69,7 +69,8 @@ enum Command {
     /// Boot the bundled probe guest on 2 vCPUs with a temporary disk, run hello, blk-fill
     /// and blk-crc, check the disk on the host, and summarize.
     Demo,
-    /// Run an experiment and report it beside the papers' figures.
+    /// Run an experiment and report it beside the papers' figures (`musubi bench --help`
+    /// lists them; the musubi-bench program beside this one runs them).
     Bench(bench::BenchArgs),
     /// Host partitions: disjoint CPUs, memory and disks, each with its own supervisor and VMs.
     Partition(partition_cli::PartitionArgs),

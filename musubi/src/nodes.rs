@@ -48,35 +48,7 @@ pub struct NetFlags {
     pub fetch_poll: Option<Duration>,
 }
 
-/// A link delay or poll window: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`,
-/// `s`), at most [`musubi_cluster::MAX_LINK_DELAY`]. The error says what would be accepted; the
-/// caller names the flag or field.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let expected = || {
-        format!(
-            "expected a number and a unit (ns, us, ms or s), e.g. 100us or 2ms, at most {:?}",
-            musubi_cluster::MAX_LINK_DELAY
-        )
-    };
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .ok_or_else(expected)?;
-    let (number, unit) = t.split_at(split);
-    let ns_per = match unit.trim() {
-        "ns" => 1.0,
-        "us" | "µs" => 1e3,
-        "ms" => 1e6,
-        "s" => 1e9,
-        _ => return Err(expected()),
-    };
-    let v: f64 = number.parse().map_err(|_| expected())?;
-    let ns = v * ns_per;
-    if !ns.is_finite() || ns > musubi_cluster::MAX_LINK_DELAY.as_nanos() as f64 {
-        return Err(expected());
-    }
-    Ok(Duration::from_nanos(ns.round() as u64))
-}
+pub use musubi_cluster::parse_duration;
 
 /// The cluster file: the VM (same fields as `--config`) and its nodes.
 #[derive(Deserialize, Debug)]

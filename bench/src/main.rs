@@ -1,5 +1,6 @@
-//! `musubi bench`: runs the papers' experiments end to end and reports them beside the
-//! papers' figures.
+//! `musubi-bench` (run as `musubi bench`): runs the papers' experiments end to end and
+//! reports them beside the papers' figures. A program of its own, so that none of this code,
+//! its charts or its progress bars are in the hypervisor's binary.
 //!
 //! The pieces every experiment shares live here: an interleaved schedule with a progress
 //! bar ([`Harness::run_schedule`]), summaries ([`stats`]), tables and CSV ([`report`]),
@@ -10,10 +11,11 @@ mod boot;
 mod composite;
 mod dsm_table;
 mod guest_run;
-mod hot_text;
+mod kvm_trace;
 mod mint;
 mod peers;
 pub mod plot;
+mod probe;
 mod qemu;
 pub mod report;
 mod seq;
@@ -22,10 +24,27 @@ mod vmms;
 mod vmp;
 pub mod watch;
 
-use clap::Args;
+use clap::{Args, Parser};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+/// The command line, read as `musubi bench` reads it (that command hands it over whole).
+#[derive(Parser, Debug)]
+#[command(
+    name = "musubi bench",
+    bin_name = "musubi bench",
+    version,
+    about = "Run an experiment and report it beside the papers' figures."
+)]
+struct Cli {
+    #[command(flatten)]
+    args: BenchArgs,
+}
+
+fn main() -> ExitCode {
+    run(&Cli::parse().args)
+}
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -57,7 +76,7 @@ pub struct BenchArgs {
     /// One-way link delay of vmp's delayed runs (`run --link-delay`), e.g. 100us, 2ms. The
     /// delayed runs come beside the loopback ones (and, as root, beside runs with each node
     /// in its own network namespace).
-    #[arg(long, value_name = "DURATION", default_value = "100us", value_parser = crate::nodes::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "100us", value_parser = musubi_cluster::parse_duration)]
     pub link_delay: std::time::Duration,
 }
 
@@ -106,6 +125,8 @@ pub struct Harness {
 
 impl Harness {
     fn new(args: &BenchArgs) -> Result<Harness, String> {
+        // Every experiment boots the probe guest or runs `musubi`; without it none can start.
+        probe::materialize()?;
         std::fs::create_dir_all(&args.out).map_err(|e| {
             format!(
                 "--out {}: cannot create the directory: {e}",

@@ -2,10 +2,10 @@
 //! returns what the guest measured and, for Musubi, what the VMM counted.
 
 use super::plan::{Plan, Storage, MIB};
-use crate::bench::guest_run::probe_in_process;
-use crate::bench::qemu::{self, Qemu};
-use crate::bench::watch::{observe, tail, time_to_marker, Watch};
+use crate::guest_run::probe_in_process;
 use crate::probe;
+use crate::qemu::{self, Qemu};
+use crate::watch::{observe, tail, time_to_marker, Watch};
 use serde_json::Value;
 use std::path::Path;
 use std::time::Duration;

@@ -2,8 +2,8 @@
 //! or natively (the `musubi-native` program, built from the same workload code), and
 //! returns the result line with the run's exit accounting.
 
-use crate::bench::watch::tail;
 use crate::probe;
+use crate::watch::tail;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -109,7 +109,7 @@ pub fn native_program() -> Result<PathBuf, String> {
         Ok(p)
     } else {
         Err(format!(
-            "{} is missing: build it with `cargo build --release -p musubi`, which builds both programs",
+            "{} is missing: build it with `cargo build --release -p musubi-bench`, which builds both programs",
             p.display()
         ))
     }

@@ -655,7 +655,7 @@ fn fmt_pct(p: Option<f64>) -> String {
 pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
     let sz = sizes(h.quick);
     let ws = workloads(&sz);
-    let musubi = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let musubi = crate::probe::musubi()?;
     let native = native_program()?;
     if !Path::new("/dev/kvm").exists() {
         return Err("/dev/kvm is missing: configurations 4-7 run VMs".into());

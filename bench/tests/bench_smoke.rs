@@ -30,13 +30,7 @@ fn all_quick() -> &'static (Run, tempfile::TempDir) {
     static ALL: OnceLock<Result<(Run, tempfile::TempDir), String>> = OnceLock::new();
     let run = ALL.get_or_init(|| {
         let out = tempfile::tempdir().unwrap();
-        let args = [
-            "bench",
-            "all",
-            "--quick",
-            "--out",
-            out.path().to_str().unwrap(),
-        ];
+        let args = ["all", "--quick", "--out", out.path().to_str().unwrap()];
         std::panic::catch_unwind(|| run_with_limit(&args, ALL_LIMIT))
             .map(|r| (r, out))
             .map_err(|e| {

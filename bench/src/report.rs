@@ -121,7 +121,7 @@ pub fn mib(bytes: f64) -> String {
 }
 
 /// `median / min` of a metric, or `n/a`.
-pub fn median_min(s: Option<crate::bench::stats::Summary>, unit: impl Fn(f64) -> String) -> String {
+pub fn median_min(s: Option<crate::stats::Summary>, unit: impl Fn(f64) -> String) -> String {
     match s {
         Some(s) => format!("{} / {}", unit(s.median), unit(s.min)),
         None => "n/a".into(),
@@ -185,7 +185,7 @@ pub fn cell<T: ToString>(v: Option<T>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::stats::Summary;
+    use crate::stats::Summary;
 
     #[test]
     fn table_aligns_columns() {

@@ -77,7 +77,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
 /// is also written to `EXPERIMENT.log` so each report can be read alone.
 fn run_one(exe: &Path, name: &'static str, args: &BenchArgs) -> Outcome {
     let mut cmd = Command::new(exe);
-    cmd.args(["bench", name, "--out"]).arg(&args.out);
+    cmd.args([name, "--out"]).arg(&args.out);
     if args.quick {
         cmd.arg("--quick");
     }

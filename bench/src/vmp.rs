@@ -246,7 +246,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             }
         }
     }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let exe = crate::probe::musubi()?;
     let scratch = tempfile::tempdir().map_err(|e| format!("scratch directory: {e}"))?;
     let load_before = loadavg();
     let started = Instant::now();
@@ -330,7 +330,8 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         ">fetches/run",
     ]);
     let mut speedups: BTreeMap<(u32, String), f64> = BTreeMap::new();
-    let mut bars = Vec::new();
+    // Speedup against node count, one line per protocol and grain (over loopback).
+    let mut lines: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     for &fib in &grains {
         let base = one_node_wall(fib);
         for c in configs
@@ -354,11 +355,13 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             if let Some(s) = sp {
                 speedups.insert((fib, c.label()), s);
                 if c.nodes > 1 {
-                    bars.push(plot::Bar {
-                        label: format!("{} f{fib}", c.label().replace("/tso", "")),
-                        value: s,
-                        low: None,
-                    });
+                    let label = c.label();
+                    let line = label.split_once(' ').map_or(label.as_str(), |(_, l)| l);
+                    let points = lines.entry(format!("{line} fib({fib})")).or_default();
+                    if points.is_empty() {
+                        points.push((1.0, 1.0));
+                    }
+                    points.push((c.nodes as f64, s));
                 }
             }
             t.row([
@@ -501,7 +504,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         "faults",
         "remote_fetches",
     ]);
-    let mut hist_bars = Vec::new();
+    let mut cdf: Vec<plot::Series> = Vec::new();
     let mut range_bars = Vec::new();
     let mut msg_table = Table::new(&[
         "vm",
@@ -580,15 +583,29 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             range_bytes / 1024,
             shown.join(", ")
         );
+        // Cumulative share of fetches done by the top of each power-of-two bucket.
+        let total: u64 = remote.iter().sum();
+        let mut done = 0u64;
+        let mut points = Vec::new();
+        for (i, r) in remote.iter().enumerate() {
+            done += r;
+            if total > 0 && done > 0 && done - r < total {
+                points.push((
+                    (1u64 << (i + 1)) as f64 / 1e3,
+                    100.0 * done as f64 / total as f64,
+                ));
+            }
+        }
+        if !points.is_empty() {
+            let label = c.label();
+            let name = label.split_once(' ').map_or(label.as_str(), |(_, l)| l);
+            cdf.push(plot::Series {
+                name: name.to_string(),
+                points,
+            });
+        }
         if c.protocol == "vmp" && c.ordering == "tso" && c.poll {
             vmp_median = m_remote;
-            for (i, r) in remote.iter().enumerate().filter(|(_, r)| **r > 0) {
-                hist_bars.push(plot::Bar {
-                    label: span(i),
-                    value: *r as f64,
-                    low: None,
-                });
-            }
             for (start, n) in top_ranges.iter().take(5) {
                 range_bars.push(plot::Bar {
                     label: format!("{:#x}", start),
@@ -692,26 +709,39 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     );
 
     h.write_csv("vmp-latency.csv", &hist_csv)?;
-    let mut panels = vec![plot::Panel {
-        title: "speedup over 1 node, fib".into(),
-        unit: "x".into(),
-        bars,
-    }];
-    if !hist_bars.is_empty() {
-        panels.push(plot::Panel {
-            title: "remote fetch latency (vmp)".into(),
-            unit: "fetches".into(),
-            bars: hist_bars,
-        });
+    let mut drawings = vec![plot::Drawing::Lines(plot::Lines {
+        title: "speedup over 1 node (loopback)".into(),
+        x_desc: "nodes".into(),
+        y_desc: "speedup (x)".into(),
+        log_x: false,
+        legend: plotters::prelude::SeriesLabelPosition::UpperLeft,
+        series: lines
+            .into_iter()
+            .map(|(name, points)| plot::Series { name, points })
+            .collect(),
+    })];
+    if !cdf.is_empty() {
+        drawings.push(plot::Drawing::Lines(plot::Lines {
+            title: format!("remote fetch latency, fib({top}), {max_nodes} nodes (cumulative)"),
+            x_desc: "latency (us, log scale; at the top of each power-of-two bucket)".into(),
+            y_desc: "fetches done (%)".into(),
+            log_x: true,
+            legend: plotters::prelude::SeriesLabelPosition::LowerRight,
+            series: cdf,
+        }));
     }
     if !range_bars.is_empty() {
-        panels.push(plot::Panel {
-            title: "faults by guest-physical MiB".into(),
+        drawings.push(plot::Drawing::Bars(plot::Panel {
+            title: "faults by guest-physical range, top 5".into(),
             unit: "faults".into(),
             bars: range_bars,
-        });
+        }));
     }
-    h.write_results("vmp", &csv, "one VM over several nodes", &panels)
+    let p = h.write_csv("vmp.csv", &csv)?;
+    let svg = h.out_file("vmp.svg");
+    plot::chart(&svg, "one VM over several nodes", &drawings)?;
+    println!("csv: {}\nplot: {}", p.display(), svg.display());
+    Ok(())
 }
 
 /// The links the largest node count runs over besides loopback: loopback with `delay`, and,
@@ -1226,9 +1256,9 @@ mod tests {
         assert_eq!(ns.name(), "netns+2ms");
         assert_eq!(delay_name(Duration::from_nanos(1500)), "1500ns");
         for s in ["100us", "2ms", "1500ns", "1500us"] {
-            let parsed = crate::nodes::parse_duration(s).unwrap();
+            let parsed = musubi_cluster::parse_duration(s).unwrap();
             assert_eq!(
-                crate::nodes::parse_duration(&delay_name(parsed)),
+                musubi_cluster::parse_duration(&delay_name(parsed)),
                 Ok(parsed)
             );
         }

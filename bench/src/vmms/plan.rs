@@ -3,7 +3,7 @@
 //! of configurations.
 
 use super::files::HostDir;
-use crate::bench::{BenchArgs, Harness};
+use crate::{BenchArgs, Harness};
 use std::fmt;
 use std::time::Duration;
 

@@ -1,12 +1,9 @@
 //! The `--compare` list, and Firecracker and Cloud Hypervisor as peers of `bench boot`:
-//! found on `PATH`, booting the same probe guest ELF, timed to their first `KVM_RUN` by
-//! Musubi's own `LD_PRELOAD` shim ([`build_shim`]) exactly as Musubi is.
+//! found on `PATH`, booting the same probe guest ELF with their own seccomp filters.
 
 use super::find_on_path;
-use super::watch::{last_words, observe, Watch};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 /// The hypervisors `--compare` takes.
 pub const KNOWN: [&str; 3] = ["qemu", "firecracker", "cloud-hypervisor"];
@@ -35,55 +32,6 @@ pub fn parse_compare(value: Option<&str>) -> Result<Vec<&'static str>, String> {
     Ok(out)
 }
 
-/// The C source of the timing shim, Musubi's own.
-const SHIM_SOURCE: &str = include_str!("kvm_run_stamp.c");
-/// The environment variable naming the file the shim writes its stamp to.
-pub const STAMP_ENV: &str = "MUSUBI_KVM_RUN_STAMP";
-const CC_LIMIT: Duration = Duration::from_secs(60);
-
-/// Compiles the timing shim into `dir` with the system's C compiler, or says why not.
-pub fn build_shim(dir: &Path) -> Result<PathBuf, String> {
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    if find_on_path(&cc).is_none() && !Path::new(&cc).is_file() {
-        return Err(format!(
-            "no C compiler ({cc} is not on PATH) to build the KVM_RUN timing shim"
-        ));
-    }
-    let src = dir.join("kvm_run_stamp.c");
-    let so = dir.join("kvm_run_stamp.so");
-    std::fs::write(&src, SHIM_SOURCE)
-        .map_err(|e| format!("cannot write {}: {e}", src.display()))?;
-    let mut cmd = Command::new(&cc);
-    cmd.args(["-shared", "-fPIC", "-O2", "-o"])
-        .arg(&so)
-        .arg(&src)
-        .arg("-ldl");
-    let w = Watch {
-        marker: "\u{0}",
-        guest_bytes: None,
-        timeout: CC_LIMIT,
-        sample_every: Duration::from_millis(20),
-    };
-    let o = observe(cmd, &w).map_err(|e| format!("cannot run {cc}: {e}"))?;
-    match o.status {
-        Some(s) if s.success() && so.is_file() => Ok(so),
-        _ => Err(format!(
-            "{cc} could not build the KVM_RUN timing shim: {}",
-            last_words(&o, 3)
-        )),
-    }
-}
-
-/// Runs `cmd` with the shim loaded, stamping into `stamp`.
-pub fn with_shim(cmd: &mut Command, shim: &Path, stamp: &Path) {
-    cmd.env("LD_PRELOAD", shim).env(STAMP_ENV, stamp);
-}
-
-/// The shim's stamp (CLOCK_MONOTONIC ns at the first KVM_RUN), if it wrote one.
-pub fn read_stamp(stamp: &Path) -> Option<u64> {
-    std::fs::read_to_string(stamp).ok()?.trim().parse().ok()
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Firecracker,
@@ -103,16 +51,6 @@ impl Kind {
         match self {
             Kind::Firecracker => "firecracker",
             Kind::CloudHypervisor => "cloud-hypervisor",
-        }
-    }
-
-    /// How it runs here, for the report: Cloud Hypervisor's seccomp filter kills a process
-    /// that carries the shim, so it runs without it; Firecracker keeps its filters (the
-    /// shim opens its file before they are installed).
-    pub fn filters(self, shim: bool) -> &'static str {
-        match (self, shim) {
-            (Kind::CloudHypervisor, true) => "without its seccomp filter (--seccomp false)",
-            _ => "with its seccomp filters",
         }
     }
 }
@@ -154,7 +92,7 @@ impl Micro {
     }
 
     /// The probe guest's hello task, 1 vCPU, 128 MiB, console on stdout.
-    pub fn command(&self, shim: bool) -> Command {
+    pub fn command(&self) -> Command {
         let mut cmd = Command::new(&self.exe);
         match self.kind {
             Kind::Firecracker => {
@@ -165,9 +103,6 @@ impl Micro {
                     .arg(&self.elf)
                     .args(["--cmdline", CMDLINE, "--memory", "size=128M"])
                     .args(["--cpus", "boot=1", "--serial", "tty", "--console", "off"]);
-                if shim {
-                    cmd.args(["--seccomp", "false"]);
-                }
             }
         }
         cmd
@@ -192,10 +127,5 @@ mod tests {
                 && e.contains("qemu, firecracker, cloud-hypervisor"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn the_shim_source_stamps_the_first_kvm_run() {
-        assert!(SHIM_SOURCE.contains("0xAE80UL") && SHIM_SOURCE.contains(STAMP_ENV));
     }
 }

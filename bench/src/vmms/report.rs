@@ -5,10 +5,10 @@ use super::disturber::Disturb;
 use super::files::HostDir;
 use super::plan::{size_text, Case, Config, HostFs, Plan, Storage, MIB};
 use super::runners::Sample;
-use crate::bench::plot;
-use crate::bench::qemu::{Outcome, Qemu, Standing};
-use crate::bench::report::{median_min, ms, Csv, Figure, Table};
-use crate::bench::stats::{median, ratio, Summary};
+use crate::plot;
+use crate::qemu::{Outcome, Qemu, Standing};
+use crate::report::{median_min, ms, Csv, Figure, Table};
+use crate::stats::{median, ratio, Summary};
 
 /// The CSV's columns, §5.2 and §5.3 alike.
 pub(super) const CSV_COLUMNS: [&str; 19] = [

@@ -107,6 +107,8 @@ pub struct Watch<'a> {
 /// One observed run. Times are CLOCK_MONOTONIC nanoseconds.
 #[derive(Debug)]
 pub struct Observed {
+    /// The process spawned (its thread group id), to find its events in a kernel trace.
+    pub pid: u32,
     pub spawn_ns: u64,
     pub marker_ns: Option<u64>,
     pub end_ns: u64,
@@ -155,6 +157,7 @@ fn observe_with(mut cmd: Command, w: &Watch, stop_at_marker: bool) -> std::io::R
         s
     });
     let mut o = Observed {
+        pid: child.id(),
         spawn_ns,
         marker_ns: None,
         end_ns: 0,

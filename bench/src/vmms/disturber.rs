@@ -2,7 +2,7 @@
 //! over while the measured VM runs, alone or in a memory cgroup made by the `partition`
 //! crate's cgroup code.
 
-use crate::bench::watch::tail;
+use crate::watch::tail;
 use partition::cgroup::{Host, Limits, PartitionCgroup};
 use partition::resources::CpuList;
 use std::path::PathBuf;
@@ -98,7 +98,7 @@ impl Disturber {
         disk: PathBuf,
         cgroup: Option<Arc<DisturbCgroup>>,
     ) -> Result<Disturber, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+        let exe = crate::probe::musubi()?;
         let stop = Arc::new(AtomicBool::new(false));
         let fills = Arc::new(AtomicU64::new(0));
         let (stop2, fills2) = (stop.clone(), fills.clone());

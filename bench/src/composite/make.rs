@@ -12,10 +12,10 @@
 //! same source, so a figure is never printed for a build that did not happen.
 
 use super::Where;
-use crate::bench::guest_run::{in_vm, WorkloadRun};
-use crate::bench::report::{cell, figures_table, Csv, Figure, Table};
-use crate::bench::stats::{median, ratio};
-use crate::bench::{plot, Harness};
+use crate::guest_run::{in_vm, WorkloadRun};
+use crate::report::{cell, figures_table, Csv, Figure, Table};
+use crate::stats::{median, ratio};
+use crate::{plot, Harness};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::Instant;

@@ -1,0 +1,99 @@
+//! The programs and guest the benchmarks run: the `musubi` binary beside this one, and the
+//! probe guest it carries (asked of it, so both always boot the same image).
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use vmm::config::KernelImage;
+
+/// The `musubi` binary in this program's directory, where the workspace build puts both.
+pub fn musubi() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let musubi = exe.with_file_name("musubi");
+    if musubi.is_file() {
+        Ok(musubi)
+    } else {
+        Err(format!(
+            "{} is missing: the benchmarks run VMs with it; build both with \
+             `cargo build --release -p musubi -p musubi-bench`",
+            musubi.display()
+        ))
+    }
+}
+
+/// The probe guest's ELF, written to the cache by `musubi guest path`, read once.
+fn elf() -> Result<&'static (PathBuf, Vec<u8>), String> {
+    static ELF: OnceLock<Result<(PathBuf, Vec<u8>), String>> = OnceLock::new();
+    ELF.get_or_init(|| {
+        let musubi = musubi()?;
+        let out = std::process::Command::new(&musubi)
+            .args(["guest", "path"])
+            .output()
+            .map_err(|e| format!("{}: {e}", musubi.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "`{} guest path` failed ({}): {}",
+                musubi.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        let data =
+            std::fs::read(&path).map_err(|e| format!("the probe guest {}: {e}", path.display()))?;
+        Ok((path, data))
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// Where the probe guest's ELF is, for hypervisors that boot it from a file.
+pub fn materialize() -> Result<PathBuf, String> {
+    Ok(elf()?.0.clone())
+}
+
+/// The probe guest, for VMs this program boots itself. Every experiment asks for
+/// [`materialize`] before it boots anything, so the image is there by then.
+pub fn image() -> KernelImage {
+    let data = match elf() {
+        Ok((_, data)) => data.as_slice(),
+        Err(e) => panic!("the probe guest is not available: {e}"),
+    };
+    KernelImage::Bytes {
+        name: "probe (bundled probe guest)".into(),
+        data: data.into(),
+    }
+}
+
+/// The probe guest's result lines (`{"probe": ...}`) in `console` output, in order.
+pub fn results(console: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(console)
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            if !l.starts_with("{\"probe\"") {
+                return None;
+            }
+            serde_json::from_str(l).ok()
+        })
+        .collect()
+}
+
+/// The first result of task `task`.
+pub fn result<'a>(results: &'a [Value], task: &str) -> Option<&'a Value> {
+    results.iter().find(|v| v["probe"] == task)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_lines_are_picked_out_of_console_text() {
+        let out = b"booting\r\n{\"probe\":\"hello\",\"cpus\":2}\r\nnoise {\"probe\":1}\n{\"probe\":\"blk-crc\",\"disks\":[]}\n";
+        let r = results(out);
+        assert_eq!(r.len(), 2);
+        assert_eq!(result(&r, "hello").unwrap()["cpus"], 2);
+        assert!(result(&r, "exit").is_none());
+    }
+}

@@ -1,0 +1,277 @@
+//! Shared helpers for tests that run `musubi-bench` (and through it the `musubi` binary).
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Run {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    /// The probe guest's result lines on the console.
+    pub fn results(&self) -> Vec<Value> {
+        self.stdout
+            .lines()
+            .filter(|l| l.trim_start().starts_with("{\"probe\""))
+            .map(|l| {
+                serde_json::from_str(l.trim())
+                    .unwrap_or_else(|e| panic!("bad result line {l:?}: {e}"))
+            })
+            .collect()
+    }
+
+    pub fn result(&self, task: &str) -> Value {
+        self.results()
+            .into_iter()
+            .find(|v| v["probe"] == task)
+            .unwrap_or_else(|| {
+                panic!(
+                    "no {task} result in output:\n{}\nstderr:\n{}",
+                    self.stdout, self.stderr
+                )
+            })
+    }
+
+    pub fn explain(&self) -> String {
+        format!(
+            "status {:?}\nstdout:\n{}\nstderr:\n{}",
+            self.code, self.stdout, self.stderr
+        )
+    }
+}
+
+/// `musubi-bench`, after checking that the `musubi` binary it runs VMs with is beside it
+/// (`cargo test --workspace` builds both into one directory; `-p musubi-bench` alone does not).
+pub fn musubi() -> Command {
+    let bench = Path::new(env!("CARGO_BIN_EXE_musubi-bench"));
+    let musubi = bench.with_file_name("musubi");
+    assert!(
+        musubi.is_file(),
+        "{} is missing: these tests run VMs with it; build it first \
+         (`cargo build --release -p musubi`) or run `cargo test --workspace`",
+        musubi.display()
+    );
+    Command::new(bench)
+}
+
+/// Runs `musubi` with `args`, killing it after `limit` so a hung VM fails the test
+/// instead of hanging the suite.
+pub fn run_with_limit(args: &[&str], limit: Duration) -> Run {
+    run_with_stdin(args, None, limit)
+}
+
+/// As [`run_with_limit`], with `input` written to a pipe on stdin, which is then closed
+/// (stdin is empty without it).
+pub fn run_with_stdin(args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
+    run_command(musubi(), args, input, limit)
+}
+
+/// As [`run_with_stdin`], with `cmd` (`musubi()` with its environment changed) instead.
+pub fn run_command(cmd: Command, args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
+    start_command(cmd, args, input).finish(limit)
+}
+
+/// A musubi process whose output is being collected, for tests that act on it while it
+/// runs (its pid, a signal).
+pub struct Started {
+    pub child: Child,
+    what: String,
+    out: std::thread::JoinHandle<String>,
+    err: std::thread::JoinHandle<String>,
+}
+
+/// Starts `cmd` with `args` as [`run_command`] does, without waiting for it.
+pub fn start_command(mut cmd: Command, args: &[&str], input: Option<&[u8]>) -> Started {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "these tests need /dev/kvm, which this machine lacks"
+    );
+    let mut child = cmd
+        .args(args)
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("musubi starts");
+    if let (Some(data), Some(mut stdin)) = (input, child.stdin.take()) {
+        // Small inputs fit in the pipe, so this does not wait for the guest to read.
+        stdin.write_all(data).expect("stdin takes the input");
+    }
+    let out = child.stdout.take().unwrap();
+    let err = child.stderr.take().unwrap();
+    Started {
+        child,
+        what: format!("musubi {args:?}"),
+        out: std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default()),
+        err: std::thread::spawn(move || std::io::read_to_string(err).unwrap_or_default()),
+    }
+}
+
+impl Started {
+    /// Waits for the process (failing the test after `limit`) and returns what it printed.
+    pub fn finish(mut self, limit: Duration) -> Run {
+        let status = wait_with_limit(&mut self.child, limit, &self.what);
+        Run {
+            code: status.code(),
+            stdout: self.out.join().unwrap(),
+            stderr: self.err.join().unwrap(),
+        }
+    }
+}
+
+/// Waits for `child`; after `limit` stops it and fails the test, naming `what`.
+pub fn wait_with_limit(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if start.elapsed() > limit {
+            // SIGTERM first, so the VMM flushes and a benchmark's guards remove what it
+            // created (partitions, cgroups); SIGKILL if that does not end it.
+            // SAFETY: kill(2) on our own child, not yet reaped.
+            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+            std::thread::sleep(Duration::from_secs(5));
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs `musubi-bench EXPERIMENT --quick` (what `musubi bench` runs) into a fresh output directory within `limit`
+/// and fails the test unless it exits 0.
+pub fn quick_bench(experiment: &str, limit: Duration) -> (Run, tempfile::TempDir) {
+    quick_bench_with(experiment, &[], limit)
+}
+
+/// [`quick_bench`] with more arguments, e.g. `--qemu PATH`.
+pub fn quick_bench_with(
+    experiment: &str,
+    extra: &[&str],
+    limit: Duration,
+) -> (Run, tempfile::TempDir) {
+    quick_bench_in(musubi(), experiment, extra, limit)
+}
+
+/// [`quick_bench_with`], run by `cmd` (`musubi()` with its environment changed).
+pub fn quick_bench_in(
+    cmd: Command,
+    experiment: &str,
+    extra: &[&str],
+    limit: Duration,
+) -> (Run, tempfile::TempDir) {
+    let out = tempfile::tempdir().unwrap();
+    let mut args = vec![experiment, "--quick", "--out", out.path().to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let r = run_command(cmd, &args, None, limit);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    (r, out)
+}
+
+/// A CSV file a benchmark wrote: its text, header and rows, columns found by name.
+pub struct CsvFile {
+    pub text: String,
+    pub header: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+}
+
+impl CsvFile {
+    pub fn read(path: &Path) -> CsvFile {
+        let text =
+            std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let mut lines = text.lines();
+        let header = split_csv_line(lines.next().expect("a header"));
+        let rows = lines.map(split_csv_line).collect();
+        CsvFile { text, header, rows }
+    }
+
+    pub fn col(&self, name: &str) -> usize {
+        self.header
+            .iter()
+            .position(|h| h == name)
+            .unwrap_or_else(|| panic!("no {name} column in {:?}", self.header))
+    }
+}
+
+/// The cells of one CSV line; a quoted cell may hold commas and doubled quotes (the
+/// benchmarks quote QEMU's CPU models and error text).
+fn split_csv_line(line: &str) -> Vec<String> {
+    let mut cells = vec![String::new()];
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        let cell = cells.last_mut().expect("one cell at least");
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                chars.next();
+                cell.push('"');
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => cells.push(String::new()),
+            _ => cell.push(c),
+        }
+    }
+    cells
+}
+
+/// A stand-in for QEMU, named like it, in `dir`: a shell script with `body`, for tests of
+/// what a benchmark does when its peer fails (`--qemu` points at it).
+pub fn fake_qemu(dir: &Path, body: &str) -> PathBuf {
+    fake_vmm(dir, "qemu-system-x86_64", body)
+}
+
+/// A stand-in for the peer VMM `name` in `dir`: a shell script with `body`.
+pub fn fake_vmm(dir: &Path, name: &str, body: &str) -> PathBuf {
+    vmm::testing::shell_script(&dir.join(name), body)
+}
+
+/// The boot benchmark's CSV, split by hypervisor.
+pub struct BootCsv {
+    pub t: CsvFile,
+}
+
+impl BootCsv {
+    pub fn read(out: &Path) -> BootCsv {
+        BootCsv {
+            t: CsvFile::read(&out.join("boot.csv")),
+        }
+    }
+
+    pub fn rows_of(&self, prefix: &str) -> Vec<&Vec<String>> {
+        let hv = self.t.col("hypervisor");
+        self.t
+            .rows
+            .iter()
+            .filter(|r| r[hv].starts_with(prefix))
+            .collect()
+    }
+
+    /// Musubi's three quick runs, each with its figures.
+    pub fn assert_musubi_measured(&self) {
+        let (hello, first) = (self.t.col("to_hello_ms"), self.t.col("to_first_kvm_run_ms"));
+        let musubi = self.rows_of("musubi");
+        assert_eq!(
+            musubi.len(),
+            3,
+            "three quick runs of musubi\n{}",
+            self.t.text
+        );
+        for r in &musubi {
+            let h: f64 = r[hello].parse().unwrap();
+            let f: f64 = r[first].parse().unwrap();
+            assert!(f > 0.0 && h >= f, "first KVM_RUN comes before hello: {r:?}");
+        }
+    }
+}
