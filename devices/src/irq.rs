@@ -51,6 +51,7 @@ impl<T: Irq + ?Sized> Irq for Arc<T> {
 }
 
 /// Adapts an [`Irq`] to vm-superio's `Trigger`.
+#[derive(Clone)]
 pub struct SuperioTrigger(pub Arc<dyn Irq>);
 
 impl vm_superio::Trigger for SuperioTrigger {

@@ -50,6 +50,23 @@ pub struct VmArgs {
     pub config: Option<PathBuf>,
 }
 
+/// How a VM of `musubi run` is controlled while it runs, and where it comes from.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ControlFlags {
+    /// Serve the control API (HTTP/1.1 and JSON, Cloud Hypervisor's paths) on this UNIX
+    /// socket, created mode 0600: ping, info, counters, pause, resume, snapshot, shutdown.
+    /// `musubi remote --api-socket PATH` is its client.
+    #[arg(long, value_name = "PATH", conflicts_with = "nodes")]
+    pub api_socket: Option<PathBuf>,
+    /// Restore the VM saved in this snapshot directory instead of booting one. Its
+    /// configuration comes from the snapshot; --cpus, --memory, --disk and --pmem, when
+    /// given, must match it; --serial may send the console elsewhere. Guest RAM is mapped
+    /// copy-on-write from the snapshot's memory file, so the snapshot is never changed and
+    /// can be restored again.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "cmdline", "initrd", "config", "nodes"])]
+    pub restore: Option<PathBuf>,
+}
+
 /// How a VM run is bounded and observed: shared by `run` and `node`.
 #[derive(Args, Debug, Clone)]
 pub struct RunFlags {
@@ -200,7 +217,50 @@ impl VmArgs {
     }
 }
 
+/// The VM flags given on the command line, parsed, each `None` when not given: what a
+/// `--restore` compares with the snapshot it restores.
+#[derive(Debug, Default)]
+pub struct GivenDevices {
+    pub cpus: Option<u8>,
+    pub memory: Option<u64>,
+    pub disks: Option<Vec<DiskConfig>>,
+    pub pmem: Option<Vec<vmm::pmem::PmemConfig>>,
+    pub serial: Option<SerialMode>,
+    pub exits: Option<config::ExitsMode>,
+}
+
 impl VmArgs {
+    /// What of the VM the command line itself asks for (no file, no defaults).
+    pub fn given_devices(&self) -> Result<GivenDevices, String> {
+        let cpus = match self.cpus {
+            Some(n) => Some(config::check_cpus(n).map_err(|e| e.to_string())?),
+            None => None,
+        };
+        let memory = match &self.memory {
+            Some(m) => Some(config::parse_size("--memory", m).map_err(|e| e.to_string())?),
+            None => None,
+        };
+        let list = |flags: &[String]| (!flags.is_empty()).then(|| flags.to_vec());
+        Ok(GivenDevices {
+            cpus,
+            memory,
+            disks: list(&self.disk)
+                .map(|f| flags_or_file(&f, Vec::new()))
+                .transpose()?,
+            pmem: list(&self.pmem)
+                .map(|f| flags_or_file(&f, Vec::new()))
+                .transpose()?,
+            serial: match &self.serial {
+                Some(s) => Some(s.parse().map_err(|e: config::ConfigError| e.to_string())?),
+                None => None,
+            },
+            exits: match &self.exits {
+                Some(e) => Some(e.parse()?),
+                None => None,
+            },
+        })
+    }
+
     /// The flags again, as a command line: how `run --nodes` hands the same VM to each node.
     pub fn to_args(&self) -> Vec<String> {
         let mut a = Vec::new();

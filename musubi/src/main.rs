@@ -1,5 +1,6 @@
 //! `musubi`: the command-line front end of the Musubi hypervisor.
 
+mod api_target;
 mod bench;
 mod cli;
 mod console;
@@ -8,6 +9,7 @@ mod netns;
 mod nodes;
 mod partition_cli;
 mod probe;
+mod remote;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -74,6 +76,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Host partitions: disjoint CPUs, memory and disks, each with its own supervisor and VMs.
     Partition(partition_cli::PartitionArgs),
+    /// Ask a VM started with `run --api-socket PATH` for its state or an action, over
+    /// its HTTP API (Cloud Hypervisor's paths, so ch-remote and curl work too).
+    Remote(remote::RemoteArgs),
     /// The bundled probe guest.
     Guest {
         #[command(subcommand)]
@@ -89,6 +94,8 @@ struct RunCmd {
     vm: cli::VmArgs,
     #[command(flatten)]
     run: cli::RunFlags,
+    #[command(flatten)]
+    control: cli::ControlFlags,
     /// Spread the VM over N node processes on this host, linked over loopback TCP (or
     /// their own network with --netns): the
     /// vCPUs are dealt round-robin, guest RAM is kept coherent page by page, node 0
@@ -151,6 +158,7 @@ fn main() -> ExitCode {
             protocol,
             ordering,
             net,
+            ..
         }) => {
             let protocol = match nodes::parse_protocol("--protocol", &protocol) {
                 Ok(p) => p,
@@ -175,10 +183,13 @@ fn main() -> ExitCode {
             vm,
             run,
         } => nodes::node(&cluster, id, &vm, &run),
-        Command::Run(RunCmd { vm, run, .. }) => run::run(&vm, &run),
+        Command::Run(RunCmd {
+            vm, run, control, ..
+        }) => run::run(&vm, &run, &control),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
         Command::Partition(args) => partition_cli::run(args),
+        Command::Remote(args) => remote::run(&args),
         Command::Guest {
             command: GuestCommand::Path,
         } => match probe::materialize() {

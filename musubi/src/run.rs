@@ -3,6 +3,7 @@
 //! disks and memory storage are flushed; SIGUSR1 writes the metrics while it runs. With
 //! `--serial stdio`, stdin is the guest's console input (see `console`).
 
+use crate::api_target::ApiTarget;
 use crate::{cli, console};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
@@ -11,14 +12,24 @@ use std::process::ExitCode;
 
 const STDIN: std::os::fd::RawFd = 0;
 
-pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags) -> ExitCode {
+pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -> ExitCode {
     let fail = |msg: String| {
         eprintln!("musubi: {msg}");
         ExitCode::from(1)
     };
-    let config = match vm.to_config() {
-        Ok(c) => c,
-        Err(e) => return fail(e),
+    let snapshot = match &control.restore {
+        Some(dir) => match open_snapshot(dir, vm) {
+            Ok(s) => Some(s),
+            Err(e) => return fail(e),
+        },
+        None => None,
+    };
+    let config = match &snapshot {
+        Some((_, config)) => config.clone(),
+        None => match vm.to_config() {
+            Ok(c) => c,
+            Err(e) => return fail(e),
+        },
     };
     let timeout = match run.timeout() {
         Ok(t) => t,
@@ -35,7 +46,12 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags) -> ExitCode {
         timeout,
         seccomp: run.seccomp,
     };
-    let built = match vmm::Vmm::build(&config, &opts) {
+    let builder = vmm::VmBuilder::new(&config).options(opts);
+    let builder = match snapshot {
+        Some((snap, _)) => builder.restore(snap),
+        None => builder,
+    };
+    let built = match builder.build() {
         Ok(vm) => vm,
         Err(e) => return fail(e.to_string()),
     };
@@ -56,6 +72,26 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags) -> ExitCode {
         Ok(r) => r,
         Err(e) => return fail(e.to_string()),
     };
+    // Started before this thread's filter goes on, so the API thread has only its own.
+    let api = match &control.api_socket {
+        Some(path) => {
+            let target = std::sync::Arc::new(ApiTarget {
+                vm: running.handle(),
+            });
+            let mode = run.seccomp;
+            let filter = move || {
+                vmm::seccomp::apply(vmm::seccomp::ThreadKind::Api, mode).map_err(|e| e.to_string())
+            };
+            match musubi_api::ApiServer::start(path, target, filter) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    running.stop(vmm::Outcome::VmmError(format!("--api-socket: {e}")));
+                    None
+                }
+            }
+        }
+        None => None,
+    };
     // This thread only waits, flushes and writes reports from here on; the threads it
     // starts next (signals, console input) inherit its filter.
     if let Err(e) = vmm::seccomp::apply(vmm::seccomp::ThreadKind::Control, run.seccomp) {
@@ -74,6 +110,7 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags) -> ExitCode {
     };
     let watch = SignalWatch::start(signals, running.handle(), run.metrics.clone());
     let report = running.wait();
+    drop(api);
     watch.close();
     drop(input);
     drop(raw_mode);
@@ -92,6 +129,42 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags) -> ExitCode {
         _ => {}
     }
     ExitCode::from(report.outcome.exit_code() as u8)
+}
+
+/// Reads and checks the snapshot `dir` for `--restore`, and the configuration to build it
+/// with. Flags that ask for another VM than the saved one, and missing disks or
+/// memory-storage files, are refused here, before anything is built.
+fn open_snapshot(
+    dir: &Path,
+    vm: &cli::VmArgs,
+) -> Result<(vmm::snapshot::Snapshot, vmm::config::VmConfig), String> {
+    let flag = |e: vmm::snapshot::SnapshotError| format!("--restore {}: {e}", dir.display());
+    let snap = vmm::snapshot::Snapshot::open(dir).map_err(flag)?;
+    let given = vm.given_devices()?;
+    snap.config
+        .check_given(
+            given.cpus,
+            given.memory,
+            given.disks.as_deref(),
+            given.pmem.as_deref(),
+        )
+        .map_err(flag)?;
+    snap.config.check_files().map_err(flag)?;
+    let mut config = snap
+        .config
+        .to_vm_config()
+        .map_err(|e| format!("--restore {}: {e}", dir.display()))?;
+    if let Some(serial) = given.serial {
+        config.serial = serial;
+    }
+    if let Some(exits) = given.exits.filter(|&e| e != config.exits) {
+        return Err(format!(
+            "--restore {}: the snapshot's exit path is {}, but --exits asks for {exits}",
+            dir.display(),
+            config.exits
+        ));
+    }
+    Ok((snap, config))
 }
 
 /// Stops the VM on SIGTERM, SIGINT and SIGHUP and writes its metrics on SIGUSR1, from a

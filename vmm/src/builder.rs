@@ -55,6 +55,8 @@ pub enum BuildError {
     GuestMemory(#[from] vm_memory::GuestMemoryError),
     #[error("--initrd {}: {why}", path.display())]
     Initrd { path: PathBuf, why: String },
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
     #[error("cannot start the {what} thread: {source}")]
     Thread {
         what: &'static str,
@@ -96,6 +98,10 @@ pub struct Vm {
     pub(crate) extra_metrics: Option<ExtraMetrics>,
     /// Run once the vCPUs and the I/O thread have stopped, before the VM is destroyed.
     pub(crate) on_stopped: Option<Box<dyn FnOnce() + Send>>,
+    /// The KVM clock a restored VM goes on from, set just before its vCPUs run.
+    pub(crate) start_clock: Option<kvm_bindings::kvm_clock_data>,
+    /// What a snapshot of this VM records as its configuration.
+    pub(crate) saved_config: crate::snapshot::SavedConfig,
 }
 
 /// A source of more `--metrics` entries, called whenever the metrics are read.
@@ -120,6 +126,8 @@ pub struct VmBuilder<'a> {
     topology: Option<Topology>,
     on_stopped: Option<Box<dyn FnOnce() + Send>>,
     extra_metrics: Option<ExtraMetrics>,
+    /// Build the VM a snapshot holds instead of booting one.
+    restore: Option<crate::snapshot::Snapshot>,
 }
 
 /// Where guest RAM comes from.
@@ -165,7 +173,16 @@ impl<'a> VmBuilder<'a> {
             topology: None,
             on_stopped: None,
             extra_metrics: None,
+            restore: None,
         }
+    }
+
+    /// Builds the VM `snapshot` holds: RAM mapped copy-on-write from its memory file, every
+    /// vCPU, interrupt controller, timer and device put back as saved, no kernel loaded.
+    /// `config` must be the snapshot's own (`snapshot.config.to_vm_config()`).
+    pub fn restore(mut self, snapshot: crate::snapshot::Snapshot) -> Self {
+        self.restore = Some(snapshot);
+        self
     }
 
     /// How the VM is observed (serial capture, timeout, system-call filters).
@@ -290,7 +307,14 @@ impl Vmm {
                 source,
             })?;
         let mut kvm = KvmVm::create(kvm_host)?;
+        let mut restore = share.restore;
+        if let Some(snap) = &restore {
+            check_layout(snap, &layout)?;
+        }
         let ram = Arc::new(match share.ram {
+            GuestRamSource::Anonymous if restore.is_some() => {
+                GuestRam::from_file(&layout, restore.as_ref().expect("checked").memory.clone())?
+            }
             GuestRamSource::Anonymous => GuestRam::new(&layout, RamBackend::Anonymous)?,
             // SAFETY: `ExternalRam::new`'s contract: the owner keeps the mapping while it
             // lives, and `GuestRam` keeps the owner.
@@ -308,7 +332,7 @@ impl Vmm {
         phase("vm and memory");
 
         // 2. The kernel, loaded once for the whole VM by the node that holds the devices.
-        let loaded = if share.devices {
+        let loaded = if share.devices && restore.is_none() {
             Some(load_kernel(&mem, &config.kernel)?)
         } else {
             None
@@ -323,8 +347,24 @@ impl Vmm {
                 sregs: linux::long_mode_sregs,
             },
         });
-        for v in &vcpus {
-            v.boot(if v.id == 0 { boot } else { None });
+        match &mut restore {
+            Some(snap) => {
+                // Taken out: the vCPU threads own them from here.
+                let mut states: Vec<Option<_>> = std::mem::take(&mut snap.state.vcpus)
+                    .into_iter()
+                    .map(Some)
+                    .collect();
+                for v in &vcpus {
+                    if let Some(s) = states.get_mut(v.id as usize).and_then(Option::take) {
+                        v.restore(s);
+                    }
+                }
+            }
+            None => {
+                for v in &vcpus {
+                    v.boot(if v.id == 0 { boot } else { None });
+                }
+            }
         }
         phase("kernel loaded");
 
@@ -371,6 +411,19 @@ impl Vmm {
         // Last: KVM_CREATE_PIT2 runs under the VM's lock, which KVM_CREATE_VCPU takes too,
         // so made earlier it held up the vCPUs being created on their threads.
         kvm.create_pit()?;
+        let start_clock = match &restore {
+            Some(snap) => {
+                kvm.restore_state(&snap.state.vm)?;
+                restore_devices(&devices, &snap.state)?;
+                phase("state restored");
+                Some(snap.state.vm.clock)
+            }
+            None => None,
+        };
+        let saved_config = crate::snapshot::SavedConfig::new(
+            config,
+            &pmem.regions.iter().map(|r| r.size).collect::<Vec<_>>(),
+        );
 
         let bus: Arc<dyn DeviceBus> = devices.bus.clone();
         Ok(Vm {
@@ -389,8 +442,58 @@ impl Vmm {
             bus,
             extra_metrics: share.extra_metrics,
             on_stopped: share.on_stopped,
+            start_clock,
+            saved_config,
         })
     }
+}
+
+/// Refuses a snapshot whose RAM or memory-storage regions would land elsewhere in this
+/// build's guest-physical map (another host's address width can move them).
+fn check_layout(
+    snap: &crate::snapshot::Snapshot,
+    layout: &GuestLayout,
+) -> Result<(), crate::snapshot::SnapshotError> {
+    let ram: Vec<(u64, u64)> = layout.ram.iter().map(|r| (r.start, r.len)).collect();
+    let pmem: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
+    if ram != snap.state.ram || pmem != snap.state.pmem {
+        return Err(crate::snapshot::SnapshotError::Layout(format!(
+            "{}: the snapshot's guest-physical map (RAM {:x?}, memory storage {:x?}) is not this \
+             build's (RAM {ram:x?}, memory storage {pmem:x?})",
+            snap.dir.display(),
+            snap.state.ram,
+            snap.state.pmem
+        )));
+    }
+    Ok(())
+}
+
+/// Puts the serial port and every virtio transport back as the snapshot saved them.
+fn restore_devices(
+    devices: &Devices,
+    state: &crate::snapshot::VmState,
+) -> Result<(), crate::snapshot::SnapshotError> {
+    let corrupt = |why: String| crate::snapshot::SnapshotError::Layout(why);
+    devices
+        .serial
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .restore(&state.serial)
+        .map_err(corrupt)?;
+    if state.transports.len() != devices.transports.len() {
+        return Err(corrupt(format!(
+            "the snapshot has {} virtio devices, this VM {}",
+            state.transports.len(),
+            devices.transports.len()
+        )));
+    }
+    for (i, (t, s)) in devices.transports.iter().zip(&state.transports).enumerate() {
+        t.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .restore(s)
+            .map_err(|why| corrupt(format!("virtio device {i}: {why}")))?;
+    }
+    Ok(())
 }
 
 impl Vm {

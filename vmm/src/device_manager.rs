@@ -126,6 +126,9 @@ pub struct Devices {
     pub mmio_names: Arc<MmioNames>,
     pub serial: Arc<Mutex<Serial>>,
     pub disks: Vec<Arc<Mutex<MmioTransport>>>,
+    /// Every virtio transport (the disks, then memory-storage devices), in creation order:
+    /// the order a snapshot saves them in.
+    pub transports: Vec<Arc<Mutex<MmioTransport>>>,
     /// The image behind each entry of `disks`, for messages.
     pub disk_paths: Vec<std::path::PathBuf>,
     /// `virtio_mmio.device=` fragments announcing the virtio devices to the guest.
@@ -327,8 +330,9 @@ pub fn create_devices(
         })?;
         transports.push(w.add_virtio(&format!("virtio-blk{i}"), Box::new(block))?);
     }
+    let mut all = transports.clone();
     for (name, device) in extra.virtio {
-        w.add_virtio(&name, device)?;
+        all.push(w.add_virtio(&name, device)?);
     }
     for (base, size, name, device) in extra.mmio {
         w.io.register_mmio(
@@ -348,6 +352,7 @@ pub fn create_devices(
         mmio_names: names,
         serial,
         disks: transports,
+        transports: all,
         disk_paths: disks.iter().map(|d| d.path.clone()).collect(),
         cmdline_fragments: w.fragments,
         irqs: w.irqs,

@@ -3,6 +3,7 @@
 
 use crate::control::{panic_message, Outcome, RunControl};
 use crate::seccomp::{SeccompMode, ThreadKind};
+use crate::vstate::pause::PauseGate;
 use devices::virtio::MmioTransport;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,6 +34,8 @@ pub struct Notifier {
 /// Started per VM in the kernel exit mode; stopped through `stop`.
 pub struct IoThread {
     stop: EventFd,
+    /// Written to make the thread park at the VM's pause gate.
+    park: Arc<EventFd>,
     handle: Option<std::thread::JoinHandle<()>>,
     served: Arc<AtomicU64>,
 }
@@ -45,14 +48,21 @@ impl IoThread {
         notifiers: Vec<Notifier>,
         control: Arc<RunControl>,
         seccomp: SeccompMode,
+        gate: Arc<PauseGate>,
     ) -> std::io::Result<Self> {
         let stop = EventFd::new(libc::EFD_NONBLOCK)?;
+        let park = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
         let epoll = Epoll::new()?;
         let stop_token = notifiers.len() as u64;
         epoll.ctl(
             ControlOperation::Add,
             stop.as_raw_fd(),
             EpollEvent::new(EventSet::IN, stop_token),
+        )?;
+        epoll.ctl(
+            ControlOperation::Add,
+            park.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, stop_token + 1),
         )?;
         for (i, n) in notifiers.iter().enumerate() {
             epoll.ctl(
@@ -63,6 +73,11 @@ impl IoThread {
         }
         let served = Arc::new(AtomicU64::new(0));
         let count = served.clone();
+        let parking = Parking {
+            eventfd: park.clone(),
+            gate,
+            control: control.clone(),
+        };
         let handle = std::thread::Builder::new()
             .name("virtio-io".into())
             .spawn(move || {
@@ -72,7 +87,7 @@ impl IoThread {
                     return;
                 }
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    serve(&epoll, &notifiers, stop_token, &count)
+                    serve(&epoll, &notifiers, stop_token, &count, &parking)
                 }));
                 let failure = match result {
                     Ok(Ok(())) => return,
@@ -85,9 +100,15 @@ impl IoThread {
             })?;
         Ok(Self {
             stop,
+            park,
             handle: Some(handle),
             served,
         })
+    }
+
+    /// What to write to have the thread park at the pause gate.
+    pub fn park_bell(&self) -> Arc<EventFd> {
+        self.park.clone()
     }
 
     /// A counter of notifications served that outlives the thread.
@@ -109,14 +130,22 @@ impl Drop for IoThread {
     }
 }
 
+/// How the I/O thread learns of a pause and where it waits it out.
+struct Parking {
+    eventfd: Arc<EventFd>,
+    gate: Arc<PauseGate>,
+    control: Arc<RunControl>,
+}
+
 /// Serves doorbells until the stop token fires; an error ends the thread.
 fn serve(
     epoll: &Epoll,
     notifiers: &[Notifier],
     stop_token: u64,
     served: &AtomicU64,
+    parking: &Parking,
 ) -> Result<(), String> {
-    let mut events = vec![EpollEvent::default(); notifiers.len() + 1];
+    let mut events = vec![EpollEvent::default(); notifiers.len() + 2];
     loop {
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
@@ -127,6 +156,14 @@ fn serve(
             let token = ev.data();
             if token == stop_token {
                 return Ok(());
+            }
+            if token == stop_token + 1 {
+                // Parked between two requests: every queue pass has finished.
+                let _ = parking.eventfd.read();
+                if parking.gate.asked() {
+                    parking.gate.park_io(&parking.control);
+                }
+                continue;
             }
             let Some(notifier) = notifiers.get(token as usize) else {
                 continue;
@@ -183,7 +220,13 @@ mod tests {
         let control = Arc::new(RunControl::default());
         let counting = Arc::new(Counting(AtomicU64::new(0)));
         let (n, ring) = doorbell(counting.clone());
-        let mut t = IoThread::start(vec![n], control.clone(), SeccompMode::Off).unwrap();
+        let mut t = IoThread::start(
+            vec![n],
+            control.clone(),
+            SeccompMode::Off,
+            Arc::new(PauseGate::new(0, true)),
+        )
+        .unwrap();
         ring.write(1).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while counting.0.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
@@ -199,7 +242,13 @@ mod tests {
     fn a_failed_io_thread_ends_the_vm_with_a_vmm_error() {
         let control = Arc::new(RunControl::default());
         let (n, ring) = doorbell(Arc::new(Broken));
-        let _t = IoThread::start(vec![n], control.clone(), SeccompMode::Off).unwrap();
+        let _t = IoThread::start(
+            vec![n],
+            control.clone(),
+            SeccompMode::Off,
+            Arc::new(PauseGate::new(0, true)),
+        )
+        .unwrap();
         ring.write(1).unwrap();
         let outcome = control.wait(Duration::from_millis(5), || None);
         let Outcome::VmmError(m) = &outcome else {

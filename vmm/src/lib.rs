@@ -25,6 +25,7 @@ mod metrics;
 pub mod pmem;
 mod running;
 pub mod seccomp;
+pub mod snapshot;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod vstate;
@@ -37,4 +38,6 @@ pub use builder::{
 pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
 pub use exit::DeviceBus;
 pub use metrics::MmioTarget;
-pub use running::{monotonic_ns, run_vm, RunReport, RunningVm, VmHandle};
+pub use running::{
+    monotonic_ns, run_vm, ControlError, RunReport, RunningVm, SnapshotReport, VmHandle,
+};

@@ -12,6 +12,7 @@ use crate::io_thread::IoThread;
 use crate::irq::IrqLine;
 use crate::metrics::{detailed, summarize, ExitSummary, VcpuMetrics};
 use crate::vstate::memory::GuestRam;
+use crate::vstate::pause::{PauseError, PauseGate};
 use crate::vstate::vcpu::{kick_signal, VcpuContext, VcpuStatus};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -51,9 +52,70 @@ struct Shared {
     names: Arc<crate::device_manager::MmioNames>,
     ioeventfd_served: Arc<AtomicU64>,
     serial: Arc<Mutex<devices::legacy::Serial>>,
+    /// The rest is what pause, resume and snapshots need.
+    gate: Arc<PauseGate>,
+    vm_fd: Arc<kvm_ioctls::VmFd>,
+    /// The vCPU threads: kicked to pause, taken out to be joined when the VM ends.
+    vcpu_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    io_park: Option<Arc<vmm_sys_util::eventfd::EventFd>>,
+    /// The KVM clock and each vCPU's TSC when the VM paused, set back on resume.
+    paused_at: Mutex<Option<PausedAt>>,
+    transports: Vec<Arc<Mutex<devices::virtio::MmioTransport>>>,
+    pmem: Vec<crate::pmem::PmemRegion>,
+    layout_ram: Vec<(u64, u64)>,
+    layout_pmem: Vec<u64>,
+    saved_config: crate::snapshot::SavedConfig,
+    /// The MSRs KVM says a VMM should save, asked once.
+    msr_list: OnceLock<Result<Vec<u32>, String>>,
+    kvm: Arc<kvm_ioctls::Kvm>,
+    /// One pause, resume or snapshot at a time.
+    busy: Mutex<()>,
+}
+
+/// What a paused VM's clocks read when it stopped.
+struct PausedAt {
+    clock: kvm_bindings::kvm_clock_data,
+    tscs: Vec<Option<u64>>,
+}
+
+/// Why a pause, resume or snapshot was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("the VM is already paused")]
+    AlreadyPaused,
+    #[error("the VM is not paused")]
+    NotPaused,
+    #[error("the VM has ended")]
+    Ended,
+    #[error(transparent)]
+    Pause(#[from] PauseError),
+    #[error("{0}")]
+    Kvm(String),
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
+}
+
+/// What taking a snapshot did.
+#[derive(Clone, Debug)]
+pub struct SnapshotReport {
+    pub dir: std::path::PathBuf,
+    pub ram: crate::snapshot::RamWritten,
+    /// From the request to the last byte durable.
+    pub took: Duration,
 }
 
 impl Shared {
+    /// Kicks every vCPU out of KVM_RUN and rings the I/O thread's parking bell.
+    fn kick_all(&self) {
+        let threads = self.vcpu_threads.lock().unwrap_or_else(|e| e.into_inner());
+        for t in threads.iter() {
+            let _ = t.kill(kick_signal());
+        }
+        if let Some(bell) = &self.io_park {
+            let _ = bell.write(1);
+        }
+    }
+
     fn metrics_json(&self) -> serde_json::Value {
         let names = |t| self.names.name(t);
         let (per_vcpu, all) = detailed(&self.metrics, &names);
@@ -99,7 +161,6 @@ impl Shared {
 pub struct RunningVm {
     vm: Vm,
     shared: Arc<Shared>,
-    threads: Vec<std::thread::JoinHandle<()>>,
     statuses: Vec<Arc<VcpuStatus>>,
     request: Arc<AtomicU64>,
     io_thread: Option<IoThread>,
@@ -124,6 +185,216 @@ impl VmHandle {
         self.shared.metrics_json()
     }
 
+    /// Device counters as Cloud Hypervisor's `vm.counters` gives them: device name to
+    /// counter name to value, with the vCPUs' exits as one more "device".
+    pub fn counters(&self) -> serde_json::Value {
+        let mut out = serde_json::Map::new();
+        let total: u64 = self.shared.metrics.iter().map(|m| m.total()).sum();
+        out.insert("vcpus".into(), serde_json::json!({ "exits": total }));
+        let (mut blk, mut other) = (0u32, 0u32);
+        for t in &self.shared.transports {
+            let t = t.lock().unwrap_or_else(|e| e.into_inner());
+            let s = t.stats();
+            let name = match t.device_type() {
+                2 => {
+                    blk += 1;
+                    format!("virtio-blk{}", blk - 1)
+                }
+                _ => {
+                    other += 1;
+                    format!("virtio-pmem{}", other - 1)
+                }
+            };
+            out.insert(
+                name,
+                serde_json::json!({
+                    "requests": s.requests,
+                    "read_bytes": s.bytes_read,
+                    "write_bytes": s.bytes_written,
+                    "flushes": s.flushes,
+                    "errors": s.errors,
+                    "interrupts": s.interrupts,
+                }),
+            );
+        }
+        serde_json::Value::Object(out)
+    }
+
+    /// Whether the VM is paused now.
+    pub fn is_paused(&self) -> bool {
+        self.shared.gate.is_paused()
+    }
+
+    /// Whether the VM has ended.
+    pub fn has_ended(&self) -> bool {
+        self.shared.control.is_finished()
+    }
+
+    /// The configuration the VM was built with, as a snapshot records it.
+    pub fn config(&self) -> &crate::snapshot::SavedConfig {
+        &self.shared.saved_config
+    }
+
+    /// Stops every vCPU between two instructions and the I/O thread between two requests,
+    /// and reads the guest's clocks, so a resume can set them back.
+    pub fn pause(&self) -> Result<(), ControlError> {
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.pause_locked()
+    }
+
+    fn pause_locked(&self) -> Result<(), ControlError> {
+        let sh = &self.shared;
+        if sh.control.is_finished() {
+            return Err(ControlError::Ended);
+        }
+        if sh.gate.is_paused() {
+            return Err(ControlError::AlreadyPaused);
+        }
+        sh.gate
+            .pause(&sh.control, Duration::from_secs(10), || sh.kick_all())?;
+        let clock = crate::vstate::vm::get_clock(&sh.vm_fd);
+        let tscs = sh.gate.on_each_vcpu(&sh.control, |_, v| v.tsc().ok());
+        match (clock, tscs) {
+            (Ok(clock), Ok(tscs)) => {
+                *sh.paused_at.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(PausedAt { clock, tscs });
+                Ok(())
+            }
+            (Err(e), _) => {
+                sh.gate.resume();
+                Err(ControlError::Kvm(e.to_string()))
+            }
+            (_, Err(e)) => {
+                sh.gate.resume();
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Lets a paused VM go on. The KVM clock and every TSC are set back to what they read
+    /// at the pause, so the guest sees no time pass while it was stopped.
+    pub fn resume(&self) -> Result<(), ControlError> {
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let sh = &self.shared;
+        if sh.control.is_finished() {
+            return Err(ControlError::Ended);
+        }
+        if !sh.gate.is_paused() {
+            return Err(ControlError::NotPaused);
+        }
+        let at = sh
+            .paused_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(at) = at {
+            let tscs = Arc::new(at.tscs);
+            let set = sh.gate.on_each_vcpu(&sh.control, {
+                let tscs = tscs.clone();
+                move |i, v| match tscs.get(i).copied().flatten() {
+                    Some(t) => v.set_tsc(t).map_err(|e| e.to_string()),
+                    None => Ok(()),
+                }
+            });
+            if let Ok(results) = set {
+                for e in results.into_iter().filter_map(Result::err) {
+                    tracing::warn!("resume: the guest's TSC may jump: {e}");
+                }
+            }
+            if let Err(e) = crate::vstate::vm::set_clock(&sh.vm_fd, &at.clock) {
+                tracing::warn!("resume: the guest's KVM clock may jump: {e}");
+            }
+        }
+        sh.gate.resume();
+        Ok(())
+    }
+
+    /// Writes a snapshot of the VM to `dir` (created if missing; files in it replaced). The
+    /// VM is paused first if it runs, and left paused.
+    pub fn snapshot(&self, dir: &std::path::Path) -> Result<SnapshotReport, ControlError> {
+        use crate::snapshot::{self, SnapshotError};
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let started = Instant::now();
+        let sh = &self.shared;
+        if !sh.gate.is_paused() {
+            self.pause_locked()?;
+        }
+        let io = |path: &std::path::Path| {
+            let path = path.to_path_buf();
+            move |source| SnapshotError::Io { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        // An older snapshot's state goes first, so a failure below leaves no directory
+        // that looks whole.
+        match std::fs::remove_file(dir.join(snapshot::STATE_FILE)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(SnapshotError::Io {
+                    path: dir.join(snapshot::STATE_FILE),
+                    source: e,
+                }
+                .into())
+            }
+            _ => {}
+        }
+        // A doorbell the I/O thread had not read when it parked is served now, so the
+        // restored VM does not wait for a request nobody will see.
+        for t in &sh.transports {
+            t.lock().unwrap_or_else(|e| e.into_inner()).serve_all();
+        }
+        let msr_list = sh
+            .msr_list
+            .get_or_init(|| {
+                sh.kvm
+                    .get_msr_index_list()
+                    .map(|l| l.as_slice().to_vec())
+                    .map_err(|e| format!("KVM_GET_MSR_INDEX_LIST failed: {e}"))
+            })
+            .clone()
+            .map_err(ControlError::Kvm)?;
+        let msr_list = Arc::new(msr_list);
+        let vcpus = sh
+            .gate
+            .on_each_vcpu(&sh.control, move |_, v| v.save_state(&msr_list))?
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ControlError::Kvm(e.to_string()))?;
+        let clock = sh
+            .paused_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|p| p.clock)
+            .ok_or(ControlError::NotPaused)?;
+        let vm = crate::vstate::vm::save_state(&sh.vm_fd, clock)
+            .map_err(|e| ControlError::Kvm(e.to_string()))?;
+        let state = snapshot::VmState {
+            ram: sh.layout_ram.clone(),
+            pmem: sh.layout_pmem.clone(),
+            vcpus,
+            vm,
+            serial: sh.serial.lock().unwrap_or_else(|e| e.into_inner()).state(),
+            transports: sh
+                .transports
+                .iter()
+                .map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).state())
+                .collect(),
+        };
+        // Memory storage is referenced, so its pages must be in the files now.
+        let unsynced = crate::pmem::sync_regions(&sh.pmem);
+        if let Some(e) = unsynced.first() {
+            return Err(ControlError::Kvm(e.clone()));
+        }
+        let mem_path = dir.join(snapshot::MEMORY_FILE);
+        let ram = snapshot::write_ram(&sh.ram, &mem_path).map_err(io(&mem_path))?;
+        snapshot::write_config(dir, &sh.saved_config)?;
+        snapshot::write_state(dir, &state)?;
+        Ok(SnapshotReport {
+            dir: dir.to_path_buf(),
+            ram,
+            took: started.elapsed(),
+        })
+    }
+
     /// Types `bytes` into COM1 as if they came down the serial line, raising its receive
     /// interrupt. Returns how many were taken: fewer than offered (maybe 0) while the UART's
     /// 64-byte receive FIFO is full. A UART has no way to stall its sender without losing
@@ -145,16 +416,21 @@ impl Vm {
     /// Starts the I/O thread (kernel exit path) and one thread per vCPU.
     pub fn start(mut self) -> Result<RunningVm, BuildError> {
         let notifiers = std::mem::take(&mut self.devices.notifiers);
+        let gate = Arc::new(PauseGate::new(self.vcpus.len(), !notifiers.is_empty()));
         let io_thread = if notifiers.is_empty() {
             None
         } else {
             Some(
-                IoThread::start(notifiers, self.control.clone(), self.opts.seccomp).map_err(
-                    |source| BuildError::Thread {
-                        what: "virtio I/O",
-                        source,
-                    },
-                )?,
+                IoThread::start(
+                    notifiers,
+                    self.control.clone(),
+                    self.opts.seccomp,
+                    gate.clone(),
+                )
+                .map_err(|source| BuildError::Thread {
+                    what: "virtio I/O",
+                    source,
+                })?,
             )
         };
         let shared = Arc::new(Shared {
@@ -171,19 +447,39 @@ impl Vm {
                 .map(|t| t.served_counter())
                 .unwrap_or_default(),
             serial: self.devices.serial.clone(),
+            gate: gate.clone(),
+            vm_fd: self.kvm.shared_fd(),
+            vcpu_threads: Mutex::new(Vec::new()),
+            io_park: io_thread.as_ref().map(|t| t.park_bell()),
+            paused_at: Mutex::new(None),
+            transports: self.devices.transports.clone(),
+            pmem: self.pmem.regions.clone(),
+            layout_ram: self.layout.ram.iter().map(|r| (r.start, r.len)).collect(),
+            layout_pmem: self.layout.pmem.iter().map(|p| p.addr).collect(),
+            saved_config: self.saved_config.clone(),
+            msr_list: OnceLock::new(),
+            kvm: self.kvm.kvm_arc(),
+            busy: Mutex::new(()),
         });
+        // A restored VM's clock goes on from the value it was saved with.
+        if let Some(clock) = &self.start_clock {
+            crate::vstate::vm::set_clock(&self.kvm.shared_fd(), clock)?;
+        }
         let first_run: Arc<OnceLock<(Instant, u64)>> = Arc::default();
         let request = Arc::new(AtomicU64::new(0));
         let statuses: Vec<Arc<VcpuStatus>> = self.vcpus.iter().map(|_| Arc::default()).collect();
         let mut threads = Vec::new();
         // The BSP has its entry state; APs wait for INIT/SIPI in the kernel. A vCPU whose
         // set-up failed ends the VM with the reason as soon as it is told to run.
-        for ((vcpu, metrics), status) in std::mem::take(&mut self.vcpus)
+        for (index, ((vcpu, metrics), status)) in std::mem::take(&mut self.vcpus)
             .into_iter()
             .zip(&shared.metrics)
             .zip(&statuses)
+            .enumerate()
         {
             threads.push(vcpu.run(VcpuContext {
+                pause: gate.clone(),
+                index,
                 bus: self.bus.clone(),
                 control: self.control.clone(),
                 metrics: metrics.clone(),
@@ -193,10 +489,13 @@ impl Vm {
                 first_run: first_run.clone(),
             }));
         }
+        *shared
+            .vcpu_threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = threads;
         Ok(RunningVm {
             vm: self,
             shared,
-            threads,
             statuses,
             request,
             io_thread,
@@ -238,16 +537,34 @@ impl RunningVm {
                     self.vm.opts.timeout.unwrap_or_default()
                 )));
             }
+            if self.shared.gate.is_paused() {
+                // Parked vCPUs answer no questions: nothing can be judged idle while paused.
+                idle = IdleCheck::default();
+                return None;
+            }
             idle.poll(
                 &self.shared.metrics,
                 &self.statuses,
                 &self.request,
-                &self.threads,
+                &self
+                    .shared
+                    .vcpu_threads
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()),
             )
         });
 
-        // Stop every vCPU, then make the guest's writes durable.
-        stop_vcpus(std::mem::take(&mut self.threads));
+        // Stop every vCPU, then make the guest's writes durable. No pause may kick the
+        // threads once they are being joined; a parked one sees the VM has ended.
+        let threads = std::mem::take(
+            &mut *self
+                .shared
+                .vcpu_threads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        self.shared.gate.resume();
+        stop_vcpus(threads);
         if let Some(t) = self.io_thread.as_mut() {
             t.stop();
         }

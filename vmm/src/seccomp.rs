@@ -53,6 +53,8 @@ pub enum ThreadKind {
     /// The thread that builds, waits for and tears down the VM, and whatever it starts
     /// afterwards (signal and console threads of the `musubi` program).
     Control = 3,
+    /// The HTTP control API's thread, which also runs the actions it is asked for.
+    Api = 4,
 }
 
 impl ThreadKind {
@@ -61,6 +63,7 @@ impl ThreadKind {
             ThreadKind::Vcpu => "vCPU",
             ThreadKind::Io => "virtio I/O",
             ThreadKind::Control => "control",
+            ThreadKind::Api => "API",
         }
     }
 }
@@ -99,6 +102,8 @@ fn program(kind: ThreadKind, mode: SeccompMode) -> &'static [sock_filter] {
         (ThreadKind::Io, true) => programs::IO_LOG,
         (ThreadKind::Control, false) => programs::CONTROL_TRAP,
         (ThreadKind::Control, true) => programs::CONTROL_LOG,
+        (ThreadKind::Api, false) => programs::API_TRAP,
+        (ThreadKind::Api, true) => programs::API_LOG,
     }
 }
 
@@ -162,6 +167,7 @@ pub fn refused_call() -> Option<String> {
         1 => ThreadKind::Vcpu.name(),
         2 => ThreadKind::Io.name(),
         3 => ThreadKind::Control.name(),
+        4 => ThreadKind::Api.name(),
         _ => "unfiltered",
     };
     let nr = v as u32;
@@ -202,6 +208,7 @@ mod tests {
             (ThreadKind::Vcpu, rules::Kind::Vcpu),
             (ThreadKind::Io, rules::Kind::Io),
             (ThreadKind::Control, rules::Kind::Control),
+            (ThreadKind::Api, rules::Kind::Api),
         ];
         for (kind, rule_kind) in pairs {
             for mode in [SeccompMode::Enforce, SeccompMode::Log] {
@@ -214,7 +221,12 @@ mod tests {
 
     #[test]
     fn modes_differ_only_in_the_mismatch_action() {
-        for kind in [ThreadKind::Vcpu, ThreadKind::Io, ThreadKind::Control] {
+        for kind in [
+            ThreadKind::Vcpu,
+            ThreadKind::Io,
+            ThreadKind::Control,
+            ThreadKind::Api,
+        ] {
             let trap = program(kind, SeccompMode::Enforce);
             let log = program(kind, SeccompMode::Log);
             assert_eq!(trap.len(), log.len(), "{kind:?}");

@@ -18,12 +18,13 @@ pub enum Kind {
     Vcpu,
     Io,
     Control,
+    Api,
 }
 
 // The build script walks every kind by name; the unit test names them one by one.
 #[cfg_attr(test, allow(dead_code))]
 impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::Vcpu, Kind::Io, Kind::Control];
+    pub const ALL: [Kind; 4] = [Kind::Vcpu, Kind::Io, Kind::Control, Kind::Api];
 
     /// The stem of the generated constants that hold this kind's programs.
     pub fn ident(self) -> &'static str {
@@ -31,6 +32,7 @@ impl Kind {
             Kind::Vcpu => "VCPU",
             Kind::Io => "IO",
             Kind::Control => "CONTROL",
+            Kind::Api => "API",
         }
     }
 }
@@ -119,6 +121,43 @@ const CONTROL: &[i64] = &[
     libc::SYS_wait4,
 ];
 
+/// What the API thread does after start (its socket and stop eventfd already exist).
+const API: &[i64] = &[
+    // Taking clients and checking who they are (SO_PEERCRED); musl's `accept` besides
+    // std's `accept4`.
+    libc::SYS_accept4,
+    libc::SYS_accept,
+    libc::SYS_getsockopt,
+    // Waiting on the listener, the stop eventfd and the clients.
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+    // Requests in and answers out (reads and writes are in BASE and DEVICE_IO).
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    // Making a client non-blocking (std uses FIONBIO), and the KVM ioctls of the vCPUs'
+    // and VM's state, which a snapshot it triggers reads on this thread: any ioctl.
+    libc::SYS_fcntl,
+    libc::SYS_ioctl,
+    // Writing a snapshot: its directory, files written whole under a temporary name and
+    // renamed, the old ones removed.
+    libc::SYS_openat,
+    libc::SYS_open,
+    libc::SYS_mkdir,
+    libc::SYS_mkdirat,
+    libc::SYS_ftruncate,
+    libc::SYS_fallocate,
+    libc::SYS_unlink,
+    libc::SYS_unlinkat,
+    libc::SYS_rename,
+    libc::SYS_renameat,
+    libc::SYS_renameat2,
+    libc::SYS_getdents64,
+    libc::SYS_lseek,
+    // Pausing and resuming kick the vCPU threads; vmm.shutdown signals the process.
+    libc::SYS_kill,
+    libc::SYS_tgkill,
+];
+
 /// A vCPU or I/O thread needs no ioctl outside KVM's type.
 fn kvm_ioctls_only() -> Result<Vec<SeccompRule>, BackendError> {
     Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
@@ -136,6 +175,7 @@ pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
     let lists: &[&[i64]] = match kind {
         Kind::Vcpu | Kind::Io => &[BASE, DEVICE_IO],
         Kind::Control => &[BASE, DEVICE_IO, CONTROL],
+        Kind::Api => &[BASE, DEVICE_IO, API],
     };
     for nr in lists.iter().flat_map(|l| l.iter()) {
         rules.insert(*nr, vec![]);
@@ -146,7 +186,7 @@ pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
         // has: `socket` and `connect` stay refused.
         rules.insert(libc::SYS_sendto, vec![]);
     }
-    if kind != Kind::Control {
+    if matches!(kind, Kind::Vcpu | Kind::Io) {
         rules.insert(libc::SYS_ioctl, kvm_ioctls_only()?);
         rules.insert(libc::SYS_epoll_wait, vec![]);
         rules.insert(libc::SYS_epoll_pwait, vec![]);

@@ -53,7 +53,62 @@ pub struct Serial {
     inner: vm_superio::Serial<SuperioTrigger, vm_superio::serial::NoEvents, SerialOutput>,
 }
 
+/// The UART's registers and receive FIFO, as saved in a snapshot (vm-superio's
+/// `SerialState`, which has no serde of its own).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SerialSnapshot {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    pub in_buffer: Vec<u8>,
+}
+
 impl Serial {
+    /// The UART's state for a snapshot.
+    pub fn state(&self) -> SerialSnapshot {
+        let s = self.inner.state();
+        SerialSnapshot {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+
+    /// Rebuilds the UART from a saved state, keeping this one's interrupt line and output.
+    pub fn restore(&mut self, s: &SerialSnapshot) -> Result<(), String> {
+        let state = vm_superio::serial::SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        };
+        let trigger = SuperioTrigger(self.inner.interrupt_evt().0.clone());
+        let out = std::mem::replace(self.inner.writer_mut(), SerialOutput::new(None, None));
+        self.inner =
+            vm_superio::Serial::from_state(&state, trigger, vm_superio::serial::NoEvents, out)
+                .map_err(|e| format!("serial port: {e:?}"))?;
+        Ok(())
+    }
+
     pub fn new(irq: Arc<dyn Irq>, out: SerialOutput) -> Self {
         Self {
             inner: vm_superio::Serial::new(SuperioTrigger(irq), out),

@@ -10,7 +10,7 @@ pub mod mmio;
 pub mod pmem;
 
 pub use block::{Block, BlockConfig, BlockError, CacheMode};
-pub use mmio::MmioTransport;
+pub use mmio::{MmioTransport, TransportState};
 pub use pmem::Pmem;
 
 use std::fmt;

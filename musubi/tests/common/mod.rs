@@ -228,3 +228,104 @@ pub fn linux_kernel(name: &str) -> PathBuf {
 pub fn fake_vmm(dir: &Path, name: &str, body: &str) -> PathBuf {
     vmm::testing::shell_script(&dir.join(name), body)
 }
+
+/// The probe guest's result lines in `text` (a serial file's contents).
+pub fn results_in(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter(|l| l.trim_start().starts_with("{\"probe\""))
+        .map(|l| {
+            serde_json::from_str(l.trim()).unwrap_or_else(|e| panic!("bad result line {l:?}: {e}"))
+        })
+        .collect()
+}
+
+/// The `task` result line in `text`, failing the test (with `text`) if there is none.
+pub fn result_in(text: &str, task: &str) -> Value {
+    results_in(text)
+        .into_iter()
+        .find(|v| v["probe"] == task)
+        .unwrap_or_else(|| panic!("no {task} result in the serial output:\n{text}"))
+}
+
+/// The text of `path`, empty if it does not exist (yet).
+pub fn read_text(path: &Path) -> String {
+    std::fs::read(path)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default()
+}
+
+/// Waits until the file `path` (a VM's `--serial file=`) contains `needle` and returns
+/// its text; fails the test if `vm` ends first or after `limit`.
+pub fn wait_for_text(vm: &mut Started, path: &Path, needle: &str, limit: Duration) -> String {
+    let start = Instant::now();
+    loop {
+        let text = read_text(path);
+        if text.contains(needle) {
+            return text;
+        }
+        if let Some(s) = vm.child.try_wait().unwrap() {
+            panic!(
+                "{} ended ({s}) before {} showed {needle:?}:\n{text}",
+                vm.what,
+                path.display()
+            );
+        }
+        if start.elapsed() > limit {
+            // SAFETY: kill(2) on our own child, not yet reaped.
+            unsafe { libc::kill(vm.child.id() as libc::pid_t, libc::SIGTERM) };
+            panic!(
+                "{} showed no {needle:?} within {limit:?}:\n{text}",
+                path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `musubi remote --api-socket SOCKET ARGS...`, bounded to a minute.
+pub fn remote(socket: &Path, args: &[&str]) -> Run {
+    let socket = socket.to_str().unwrap();
+    let mut all = vec!["remote", "--api-socket", socket];
+    all.extend_from_slice(args);
+    run_with_limit(&all, Duration::from_secs(60))
+}
+
+/// As [`remote`], requiring success, with the answer parsed as JSON (`null` if empty).
+pub fn remote_json(socket: &Path, args: &[&str]) -> Value {
+    let r = remote(socket, args);
+    assert_eq!(r.code, Some(0), "remote {args:?}: {}", r.explain());
+    if r.stdout.trim().is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&r.stdout)
+            .unwrap_or_else(|e| panic!("remote {args:?}: not JSON ({e}): {}", r.explain()))
+    }
+}
+
+/// The probe guest with `tasks` started with its API on `socket` and its console in the
+/// file `serial`, `flags` added to `musubi run`.
+pub fn start_probe_with_api(tasks: &str, socket: &Path, serial: &Path, flags: &[&str]) -> Started {
+    let serial = format!("file={}", serial.display());
+    let mut all = vec![
+        "--api-socket",
+        socket.to_str().unwrap(),
+        "--serial",
+        serial.as_str(),
+    ];
+    all.extend_from_slice(flags);
+    let args = probe_args(tasks, &all);
+    start_command(
+        musubi(),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        None,
+    )
+}
+
+/// `fib(n)`, the value the probe guest's `fib=N` task reports.
+pub fn fib_value(n: u64) -> u64 {
+    let (mut a, mut b) = (0u64, 1u64);
+    for _ in 0..n {
+        (a, b) = (b, a.wrapping_add(b));
+    }
+    a
+}

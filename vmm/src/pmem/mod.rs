@@ -30,7 +30,7 @@ mod spec;
 
 pub use guard::log_this_write;
 pub use place::{check_layout, host_phys_bits, place, PMEM_ALIGN};
-pub use regions::{check_slots, PmemRegion, PmemRegions};
+pub use regions::{check_slots, sync_regions, PmemRegion, PmemRegions};
 pub use spec::{Advertise, PmemConfig, PMEM_SYNTAX};
 
 use crate::config::ConfigError;

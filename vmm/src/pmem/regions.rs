@@ -31,7 +31,9 @@ pub fn check_slots(in_use: usize, regions: usize, available: usize) -> Result<()
     Ok(())
 }
 
-/// One placed and mapped region.
+/// One placed and mapped region. A clone shares the mapping (a snapshot syncs it from the
+/// API thread while the VM holds it).
+#[derive(Clone)]
 pub struct PmemRegion {
     pub index: usize,
     pub config: PmemConfig,
@@ -309,7 +311,14 @@ impl PmemRegions {
 
     /// Makes every writable region durable; one message per region that failed.
     pub fn sync(&self) -> Vec<String> {
-        self.regions
+        sync_regions(&self.regions)
+    }
+}
+
+/// Makes every writable region of `regions` durable; one message per region that failed.
+pub fn sync_regions(regions: &[PmemRegion]) -> Vec<String> {
+    {
+        regions
             .iter()
             .filter(|r| !r.config.readonly)
             .filter_map(|r| {

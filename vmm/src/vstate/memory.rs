@@ -29,6 +29,10 @@ pub enum RamBackend {
     /// A mapping owned by the coherence layer of a VM spread over several nodes: pages come
     /// and go as the protocol moves them, through userfaultfd.
     Coherent,
+    /// A snapshot's memory file, mapped copy-on-write: pages are read from the file when
+    /// the guest first touches them, and the guest's writes stay private to this VM, so a
+    /// restore costs nothing per page and one snapshot can be restored many times.
+    Snapshot,
 }
 
 pub struct GuestRam {
@@ -36,6 +40,9 @@ pub struct GuestRam {
     backend: RamBackend,
     /// Whatever owns a mapping made elsewhere, kept so the mapping outlives the VM.
     _owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// The file a snapshot-backed RAM was mapped from: pages the guest has not touched
+    /// still hold its data though the page map shows them absent.
+    source: Option<Arc<std::fs::File>>,
     /// Host thread id of each vCPU, filled in as vCPU threads start.
     vcpu_threads: Mutex<Vec<Option<i32>>>,
 }
@@ -56,6 +63,7 @@ impl GuestRam {
             mem,
             backend,
             _owner: None,
+            source: None,
             vcpu_threads: Mutex::new(vec![None; layout.cpus as usize]),
         })
     }
@@ -98,8 +106,46 @@ impl GuestRam {
             mem,
             backend: RamBackend::Coherent,
             _owner: Some(owner),
+            source: None,
             vcpu_threads: Mutex::new(vec![None; layout.cpus as usize]),
         })
+    }
+
+    /// The layout's RAM ranges mapped copy-on-write from `file`, which holds them one after
+    /// the other (a snapshot's memory file). The caller has checked the file is long enough.
+    pub fn from_file(layout: &GuestLayout, file: Arc<std::fs::File>) -> Result<Self, MemoryError> {
+        let mut regions = Vec::with_capacity(layout.ram.len());
+        let mut offset = 0u64;
+        for r in &layout.ram {
+            let fd =
+                std::fs::File::try_clone(&file).map_err(|e| MemoryError::Shared(e.to_string()))?;
+            let region = vm_memory::mmap::MmapRegionBuilder::new(r.len as usize)
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+                .with_file_offset(vm_memory::FileOffset::new(fd, offset))
+                .build()
+                .map_err(|e| MemoryError::Shared(format!("mapping the memory file: {e}")))?;
+            regions.push(
+                GuestRegionMmap::new(region, GuestAddress(r.start)).ok_or_else(|| {
+                    MemoryError::Shared("the region does not fit the address space".into())
+                })?,
+            );
+            offset += r.len;
+        }
+        let mem = GuestMemoryMmap::from_regions(regions)
+            .map_err(|e| MemoryError::Shared(e.to_string()))?;
+        Ok(Self {
+            mem,
+            backend: RamBackend::Snapshot,
+            _owner: None,
+            source: Some(file),
+            vcpu_threads: Mutex::new(vec![None; layout.cpus as usize]),
+        })
+    }
+
+    /// The memory file a snapshot-backed RAM maps, if it is one.
+    pub fn source(&self) -> Option<&std::fs::File> {
+        self.source.as_deref()
     }
 
     /// The RAM mappings alone (memory storage regions are added by the builder).

@@ -1,6 +1,8 @@
 //! KVM state of a VM, kept apart from devices: the VM fd, guest memory and vCPUs.
 
 pub mod memory;
+pub mod pause;
 pub mod vcpu;
+pub mod vcpu_state;
 pub mod vcpu_thread;
 pub mod vm;

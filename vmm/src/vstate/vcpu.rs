@@ -137,6 +137,9 @@ pub struct VcpuContext {
     pub ram: Arc<GuestRam>,
     /// Set by the BSP at its first KVM_RUN.
     pub first_run: Arc<OnceLock<(Instant, u64)>>,
+    /// Where this vCPU parks while the VM is paused, as local vCPU `index`.
+    pub pause: Arc<super::pause::PauseGate>,
+    pub index: usize,
 }
 
 pub struct Vcpu {
@@ -274,7 +277,23 @@ impl Vcpu {
             if let Some(outcome) = end {
                 ctx.control.finish(outcome);
             }
+            // Between two exits nothing is half done: a device access has been answered
+            // and the next instruction has not run.
+            if ctx.pause.asked() {
+                self.complete_pending_exit();
+                ctx.pause.park_vcpu(ctx.index, self, &ctx.control);
+            }
         }
+    }
+
+    /// Finishes the instruction behind the last exit without running another: KVM
+    /// completes a port or MMIO read only when KVM_RUN is entered again, so until then
+    /// the registers a snapshot would read are those of a half-done instruction. With
+    /// `immediate_exit` set, KVM_RUN completes it and returns at once.
+    fn complete_pending_exit(&mut self) {
+        self.fd.set_kvm_immediate_exit(1);
+        let _ = self.fd.run();
+        self.fd.set_kvm_immediate_exit(0);
     }
 
     /// Reports what this vCPU was doing, if the VM asked since the last answer.

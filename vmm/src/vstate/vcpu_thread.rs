@@ -10,6 +10,7 @@
 //! build, and the thread that runs the vCPU already exists when the VM starts.
 
 use super::vcpu::{kick_signal, unbind_thread, Vcpu, VcpuContext, VcpuError};
+use super::vcpu_state::VcpuState;
 use crate::arch::x86_64::cpuid::Topology;
 use crate::control::{panic_message, Outcome};
 use crate::seccomp::{self, SeccompMode, ThreadKind};
@@ -35,6 +36,8 @@ enum VcpuStep {
     Create(Arc<VmFd>),
     /// The kernel is loaded: the BSP's entry state (`None` for the other vCPUs).
     Boot(Option<Boot>),
+    /// The vCPU's state from a snapshot, instead of a boot.
+    Restore(Box<VcpuState>),
     /// The VM starts.
     Run(VcpuContext),
 }
@@ -151,6 +154,11 @@ impl PendingVcpu {
     /// Gives the thread its entry state (the BSP) or none.
     pub fn boot(&self, boot: Option<Boot>) {
         self.order(VcpuStep::Boot(boot));
+    }
+
+    /// Gives the thread the state its vCPU had when a snapshot was taken.
+    pub fn restore(&self, state: VcpuState) {
+        self.order(VcpuStep::Restore(Box::new(state)));
     }
 
     /// Lets the vCPU run as soon as it is set up, and hands its thread over. Nothing waits
@@ -270,12 +278,16 @@ fn set_up(
     if crate::testing::vcpu_set_up_panics(id) {
         panic!("set-up failure injected by a test");
     }
-    let Ok(VcpuStep::Boot(boot)) = inbox.recv() else {
-        return None;
+    let entry = match inbox.recv() {
+        Ok(VcpuStep::Boot(boot)) => Ok(boot),
+        Ok(VcpuStep::Restore(state)) => Err(state),
+        _ => return None,
     };
     Some(vcpu.and_then(|mut v| {
-        if let Some(b) = boot {
-            v.set_regs(&b.regs, b.sregs)?;
+        match entry {
+            Ok(Some(b)) => v.set_regs(&b.regs, b.sregs)?,
+            Ok(None) => {}
+            Err(state) => v.restore_state(&state)?,
         }
         v.bind_to_thread();
         Ok(v)

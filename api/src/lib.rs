@@ -1,0 +1,59 @@
+//! Musubi's control API: HTTP/1.1 with JSON bodies on a UNIX socket, with Cloud
+//! Hypervisor's paths, bodies and status codes where it has them, so its clients
+//! (ch-remote, `curl --unix-socket`) drive a Musubi VM unchanged.
+//!
+//! Requests are parsed with `httparse` (small, well kept, no allocation, no async runtime):
+//! one thread under its own seccomp filter serves a few short requests, which an async
+//! runtime and its worker threads would only make larger and harder to filter.
+
+pub mod client;
+pub mod http;
+pub mod routes;
+pub mod server;
+
+pub use client::{request, request_with_timeout};
+pub use server::{ApiError, ApiServer};
+
+/// The prefix of every path, as Cloud Hypervisor's.
+pub const API_ROOT: &str = "/api/v1";
+
+/// What the API asks of the VM it controls. Every method is called on the API thread, one
+/// at a time, so an implementation only has to be safe against the VM's own threads.
+pub trait VmControl: Send + Sync {
+    /// `{"config": {...}, "state": "Running"|"Paused", ...}`, answered to GET vm.info.
+    fn info(&self) -> serde_json::Value;
+    /// Answered to GET vm.counters: device name to counter name to value, as CH's.
+    fn counters(&self) -> serde_json::Value;
+    fn pause(&self) -> Result<(), ActionError>;
+    fn resume(&self) -> Result<(), ActionError>;
+    /// Writes a snapshot into `dir` (an absolute path, from a `file://` destination_url).
+    fn snapshot(&self, dir: &std::path::Path) -> Result<(), ActionError>;
+    fn shutdown_vm(&self) -> Result<(), ActionError>;
+    fn shutdown_vmm(&self) -> Result<(), ActionError>;
+}
+
+/// Why an action failed, and the status to answer with: CH answers 500 for most failures
+/// (an invalid state transition such as pausing a paused VM among them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ActionError {
+    pub status: u16,
+    pub message: String,
+}
+
+impl ActionError {
+    /// A failure CH reports as an internal error (500).
+    pub fn internal(message: impl Into<String>) -> Self {
+        ActionError {
+            status: 500,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for ActionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.status)
+    }
+}
+
+impl std::error::Error for ActionError {}

@@ -1,0 +1,116 @@
+//! Which request does what: maps a parsed request to a call on the VM and the answer Cloud
+//! Hypervisor would give.
+
+use crate::http::{Request, Response};
+use crate::{ActionError, VmControl, API_ROOT};
+use std::path::PathBuf;
+
+/// What the server itself answers to GET vmm.ping.
+#[derive(Clone, Debug)]
+pub struct PingInfo {
+    pub version: String,
+    pub pid: u32,
+}
+
+impl PingInfo {
+    /// This build and process. Taken when the server starts, so the API thread makes no
+    /// call for it.
+    pub fn current() -> Self {
+        PingInfo {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            pid: std::process::id(),
+        }
+    }
+}
+
+/// CH's answer to a method an endpoint does not take (400, not 405).
+fn wrong_method() -> Response {
+    Response::error(400, &["Bad Request"])
+}
+
+fn bad_request(detail: &str) -> Response {
+    Response::error(400, &["Bad Request", detail])
+}
+
+/// An action's answer: CH's messages, outermost first, end with the cause.
+fn action(result: Result<(), ActionError>, context: &str, ok_status: u16) -> Response {
+    match result {
+        Ok(()) => Response::empty(ok_status),
+        Err(e) => Response::error(e.status, &["Error from API", context, &e.message]),
+    }
+}
+
+/// Answers `req`, calling `vm` for whatever the path asks.
+pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
+    let Some(endpoint) = req
+        .path
+        .strip_prefix(API_ROOT)
+        .and_then(|p| p.strip_prefix('/'))
+    else {
+        return Response::error(404, &["Not Found"]);
+    };
+    let get = req.method == "GET";
+    let put = req.method == "PUT";
+    // CH's actions without a body refuse one.
+    let bodiless_put = put && req.body.is_empty();
+    match endpoint {
+        "vmm.ping" if get => Response::json(
+            200,
+            serde_json::json!({
+                "build_version": ping.version,
+                "version": ping.version,
+                "pid": ping.pid,
+                "features": [],
+            })
+            .to_string(),
+        ),
+        "vm.info" if get => Response::json(200, vm.info().to_string()),
+        "vm.counters" if get => Response::json(200, vm.counters().to_string()),
+        "vm.pause" if bodiless_put => action(vm.pause(), "The VM could not be paused", 204),
+        "vm.resume" if bodiless_put => action(vm.resume(), "The VM could not resume", 204),
+        "vm.shutdown" if bodiless_put => action(vm.shutdown_vm(), "The VM could not shutdown", 204),
+        // CH answers 200 here, unlike the VM's actions.
+        "vmm.shutdown" if bodiless_put => {
+            action(vm.shutdown_vmm(), "The VMM could not shutdown", 200)
+        }
+        "vm.snapshot" if put => match snapshot_dir(&req.body) {
+            Ok(dir) => action(vm.snapshot(&dir), "The VM could not be snapshotted", 204),
+            Err(r) => r,
+        },
+        "vmm.ping" | "vm.info" | "vm.counters" | "vm.pause" | "vm.resume" | "vm.shutdown"
+        | "vmm.shutdown" | "vm.snapshot" => wrong_method(),
+        _ => Response::error(404, &["Not Found"]),
+    }
+}
+
+/// The directory a vm.snapshot body names: `{"destination_url": "file:///DIR"}`, the only
+/// scheme a snapshot is written to.
+fn snapshot_dir(body: &[u8]) -> Result<PathBuf, Response> {
+    if body.is_empty() {
+        return Err(bad_request(
+            "vm.snapshot needs a JSON body {\"destination_url\": \"file:///DIR\"}",
+        ));
+    }
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| Response::error(400, &["Failed to deserialize JSON", &e.to_string()]))?;
+    let url = match value.get("destination_url") {
+        Some(serde_json::Value::String(s)) => s,
+        Some(_) => return Err(bad_request("destination_url must be a string")),
+        None => {
+            return Err(Response::error(
+                400,
+                &[
+                    "Failed to deserialize JSON",
+                    "missing field `destination_url`",
+                ],
+            ))
+        }
+    };
+    match url.strip_prefix("file://") {
+        Some(dir) if dir.starts_with('/') => Ok(PathBuf::from(dir)),
+        _ => Err(bad_request(&format!(
+            "destination_url {url:?}: a snapshot is written to file:///DIR (an absolute \
+             directory), no other scheme"
+        ))),
+    }
+}

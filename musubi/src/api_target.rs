@@ -1,0 +1,65 @@
+//! What the control API does to the VM of `musubi run`: the API's requests turned into
+//! calls on the VM's handle, and its errors into Cloud Hypervisor's answers.
+
+use musubi_api::{ActionError, VmControl};
+
+/// The VM the API controls.
+pub struct ApiTarget {
+    pub vm: vmm::VmHandle,
+}
+
+fn refused(e: vmm::ControlError) -> ActionError {
+    ActionError::internal(e.to_string())
+}
+
+impl VmControl for ApiTarget {
+    fn info(&self) -> serde_json::Value {
+        let state = if self.vm.has_ended() {
+            "Shutdown"
+        } else if self.vm.is_paused() {
+            "Paused"
+        } else {
+            "Running"
+        };
+        let config = self.vm.config();
+        serde_json::json!({
+            "config": config,
+            "state": state,
+            "memory_actual_size": config.memory,
+        })
+    }
+
+    fn counters(&self) -> serde_json::Value {
+        self.vm.counters()
+    }
+
+    fn pause(&self) -> Result<(), ActionError> {
+        self.vm.pause().map_err(refused)
+    }
+
+    fn resume(&self) -> Result<(), ActionError> {
+        self.vm.resume().map_err(refused)
+    }
+
+    fn snapshot(&self, dir: &std::path::Path) -> Result<(), ActionError> {
+        let r = self.vm.snapshot(dir).map_err(refused)?;
+        tracing::info!(
+            dir = %r.dir.display(),
+            ram_mib = r.ram.ram_bytes >> 20,
+            pages_written = r.ram.pages_written,
+            ms = r.took.as_secs_f64() * 1e3,
+            "snapshot written; the VM stays paused"
+        );
+        Ok(())
+    }
+
+    fn shutdown_vm(&self) -> Result<(), ActionError> {
+        self.vm.stop(vmm::Outcome::Shutdown);
+        Ok(())
+    }
+
+    fn shutdown_vmm(&self) -> Result<(), ActionError> {
+        self.vm.stop(vmm::Outcome::Shutdown);
+        Ok(())
+    }
+}

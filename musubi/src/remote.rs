@@ -1,0 +1,191 @@
+//! `musubi remote`: one request to a running VM's API socket, its answer printed.
+
+use clap::{Args, Subcommand};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Args, Debug)]
+pub struct RemoteArgs {
+    /// The socket the VM serves its API on (`run --api-socket PATH`).
+    #[arg(long, value_name = "PATH")]
+    api_socket: PathBuf,
+    #[command(subcommand)]
+    command: RemoteCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum RemoteCommand {
+    /// Print the VMM's version and process id (GET vmm.ping).
+    Ping,
+    /// Print the VM's configuration and state, Running or Paused (GET vm.info).
+    Info,
+    /// Print the VM's counters (GET vm.counters).
+    Counters,
+    /// Pause the VM's vCPUs (PUT vm.pause); a paused VM answers an error.
+    Pause,
+    /// Resume a paused VM (PUT vm.resume).
+    Resume,
+    /// Write a snapshot of the VM into DIR (PUT vm.snapshot with file://DIR, made absolute).
+    Snapshot {
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
+    /// End the VM and the musubi process serving it (PUT vmm.shutdown).
+    Shutdown,
+}
+
+/// The method, endpoint and body a command sends.
+fn request_of(
+    command: &RemoteCommand,
+) -> Result<(&'static str, &'static str, Option<String>), String> {
+    Ok(match command {
+        RemoteCommand::Ping => ("GET", "vmm.ping", None),
+        RemoteCommand::Info => ("GET", "vm.info", None),
+        RemoteCommand::Counters => ("GET", "vm.counters", None),
+        RemoteCommand::Pause => ("PUT", "vm.pause", None),
+        RemoteCommand::Resume => ("PUT", "vm.resume", None),
+        RemoteCommand::Shutdown => ("PUT", "vmm.shutdown", None),
+        RemoteCommand::Snapshot { dir } => ("PUT", "vm.snapshot", Some(snapshot_body(dir)?)),
+    })
+}
+
+/// `{"destination_url": "file:///abs/dir"}`: the VM runs in another process with its own
+/// working directory, so a relative DIR is made absolute here.
+fn snapshot_body(dir: &Path) -> Result<String, String> {
+    let abs = std::path::absolute(dir)
+        .map_err(|e| format!("snapshot directory {}: {e}", dir.display()))?;
+    let abs = abs
+        .to_str()
+        .ok_or_else(|| format!("snapshot directory {}: not UTF-8", abs.display()))?;
+    Ok(serde_json::json!({ "destination_url": format!("file://{abs}") }).to_string())
+}
+
+/// The answer's body to print on success, or the message for a refusal.
+fn call(args: &RemoteArgs) -> Result<String, String> {
+    let (method, endpoint, body) = request_of(&args.command)?;
+    let path = format!("{}/{endpoint}", musubi_api::API_ROOT);
+    let (status, answer) = musubi_api::request(&args.api_socket, method, &path, body.as_deref())?;
+    if !(200..300).contains(&status) {
+        // CH's error answers are a list of messages, the outermost first.
+        let message = match serde_json::from_str::<Vec<String>>(&answer) {
+            Ok(list) => list.join(": "),
+            Err(_) => answer,
+        };
+        return Err(format!("{endpoint}: the VM answered {status}: {message}"));
+    }
+    Ok(match serde_json::from_str::<serde_json::Value>(&answer) {
+        Ok(v) => serde_json::to_string_pretty(&v).unwrap_or(answer),
+        Err(_) => answer,
+    })
+}
+
+pub fn run(args: &RemoteArgs) -> ExitCode {
+    match call(args) {
+        Ok(out) => {
+            if !out.is_empty() {
+                println!("{out}");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("musubi: remote: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use musubi_api::{ActionError, ApiServer, VmControl};
+    use std::sync::{Arc, Mutex};
+
+    /// A VM that records what it is asked; pausing it twice is refused as CH refuses it.
+    #[derive(Default)]
+    struct Recorder {
+        calls: Mutex<Vec<String>>,
+    }
+
+    impl Recorder {
+        fn note(&self, s: String) -> Result<(), ActionError> {
+            let mut calls = self.calls.lock().unwrap();
+            let twice = s == "pause" && calls.iter().any(|c| c == "pause");
+            calls.push(s);
+            if twice {
+                return Err(ActionError::internal(
+                    "invalid VM state transition: Paused to Paused",
+                ));
+            }
+            Ok(())
+        }
+    }
+
+    impl VmControl for Recorder {
+        fn info(&self) -> serde_json::Value {
+            serde_json::json!({"config": {}, "state": "Running"})
+        }
+        fn counters(&self) -> serde_json::Value {
+            serde_json::json!({})
+        }
+        fn pause(&self) -> Result<(), ActionError> {
+            self.note("pause".into())
+        }
+        fn resume(&self) -> Result<(), ActionError> {
+            self.note("resume".into())
+        }
+        fn snapshot(&self, dir: &Path) -> Result<(), ActionError> {
+            self.note(format!("snapshot {}", dir.display()))
+        }
+        fn shutdown_vm(&self) -> Result<(), ActionError> {
+            self.note("shutdown_vm".into())
+        }
+        fn shutdown_vmm(&self) -> Result<(), ActionError> {
+            self.note("shutdown_vmm".into())
+        }
+    }
+
+    fn args(socket: &Path, command: RemoteCommand) -> RemoteArgs {
+        RemoteArgs {
+            api_socket: socket.to_path_buf(),
+            command,
+        }
+    }
+
+    #[test]
+    fn commands_reach_the_vm_and_refusals_carry_chs_messages() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("api.sock");
+        let vm = Arc::new(Recorder::default());
+        let _server = ApiServer::start(&socket, vm.clone(), || Ok(())).unwrap();
+        let info = call(&args(&socket, RemoteCommand::Info)).unwrap();
+        assert!(info.contains("\"state\": \"Running\""), "{info}");
+        assert_eq!(call(&args(&socket, RemoteCommand::Pause)).unwrap(), "");
+        let e = call(&args(&socket, RemoteCommand::Pause)).unwrap_err();
+        assert!(e.contains("500") && e.contains("Paused to Paused"), "{e}");
+        let snap = RemoteCommand::Snapshot {
+            dir: PathBuf::from("rel/snap"),
+        };
+        call(&args(&socket, snap)).unwrap();
+        call(&args(&socket, RemoteCommand::Shutdown)).unwrap();
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(
+            *vm.calls.lock().unwrap(),
+            [
+                "pause".to_string(),
+                "pause".into(),
+                format!("snapshot {}", cwd.join("rel/snap").display()),
+                "shutdown_vmm".into(),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_missing_socket_is_named() {
+        let e = call(&args(
+            Path::new("/nonexistent/vm.sock"),
+            RemoteCommand::Ping,
+        ))
+        .unwrap_err();
+        assert!(e.contains("/nonexistent/vm.sock"), "{e}");
+    }
+}
