@@ -59,10 +59,12 @@ impl Kind {
 #[derive(Clone, Debug)]
 pub struct Micro {
     pub kind: Kind,
-    exe: PathBuf,
+    pub exe: PathBuf,
     elf: PathBuf,
     /// Firecracker's configuration file (it takes no kernel on its command line).
     config: PathBuf,
+    cmdline: String,
+    mem_mib: u64,
 }
 
 /// The probe guest's hello task, as `bench boot` runs it everywhere.
@@ -71,14 +73,30 @@ const CMDLINE: &str = "probe.tasks=hello";
 impl Micro {
     /// Finds `kind` on PATH and prepares its run of `elf` (files go to `dir`).
     pub fn find(kind: Kind, elf: &Path, dir: &Path) -> Result<Micro, String> {
+        Micro::find_with(kind, elf, dir, CMDLINE, 128)
+    }
+
+    /// [`find`](Self::find) for another probe command line and RAM size (1 vCPU either way);
+    /// Firecracker's configuration file is named after both, so several can share `dir`.
+    pub fn find_with(
+        kind: Kind,
+        elf: &Path,
+        dir: &Path,
+        cmdline: &str,
+        mem_mib: u64,
+    ) -> Result<Micro, String> {
         let exe =
             find_on_path(kind.name()).ok_or_else(|| format!("{} is not on PATH", kind.name()))?;
-        let config = dir.join(format!("{}.json", kind.name()));
+        let config = if cmdline == CMDLINE && mem_mib == 128 {
+            dir.join(format!("{}.json", kind.name()))
+        } else {
+            dir.join(format!("{}-{mem_mib}M.json", kind.name()))
+        };
         if kind == Kind::Firecracker {
             let json = serde_json::json!({
-                "boot-source": {"kernel_image_path": elf, "boot_args": CMDLINE},
+                "boot-source": {"kernel_image_path": elf, "boot_args": cmdline},
                 "drives": [],
-                "machine-config": {"vcpu_count": 1, "mem_size_mib": 128},
+                "machine-config": {"vcpu_count": 1, "mem_size_mib": mem_mib},
             });
             std::fs::write(&config, json.to_string())
                 .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
@@ -88,21 +106,39 @@ impl Micro {
             exe,
             elf: elf.to_path_buf(),
             config,
+            cmdline: cmdline.to_string(),
+            mem_mib,
         })
     }
 
-    /// The probe guest's hello task, 1 vCPU, 128 MiB, console on stdout.
+    /// The probe guest's tasks (hello unless [`find_with`](Self::find_with) said otherwise),
+    /// 1 vCPU, 128 MiB unless said otherwise, console on stdout, no API.
     pub fn command(&self) -> Command {
+        self.command_api(None)
+    }
+
+    /// [`command`](Self::command), serving the VMM's HTTP API on the UNIX socket `api`
+    /// when given (for snapshots).
+    pub fn command_api(&self, api: Option<&Path>) -> Command {
         let mut cmd = Command::new(&self.exe);
         match self.kind {
             Kind::Firecracker => {
-                cmd.args(["--no-api", "--config-file"]).arg(&self.config);
+                match api {
+                    Some(sock) => cmd.arg("--api-sock").arg(sock),
+                    None => cmd.arg("--no-api"),
+                };
+                cmd.arg("--config-file").arg(&self.config);
             }
             Kind::CloudHypervisor => {
+                let memory = format!("size={}M", self.mem_mib);
                 cmd.arg("--kernel")
                     .arg(&self.elf)
-                    .args(["--cmdline", CMDLINE, "--memory", "size=128M"])
+                    .args(["--cmdline", &self.cmdline, "--memory", &memory])
                     .args(["--cpus", "boot=1", "--serial", "tty", "--console", "off"]);
+                if let Some(sock) = api {
+                    cmd.arg("--api-socket")
+                        .arg(format!("path={}", sock.display()));
+                }
             }
         }
         cmd

@@ -210,11 +210,14 @@ fn observe_with(mut cmd: Command, w: &Watch, stop_at_marker: bool) -> std::io::R
 /// and with SIGTERM as its parent-death signal, so that a benchmark stopped by Ctrl-C or a
 /// test's time limit leaves no VM running (the terminal's SIGINT no longer reaches it).
 fn spawn_in_own_group(cmd: &mut Command) -> std::io::Result<Child> {
+    spawn_group(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()))
+}
+
+/// [`spawn_in_own_group`] with stdout and stderr wherever `cmd` already sends them (a file,
+/// for a VMM whose console is polled rather than piped).
+pub(crate) fn spawn_group(cmd: &mut Command) -> std::io::Result<Child> {
     use std::os::unix::process::CommandExt;
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
+    cmd.stdin(Stdio::null()).process_group(0);
     // SAFETY: the closure calls only prctl, which is async-signal-safe, and allocates
     // nothing.
     unsafe {
@@ -230,7 +233,7 @@ fn spawn_in_own_group(cmd: &mut Command) -> std::io::Result<Child> {
 
 /// Whether the child has ended, without reaping it: until it is reaped its pid, which is
 /// also its process group's id, cannot be reused, so [`kill_group`] cannot hit a stranger.
-fn has_ended(child: &Child) -> std::io::Result<bool> {
+pub(crate) fn has_ended(child: &Child) -> std::io::Result<bool> {
     // SAFETY: an all-zero siginfo_t is valid for waitid to fill.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
     // SAFETY: waitid on our own child with a valid out-parameter.
@@ -250,7 +253,7 @@ fn has_ended(child: &Child) -> std::io::Result<bool> {
 }
 
 /// SIGKILLs the child's process group; called before the child is reaped.
-fn kill_group(child: &Child) {
+pub(crate) fn kill_group(child: &Child) {
     // SAFETY: kill(2) has no memory-safety preconditions; the group is the one the
     // unreaped child leads.
     unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };

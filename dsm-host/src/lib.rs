@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod coherence;
 pub mod delay;
+pub mod demand;
 pub mod envelope;
 pub mod link;
 pub mod memory;

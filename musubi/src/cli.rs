@@ -65,6 +65,26 @@ pub struct ControlFlags {
     /// can be restored again.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "cmdline", "initrd", "config", "nodes"])]
     pub restore: Option<PathBuf>,
+    /// How a restored VM's RAM is filled: `mapped` maps the snapshot's memory file
+    /// copy-on-write (the kernel reads a page when the guest first touches it); `ondemand`
+    /// gives the guest empty memory and a thread of the VMM reads each page from the file
+    /// at its first touch, through userfaultfd (needs root or vm.unprivileged_userfaultfd=1),
+    /// so the file is only read, never mapped, and the pages read are counted.
+    #[arg(
+        long,
+        value_name = "mapped|ondemand",
+        default_value = "mapped",
+        requires = "restore"
+    )]
+    pub restore_memory: RestoreMemory,
+}
+
+/// `--restore-memory`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RestoreMemory {
+    #[default]
+    Mapped,
+    Ondemand,
 }
 
 /// How a VM run is bounded and observed: shared by `run` and `node`.

@@ -5,6 +5,7 @@
 
 use crate::api_target::ApiTarget;
 use crate::{cli, console};
+use dsm_host::demand::DemandRam;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 use std::path::{Path, PathBuf};
@@ -47,14 +48,37 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         seccomp: run.seccomp,
     };
     let builder = vmm::VmBuilder::new(&config).options(opts);
+    let mut demand = None;
     let builder = match snapshot {
+        Some((snap, _)) if control.restore_memory == cli::RestoreMemory::Ondemand => {
+            let ram = match on_demand_ram(&snap) {
+                Ok(r) => r,
+                Err(e) => return fail(e),
+            };
+            demand = Some(ram.0.clone());
+            let owner = ram.0.clone();
+            builder
+                .guest_ram(vmm::GuestRamSource::External(ram.1))
+                .on_stopped(move || owner.release())
+                .restore(snap)
+        }
         Some((snap, _)) => builder.restore(snap),
         None => builder,
     };
-    let built = match builder.build() {
+    let mut built = match builder.build() {
         Ok(vm) => vm,
         Err(e) => return fail(e.to_string()),
     };
+    if let Some(d) = &demand {
+        let control = built.run_control();
+        d.on_failure(Box::new(move |why| {
+            control.finish(vmm::Outcome::VmmError(why))
+        }));
+        let d = d.clone();
+        built.set_extra_metrics(std::sync::Arc::new(
+            move || serde_json::json!({ "demand_paging": d.stats().to_json() }),
+        ));
+    }
     // The console takes stdin only when the guest's console is on stdout. The terminal goes
     // raw before the guest runs, so no early keystroke is echoed or held for a whole line;
     // the guard restores it on every way out of this function.
@@ -165,6 +189,22 @@ fn open_snapshot(
         ));
     }
     Ok((snap, config))
+}
+
+/// Guest RAM for `--restore-memory ondemand`: empty memory whose pages a thread reads from
+/// the snapshot's memory file at their first touch.
+fn on_demand_ram(
+    snap: &vmm::snapshot::Snapshot,
+) -> Result<(std::sync::Arc<DemandRam>, vmm::ExternalRam), String> {
+    let len = snap.config.memory as usize;
+    let ram = DemandRam::start(snap.memory.clone(), len)
+        .map(std::sync::Arc::new)
+        .map_err(|e| format!("--restore-memory ondemand: {e}"))?;
+    // SAFETY: the mapping is `ram`'s, `len` bytes, read-write, and stays mapped while the
+    // `ram` handed over as owner lives; only its release (after the vCPUs stop) changes it.
+    let ext = unsafe { vmm::ExternalRam::new(ram.host_addr(), len, ram.clone()) }
+        .on_demand_from(snap.memory.clone());
+    Ok((ram, ext))
 }
 
 /// Stops the VM on SIGTERM, SIGINT and SIGHUP and writes its metrics on SIGUSR1, from a

@@ -145,6 +145,8 @@ pub struct ExternalRam {
     host: *mut u8,
     len: usize,
     owner: Arc<dyn std::any::Any + Send + Sync>,
+    backend: RamBackend,
+    source: Option<Arc<std::fs::File>>,
 }
 
 impl ExternalRam {
@@ -157,7 +159,22 @@ impl ExternalRam {
         len: usize,
         owner: Arc<dyn std::any::Any + Send + Sync>,
     ) -> ExternalRam {
-        ExternalRam { host, len, owner }
+        ExternalRam {
+            host,
+            len,
+            owner,
+            backend: RamBackend::Coherent,
+            source: None,
+        }
+    }
+
+    /// Marks the mapping as filled on demand from `file` (a snapshot's memory file): the
+    /// layout's RAM ranges lie one after the other in it, and a snapshot of this VM knows
+    /// that pages it has not touched yet hold the file's data.
+    pub fn on_demand_from(mut self, file: Arc<std::fs::File>) -> Self {
+        self.backend = RamBackend::OnDemand;
+        self.source = Some(file);
+        self
     }
 }
 
@@ -319,7 +336,7 @@ impl Vmm {
             // SAFETY: `ExternalRam::new`'s contract: the owner keeps the mapping while it
             // lives, and `GuestRam` keeps the owner.
             GuestRamSource::External(r) => unsafe {
-                GuestRam::shared(&layout, r.host, r.len, r.owner)?
+                GuestRam::shared(&layout, r.host, r.len, r.owner, r.backend, r.source)?
             },
         });
         kvm.register_memory(ram.memory())?;

@@ -12,7 +12,7 @@ pub enum MemoryError {
         size: u64,
         source: vm_memory::mmap::FromRangesError,
     },
-    #[error("guest RAM kept coherent across nodes must be one range of {want} MiB at 0 below the 32-bit hole; the layout has {ranges} range(s) and the shared mapping is {got} MiB")]
+    #[error("guest RAM mapped elsewhere must be {want} MiB (and, kept coherent across nodes, one range at 0 below the 32-bit hole); the layout has {ranges} range(s) and the shared mapping is {got} MiB")]
     SharedShape { want: u64, got: u64, ranges: usize },
     #[error("cannot use the shared guest-RAM mapping: {0}")]
     Shared(String),
@@ -33,6 +33,9 @@ pub enum RamBackend {
     /// the guest first touches them, and the guest's writes stay private to this VM, so a
     /// restore costs nothing per page and one snapshot can be restored many times.
     Snapshot,
+    /// Anonymous memory whose pages a thread reads from a snapshot's memory file the first
+    /// time they are touched, through userfaultfd (`--restore-memory ondemand`).
+    OnDemand,
 }
 
 pub struct GuestRam {
@@ -68,8 +71,11 @@ impl GuestRam {
         })
     }
 
-    /// Guest RAM on a mapping made elsewhere (`host..host + len`, kept alive by `owner`): the
-    /// coherence layer of a multi-node VM owns it and serves its faults.
+    /// Guest RAM on a mapping made elsewhere (`host..host + len`, kept alive by `owner`),
+    /// the layout's RAM ranges one after the other in it: the coherence layer of a
+    /// multi-node VM owns such a mapping and serves its faults, and so does a restore that
+    /// reads pages on demand. `source` is the file whose data the mapping stands for, if
+    /// any (see [`GuestRam::source`]).
     ///
     /// # Safety
     /// `host..host + len` must be a private anonymous read-write mapping that stays mapped for
@@ -79,34 +85,47 @@ impl GuestRam {
         host: *mut u8,
         len: usize,
         owner: Arc<dyn std::any::Any + Send + Sync>,
+        backend: RamBackend,
+        source: Option<Arc<std::fs::File>>,
     ) -> Result<Self, MemoryError> {
-        if layout.ram.len() != 1 || layout.ram[0].start != 0 || layout.ram[0].len != len as u64 {
+        // Pages of a coherent RAM are numbered by guest-physical address, so it must be one
+        // range at 0.
+        let coherent_shape = layout.ram.len() == 1 && layout.ram[0].start == 0;
+        if layout.ram_size != len as u64 || (backend == RamBackend::Coherent && !coherent_shape) {
             return Err(MemoryError::SharedShape {
                 want: layout.ram_size >> 20,
                 got: (len as u64) >> 20,
                 ranges: layout.ram.len(),
             });
         }
-        // SAFETY: the caller guarantees the mapping and its lifetime; `owner` is kept below.
-        let region = unsafe {
-            MmapRegion::build_raw(
-                host,
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            )
+        let mut regions = Vec::with_capacity(layout.ram.len());
+        let mut offset = 0usize;
+        for r in &layout.ram {
+            // SAFETY: the caller guarantees the mapping and its lifetime; `owner` is kept
+            // below, and the ranges' lengths add up to `len` (checked above).
+            let region = unsafe {
+                MmapRegion::build_raw(
+                    host.add(offset),
+                    r.len as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                )
+            }
+            .map_err(|e| MemoryError::Shared(e.to_string()))?;
+            regions.push(
+                GuestRegionMmap::new(region, GuestAddress(r.start)).ok_or_else(|| {
+                    MemoryError::Shared("the region does not fit the address space".into())
+                })?,
+            );
+            offset += r.len as usize;
         }
-        .map_err(|e| MemoryError::Shared(e.to_string()))?;
-        let region = GuestRegionMmap::new(region, GuestAddress(0)).ok_or_else(|| {
-            MemoryError::Shared("the region does not fit the address space".into())
-        })?;
-        let mem = GuestMemoryMmap::from_regions(vec![region])
+        let mem = GuestMemoryMmap::from_regions(regions)
             .map_err(|e| MemoryError::Shared(e.to_string()))?;
         Ok(Self {
             mem,
-            backend: RamBackend::Coherent,
+            backend,
             _owner: Some(owner),
-            source: None,
+            source,
             vcpu_threads: Mutex::new(vec![None; layout.cpus as usize]),
         })
     }

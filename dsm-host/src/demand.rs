@@ -1,0 +1,279 @@
+//! Guest RAM filled from a file on demand: every page starts absent and is read from the
+//! file the first time anything touches it, by a thread of its own serving userfaultfd
+//! faults. A snapshot restored this way costs no reading before the guest runs, and never
+//! reads the pages the guest does not touch.
+//!
+//! Pages in a hole of the file (a sparse snapshot leaves every page the guest never wrote
+//! as a hole) are installed as zeros without a read; the holes are found once, up front,
+//! with SEEK_DATA/SEEK_HOLE.
+
+use crate::memory::{Memory, MemoryError};
+use dsm::PAGE_SIZE;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// What to do when a page cannot be served: the VM cannot go on without it.
+pub type FailureHook = Box<dyn Fn(String) + Send + Sync>;
+
+/// Counters of the fault-serving thread.
+#[derive(Debug, Default)]
+pub struct DemandStats {
+    pub faults: AtomicU64,
+    /// Pages read from the file.
+    pub pages_read: AtomicU64,
+    /// Pages installed as zeros (holes of the file).
+    pub zero_pages: AtomicU64,
+}
+
+impl DemandStats {
+    /// `{"faults": .., "pages_read": .., "zero_pages": ..}` for the run's metrics.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "faults": self.faults.load(Ordering::Relaxed),
+            "pages_read": self.pages_read.load(Ordering::Relaxed),
+            "zero_pages": self.zero_pages.load(Ordering::Relaxed),
+        })
+    }
+}
+
+/// Shared by the owner and the fault-serving thread.
+struct Shared {
+    mem: Memory,
+    file: Arc<File>,
+    /// Sorted data extents of the file, in pages: (first, count).
+    data: Vec<(u64, u64)>,
+    stop: AtomicBool,
+    stats: DemandStats,
+    hook: OnceLock<FailureHook>,
+    /// A failure seen before anyone set the hook, handed to it when it is set.
+    early_failure: Mutex<Option<String>>,
+}
+
+/// Anonymous memory of `len` bytes whose pages come from `file` (offset = address - base)
+/// as they are first touched.
+pub struct DemandRam {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for DemandRam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DemandRam({} bytes)", self.shared.mem.len())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DemandError {
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error("finding the data in the memory file: {0}")]
+    Extents(std::io::Error),
+    #[error("cannot start the page-serving thread: {0}")]
+    Thread(std::io::Error),
+}
+
+impl DemandRam {
+    /// Maps `len` bytes, every page absent, and starts the thread that serves them from
+    /// `file`.
+    pub fn start(file: Arc<File>, len: usize) -> Result<DemandRam, DemandError> {
+        let mem = Memory::new(0, len)?;
+        let data = data_pages(&file, len as u64).map_err(DemandError::Extents)?;
+        let shared = Arc::new(Shared {
+            mem,
+            file,
+            data,
+            stop: AtomicBool::new(false),
+            stats: DemandStats::default(),
+            hook: OnceLock::new(),
+            early_failure: Mutex::new(None),
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("demand-paging".into())
+            .spawn(move || serve(&s))
+            .map_err(DemandError::Thread)?;
+        Ok(DemandRam {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    pub fn host_addr(&self) -> *mut u8 {
+        self.shared.mem.host_addr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.shared.mem.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shared.mem.is_empty()
+    }
+
+    pub fn stats(&self) -> &DemandStats {
+        &self.shared.stats
+    }
+
+    /// Called once with the reason when a page cannot be served (an unreadable file): the
+    /// owner ends the VM with it. A failure that came before is handed over at once.
+    pub fn on_failure(&self, hook: FailureHook) {
+        let early = self
+            .shared
+            .early_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(why) = early {
+            hook(why);
+        }
+        let _ = self.shared.hook.set(hook);
+    }
+
+    /// Once no guest code runs any more: takes the memory out of userfaultfd (a fault still
+    /// waiting is let go) and stops the thread.
+    pub fn release(&self) {
+        if let Err(e) = self.shared.mem.release() {
+            tracing::warn!("releasing on-demand guest RAM: {e}");
+        }
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for DemandRam {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+fn fail(s: &Shared, why: String) {
+    match s.hook.get() {
+        Some(hook) => hook(why),
+        None => {
+            *s.early_failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+        }
+    }
+}
+
+/// Serves faults until told to stop; the first page that cannot be served ends it.
+fn serve(s: &Shared) {
+    let mut buf = dsm::types::zero_page();
+    let zeros = dsm::types::zero_page();
+    while !s.stop.load(Ordering::Acquire) {
+        let fault = match s.mem.next_fault(Some(Duration::from_millis(100))) {
+            Ok(Some(f)) => f,
+            Ok(None) => continue,
+            Err(e) => return fail(s, format!("on-demand guest RAM: {e}")),
+        };
+        s.stats.faults.fetch_add(1, Ordering::Relaxed);
+        let page = fault.page;
+        let data: &[u8; PAGE_SIZE] = if in_data(&s.data, page) {
+            if let Err(e) = s.file.read_exact_at(&mut buf[..], page * PAGE_SIZE as u64) {
+                return fail(
+                    s,
+                    format!("on-demand guest RAM: reading page {page:#x} of the memory file: {e}"),
+                );
+            }
+            s.stats.pages_read.fetch_add(1, Ordering::Relaxed);
+            &buf
+        } else {
+            s.stats.zero_pages.fetch_add(1, Ordering::Relaxed);
+            &zeros
+        };
+        // A page another fault of the same batch already brought in is left as it is.
+        let served = s
+            .mem
+            .install(page, data, true)
+            .and_then(|_| s.mem.wake(page));
+        if let Err(e) = served {
+            return fail(s, format!("on-demand guest RAM: {e}"));
+        }
+    }
+}
+
+fn in_data(data: &[(u64, u64)], page: u64) -> bool {
+    let i = data.partition_point(|&(first, _)| first <= page);
+    i > 0 && page < data[i - 1].0 + data[i - 1].1
+}
+
+/// The pages of `file` within its first `len` bytes that hold data, as sorted runs.
+fn data_pages(file: &File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
+    let fd = file.as_raw_fd();
+    let page = PAGE_SIZE as u64;
+    let mut out = Vec::new();
+    let mut at = 0u64;
+    // Each turn moves `at` past one data extent, so this ends.
+    while at < len {
+        // SAFETY: lseek on a descriptor this function borrows; no memory is involved.
+        let data = unsafe { libc::lseek(fd, at as i64, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break;
+            }
+            return Err(e);
+        }
+        let data = data as u64;
+        if data >= len {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data as i64, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let hole = (hole as u64).min(len);
+        let (first, end) = (data / page, hole.div_ceil(page));
+        out.push((first, end - first));
+        at = hole.max(data + 1);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_runs_are_found_and_looked_up() {
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.write_all_at(&[7u8; 4096], 8 << 20).unwrap();
+        let runs = data_pages(&f, 64 << 20).unwrap();
+        assert!(in_data(&runs, (8 << 20) / 4096), "{runs:?}");
+        assert!(!in_data(&runs, (40 << 20) / 4096), "{runs:?}");
+        assert!(!in_data(&runs, 0) || runs[0].0 == 0, "{runs:?}");
+    }
+
+    #[test]
+    fn pages_come_from_the_file_and_holes_read_as_zeros() {
+        let mut f = tempfile::tempfile().unwrap();
+        f.set_len(16 << 20).unwrap();
+        f.write_all_at(b"snapshot page", 3 * 4096).unwrap();
+        std::io::Write::flush(&mut f).unwrap();
+        let ram = match DemandRam::start(Arc::new(f), 16 << 20) {
+            Ok(r) => r,
+            Err(e) => panic!("this test needs userfaultfd (run as root): {e}"),
+        };
+        let base = ram.host_addr();
+        // SAFETY: reads inside the mapping, served by the thread.
+        let (page3, page9) = unsafe {
+            (
+                std::slice::from_raw_parts(base.add(3 * 4096), 13).to_vec(),
+                *base.add(9 * 4096 + 5),
+            )
+        };
+        assert_eq!(page3, b"snapshot page");
+        assert_eq!(page9, 0);
+        assert_eq!(ram.stats().faults.load(Ordering::Relaxed), 2);
+        assert_eq!(ram.stats().pages_read.load(Ordering::Relaxed), 1);
+        ram.release();
+    }
+}
