@@ -81,7 +81,7 @@ fn run_one(exe: &Path, name: &'static str, args: &BenchArgs) -> Outcome {
     if args.quick {
         cmd.arg("--quick");
     }
-    if matches!(name, "boot" | "vmms") {
+    if matches!(name, "boot" | "vmms" | "snapshot") {
         if let Some(c) = &args.compare {
             cmd.args(["--compare", c]);
         }

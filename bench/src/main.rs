@@ -19,6 +19,7 @@ mod probe;
 mod qemu;
 pub mod report;
 mod seq;
+mod snapshot;
 pub mod stats;
 mod vmms;
 mod vmp;
@@ -48,8 +49,10 @@ fn main() -> ExitCode {
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Experiment to run: boot, composite, seq, dsm-table, mint, vmms, vmp, or all (every one,
-    /// and a page `index.html` in --out that shows them together).
+    /// Experiment to run: boot, composite, seq, dsm-table, mint, vmms, vmp, snapshot (save and
+    /// restore a VM mid-task: snapshot time, restore to first KVM_RUN and to the task's end,
+    /// 128 MiB to 4 GiB), or all (every one, and a page `index.html` in --out that shows them
+    /// together).
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -58,7 +61,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "DIR", default_value = "bench-out")]
     pub out: PathBuf,
     /// Also run the same guest under other hypervisors in the same run, a comma-separated
-    /// list of qemu, firecracker, cloud-hypervisor (boot takes all three, vmms qemu; without
+    /// list of qemu, firecracker, cloud-hypervisor (boot takes all three, vmms qemu, snapshot
+    /// firecracker and cloud-hypervisor; without
     /// it both compare with QEMU whenever it is installed). A listed peer that is missing
     /// or fails is reported unavailable; Musubi's own figures are written whatever it does.
     #[arg(long, value_name = "LIST")]
@@ -88,6 +92,7 @@ const EXPERIMENTS: &[&str] = &[
     "mint",
     "vmms",
     "vmp",
+    "snapshot",
 ];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
@@ -100,6 +105,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "mint" => Harness::new(args).and_then(|h| mint::run(&h, args)),
         "vmms" => Harness::new(args).and_then(|h| vmms::run(&h, args)),
         "vmp" => Harness::new(args).and_then(|h| vmp::run(&h, args)),
+        "snapshot" => Harness::new(args).and_then(|h| snapshot::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}, all",

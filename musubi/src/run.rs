@@ -158,7 +158,7 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
 /// Reads and checks the snapshot `dir` for `--restore`, and the configuration to build it
 /// with. Flags that ask for another VM than the saved one, and missing disks or
 /// memory-storage files, are refused here, before anything is built.
-fn open_snapshot(
+pub(crate) fn open_snapshot(
     dir: &Path,
     vm: &cli::VmArgs,
 ) -> Result<(vmm::snapshot::Snapshot, vmm::config::VmConfig), String> {
