@@ -127,7 +127,16 @@ pub struct VmBuilder<'a> {
     on_stopped: Option<Box<dyn FnOnce() + Send>>,
     extra_metrics: Option<ExtraMetrics>,
     /// Build the VM a snapshot holds instead of booting one.
-    restore: Option<crate::snapshot::Snapshot>,
+    restore: Option<Restore>,
+}
+
+/// A VM to put back instead of booting one: its state, and the file its RAM was saved in
+/// (none when the RAM comes from elsewhere, as on a migration's destination).
+struct Restore {
+    /// Where the state came from, for messages.
+    from: String,
+    state: crate::snapshot::VmState,
+    memory: Option<Arc<std::fs::File>>,
 }
 
 /// Where guest RAM comes from.
@@ -168,6 +177,13 @@ impl ExternalRam {
         }
     }
 
+    /// Marks the mapping as filled on demand by its owner from elsewhere (a migration's
+    /// source): the layout's RAM ranges lie one after the other in it.
+    pub fn on_demand(mut self) -> Self {
+        self.backend = RamBackend::OnDemand;
+        self
+    }
+
     /// Marks the mapping as filled on demand from `file` (a snapshot's memory file): the
     /// layout's RAM ranges lie one after the other in it, and a snapshot of this VM knows
     /// that pages it has not touched yet hold the file's data.
@@ -198,7 +214,23 @@ impl<'a> VmBuilder<'a> {
     /// vCPU, interrupt controller, timer and device put back as saved, no kernel loaded.
     /// `config` must be the snapshot's own (`snapshot.config.to_vm_config()`).
     pub fn restore(mut self, snapshot: crate::snapshot::Snapshot) -> Self {
-        self.restore = Some(snapshot);
+        self.restore = Some(Restore {
+            from: snapshot.dir.display().to_string(),
+            state: snapshot.state,
+            memory: Some(snapshot.memory),
+        });
+        self
+    }
+
+    /// Builds the VM `state` describes (taken from a running VM elsewhere, `from` naming
+    /// where), its RAM from [`VmBuilder::guest_ram`]: a migration's destination, whose pages
+    /// arrive over the network.
+    pub fn restore_state(mut self, from: String, state: crate::snapshot::VmState) -> Self {
+        self.restore = Some(Restore {
+            from,
+            state,
+            memory: None,
+        });
         self
     }
 
@@ -329,8 +361,9 @@ impl Vmm {
             check_layout(snap, &layout)?;
         }
         let ram = Arc::new(match share.ram {
-            GuestRamSource::Anonymous if restore.is_some() => {
-                GuestRam::from_file(&layout, restore.as_ref().expect("checked").memory.clone())?
+            GuestRamSource::Anonymous if restore.as_ref().is_some_and(|r| r.memory.is_some()) => {
+                let file = restore.as_ref().and_then(|r| r.memory.clone());
+                GuestRam::from_file(&layout, file.expect("checked"))?
             }
             GuestRamSource::Anonymous => GuestRam::new(&layout, RamBackend::Anonymous)?,
             // SAFETY: `ExternalRam::new`'s contract: the owner keeps the mapping while it
@@ -468,7 +501,7 @@ impl Vmm {
 /// Refuses a snapshot whose RAM or memory-storage regions would land elsewhere in this
 /// build's guest-physical map (another host's address width can move them).
 fn check_layout(
-    snap: &crate::snapshot::Snapshot,
+    snap: &Restore,
     layout: &GuestLayout,
 ) -> Result<(), crate::snapshot::SnapshotError> {
     let ram: Vec<(u64, u64)> = layout.ram.iter().map(|r| (r.start, r.len)).collect();
@@ -477,9 +510,7 @@ fn check_layout(
         return Err(crate::snapshot::SnapshotError::Layout(format!(
             "{}: the snapshot's guest-physical map (RAM {:x?}, memory storage {:x?}) is not this \
              build's (RAM {ram:x?}, memory storage {pmem:x?})",
-            snap.dir.display(),
-            snap.state.ram,
-            snap.state.pmem
+            snap.from, snap.state.ram, snap.state.pmem
         )));
     }
     Ok(())

@@ -26,6 +26,8 @@ pub enum Outcome {
     Peer { node: u16, code: i32 },
     /// A node of a multi-node VM was lost: the pages it owned are gone, so no node may run on.
     NodeLost { node: u16, pages: u64, why: String },
+    /// The VM moved to another process (`to` names it) and runs on there.
+    Migrated { to: String },
 }
 
 /// The exit status of every surviving node when a node of its VM is lost.
@@ -43,6 +45,7 @@ impl Outcome {
             Outcome::ConsoleQuit => 0,
             Outcome::Peer { code, .. } => *code,
             Outcome::NodeLost { .. } => NODE_LOST_STATUS,
+            Outcome::Migrated { .. } => 0,
         }
     }
 
@@ -57,6 +60,7 @@ impl Outcome {
             Outcome::ConsoleQuit => "console_quit",
             Outcome::Peer { .. } => "peer",
             Outcome::NodeLost { .. } => "node_lost",
+            Outcome::Migrated { .. } => "migrated",
         }
     }
 }
@@ -83,6 +87,7 @@ impl serde::Serialize for Outcome {
                 m.serialize_entry("pages", pages)?;
                 m.serialize_entry("message", why)?;
             }
+            Outcome::Migrated { to } => m.serialize_entry("to", to)?,
         }
         m.end()
     }

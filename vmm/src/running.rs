@@ -309,33 +309,19 @@ impl VmHandle {
         Ok(())
     }
 
-    /// Writes a snapshot of the VM to `dir` (created if missing; files in it replaced). The
-    /// VM is paused first if it runs, and left paused.
-    pub fn snapshot(&self, dir: &std::path::Path) -> Result<SnapshotReport, ControlError> {
-        use crate::snapshot::{self, SnapshotError};
+    /// Everything of the VM but its RAM and files, as a snapshot saves it: the VM is paused
+    /// first if it runs, and left paused. A migration sends this.
+    pub fn capture(&self) -> Result<crate::snapshot::VmState, ControlError> {
         let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
-        let started = Instant::now();
-        let sh = &self.shared;
-        if !sh.gate.is_paused() {
+        if !self.shared.gate.is_paused() {
             self.pause_locked()?;
         }
-        let io = |path: &std::path::Path| {
-            let path = path.to_path_buf();
-            move |source| SnapshotError::Io { path, source }
-        };
-        std::fs::create_dir_all(dir).map_err(io(dir))?;
-        // An older snapshot's state goes first, so a failure below leaves no directory
-        // that looks whole.
-        match std::fs::remove_file(dir.join(snapshot::STATE_FILE)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(SnapshotError::Io {
-                    path: dir.join(snapshot::STATE_FILE),
-                    source: e,
-                }
-                .into())
-            }
-            _ => {}
-        }
+        self.capture_locked()
+    }
+
+    fn capture_locked(&self) -> Result<crate::snapshot::VmState, ControlError> {
+        use crate::snapshot;
+        let sh = &self.shared;
         // A doorbell the I/O thread had not read when it parked is served now, so the
         // restored VM does not wait for a request nobody will see.
         for t in &sh.transports {
@@ -379,6 +365,63 @@ impl VmHandle {
                 .map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).state())
                 .collect(),
         };
+        Ok(state)
+    }
+
+    /// Guest RAM's ranges: (guest-physical start, length).
+    pub fn ram_ranges(&self) -> Vec<(u64, u64)> {
+        self.shared.layout_ram.clone()
+    }
+
+    /// Copies guest RAM at `gpa` into `buf` (a page server reads a paused VM's pages so).
+    pub fn read_ram(&self, gpa: u64, buf: &mut [u8]) -> Result<(), String> {
+        use vm_memory::Bytes;
+        self.shared
+            .ram
+            .memory()
+            .read_slice(buf, vm_memory::GuestAddress(gpa))
+            .map_err(|e| format!("guest RAM at {gpa:#x}: {e}"))
+    }
+
+    /// Guest-physical addresses of every page that may hold data; all others are zeros.
+    pub fn pages_with_data(&self) -> std::io::Result<Vec<u64>> {
+        crate::snapshot::pages_that_may_hold_data(&self.shared.ram)
+    }
+
+    /// Whether the 4 KiB page at `gpa` may hold data: present or swapped in this process,
+    /// or still in the file a restored RAM came from. A page that may not is all zeros.
+    pub fn page_may_hold_data(&self, gpa: u64) -> bool {
+        crate::snapshot::page_may_hold_data(&self.shared.ram, gpa)
+    }
+
+    /// Writes a snapshot of the VM to `dir` (created if missing; files in it replaced). The
+    /// VM is paused first if it runs, and left paused.
+    pub fn snapshot(&self, dir: &std::path::Path) -> Result<SnapshotReport, ControlError> {
+        use crate::snapshot::{self, SnapshotError};
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let started = Instant::now();
+        let sh = &self.shared;
+        if !sh.gate.is_paused() {
+            self.pause_locked()?;
+        }
+        let io = |path: &std::path::Path| {
+            let path = path.to_path_buf();
+            move |source| SnapshotError::Io { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        // An older snapshot's state goes first, so a failure below leaves no directory
+        // that looks whole.
+        match std::fs::remove_file(dir.join(snapshot::STATE_FILE)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(SnapshotError::Io {
+                    path: dir.join(snapshot::STATE_FILE),
+                    source: e,
+                }
+                .into())
+            }
+            _ => {}
+        }
+        let state = self.capture_locked()?;
         // Memory storage is referenced, so its pages must be in the files now.
         let unsynced = crate::pmem::sync_regions(&sh.pmem);
         if let Some(e) = unsynced.first() {

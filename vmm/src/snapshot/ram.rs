@@ -35,23 +35,16 @@ pub struct RamWritten {
     pub pages_written: u64,
 }
 
-/// Writes `ram` to `path` (created or truncated), its regions one after the other.
-pub fn write_ram(ram: &GuestRam, path: &Path) -> std::io::Result<RamWritten> {
-    let out = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)?;
-    let mem = ram.memory();
-    let total: u64 = mem.iter().map(|r| r.len()).sum();
-    out.set_len(total)?;
+/// Calls `visit(region index, page index in the region, host address of the page)` for
+/// every page of `ram` that may hold data, in guest-physical order.
+fn scan_pages(
+    ram: &GuestRam,
+    mut visit: impl FnMut(usize, u64, u64) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let pagemap = File::open("/proc/self/pagemap")?;
-    let mut done = RamWritten {
-        ram_bytes: total,
-        ..RamWritten::default()
-    };
     let mut file_offset = 0u64;
-    for region in mem.iter() {
+    let mut entries = vec![0u64; PAGEMAP_BATCH];
+    for (index, region) in ram.memory().iter().enumerate() {
         let host = region.as_ptr() as u64;
         let len = region.len();
         let pages = len / PAGE;
@@ -61,8 +54,6 @@ pub fn write_ram(ram: &GuestRam, path: &Path) -> std::io::Result<RamWritten> {
         };
         // Extents are sorted and pages visited in order, so one cursor walks them.
         let mut ext = 0usize;
-        let mut run: Option<(u64, u64)> = None; // (first page, pages)
-        let mut entries = vec![0u64; PAGEMAP_BATCH];
         let mut page = 0u64;
         while page < pages {
             let n = (pages - page).min(PAGEMAP_BATCH as u64) as usize;
@@ -74,41 +65,105 @@ pub fn write_ram(ram: &GuestRam, path: &Path) -> std::io::Result<RamWritten> {
                     ext += 1;
                 }
                 let in_file = extents.get(ext).is_some_and(|&(s, _)| s <= at);
-                let maybe_data = e & (PM_PRESENT | PM_SWAPPED) != 0 || in_file;
-                let has_data = maybe_data && {
-                    done.pages_examined += 1;
-                    // SAFETY: `p` is a page inside this region's mapping, which the guest
-                    // cannot unmap and which lives while `ram` does; the VM is paused.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts((host + p * PAGE) as *const u8, PAGE as usize)
-                    };
-                    bytes.iter().any(|&b| b != 0)
-                };
-                run = match (run, has_data) {
-                    (Some((first, count)), true) if count * PAGE < WRITE_MAX => {
-                        Some((first, count + 1))
-                    }
-                    (Some(r), true) => {
-                        flush(&out, host, file_offset, r, &mut done)?;
-                        Some((p, 1))
-                    }
-                    (None, true) => Some((p, 1)),
-                    (Some(r), false) => {
-                        flush(&out, host, file_offset, r, &mut done)?;
-                        None
-                    }
-                    (None, false) => None,
-                };
+                if e & (PM_PRESENT | PM_SWAPPED) != 0 || in_file {
+                    visit(index, p, host + at)?;
+                }
             }
             page += n as u64;
         }
-        if let Some(r) = run {
-            flush(&out, host, file_offset, r, &mut done)?;
-        }
         file_offset += len;
+    }
+    Ok(())
+}
+
+/// Guest-physical addresses of the pages of `ram` that may hold data (see the module
+/// comment); every other page is all zeros. A page server pushes these and no others.
+pub fn pages_that_may_hold_data(ram: &GuestRam) -> std::io::Result<Vec<u64>> {
+    let starts: Vec<u64> = ram.memory().iter().map(|r| r.start_addr().0).collect();
+    let mut out = Vec::new();
+    scan_pages(ram, |region, page, _| {
+        out.push(starts[region] + page * PAGE);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Writes `ram` to `path` (created or truncated), its regions one after the other.
+pub fn write_ram(ram: &GuestRam, path: &Path) -> std::io::Result<RamWritten> {
+    let out = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)?;
+    let mem = ram.memory();
+    let total: u64 = mem.iter().map(|r| r.len()).sum();
+    out.set_len(total)?;
+    let bases: Vec<(u64, u64)> = {
+        let mut at = 0;
+        mem.iter()
+            .map(|r| {
+                let b = (r.as_ptr() as u64, at);
+                at += r.len();
+                b
+            })
+            .collect()
+    };
+    let mut done = RamWritten {
+        ram_bytes: total,
+        ..RamWritten::default()
+    };
+    // (region, first page, pages): contiguous pages with data, written together.
+    let mut run: Option<(usize, u64, u64)> = None;
+    scan_pages(ram, |region, p, host_page| {
+        done.pages_examined += 1;
+        // SAFETY: `host_page` is a page of the region's mapping, which the guest cannot unmap
+        // and which lives while `ram` does; the VM is paused.
+        let bytes = unsafe { std::slice::from_raw_parts(host_page as *const u8, PAGE as usize) };
+        if bytes.iter().all(|&b| b == 0) {
+            return Ok(());
+        }
+        run = match run {
+            Some((r, first, count)) if r == region && first + count == p && count * PAGE < WRITE_MAX => {
+                Some((r, first, count + 1))
+            }
+            Some((r, first, count)) => {
+                let (host, off) = bases[r];
+                flush(&out, host, off, (first, count), &mut done)?;
+                Some((region, p, 1))
+            }
+            None => Some((region, p, 1)),
+        };
+        Ok(())
+    })?;
+    if let Some((r, first, count)) = run {
+        let (host, off) = bases[r];
+        flush(&out, host, off, (first, count), &mut done)?;
     }
     out.sync_all()?;
     Ok(done)
+}
+
+/// Whether the page at `gpa` may hold data (see [`pages_that_may_hold_data`]).
+pub fn page_may_hold_data(ram: &GuestRam, gpa: u64) -> bool {
+    let mut file_offset = 0u64;
+    for region in ram.memory().iter() {
+        let start = region.start_addr().0;
+        if gpa >= start && gpa < start + region.len() {
+            let host = region.as_ptr() as u64 + (gpa - start);
+            let mut e = [0u64; 1];
+            let present = File::open("/proc/self/pagemap")
+                .and_then(|f| read_pagemap(&f, host, &mut e))
+                .map(|_| e[0] & (PM_PRESENT | PM_SWAPPED) != 0)
+                .unwrap_or(true);
+            let in_file = ram.source().is_some_and(|src| {
+                let at = file_offset + (gpa - start);
+                data_extents(src, at, PAGE).map_or(true, |x| !x.is_empty())
+            });
+            return present || in_file;
+        }
+        file_offset += region.len();
+    }
+    false
 }
 
 fn flush(
