@@ -10,7 +10,6 @@
 use crate::memory::{Memory, MemoryError};
 use dsm::PAGE_SIZE;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -205,36 +204,14 @@ fn in_data(data: &[(u64, u64)], page: u64) -> bool {
 
 /// The pages of `file` within its first `len` bytes that hold data, as sorted runs.
 fn data_pages(file: &File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
-    let fd = file.as_raw_fd();
     let page = PAGE_SIZE as u64;
-    let mut out = Vec::new();
-    let mut at = 0u64;
-    // Each turn moves `at` past one data extent, so this ends.
-    while at < len {
-        // SAFETY: lseek on a descriptor this function borrows; no memory is involved.
-        let data = unsafe { libc::lseek(fd, at as i64, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) {
-                break;
-            }
-            return Err(e);
-        }
-        let data = data as u64;
-        if data >= len {
-            break;
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data as i64, libc::SEEK_HOLE) };
-        if hole < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let hole = (hole as u64).min(len);
-        let (first, end) = (data / page, hole.div_ceil(page));
-        out.push((first, end - first));
-        at = hole.max(data + 1);
-    }
-    Ok(out)
+    Ok(host_resources::data_extents(file, 0, len)?
+        .into_iter()
+        .map(|(at, n)| {
+            let (first, end) = (at / page, (at + n).div_ceil(page));
+            (first, end - first)
+        })
+        .collect())
 }
 
 #[cfg(test)]

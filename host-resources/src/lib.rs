@@ -4,7 +4,10 @@
 //! The VMM and the partition manager both take these from users and must agree on them (a
 //! partition's `--memory 1.5G` is the same size as a VM's); neither needs the other for it.
 
+mod extents;
 mod size;
+
+pub use extents::data_extents;
 
 pub use size::{Size, SizeError, SIZE_SYNTAX};
 

@@ -35,7 +35,7 @@ const AVAIL_ALIGN: u64 = 2;
 const USED_ALIGN: u64 = 4;
 
 /// What the driver has written to a queue's registers; applied to the `Queue` on ready.
-#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 struct QueueRegs {
     size: u32,
     desc: u64,
@@ -88,16 +88,8 @@ struct SavedQueue {
     used: u64,
     next_avail: u16,
     next_used: u16,
-    regs: QueueRegsSaved,
-}
-
-/// `QueueRegs` as saved (a separate type so the in-memory one stays `Copy` and private).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-struct QueueRegsSaved {
-    size: u32,
-    desc: u64,
-    avail: u64,
-    used: u64,
+    /// What the driver last wrote to the queue's registers.
+    regs: QueueRegs,
 }
 
 fn set_half(value: &mut u64, high: bool, half: u32) {
@@ -172,12 +164,7 @@ impl MmioTransport {
                     used: q.used_ring(),
                     next_avail: q.next_avail(),
                     next_used: q.next_used(),
-                    regs: QueueRegsSaved {
-                        size: r.size,
-                        desc: r.desc,
-                        avail: r.avail,
-                        used: r.used,
-                    },
+                    regs: *r,
                 })
                 .collect(),
             queue_sel: self.queue_sel,
@@ -211,12 +198,6 @@ impl MmioTransport {
         self.driver_features_sel = s.driver_features_sel;
         self.acked_features = s.acked_features;
         for (i, q) in s.queues.iter().enumerate() {
-            self.regs[i] = QueueRegs {
-                size: q.regs.size,
-                desc: q.regs.desc,
-                avail: q.regs.avail,
-                used: q.regs.used,
-            };
             if q.ready {
                 self.regs[i] = QueueRegs {
                     size: q.size.into(),
@@ -228,13 +209,8 @@ impl MmioTransport {
                     .map_err(|why| format!("queue {i}: {why}"))?;
                 self.queues[i].set_next_avail(q.next_avail);
                 self.queues[i].set_next_used(q.next_used);
-                self.regs[i] = QueueRegs {
-                    size: q.regs.size,
-                    desc: q.regs.desc,
-                    avail: q.regs.avail,
-                    used: q.regs.used,
-                };
             }
+            self.regs[i] = q.regs;
         }
         self.status = s.status;
         self.needs_reset = s.needs_reset;

@@ -859,3 +859,31 @@ fn random_rings_never_hurt_the_device() {
     d.restart();
     d.alive();
 }
+
+#[test]
+fn a_restored_transport_goes_on_where_the_saved_one_stopped() {
+    let (f, mut d) = rw_disk();
+    let (s, _) = d.request(VIRTIO_BLK_T_IN, 3, 4096, true);
+    assert_eq!(s, OK);
+    let saved = d.t.state();
+    // The same disk behind a new transport over the same memory, as a restore builds it.
+    let mut restored = Driver::new_in(block(&f), d.mem.clone());
+    restored.t.restore(&saved).unwrap();
+    assert_eq!(restored.t.state(), saved);
+    restored.avail_idx = d.avail_idx;
+    restored.used_seen = d.used_seen;
+    let (s, len) = restored.request(VIRTIO_BLK_T_IN, 5, 4096, true);
+    assert_eq!((s, len), (OK, 4097));
+    assert_eq!(restored.guest_data(4096), pattern(5 * 512, 4096));
+}
+
+#[test]
+fn a_saved_ring_outside_guest_memory_is_refused_on_restore() {
+    let (f, d) = rw_disk();
+    let mut saved = serde_json::to_value(d.t.state()).unwrap();
+    saved["queues"][0]["desc"] = serde_json::json!(0x7fff_0000_0000u64);
+    let saved: crate::virtio::TransportState = serde_json::from_value(saved).unwrap();
+    let mut other = Driver::new_in(block(&f), d.mem.clone());
+    let e = other.t.restore(&saved).unwrap_err();
+    assert!(e.contains("queue 0"), "{e}");
+}

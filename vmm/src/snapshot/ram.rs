@@ -9,8 +9,8 @@
 //! the time it takes to write 10 MiB.
 
 use crate::vstate::memory::GuestRam;
+use host_resources::data_extents;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
@@ -123,7 +123,9 @@ pub fn write_ram(ram: &GuestRam, path: &Path) -> std::io::Result<RamWritten> {
             return Ok(());
         }
         run = match run {
-            Some((r, first, count)) if r == region && first + count == p && count * PAGE < WRITE_MAX => {
+            Some((r, first, count))
+                if r == region && first + count == p && count * PAGE < WRITE_MAX =>
+            {
                 Some((r, first, count + 1))
             }
             Some((r, first, count)) => {
@@ -188,55 +190,4 @@ fn read_pagemap(pagemap: &File, addr: u64, entries: &mut [u64]) -> std::io::Resu
         std::slice::from_raw_parts_mut(entries.as_mut_ptr() as *mut u8, entries.len() * 8)
     };
     pagemap.read_exact_at(bytes, addr / PAGE * 8)
-}
-
-/// The data extents of `file` within `[start, start + len)`, relative to `start`.
-fn data_extents(file: &File, start: u64, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
-    let fd = file.as_raw_fd();
-    let end = start + len;
-    let mut out = Vec::new();
-    let mut at = start;
-    // Each turn moves `at` forward past one data extent, so this ends.
-    while at < end {
-        // SAFETY: lseek on a descriptor this function borrows; no memory is touched.
-        let data = unsafe { libc::lseek(fd, at as i64, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) {
-                break; // no data after `at`
-            }
-            return Err(e);
-        }
-        let data = data as u64;
-        if data >= end {
-            break;
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data as i64, libc::SEEK_HOLE) };
-        if hole < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let hole = (hole as u64).min(end);
-        out.push((data - start, hole - data));
-        at = hole;
-    }
-    Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn data_extents_skip_holes() {
-        let f = tempfile::tempfile().unwrap();
-        f.set_len(64 << 20).unwrap();
-        f.write_all_at(&[1u8; 4096], 8 << 20).unwrap();
-        let ext = data_extents(&f, 0, 64 << 20).unwrap();
-        assert!(!ext.is_empty());
-        let covered = ext.iter().any(|&(s, l)| s <= 8 << 20 && s + l > 8 << 20);
-        assert!(covered, "{ext:?}");
-        assert!(ext.iter().map(|e| e.1).sum::<u64>() < 64 << 20, "{ext:?}");
-        assert!(data_extents(&f, 16 << 20, 16 << 20).unwrap().is_empty());
-    }
 }
