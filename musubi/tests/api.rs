@@ -27,7 +27,16 @@ fn pause_and_resume_while_a_task_runs() {
     let socket = dir.path().join("api.sock");
     let serial = dir.path().join("console.out");
     let tasks = format!("hello,fib={FIB_N}");
-    let mut vm = start_probe_with_api(&tasks, &socket, &serial, &["--memory", "128M"]);
+    // A disk, so the counters have a device's too.
+    let img = temp_image(dir.path(), "disk.img", 1 << 20);
+    let disk = format!("path={}", img.display());
+    let mut vm = start_probe_with_api(
+        &tasks,
+        &socket,
+        &serial,
+        &["--memory", "128M", "--disk", &disk],
+    );
+    let guard = KillOnPanic::new(&vm);
     wait_for_text(&mut vm, &serial, HELLO, LIMIT);
 
     let info = remote_json(&socket, &["info"]);
@@ -41,7 +50,7 @@ fn pause_and_resume_while_a_task_runs() {
     std::thread::sleep(Duration::from_millis(300));
     let second = remote_json(&socket, &["counters"]);
     assert!(
-        first["vcpus"]["exits"].as_u64().is_some(),
+        first["vcpus"]["exits"].as_u64().is_some() && first["virtio-blk0"].is_object(),
         "counters: {first}"
     );
     assert_eq!(first, second, "the counters moved while the VM was paused");
@@ -61,6 +70,7 @@ fn pause_and_resume_while_a_task_runs() {
     assert_eq!(remote_json(&socket, &["info"])["state"], "Paused");
 
     remote_json(&socket, &["resume"]);
+    guard.defuse();
     let run = vm.finish(LIMIT);
     let text = read_text(&serial);
     assert_eq!(run.code, Some(0), "{}\nconsole:\n{text}", run.explain());
@@ -127,6 +137,7 @@ fn the_socket_answers_bad_requests_and_serves_past_a_silent_client() {
     let serial = dir.path().join("console.out");
     // A task far longer than this test: the VM is shut down through the API at the end.
     let mut vm = start_probe_with_api("hello,fib=60", &socket, &serial, &["--memory", "128M"]);
+    let guard = KillOnPanic::new(&vm);
     wait_for_text(&mut vm, &serial, HELLO, LIMIT);
 
     let meta = std::fs::metadata(&socket).unwrap();
@@ -185,6 +196,7 @@ fn the_socket_answers_bad_requests_and_serves_past_a_silent_client() {
 
     let down = remote(&socket, &["shutdown"]);
     assert_eq!(down.code, Some(0), "{}", down.explain());
+    guard.defuse();
     let run = vm.finish(LIMIT);
     assert!(
         !read_text(&serial).contains("probe: done"),

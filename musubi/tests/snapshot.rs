@@ -51,6 +51,7 @@ fn snapshot_mid_task(dir: &Path, tasks: &str, started: &str, flags: &[&str]) -> 
     let serial = dir.join("original.out");
     let snap = dir.join("snap");
     let mut vm = start_probe_with_api(tasks, &socket, &serial, flags);
+    let guard = KillOnPanic::new(&vm);
     wait_for_text(&mut vm, &serial, started, LIMIT);
     std::thread::sleep(INTO_TASK);
     let answer = remote(&socket, &["snapshot", snap.to_str().unwrap()]);
@@ -63,6 +64,7 @@ fn snapshot_mid_task(dir: &Path, tasks: &str, started: &str, flags: &[&str]) -> 
     let before = read_text(&serial);
     let down = remote(&socket, &["shutdown"]);
     assert_eq!(down.code, Some(0), "shutdown: {}", down.explain());
+    guard.defuse();
     let original = vm.finish(LIMIT);
     assert!(
         !read_text(&serial).contains(DONE),
@@ -145,6 +147,35 @@ fn fib_snapshotted_mid_task_and_restored_ends_as_an_uninterrupted_run() {
     let r = restore(&s.snap, &serial, &[]);
     let text = restored_console(&r, &serial);
     assert_eq!(fib_fields(&result_in(&text, "fib")), want, "{text}");
+}
+
+#[test]
+fn a_restore_with_pages_read_on_demand_ends_as_an_uninterrupted_run_and_counts_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = fib_tasks();
+    let want = (FIB_N, fib_value(FIB_N));
+    let s = snapshot_mid_task(dir.path(), &tasks, HELLO, &["--memory", MEMORY]);
+    let serial = dir.path().join("ondemand.out");
+    let metrics = dir.path().join("metrics.json");
+    let metrics_arg = metrics.display().to_string();
+    let r = restore(
+        &s.snap,
+        &serial,
+        &["--restore-memory", "ondemand", "--metrics", &metrics_arg],
+    );
+    let text = restored_console(&r, &serial);
+    assert_eq!(fib_fields(&result_in(&text, "fib")), want, "{text}");
+    let m: Value = serde_json::from_str(&read_text(&metrics)).unwrap();
+    assert_eq!(m["memory"]["backend"], "ondemand", "{m}");
+    let paging = &m["demand_paging"];
+    // The guest's code, stack and page tables at least came from the file, and every fault
+    // was served either from the file or as a hole.
+    assert!(u(&paging["pages_read"]) > 0, "{paging}");
+    assert_eq!(
+        u(&paging["faults"]),
+        u(&paging["pages_read"]) + u(&paging["zero_pages"]),
+        "{paging}"
+    );
 }
 
 /// CRC-32 of the first `len` bytes a `blk-fill=seed` writes.

@@ -408,7 +408,7 @@ impl VmHandle {
             let path = path.to_path_buf();
             move |source| SnapshotError::Io { path, source }
         };
-        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        snapshot::create_dir(dir)?;
         // An older snapshot's state goes first, so a failure below leaves no directory
         // that looks whole.
         match std::fs::remove_file(dir.join(snapshot::STATE_FILE)) {

@@ -329,3 +329,27 @@ pub fn fib_value(n: u64) -> u64 {
     }
     a
 }
+
+/// Kills a started musubi process if the test panics before [`KillOnPanic::defuse`], so a
+/// failed assertion does not leave its VM running until its own `--timeout`.
+pub struct KillOnPanic(Option<u32>);
+
+impl KillOnPanic {
+    pub fn new(vm: &Started) -> Self {
+        KillOnPanic(Some(vm.child.id()))
+    }
+
+    /// Called before the process is waited for (its pid may be reused after).
+    pub fn defuse(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for KillOnPanic {
+    fn drop(&mut self) {
+        if let (Some(pid), true) = (self.0, std::thread::panicking()) {
+            // SAFETY: kill(2) on our own child, not yet waited for.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+}

@@ -114,8 +114,12 @@ pub struct SavedConfig {
 }
 
 impl SavedConfig {
-    /// `config` as built; `pmem_sizes` are the regions' sizes as mapped.
+    /// `config` as built; `pmem_sizes` are the regions' sizes as mapped. Relative paths are
+    /// made absolute against the current directory, so a restore started elsewhere opens
+    /// the same files and writes the console to the same place.
     pub fn new(config: &VmConfig, pmem_sizes: &[u64]) -> SavedConfig {
+        let cwd = std::env::current_dir().unwrap_or_default();
+        let abs = |p: &Path| cwd.join(p);
         SavedConfig {
             kernel: config.kernel.name(),
             cmdline: config.cmdline.clone(),
@@ -125,7 +129,7 @@ impl SavedConfig {
                 .disks
                 .iter()
                 .map(|d| SavedDisk {
-                    path: d.path.clone(),
+                    path: abs(&d.path),
                     readonly: d.readonly,
                     cache: d.cache.to_string(),
                 })
@@ -135,7 +139,7 @@ impl SavedConfig {
                 .iter()
                 .zip(pmem_sizes)
                 .map(|(p, &size)| SavedPmem {
-                    file: p.file.clone(),
+                    file: abs(&p.file),
                     size,
                     readonly: p.readonly,
                     advertise: match p.advertise {
@@ -144,7 +148,10 @@ impl SavedConfig {
                     },
                 })
                 .collect(),
-            serial: config.serial.clone(),
+            serial: match &config.serial {
+                SerialMode::File(p) => SerialMode::File(abs(p)),
+                other => other.clone(),
+            },
             exits: config.exits,
         }
     }
@@ -225,24 +232,18 @@ impl SavedConfig {
                 v.join(", ")
             }
         };
+        let cwd = std::env::current_dir().unwrap_or_default();
+        let abs = |p: &Path| cwd.join(p).display().to_string();
         if let Some(d) = disks {
-            let saved: Vec<String> = self
-                .disks
-                .iter()
-                .map(|d| d.path.display().to_string())
-                .collect();
-            let given: Vec<String> = d.iter().map(|d| d.path.display().to_string()).collect();
+            let saved: Vec<String> = self.disks.iter().map(|d| abs(&d.path)).collect();
+            let given: Vec<String> = d.iter().map(|d| abs(&d.path)).collect();
             if saved != given {
                 return differs("disk list", "--disk", list(saved), list(given));
             }
         }
         if let Some(p) = pmem {
-            let saved: Vec<String> = self
-                .pmem
-                .iter()
-                .map(|p| p.file.display().to_string())
-                .collect();
-            let given: Vec<String> = p.iter().map(|p| p.file.display().to_string()).collect();
+            let saved: Vec<String> = self.pmem.iter().map(|p| abs(&p.file)).collect();
+            let given: Vec<String> = p.iter().map(|p| abs(&p.file)).collect();
             if saved != given {
                 return differs("memory-storage list", "--pmem", list(saved), list(given));
             }
@@ -310,7 +311,7 @@ pub fn write_state(dir: &Path, state: &VmState) -> Result<(), SnapshotError> {
     out.extend_from_slice(&body);
     let tmp = dir.join(".state.tmp");
     let path = dir.join(STATE_FILE);
-    let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    let mut f = private_file(&tmp).map_err(io(&tmp))?;
     f.write_all(&out).map_err(io(&tmp))?;
     f.sync_all().map_err(io(&tmp))?;
     std::fs::rename(&tmp, &path).map_err(io(&path))
@@ -320,7 +321,36 @@ pub fn write_state(dir: &Path, state: &VmState) -> Result<(), SnapshotError> {
 pub fn write_config(dir: &Path, config: &SavedConfig) -> Result<(), SnapshotError> {
     let path = dir.join(CONFIG_FILE);
     let text = serde_json::to_vec_pretty(config).expect("a configuration always encodes");
-    std::fs::write(&path, text).map_err(io(&path))
+    private_file(&path)
+        .and_then(|mut f| f.write_all(&text))
+        .map_err(io(&path))
+}
+
+/// Creates (or truncates) a file only its owner may read: a snapshot holds the guest's
+/// memory and registers, secrets included, like the API socket that asked for it (0600).
+pub fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    // A file that existed keeps its mode through open: set it.
+    use std::os::unix::fs::PermissionsExt;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(f)
+}
+
+/// Creates the snapshot directory (and its parents) if missing, only its owner may enter
+/// a new one.
+pub fn create_dir(dir: &Path) -> Result<(), SnapshotError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(io(dir))
 }
 
 /// Reads and checks `dir/state`: magic, version, length and checksum, then the body.

@@ -90,11 +90,7 @@ pub fn pages_that_may_hold_data(ram: &GuestRam) -> std::io::Result<Vec<u64>> {
 
 /// Writes `ram` to `path` (created or truncated), its regions one after the other.
 pub fn write_ram(ram: &GuestRam, path: &Path) -> std::io::Result<RamWritten> {
-    let out = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)?;
+    let out = super::private_file(path)?;
     let mem = ram.memory();
     let total: u64 = mem.iter().map(|r| r.len()).sum();
     out.set_len(total)?;
