@@ -14,7 +14,7 @@ use std::time::Duration;
 /// Every experiment's quick limit together, with room for a loaded CI machine.
 const ALL_LIMIT: Duration = Duration::from_secs(1800);
 
-const EXPERIMENTS: [&str; 7] = [
+const EXPERIMENTS: [&str; 8] = [
     "boot",
     "composite",
     "seq",
@@ -22,6 +22,7 @@ const EXPERIMENTS: [&str; 7] = [
     "mint",
     "vmms",
     "vmp",
+    "snapshot",
 ];
 
 /// The one `musubi bench all --quick` run, made by whichever test asks first. A run that
@@ -92,7 +93,15 @@ fn bench_all_writes_a_page_with_every_experiment_and_its_charts() {
         .skip(1)
         .map(|s| &s[..s.find('"').unwrap()])
         .collect();
-    for e in ["boot", "composite", "seq", "mint", "vmms", "vmp"] {
+    for e in [
+        "boot",
+        "composite",
+        "seq",
+        "mint",
+        "vmms",
+        "vmp",
+        "snapshot",
+    ] {
         assert!(
             images.contains(&format!("{e}.svg").as_str()),
             "{e}.svg is not on the page: {images:?}"
@@ -514,6 +523,62 @@ fn quick_vmms_bench_covers_every_case_and_vmms_uses_no_virtio() {
     }
     assert!(
         r.stdout.contains("MET") || r.stdout.contains("MISSED"),
+        "{}",
+        r.explain()
+    );
+}
+
+/// `musubi bench snapshot --quick` without peers: Musubi snapshots the probe guest mid-task
+/// at both quick sizes and restores it to the task's end, with every figure measured; the
+/// memory file is as long as RAM and sparse (the guest touched a few MiB).
+#[test]
+fn bench_snapshot_quick_saves_and_restores_musubi_at_both_sizes() {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    );
+    let (r, out) = quick("snapshot");
+    let t = CsvFile::read(&out.path().join("snapshot.csv"));
+    let c = |name: &str| t.col(name);
+    let (hv, mem, unavailable) = (c("hypervisor"), c("memory_mib"), c("unavailable"));
+    let (len, allocated) = (c("memory_file_bytes"), c("memory_file_allocated_bytes"));
+    for mib in [128u64, 256] {
+        let rows: Vec<_> = t
+            .rows
+            .iter()
+            .filter(|row| row[hv] == "musubi" && row[mem] == mib.to_string())
+            .collect();
+        assert_eq!(rows.len(), 1, "musubi {mib} MiB\n{}", t.text);
+        let row = rows[0];
+        assert!(row[unavailable].is_empty(), "{row:?}");
+        for col in [
+            "snapshot_ms",
+            "restore_first_kvm_run_ms",
+            "restore_to_end_ms",
+            "restore_max_rss_mib",
+        ] {
+            let v: f64 = row[c(col)]
+                .parse()
+                .unwrap_or_else(|_| panic!("no {col} in {row:?}"));
+            assert!(v > 0.0, "{col} in {row:?}");
+        }
+        assert_eq!(row[len], (mib << 20).to_string(), "{row:?}");
+        let on_disk: u64 = row[allocated].parse().expect("allocated bytes");
+        assert!(
+            on_disk < mib << 20,
+            "the memory file is not sparse: {row:?}"
+        );
+    }
+    // Without --compare no peer runs.
+    assert!(t.rows.iter().all(|row| row[hv] == "musubi"), "{}", t.text);
+    let svg = std::fs::read_to_string(out.path().join("snapshot.svg")).expect("snapshot.svg");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("musubi 128 MiB"),
+        "{svg}"
+    );
+    assert!(
+        r.stdout.contains("restore to 1st KVM_RUN") && r.stdout.contains("MET")
+            || r.stdout.contains("MISSED"),
         "{}",
         r.explain()
     );

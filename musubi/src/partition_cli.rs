@@ -71,7 +71,12 @@ enum PartitionCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Start a VM in a partition: `musubi partition run NAME -- --kernel probe ...`.
+    /// Start a VM in a partition: `musubi partition run NAME -- --kernel probe ...`, or
+    /// restore one from a snapshot: `musubi partition run NAME -- --restore DIR`. A VM whose
+    /// disk or memory-storage file (with --restore, the snapshot's) belongs to another
+    /// partition is refused. Each VM serves its control API on `NAME/vms/ID.sock` in the
+    /// state directory (for pause, resume and snapshot) unless its arguments give
+    /// --api-socket PATH.
     Run {
         name: String,
         /// Wait for the VM to end, print its console and exit with its status.
@@ -81,8 +86,25 @@ enum PartitionCommand {
         #[arg(last = true, required = true, value_name = "RUN ARGS")]
         args: Vec<String>,
     },
-    /// Stop a VM of a partition (SIGTERM: its disks are flushed).
+    /// Stop a VM of a partition (SIGTERM: its disks are flushed), paused or not.
     Stop { name: String, vm: u32 },
+    /// Pause a running VM of a partition through its control API: its vCPUs stop where they
+    /// are; its process, memory and disks stay until `resume`, `stop` or `destroy`.
+    Pause { name: String, vm: u32 },
+    /// Resume a VM of a partition paused by `pause` or `snapshot`.
+    Resume { name: String, vm: u32 },
+    /// Snapshot a running or paused VM of a partition into DIR through its control API
+    /// (DIR is created if need be; a snapshot already there is replaced). The VM is paused
+    /// for it and stays paused: `resume` it to go on, or `stop` it and bring it back later
+    /// with `musubi partition run NAME -- --restore DIR` (or `musubi run --restore DIR`).
+    /// Memory-storage files and disks are referenced, not copied: keep them unchanged until
+    /// the restore.
+    Snapshot {
+        name: String,
+        vm: u32,
+        /// The snapshot directory (relative to the current directory or absolute).
+        dir: PathBuf,
+    },
     /// Stop a partition's supervisor and VMs and remove its cgroup and state.
     Destroy { name: String },
     /// The supervisor process itself (started by `create`).
@@ -183,6 +205,40 @@ pub fn run(args: PartitionArgs) -> ExitCode {
             }
             Err(e) => fail(e),
         },
+        PartitionCommand::Pause { name, vm } => match m.pause(&name, vm) {
+            Ok(vm) => {
+                println!("partition {name}: vm {} {}", vm.id, state_text(&vm.state));
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        },
+        PartitionCommand::Resume { name, vm } => match m.resume(&name, vm) {
+            Ok(vm) => {
+                println!("partition {name}: vm {} {}", vm.id, state_text(&vm.state));
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        },
+        PartitionCommand::Snapshot { name, vm, dir } => {
+            let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
+            let dir = cwd.join(dir);
+            match m.snapshot(&name, vm, &dir, &cwd) {
+                Ok(vm) => {
+                    println!(
+                        "partition {name}: vm {} snapshotted into {}, {}; `musubi partition \
+                         resume {name} {}` goes on, `musubi partition run {name} -- --restore \
+                         {}` restores it",
+                        vm.id,
+                        dir.display(),
+                        state_text(&vm.state),
+                        vm.id,
+                        dir.display()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
+        }
         PartitionCommand::Destroy { name } => match m.destroy(&name) {
             Ok(vms) => {
                 println!(
@@ -209,13 +265,17 @@ pub fn run(args: PartitionArgs) -> ExitCode {
 /// Answers `partition storage-files -- ARGS`: the VM that `musubi run ARGS` would boot is
 /// parsed by the same command-line grammar and resolved by the same `to_config`, so
 /// partition rules judge the storage the VM will really use, whether flags or the JSON file
-/// name it.
+/// name it. With `--restore DIR` it is the snapshot's VM, read and checked as `run` will
+/// (`open_snapshot`), so a restore is judged like a boot.
 fn storage_files(args: &[String]) -> ExitCode {
     let argv = ["musubi", "run"].map(String::from).into_iter();
     let vm = match crate::Cli::try_parse_from(argv.chain(args.iter().cloned())) {
         Ok(crate::Cli {
-            command: crate::Command::Run(crate::RunCmd { vm, .. }),
-        }) => vm.to_config(),
+            command: crate::Command::Run(crate::RunCmd { vm, control, .. }),
+        }) => match &control.restore {
+            Some(dir) => crate::run::open_snapshot(dir, &vm).map(|(_, config)| config),
+            None => vm.to_config(),
+        },
         Ok(_) => Err("the arguments after -- are not those of `musubi run`".into()),
         Err(e) => Err(e.to_string().trim_end().to_string()),
     };
@@ -256,7 +316,7 @@ fn wait_for(m: &Manager, name: &str, id: u32) -> ExitCode {
             eprintln!("musubi partition: vm {id} of {name} disappeared");
             return ExitCode::from(2);
         };
-        if vm.state != VmState::Running {
+        if !vm.state.is_live() {
             print!("{}", std::fs::read_to_string(&vm.log).unwrap_or_default());
             eprintln!("partition {name}: vm {id} {}", state_text(&vm.state));
             return match vm.state {
@@ -276,6 +336,7 @@ fn wait_for(m: &Manager, name: &str, id: u32) -> ExitCode {
 fn state_text(s: &VmState) -> String {
     match s {
         VmState::Running => "running".into(),
+        VmState::Paused => "paused".into(),
         VmState::Exited {
             status,
             signal,
@@ -311,12 +372,16 @@ fn weight_text(v: &PartitionView) -> String {
 
 fn vm_line(vm: &VmRecord) -> String {
     format!(
-        "  vm {}  pid {}  {}  started {}  console {}  run {}",
+        "  vm {}  pid {}  {}  started {}  console {}{}  run {}",
         vm.id,
         vm.pid,
         state_text(&vm.state),
         vm.started,
         vm.log.display(),
+        match &vm.api_socket {
+            Some(p) => format!("  api {}", p.display()),
+            None => String::new(),
+        },
         vm.args.join(" ")
     )
 }
@@ -332,13 +397,14 @@ fn print_table(views: &[PartitionView], m: &Manager) {
     );
     for v in views {
         let running = v.vms.iter().filter(|x| x.state == VmState::Running).count();
+        let paused = v.vms.iter().filter(|x| x.state == VmState::Paused).count();
         let lost = v
             .vms
             .iter()
             .filter(|x| matches!(x.state, VmState::Lost { .. }))
             .count();
         println!(
-            "{:<16} {:<8} {:<5} {:<8} {:<10} {:<5} {:<20} {} running, {} lost, {} total",
+            "{:<16} {:<8} {:<5} {:<8} {:<10} {:<5} {:<20} {} running, {} paused, {} lost, {} total",
             v.record.name,
             v.record.cpus.to_string(),
             v.record.mems.to_string(),
@@ -347,6 +413,7 @@ fn print_table(views: &[PartitionView], m: &Manager) {
             v.record.disks.len(),
             supervisor_text(&v.supervisor_state),
             running,
+            paused,
             lost,
             v.vms.len()
         );

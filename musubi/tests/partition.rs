@@ -691,3 +691,271 @@ fn a_supervisor_refuses_callers_other_than_root_and_its_owner() {
     // The owner (root here) is still answered.
     env.ok(&["show", "p"]);
 }
+
+// ---- pause, resume and snapshot through the partition ----
+
+/// The console line that says the probe guest's first task (`hello`) is done, so the task
+/// after it has started.
+const HELLO: &str = "{\"probe\":\"hello\"";
+const DONE: &str = "probe: done, exit status 0";
+/// `fib=FIB_N` takes about 2.5 s on the test machine.
+const FIB_N: u64 = 44;
+/// How long after a task has started the snapshot is taken.
+const INTO_TASK: Duration = Duration::from_millis(300);
+/// Any one CLI command or VM here ends well within this; a hung one fails the test.
+const LIMIT: Duration = Duration::from_secs(180);
+/// Iterations of the probe guest's CPU loop that keep a VM busy while it is paused,
+/// resumed or snapshotted: a few seconds on a fast host (about 0.3 s per 10^9), a minute
+/// or so on a slow one. Being slower only widens the window the tests act in.
+const HOLD_SPIN: u64 = 10_000_000_000;
+
+impl Env {
+    /// Runs one CLI command in directory `cwd`, failing the test after [`LIMIT`].
+    fn pm_in(&self, cwd: &Path, args: &[&str]) -> Run {
+        let mut cmd = self.command(args);
+        cmd.current_dir(cwd);
+        common::run_command(cmd, &[], None, LIMIT)
+    }
+
+    /// Waits until the console of `vm` shows `text` while it runs.
+    fn wait_console(&self, name: &str, vm: u64, text: &str) -> Value {
+        let v = self.wait_vm(name, vm, LIMIT, |v| {
+            v["state"] != "running" || console(v).contains(text)
+        });
+        assert_eq!(v["state"], "running", "{v}\n{}", console(&v));
+        v
+    }
+}
+
+/// `GET /api/v1/vm.info` on the VM's own socket: the state the VM itself reports.
+fn api_state(socket: &Path) -> String {
+    let (status, body) = musubi_api::request_with_timeout(
+        socket,
+        "GET",
+        "/api/v1/vm.info",
+        None,
+        Duration::from_secs(30),
+    )
+    .unwrap_or_else(|e| panic!("vm.info: {e}"));
+    assert_eq!(status, 200, "vm.info: {body}");
+    let info: Value = serde_json::from_str(&body).unwrap();
+    info["state"].as_str().unwrap_or_default().to_string()
+}
+
+/// The probe guest's arguments for `musubi partition run NAME -- ...`.
+fn probe_run(tasks: &str, flags: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = ["--kernel", "probe", "--timeout", "200", "--cmdline"]
+        .map(String::from)
+        .into();
+    a.push(format!("probe.task_timeout=150 probe.tasks={tasks}"));
+    a.extend(flags.iter().map(|f| f.to_string()));
+    a
+}
+
+fn with_args<'a>(head: &[&'a str], tail: &'a [String]) -> Vec<&'a str> {
+    head.iter()
+        .copied()
+        .chain(tail.iter().map(String::as_str))
+        .collect()
+}
+
+#[test]
+fn a_vm_in_a_partition_is_paused_and_resumed_and_finishes_its_task() {
+    let env = Env::new();
+    env.ok(&["create", "p", "--cpus", "0", "--memory", "1G"]);
+    let args = probe_run(&format!("hello,spin={HOLD_SPIN}"), &[]);
+    env.ok(&with_args(&["run", "p", "--"], &args));
+    let vm = env.wait_console("p", 1, HELLO);
+    // The supervisor gave the VM its control API in the partition's directory.
+    let socket = PathBuf::from(vm["api_socket"].as_str().unwrap());
+    assert_eq!(socket, env.state().join("p").join("vms").join("1.sock"));
+    assert_eq!(api_state(&socket), "Running");
+
+    let r = env.ok(&["pause", "p", "1"]);
+    assert!(
+        r.stdout.contains("partition p: vm 1 paused"),
+        "{}",
+        r.explain()
+    );
+    assert_eq!(env.vm("p", 1)["state"], "paused");
+    assert_eq!(api_state(&socket), "Paused");
+    let table = env.ok(&["list"]).stdout;
+    assert!(
+        table.contains("0 running, 1 paused") && table.contains("vm 1  pid"),
+        "{table}"
+    );
+    assert!(env.ok(&["show", "p"]).stdout.contains("paused"));
+    // The API's own refusal comes back with its message; the record stays true.
+    let e = env.refused(&["pause", "p", "1"]);
+    assert!(
+        e.contains("pause refused") && e.contains("the VM is already paused"),
+        "{e}"
+    );
+    assert_eq!(env.vm("p", 1)["state"], "paused");
+
+    let r = env.ok(&["resume", "p", "1"]);
+    assert!(
+        r.stdout.contains("partition p: vm 1 running"),
+        "{}",
+        r.explain()
+    );
+    assert_eq!(env.vm("p", 1)["state"], "running");
+    assert_eq!(api_state(&socket), "Running");
+    let e = env.refused(&["resume", "p", "1"]);
+    assert!(e.contains("the VM is not paused"), "{e}");
+
+    let vm = env.wait_vm("p", 1, LIMIT, |v| v["state"] != "running");
+    let out = console(&vm);
+    assert_eq!(vm["state"], "exited", "{vm}\n{out}");
+    assert_eq!(vm["status"], 0, "{vm}\n{out}");
+    let spin = common::result_in(&out, "spin");
+    assert_eq!(spin["iterations"], HOLD_SPIN, "{spin}");
+    assert!(!socket.exists(), "{} outlived its VM", socket.display());
+
+    // Only a running VM can be asked, and only a VM the partition has.
+    let e = env.refused(&["pause", "p", "1"]);
+    assert!(e.contains("vm 1 of partition p is not running"), "{e}");
+    let e = env.refused(&["resume", "p", "9"]);
+    assert!(e.contains("partition p has no VM 9"), "{e}");
+}
+
+/// What of a `fib` line does not depend on time: its N and value.
+fn fib_of(text: &str) -> (Value, Value) {
+    let f = common::result_in(text, "fib");
+    (f["n"].clone(), f["result"].clone())
+}
+
+/// What of a `blk-crc` line does not depend on time: each disk's size and CRC.
+fn crc_of(text: &str) -> Vec<(Value, Value)> {
+    common::result_in(text, "blk-crc")["disks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["bytes"].clone(), d["crc32"].clone()))
+        .collect()
+}
+
+#[test]
+fn a_vm_snapshotted_in_its_partition_restores_there_as_an_uninterrupted_run() {
+    let env = Env::new();
+    let disk = common::temp_image(env.state(), "own.img", 1 << 20);
+    let d = disk.to_str().unwrap();
+    env.ok(&["create", "p", "--cpus", "0", "--memory", "1G", "--disk", d]);
+    let tasks = format!("hello,fib={FIB_N},blk-crc");
+    let path = format!("path={d}");
+    let args = probe_run(&tasks, &["--memory", "128M", "--disk", &path]);
+
+    // Uninterrupted, in the same partition.
+    let plain = env.pm_in(
+        env.state(),
+        &with_args(&["run", "p", "--wait", "--"], &args),
+    );
+    assert_eq!(plain.code, Some(0), "{}", plain.explain());
+    let want_fib = fib_of(&plain.stdout);
+    assert_eq!(
+        want_fib,
+        (FIB_N.into(), common::fib_value(FIB_N).into()),
+        "{}",
+        plain.explain()
+    );
+    let want_crc = crc_of(&plain.stdout);
+    assert_eq!(want_crc.len(), 1, "{}", plain.explain());
+
+    // Snapshotted mid-fib through the partition, into a directory relative to the CLI's.
+    env.ok(&with_args(&["run", "p", "--"], &args));
+    env.wait_console("p", 2, HELLO);
+    std::thread::sleep(INTO_TASK);
+    let r = env.pm_in(env.state(), &["snapshot", "p", "2", "snap"]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    let snap = env.state().join("snap");
+    assert!(
+        r.stdout
+            .contains(&format!("vm 2 snapshotted into {}, paused", snap.display())),
+        "{}",
+        r.explain()
+    );
+    for f in ["config.json", "state", "memory"] {
+        assert!(snap.join(f).is_file(), "no {f} in {}", snap.display());
+    }
+    let vm = env.vm("p", 2);
+    assert_eq!(vm["state"], "paused", "{vm}");
+    assert_eq!(
+        api_state(Path::new(vm["api_socket"].as_str().unwrap())),
+        "Paused"
+    );
+    let before = console(&vm);
+    assert!(
+        !common::results_in(&before)
+            .iter()
+            .any(|v| v["probe"] == "fib"),
+        "fib had ended before the snapshot, so it was not taken mid-task:\n{before}"
+    );
+    let r = env.ok(&["stop", "p", "2"]);
+    assert!(r.stdout.contains("exited"), "{}", r.explain());
+    assert!(!console(&env.vm("p", 2)).contains(DONE));
+
+    // Restored in the partition that owns its disk: the task ends as it would have.
+    let snap_s = snap.to_str().unwrap();
+    let r = env.pm_in(
+        env.state(),
+        &[
+            "run",
+            "p",
+            "--wait",
+            "--",
+            "--restore",
+            snap_s,
+            "--timeout",
+            "200",
+        ],
+    );
+    assert_eq!(r.code, Some(0), "restore: {}", r.explain());
+    assert!(r.stdout.contains(DONE), "{}", r.explain());
+    assert!(
+        !r.results().iter().any(|v| v["probe"] == "hello"),
+        "the restored VM ran hello again, so it booted instead of resuming:\n{}",
+        r.stdout
+    );
+    assert_eq!(fib_of(&r.stdout), want_fib, "{}", r.stdout);
+    assert_eq!(crc_of(&r.stdout), want_crc, "{}", r.stdout);
+    let restored = env.vm("p", 3);
+    assert_eq!(restored["state"], "exited");
+    assert_eq!(restored["status"], 0);
+    assert_eq!(restored["args"][0], "--restore");
+}
+
+#[test]
+fn a_snapshot_whose_disk_belongs_to_another_partition_is_not_restored_there() {
+    let env = Env::new();
+    let owned = common::temp_image(env.state(), "owned.img", 1 << 20);
+    let o = owned.to_str().unwrap();
+    env.ok(&[
+        "create", "a", "--cpus", "0", "--memory", "512M", "--disk", o,
+    ]);
+    env.ok(&["create", "b", "--cpus", "1", "--memory", "512M"]);
+    let path = format!("path={o}");
+    let args = probe_run(
+        &format!("hello,spin={HOLD_SPIN}"),
+        &["--memory", "128M", "--disk", &path],
+    );
+    env.ok(&with_args(&["run", "a", "--"], &args));
+    env.wait_console("a", 1, HELLO);
+    let snap = env.state().join("snap-a");
+    let snap_s = snap.to_str().unwrap();
+    env.ok(&["snapshot", "a", "1", snap_s]);
+    env.ok(&["stop", "a", "1"]);
+
+    let e = env.refused(&["run", "b", "--", "--restore", snap_s]);
+    assert!(
+        e.contains("belongs to partition a, not to b") && e.contains(o),
+        "{e}"
+    );
+    // A snapshot that cannot be read is refused with run's own message, not a boot's.
+    let missing = env.state().join("no-such-snapshot");
+    let e = env.refused(&["run", "b", "--", "--restore", missing.to_str().unwrap()]);
+    assert!(
+        e.contains("--restore") && e.contains("no-such-snapshot") && !e.contains("--kernel"),
+        "{e}"
+    );
+    assert_eq!(env.show("b")["vms"], serde_json::json!([]), "a VM started");
+}

@@ -8,7 +8,8 @@
 //! - [`store`]: partition records in the state directory.
 //! - [`proto`]: the supervisor's JSON-lines socket protocol.
 //! - [`supervisor`]: the per-partition supervisor process.
-//! - [`manager`]: the operations the CLI offers (create, list, run, stop, destroy).
+//! - [`manager`]: the operations the CLI offers (create, list, run, pause, resume, snapshot,
+//!   stop, destroy).
 
 pub mod cgroup;
 pub mod manager;

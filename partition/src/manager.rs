@@ -348,7 +348,7 @@ impl Manager {
                 .unwrap_or_default()
                 .into_iter()
                 .map(|mut v| {
-                    if v.state == VmState::Running {
+                    if v.state.is_live() {
                         v.state = VmState::Lost {
                             reason: reason.clone(),
                         };
@@ -396,7 +396,8 @@ impl Manager {
     }
 
     /// Starts a VM in partition `name`: `musubi run ARGS` under its supervisor, in `cwd`.
-    /// None of the VM's storage may belong to another partition.
+    /// None of the VM's storage may belong to another partition: with `--restore DIR`, the
+    /// storage the snapshot's VM uses.
     pub fn run(&self, name: &str, args: &[String], cwd: &Path) -> Result<VmRecord, Error> {
         let rec = self.store.load(name)?;
         let others = self.store.load_all()?;
@@ -433,7 +434,8 @@ impl Manager {
     /// The files a VM started with `args` in `cwd` uses as storage, as the program itself
     /// resolves them (`PROGRAM partition storage-files -- ARGS`): flags, the JSON file they
     /// name and defaults alike, exactly as its `run` will. Arguments it cannot resolve are
-    /// refused with its message.
+    /// refused with its message. With `--restore DIR` they are the files of the snapshot's
+    /// configuration, which the restored VM will use.
     pub fn storage_files(&self, args: &[String], cwd: &Path) -> Result<Vec<StorageFile>, Error> {
         let out = Command::new(&self.program)
             .args(["partition", STORAGE_FILES_COMMAND, "--"])
@@ -453,6 +455,45 @@ impl Manager {
                 self.program.display()
             ))
         })
+    }
+
+    /// Pauses VM `vm` of partition `name` through its control API: its vCPUs stop where
+    /// they are until [`Manager::resume`].
+    pub fn pause(&self, name: &str, vm: u32) -> Result<VmRecord, Error> {
+        self.control(name, &Request::Pause { vm }, proto::REPLY_TIMEOUT)
+    }
+
+    /// Resumes VM `vm` of partition `name`, paused by `pause` or `snapshot`.
+    pub fn resume(&self, name: &str, vm: u32) -> Result<VmRecord, Error> {
+        self.control(name, &Request::Resume { vm }, proto::REPLY_TIMEOUT)
+    }
+
+    /// Snapshots VM `vm` of partition `name` into `dir` (absolute, or relative to `cwd`):
+    /// the VM is paused for it and stays paused. `musubi run --restore DIR` (in a
+    /// partition: `run NAME -- --restore DIR`) brings it back.
+    pub fn snapshot(&self, name: &str, vm: u32, dir: &Path, cwd: &Path) -> Result<VmRecord, Error> {
+        let dir = cwd.join(dir);
+        if !dir.is_absolute() {
+            return Err(Error::refused(format!(
+                "snapshot directory {}: not an absolute path",
+                dir.display()
+            )));
+        }
+        self.control(
+            name,
+            &Request::Snapshot { vm, dir },
+            proto::SNAPSHOT_REPLY_TIMEOUT,
+        )
+    }
+
+    fn control(&self, name: &str, req: &Request, timeout: Duration) -> Result<VmRecord, Error> {
+        let rec = self.store.load(name)?;
+        let sock = self.live_socket(&rec)?;
+        match proto::call(&sock, req, timeout)? {
+            Reply::Vm { vm } => Ok(vm),
+            Reply::Error { message } => Err(Error::refused(message)),
+            other => Err(Error::system(format!("unexpected reply {other:?}"))),
+        }
     }
 
     pub fn stop(&self, name: &str, vm: u32) -> Result<VmRecord, Error> {

@@ -24,6 +24,20 @@ pub enum Request {
     Stop {
         vm: u32,
     },
+    /// Pause VM `vm` through its control API (`PUT /api/v1/vm.pause`).
+    Pause {
+        vm: u32,
+    },
+    /// Resume VM `vm` through its control API (`PUT /api/v1/vm.resume`).
+    Resume {
+        vm: u32,
+    },
+    /// Snapshot VM `vm` into the absolute directory `dir` through its control API
+    /// (`PUT /api/v1/vm.snapshot`): the VM is paused for it and stays paused.
+    Snapshot {
+        vm: u32,
+        dir: PathBuf,
+    },
     List,
     Status,
     /// Stop every VM, then the supervisor.
@@ -53,6 +67,16 @@ pub enum Reply {
 /// How long the CLI waits for a supervisor's answer. `stop` and `shutdown` wait for VMs to
 /// end, which may take the VMs' own grace period.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long the supervisor waits for a VM's control API to pause or resume it.
+pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the supervisor waits for a VM's control API to write a snapshot: the VM's
+/// whole RAM goes to a file, seconds for a big VM.
+pub const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long the CLI waits for the supervisor's answer to a snapshot: the VM's time and
+/// the supervisor's own.
+pub const SNAPSHOT_REPLY_TIMEOUT: Duration =
+    Duration::from_secs(SNAPSHOT_TIMEOUT.as_secs() + 2 * CONTROL_TIMEOUT.as_secs());
 
 /// Sends one request and reads the reply.
 pub fn call(socket: &Path, req: &Request, timeout: Duration) -> Result<Reply, Error> {
@@ -106,6 +130,21 @@ mod tests {
             serde_json::from_str::<Request>(r#"{"op":"stop","vm":3}"#).unwrap(),
             Request::Stop { vm: 3 }
         );
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"pause","vm":2}"#).unwrap(),
+            Request::Pause { vm: 2 }
+        );
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"resume","vm":2}"#).unwrap(),
+            Request::Resume { vm: 2 }
+        );
+        let s = Request::Snapshot {
+            vm: 2,
+            dir: "/srv/snap".into(),
+        };
+        let text = serde_json::to_string(&s).unwrap();
+        assert_eq!(text, r#"{"op":"snapshot","vm":2,"dir":"/srv/snap"}"#);
+        assert_eq!(serde_json::from_str::<Request>(&text).unwrap(), s);
         let e = Reply::Error {
             message: "no".into(),
         };

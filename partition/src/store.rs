@@ -82,6 +82,9 @@ pub struct PartitionRecord {
 #[serde(tag = "state", rename_all = "lowercase")]
 pub enum VmState {
     Running,
+    /// Alive with its vCPUs stopped, by `pause` or `snapshot` through its control API,
+    /// until `resume`.
+    Paused,
     Exited {
         /// Exit status, when it exited by itself.
         status: Option<i32>,
@@ -94,6 +97,13 @@ pub enum VmState {
     Lost {
         reason: String,
     },
+}
+
+impl VmState {
+    /// Whether the VM's process is there: running or paused.
+    pub fn is_live(&self) -> bool {
+        matches!(self, VmState::Running | VmState::Paused)
+    }
 }
 
 /// One VM of a partition: a `musubi run` child of the supervisor.
@@ -109,6 +119,11 @@ pub struct VmRecord {
     pub started: u64,
     /// The console (stdout and stderr of the VM process).
     pub log: PathBuf,
+    /// The VM's control API socket (`--api-socket`), through which the supervisor pauses,
+    /// resumes and snapshots it; `None` for a VM without one (`--nodes`, or recorded
+    /// before VMs had one).
+    #[serde(default)]
+    pub api_socket: Option<PathBuf>,
 }
 
 pub fn now_secs() -> u64 {
@@ -241,6 +256,14 @@ impl Store {
         self.partition_dir(name)
             .join("vms")
             .join(format!("{id}.log"))
+    }
+
+    /// Where VM `id` of partition `name` serves its control API, unless its arguments
+    /// name a socket of their own.
+    pub fn vm_socket(&self, name: &str, id: u32) -> PathBuf {
+        self.partition_dir(name)
+            .join("vms")
+            .join(format!("{id}.sock"))
     }
 
     pub fn exists(&self, name: &str) -> bool {
@@ -415,6 +438,7 @@ mod tests {
                 state: VmState::Running,
                 started: 5,
                 log: store.vm_log("p", 1),
+                api_socket: Some(store.vm_socket("p", 1)),
             },
             VmRecord {
                 id: 2,
@@ -427,12 +451,34 @@ mod tests {
                 },
                 started: 6,
                 log: store.vm_log("p", 2),
+                api_socket: None,
+            },
+            VmRecord {
+                id: 3,
+                pid: 12,
+                args: vec![],
+                state: VmState::Paused,
+                started: 7,
+                log: store.vm_log("p", 3),
+                api_socket: Some("/run/x.sock".into()),
             },
         ];
         store.save_vms("p", &vms).unwrap();
         assert_eq!(store.load_vms("p").unwrap(), vms);
         let text = std::fs::read_to_string(store.vms_file("p")).unwrap();
         assert!(text.contains("\"state\": \"running\""), "{text}");
+        assert!(text.contains("\"state\": \"paused\""), "{text}");
+    }
+
+    #[test]
+    fn vm_records_written_before_api_sockets_still_load() {
+        let old = r#"[{"id": 1, "pid": 10, "args": ["--kernel", "probe"], "state": "running",
+                       "started": 5, "log": "/s/p/vms/1.log"}]"#;
+        let vms: Vec<VmRecord> = serde_json::from_str(old).unwrap();
+        assert_eq!(vms[0].api_socket, None);
+        assert_eq!(vms[0].state, VmState::Running);
+        assert!(vms[0].state.is_live() && VmState::Paused.is_live());
+        assert!(!VmState::Lost { reason: "x".into() }.is_live());
     }
 
     #[test]

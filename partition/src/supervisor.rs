@@ -6,11 +6,14 @@
 //! (`PR_SET_PDEATHSIG`) for SIGTERM when the supervisor dies, which the VMM answers by
 //! flushing its disks and exiting, so no VM runs on unwatched and unaccounted.
 //!
-//! One thread does everything. That is deliberate: the kernel sends the parent-death signal
-//! when the *thread* that forked the child exits, so VMs must be forked by a thread that
-//! lives as long as the supervisor.
+//! One thread does everything but wait on VMs' control APIs. That is deliberate: the kernel
+//! sends the parent-death signal when the *thread* that forked the child exits, so VMs must
+//! be forked by a thread that lives as long as the supervisor. A pause, resume or snapshot
+//! is a call on the VM's own API socket (`--api-socket`, given to every VM) made by a
+//! short-lived helper thread, so a snapshot that takes seconds holds up no other request;
+//! the helper hands its result back, and the main thread records it and answers.
 
-use crate::proto::{Reply, Request, Status};
+use crate::proto::{Reply, Request, Status, CONTROL_TIMEOUT, SNAPSHOT_TIMEOUT};
 use crate::store::{now_secs, ProcId, Store, VmRecord, VmState};
 use crate::Error;
 use std::collections::BTreeMap;
@@ -20,12 +23,15 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::{Duration, Instant};
 
 /// How long a VM has to end after SIGTERM before it gets SIGKILL.
 pub const STOP_GRACE: Duration = Duration::from_secs(10);
 /// The signal a VM gets when its supervisor dies.
 pub const PARENT_DEATH_SIGNAL: libc::c_int = libc::SIGTERM;
+/// The longest path a UNIX socket can be bound at (`sun_path` less its final NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
 
 static TERMINATE: AtomicBool = AtomicBool::new(false);
 
@@ -42,6 +48,37 @@ struct Supervisor {
     children: BTreeMap<u32, Child>,
     in_cgroup: bool,
     started: u64,
+    /// Where helper threads hand back the outcome of a call on a VM's control API.
+    done_tx: Sender<ControlDone>,
+    done_rx: Receiver<ControlDone>,
+}
+
+/// What the supervisor asks of a VM through its control API.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum ControlOp {
+    Pause,
+    Resume,
+    Snapshot(PathBuf),
+}
+
+impl ControlOp {
+    fn name(&self) -> &'static str {
+        match self {
+            ControlOp::Pause => "pause",
+            ControlOp::Resume => "resume",
+            ControlOp::Snapshot(_) => "snapshot",
+        }
+    }
+}
+
+/// A call on a VM's control API, done: the connection that asked, for the answer.
+struct ControlDone {
+    stream: UnixStream,
+    id: u32,
+    op: ControlOp,
+    result: Result<(), String>,
+    /// Whether the VM said it was paused when asked after the call (`None`: no answer).
+    paused: Option<bool>,
 }
 
 fn log(msg: impl AsRef<str>) {
@@ -87,6 +124,7 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
         .set_nonblocking(true)
         .map_err(|e| Error::system(format!("{}: {e}", sock.display())))?;
     let owner = crate::store::current_uid();
+    let (done_tx, done_rx) = channel();
     let mut sup = Supervisor {
         store: store.clone(),
         name: name.to_string(),
@@ -95,6 +133,8 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
         children: BTreeMap::new(),
         in_cgroup,
         started: now_secs(),
+        done_tx,
+        done_rx,
     };
     sup.persist();
     loop {
@@ -124,6 +164,7 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
             Err(e) => log(format!("accept: {e}")),
         }
         sup.reap();
+        sup.finish_controls();
     }
     let _ = std::fs::remove_file(&sock);
     log("supervisor exits");
@@ -178,6 +219,7 @@ impl Supervisor {
         if reader.read_line(&mut line).is_err() || line.trim().is_empty() {
             return false;
         }
+        drop(reader);
         let mut exit = false;
         let reply = match serde_json::from_str::<Request>(&line) {
             Err(e) => Reply::Error {
@@ -191,6 +233,11 @@ impl Supervisor {
                 Ok(vm) => Reply::Vm { vm },
                 Err(message) => Reply::Error { message },
             },
+            Ok(Request::Pause { vm }) => return self.control(stream, vm, ControlOp::Pause),
+            Ok(Request::Resume { vm }) => return self.control(stream, vm, ControlOp::Resume),
+            Ok(Request::Snapshot { vm, dir }) => {
+                return self.control(stream, vm, ControlOp::Snapshot(dir))
+            }
             Ok(Request::List) => {
                 self.reap();
                 Reply::Vms {
@@ -215,14 +262,24 @@ impl Supervisor {
                 }
             }
         };
-        let mut text = serde_json::to_string(&reply).unwrap_or_default();
-        text.push('\n');
-        let _ = (&stream).write_all(text.as_bytes());
+        answer(&stream, &reply);
         exit
     }
 
     fn start_vm(&mut self, args: Vec<String>, cwd: Option<PathBuf>) -> Result<VmRecord, String> {
         let id = self.vms.iter().map(|v| v.id).max().unwrap_or(0) + 1;
+        let dir = cwd.clone().unwrap_or_else(|| PathBuf::from("/"));
+        let (api_socket, extra) = match vm_api_socket(&args, &dir) {
+            ApiSocket::Given(p) => (Some(p), None),
+            ApiSocket::None => (None, None),
+            ApiSocket::Default => {
+                let p = self.store.vm_socket(&self.name, id);
+                (Some(p.clone()), Some(p))
+            }
+        };
+        if let Some(p) = &api_socket {
+            check_socket_path(p, extra.is_some())?;
+        }
         let log_path = self.store.vm_log(&self.name, id);
         let out = std::fs::File::create(&log_path)
             .map_err(|e| format!("console log {}: {e}", log_path.display()))?;
@@ -231,11 +288,11 @@ impl Supervisor {
             .map_err(|e| format!("console log {}: {e}", log_path.display()))?;
         let me = std::process::id();
         let mut cmd = Command::new(&self.program);
-        cmd.arg("run")
-            .args(&args)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err);
+        cmd.arg("run").args(&args);
+        if let Some(p) = &extra {
+            cmd.arg("--api-socket").arg(p);
+        }
+        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
         if let Some(dir) = &cwd {
             cmd.current_dir(dir);
         }
@@ -271,10 +328,16 @@ impl Supervisor {
             state: VmState::Running,
             started: now_secs(),
             log: log_path,
+            api_socket,
         };
         log(format!(
-            "vm {id}: pid {} started: run {:?}",
-            vm.pid, vm.args
+            "vm {id}: pid {} started: run {:?}{}",
+            vm.pid,
+            vm.args,
+            match &extra {
+                Some(p) => format!(" --api-socket {}", p.display()),
+                None => String::new(),
+            }
         ));
         self.children.insert(id, child);
         self.vms.push(vm.clone());
@@ -282,23 +345,163 @@ impl Supervisor {
         Ok(vm)
     }
 
+    fn no_such_vm(&self, id: u32) -> String {
+        let ids: Vec<String> = self.vms.iter().map(|v| v.id.to_string()).collect();
+        format!(
+            "partition {} has no VM {id} (VMs: {})",
+            self.name,
+            if ids.is_empty() {
+                "none".to_string()
+            } else {
+                ids.join(", ")
+            }
+        )
+    }
+
     fn stop_vm(&mut self, id: u32) -> Result<VmRecord, String> {
         let Some(idx) = self.vms.iter().position(|v| v.id == id) else {
-            let ids: Vec<String> = self.vms.iter().map(|v| v.id.to_string()).collect();
-            return Err(format!(
-                "partition {} has no VM {id} (VMs: {})",
-                self.name,
-                if ids.is_empty() {
-                    "none".to_string()
-                } else {
-                    ids.join(", ")
-                }
-            ));
+            return Err(self.no_such_vm(id));
         };
         if self.children.contains_key(&id) {
             self.terminate(&[id]);
         }
         Ok(self.vms[idx].clone())
+    }
+
+    /// Starts `op` on VM `id`'s control API from a helper thread, which hands the outcome
+    /// back to [`Supervisor::finish_controls`] with `stream`; a request that cannot be
+    /// made is answered at once. Never asks the supervisor to exit.
+    fn control(&mut self, stream: UnixStream, id: u32, op: ControlOp) -> bool {
+        let socket = match self.control_target(id, &op) {
+            Ok(s) => s,
+            Err(message) => {
+                answer(&stream, &Reply::Error { message });
+                return false;
+            }
+        };
+        log(format!(
+            "vm {id}: {}{} through {}",
+            op.name(),
+            match &op {
+                ControlOp::Snapshot(d) => format!(" into {}", d.display()),
+                _ => String::new(),
+            },
+            socket.display()
+        ));
+        let tx = self.done_tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("vm{id}-{}", op.name()))
+            .spawn({
+                let op = op.clone();
+                move || {
+                    let result = call_vm_api(&socket, &op);
+                    let paused = vm_paused(&socket);
+                    let _ = tx.send(ControlDone {
+                        stream,
+                        id,
+                        op,
+                        result,
+                        paused,
+                    });
+                }
+            });
+        if let Err(e) = spawned {
+            log(format!(
+                "vm {id}: cannot start a thread for {}: {e}",
+                op.name()
+            ));
+        }
+        false
+    }
+
+    /// The API socket of VM `id`, if `op` may be asked of it.
+    fn control_target(&self, id: u32, op: &ControlOp) -> Result<PathBuf, String> {
+        let vm = self
+            .vms
+            .iter()
+            .find(|v| v.id == id)
+            .ok_or_else(|| self.no_such_vm(id))?;
+        if !self.children.contains_key(&id) || !vm.state.is_live() {
+            return Err(format!(
+                "vm {id} of partition {} is not running (it {}); only a running VM can be \
+                 asked to {}",
+                self.name,
+                match &vm.state {
+                    VmState::Exited {
+                        status: Some(c), ..
+                    } => format!("exited with status {c}"),
+                    VmState::Exited {
+                        signal: Some(s), ..
+                    } => format!("was ended by signal {s}"),
+                    _ => "has ended".to_string(),
+                },
+                op.name()
+            ));
+        }
+        if let ControlOp::Snapshot(dir) = op {
+            if !dir.is_absolute() {
+                return Err(format!(
+                    "snapshot directory {}: give an absolute path",
+                    dir.display()
+                ));
+            }
+        }
+        vm.api_socket.clone().ok_or_else(|| {
+            format!(
+                "vm {id} of partition {} has no control API socket (it runs with --nodes, or \
+                 was started before VMs had one), so it cannot be asked to {}",
+                self.name,
+                op.name()
+            )
+        })
+    }
+
+    /// Records and answers the calls on VMs' control APIs that helper threads have done.
+    fn finish_controls(&mut self) {
+        let mut changed = false;
+        while let Ok(done) = self.done_rx.try_recv() {
+            // A VM that ended meanwhile is recorded as it ended, not as paused.
+            changed |= self.reap_one(done.id, false);
+            let live = self.children.contains_key(&done.id);
+            let Some(vm) = self.vms.iter_mut().find(|v| v.id == done.id) else {
+                continue;
+            };
+            if live {
+                // What the VM says it is after the call; failing an answer, what the call
+                // makes of it when it succeeds.
+                let paused = done.paused.or(match (&done.result, &done.op) {
+                    (Ok(()), ControlOp::Resume) => Some(false),
+                    (Ok(()), _) => Some(true),
+                    (Err(_), _) => None,
+                });
+                if let Some(p) = paused {
+                    let state = if p { VmState::Paused } else { VmState::Running };
+                    changed |= vm.state != state;
+                    vm.state = state;
+                }
+            }
+            let reply = match done.result {
+                Ok(()) => {
+                    log(format!("vm {}: {} done", done.id, done.op.name()));
+                    Reply::Vm { vm: vm.clone() }
+                }
+                Err(e) => {
+                    log(format!("vm {}: {} failed: {e}", done.id, done.op.name()));
+                    Reply::Error {
+                        message: format!(
+                            "vm {} of partition {}: {} refused: {e}",
+                            done.id,
+                            self.name,
+                            done.op.name()
+                        ),
+                    }
+                }
+            };
+            answer(&done.stream, &reply);
+        }
+        if changed {
+            self.persist();
+        }
     }
 
     fn stop_all(&mut self) {
@@ -381,12 +584,18 @@ impl Supervisor {
             "vm {id}: exited (status {code:?}, signal {signal:?}{})",
             if stopped { ", stopped" } else { "" }
         ));
+        let default_socket = self.store.vm_socket(&self.name, id);
         if let Some(v) = self.vms.iter_mut().find(|v| v.id == id) {
             v.state = VmState::Exited {
                 status: code,
                 signal,
                 stopped,
             };
+            // The socket the supervisor chose goes with the VM, even one killed before it
+            // could remove it; one the arguments named is theirs.
+            if v.api_socket.as_deref() == Some(default_socket.as_path()) {
+                let _ = std::fs::remove_file(&default_socket);
+            }
         }
     }
 
@@ -394,6 +603,120 @@ impl Supervisor {
         if let Err(e) = self.store.save_vms(&self.name, &self.vms) {
             log(format!("cannot record VMs: {e}"));
         }
+    }
+}
+
+fn answer(stream: &UnixStream, reply: &Reply) {
+    let mut text = serde_json::to_string(reply).unwrap_or_default();
+    text.push('\n');
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
+    let mut out = stream;
+    let _ = out.write_all(text.as_bytes());
+}
+
+/// Where a VM's control API is, from its `musubi run` arguments.
+#[derive(Debug, PartialEq, Eq)]
+enum ApiSocket {
+    /// The arguments name one (`--api-socket PATH`; relative to the VM's directory).
+    Given(PathBuf),
+    /// None can be given: `--nodes` runs without a control API.
+    None,
+    /// The supervisor gives the VM one in the partition's directory.
+    Default,
+}
+
+fn vm_api_socket(args: &[String], cwd: &Path) -> ApiSocket {
+    let mut it = args.iter();
+    let mut nodes = false;
+    while let Some(a) = it.next() {
+        let given = if a == "--api-socket" {
+            it.next().cloned()
+        } else {
+            a.strip_prefix("--api-socket=").map(str::to_string)
+        };
+        if let Some(p) = given {
+            return ApiSocket::Given(cwd.join(p));
+        }
+        nodes |= a == "--nodes" || a.starts_with("--nodes=");
+    }
+    if nodes {
+        ApiSocket::None
+    } else {
+        ApiSocket::Default
+    }
+}
+
+/// A socket path the kernel can bind: refused by name otherwise, before the VM starts.
+fn check_socket_path(p: &Path, chosen: bool) -> Result<(), String> {
+    let len = p.as_os_str().len();
+    if len <= MAX_SOCKET_PATH {
+        return Ok(());
+    }
+    Err(format!(
+        "the VM's API socket {} is {len} bytes long, and a UNIX socket path may have at most \
+         {MAX_SOCKET_PATH}; {}",
+        p.display(),
+        if chosen {
+            "use a state directory with a shorter path (--state-dir), or give the VM a \
+             shorter --api-socket PATH"
+        } else {
+            "give a shorter --api-socket PATH"
+        }
+    ))
+}
+
+/// Asks the VM's control API to do `op`: Ok on its 204, else its message.
+fn call_vm_api(socket: &Path, op: &ControlOp) -> Result<(), String> {
+    let (path, body, timeout) = match op {
+        ControlOp::Pause => ("/api/v1/vm.pause", None, CONTROL_TIMEOUT),
+        ControlOp::Resume => ("/api/v1/vm.resume", None, CONTROL_TIMEOUT),
+        ControlOp::Snapshot(dir) => (
+            "/api/v1/vm.snapshot",
+            Some(
+                serde_json::json!({ "destination_url": format!("file://{}", dir.display()) })
+                    .to_string(),
+            ),
+            SNAPSHOT_TIMEOUT,
+        ),
+    };
+    let (status, text) =
+        musubi_api::request_with_timeout(socket, "PUT", path, body.as_deref(), timeout)?;
+    if (200..300).contains(&status) {
+        Ok(())
+    } else {
+        Err(api_message(status, &text))
+    }
+}
+
+/// The message of an API error answer: its JSON array of strings joined, else its text.
+fn api_message(status: u16, body: &str) -> String {
+    let text = match serde_json::from_str::<Vec<String>>(body) {
+        Ok(parts) if !parts.is_empty() => parts.join(": "),
+        _ if body.trim().is_empty() => "no message".to_string(),
+        _ => body.trim().to_string(),
+    };
+    format!("{text} (HTTP {status})")
+}
+
+/// Whether the VM at `socket` says it is paused (`GET /api/v1/vm.info`); `None` when it
+/// does not say.
+fn vm_paused(socket: &Path) -> Option<bool> {
+    let (status, text) = musubi_api::request_with_timeout(
+        socket,
+        "GET",
+        "/api/v1/vm.info",
+        None,
+        Duration::from_secs(5),
+    )
+    .ok()?;
+    if status != 200 {
+        return None;
+    }
+    let info: serde_json::Value = serde_json::from_str(&text).ok()?;
+    match info.get("state")?.as_str()? {
+        "Paused" => Some(true),
+        "Running" => Some(false),
+        _ => None,
     }
 }
 
@@ -405,6 +728,57 @@ pub fn supervisor_alive(sup: Option<ProcId>) -> bool {
 #[cfg(test)]
 mod peer_tests {
     use super::*;
+
+    #[test]
+    fn every_vm_gets_an_api_socket_unless_its_arguments_name_one_or_forbid_it() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let cwd = Path::new("/home/u");
+        assert_eq!(
+            vm_api_socket(&args(&["--kernel", "probe"]), cwd),
+            ApiSocket::Default
+        );
+        assert_eq!(
+            vm_api_socket(
+                &args(&["--api-socket", "vm.sock", "--kernel", "probe"]),
+                cwd
+            ),
+            ApiSocket::Given("/home/u/vm.sock".into())
+        );
+        assert_eq!(
+            vm_api_socket(&args(&["--api-socket=/run/a.sock"]), cwd),
+            ApiSocket::Given("/run/a.sock".into())
+        );
+        assert_eq!(
+            vm_api_socket(&args(&["--kernel", "probe", "--nodes", "2"]), cwd),
+            ApiSocket::None
+        );
+    }
+
+    #[test]
+    fn socket_paths_the_kernel_cannot_bind_are_refused_by_length() {
+        check_socket_path(&PathBuf::from(format!("/{}", "x".repeat(106))), true).unwrap();
+        let long = PathBuf::from(format!("/{}", "x".repeat(107)));
+        let e = check_socket_path(&long, true).unwrap_err();
+        assert!(
+            e.contains("108 bytes long") && e.contains("at most 107") && e.contains("--state-dir"),
+            "{e}"
+        );
+        let e = check_socket_path(&long, false).unwrap_err();
+        assert!(e.contains("shorter --api-socket"), "{e}");
+    }
+
+    #[test]
+    fn api_errors_become_one_message() {
+        assert_eq!(
+            api_message(
+                500,
+                r#"["Error from API","The VM could not be paused","already paused"]"#
+            ),
+            "Error from API: The VM could not be paused: already paused (HTTP 500)"
+        );
+        assert_eq!(api_message(404, ""), "no message (HTTP 404)");
+        assert_eq!(api_message(502, "gateway"), "gateway (HTTP 502)");
+    }
 
     #[test]
     fn only_root_and_the_owner_are_answered() {

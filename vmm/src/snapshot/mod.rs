@@ -326,20 +326,20 @@ pub fn write_config(dir: &Path, config: &SavedConfig) -> Result<(), SnapshotErro
         .map_err(io(&path))
 }
 
-/// Creates (or truncates) a file only its owner may read: a snapshot holds the guest's
-/// memory and registers, secrets included, like the API socket that asked for it (0600).
+/// Creates a file only its owner may read, replacing any file of that name: a snapshot
+/// holds the guest's memory and registers, secrets included, like the API socket that asked
+/// for it (0600). An old file is removed rather than truncated, since it keeps its mode.
 pub fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
-        .open(path)?;
-    // A file that existed keeps its mode through open: set it.
-    use std::os::unix::fs::PermissionsExt;
-    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-    Ok(f)
+        .open(path)
 }
 
 /// Creates the snapshot directory (and its parents) if missing, only its owner may enter
@@ -511,6 +511,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write_state(dir.path(), &state()).unwrap();
         assert_eq!(read_state(dir.path()).unwrap().ram, vec![(0, 64 << 20)]);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join(STATE_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "the state file is {mode:o}");
         let path = dir.path().join(STATE_FILE);
         let good = std::fs::read(&path).unwrap();
 
