@@ -28,6 +28,14 @@ pub trait VmControl: Send + Sync {
     fn resume(&self) -> Result<(), ActionError>;
     /// Writes a snapshot into `dir` (an absolute path, from a `file://` destination_url).
     fn snapshot(&self, dir: &std::path::Path) -> Result<(), ActionError>;
+    /// Moves the VM to the musubi waiting at `url` (`tcp:HOST:PORT`, `run
+    /// --receive-migration`), proving the secret in `secret_file`. `Ok` once the VM runs
+    /// there and needs nothing from here; on `Err` the message says whether the VM runs on
+    /// here (a failure before the switch) or was lost.
+    fn send_migration(&self, url: &str, secret_file: &std::path::Path) -> Result<(), ActionError> {
+        let _ = (url, secret_file);
+        Err(ActionError::internal("this VMM does not migrate VMs"))
+    }
     fn shutdown_vm(&self) -> Result<(), ActionError>;
     fn shutdown_vmm(&self) -> Result<(), ActionError>;
 }

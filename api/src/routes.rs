@@ -77,8 +77,16 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
             Ok(dir) => action(vm.snapshot(&dir), "The VM could not be snapshotted", 204),
             Err(r) => r,
         },
+        "vm.send-migration" if put => match migration_target(&req.body) {
+            Ok((url, secret)) => action(
+                vm.send_migration(&url, &secret),
+                "The VM could not be migrated",
+                204,
+            ),
+            Err(r) => r,
+        },
         "vmm.ping" | "vm.info" | "vm.counters" | "vm.pause" | "vm.resume" | "vm.shutdown"
-        | "vmm.shutdown" | "vm.snapshot" => wrong_method(),
+        | "vmm.shutdown" | "vm.snapshot" | "vm.send-migration" => wrong_method(),
         _ => Response::error(404, &["Not Found"]),
     }
 }
@@ -113,4 +121,41 @@ fn snapshot_dir(body: &[u8]) -> Result<PathBuf, Response> {
              directory), no other scheme"
         ))),
     }
+}
+
+/// The destination and secret a vm.send-migration body names:
+/// `{"destination_url": "tcp:HOST:PORT", "secret_file": "/abs/path"}`.
+fn migration_target(body: &[u8]) -> Result<(String, PathBuf), Response> {
+    const SHAPE: &str = "vm.send-migration needs a JSON body {\"destination_url\": \
+                         \"tcp:HOST:PORT\", \"secret_file\": \"/PATH\"}";
+    if body.is_empty() {
+        return Err(bad_request(SHAPE));
+    }
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| Response::error(400, &["Failed to deserialize JSON", &e.to_string()]))?;
+    let field = |name: &str| match value.get(name) {
+        Some(serde_json::Value::String(s)) => Ok(s.clone()),
+        Some(_) => Err(bad_request(&format!("{name} must be a string"))),
+        None => Err(Response::error(
+            400,
+            &[
+                "Failed to deserialize JSON",
+                &format!("missing field `{name}`"),
+                SHAPE,
+            ],
+        )),
+    };
+    let url = field("destination_url")?;
+    if !url.starts_with("tcp:") {
+        return Err(bad_request(&format!(
+            "destination_url {url:?}: a VM migrates to tcp:HOST:PORT, no other scheme"
+        )));
+    }
+    let secret = field("secret_file")?;
+    if !secret.starts_with('/') {
+        return Err(bad_request(&format!(
+            "secret_file {secret:?}: give an absolute path (the VMM runs in another directory)"
+        )));
+    }
+    Ok((url, PathBuf::from(secret)))
 }

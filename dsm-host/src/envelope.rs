@@ -52,13 +52,16 @@ pub enum Envelope {
     Heartbeat {
         seq: u64,
     },
+    /// A live migration's own message (`musubi-migration` gives the bytes their meaning),
+    /// at most [`MAX_MIGRATION_BYTES`] long.
+    Migration(Vec<u8>),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum EnvelopeError {
     #[error("empty envelope")]
     Empty,
-    #[error("unknown envelope tag {0:#04x} (known: 0x00..=0x05)")]
+    #[error("unknown envelope tag {0:#04x} (known: 0x00..=0x06)")]
     Tag(u8),
     #[error("envelope tag {tag:#04x}: {why} ({len} bytes)")]
     Layout {
@@ -76,6 +79,11 @@ const T_EXIT_REPLY: u8 = 2;
 const T_INTERRUPT: u8 = 3;
 const T_STOP: u8 = 4;
 const T_HEARTBEAT: u8 = 5;
+const T_MIGRATION: u8 = 6;
+
+/// Most bytes one [`Envelope::Migration`] carries: what fits a link frame beside the tag,
+/// the length word and the MAC, with room to spare.
+pub const MAX_MIGRATION_BYTES: usize = 15 * 1024;
 
 /// Largest access a forwarded exit carries (a 64-bit MMIO access).
 pub const MAX_EXIT_DATA: usize = 8;
@@ -151,6 +159,7 @@ impl Envelope {
             Envelope::Interrupt(_) => "interrupt",
             Envelope::Stop { .. } => "stop",
             Envelope::Heartbeat { .. } => "heartbeat",
+            Envelope::Migration(_) => "migration",
         }
     }
 
@@ -197,6 +206,14 @@ impl Envelope {
             Envelope::Heartbeat { seq } => {
                 out.push(T_HEARTBEAT);
                 out.extend_from_slice(&seq.to_le_bytes());
+            }
+            Envelope::Migration(bytes) => {
+                // Longer payloads are the sender's bug; they are cut rather than sent whole
+                // into a frame the peer refuses.
+                let n = bytes.len().min(MAX_MIGRATION_BYTES);
+                out.push(T_MIGRATION);
+                out.extend_from_slice(&(n as u16).to_le_bytes());
+                out.extend_from_slice(&bytes[..n]);
             }
         }
     }
@@ -260,6 +277,13 @@ impl Envelope {
                 code: c.u32()? as i32,
             },
             T_HEARTBEAT => Envelope::Heartbeat { seq: c.u64()? },
+            T_MIGRATION => {
+                let n = u16::from_le_bytes(c.take(2)?.try_into().expect("2 bytes")) as usize;
+                if n > MAX_MIGRATION_BYTES {
+                    return Err(c.err("migration payload longer than MAX_MIGRATION_BYTES"));
+                }
+                Envelope::Migration(c.take(n)?.to_vec())
+            }
             t => return Err(EnvelopeError::Tag(t)),
         };
         c.end()?;
@@ -311,6 +335,8 @@ mod tests {
             }),
             Envelope::Stop { code: -3 },
             Envelope::Heartbeat { seq: u64::MAX },
+            Envelope::Migration(vec![]),
+            Envelope::Migration((0..MAX_MIGRATION_BYTES).map(|i| i as u8).collect()),
         ]
     }
 
@@ -330,6 +356,14 @@ mod tests {
             );
         }
         assert_eq!(Envelope::decode(&[9]), Err(EnvelopeError::Tag(9)));
+        // A migration payload says its length, and one longer than allowed is refused.
+        let mut long = vec![T_MIGRATION];
+        long.extend_from_slice(&((MAX_MIGRATION_BYTES + 1) as u16).to_le_bytes());
+        long.resize(3 + MAX_MIGRATION_BYTES + 1, 0);
+        assert!(matches!(
+            Envelope::decode(&long),
+            Err(EnvelopeError::Layout { .. })
+        ));
         // An access size of 9 is refused, not read past.
         let bad = [T_EXIT_REPLY, 0, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         assert!(matches!(

@@ -23,7 +23,7 @@ mod uffd;
 pub use backend::Backend;
 pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup};
 pub use delay::{DelayLine, MAX_LINK_DELAY};
-pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace};
+pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace, MAX_MIGRATION_BYTES};
 pub use link::{config_hash, config_hash_of_parts, Link, LinkError, LinkParams, LinkReader, Role};
 pub use memory::{Fault, FaultKind, Memory, MemoryError};
 pub use poll_window::DEFAULT_POLL_WINDOW;

@@ -6,6 +6,8 @@ use musubi_api::{ActionError, VmControl};
 /// The VM the API controls.
 pub struct ApiTarget {
     pub vm: vmm::VmHandle,
+    /// Moves the VM elsewhere (vm.send-migration); `None` if its thread could not start.
+    pub migrator: Option<crate::migrate::Migrator>,
 }
 
 fn refused(e: vmm::ControlError) -> ActionError {
@@ -51,6 +53,15 @@ impl VmControl for ApiTarget {
             "snapshot written; the VM stays paused"
         );
         Ok(())
+    }
+
+    fn send_migration(&self, url: &str, secret_file: &std::path::Path) -> Result<(), ActionError> {
+        match &self.migrator {
+            Some(m) => m.send(url, secret_file).map_err(ActionError::internal),
+            None => Err(ActionError::internal(
+                "this VMM cannot send its VM: its migrator thread did not start",
+            )),
+        }
     }
 
     fn shutdown_vm(&self) -> Result<(), ActionError> {

@@ -59,7 +59,7 @@ pub struct ControlFlags {
     #[arg(long, value_name = "PATH", conflicts_with = "nodes")]
     pub api_socket: Option<PathBuf>,
     /// Restore the VM saved in this snapshot directory instead of booting one. Its
-    /// configuration comes from the snapshot; --cpus, --memory, --disk and --pmem, when
+    /// configuration comes from the snapshot; --cpus, --memory, --disk, --pmem and --exits, when
     /// given, must match it; --serial may send the console elsewhere. Guest RAM is mapped
     /// copy-on-write from the snapshot's memory file, so the snapshot is never changed and
     /// can be restored again.
@@ -77,6 +77,22 @@ pub struct ControlFlags {
         requires = "restore"
     )]
     pub restore_memory: RestoreMemory,
+    /// Wait on tcp:HOST:PORT for one VM sent by another musubi (`musubi remote
+    /// send-migration`, or PUT vm.send-migration) instead of booting one, then run it: its
+    /// configuration comes from the source (--serial may send the console elsewhere), its
+    /// pages follow after it starts (post-copy). Peers that do not prove --secret-file's
+    /// secret, and VMs whose disks this host cannot open, are refused and the wait goes on.
+    #[arg(
+        long,
+        value_name = "tcp:HOST:PORT",
+        requires = "secret_file",
+        conflicts_with_all = ["restore", "kernel", "cmdline", "initrd", "config", "nodes"]
+    )]
+    pub receive_migration: Option<String>,
+    /// The migration's shared secret: a file of at least 16 bytes, mode 0600, the same on
+    /// both ends.
+    #[arg(long, value_name = "FILE", requires = "receive_migration")]
+    pub secret_file: Option<PathBuf>,
 }
 
 /// `--restore-memory`.

@@ -5,6 +5,7 @@ mod bench;
 mod cli;
 mod console;
 mod demo;
+mod migrate;
 mod netns;
 mod nodes;
 mod partition_cli;

@@ -32,6 +32,16 @@ enum RemoteCommand {
     },
     /// End the VM and the musubi process serving it (PUT vmm.shutdown).
     Shutdown,
+    /// Move the VM, live, to the musubi waiting at tcp:HOST:PORT (`run --receive-migration`)
+    /// (PUT vm.send-migration). Exits 0 once it runs there; on a failure before the switch
+    /// the VM runs on here.
+    SendMigration {
+        #[arg(value_name = "tcp:HOST:PORT")]
+        url: String,
+        /// The shared secret, the same file as the destination's --secret-file.
+        #[arg(long, value_name = "FILE")]
+        secret_file: PathBuf,
+    },
 }
 
 /// The method, endpoint and body a command sends.
@@ -46,6 +56,11 @@ fn request_of(
         RemoteCommand::Resume => ("PUT", "vm.resume", None),
         RemoteCommand::Shutdown => ("PUT", "vmm.shutdown", None),
         RemoteCommand::Snapshot { dir } => ("PUT", "vm.snapshot", Some(snapshot_body(dir)?)),
+        RemoteCommand::SendMigration { url, secret_file } => (
+            "PUT",
+            "vm.send-migration",
+            Some(migration_body(url, secret_file)?),
+        ),
     })
 }
 
@@ -58,6 +73,16 @@ fn snapshot_body(dir: &Path) -> Result<String, String> {
         .to_str()
         .ok_or_else(|| format!("snapshot directory {}: not UTF-8", abs.display()))?;
     Ok(serde_json::json!({ "destination_url": format!("file://{abs}") }).to_string())
+}
+
+/// `{"destination_url": URL, "secret_file": "/abs/path"}`.
+fn migration_body(url: &str, secret_file: &Path) -> Result<String, String> {
+    let abs = std::path::absolute(secret_file)
+        .map_err(|e| format!("--secret-file {}: {e}", secret_file.display()))?;
+    let abs = abs
+        .to_str()
+        .ok_or_else(|| format!("--secret-file {}: not UTF-8", abs.display()))?;
+    Ok(serde_json::json!({ "destination_url": url, "secret_file": abs }).to_string())
 }
 
 /// The answer's body to print on success, or the message for a refusal.

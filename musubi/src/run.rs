@@ -4,7 +4,7 @@
 //! `--serial stdio`, stdin is the guest's console input (see `console`).
 
 use crate::api_target::ApiTarget;
-use crate::{cli, console};
+use crate::{cli, console, migrate};
 use dsm_host::demand::DemandRam;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
@@ -25,20 +25,13 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         },
         None => None,
     };
-    let config = match &snapshot {
-        Some((_, config)) => config.clone(),
-        None => match vm.to_config() {
-            Ok(c) => c,
-            Err(e) => return fail(e),
-        },
-    };
     let timeout = match run.timeout() {
         Ok(t) => t,
         Err(e) => return fail(e),
     };
     // Registered before the VM exists, so a signal that arrives while it is being built
     // is held and stops it as soon as it runs.
-    let signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
+    let mut signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
         Ok(s) => s,
         Err(e) => return fail(format!("cannot install signal handlers: {e}")),
     };
@@ -46,6 +39,28 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         capture_serial: false,
         timeout,
         seccomp: run.seccomp,
+    };
+    // `--receive-migration`: the VM comes from another musubi, built here and not started.
+    let mut received = match (&control.receive_migration, &control.secret_file) {
+        (Some(url), Some(secret)) => {
+            match migrate::receive(url, secret, vm, opts.clone(), &mut signals) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    eprintln!("musubi: {}", e.message);
+                    return ExitCode::from(e.code);
+                }
+            }
+        }
+        _ => None,
+    };
+    let incoming = received.as_ref().map(|r| r.ram.clone());
+    let config = match (&snapshot, &received) {
+        (Some((_, config)), _) => config.clone(),
+        (None, Some(r)) => r.config.clone(),
+        (None, None) => match vm.to_config() {
+            Ok(c) => c,
+            Err(e) => return fail(e),
+        },
     };
     let builder = vmm::VmBuilder::new(&config).options(opts);
     let mut demand = None;
@@ -65,9 +80,12 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         Some((snap, _)) => builder.restore(snap),
         None => builder,
     };
-    let mut built = match builder.build() {
-        Ok(vm) => vm,
-        Err(e) => return fail(e.to_string()),
+    let mut built = match received.take() {
+        Some(r) => migrate::received_vm(r),
+        None => match builder.build() {
+            Ok(vm) => vm,
+            Err(e) => return fail(e.to_string()),
+        },
     };
     if let Some(d) = &demand {
         let control = built.run_control();
@@ -99,8 +117,16 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
     // Started before this thread's filter goes on, so the API thread has only its own.
     let api = match &control.api_socket {
         Some(path) => {
+            let migrator = match migrate::Migrator::start(running.handle(), incoming.clone()) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    eprintln!("musubi: cannot start the migrator thread: {e}");
+                    None
+                }
+            };
             let target = std::sync::Arc::new(ApiTarget {
                 vm: running.handle(),
+                migrator,
             });
             let mode = run.seccomp;
             let filter = move || {

@@ -368,6 +368,26 @@ impl VmHandle {
         Ok(state)
     }
 
+    /// Makes everything the guest wrote to its disks and memory-storage files durable in the
+    /// files, as the teardown does; for a paused VM whose storage another process is about
+    /// to open.
+    pub fn flush_storage(&self) -> Result<(), String> {
+        let mut errors = Vec::new();
+        for t in &self.shared.transports {
+            if let Err(e) = t.lock().unwrap_or_else(|e| e.into_inner()).flush() {
+                errors.push(format!("a virtio device's flush failed: {e}"));
+            }
+        }
+        errors.extend(crate::pmem::sync_regions(&self.shared.pmem));
+        match errors.is_empty() {
+            true => Ok(()),
+            false => Err(format!(
+                "guest writes may not be on disk: {}",
+                errors.join("; ")
+            )),
+        }
+    }
+
     /// Guest RAM's ranges: (guest-physical start, length).
     pub fn ram_ranges(&self) -> Vec<(u64, u64)> {
         self.shared.layout_ram.clone()

@@ -1,0 +1,636 @@
+//! The receiving side: waits for one VM, lets only a peer that proves the secret in, has the
+//! [`Host`] check the configuration and build the VM on [`PostCopyRam`], and at the switch
+//! starts the threads that bring its pages in.
+//!
+//! [`PostCopyRam`] is guest RAM whose every page starts absent. A fault thread asks the
+//! source for each page the first time anything touches it; a link thread installs every
+//! page the source sends (asked for or pushed) and wakes whoever waits for it. When the
+//! source says it has pushed everything, every page with data is in and the rest are zeros,
+//! so the memory leaves userfaultfd (absent pages then read as zeros, as on the source) and
+//! the source is told it may end.
+
+use crate::protocol::{Blob, Msg, RamLayout};
+use crate::{recv, recv_blob, send, Options, DESTINATION, SOURCE};
+use dsm::PAGE_SIZE;
+use dsm_host::link::{LinkReader, LinkWriter};
+use dsm_host::{Envelope, Link, Memory, Role};
+use std::net::TcpListener;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// What the destination's process does with an incoming VM.
+pub trait Host {
+    /// Whether this process can host the VM of `config` (its disks open here, ...):
+    /// `Err(why)` refuses it before the source pauses anything.
+    fn check(&mut self, config: &[u8]) -> Result<(), String>;
+    /// Reads the VM's state (JSON) and returns its RAM ranges (guest-physical start,
+    /// length), laid one after the other in the mapping [`Host::build`] gets.
+    fn prepare(&mut self, state: &[u8]) -> Result<Vec<(u64, u64)>, String>;
+    /// Builds the prepared VM on `ram`, without starting it.
+    fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), String>;
+}
+
+/// Why the wait for a VM ended without one.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiveError {
+    #[error("{0}")]
+    Stopped(String),
+    #[error("waiting for a migration: {0}")]
+    Io(std::io::Error),
+}
+
+/// Waits on `listener` for one VM, refusing (and reporting through `log`) every peer that
+/// does not prove the secret or whose VM cannot be hosted, until one has switched over:
+/// its VM is then built (not started) and its pages are on their way. `stop` is asked
+/// between waits: `Some(why)` gives up.
+pub fn receive(
+    listener: &TcpListener,
+    opts: &Options,
+    host: &mut dyn Host,
+    stop: &mut dyn FnMut() -> Option<String>,
+    log: &mut dyn FnMut(&str),
+) -> Result<Arc<PostCopyRam>, ReceiveError> {
+    listener.set_nonblocking(true).map_err(ReceiveError::Io)?;
+    loop {
+        if let Some(why) = stop() {
+            return Err(ReceiveError::Stopped(why));
+        }
+        let mut fd = [libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        // SAFETY: `fd` is a valid array of one pollfd for the call.
+        let n = unsafe { libc::poll(fd.as_mut_ptr(), 1, 200) };
+        if n <= 0 {
+            continue;
+        }
+        let (stream, peer) = match listener.accept() {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(ReceiveError::Io(e)),
+        };
+        match session(stream, opts, host) {
+            Ok(ram) => return Ok(ram),
+            Err(e) => log(&format!(
+                "migration from {peer} refused or failed before the switch: {e}; still waiting"
+            )),
+        }
+    }
+}
+
+/// One peer, from the handshake to the switch.
+fn session(
+    stream: std::net::TcpStream,
+    opts: &Options,
+    host: &mut dyn Host,
+) -> Result<Arc<PostCopyRam>, String> {
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    let params = opts.params(DESTINATION);
+    let Link {
+        mut reader,
+        mut writer,
+        ..
+    } = Link::handshake(stream, Role::Listener, Some(SOURCE), &params)
+        .map_err(|e| e.to_string())?;
+    reader
+        .limit_silence(opts.setup_limit)
+        .and_then(|()| writer.limit_stall(opts.setup_limit))
+        .map_err(|e| e.to_string())?;
+    let first = recv(&mut reader)?;
+    let config = recv_blob(&mut reader, Blob::Config, first)?;
+    if let Err(why) = host.check(&config) {
+        let _ = send(&mut writer, &Msg::Refused(why.clone()));
+        return Err(format!("refused the VM: {why}"));
+    }
+    send(&mut writer, &Msg::Ready).map_err(|e| e.to_string())?;
+    let first = recv(&mut reader)?;
+    let state = recv_blob(&mut reader, Blob::State, first)?;
+    let built = (|| {
+        let layout = RamLayout::new(host.prepare(&state)?)?;
+        let ram = PostCopyRam::new(layout, opts.clone())?;
+        host.build(&ram)?;
+        Ok::<_, String>(ram)
+    })();
+    let ram = match built {
+        Ok(r) => r,
+        Err(why) => {
+            let _ = send(&mut writer, &Msg::Failed(why.clone()));
+            return Err(format!("could not build the VM: {why}"));
+        }
+    };
+    send(&mut writer, &Msg::Built).map_err(|e| e.to_string())?;
+    let data_pages = match recv(&mut reader)? {
+        Msg::Switch { data_pages } => data_pages,
+        m => return Err(format!("expected the switch, got a {} message", m.name())),
+    };
+    ram.serve(reader, writer, data_pages)?;
+    Ok(ram)
+}
+
+/// What to do when the VM cannot go on: it lacks pages it will never get.
+pub type FailureHook = Box<dyn Fn(String) + Send + Sync>;
+
+/// Counters of the page traffic.
+#[derive(Debug, Default)]
+pub struct PostCopyStats {
+    /// Faults read from userfaultfd.
+    pub faults: AtomicU64,
+    /// Pages asked of the source.
+    pub asked: AtomicU64,
+    /// Pages the source sent that were installed here.
+    pub installed: AtomicU64,
+}
+
+/// Guest RAM filled from the migration's source: see the module comment.
+pub struct PostCopyRam {
+    mem: Memory,
+    layout: RamLayout,
+    opts: Options,
+    stats: PostCopyStats,
+    data_pages: AtomicU64,
+    /// `Done` came: every page is in.
+    held: AtomicBool,
+    /// The memory has left userfaultfd.
+    released: AtomicBool,
+    /// The VM no longer runs.
+    stopped: AtomicBool,
+    writer: OnceLock<Mutex<LinkWriter>>,
+    hook: OnceLock<FailureHook>,
+    early_failure: Mutex<Option<String>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for PostCopyRam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PostCopyRam({} bytes)", self.mem.len())
+    }
+}
+
+impl PostCopyRam {
+    /// Maps RAM for `layout`, every page absent.
+    pub fn new(layout: RamLayout, opts: Options) -> Result<Arc<PostCopyRam>, String> {
+        let mem = Memory::new(0, layout.bytes() as usize).map_err(|e| e.to_string())?;
+        Ok(Arc::new(PostCopyRam {
+            mem,
+            layout,
+            opts,
+            stats: PostCopyStats::default(),
+            data_pages: AtomicU64::new(0),
+            held: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+            writer: OnceLock::new(),
+            hook: OnceLock::new(),
+            early_failure: Mutex::new(None),
+            threads: Mutex::new(Vec::new()),
+        }))
+    }
+
+    pub fn host_addr(&self) -> *mut u8 {
+        self.mem.host_addr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.mem.is_empty()
+    }
+
+    pub fn layout(&self) -> &RamLayout {
+        &self.layout
+    }
+
+    pub fn stats(&self) -> &PostCopyStats {
+        &self.stats
+    }
+
+    /// Whether every page has arrived (the memory is then ordinary memory).
+    pub fn all_held(&self) -> bool {
+        self.held.load(Ordering::Acquire)
+    }
+
+    /// `{"faults", "asked", "installed", "data_pages", "all_held"}` for the run's metrics.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "faults": self.stats.faults.load(Ordering::Relaxed),
+            "asked": self.stats.asked.load(Ordering::Relaxed),
+            "installed": self.stats.installed.load(Ordering::Relaxed),
+            "data_pages": self.data_pages.load(Ordering::Relaxed),
+            "all_held": self.all_held(),
+        })
+    }
+
+    /// Called once with the reason when the VM cannot go on. A failure that came before is
+    /// handed over at once.
+    pub fn on_failure(&self, hook: FailureHook) {
+        let early = self
+            .early_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(why) = early {
+            hook(why);
+        }
+        let _ = self.hook.set(hook);
+    }
+
+    fn fail(&self, why: String) {
+        if self.stopped.load(Ordering::Acquire) {
+            return;
+        }
+        match self.hook.get() {
+            Some(hook) => hook(why),
+            None => *self.early_failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(why),
+        }
+    }
+
+    fn missing(&self) -> u64 {
+        self.data_pages
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.stats.installed.load(Ordering::Relaxed))
+    }
+
+    fn send(&self, m: &Envelope) -> Result<(), String> {
+        match self.writer.get() {
+            Some(w) => w
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .send(m)
+                .map_err(|e| e.to_string()),
+            None => Err("no link".into()),
+        }
+    }
+
+    fn unregister(&self) {
+        if !self.released.swap(true, Ordering::AcqRel) {
+            if let Err(e) = self.mem.release() {
+                tracing::warn!("taking migrated guest RAM out of userfaultfd: {e}");
+            }
+        }
+    }
+
+    /// Starts the threads that bring the pages in over the link.
+    fn serve(
+        self: &Arc<Self>,
+        mut reader: LinkReader,
+        writer: LinkWriter,
+        data_pages: u64,
+    ) -> Result<(), String> {
+        self.data_pages.store(data_pages, Ordering::Relaxed);
+        reader
+            .limit_silence(self.opts.silence)
+            .and_then(|()| writer.limit_stall(self.opts.silence))
+            .map_err(|e| e.to_string())?;
+        let _ = self.writer.set(Mutex::new(writer));
+        let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        let me = self.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name("migration-faults".into())
+                .spawn(move || me.serve_faults())
+                .map_err(|e| e.to_string())?,
+        );
+        let me = self.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name("migration-pages".into())
+                .spawn(move || me.take_pages(reader))
+                .map_err(|e| e.to_string())?,
+        );
+        Ok(())
+    }
+
+    /// Asks the source for each faulting page, once; proves this side lives meanwhile.
+    fn serve_faults(&self) {
+        let mut asked = vec![false; self.layout.pages() as usize];
+        let mut beat = 0u64;
+        let mut last = Instant::now();
+        while !self.held.load(Ordering::Acquire) && !self.stopped.load(Ordering::Acquire) {
+            match self.mem.next_fault(Some(Duration::from_millis(100))) {
+                Ok(Some(f)) => {
+                    self.stats.faults.fetch_add(1, Ordering::Relaxed);
+                    let Some(a) = asked.get_mut(f.page as usize) else {
+                        continue;
+                    };
+                    if !*a {
+                        *a = true;
+                        self.stats.asked.fetch_add(1, Ordering::Relaxed);
+                        if let Err(e) = self.send(&Envelope::Migration(Msg::Want(f.page).encode()))
+                        {
+                            return self.lost(e);
+                        }
+                        last = Instant::now();
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => return self.fail(format!("migrated guest RAM: {e}")),
+            }
+            if last.elapsed() >= self.opts.heartbeat {
+                beat += 1;
+                if let Err(e) = self.send(&Envelope::Heartbeat { seq: beat }) {
+                    return self.lost(e);
+                }
+                last = Instant::now();
+            }
+        }
+    }
+
+    fn lost(&self, why: String) {
+        if self.held.load(Ordering::Acquire) {
+            return;
+        }
+        self.fail(format!(
+            "the migration's source was lost before every page came ({why}): {} pages never \
+             arrived, so the VM cannot go on",
+            self.missing()
+        ));
+    }
+
+    /// Installs every page the source sends until it has sent them all.
+    fn take_pages(&self, mut reader: LinkReader) {
+        loop {
+            let m = match recv(&mut reader) {
+                Ok(m) => m,
+                Err(e) => return self.lost(e),
+            };
+            if self.stopped.load(Ordering::Acquire) {
+                return;
+            }
+            match m {
+                Msg::Page { page, data } => {
+                    let data: &[u8; PAGE_SIZE] = &data;
+                    match self.mem.install(page, data, true) {
+                        Ok(true) => {
+                            self.stats.installed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(false) => {}
+                        Err(e) => return self.fail(format!("migrated guest RAM: {e}")),
+                    }
+                    if let Err(e) = self.mem.wake(page) {
+                        return self.fail(format!("migrated guest RAM: {e}"));
+                    }
+                }
+                Msg::Done { .. } => {
+                    // Every page with data is in; the others are zeros, as absent anonymous
+                    // memory reads once out of userfaultfd.
+                    self.unregister();
+                    self.held.store(true, Ordering::Release);
+                    if let Err(e) = self.send(&Envelope::Migration(Msg::AllHeld.encode())) {
+                        tracing::warn!("telling the migration's source all pages came: {e}");
+                    }
+                    return;
+                }
+                m => return self.lost(format!("unexpected {} message", m.name())),
+            }
+        }
+    }
+
+    /// Once no guest code runs any more: tells the source (if pages were still coming) that
+    /// the VM has ended, takes the memory out of userfaultfd and stops the threads.
+    pub fn release(&self) {
+        self.stopped.store(true, Ordering::Release);
+        if !self.all_held() && self.writer.get().is_some() {
+            let _ = self.send(&Envelope::Migration(Msg::Ended.encode()));
+        }
+        self.unregister();
+        if let Some(w) = self.writer.get() {
+            w.lock().unwrap_or_else(|e| e.into_inner()).shutdown();
+        }
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for PostCopyRam {
+    fn drop(&mut self) {
+        self.stopped.store(true, Ordering::Release);
+        self.unregister();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::{migrate, SourceError, SourceVm};
+    use std::sync::atomic::AtomicUsize;
+
+    const RANGES: [(u64, u64); 2] = [(0, 64 * 4096), (0x100000, 32 * 4096)];
+
+    /// A paused-or-running VM of 96 pages, every third page holding data.
+    struct FakeVm {
+        ram: Vec<u8>,
+        captured: AtomicBool,
+        resumed: AtomicUsize,
+        /// The VM ends here (a signal) as soon as it is captured.
+        end_on_capture: bool,
+    }
+
+    impl FakeVm {
+        fn new() -> FakeVm {
+            let mut ram = vec![0u8; 96 * 4096];
+            for p in (0..96).step_by(3) {
+                ram[p * 4096..(p + 1) * 4096].fill(p as u8 + 1);
+            }
+            FakeVm {
+                ram,
+                captured: AtomicBool::new(false),
+                resumed: AtomicUsize::new(0),
+                end_on_capture: false,
+            }
+        }
+        fn offset(gpa: u64) -> usize {
+            RamLayout::new(RANGES.to_vec())
+                .unwrap()
+                .page_of(gpa)
+                .unwrap() as usize
+                * 4096
+        }
+    }
+
+    impl SourceVm for FakeVm {
+        fn config(&self) -> Vec<u8> {
+            b"the config".to_vec()
+        }
+        fn capture(&self) -> Result<Vec<u8>, String> {
+            self.captured.store(true, Ordering::SeqCst);
+            Ok(vec![b's'; 40_000])
+        }
+        fn resume(&self) -> Result<(), String> {
+            self.resumed.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        fn ram_ranges(&self) -> Vec<(u64, u64)> {
+            RANGES.to_vec()
+        }
+        fn pages_with_data(&self) -> Result<Vec<u64>, String> {
+            let l = RamLayout::new(RANGES.to_vec()).unwrap();
+            Ok((0..96).step_by(3).map(|p| l.gpa_of(p).unwrap()).collect())
+        }
+        fn read_page(&self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), String> {
+            let o = Self::offset(gpa);
+            buf.copy_from_slice(&self.ram[o..o + 4096]);
+            Ok(())
+        }
+        fn has_ended(&self) -> bool {
+            self.end_on_capture && self.captured.load(Ordering::SeqCst)
+        }
+    }
+
+    #[derive(Default)]
+    struct FakeHost {
+        refuse: Option<String>,
+        state_len: usize,
+    }
+
+    impl Host for FakeHost {
+        fn check(&mut self, config: &[u8]) -> Result<(), String> {
+            assert_eq!(config, b"the config");
+            self.refuse.clone().map_or(Ok(()), Err)
+        }
+        fn prepare(&mut self, state: &[u8]) -> Result<Vec<(u64, u64)>, String> {
+            self.state_len = state.len();
+            Ok(RANGES.to_vec())
+        }
+        fn build(&mut self, _ram: &Arc<PostCopyRam>) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    fn opts(secret: &[u8]) -> Options {
+        let mut o = Options::new(secret.to_vec());
+        o.heartbeat = Duration::from_millis(100);
+        o
+    }
+
+    /// Runs the destination on its own thread until it has a VM or has logged `refusals`
+    /// refusals; returns what it logged and the RAM if one came.
+    fn destination(
+        listener: TcpListener,
+        secret: &'static [u8],
+        host: FakeHost,
+        refusals: usize,
+    ) -> std::thread::JoinHandle<(Vec<String>, Option<Arc<PostCopyRam>>, FakeHost)> {
+        std::thread::spawn(move || {
+            let mut host = host;
+            let logs = Arc::new(Mutex::new(Vec::new()));
+            let seen = logs.clone();
+            let mut stop =
+                move || (seen.lock().unwrap().len() >= refusals).then(|| "enough".to_string());
+            let l2 = logs.clone();
+            let mut log = move |m: &str| l2.lock().unwrap().push(m.to_string());
+            let r = receive(&listener, &opts(secret), &mut host, &mut stop, &mut log);
+            let logs = logs.lock().unwrap().clone();
+            (logs, r.ok(), host)
+        })
+    }
+
+    fn listener() -> (TcpListener, String) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap().to_string();
+        (l, a)
+    }
+
+    #[test]
+    fn a_vm_moves_and_every_page_follows_asked_for_or_pushed() {
+        let (l, addr) = listener();
+        let dest = destination(l, b"0123456789abcdef", FakeHost::default(), usize::MAX);
+        let vm = Arc::new(FakeVm::new());
+        let src = {
+            let vm = vm.clone();
+            std::thread::spawn(move || migrate(&*vm, &addr, &opts(b"0123456789abcdef")))
+        };
+        let (logs, ram, host) = dest.join().unwrap();
+        let ram = ram.unwrap_or_else(|| panic!("no VM came: {logs:?}"));
+        assert_eq!(host.state_len, 40_000);
+        // Touch every page as a guest would: data pages and zero pages alike.
+        for p in (0..96).rev() {
+            // SAFETY: reads inside the mapping, served by the fault thread.
+            let b = unsafe { *ram.host_addr().add(p * 4096 + 17) };
+            let want = if p % 3 == 0 { p as u8 + 1 } else { 0 };
+            assert_eq!(b, want, "page {p}");
+        }
+        let report = src.join().unwrap().unwrap();
+        assert!(vm.captured.load(Ordering::SeqCst));
+        assert_eq!(vm.resumed.load(Ordering::SeqCst), 0);
+        assert_eq!(report.data_pages, 32);
+        assert!(report.pages_asked + report.pages_pushed >= 32, "{report:?}");
+        assert!(!report.ended_there);
+        assert!(ram.all_held());
+        ram.release();
+    }
+
+    #[test]
+    fn a_wrong_secret_is_refused_before_anything_is_paused() {
+        let (l, addr) = listener();
+        let dest = destination(l, b"0123456789abcdef", FakeHost::default(), 1);
+        let vm = FakeVm::new();
+        let e = migrate(&vm, &addr, &opts(b"fedcba9876543210")).unwrap_err();
+        assert!(matches!(e, SourceError::Before(_)), "{e}");
+        assert!(e.to_string().contains("authentication"), "{e}");
+        assert!(!vm.captured.load(Ordering::SeqCst));
+        let (logs, ram, _) = dest.join().unwrap();
+        assert!(ram.is_none());
+        assert!(logs[0].contains("authentication"), "{logs:?}");
+    }
+
+    #[test]
+    fn a_vm_the_destination_cannot_host_is_refused_with_its_reason() {
+        let (l, addr) = listener();
+        let host = FakeHost {
+            refuse: Some("--disk /gone: no such file".into()),
+            ..FakeHost::default()
+        };
+        let dest = destination(l, b"0123456789abcdef", host, 1);
+        let vm = FakeVm::new();
+        let e = migrate(&vm, &addr, &opts(b"0123456789abcdef")).unwrap_err();
+        assert!(e.to_string().contains("/gone: no such file"), "{e}");
+        assert!(e.to_string().contains("runs on here"), "{e}");
+        assert!(!vm.captured.load(Ordering::SeqCst));
+        dest.join().unwrap();
+    }
+
+    #[test]
+    fn nobody_listening_is_named() {
+        let (l, addr) = listener();
+        drop(l);
+        let vm = FakeVm::new();
+        let e = migrate(&vm, &addr, &opts(b"0123456789abcdef")).unwrap_err();
+        assert!(e.to_string().contains(&addr), "{e}");
+        assert!(!vm.captured.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_source_lost_after_the_switch_ends_the_vm_on_both_sides_counting_the_pages() {
+        let (l, addr) = listener();
+        let dest = destination(l, b"0123456789abcdef", FakeHost::default(), usize::MAX);
+        let vm = Arc::new(FakeVm {
+            end_on_capture: true,
+            ..FakeVm::new()
+        });
+        let src = {
+            let vm = vm.clone();
+            std::thread::spawn(move || migrate(&*vm, &addr, &opts(b"0123456789abcdef")))
+        };
+        let e = src.join().unwrap().unwrap_err();
+        assert!(matches!(e, SourceError::After(_)), "{e}");
+        assert!(e.to_string().contains("32 of 32 pages"), "{e}");
+        let (logs, ram, _) = dest.join().unwrap();
+        let ram = ram.unwrap_or_else(|| panic!("no VM came: {logs:?}"));
+        let (tx, rx) = std::sync::mpsc::channel();
+        ram.on_failure(Box::new(move |why| {
+            let _ = tx.send(why);
+        }));
+        let why = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        assert!(why.contains("32 pages never arrived"), "{why}");
+        assert!(!ram.all_held());
+        ram.release();
+    }
+}

@@ -1,0 +1,211 @@
+//! Live migration of a running VM from one Musubi process to another, post-copy, as issue 24
+//! describes: the coherence protocol run the other way round. The source pauses the VM and
+//! sends its configuration and its vCPU and device state; the destination builds it on guest
+//! RAM whose every page is absent and starts it at once; pages then follow, each asked for
+//! by the destination's first fault on it and pushed by the source meanwhile, until the
+//! destination holds them all and the source ends its VM.
+//!
+//! - [`protocol`]: the messages and the page numbering both ends share.
+//! - [`source`]: the sending side, over a [`source::SourceVm`].
+//! - [`destination`]: the receiving side: waiting for a VM, having a [`destination::Host`]
+//!   build it, and [`destination::PostCopyRam`], the guest RAM that serves its faults from
+//!   the source.
+//!
+//! Both ends talk over one `dsm_host::Link` (shared-secret handshake, MAC'd frames) carrying
+//! [`protocol::Msg`] in `Envelope::Migration`; neither side compares VM configurations in
+//! the handshake (the destination checks the configuration itself), so the handshake's
+//! configuration hash is a constant.
+
+pub mod destination;
+pub mod protocol;
+pub mod source;
+
+use dsm::NodeId;
+use dsm_host::link::{LinkReader, LinkWriter};
+use dsm_host::{Envelope, LinkError, LinkParams};
+use protocol::{Blob, Msg};
+use std::path::Path;
+use std::time::Duration;
+
+/// The source's node id on the link.
+pub const SOURCE: NodeId = NodeId(0);
+/// The destination's node id on the link.
+pub const DESTINATION: NodeId = NodeId(1);
+/// What both ends put in the handshake's configuration hash.
+const LINK_CONFIG: &[u8] = b"musubi-migration";
+/// Largest configuration or state document accepted.
+const MAX_DOCUMENT: usize = 64 << 20;
+/// Shortest secret accepted, as for the nodes of a cluster.
+pub const MIN_SECRET: usize = 16;
+
+/// How a migration's link is authenticated and bounded.
+#[derive(Clone)]
+pub struct Options {
+    pub secret: Vec<u8>,
+    /// Longest silence of the peer (not even a heartbeat) after the switch before it counts
+    /// as lost.
+    pub silence: Duration,
+    /// How often a side with nothing else to send proves it lives, after the switch.
+    pub heartbeat: Duration,
+    /// Bound on connecting, on the handshake and on each answer before the switch (building
+    /// the VM on the destination is one).
+    pub setup_limit: Duration,
+}
+
+impl Options {
+    pub fn new(secret: Vec<u8>) -> Options {
+        Options {
+            secret,
+            silence: Duration::from_secs(10),
+            heartbeat: Duration::from_secs(1),
+            setup_limit: Duration::from_secs(30),
+        }
+    }
+
+    fn params(&self, me: NodeId) -> LinkParams {
+        LinkParams {
+            me,
+            secret: self.secret.clone(),
+            config_hash: dsm_host::config_hash(LINK_CONFIG),
+            config_parts: Vec::new(),
+            timeout: self.setup_limit,
+        }
+    }
+}
+
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options")
+            .field("secret", &"<redacted>")
+            .field("silence", &self.silence)
+            .field("heartbeat", &self.heartbeat)
+            .field("setup_limit", &self.setup_limit)
+            .finish()
+    }
+}
+
+/// `HOST:PORT` of a `tcp:HOST:PORT` migration URL, or why it is not one.
+pub fn parse_url(url: &str) -> Result<&str, String> {
+    match url.strip_prefix("tcp:") {
+        Some(rest)
+            if rest
+                .rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()) =>
+        {
+            Ok(rest)
+        }
+        _ => Err(format!(
+            "migration URL {url:?}: expected tcp:HOST:PORT (e.g. tcp:192.0.2.7:6000)"
+        )),
+    }
+}
+
+/// The shared secret in `path`: at least [`MIN_SECRET`] bytes, in a file only its owner may
+/// read or write.
+pub fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let at = |e: String| format!("--secret-file {}: {e}", path.display());
+    let meta = std::fs::metadata(path).map_err(|e| at(e.to_string()))?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(at(format!(
+            "mode {mode:04o} lets others read or change the secret; make it 0600 (chmod 600)"
+        )));
+    }
+    let secret = std::fs::read(path).map_err(|e| at(e.to_string()))?;
+    if secret.len() < MIN_SECRET {
+        return Err(at(format!(
+            "{} bytes; a secret needs at least {MIN_SECRET}",
+            secret.len()
+        )));
+    }
+    Ok(secret)
+}
+
+pub(crate) fn send(w: &mut LinkWriter, m: &Msg) -> Result<(), LinkError> {
+    w.send(&Envelope::Migration(m.encode()))
+}
+
+/// The next migration message; heartbeats are skipped, anything else is an error.
+pub(crate) fn recv(r: &mut LinkReader) -> Result<Msg, String> {
+    loop {
+        match r.recv().map_err(|e| e.to_string())? {
+            Envelope::Migration(b) => return Msg::decode(&b).map_err(|e| e.to_string()),
+            Envelope::Heartbeat { .. } => continue,
+            e => return Err(format!("unexpected {} frame on a migration link", e.name())),
+        }
+    }
+}
+
+pub(crate) fn send_blob(w: &mut LinkWriter, what: Blob, bytes: &[u8]) -> Result<(), LinkError> {
+    for part in bytes.chunks(protocol::PART_BYTES) {
+        send(w, &Msg::Part(what, part.to_vec()))?;
+    }
+    send(w, &Msg::End(what))
+}
+
+/// A document sent in parts; `first` is a message already read.
+pub(crate) fn recv_blob(r: &mut LinkReader, what: Blob, first: Msg) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    let mut m = first;
+    loop {
+        match m {
+            Msg::Part(b, bytes) if b == what => {
+                if out.len() + bytes.len() > MAX_DOCUMENT {
+                    return Err(format!(
+                        "{what:?} document longer than {MAX_DOCUMENT} bytes"
+                    ));
+                }
+                out.extend_from_slice(&bytes);
+            }
+            Msg::End(b) if b == what => return Ok(out),
+            other => {
+                return Err(format!(
+                    "expected the {what:?} document, got a {} message",
+                    other.name()
+                ))
+            }
+        }
+        m = recv(r)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn urls_are_tcp_host_port() {
+        assert_eq!(parse_url("tcp:127.0.0.1:4000").unwrap(), "127.0.0.1:4000");
+        assert_eq!(parse_url("tcp:[::1]:4000").unwrap(), "[::1]:4000");
+        for bad in [
+            "127.0.0.1:4000",
+            "tcp:host",
+            "tcp::4000",
+            "tcp:h:99999",
+            "unix:/x",
+        ] {
+            assert!(
+                parse_url(bad).unwrap_err().contains("tcp:HOST:PORT"),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn secrets_must_be_private_and_long_enough() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("secret");
+        std::fs::write(&p, [7u8; 32]).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(read_secret(&p).unwrap_err().contains("chmod 600"));
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_secret(&p).unwrap(), [7u8; 32]);
+        std::fs::write(&p, b"short").unwrap();
+        assert!(read_secret(&p).unwrap_err().contains("at least 16"));
+        assert!(read_secret(&dir.path().join("none"))
+            .unwrap_err()
+            .contains("none"));
+    }
+}

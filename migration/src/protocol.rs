@@ -1,0 +1,356 @@
+//! The messages of a migration, carried as the bytes of `Envelope::Migration` on an
+//! authenticated link, and the numbering of guest pages both ends share.
+//!
+//! Source (S) and destination (D), in order:
+//! - S: `Part(Config, ..)`* `End(Config)`; D: `Ready` or `Refused(why)`.
+//! - S pauses the VM; S: `Part(State, ..)`* `End(State)`; D builds the VM on absent RAM:
+//!   `Built` or `Failed(why)`. Until here the source's VM can go on (S resumes it).
+//! - S: `Switch { data_pages }`, the point of no return: D starts the VM. From here on D
+//!   sends `Want(page)` for each page a fault needs (once) and S sends `Page` for those
+//!   first and for every page that may hold data meanwhile, each once, then `Done`.
+//! - D, once `Done` came (every page with data is in; every other page is zeros):
+//!   `AllHeld`, and S ends its VM as migrated. D sends `Ended` instead if its VM ended
+//!   before, which ends the source's VM as migrated too.
+//!
+//! Pages are numbered by their offset in guest RAM's ranges laid one after the other
+//! ([`RamLayout`]), which is also how the destination maps them.
+
+use dsm::PAGE_SIZE;
+
+/// The two documents sent in parts before the switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Blob {
+    /// The VM's configuration (JSON).
+    Config,
+    /// The vCPU, interrupt controller, clock and device state of the paused VM (JSON).
+    State,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Msg {
+    Part(Blob, Vec<u8>),
+    End(Blob),
+    Ready,
+    Refused(String),
+    Built,
+    Failed(String),
+    Switch {
+        data_pages: u64,
+    },
+    Want(u64),
+    Page {
+        page: u64,
+        data: Box<[u8; PAGE_SIZE]>,
+    },
+    Done {
+        pushed: u64,
+    },
+    AllHeld,
+    Ended,
+}
+
+/// Most bytes of a document one `Part` carries.
+pub const PART_BYTES: usize = 12 * 1024;
+/// Longest reason a `Refused` or `Failed` carries; longer ones are cut.
+const MAX_REASON: usize = 4096;
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("malformed migration message (tag {tag:#04x}, {len} bytes): {why}")]
+pub struct MsgError {
+    pub tag: u8,
+    pub len: usize,
+    pub why: &'static str,
+}
+
+const T_PART: u8 = 1;
+const T_END: u8 = 2;
+const T_READY: u8 = 3;
+const T_REFUSED: u8 = 4;
+const T_BUILT: u8 = 5;
+const T_FAILED: u8 = 6;
+const T_SWITCH: u8 = 7;
+const T_WANT: u8 = 8;
+const T_PAGE: u8 = 9;
+const T_DONE: u8 = 10;
+const T_ALL_HELD: u8 = 11;
+const T_ENDED: u8 = 12;
+
+fn blob_byte(b: Blob) -> u8 {
+    match b {
+        Blob::Config => 0,
+        Blob::State => 1,
+    }
+}
+
+fn cut(s: &str) -> &[u8] {
+    let mut n = s.len().min(MAX_REASON);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    &s.as_bytes()[..n]
+}
+
+impl Msg {
+    /// Short name for errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Msg::Part(..) => "part",
+            Msg::End(_) => "end",
+            Msg::Ready => "ready",
+            Msg::Refused(_) => "refused",
+            Msg::Built => "built",
+            Msg::Failed(_) => "failed",
+            Msg::Switch { .. } => "switch",
+            Msg::Want(_) => "want",
+            Msg::Page { .. } => "page",
+            Msg::Done { .. } => "done",
+            Msg::AllHeld => "all-held",
+            Msg::Ended => "ended",
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        match self {
+            Msg::Part(b, bytes) => {
+                out.push(T_PART);
+                out.push(blob_byte(*b));
+                out.extend_from_slice(&bytes[..bytes.len().min(PART_BYTES)]);
+            }
+            Msg::End(b) => {
+                out.push(T_END);
+                out.push(blob_byte(*b));
+            }
+            Msg::Ready => out.push(T_READY),
+            Msg::Refused(why) => {
+                out.push(T_REFUSED);
+                out.extend_from_slice(cut(why));
+            }
+            Msg::Built => out.push(T_BUILT),
+            Msg::Failed(why) => {
+                out.push(T_FAILED);
+                out.extend_from_slice(cut(why));
+            }
+            Msg::Switch { data_pages } => {
+                out.push(T_SWITCH);
+                out.extend_from_slice(&data_pages.to_le_bytes());
+            }
+            Msg::Want(page) => {
+                out.push(T_WANT);
+                out.extend_from_slice(&page.to_le_bytes());
+            }
+            Msg::Page { page, data } => {
+                out.push(T_PAGE);
+                out.extend_from_slice(&page.to_le_bytes());
+                out.extend_from_slice(&data[..]);
+            }
+            Msg::Done { pushed } => {
+                out.push(T_DONE);
+                out.extend_from_slice(&pushed.to_le_bytes());
+            }
+            Msg::AllHeld => out.push(T_ALL_HELD),
+            Msg::Ended => out.push(T_ENDED),
+        }
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Msg, MsgError> {
+        let Some((&tag, rest)) = bytes.split_first() else {
+            return Err(MsgError {
+                tag: 0,
+                len: 0,
+                why: "empty",
+            });
+        };
+        let err = |why| MsgError {
+            tag,
+            len: bytes.len(),
+            why,
+        };
+        let exact = |n: usize| {
+            if rest.len() == n {
+                Ok(rest)
+            } else {
+                Err(err("wrong length"))
+            }
+        };
+        let u64_of = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+        let blob = |b: u8| match b {
+            0 => Ok(Blob::Config),
+            1 => Ok(Blob::State),
+            _ => Err(err("unknown document")),
+        };
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        Ok(match tag {
+            T_PART => {
+                let (&b, data) = rest.split_first().ok_or(err("no document byte"))?;
+                if data.len() > PART_BYTES {
+                    return Err(err("part longer than PART_BYTES"));
+                }
+                Msg::Part(blob(b)?, data.to_vec())
+            }
+            T_END => Msg::End(blob(exact(1)?[0])?),
+            T_READY => exact(0).map(|_| Msg::Ready)?,
+            T_REFUSED => Msg::Refused(text(rest)),
+            T_BUILT => exact(0).map(|_| Msg::Built)?,
+            T_FAILED => Msg::Failed(text(rest)),
+            T_SWITCH => Msg::Switch {
+                data_pages: u64_of(exact(8)?),
+            },
+            T_WANT => Msg::Want(u64_of(exact(8)?)),
+            T_PAGE => {
+                let b = exact(8 + PAGE_SIZE)?;
+                let mut data = Box::new([0u8; PAGE_SIZE]);
+                data.copy_from_slice(&b[8..]);
+                Msg::Page {
+                    page: u64_of(b),
+                    data,
+                }
+            }
+            T_DONE => Msg::Done {
+                pushed: u64_of(exact(8)?),
+            },
+            T_ALL_HELD => exact(0).map(|_| Msg::AllHeld)?,
+            T_ENDED => exact(0).map(|_| Msg::Ended)?,
+            _ => return Err(err("unknown tag")),
+        })
+    }
+}
+
+/// Guest RAM's ranges (guest-physical start, length), laid one after the other: how pages
+/// are numbered on the wire and placed in the destination's mapping.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RamLayout {
+    ranges: Vec<(u64, u64)>,
+}
+
+impl RamLayout {
+    /// Refuses ranges that are not page-aligned or that overlap.
+    pub fn new(ranges: Vec<(u64, u64)>) -> Result<RamLayout, String> {
+        let page = PAGE_SIZE as u64;
+        for &(gpa, len) in &ranges {
+            if !gpa.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
+                return Err(format!("RAM range {gpa:#x}+{len:#x} is not whole pages"));
+            }
+            gpa.checked_add(len)
+                .ok_or(format!("RAM range {gpa:#x}+{len:#x} wraps"))?;
+        }
+        let mut sorted = ranges.clone();
+        sorted.sort();
+        if sorted.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+            return Err("RAM ranges overlap".into());
+        }
+        Ok(RamLayout { ranges })
+    }
+
+    /// Bytes of RAM in all.
+    pub fn bytes(&self) -> u64 {
+        self.ranges.iter().map(|r| r.1).sum()
+    }
+
+    pub fn pages(&self) -> u64 {
+        self.bytes() / PAGE_SIZE as u64
+    }
+
+    /// The wire number of the page holding `gpa`.
+    pub fn page_of(&self, gpa: u64) -> Option<u64> {
+        let mut at = 0;
+        for &(start, len) in &self.ranges {
+            if gpa >= start && gpa < start + len {
+                return Some((at + gpa - start) / PAGE_SIZE as u64);
+            }
+            at += len;
+        }
+        None
+    }
+
+    /// The guest-physical address of wire page `page`.
+    pub fn gpa_of(&self, page: u64) -> Option<u64> {
+        let mut off = page.checked_mul(PAGE_SIZE as u64)?;
+        for &(start, len) in &self.ranges {
+            if off < len {
+                return Some(start + off);
+            }
+            off -= len;
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Msg> {
+        let mut data = Box::new([0u8; PAGE_SIZE]);
+        data[7] = 9;
+        vec![
+            Msg::Part(Blob::Config, b"{}".to_vec()),
+            Msg::Part(Blob::State, vec![1; PART_BYTES]),
+            Msg::End(Blob::State),
+            Msg::Ready,
+            Msg::Refused("no disk".into()),
+            Msg::Built,
+            Msg::Failed("KVM said no".into()),
+            Msg::Switch { data_pages: 77 },
+            Msg::Want(u64::MAX),
+            Msg::Page { page: 3, data },
+            Msg::Done { pushed: 5 },
+            Msg::AllHeld,
+            Msg::Ended,
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips_and_fits_an_envelope() {
+        for m in all() {
+            let b = m.encode();
+            assert!(b.len() <= dsm_host::MAX_MIGRATION_BYTES, "{}", m.name());
+            assert_eq!(Msg::decode(&b).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn wrong_lengths_and_tags_are_refused() {
+        for m in all() {
+            let b = m.encode();
+            let fixed = !matches!(m, Msg::Part(..) | Msg::Refused(_) | Msg::Failed(_));
+            if fixed {
+                assert!(Msg::decode(&b[..b.len() - 1]).is_err(), "{} cut", m.name());
+                let mut long = b.clone();
+                long.push(0);
+                assert!(Msg::decode(&long).is_err(), "{} long", m.name());
+            }
+        }
+        assert!(Msg::decode(&[]).is_err());
+        assert!(Msg::decode(&[99]).is_err());
+        assert!(Msg::decode(&[T_END, 7]).is_err());
+        assert!(Msg::decode(&[T_PART]).is_err());
+    }
+
+    #[test]
+    fn long_reasons_are_cut_on_a_character_boundary() {
+        let why = "é".repeat(MAX_REASON);
+        match Msg::decode(&Msg::Refused(why).encode()).unwrap() {
+            Msg::Refused(s) => assert!(s.len() <= MAX_REASON && s.chars().all(|c| c == 'é')),
+            m => panic!("{m:?}"),
+        }
+    }
+
+    #[test]
+    fn pages_are_numbered_over_the_ranges_laid_end_to_end() {
+        let l = RamLayout::new(vec![(0, 0x10000), (0x100000, 0x2000)]).unwrap();
+        assert_eq!(l.pages(), 18);
+        assert_eq!(l.page_of(0x1fff), Some(1));
+        assert_eq!(l.page_of(0x100000), Some(16));
+        assert_eq!(l.page_of(0x101fff), Some(17));
+        assert_eq!(l.page_of(0x20000), None);
+        assert_eq!(l.gpa_of(16), Some(0x100000));
+        assert_eq!(l.gpa_of(18), None);
+        for p in 0..l.pages() {
+            assert_eq!(l.page_of(l.gpa_of(p).unwrap()), Some(p));
+        }
+        assert!(RamLayout::new(vec![(0, 0x2000), (0x1000, 0x1000)]).is_err());
+        assert!(RamLayout::new(vec![(0x10, 0x1000)]).is_err());
+    }
+}

@@ -1,0 +1,283 @@
+//! The sending side: connects, proves the secret, has the destination accept the
+//! configuration, pauses the VM and sends its state, and after the switch serves the pages
+//! the destination asks for while it pushes every page that may hold data.
+//!
+//! Up to the switch the VM can go on here: every failure resumes it (if it was paused) and
+//! is returned as [`SourceError::Before`]. After the switch the VM runs on the destination
+//! and needs the pages still here, so a lost link is [`SourceError::After`]: the caller
+//! ends its VM with that message.
+
+use crate::protocol::{Blob, Msg, RamLayout};
+use crate::{recv, send, send_blob, Options, DESTINATION, SOURCE};
+use dsm::PAGE_SIZE;
+use dsm_host::link::{LinkReader, LinkWriter};
+use dsm_host::{Envelope, Link, Role};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::mpsc;
+use std::time::Instant;
+
+/// The VM being sent, as the source sees it.
+pub trait SourceVm: Send + Sync {
+    /// The configuration the destination builds the VM from (JSON).
+    fn config(&self) -> Vec<u8>;
+    /// Pauses the VM (if it runs) and returns its vCPU and device state (JSON).
+    fn capture(&self) -> Result<Vec<u8>, String>;
+    /// Lets a VM paused by [`SourceVm::capture`] go on.
+    fn resume(&self) -> Result<(), String>;
+    /// Guest RAM's ranges (guest-physical start, length).
+    fn ram_ranges(&self) -> Vec<(u64, u64)>;
+    /// Guest-physical addresses of every page that may hold data; all others are zeros.
+    fn pages_with_data(&self) -> Result<Vec<u64>, String>;
+    fn read_page(&self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), String>;
+    /// Whether the VM has ended here (a signal, a timeout): nothing more can be sent.
+    fn has_ended(&self) -> bool;
+}
+
+/// What a migration that succeeded did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourceReport {
+    /// The destination, as given.
+    pub to: String,
+    /// Pages that may hold data when the VM was paused.
+    pub data_pages: u64,
+    /// Pages sent because the destination asked for them.
+    pub pages_asked: u64,
+    /// Pages sent by the background push.
+    pub pages_pushed: u64,
+    /// The VM ended on the destination before it held every page (no page is needed then).
+    pub ended_there: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    /// The VM did not move and runs on here.
+    #[error("{0}; the VM runs on here")]
+    Before(String),
+    /// The VM moved but pages it needs are still here and can no longer be sent: it is lost.
+    #[error("{0}")]
+    After(String),
+}
+
+/// Moves `vm` to the destination listening at `to` (`HOST:PORT`).
+pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceReport, SourceError> {
+    let before = SourceError::Before;
+    let addr = to
+        .to_socket_addrs()
+        .map_err(|e| before(format!("migration destination {to}: {e}")))?
+        .next()
+        .ok_or_else(|| before(format!("migration destination {to}: no address")))?;
+    let stream = TcpStream::connect_timeout(&addr, opts.setup_limit).map_err(|e| {
+        before(format!(
+            "cannot connect to the migration destination {to}: {e}"
+        ))
+    })?;
+    let link = Link::handshake(
+        stream,
+        Role::Dialer,
+        Some(DESTINATION),
+        &opts.params(SOURCE),
+    )
+    .map_err(|e| before(format!("migration destination {to}: {e}")))?;
+    let Link {
+        mut reader,
+        mut writer,
+        ..
+    } = link;
+    let setup = |e: String| before(format!("migration to {to}: {e}"));
+    reader
+        .limit_silence(opts.setup_limit)
+        .and_then(|()| writer.limit_stall(opts.setup_limit))
+        .map_err(|e| setup(e.to_string()))?;
+
+    send_blob(&mut writer, Blob::Config, &vm.config()).map_err(|e| setup(e.to_string()))?;
+    match recv(&mut reader).map_err(setup)? {
+        Msg::Ready => {}
+        Msg::Refused(why) => return Err(setup(format!("the destination refused the VM: {why}"))),
+        m => return Err(setup(format!("unexpected {} message", m.name()))),
+    }
+
+    // From here the VM is paused; every way out before the switch resumes it.
+    let state = match vm.capture() {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = vm.resume();
+            return Err(setup(format!("pausing the VM and reading its state: {e}")));
+        }
+    };
+    let prepared = (|| {
+        send_blob(&mut writer, Blob::State, &state).map_err(|e| e.to_string())?;
+        match recv(&mut reader)? {
+            Msg::Built => {}
+            Msg::Failed(why) => {
+                return Err(format!("the destination could not build the VM: {why}"))
+            }
+            m => return Err(format!("unexpected {} message", m.name())),
+        }
+        let layout = RamLayout::new(vm.ram_ranges())?;
+        let mut data: Vec<u64> = vm
+            .pages_with_data()?
+            .into_iter()
+            .filter_map(|gpa| layout.page_of(gpa))
+            .collect();
+        data.sort_unstable();
+        data.dedup();
+        send(
+            &mut writer,
+            &Msg::Switch {
+                data_pages: data.len() as u64,
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        Ok((layout, data))
+    })();
+    let (layout, data) = match prepared {
+        Ok(p) => p,
+        Err(e) => {
+            if let Err(r) = vm.resume() {
+                tracing::warn!("resuming the VM after a failed migration: {r}");
+            }
+            return Err(setup(e));
+        }
+    };
+
+    // The switch: the VM runs on the destination now.
+    let r = after_switch(vm, to, opts, &mut writer, reader, &layout, &data);
+    writer.shutdown();
+    r
+}
+
+/// Serves and pushes pages until the destination holds them all.
+fn after_switch(
+    vm: &dyn SourceVm,
+    to: &str,
+    opts: &Options,
+    writer: &mut LinkWriter,
+    mut reader: LinkReader,
+    layout: &RamLayout,
+    data: &[u64],
+) -> Result<SourceReport, SourceError> {
+    let mut report = SourceReport {
+        to: to.to_string(),
+        data_pages: data.len() as u64,
+        ..SourceReport::default()
+    };
+    let lost = |report: &SourceReport, sent: &[bool], why: String| {
+        let left = data.iter().filter(|&&p| !sent[p as usize]).count();
+        SourceError::After(format!(
+            "migration to {to} lost after the switch ({why}): {left} of {} pages with data were \
+             never sent, so the VM cannot go on ({} sent on request, {} pushed)",
+            data.len(),
+            report.pages_asked,
+            report.pages_pushed
+        ))
+    };
+    let mut sent = vec![false; layout.pages() as usize];
+    if let Err(e) = reader
+        .limit_silence(opts.silence)
+        .and_then(|()| writer.limit_stall(opts.silence))
+    {
+        return Err(lost(&report, &sent, e.to_string()));
+    }
+    let (tx, rx) = mpsc::channel();
+    let listener = std::thread::Builder::new()
+        .name("migration-in".into())
+        .spawn(move || loop {
+            let m = recv(&mut reader);
+            let last = !matches!(m, Ok(Msg::Want(_)));
+            if tx.send(m).is_err() || last {
+                return;
+            }
+        });
+    if let Err(e) = listener {
+        return Err(lost(&report, &sent, format!("cannot start a thread: {e}")));
+    }
+
+    let mut buf = Box::new([0u8; PAGE_SIZE]);
+    let mut next = 0usize;
+    let mut done = false;
+    let mut beat = 0u64;
+    let mut last_send = Instant::now();
+    loop {
+        if vm.has_ended() {
+            return Err(lost(&report, &sent, "the VM ended here".into()));
+        }
+        let event = if done {
+            match rx.recv_timeout(opts.heartbeat) {
+                Ok(m) => Some(m),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    Some(Err("the link's reader stopped".into()))
+                }
+            }
+        } else {
+            rx.try_recv().ok()
+        };
+        let page = match event {
+            Some(Ok(Msg::Want(p))) if (p as usize) < sent.len() => {
+                if sent[p as usize] {
+                    // Already on its way: the link keeps order.
+                    continue;
+                }
+                report.pages_asked += 1;
+                Some(p)
+            }
+            Some(Ok(Msg::AllHeld)) => return Ok(report),
+            Some(Ok(Msg::Ended)) => {
+                report.ended_there = true;
+                return Ok(report);
+            }
+            Some(Ok(m)) => {
+                return Err(lost(
+                    &report,
+                    &sent,
+                    format!("unexpected {} message", m.name()),
+                ))
+            }
+            Some(Err(e)) => return Err(lost(&report, &sent, e)),
+            None if done => None,
+            None => {
+                while next < data.len() && sent[data[next] as usize] {
+                    next += 1;
+                }
+                match data.get(next) {
+                    Some(&p) => {
+                        report.pages_pushed += 1;
+                        Some(p)
+                    }
+                    None => {
+                        done = true;
+                        let m = Msg::Done {
+                            pushed: report.pages_pushed,
+                        };
+                        if let Err(e) = send(writer, &m) {
+                            return Err(lost(&report, &sent, e.to_string()));
+                        }
+                        last_send = Instant::now();
+                        None
+                    }
+                }
+            }
+        };
+        if let Some(p) = page {
+            let gpa = layout.gpa_of(p).expect("page numbers come from the layout");
+            if let Err(e) = vm.read_page(gpa, &mut buf) {
+                return Err(lost(&report, &sent, e));
+            }
+            let m = Msg::Page {
+                page: p,
+                data: buf.clone(),
+            };
+            if let Err(e) = send(writer, &m) {
+                return Err(lost(&report, &sent, e.to_string()));
+            }
+            sent[p as usize] = true;
+            last_send = Instant::now();
+        } else if done && last_send.elapsed() >= opts.heartbeat {
+            beat += 1;
+            if let Err(e) = writer.send(&Envelope::Heartbeat { seq: beat }) {
+                return Err(lost(&report, &sent, e.to_string()));
+            }
+            last_send = Instant::now();
+        }
+    }
+}
