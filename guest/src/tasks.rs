@@ -23,7 +23,7 @@ impl fmt::Display for Lossy<'_> {
 pub struct Opts {
     /// `procs=P`: P copies of the task spread over the CPUs (`fib`).
     pub procs: Option<u64>,
-    /// `iters=N`: iterations (`litmus`).
+    /// `iters=N`: iterations (`litmus`) or rounds (`mem-check`).
     pub iters: Option<u64>,
     /// `cpu=K`: run the task's user code on CPU K.
     pub cpu: Option<u64>,
@@ -125,8 +125,8 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
     if opts.procs.is_some() && name != b"fib" {
         return bad_argument(task, "procs=P applies to fib only");
     }
-    if opts.iters.is_some() && name != b"litmus" {
-        return bad_argument(task, "iters=N applies to litmus only");
+    if opts.iters.is_some() && name != b"litmus" && name != b"mem-check" {
+        return bad_argument(task, "iters=N applies to litmus and mem-check only");
     }
     if let (b"fib", Some(p)) = (name, opts.procs) {
         return match num(arg) {
@@ -184,6 +184,7 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
                 _ => bad_argument(task, "litmus iters=N needs N in 1..=4294967295"),
             }
         }
+        (b"mem-check", a) => mem_check(task, num(a), opts.iters),
         (b"timer", None) => timer_task(),
         (b"console-echo", a) => match a.map_or(Some(console::DEFAULT_WAIT_S), |a| num(Some(a))) {
             Some(secs) if secs > 0 => console::echo_task(secs),
@@ -214,6 +215,32 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
             kprintln!(
                 "{{\"probe\":\"{}\",\"ok\":false,\"error\":\"unknown task\"}}",
                 Lossy(name)
+            );
+            STATUS_UNKNOWN_TASK
+        }
+    }
+}
+
+/// Rounds of `mem-check` without `iters=`.
+const MEM_CHECK_ROUNDS: u64 = 8;
+
+/// `mem-check=MIB[,iters=R]`: MIB must fit the user task's buffer (reported as `max_mib`).
+fn mem_check(task: &[u8], mib: Option<u64>, rounds: Option<u64>) -> u8 {
+    let max_mib = user::data_bytes() >> 20;
+    let rounds = rounds.unwrap_or(MEM_CHECK_ROUNDS);
+    match mib {
+        Some(m) if (1..=max_mib).contains(&m) && (1..=0xffff_ffff).contains(&rounds) => run_user(
+            "mem-check",
+            0,
+            utasks::mem_check,
+            utasks::mem_check_param(m, rounds),
+        ),
+        _ => {
+            kprintln!(
+                "{{\"probe\":\"mem-check\",\"ok\":false,\"error\":\"{}\",\"task\":\"{}\",\"max_mib\":{}}}",
+                "mem-check=MIB[,iters=R] needs MIB in 1..=max_mib (the user task buffer) and R in 1..=4294967295",
+                Lossy(task),
+                max_mib
             );
             STATUS_UNKNOWN_TASK
         }

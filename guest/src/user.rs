@@ -175,6 +175,11 @@ pub fn arena() -> (u64, u64) {
     unsafe { *ARENA.get() }
 }
 
+/// Bytes of the arena a user task gets as its buffer (`run`): the arena less its stack.
+pub fn data_bytes() -> u64 {
+    arena().1.saturating_sub(USER_STACK)
+}
+
 /// Runs `entry` with a copy of `task` (at the end of its data area) as its parameter: the
 /// entry gets the address of the copy, and a data area without it. On CPU `cpu`.
 pub fn run_task(

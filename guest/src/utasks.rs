@@ -360,3 +360,83 @@ pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
     l.send();
     ulib::exit(status)
 }
+
+/// `mem-check`'s parameter: MiB in the low 32 bits, rounds in the high 32.
+pub fn mem_check_param(mib: u64, rounds: u64) -> u64 {
+    mib | rounds << 32
+}
+
+/// The word `mem-check` stores at address `addr` in round `round` (0: the first fill): a
+/// mix of both (splitmix64's finaliser), so a word moved, lost or left from another round
+/// reads wrong.
+fn mem_check_word(addr: u64, round: u64) -> u64 {
+    let mut x = addr ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Writes round `round`'s pattern over the words `[lo, hi)` (addresses, 8-byte aligned).
+fn mem_check_write(lo: u64, hi: u64, round: u64) {
+    let mut a = lo;
+    while a < hi {
+        // SAFETY: callers pass a range inside this task's arena (aligned words), which
+        // nothing else uses while the task runs.
+        unsafe { core::ptr::write_volatile(a as *mut u64, mem_check_word(a, round)) };
+        a += 8;
+    }
+}
+
+/// `mem-check=MIB[,iters=R]`: fills MIB MiB of the arena with round 0's pattern, then for
+/// rounds 1..=R rewrites sixteenth (r - 1) mod 16 with round r's, and at the end counts the
+/// bytes that differ from what each word must hold (the pattern of the last round that
+/// wrote it). The kernel checked that MIB fits the arena.
+pub extern "C" fn mem_check(buf: u64, buf_len: u64, param: u64) -> ! {
+    let (mib, rounds) = (param & 0xffff_ffff, param >> 32);
+    let bytes = (mib << 20).min(buf_len & !0xffff);
+    let part = bytes / 16;
+    let hz = ulib::tsc_hz();
+    let t0 = ulib::rdtsc();
+    mem_check_write(buf, buf + bytes, 0);
+    for r in 1..=rounds {
+        let lo = buf + ((r - 1) % 16) * part;
+        mem_check_write(lo, lo + part, r);
+    }
+    let mut errors = 0u64;
+    for s in 0..16 {
+        // The last round in 1..=R with (r - 1) mod 16 == s, else the first fill.
+        let last = if rounds > s {
+            s + 1 + 16 * ((rounds - 1 - s) / 16)
+        } else {
+            0
+        };
+        let mut a = buf + s * part;
+        while a < buf + (s + 1) * part {
+            // SAFETY: inside the range written above (this task's arena).
+            let got = unsafe { core::ptr::read_volatile(a as *const u64) };
+            let diff = got ^ mem_check_word(a, last);
+            if diff != 0 {
+                errors += diff.to_le_bytes().iter().filter(|&&b| b != 0).count() as u64;
+            }
+            a += 8;
+        }
+    }
+    let cycles = ulib::rdtsc() - t0;
+    let mut l = Line::new();
+    let _ = writeln!(
+        l,
+        "{{\"probe\":\"mem-check\",\"mib\":{},\"rounds\":{},\"errors\":{},\"ok\":{},\"cycles\":{},\"ns\":{}}}",
+        mib,
+        rounds,
+        errors,
+        errors == 0,
+        cycles,
+        ulib::cycles_to_ns(cycles, hz)
+    );
+    l.send();
+    ulib::exit(if errors == 0 {
+        0
+    } else {
+        crate::abi::STATUS_WRONG_RESULT
+    })
+}

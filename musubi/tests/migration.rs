@@ -378,3 +378,232 @@ fn a_wrong_secret_is_refused_and_the_destination_keeps_waiting() {
     );
     assert!(!dest_serial.exists() || !read_text(&dest_serial).contains("probe"));
 }
+
+/// `mem-check=MEM_CHECK_MIB,iters=MEM_CHECK_ROUNDS` in a `MEM_CHECK_MEMORY` VM: 64 MiB
+/// written, then a sixteenth of it rewritten per round, for several seconds, so the move
+/// lands while pages the destination has not seen yet are being rewritten.
+const MEM_CHECK_MIB: u64 = 64;
+const MEM_CHECK_ROUNDS: u64 = 5000;
+const MEM_CHECK_MEMORY: &str = "512M";
+
+fn assert_mem_check(text: &str) {
+    let m = result_in(text, "mem-check");
+    assert_eq!(
+        (u(&m["mib"]), u(&m["rounds"]), u(&m["errors"])),
+        (MEM_CHECK_MIB, MEM_CHECK_ROUNDS, 0),
+        "{text}"
+    );
+    assert_eq!(m["ok"], true, "{text}");
+}
+
+#[test]
+fn mem_check_migrated_mid_task_reads_back_every_byte_on_the_destination() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret(dir.path(), "secret", 11);
+    let port = free_port();
+    let dest_serial = dir.path().join("dest.out");
+    let dest = start_destination(port, &key, &dest_serial, &[]);
+    let dest_guard = KillOnPanic::new(&dest);
+    let tasks = format!("hello,mem-check={MEM_CHECK_MIB},iters={MEM_CHECK_ROUNDS}");
+    let src = start_source(dir.path(), "src", &tasks, &["--memory", MEM_CHECK_MEMORY]);
+    let src_guard = KillOnPanic::new(&src.vm);
+    let r = send_migration(&src.socket, port, &key);
+    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
+    src_guard.defuse();
+    assert_migrated_away(src, port);
+    dest_guard.defuse();
+    let text = finished_destination(dest, &dest_serial);
+    assert_mem_check(&text);
+}
+
+/// iproute2's `ip`; a test that needs it fails (never skips) saying what is missing.
+fn ip(args: &[&str]) -> String {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "this test needs iproute2's `ip` ({e}); install it (Debian: apt-get install \
+                 iproute2; scripts/test does)"
+            )
+        });
+    assert!(out.status.success(), "ip {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Two network namespaces joined by a veth pair, `10.77.0.1/24` in the first and
+/// `10.77.0.2/24` in the second (the host's namespace gets no link and no address).
+/// Dropping it (also while a test panics) deletes both namespaces, and with them the pair.
+struct NetnsPair {
+    names: [String; 2],
+}
+
+impl NetnsPair {
+    const ADDRS: [&'static str; 2] = ["10.77.0.1", "10.77.0.2"];
+
+    fn new(tag: &str) -> NetnsPair {
+        // SAFETY: geteuid(2) has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        assert_eq!(
+            euid, 0,
+            "this test makes network namespaces, which needs root (euid {euid})"
+        );
+        ip(&["-V"]);
+        let pid = std::process::id();
+        let pair = NetnsPair {
+            names: [0, 1].map(|k| format!("musubi-t{pid}-{tag}{k}")),
+        };
+        for name in &pair.names {
+            // Registered before it exists: a failure below still deletes what was made.
+            ip(&["netns", "add", name]);
+        }
+        let [a, b] = &pair.names;
+        // Made inside the first namespace with its peer inside the second: no end of the
+        // pair is ever in the host's namespace.
+        ip(&[
+            "-n", a, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1", "netns", b,
+        ]);
+        for (k, (name, dev)) in [(a, "veth0"), (b, "veth1")].into_iter().enumerate() {
+            let addr = format!("{}/24", Self::ADDRS[k]);
+            ip(&["-n", name, "addr", "add", &addr, "dev", dev]);
+            ip(&["-n", name, "link", "set", "lo", "up"]);
+            ip(&["-n", name, "link", "set", dev, "up"]);
+        }
+        pair
+    }
+
+    /// `musubi` run inside namespace `k` (`ip netns exec` execs it: the child's pid is
+    /// musubi's).
+    fn musubi(&self, k: usize) -> std::process::Command {
+        let mut cmd = std::process::Command::new("ip");
+        cmd.args([
+            "netns",
+            "exec",
+            &self.names[k],
+            env!("CARGO_BIN_EXE_musubi"),
+        ]);
+        cmd
+    }
+}
+
+impl Drop for NetnsPair {
+    fn drop(&mut self) {
+        for name in &self.names {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "delete", name])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// Whether process `pid` has a socket listening on `addr:port` (IPv4), from its network
+/// namespace's /proc/PID/net/tcp.
+fn listening_in(pid: u32, addr: std::net::Ipv4Addr, port: u16) -> bool {
+    let want = format!("{:08X}:{port:04X}", u32::from_le_bytes(addr.octets()));
+    std::fs::read_to_string(format!("/proc/{pid}/net/tcp"))
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[1] == want && f[3] == "0A"
+        })
+}
+
+#[test]
+fn fib_migrates_between_two_network_namespaces_over_a_veth_link() {
+    let dir = tempfile::tempdir().unwrap();
+    let nets = NetnsPair::new("m");
+    let key = secret(dir.path(), "secret", 13);
+    let port = 4470;
+    let addr: std::net::Ipv4Addr = NetnsPair::ADDRS[1].parse().unwrap();
+    let url = format!("tcp:{addr}:{port}");
+
+    let dest_serial = dir.path().join("dest.out");
+    let serial_arg = format!("file={}", dest_serial.display());
+    let mut dest = start_command(
+        nets.musubi(1),
+        &[
+            "run",
+            "--receive-migration",
+            &url,
+            "--secret-file",
+            key.to_str().unwrap(),
+            "--serial",
+            &serial_arg,
+            "--timeout",
+            "120",
+        ],
+        None,
+    );
+    let dest_guard = KillOnPanic::new(&dest);
+    let start = Instant::now();
+    while !listening_in(dest.child.id(), addr, port) {
+        if let Some(s) = dest.child.try_wait().unwrap() {
+            panic!("the destination ended ({s}) before it listened on {url}");
+        }
+        assert!(
+            start.elapsed() < LIMIT,
+            "nothing listens on {url} after {LIMIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let socket = dir.path().join("src.sock");
+    let serial = dir.path().join("src.out");
+    let report = dir.path().join("src.json");
+    let src_serial_arg = format!("file={}", serial.display());
+    let args = probe_args(
+        &format!("hello,fib={FIB_N}"),
+        &[
+            "--memory",
+            MEMORY,
+            "--api-socket",
+            socket.to_str().unwrap(),
+            "--serial",
+            &src_serial_arg,
+            "--report",
+            report.to_str().unwrap(),
+        ],
+    );
+    let mut vm = start_command(
+        nets.musubi(0),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        None,
+    );
+    let src_guard = KillOnPanic::new(&vm);
+    wait_for_text(&mut vm, &serial, HELLO, LIMIT);
+    let src = Source {
+        vm,
+        socket,
+        serial,
+        report,
+    };
+
+    let r = remote(
+        &src.socket,
+        &[
+            "send-migration",
+            &url,
+            "--secret-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
+    src_guard.defuse();
+    let run = src.vm.finish(LIMIT);
+    let console = read_text(&src.serial);
+    assert_eq!(run.code, Some(0), "source: {}\n{console}", run.explain());
+    let report: Value = serde_json::from_str(&read_text(&src.report)).unwrap();
+    assert_eq!(report["outcome"]["kind"], "migrated", "{report}");
+    assert_eq!(report["outcome"]["to"], url, "{report}");
+    assert!(
+        !console.contains(DONE),
+        "the source ran its tasks to the end, so the move was not mid-task:\n{console}"
+    );
+    dest_guard.defuse();
+    let text = finished_destination(dest, &dest_serial);
+    assert_fib(&text);
+    drop(nets);
+}

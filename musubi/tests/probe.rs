@@ -286,3 +286,49 @@ fn a_capped_page_cache_rereads_a_warm_file_and_keeps_every_evicted_write() {
         );
     }
 }
+
+/// `mem-check=16`: 16 MiB filled, rewritten a sixteenth per round for the default 8 rounds,
+/// and every byte reads back as written; a size beyond the task buffer, a zero size and
+/// `iters=0` are refused (status 2) with the buffer's size in MiB.
+#[test]
+fn mem_check_reads_back_every_byte_and_refuses_a_size_that_does_not_fit() {
+    let r = run_probe("mem-check=16", &["--memory", "256M"]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    let m = r.result("mem-check");
+    assert_eq!(
+        (
+            m["mib"].as_u64(),
+            m["rounds"].as_u64(),
+            m["errors"].as_u64()
+        ),
+        (Some(16), Some(8), Some(0)),
+        "{}",
+        r.explain()
+    );
+    assert_eq!(m["ok"], true, "{}", r.explain());
+
+    for task in [
+        "mem-check=100000",
+        "mem-check=0",
+        "mem-check=16,iters=0",
+        "mem-check=x",
+    ] {
+        let r = run_probe(task, &["--memory", "256M"]);
+        assert_eq!(r.code, Some(2), "{task}: {}", r.explain());
+        let m = r.result("mem-check");
+        assert_eq!(m["ok"], false, "{task}: {}", r.explain());
+        // `iters=R` is an option item of its own, not part of the task's item.
+        let item = task.split(",iters=").next().unwrap();
+        assert_eq!(m["task"], item, "{}", r.explain());
+        assert!(
+            m["error"]
+                .as_str()
+                .unwrap_or("")
+                .contains("needs MIB in 1..=max_mib"),
+            "{task}: {}",
+            r.explain()
+        );
+        let max = m["max_mib"].as_u64().unwrap_or(0);
+        assert!((16..100_000).contains(&max), "{task}: {}", r.explain());
+    }
+}
