@@ -93,6 +93,16 @@ pub struct ControlFlags {
     /// both ends.
     #[arg(long, value_name = "FILE", requires = "receive_migration")]
     pub secret_file: Option<PathBuf>,
+    /// A storage file another partition owns, as PARTITION:PATH (repeatable): an arriving VM
+    /// that uses one is refused. Set by a partition's supervisor for a VM that waits for a
+    /// migration, whose disks are known only when it arrives.
+    #[arg(
+        long,
+        value_name = "PARTITION:PATH",
+        hide = true,
+        requires = "receive_migration"
+    )]
+    pub foreign_storage: Vec<String>,
 }
 
 /// `--restore-memory`.

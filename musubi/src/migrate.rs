@@ -31,6 +31,8 @@ pub struct NotReceived {
 /// Builds the incoming VM with what the destination's own flags allow.
 struct VmHost<'a> {
     given: cli::GivenDevices,
+    /// Storage files other partitions own (partition, path): an arriving VM may use none.
+    foreign: Vec<(String, PathBuf)>,
     opts: vmm::RunOptions,
     from: &'a str,
     config: Option<vmm::config::VmConfig>,
@@ -47,6 +49,25 @@ impl Host for VmHost<'_> {
             .check_given(g.cpus, g.memory, g.disks.as_deref(), g.pmem.as_deref())
             .map_err(|e| e.to_string())?;
         saved.check_files().map_err(|e| e.to_string())?;
+        let files = saved
+            .disks
+            .iter()
+            .map(|d| ("--disk", &d.path))
+            .chain(saved.pmem.iter().map(|p| ("--pmem", &p.file)));
+        for (flag, path) in files {
+            let canon = path.canonicalize().unwrap_or_else(|_| path.clone());
+            let owner = self
+                .foreign
+                .iter()
+                .find(|(_, f)| f.canonicalize().unwrap_or_else(|_| f.clone()) == canon);
+            if let Some((owner, _)) = owner {
+                return Err(format!(
+                    "{flag} {}: belongs to partition {owner}, not to this one; a disk belongs \
+                     to one partition",
+                    path.display()
+                ));
+            }
+        }
         for d in &saved.disks {
             std::fs::OpenOptions::new()
                 .read(true)
@@ -102,6 +123,7 @@ impl Host for VmHost<'_> {
 pub fn receive(
     url: &str,
     secret_file: &Path,
+    foreign: &[String],
     vm: &cli::VmArgs,
     opts: vmm::RunOptions,
     signals: &mut Signals,
@@ -117,8 +139,18 @@ pub fn receive(
         .map(|a| a.to_string())
         .unwrap_or_else(|_| addr.to_string());
     eprintln!("musubi: waiting for a migration on tcp:{bound}");
+    let foreign = foreign
+        .iter()
+        .map(|f| match f.split_once(':') {
+            Some((owner, path)) => Ok((owner.to_string(), PathBuf::from(path))),
+            None => Err(fail(format!(
+                "--foreign-storage {f:?}: expected PARTITION:PATH"
+            ))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let mut host = VmHost {
         given,
+        foreign,
         opts,
         from: url,
         config: None,

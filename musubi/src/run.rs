@@ -43,7 +43,8 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
     // `--receive-migration`: the VM comes from another musubi, built here and not started.
     let mut received = match (&control.receive_migration, &control.secret_file) {
         (Some(url), Some(secret)) => {
-            match migrate::receive(url, secret, vm, opts.clone(), &mut signals) {
+            let foreign = &control.foreign_storage;
+            match migrate::receive(url, secret, foreign, vm, opts.clone(), &mut signals) {
                 Ok(r) => Some(r),
                 Err(e) => {
                     eprintln!("musubi: {}", e.message);

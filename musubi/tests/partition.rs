@@ -959,3 +959,182 @@ fn a_snapshot_whose_disk_belongs_to_another_partition_is_not_restored_there() {
     );
     assert_eq!(env.show("b")["vms"], serde_json::json!([]), "a VM started");
 }
+
+// ---- live migration between partitions ----
+
+/// `fib=MIGRATE_FIB_N` runs for several seconds, so a move asked for right after `hello`
+/// lands mid-task (as in tests/migration.rs).
+const MIGRATE_FIB_N: u64 = 46;
+
+/// Whether a socket listens on 127.0.0.1:`port` (/proc/net/tcp: no connection made, so
+/// the destination sees no stranger).
+fn listening_on_loopback(port: u16) -> bool {
+    let want = format!("0100007F:{port:04X}");
+    std::fs::read_to_string("/proc/net/tcp")
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[1] == want && f[3] == "0A"
+        })
+}
+
+#[test]
+fn a_vm_migrated_from_one_partition_to_another_ends_its_task_in_the_second() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    env.ok(&["create", "a", "--cpus", "0", "--memory", "1G"]);
+    env.ok(&["create", "b", "--cpus", "1", "--memory", "1G"]);
+    let key = env.state().join("secret");
+    std::fs::write(&key, [21u8; 32]).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("tcp:127.0.0.1:{port}");
+
+    // The destination waits in partition b, confined there before any VM arrives: the
+    // VM will run in this process.
+    env.ok(&[
+        "run",
+        "b",
+        "--",
+        "--receive-migration",
+        &url,
+        "--secret-file",
+        key.to_str().unwrap(),
+        "--timeout",
+        "200",
+    ]);
+    let start = Instant::now();
+    while !listening_on_loopback(port) {
+        let v = env.vm("b", 1);
+        assert_eq!(v["state"], "running", "{v}\n{}", console(&v));
+        assert!(
+            start.elapsed() < LIMIT,
+            "nothing listens on {url} after {LIMIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let dest = env.vm("b", 1);
+    let dest_pid = dest["pid"].as_u64().unwrap();
+    assert_confined(dest_pid, &env.show("b"), "1");
+
+    let args = probe_run(&format!("hello,fib={MIGRATE_FIB_N}"), &["--memory", "128M"]);
+    env.ok(&with_args(&["run", "a", "--"], &args));
+    let src = env.wait_console("a", 1, HELLO);
+    assert_confined(src["pid"].as_u64().unwrap(), &env.show("a"), "0");
+    let socket = PathBuf::from(src["api_socket"].as_str().unwrap());
+    let r = common::remote(
+        &socket,
+        &[
+            "send-migration",
+            &url,
+            "--secret-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
+
+    // The source hands the VM over and exits 0 without ending its tasks.
+    let src = env.wait_vm("a", 1, LIMIT, |v| v["state"] != "running");
+    let src_out = console(&src);
+    assert_eq!(src["state"], "exited", "{src}\n{src_out}");
+    assert_eq!(src["status"], 0, "{src}\n{src_out}");
+    assert!(
+        !src_out.contains(DONE),
+        "the source ran its tasks to the end, so the move was not mid-task:\n{src_out}"
+    );
+
+    // The destination, in b all along, ends the task as an uninterrupted run would.
+    let dest = env.wait_vm("b", 1, LIMIT, |v| v["state"] != "running");
+    let out = console(&dest);
+    assert_eq!(dest["pid"].as_u64(), Some(dest_pid), "{dest}");
+    assert_eq!(dest["state"], "exited", "{dest}\n{out}");
+    assert_eq!(dest["status"], 0, "{dest}\n{out}");
+    assert!(out.contains(DONE), "{out}");
+    assert!(
+        !common::results_in(&out)
+            .iter()
+            .any(|v| v["probe"] == "hello"),
+        "the destination ran hello again, so it booted instead of resuming:\n{out}"
+    );
+    assert_eq!(
+        fib_of(&out),
+        (
+            MIGRATE_FIB_N.into(),
+            common::fib_value(MIGRATE_FIB_N).into()
+        ),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_migrating_vm_whose_disk_belongs_to_another_partition_is_refused_on_arrival() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let owned = common::temp_image(env.state(), "owned.img", 1 << 20);
+    let o = owned.to_str().unwrap();
+    env.ok(&[
+        "create", "a", "--cpus", "0", "--memory", "512M", "--disk", o,
+    ]);
+    env.ok(&["create", "b", "--cpus", "1", "--memory", "512M"]);
+    let key = env.state().join("secret");
+    std::fs::write(&key, [22u8; 32]).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("tcp:127.0.0.1:{port}");
+    env.ok(&[
+        "run",
+        "b",
+        "--",
+        "--receive-migration",
+        &url,
+        "--secret-file",
+        key.to_str().unwrap(),
+        "--timeout",
+        "200",
+    ]);
+    let start = Instant::now();
+    while !listening_on_loopback(port) {
+        assert!(start.elapsed() < LIMIT, "nothing listens on {url}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The source runs in partition a, which owns the disk.
+    let path = format!("path={o}");
+    let args = probe_run(
+        &format!("hello,fib={MIGRATE_FIB_N}"),
+        &["--memory", "128M", "--disk", &path],
+    );
+    env.ok(&with_args(&["run", "a", "--"], &args));
+    let src = env.wait_console("a", 1, HELLO);
+    let socket = PathBuf::from(src["api_socket"].as_str().unwrap());
+    let r = common::remote(
+        &socket,
+        &[
+            "send-migration",
+            &url,
+            "--secret-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, Some(1), "send-migration: {}", r.explain());
+    assert!(
+        r.stderr.contains("belongs to partition a") && r.stderr.contains(o),
+        "{}",
+        r.explain()
+    );
+    // The VM was never paused for good: it ends its task where it is.
+    let src = env.wait_vm("a", 1, LIMIT, |v| v["state"] != "running");
+    let out = console(&src);
+    assert_eq!(src["status"], 0, "{src}\n{out}");
+    assert!(out.contains(DONE), "{out}");
+    env.ok(&["stop", "b", "1"]);
+}

@@ -420,8 +420,19 @@ impl Manager {
             }
         }
         let sock = self.live_socket(&rec)?;
+        let mut args = args.to_vec();
+        if args.iter().any(|a| a == "--receive-migration") {
+            // The VM's disks are known only when it arrives: it is told which files other
+            // partitions own and refuses a VM that uses one.
+            for p in others.iter().filter(|p| p.name != rec.name) {
+                for d in &p.disks {
+                    args.push("--foreign-storage".into());
+                    args.push(format!("{}:{}", p.name, d.display()));
+                }
+            }
+        }
         let req = Request::Run {
-            args: args.to_vec(),
+            args,
             cwd: Some(cwd.to_path_buf()),
         };
         match proto::call(&sock, &req, proto::REPLY_TIMEOUT)? {
