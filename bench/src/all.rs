@@ -81,7 +81,7 @@ fn run_one(exe: &Path, name: &'static str, args: &BenchArgs) -> Outcome {
     if args.quick {
         cmd.arg("--quick");
     }
-    if matches!(name, "boot" | "vmms" | "snapshot") {
+    if matches!(name, "boot" | "vmms" | "snapshot" | "migrate") {
         if let Some(c) = &args.compare {
             cmd.args(["--compare", c]);
         }

@@ -7,11 +7,13 @@
 //! SVG charts ([`plot`]) and outside observation of a hypervisor process ([`watch`]).
 
 mod all;
+mod apivm;
 mod boot;
 mod composite;
 mod dsm_table;
 mod guest_run;
 mod kvm_trace;
+mod migrate;
 mod mint;
 mod peers;
 pub mod plot;
@@ -51,7 +53,8 @@ fn main() -> ExitCode {
 pub struct BenchArgs {
     /// Experiment to run: boot, composite, seq, dsm-table, mint, vmms, vmp, snapshot (save and
     /// restore a VM mid-task: snapshot time, restore to first KVM_RUN and to the task's end,
-    /// 128 MiB to 4 GiB), or all (every one, and a page `index.html` in --out that shows them
+    /// 128 MiB to 4 GiB), migrate (post-copy live migration: downtime, total time, pages,
+    /// the guest's slowdown, 256 MiB to 4 GiB), or all (every one, and a page `index.html` in --out that shows them
     /// together).
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
@@ -62,7 +65,7 @@ pub struct BenchArgs {
     pub out: PathBuf,
     /// Also run the same guest under other hypervisors in the same run, a comma-separated
     /// list of qemu, firecracker, cloud-hypervisor (boot takes all three, vmms qemu, snapshot
-    /// firecracker and cloud-hypervisor; without
+    /// firecracker and cloud-hypervisor, migrate cloud-hypervisor; without
     /// it both compare with QEMU whenever it is installed). A listed peer that is missing
     /// or fails is reported unavailable; Musubi's own figures are written whatever it does.
     #[arg(long, value_name = "LIST")]
@@ -93,6 +96,7 @@ const EXPERIMENTS: &[&str] = &[
     "vmms",
     "vmp",
     "snapshot",
+    "migrate",
 ];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
@@ -106,6 +110,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "vmms" => Harness::new(args).and_then(|h| vmms::run(&h, args)),
         "vmp" => Harness::new(args).and_then(|h| vmp::run(&h, args)),
         "snapshot" => Harness::new(args).and_then(|h| snapshot::run(&h, args)),
+        "migrate" => Harness::new(args).and_then(|h| migrate::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}, all",

@@ -12,18 +12,16 @@
 //!    (the kernel's `sys_enter_ioctl` tracepoint, as `bench boot` times a boot) and to the
 //!    spin task's result line on its console (the rest of the task after the restore).
 
+use super::apivm::{api, one_line, Vm, ERROR_LINES};
 use super::kvm_trace::KvmRunTrace;
 use super::peers::{self, Kind, Micro};
 use super::qemu::{Outcome, Standing};
 use super::report::{cell, figures_table, median_min, mib, ms, Csv, Figure, Table};
 use super::stats::{max, ratio, Summary};
-use super::watch::{
-    has_ended, kill_group, last_words, observe, observe_to_marker, spawn_group, time_to_marker,
-    Watch,
-};
+use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
 use super::{plot, BenchArgs, Harness};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// Spin iterations after hello: about 0.5 s at CPL3 here, long enough that the snapshot
@@ -35,13 +33,11 @@ const SPIN_RESULT: &str = "{\"probe\":\"spin\"";
 /// Bounds on every wait: a boot to hello, an API answer (a full 4 GiB snapshot is written
 /// before it), a VMM's exit after shutdown, a whole restored run.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
-const API_TIMEOUT: Duration = Duration::from_secs(120);
 const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often the restored VMM's memory is read (`/proc/PID/smaps`); coarse, so the sampler
 /// does not take a core from the restore it measures on a two-core machine.
 const SAMPLE_EVERY: Duration = Duration::from_millis(20);
-const ERROR_LINES: usize = 8;
 
 /// The goals.
 const GOAL_RESTORE_VS_FC: f64 = 0.5;
@@ -452,15 +448,6 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn one_line(s: &str, n: usize) -> String {
-    let s = s.split_whitespace().collect::<Vec<_>>().join(" ");
-    if s.chars().count() > n {
-        format!("{}...", s.chars().take(n).collect::<String>())
-    } else {
-        s
-    }
-}
-
 struct Sums {
     n: usize,
     pause: Option<Summary>,
@@ -487,117 +474,6 @@ impl Sums {
             mem_allocated: max(&f(&|x| x.mem_allocated)),
             rss: max(&f(&|x| x.restore_rss)),
         }
-    }
-}
-
-/// A VMM process in a group of its own, killed with its group and reaped on every way out.
-struct Vm {
-    child: Child,
-    name: &'static str,
-    stderr: PathBuf,
-}
-
-impl Vm {
-    fn start(mut cmd: Command, name: &'static str, dir: &Path) -> Result<Vm, String> {
-        let out = dir.join("console.out");
-        let err = dir.join("stderr.txt");
-        let open = |p: &Path| {
-            std::fs::File::create(p).map_err(|e| format!("cannot create {}: {e}", p.display()))
-        };
-        cmd.stdout(Stdio::from(open(&out)?))
-            .stderr(Stdio::from(open(&err)?));
-        let child = spawn_group(&mut cmd).map_err(|e| format!("cannot start {name}: {e}"))?;
-        Ok(Vm {
-            child,
-            name,
-            stderr: err,
-        })
-    }
-
-    /// Why it failed, with the end of what it said on stderr.
-    fn said(&self) -> String {
-        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let lines: Vec<&str> = text
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-            .collect();
-        format!(
-            "{} stderr: {}",
-            self.name,
-            if lines.is_empty() {
-                "(nothing)".to_string()
-            } else {
-                lines[lines.len().saturating_sub(ERROR_LINES)..].join(" | ")
-            }
-        )
-    }
-
-    fn ended(&self) -> bool {
-        has_ended(&self.child).unwrap_or(true)
-    }
-
-    /// Waits until `file` holds a line starting with `marker`, or fails when the VMM ends
-    /// or the time runs out.
-    fn wait_for_line(&self, file: &Path, marker: &str, limit: Duration) -> Result<(), String> {
-        let start = Instant::now();
-        loop {
-            let text = std::fs::read(file).unwrap_or_default();
-            if String::from_utf8_lossy(&text)
-                .lines()
-                .any(|l| l.trim_start().starts_with(marker))
-            {
-                return Ok(());
-            }
-            if self.ended() {
-                return Err(format!("ended before {marker:?}; {}", self.said()));
-            }
-            if start.elapsed() > limit {
-                return Err(format!(
-                    "no {marker:?} within {} s; {}",
-                    limit.as_secs(),
-                    self.said()
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
-    /// Waits up to `limit` for the VMM to end by itself.
-    fn wait_exit(&self, limit: Duration) -> bool {
-        let start = Instant::now();
-        while start.elapsed() < limit {
-            if self.ended() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        false
-    }
-}
-
-impl Drop for Vm {
-    fn drop(&mut self) {
-        kill_group(&self.child);
-        let _ = self.child.wait();
-    }
-}
-
-/// `method path` with `body` on `socket`; an answer outside 2xx is an error with its text.
-fn api(socket: &Path, method: &str, path: &str, body: Option<&str>) -> Result<(), String> {
-    let (status, text) = musubi_api::request_with_timeout(socket, method, path, body, API_TIMEOUT)?;
-    if (200..300).contains(&status) {
-        Ok(())
-    } else {
-        // Cloud Hypervisor appends a backtrace of "<unknown>" frames to its error chain.
-        let text = match text.split_once("\\n\\nStack backtrace:") {
-            Some((head, _)) => format!("{head} [backtrace cut]"),
-            None => text,
-        };
-        Err(format!(
-            "{method} {path} answered {status}: {}",
-            one_line(&text, 600)
-        ))
     }
 }
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 /// Every experiment's quick limit together, with room for a loaded CI machine.
 const ALL_LIMIT: Duration = Duration::from_secs(1800);
 
-const EXPERIMENTS: [&str; 8] = [
+const EXPERIMENTS: [&str; 9] = [
     "boot",
     "composite",
     "seq",
@@ -23,6 +23,7 @@ const EXPERIMENTS: [&str; 8] = [
     "vmms",
     "vmp",
     "snapshot",
+    "migrate",
 ];
 
 /// The one `musubi bench all --quick` run, made by whichever test asks first. A run that
@@ -101,6 +102,7 @@ fn bench_all_writes_a_page_with_every_experiment_and_its_charts() {
         "vmms",
         "vmp",
         "snapshot",
+        "migrate",
     ] {
         assert!(
             images.contains(&format!("{e}.svg").as_str()),
@@ -579,6 +581,81 @@ fn bench_snapshot_quick_saves_and_restores_musubi_at_both_sizes() {
     assert!(
         r.stdout.contains("restore to 1st KVM_RUN") && r.stdout.contains("MET")
             || r.stdout.contains("MISSED"),
+        "{}",
+        r.explain()
+    );
+}
+
+/// `musubi bench migrate --quick` without peers: Musubi moves the probe guest mid-task at
+/// both quick sizes, idle and writing, and every task ends right on the destination (the
+/// write task verifies its memory), with the downtime, the total time and the pages
+/// measured, beside an unmigrated run of each.
+#[test]
+fn bench_migrate_quick_moves_musubi_idle_and_writing_at_both_sizes() {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    );
+    let (r, out) = quick("migrate");
+    let t = CsvFile::read(&out.path().join("migrate.csv"));
+    let c = |name: &str| t.col(name);
+    let (hv, mem, task, migrated, unavailable) = (
+        c("hypervisor"),
+        c("memory_mib"),
+        c("task"),
+        c("migrated"),
+        c("unavailable"),
+    );
+    for mib in [128u64, 256] {
+        for work in ["idle", "write"] {
+            for moved in ["true", "false"] {
+                let rows: Vec<_> = t
+                    .rows
+                    .iter()
+                    .filter(|row| {
+                        row[hv] == "musubi"
+                            && row[mem] == mib.to_string()
+                            && row[task].starts_with(work)
+                            && row[migrated] == moved
+                    })
+                    .collect();
+                assert_eq!(rows.len(), 1, "musubi {mib} MiB {work} {moved}\n{}", t.text);
+                let row = rows[0];
+                assert!(row[unavailable].is_empty(), "{row:?}");
+                let mut cols = vec!["task_ms"];
+                if moved == "true" {
+                    cols.extend([
+                        "downtime_ms",
+                        "request_to_first_kvm_run_ms",
+                        "total_ms",
+                        "data_pages",
+                    ]);
+                }
+                for col in cols {
+                    let v: f64 = row[c(col)]
+                        .parse()
+                        .unwrap_or_else(|_| panic!("no {col} in {row:?}"));
+                    assert!(v > 0.0, "{col} in {row:?}");
+                }
+                if moved == "true" {
+                    let n = |col: &str| -> u64 { row[c(col)].parse().expect(col) };
+                    assert!(
+                        n("pages_asked") + n("pages_pushed") >= n("data_pages"),
+                        "{row:?}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(t.rows.iter().all(|row| row[hv] == "musubi"), "{}", t.text);
+    let svg = std::fs::read_to_string(out.path().join("migrate.svg")).expect("migrate.svg");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("musubi 128 MiB write"),
+        "{svg}"
+    );
+    assert!(
+        r.stdout.contains("musubi downtime")
+            && (r.stdout.contains("MET") || r.stdout.contains("MISSED")),
         "{}",
         r.explain()
     );

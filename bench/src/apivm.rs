@@ -1,0 +1,145 @@
+//! A VMM process driven through its HTTP API, shared by the experiments that pause, save,
+//! restore or move running VMs (`snapshot`, `migrate`): the process in a group of its own,
+//! killed and reaped on every way out, and the API request whose failure quotes the VMM.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::watch::{has_ended, kill_group, spawn_group};
+
+/// Bound on one API answer (a full 4 GiB snapshot is written before it).
+pub const API_TIMEOUT: Duration = Duration::from_secs(120);
+/// Lines of a VMM's stderr quoted in an error.
+pub const ERROR_LINES: usize = 8;
+
+pub fn one_line(s: &str, n: usize) -> String {
+    let s = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if s.chars().count() > n {
+        format!("{}...", s.chars().take(n).collect::<String>())
+    } else {
+        s
+    }
+}
+
+/// A VMM process in a group of its own, killed with its group and reaped on every way out.
+pub struct Vm {
+    pub child: Child,
+    name: &'static str,
+    pub stderr: PathBuf,
+}
+
+impl Vm {
+    /// Starts `cmd` with its stdout in `dir/console.out` and its stderr in
+    /// `dir/stderr.txt`.
+    pub fn start(cmd: Command, name: &'static str, dir: &Path) -> Result<Vm, String> {
+        Vm::start_to(cmd, name, &dir.join("console.out"), &dir.join("stderr.txt"))
+    }
+
+    /// Starts `cmd` with its stdout in `out` and its stderr in `err`.
+    pub fn start_to(
+        mut cmd: Command,
+        name: &'static str,
+        out: &Path,
+        err: &Path,
+    ) -> Result<Vm, String> {
+        let (out, err) = (out.to_path_buf(), err.to_path_buf());
+        let open = |p: &Path| {
+            std::fs::File::create(p).map_err(|e| format!("cannot create {}: {e}", p.display()))
+        };
+        cmd.stdout(Stdio::from(open(&out)?))
+            .stderr(Stdio::from(open(&err)?));
+        let child = spawn_group(&mut cmd).map_err(|e| format!("cannot start {name}: {e}"))?;
+        Ok(Vm {
+            child,
+            name,
+            stderr: err,
+        })
+    }
+
+    /// Why it failed, with the end of what it said on stderr.
+    pub fn said(&self) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        format!(
+            "{} stderr: {}",
+            self.name,
+            if lines.is_empty() {
+                "(nothing)".to_string()
+            } else {
+                lines[lines.len().saturating_sub(ERROR_LINES)..].join(" | ")
+            }
+        )
+    }
+
+    pub fn ended(&self) -> bool {
+        has_ended(&self.child).unwrap_or(true)
+    }
+
+    /// Waits until `file` holds a line starting with `marker`, or fails when the VMM ends
+    /// or the time runs out.
+    pub fn wait_for_line(&self, file: &Path, marker: &str, limit: Duration) -> Result<(), String> {
+        let start = Instant::now();
+        loop {
+            let text = std::fs::read(file).unwrap_or_default();
+            if String::from_utf8_lossy(&text)
+                .lines()
+                .any(|l| l.trim_start().starts_with(marker))
+            {
+                return Ok(());
+            }
+            if self.ended() {
+                return Err(format!("ended before {marker:?}; {}", self.said()));
+            }
+            if start.elapsed() > limit {
+                return Err(format!(
+                    "no {marker:?} within {} s; {}",
+                    limit.as_secs(),
+                    self.said()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Waits up to `limit` for the VMM to end by itself.
+    pub fn wait_exit(&self, limit: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if self.ended() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        false
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        kill_group(&self.child);
+        let _ = self.child.wait();
+    }
+}
+
+/// `method path` with `body` on `socket`; an answer outside 2xx is an error with its text.
+pub fn api(socket: &Path, method: &str, path: &str, body: Option<&str>) -> Result<(), String> {
+    let (status, text) = musubi_api::request_with_timeout(socket, method, path, body, API_TIMEOUT)?;
+    if (200..300).contains(&status) {
+        Ok(())
+    } else {
+        // Cloud Hypervisor appends a backtrace of "<unknown>" frames to its error chain.
+        let text = match text.split_once("\\n\\nStack backtrace:") {
+            Some((head, _)) => format!("{head} [backtrace cut]"),
+            None => text,
+        };
+        Err(format!(
+            "{method} {path} answered {status}: {}",
+            one_line(&text, 600)
+        ))
+    }
+}
