@@ -24,13 +24,15 @@ use std::time::{Duration, Instant};
 /// What the destination's process does with an incoming VM.
 pub trait Host {
     /// Whether this process can host the VM of `config` (its disks open here, ...):
-    /// `Err(why)` refuses it before the source pauses anything.
-    fn check(&mut self, config: &[u8]) -> Result<(), String>;
-    /// Reads the VM's state (JSON) and returns its RAM ranges (guest-physical start,
-    /// length), laid one after the other in the mapping [`Host::build`] gets.
-    fn prepare(&mut self, state: &[u8]) -> Result<Vec<(u64, u64)>, String>;
-    /// Builds the prepared VM on `ram`, without starting it.
+    /// `Err(why)` refuses it before the source pauses anything. Returns the VM's RAM
+    /// ranges (guest-physical start, length), laid one after the other in the mapping
+    /// [`Host::build`] gets.
+    fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, String>;
+    /// Builds the VM on `ram`, without its state and without starting it, while the source
+    /// still runs it: the time this takes (it grows with RAM) is not part of the pause.
     fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), String>;
+    /// Puts the VM's state (JSON), sent once the source has paused, into the built VM.
+    fn apply(&mut self, state: &[u8]) -> Result<(), String>;
 }
 
 /// Why the wait for a VM ended without one.
@@ -102,26 +104,28 @@ fn session(
         .map_err(|e| e.to_string())?;
     let first = recv(&mut reader)?;
     let config = recv_blob(&mut reader, Blob::Config, first)?;
-    if let Err(why) = host.check(&config) {
-        let _ = send(&mut writer, &Msg::Refused(why.clone()));
-        return Err(format!("refused the VM: {why}"));
-    }
-    send(&mut writer, &Msg::Ready).map_err(|e| e.to_string())?;
-    let first = recv(&mut reader)?;
-    let state = recv_blob(&mut reader, Blob::State, first)?;
-    let built = (|| {
-        let layout = RamLayout::new(host.prepare(&state)?)?;
+    // Everything that takes time in proportion to the VM is done here, while the source
+    // still runs it.
+    let built = host.check(&config).and_then(|ranges| {
+        let layout = RamLayout::new(ranges)?;
         let ram = PostCopyRam::new(layout, opts.clone())?;
         host.build(&ram)?;
         Ok::<_, String>(ram)
-    })();
+    });
     let ram = match built {
         Ok(r) => r,
         Err(why) => {
-            let _ = send(&mut writer, &Msg::Failed(why.clone()));
-            return Err(format!("could not build the VM: {why}"));
+            let _ = send(&mut writer, &Msg::Refused(why.clone()));
+            return Err(format!("refused the VM: {why}"));
         }
     };
+    send(&mut writer, &Msg::Ready).map_err(|e| e.to_string())?;
+    let first = recv(&mut reader)?;
+    let state = recv_blob(&mut reader, Blob::State, first)?;
+    if let Err(why) = host.apply(&state) {
+        let _ = send(&mut writer, &Msg::Failed(why.clone()));
+        return Err(format!("could not build the VM: {why}"));
+    }
     send(&mut writer, &Msg::Built).map_err(|e| e.to_string())?;
     let data_pages = match recv(&mut reader)? {
         Msg::Switch { data_pages } => data_pages,
@@ -491,15 +495,15 @@ mod tests {
     }
 
     impl Host for FakeHost {
-        fn check(&mut self, config: &[u8]) -> Result<(), String> {
+        fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, String> {
             assert_eq!(config, b"the config");
-            self.refuse.clone().map_or(Ok(()), Err)
-        }
-        fn prepare(&mut self, state: &[u8]) -> Result<Vec<(u64, u64)>, String> {
-            self.state_len = state.len();
-            Ok(RANGES.to_vec())
+            self.refuse.clone().map_or(Ok(RANGES.to_vec()), Err)
         }
         fn build(&mut self, _ram: &Arc<PostCopyRam>) -> Result<(), String> {
+            Ok(())
+        }
+        fn apply(&mut self, state: &[u8]) -> Result<(), String> {
+            self.state_len = state.len();
             Ok(())
         }
     }

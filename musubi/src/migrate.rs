@@ -36,12 +36,11 @@ struct VmHost<'a> {
     opts: vmm::RunOptions,
     from: &'a str,
     config: Option<vmm::config::VmConfig>,
-    state: Option<vmm::snapshot::VmState>,
     built: Option<vmm::Vm>,
 }
 
 impl Host for VmHost<'_> {
-    fn check(&mut self, config: &[u8]) -> Result<(), String> {
+    fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, String> {
         let saved: vmm::snapshot::SavedConfig = serde_json::from_slice(config)
             .map_err(|e| format!("the source's VM configuration is not understood here: {e}"))?;
         let g = &self.given;
@@ -85,21 +84,13 @@ impl Host for VmHost<'_> {
                 vm.exits
             ));
         }
+        let ranges = vmm::ram_ranges(vm.memory);
         self.config = Some(vm);
-        Ok(())
-    }
-
-    fn prepare(&mut self, state: &[u8]) -> Result<Vec<(u64, u64)>, String> {
-        let state: vmm::snapshot::VmState = serde_json::from_slice(state)
-            .map_err(|e| format!("the source's VM state is not understood here: {e}"))?;
-        let ram = state.ram.clone();
-        self.state = Some(state);
-        Ok(ram)
+        Ok(ranges)
     }
 
     fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), String> {
         let config = self.config.as_ref().ok_or("no configuration came")?;
-        let state = self.state.take().ok_or("no state came")?;
         // SAFETY: the mapping is `ram`'s, `ram.len()` bytes, read-write, and stays mapped
         // while the `ram` handed over as owner lives; only its release changes it (out of
         // userfaultfd, never unmapped).
@@ -110,11 +101,19 @@ impl Host for VmHost<'_> {
             .options(self.opts.clone())
             .guest_ram(vmm::GuestRamSource::External(ext))
             .on_stopped(move || owner.release())
-            .restore_state(format!("the migration from {}", self.from), state)
+            .restore_later()
             .build()
             .map_err(|e| e.to_string())?;
         self.built = Some(vm);
         Ok(())
+    }
+
+    fn apply(&mut self, state: &[u8]) -> Result<(), String> {
+        let state: vmm::snapshot::VmState = serde_json::from_slice(state)
+            .map_err(|e| format!("the source's VM state is not understood here: {e}"))?;
+        let vm = self.built.as_mut().ok_or("no VM was built")?;
+        vm.apply_state(format!("the migration from {}", self.from), state)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -154,7 +153,6 @@ pub fn receive(
         opts,
         from: url,
         config: None,
-        state: None,
         built: None,
     };
     let mut signal = None;

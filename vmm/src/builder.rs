@@ -102,6 +102,8 @@ pub struct Vm {
     pub(crate) start_clock: Option<kvm_bindings::kvm_clock_data>,
     /// What a snapshot of this VM records as its configuration.
     pub(crate) saved_config: crate::snapshot::SavedConfig,
+    /// Built by [`VmBuilder::restore_later`]: its vCPUs wait for [`Vm::apply_state`].
+    pub(crate) awaits_state: bool,
 }
 
 /// A source of more `--metrics` entries, called whenever the metrics are read.
@@ -128,6 +130,8 @@ pub struct VmBuilder<'a> {
     extra_metrics: Option<ExtraMetrics>,
     /// Build the VM a snapshot holds instead of booting one.
     restore: Option<Restore>,
+    /// Build everything but the state, which [`Vm::apply_state`] puts in later.
+    later: bool,
 }
 
 /// A VM to put back instead of booting one: its state, and the file its RAM was saved in
@@ -207,7 +211,17 @@ impl<'a> VmBuilder<'a> {
             on_stopped: None,
             extra_metrics: None,
             restore: None,
+            later: false,
         }
+    }
+
+    /// Builds the VM with no kernel and no state: memory, vCPUs and devices exist, and the
+    /// state comes later through [`Vm::apply_state`]. A migration's destination builds
+    /// this way before the source pauses, so the pause lasts only as long as sending and
+    /// applying the state, whatever the VM's size.
+    pub fn restore_later(mut self) -> Self {
+        self.later = true;
+        self
     }
 
     /// Builds the VM `snapshot` holds: RAM mapped copy-on-write from its memory file, every
@@ -382,7 +396,8 @@ impl Vmm {
         phase("vm and memory");
 
         // 2. The kernel, loaded once for the whole VM by the node that holds the devices.
-        let loaded = if share.devices && restore.is_none() {
+        let later = share.later && restore.is_none();
+        let loaded = if share.devices && restore.is_none() && !later {
             Some(load_kernel(&mem, &config.kernel)?)
         } else {
             None
@@ -410,6 +425,8 @@ impl Vmm {
                     }
                 }
             }
+            // The state comes with `Vm::apply_state`; the vCPU threads wait for it.
+            None if later => {}
             None => {
                 for v in &vcpus {
                     v.boot(if v.id == 0 { boot } else { None });
@@ -494,6 +511,7 @@ impl Vmm {
             on_stopped: share.on_stopped,
             start_clock,
             saved_config,
+            awaits_state: later,
         })
     }
 }
@@ -572,6 +590,51 @@ impl Vm {
     /// forwarded accesses stop waiting once the VM has ended.
     pub fn run_control(&self) -> Arc<RunControl> {
         self.control.clone()
+    }
+
+    /// Puts `state` (from `from`, for messages) into a VM built with
+    /// [`VmBuilder::restore_later`]: every vCPU, the interrupt controllers and PIT, the
+    /// devices, and the KVM clock it starts from.
+    pub fn apply_state(
+        &mut self,
+        from: String,
+        mut state: crate::snapshot::VmState,
+    ) -> Result<(), BuildError> {
+        if !self.awaits_state {
+            return Err(BuildError::Snapshot(
+                crate::snapshot::SnapshotError::Layout(format!(
+                    "{from}: this VM was not built to take a state"
+                )),
+            ));
+        }
+        let vcpus = std::mem::take(&mut state.vcpus);
+        let restore = Restore {
+            from,
+            state,
+            memory: None,
+        };
+        check_layout(&restore, &self.layout)?;
+        if vcpus.len() != self.layout.cpus as usize {
+            return Err(BuildError::Snapshot(
+                crate::snapshot::SnapshotError::Layout(format!(
+                    "{}: {} vCPU states for a VM of {} CPUs",
+                    restore.from,
+                    vcpus.len(),
+                    self.layout.cpus
+                )),
+            ));
+        }
+        self.kvm.restore_state(&restore.state.vm)?;
+        restore_devices(&self.devices, &restore.state)?;
+        let mut states: Vec<Option<_>> = vcpus.into_iter().map(Some).collect();
+        for v in &self.vcpus {
+            if let Some(s) = states.get_mut(v.id as usize).and_then(Option::take) {
+                v.restore(s);
+            }
+        }
+        self.start_clock = Some(restore.state.vm.clock);
+        self.awaits_state = false;
+        Ok(())
     }
 
     /// Delivers interrupts into the VM from any thread (IPIs that came from another node).

@@ -31,6 +31,7 @@ pub mod testing;
 mod vstate;
 
 pub use arch::x86_64::cpuid::Topology;
+pub use arch::x86_64::layout::ram_ranges;
 pub use builder::{
     BuildError, ExternalRam, ExtraMetrics, GuestRamSource, MsiInjector, RunOptions, Vm, VmBuilder,
     Vmm,

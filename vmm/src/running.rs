@@ -478,6 +478,13 @@ impl VmHandle {
 impl Vm {
     /// Starts the I/O thread (kernel exit path) and one thread per vCPU.
     pub fn start(mut self) -> Result<RunningVm, BuildError> {
+        if self.awaits_state {
+            return Err(BuildError::Snapshot(
+                crate::snapshot::SnapshotError::Layout(
+                    "the VM was built to take a state and none was applied".into(),
+                ),
+            ));
+        }
         let notifiers = std::mem::take(&mut self.devices.notifiers);
         let gate = Arc::new(PauseGate::new(self.vcpus.len(), !notifiers.is_empty()));
         let io_thread = if notifiers.is_empty() {
