@@ -143,3 +143,20 @@ pub fn api(socket: &Path, method: &str, path: &str, body: Option<&str>) -> Resul
         ))
     }
 }
+
+/// Which VMM an API-driven experiment runs: Musubi (its program and the probe guest's ELF)
+/// or a peer set up as `bench boot` sets them up.
+#[derive(Clone, Debug)]
+pub enum Vmm {
+    Musubi { exe: PathBuf, elf: PathBuf },
+    Peer(super::peers::Micro),
+}
+
+impl Vmm {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Vmm::Musubi { .. } => "musubi",
+            Vmm::Peer(m) => m.kind.name(),
+        }
+    }
+}

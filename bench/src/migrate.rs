@@ -17,7 +17,7 @@
 //! - slowdown: the guest task's own time (the `ns` of its result line) migrated, against
 //!   the same task in an unmigrated run of the same size.
 
-use super::apivm::{api, one_line, Vm};
+use super::apivm::{api, one_line, Vm, Vmm};
 use super::kvm_trace::{KvmRunTrace, KVM_GET_CLOCK};
 use super::peers::{self, Kind, Micro};
 use super::qemu::{Outcome, Standing};
@@ -100,18 +100,12 @@ impl Work {
 
 const IDLE_TIMERS: usize = 10;
 /// MiB `mem-check` rewrites in its rounds.
-const WRITE_TOTAL_MIB: u64 = 5120;
+const WRITE_TOTAL_MIB: u64 = 12288;
 
 /// `mem-check`'s size: an eighth of RAM, at most 240 MiB (the probe's user buffer is a
 /// quarter of RAM less a little, and at most 255 MiB).
 fn write_mib(mib: u64) -> u64 {
     (mib / 8).clamp(1, 240)
-}
-
-#[derive(Clone, Debug)]
-enum Vmm {
-    Musubi { exe: PathBuf, elf: PathBuf },
-    Peer(Micro),
 }
 
 #[derive(Clone, Debug)]
@@ -124,10 +118,7 @@ struct Config {
 
 impl Config {
     fn vmm_name(&self) -> &'static str {
-        match &self.vmm {
-            Vmm::Musubi { .. } => "musubi",
-            Vmm::Peer(m) => m.kind.name(),
-        }
+        self.vmm.name()
     }
 
     fn tasks(&self) -> String {

@@ -12,7 +12,7 @@
 //!    (the kernel's `sys_enter_ioctl` tracepoint, as `bench boot` times a boot) and to the
 //!    spin task's result line on its console (the rest of the task after the restore).
 
-use super::apivm::{api, one_line, Vm, ERROR_LINES};
+use super::apivm::{api, one_line, Vm, Vmm, ERROR_LINES};
 use super::kvm_trace::KvmRunTrace;
 use super::peers::{self, Kind, Micro};
 use super::qemu::{Outcome, Standing};
@@ -20,7 +20,7 @@ use super::report::{cell, figures_table, median_min, mib, ms, Csv, Figure, Table
 use super::stats::{max, ratio, Summary};
 use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
 use super::{plot, BenchArgs, Harness};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -46,12 +46,6 @@ const GOAL_SNAPSHOT_VS_FC: f64 = 1.0;
 const GOAL_SOURCE: &str = "Musubi goal, same run";
 
 #[derive(Clone, Debug)]
-enum Vmm {
-    Musubi { exe: PathBuf, elf: PathBuf },
-    Peer(Micro),
-}
-
-#[derive(Clone, Debug)]
 struct Config {
     vmm: Vmm,
     mib: u64,
@@ -59,10 +53,7 @@ struct Config {
 
 impl Config {
     fn vmm_name(&self) -> &'static str {
-        match &self.vmm {
-            Vmm::Musubi { .. } => "musubi",
-            Vmm::Peer(m) => m.kind.name(),
-        }
+        self.vmm.name()
     }
 
     fn name(&self) -> String {

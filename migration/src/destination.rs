@@ -127,13 +127,16 @@ fn session(
         return Err(format!("could not build the VM: {why}"));
     }
     send(&mut writer, &Msg::Built).map_err(|e| e.to_string())?;
-    let data_pages = match recv(&mut reader)? {
-        Msg::Switch { data_pages } => data_pages,
+    match recv(&mut reader)? {
+        Msg::Switch => {}
         m => return Err(format!("expected the switch, got a {} message", m.name())),
-    };
-    ram.serve(reader, writer, data_pages)?;
+    }
+    ram.serve(reader, writer)?;
     Ok(ram)
 }
+
+/// `data_pages` before the source has said how many pages will come.
+const NOT_LISTED: u64 = u64::MAX;
 
 /// What to do when the VM cannot go on: it lacks pages it will never get.
 pub type FailureHook = Box<dyn Fn(String) + Send + Sync>;
@@ -183,7 +186,7 @@ impl PostCopyRam {
             layout,
             opts,
             stats: PostCopyStats::default(),
-            data_pages: AtomicU64::new(0),
+            data_pages: AtomicU64::new(NOT_LISTED),
             held: AtomicBool::new(false),
             released: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
@@ -225,7 +228,7 @@ impl PostCopyRam {
             "faults": self.stats.faults.load(Ordering::Relaxed),
             "asked": self.stats.asked.load(Ordering::Relaxed),
             "installed": self.stats.installed.load(Ordering::Relaxed),
-            "data_pages": self.data_pages.load(Ordering::Relaxed),
+            "data_pages": Some(self.data_pages.load(Ordering::Relaxed)).filter(|&n| n != NOT_LISTED),
             "all_held": self.all_held(),
         })
     }
@@ -254,10 +257,11 @@ impl PostCopyRam {
         }
     }
 
-    fn missing(&self) -> u64 {
-        self.data_pages
-            .load(Ordering::Relaxed)
-            .saturating_sub(self.stats.installed.load(Ordering::Relaxed))
+    /// Pages with data not here yet; `None` before the source has listed them.
+    fn missing(&self) -> Option<u64> {
+        let listed = self.data_pages.load(Ordering::Relaxed);
+        (listed != NOT_LISTED)
+            .then(|| listed.saturating_sub(self.stats.installed.load(Ordering::Relaxed)))
     }
 
     fn send(&self, m: &Envelope) -> Result<(), String> {
@@ -280,13 +284,7 @@ impl PostCopyRam {
     }
 
     /// Starts the threads that bring the pages in over the link.
-    fn serve(
-        self: &Arc<Self>,
-        mut reader: LinkReader,
-        writer: LinkWriter,
-        data_pages: u64,
-    ) -> Result<(), String> {
-        self.data_pages.store(data_pages, Ordering::Relaxed);
+    fn serve(self: &Arc<Self>, mut reader: LinkReader, writer: LinkWriter) -> Result<(), String> {
         reader
             .limit_silence(self.opts.silence)
             .and_then(|()| writer.limit_stall(self.opts.silence))
@@ -349,10 +347,13 @@ impl PostCopyRam {
         if self.held.load(Ordering::Acquire) {
             return;
         }
+        let missing = match self.missing() {
+            Some(n) => format!("{n} pages never arrived"),
+            None => "pages never arrived (the source had not yet said how many)".to_string(),
+        };
         self.fail(format!(
-            "the migration's source was lost before every page came ({why}): {} pages never \
-             arrived, so the VM cannot go on",
-            self.missing()
+            "the migration's source was lost before every page came ({why}): {missing}, so \
+             the VM cannot go on"
         ));
     }
 
@@ -379,6 +380,9 @@ impl PostCopyRam {
                     if let Err(e) = self.mem.wake(page) {
                         return self.fail(format!("migrated guest RAM: {e}"));
                     }
+                }
+                Msg::Listed { data_pages } => {
+                    self.data_pages.store(data_pages, Ordering::Relaxed);
                 }
                 Msg::Done { .. } => {
                     // Every page with data is in; the others are zeros, as absent anonymous
@@ -625,7 +629,13 @@ mod tests {
         };
         let e = src.join().unwrap().unwrap_err();
         assert!(matches!(e, SourceError::After(_)), "{e}");
-        assert!(e.to_string().contains("32 of 32 pages"), "{e}");
+        // The VM ends here right after the switch, before or after the pages with data
+        // were listed (they are listed beside the switch): either way none was sent.
+        let e = e.to_string();
+        assert!(
+            e.contains("32 of 32 pages") || e.contains("not yet listed, none pushed"),
+            "{e}"
+        );
         let (logs, ram, _) = dest.join().unwrap();
         let ram = ram.unwrap_or_else(|| panic!("no VM came: {logs:?}"));
         let (tx, rx) = std::sync::mpsc::channel();
@@ -633,7 +643,10 @@ mod tests {
             let _ = tx.send(why);
         }));
         let why = rx.recv_timeout(Duration::from_secs(60)).unwrap();
-        assert!(why.contains("32 pages never arrived"), "{why}");
+        assert!(
+            why.contains("32 pages never arrived") || why.contains("had not yet said how many"),
+            "{why}"
+        );
         assert!(!ram.all_held());
         ram.release();
     }

@@ -34,7 +34,10 @@ pub enum Msg {
     Refused(String),
     Built,
     Failed(String),
-    Switch {
+    Switch,
+    /// How many pages may hold data and will come (asked or pushed): sent once the
+    /// source has listed them, which it does while the VM already runs on the destination.
+    Listed {
         data_pages: u64,
     },
     Want(u64),
@@ -74,6 +77,7 @@ const T_PAGE: u8 = 9;
 const T_DONE: u8 = 10;
 const T_ALL_HELD: u8 = 11;
 const T_ENDED: u8 = 12;
+const T_LISTED: u8 = 13;
 
 fn blob_byte(b: Blob) -> u8 {
     match b {
@@ -100,7 +104,8 @@ impl Msg {
             Msg::Refused(_) => "refused",
             Msg::Built => "built",
             Msg::Failed(_) => "failed",
-            Msg::Switch { .. } => "switch",
+            Msg::Switch => "switch",
+            Msg::Listed { .. } => "listed",
             Msg::Want(_) => "want",
             Msg::Page { .. } => "page",
             Msg::Done { .. } => "done",
@@ -131,8 +136,9 @@ impl Msg {
                 out.push(T_FAILED);
                 out.extend_from_slice(cut(why));
             }
-            Msg::Switch { data_pages } => {
-                out.push(T_SWITCH);
+            Msg::Switch => out.push(T_SWITCH),
+            Msg::Listed { data_pages } => {
+                out.push(T_LISTED);
                 out.extend_from_slice(&data_pages.to_le_bytes());
             }
             Msg::Want(page) => {
@@ -194,7 +200,8 @@ impl Msg {
             T_REFUSED => Msg::Refused(text(rest)),
             T_BUILT => exact(0).map(|_| Msg::Built)?,
             T_FAILED => Msg::Failed(text(rest)),
-            T_SWITCH => Msg::Switch {
+            T_SWITCH => exact(0).map(|_| Msg::Switch)?,
+            T_LISTED => Msg::Listed {
                 data_pages: u64_of(exact(8)?),
             },
             T_WANT => Msg::Want(u64_of(exact(8)?)),
@@ -292,7 +299,8 @@ mod tests {
             Msg::Refused("no disk".into()),
             Msg::Built,
             Msg::Failed("KVM said no".into()),
-            Msg::Switch { data_pages: 77 },
+            Msg::Switch,
+            Msg::Listed { data_pages: 77 },
             Msg::Want(u64::MAX),
             Msg::Page { page: 3, data },
             Msg::Done { pushed: 5 },

@@ -104,16 +104,18 @@ pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceRepo
             return Err(setup(format!("pausing the VM and reading its state: {e}")));
         }
     };
-    let prepared = (|| {
-        send_blob(&mut writer, Blob::State, &state).map_err(|e| e.to_string())?;
-        match recv(&mut reader)? {
-            Msg::Built => {}
-            Msg::Failed(why) => {
-                return Err(format!("the destination could not build the VM: {why}"))
-            }
-            m => return Err(format!("unexpected {} message", m.name())),
+    // The pages that may hold data are listed while the state travels and the VM starts on
+    // the other side: the page map of a 4 GiB guest takes milliseconds to read, which
+    // would otherwise be part of the pause. The VM does not run here again, so the list
+    // made now stays true.
+    let layout = match RamLayout::new(vm.ram_ranges()) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = vm.resume();
+            return Err(setup(e));
         }
-        let layout = RamLayout::new(vm.ram_ranges())?;
+    };
+    let list = |layout: &RamLayout| -> Result<Vec<u64>, String> {
         let mut data: Vec<u64> = vm
             .pages_with_data()?
             .into_iter()
@@ -121,16 +123,45 @@ pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceRepo
             .collect();
         data.sort_unstable();
         data.dedup();
-        send(
-            &mut writer,
-            &Msg::Switch {
-                data_pages: data.len() as u64,
-            },
-        )
-        .map_err(|e| e.to_string())?;
-        Ok((layout, data))
+        Ok(data)
+    };
+    std::thread::scope(|scope| {
+        let (listed_tx, listed) = mpsc::channel();
+        let layout_for_list = layout.clone();
+        scope.spawn(move || {
+            let _ = listed_tx.send(list(&layout_for_list));
+        });
+        switch_over(vm, to, opts, writer, reader, layout, &state, listed)
+    })
+}
+
+/// Sends the paused VM's state, switches over once the destination has built it, and then
+/// serves its pages; before the switch every failure resumes the VM here.
+#[allow(clippy::too_many_arguments)]
+fn switch_over(
+    vm: &dyn SourceVm,
+    to: &str,
+    opts: &Options,
+    mut writer: LinkWriter,
+    mut reader: LinkReader,
+    layout: RamLayout,
+    state: &[u8],
+    listed: mpsc::Receiver<Result<Vec<u64>, String>>,
+) -> Result<SourceReport, SourceError> {
+    let setup = |why: String| SourceError::Before(format!("migration to {to}: {why}"));
+    let prepared = (|| {
+        send_blob(&mut writer, Blob::State, state).map_err(|e| e.to_string())?;
+        match recv(&mut reader)? {
+            Msg::Built => {}
+            Msg::Failed(why) => {
+                return Err(format!("the destination could not build the VM: {why}"))
+            }
+            m => return Err(format!("unexpected {} message", m.name())),
+        }
+        send(&mut writer, &Msg::Switch).map_err(|e| e.to_string())?;
+        Ok(layout)
     })();
-    let (layout, data) = match prepared {
+    let layout = match prepared {
         Ok(p) => p,
         Err(e) => {
             if let Err(r) = vm.resume() {
@@ -141,7 +172,7 @@ pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceRepo
     };
 
     // The switch: the VM runs on the destination now.
-    let r = after_switch(vm, to, opts, &mut writer, reader, &layout, &data);
+    let r = after_switch(vm, to, opts, &mut writer, reader, &layout, listed);
     writer.shutdown();
     r
 }
@@ -154,21 +185,27 @@ fn after_switch(
     writer: &mut LinkWriter,
     mut reader: LinkReader,
     layout: &RamLayout,
-    data: &[u64],
+    listed: mpsc::Receiver<Result<Vec<u64>, String>>,
 ) -> Result<SourceReport, SourceError> {
     let mut report = SourceReport {
         to: to.to_string(),
-        data_pages: data.len() as u64,
         ..SourceReport::default()
     };
-    let lost = |report: &SourceReport, sent: &[bool], why: String| {
-        let left = data.iter().filter(|&&p| !sent[p as usize]).count();
+    // The pages that may hold data, once listed (see `send`); asked pages are served before.
+    let mut data: Option<Vec<u64>> = None;
+    let lost = |report: &SourceReport, data: &Option<Vec<u64>>, sent: &[bool], why: String| {
+        let left = match data {
+            Some(d) => format!(
+                "{} of {} pages with data were never sent",
+                d.iter().filter(|&&p| !sent[p as usize]).count(),
+                d.len()
+            ),
+            None => "the pages with data were not yet listed, none pushed".to_string(),
+        };
         SourceError::After(format!(
-            "migration to {to} lost after the switch ({why}): {left} of {} pages with data were \
-             never sent, so the VM cannot go on ({} sent on request, {} pushed)",
-            data.len(),
-            report.pages_asked,
-            report.pages_pushed
+            "migration to {to} lost after the switch ({why}): {left}, so the VM cannot go on \
+             ({} sent on request, {} pushed)",
+            report.pages_asked, report.pages_pushed
         ))
     };
     let mut sent = vec![false; layout.pages() as usize];
@@ -176,7 +213,7 @@ fn after_switch(
         .limit_silence(opts.silence)
         .and_then(|()| writer.limit_stall(opts.silence))
     {
-        return Err(lost(&report, &sent, e.to_string()));
+        return Err(lost(&report, &data, &sent, e.to_string()));
     }
     let (tx, rx) = mpsc::channel();
     let listener = std::thread::Builder::new()
@@ -189,7 +226,12 @@ fn after_switch(
             }
         });
     if let Err(e) = listener {
-        return Err(lost(&report, &sent, format!("cannot start a thread: {e}")));
+        return Err(lost(
+            &report,
+            &data,
+            &sent,
+            format!("cannot start a thread: {e}"),
+        ));
     }
 
     let mut buf = Box::new([0u8; PAGE_SIZE]);
@@ -199,9 +241,38 @@ fn after_switch(
     let mut last_send = Instant::now();
     loop {
         if vm.has_ended() {
-            return Err(lost(&report, &sent, "the VM ended here".into()));
+            return Err(lost(&report, &data, &sent, "the VM ended here".into()));
         }
-        let event = if done {
+        if data.is_none() {
+            match listed.try_recv() {
+                Ok(Ok(d)) => {
+                    report.data_pages = d.len() as u64;
+                    let m = Msg::Listed {
+                        data_pages: report.data_pages,
+                    };
+                    if let Err(e) = send(writer, &m) {
+                        return Err(lost(&report, &data, &sent, e.to_string()));
+                    }
+                    data = Some(d);
+                }
+                Ok(Err(e)) => return Err(lost(&report, &data, &sent, e)),
+                Err(mpsc::TryRecvError::Empty) => {}
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    let why = "the thread listing the pages with data ended".to_string();
+                    return Err(lost(&report, &data, &sent, why));
+                }
+            }
+        }
+        let event = if data.is_none() {
+            // Only asked pages can be served yet: wait for one briefly, then look again.
+            match rx.recv_timeout(std::time::Duration::from_millis(1)) {
+                Ok(m) => Some(m),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    Some(Err("the link's reader stopped".into()))
+                }
+            }
+        } else if done {
             match rx.recv_timeout(opts.heartbeat) {
                 Ok(m) => Some(m),
                 Err(mpsc::RecvTimeoutError::Timeout) => None,
@@ -229,17 +300,21 @@ fn after_switch(
             Some(Ok(m)) => {
                 return Err(lost(
                     &report,
+                    &data,
                     &sent,
                     format!("unexpected {} message", m.name()),
                 ))
             }
-            Some(Err(e)) => return Err(lost(&report, &sent, e)),
+            Some(Err(e)) => return Err(lost(&report, &data, &sent, e)),
             None if done => None,
             None => {
-                while next < data.len() && sent[data[next] as usize] {
+                let Some(list) = data.as_deref() else {
+                    continue;
+                };
+                while next < list.len() && sent[list[next] as usize] {
                     next += 1;
                 }
-                match data.get(next) {
+                match list.get(next) {
                     Some(&p) => {
                         report.pages_pushed += 1;
                         Some(p)
@@ -250,7 +325,7 @@ fn after_switch(
                             pushed: report.pages_pushed,
                         };
                         if let Err(e) = send(writer, &m) {
-                            return Err(lost(&report, &sent, e.to_string()));
+                            return Err(lost(&report, &data, &sent, e.to_string()));
                         }
                         last_send = Instant::now();
                         None
@@ -261,21 +336,21 @@ fn after_switch(
         if let Some(p) = page {
             let gpa = layout.gpa_of(p).expect("page numbers come from the layout");
             if let Err(e) = vm.read_page(gpa, &mut buf) {
-                return Err(lost(&report, &sent, e));
+                return Err(lost(&report, &data, &sent, e));
             }
             let m = Msg::Page {
                 page: p,
                 data: buf.clone(),
             };
             if let Err(e) = send(writer, &m) {
-                return Err(lost(&report, &sent, e.to_string()));
+                return Err(lost(&report, &data, &sent, e.to_string()));
             }
             sent[p as usize] = true;
             last_send = Instant::now();
         } else if done && last_send.elapsed() >= opts.heartbeat {
             beat += 1;
             if let Err(e) = writer.send(&Envelope::Heartbeat { seq: beat }) {
-                return Err(lost(&report, &sent, e.to_string()));
+                return Err(lost(&report, &data, &sent, e.to_string()));
             }
             last_send = Instant::now();
         }

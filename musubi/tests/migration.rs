@@ -41,24 +41,10 @@ fn free_port() -> u16 {
     l.local_addr().unwrap().port()
 }
 
-/// Whether a socket listens on 127.0.0.1:`port`, from /proc/net/tcp (no connection made,
-/// so the destination sees no stranger).
-fn listening(port: u16) -> bool {
-    let want = format!("0100007F:{port:04X}");
-    std::fs::read_to_string("/proc/net/tcp")
-        .unwrap_or_default()
-        .lines()
-        .skip(1)
-        .any(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            f.len() > 3 && f[1] == want && f[3] == "0A"
-        })
-}
-
 /// Waits until `vm` listens on `port`; fails if it ends first or after [`LIMIT`].
 fn wait_listening(vm: &mut Started, port: u16) {
     let start = Instant::now();
-    while !listening(port) {
+    while !listening_on_loopback(port) {
         if let Some(s) = vm.child.try_wait().unwrap() {
             panic!("the destination ended ({s}) before it listened on port {port}");
         }
@@ -365,7 +351,10 @@ fn a_wrong_secret_is_refused_and_the_destination_keeps_waiting() {
         dest.child.try_wait().unwrap().is_none(),
         "the destination ended"
     );
-    assert!(listening(port), "the destination stopped listening");
+    assert!(
+        listening_on_loopback(port),
+        "the destination stopped listening"
+    );
     // SAFETY: kill(2) on our own child, not yet waited for.
     unsafe { libc::kill(dest.child.id() as libc::pid_t, libc::SIGTERM) };
     dest_guard.defuse();
@@ -497,18 +486,9 @@ impl Drop for NetnsPair {
     }
 }
 
-/// Whether process `pid` has a socket listening on `addr:port` (IPv4), from its network
-/// namespace's /proc/PID/net/tcp.
+/// Whether process `pid` has a socket listening on `addr:port`, in its network namespace.
 fn listening_in(pid: u32, addr: std::net::Ipv4Addr, port: u16) -> bool {
-    let want = format!("{:08X}:{port:04X}", u32::from_le_bytes(addr.octets()));
-    std::fs::read_to_string(format!("/proc/{pid}/net/tcp"))
-        .unwrap_or_default()
-        .lines()
-        .skip(1)
-        .any(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            f.len() > 3 && f[1] == want && f[3] == "0A"
-        })
+    listening_at(&format!("/proc/{pid}/net/tcp"), addr, port)
 }
 
 #[test]

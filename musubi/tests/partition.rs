@@ -966,20 +966,6 @@ fn a_snapshot_whose_disk_belongs_to_another_partition_is_not_restored_there() {
 /// lands mid-task (as in tests/migration.rs).
 const MIGRATE_FIB_N: u64 = 46;
 
-/// Whether a socket listens on 127.0.0.1:`port` (/proc/net/tcp: no connection made, so
-/// the destination sees no stranger).
-fn listening_on_loopback(port: u16) -> bool {
-    let want = format!("0100007F:{port:04X}");
-    std::fs::read_to_string("/proc/net/tcp")
-        .unwrap_or_default()
-        .lines()
-        .skip(1)
-        .any(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            f.len() > 3 && f[1] == want && f[3] == "0A"
-        })
-}
-
 #[test]
 fn a_vm_migrated_from_one_partition_to_another_ends_its_task_in_the_second() {
     use std::os::unix::fs::PermissionsExt;
@@ -1010,7 +996,7 @@ fn a_vm_migrated_from_one_partition_to_another_ends_its_task_in_the_second() {
         "200",
     ]);
     let start = Instant::now();
-    while !listening_on_loopback(port) {
+    while !common::listening_on_loopback(port) {
         let v = env.vm("b", 1);
         assert_eq!(v["state"], "running", "{v}\n{}", console(&v));
         assert!(
@@ -1103,7 +1089,7 @@ fn a_migrating_vm_whose_disk_belongs_to_another_partition_is_refused_on_arrival(
         "200",
     ]);
     let start = Instant::now();
-    while !listening_on_loopback(port) {
+    while !common::listening_on_loopback(port) {
         assert!(start.elapsed() < LIMIT, "nothing listens on {url}");
         std::thread::sleep(Duration::from_millis(50));
     }

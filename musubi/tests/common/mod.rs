@@ -353,3 +353,23 @@ impl Drop for KillOnPanic {
         }
     }
 }
+
+/// Whether a socket listens on `addr:port` (IPv4) in the network namespace of the
+/// `/proc/.../net/tcp` table at `table`: read from the kernel, so no connection is made and
+/// a migration's destination sees no stranger.
+pub fn listening_at(table: &str, addr: std::net::Ipv4Addr, port: u16) -> bool {
+    let want = format!("{:08X}:{port:04X}", u32::from_le_bytes(addr.octets()));
+    std::fs::read_to_string(table)
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[1] == want && f[3] == "0A"
+        })
+}
+
+/// Whether a socket of this network namespace listens on 127.0.0.1:`port`.
+pub fn listening_on_loopback(port: u16) -> bool {
+    listening_at("/proc/net/tcp", std::net::Ipv4Addr::LOCALHOST, port)
+}
