@@ -12,12 +12,12 @@ use dsm::PAGE_SIZE;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// What to do when a page cannot be served: the VM cannot go on without it.
-pub type FailureHook = Box<dyn Fn(String) + Send + Sync>;
+pub use crate::failure::FailureHook;
+use crate::failure::FailureSlot;
 
 /// Counters of the fault-serving thread.
 #[derive(Debug, Default)]
@@ -48,9 +48,7 @@ struct Shared {
     data: Vec<(u64, u64)>,
     stop: AtomicBool,
     stats: DemandStats,
-    hook: OnceLock<FailureHook>,
-    /// A failure seen before anyone set the hook, handed to it when it is set.
-    early_failure: Mutex<Option<String>>,
+    failure: FailureSlot,
 }
 
 /// Anonymous memory of `len` bytes whose pages come from `file` (offset = address - base)
@@ -88,8 +86,7 @@ impl DemandRam {
             data,
             stop: AtomicBool::new(false),
             stats: DemandStats::default(),
-            hook: OnceLock::new(),
-            early_failure: Mutex::new(None),
+            failure: FailureSlot::default(),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -121,16 +118,7 @@ impl DemandRam {
     /// Called once with the reason when a page cannot be served (an unreadable file): the
     /// owner ends the VM with it. A failure that came before is handed over at once.
     pub fn on_failure(&self, hook: FailureHook) {
-        let early = self
-            .shared
-            .early_failure
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(why) = early {
-            hook(why);
-        }
-        let _ = self.shared.hook.set(hook);
+        self.shared.failure.set(hook);
     }
 
     /// Once no guest code runs any more: takes the memory out of userfaultfd (a fault still
@@ -153,12 +141,7 @@ impl Drop for DemandRam {
 }
 
 fn fail(s: &Shared, why: String) {
-    match s.hook.get() {
-        Some(hook) => hook(why),
-        None => {
-            *s.early_failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
-        }
-    }
+    s.failure.fail(why);
 }
 
 /// Serves faults until told to stop; the first page that cannot be served ends it.

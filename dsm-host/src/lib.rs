@@ -13,6 +13,7 @@ pub mod coherence;
 pub mod delay;
 pub mod demand;
 pub mod envelope;
+pub mod failure;
 pub mod link;
 pub mod memory;
 pub mod poll_window;

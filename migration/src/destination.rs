@@ -138,8 +138,8 @@ fn session(
 /// `data_pages` before the source has said how many pages will come.
 const NOT_LISTED: u64 = u64::MAX;
 
-/// What to do when the VM cannot go on: it lacks pages it will never get.
-pub type FailureHook = Box<dyn Fn(String) + Send + Sync>;
+pub use dsm_host::failure::FailureHook;
+use dsm_host::failure::FailureSlot;
 
 /// Counters of the page traffic.
 #[derive(Debug, Default)]
@@ -166,8 +166,7 @@ pub struct PostCopyRam {
     /// The VM no longer runs.
     stopped: AtomicBool,
     writer: OnceLock<Mutex<LinkWriter>>,
-    hook: OnceLock<FailureHook>,
-    early_failure: Mutex<Option<String>>,
+    failure: FailureSlot,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -191,8 +190,7 @@ impl PostCopyRam {
             released: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             writer: OnceLock::new(),
-            hook: OnceLock::new(),
-            early_failure: Mutex::new(None),
+            failure: FailureSlot::default(),
             threads: Mutex::new(Vec::new()),
         }))
     }
@@ -236,25 +234,14 @@ impl PostCopyRam {
     /// Called once with the reason when the VM cannot go on. A failure that came before is
     /// handed over at once.
     pub fn on_failure(&self, hook: FailureHook) {
-        let early = self
-            .early_failure
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(why) = early {
-            hook(why);
-        }
-        let _ = self.hook.set(hook);
+        self.failure.set(hook);
     }
 
     fn fail(&self, why: String) {
         if self.stopped.load(Ordering::Acquire) {
             return;
         }
-        match self.hook.get() {
-            Some(hook) => hook(why),
-            None => *self.early_failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(why),
-        }
+        self.failure.fail(why);
     }
 
     /// Pages with data not here yet; `None` before the source has listed them.
