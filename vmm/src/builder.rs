@@ -129,18 +129,9 @@ pub struct VmBuilder<'a> {
     on_stopped: Option<Box<dyn FnOnce() + Send>>,
     extra_metrics: Option<ExtraMetrics>,
     /// Build the VM a snapshot holds instead of booting one.
-    restore: Option<Restore>,
+    restore: Option<crate::snapshot::Snapshot>,
     /// Build everything but the state, which [`Vm::apply_state`] puts in later.
     later: bool,
-}
-
-/// A VM to put back instead of booting one: its state, and the file its RAM was saved in
-/// (none when the RAM comes from elsewhere, as on a migration's destination).
-struct Restore {
-    /// Where the state came from, for messages.
-    from: String,
-    state: crate::snapshot::VmState,
-    memory: Option<Arc<std::fs::File>>,
 }
 
 /// Where guest RAM comes from.
@@ -227,24 +218,10 @@ impl<'a> VmBuilder<'a> {
     /// Builds the VM `snapshot` holds: RAM mapped copy-on-write from its memory file, every
     /// vCPU, interrupt controller, timer and device put back as saved, no kernel loaded.
     /// `config` must be the snapshot's own (`snapshot.config.to_vm_config()`).
+    /// It is built as [`VmBuilder::restore_later`] builds and then given the snapshot's
+    /// state, so a snapshot and a migration put a VM back the one same way.
     pub fn restore(mut self, snapshot: crate::snapshot::Snapshot) -> Self {
-        self.restore = Some(Restore {
-            from: snapshot.dir.display().to_string(),
-            state: snapshot.state,
-            memory: Some(snapshot.memory),
-        });
-        self
-    }
-
-    /// Builds the VM `state` describes (taken from a running VM elsewhere, `from` naming
-    /// where), its RAM from [`VmBuilder::guest_ram`]: a migration's destination, whose pages
-    /// arrive over the network.
-    pub fn restore_state(mut self, from: String, state: crate::snapshot::VmState) -> Self {
-        self.restore = Some(Restore {
-            from,
-            state,
-            memory: None,
-        });
+        self.restore = Some(snapshot);
         self
     }
 
@@ -370,16 +347,15 @@ impl Vmm {
                 source,
             })?;
         let mut kvm = KvmVm::create(kvm_host)?;
-        let mut restore = share.restore;
-        if let Some(snap) = &restore {
-            check_layout(snap, &layout)?;
-        }
+        let snapshot = share.restore;
+        // A VM put back from a state has no kernel to load and no entry state: its vCPUs
+        // wait for `Vm::apply_state`.
+        let later = share.later || snapshot.is_some();
         let ram = Arc::new(match share.ram {
-            GuestRamSource::Anonymous if restore.as_ref().is_some_and(|r| r.memory.is_some()) => {
-                let file = restore.as_ref().and_then(|r| r.memory.clone());
-                GuestRam::from_file(&layout, file.expect("checked"))?
-            }
-            GuestRamSource::Anonymous => GuestRam::new(&layout, RamBackend::Anonymous)?,
+            GuestRamSource::Anonymous => match &snapshot {
+                Some(snap) => GuestRam::from_file(&layout, snap.memory.clone())?,
+                None => GuestRam::new(&layout, RamBackend::Anonymous)?,
+            },
             // SAFETY: `ExternalRam::new`'s contract: the owner keeps the mapping while it
             // lives, and `GuestRam` keeps the owner.
             GuestRamSource::External(r) => unsafe {
@@ -396,8 +372,7 @@ impl Vmm {
         phase("vm and memory");
 
         // 2. The kernel, loaded once for the whole VM by the node that holds the devices.
-        let later = share.later && restore.is_none();
-        let loaded = if share.devices && restore.is_none() && !later {
+        let loaded = if share.devices && !later {
             Some(load_kernel(&mem, &config.kernel)?)
         } else {
             None
@@ -412,25 +387,9 @@ impl Vmm {
                 sregs: linux::long_mode_sregs,
             },
         });
-        match &mut restore {
-            Some(snap) => {
-                // Taken out: the vCPU threads own them from here.
-                let mut states: Vec<Option<_>> = std::mem::take(&mut snap.state.vcpus)
-                    .into_iter()
-                    .map(Some)
-                    .collect();
-                for v in &vcpus {
-                    if let Some(s) = states.get_mut(v.id as usize).and_then(Option::take) {
-                        v.restore(s);
-                    }
-                }
-            }
-            // The state comes with `Vm::apply_state`; the vCPU threads wait for it.
-            None if later => {}
-            None => {
-                for v in &vcpus {
-                    v.boot(if v.id == 0 { boot } else { None });
-                }
+        if !later {
+            for v in &vcpus {
+                v.boot(if v.id == 0 { boot } else { None });
             }
         }
         phase("kernel loaded");
@@ -478,22 +437,13 @@ impl Vmm {
         // Last: KVM_CREATE_PIT2 runs under the VM's lock, which KVM_CREATE_VCPU takes too,
         // so made earlier it held up the vCPUs being created on their threads.
         kvm.create_pit()?;
-        let start_clock = match &restore {
-            Some(snap) => {
-                kvm.restore_state(&snap.state.vm)?;
-                restore_devices(&devices, &snap.state)?;
-                phase("state restored");
-                Some(snap.state.vm.clock)
-            }
-            None => None,
-        };
         let saved_config = crate::snapshot::SavedConfig::new(
             config,
             &pmem.regions.iter().map(|r| r.size).collect::<Vec<_>>(),
         );
 
         let bus: Arc<dyn DeviceBus> = devices.bus.clone();
-        Ok(Vm {
+        let mut vm = Vm {
             started,
             opts: opts.clone(),
             exits: config.exits,
@@ -509,26 +459,32 @@ impl Vmm {
             bus,
             extra_metrics: share.extra_metrics,
             on_stopped: share.on_stopped,
-            start_clock,
+            start_clock: None,
             saved_config,
             awaits_state: later,
-        })
+        };
+        if let Some(snap) = snapshot {
+            vm.apply_state(snap.dir.display().to_string(), snap.state)?;
+            phase("state restored");
+        }
+        Ok(vm)
     }
 }
 
 /// Refuses a snapshot whose RAM or memory-storage regions would land elsewhere in this
 /// build's guest-physical map (another host's address width can move them).
 fn check_layout(
-    snap: &Restore,
+    from: &str,
+    state: &crate::snapshot::VmState,
     layout: &GuestLayout,
 ) -> Result<(), crate::snapshot::SnapshotError> {
     let ram: Vec<(u64, u64)> = layout.ram.iter().map(|r| (r.start, r.len)).collect();
     let pmem: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
-    if ram != snap.state.ram || pmem != snap.state.pmem {
+    if ram != state.ram || pmem != state.pmem {
         return Err(crate::snapshot::SnapshotError::Layout(format!(
             "{}: the snapshot's guest-physical map (RAM {:x?}, memory storage {:x?}) is not this \
              build's (RAM {ram:x?}, memory storage {pmem:x?})",
-            snap.from, snap.state.ram, snap.state.pmem
+            from, state.ram, state.pmem
         )));
     }
     Ok(())
@@ -608,31 +564,25 @@ impl Vm {
             ));
         }
         let vcpus = std::mem::take(&mut state.vcpus);
-        let restore = Restore {
-            from,
-            state,
-            memory: None,
-        };
-        check_layout(&restore, &self.layout)?;
+        check_layout(&from, &state, &self.layout)?;
         if vcpus.len() != self.layout.cpus as usize {
             return Err(BuildError::Snapshot(
                 crate::snapshot::SnapshotError::Layout(format!(
-                    "{}: {} vCPU states for a VM of {} CPUs",
-                    restore.from,
+                    "{from}: {} vCPU states for a VM of {} CPUs",
                     vcpus.len(),
                     self.layout.cpus
                 )),
             ));
         }
-        self.kvm.restore_state(&restore.state.vm)?;
-        restore_devices(&self.devices, &restore.state)?;
+        self.kvm.restore_state(&state.vm)?;
+        restore_devices(&self.devices, &state)?;
         let mut states: Vec<Option<_>> = vcpus.into_iter().map(Some).collect();
         for v in &self.vcpus {
             if let Some(s) = states.get_mut(v.id as usize).and_then(Option::take) {
                 v.restore(s);
             }
         }
-        self.start_clock = Some(restore.state.vm.clock);
+        self.start_clock = Some(state.vm.clock);
         self.awaits_state = false;
         Ok(())
     }

@@ -408,12 +408,6 @@ impl VmHandle {
         crate::snapshot::pages_that_may_hold_data(&self.shared.ram)
     }
 
-    /// Whether the 4 KiB page at `gpa` may hold data: present or swapped in this process,
-    /// or still in the file a restored RAM came from. A page that may not is all zeros.
-    pub fn page_may_hold_data(&self, gpa: u64) -> bool {
-        crate::snapshot::page_may_hold_data(&self.shared.ram, gpa)
-    }
-
     /// Writes a snapshot of the VM to `dir` (created if missing; files in it replaced). The
     /// VM is paused first if it runs, and left paused.
     pub fn snapshot(&self, dir: &std::path::Path) -> Result<SnapshotReport, ControlError> {

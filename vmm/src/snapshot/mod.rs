@@ -15,7 +15,7 @@
 
 mod ram;
 
-pub use ram::{page_may_hold_data, pages_that_may_hold_data, write_ram, RamWritten};
+pub use ram::{pages_that_may_hold_data, write_ram, RamWritten};
 
 use crate::config::{CacheMode, DiskConfig, ExitsMode, KernelImage, SerialMode, VmConfig};
 use crate::pmem::{Advertise, PmemConfig};

@@ -141,29 +141,6 @@ pub fn write_ram(ram: &GuestRam, path: &Path) -> std::io::Result<RamWritten> {
     Ok(done)
 }
 
-/// Whether the page at `gpa` may hold data (see [`pages_that_may_hold_data`]).
-pub fn page_may_hold_data(ram: &GuestRam, gpa: u64) -> bool {
-    let mut file_offset = 0u64;
-    for region in ram.memory().iter() {
-        let start = region.start_addr().0;
-        if gpa >= start && gpa < start + region.len() {
-            let host = region.as_ptr() as u64 + (gpa - start);
-            let mut e = [0u64; 1];
-            let present = File::open("/proc/self/pagemap")
-                .and_then(|f| read_pagemap(&f, host, &mut e))
-                .map(|_| e[0] & (PM_PRESENT | PM_SWAPPED) != 0)
-                .unwrap_or(true);
-            let in_file = ram.source().is_some_and(|src| {
-                let at = file_offset + (gpa - start);
-                data_extents(src, at, PAGE).map_or(true, |x| !x.is_empty())
-            });
-            return present || in_file;
-        }
-        file_offset += region.len();
-    }
-    false
-}
-
 fn flush(
     out: &File,
     host: u64,
