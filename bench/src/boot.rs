@@ -6,7 +6,7 @@
 
 use super::kvm_trace::KvmRunTrace;
 use super::peers::{self, Kind, Micro};
-use super::qemu::{self, Outcome, Peer, Qemu, Standing};
+use super::qemu::{self, measured_per_config, Outcome, Peer, Qemu, Standing};
 use super::report::{cell, figures_table, median_min, mib, ms, Csv, Figure, Table};
 use super::stats::{max, ratio, Summary};
 use super::watch::{observe, observe_to_marker, time_to_marker, Observed, Watch};
@@ -220,14 +220,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     let csv_path = h.write_csv("boot.csv", &csv)?;
 
-    let per: Vec<Vec<&Sample>> = (0..configs.len())
-        .map(|c| {
-            runs.iter()
-                .filter(|r| r.1 == c)
-                .filter_map(|r| r.2.measured())
-                .collect()
-        })
-        .collect();
+    let per: Vec<Vec<&Sample>> = measured_per_config(&runs, configs.len());
     let sums: Vec<Sums> = per.iter().map(|s| Sums::of(s)).collect();
 
     let mut t = Table::new(&[

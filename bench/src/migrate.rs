@@ -20,7 +20,7 @@
 use super::apivm::{api, one_line, Vm, Vmm};
 use super::kvm_trace::{KvmRunTrace, KVM_GET_CLOCK};
 use super::peers::{self, Kind, Micro};
-use super::qemu::{Outcome, Standing};
+use super::qemu::{measured_per_config, Outcome, Standing};
 use super::report::{cell, figures_table, median_min, ms, Csv, Figure, Table};
 use super::stats::{ratio, Summary};
 use super::{plot, BenchArgs, Harness};
@@ -337,15 +337,9 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     let csv_path = h.write_csv("migrate.csv", &csv)?;
 
-    let sums: Vec<Sums> = (0..configs.len())
-        .map(|c| {
-            let s: Vec<&Sample> = runs
-                .iter()
-                .filter(|r| r.1 == c)
-                .filter_map(|r| r.2.measured())
-                .collect();
-            Sums::of(&s)
-        })
+    let sums: Vec<Sums> = measured_per_config(&runs, configs.len())
+        .iter()
+        .map(|s| Sums::of(s))
         .collect();
     let find = |vmm: &str, mib: u64, work: Work, migrated: bool| {
         configs

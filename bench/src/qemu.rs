@@ -126,6 +126,19 @@ impl<S> Outcome<S> {
     }
 }
 
+/// The measured samples of each of `configs` configurations, from `run_schedule`'s runs
+/// (rep, configuration, outcome); failed and unmade runs left out.
+pub fn measured_per_config<S>(runs: &[(usize, usize, Outcome<S>)], configs: usize) -> Vec<Vec<&S>> {
+    (0..configs)
+        .map(|c| {
+            runs.iter()
+                .filter(|r| r.1 == c)
+                .filter_map(|r| r.2.measured())
+                .collect()
+        })
+        .collect()
+}
+
 /// Whether the peer is still in the running, over one benchmark run. It drops out at its
 /// probe or its first failed run, and its remaining runs are not made: a peer that hangs
 /// would otherwise cost its whole time limit on every run.

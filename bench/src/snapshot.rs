@@ -15,7 +15,7 @@
 use super::apivm::{api, one_line, Vm, Vmm, ERROR_LINES};
 use super::kvm_trace::KvmRunTrace;
 use super::peers::{self, Kind, Micro};
-use super::qemu::{Outcome, Standing};
+use super::qemu::{measured_per_config, Outcome, Standing};
 use super::report::{cell, figures_table, median_min, mib, ms, Csv, Figure, Table};
 use super::stats::{max, ratio, Summary};
 use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
@@ -240,15 +240,9 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     let csv_path = h.write_csv("snapshot.csv", &csv)?;
 
-    let sums: Vec<Sums> = (0..configs.len())
-        .map(|c| {
-            let s: Vec<&Sample> = runs
-                .iter()
-                .filter(|r| r.1 == c)
-                .filter_map(|r| r.2.measured())
-                .collect();
-            Sums::of(&s)
-        })
+    let sums: Vec<Sums> = measured_per_config(&runs, configs.len())
+        .iter()
+        .map(|s| Sums::of(s))
         .collect();
 
     let mut t = Table::new(&[
