@@ -170,6 +170,26 @@ fn finished_destination(vm: Started, serial: &Path) -> String {
     text
 }
 
+/// Moves a VM running `tasks` (`flags` its own) on loopback right after its hello, with a
+/// secret made of `seed`, and returns the destination's console once both ends have
+/// ended as a move mid-task must.
+fn moved_mid_task(seed: u8, tasks: &str, flags: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret(dir.path(), "secret", seed);
+    let port = free_port();
+    let dest_serial = dir.path().join("dest.out");
+    let dest = start_destination(port, &key, &dest_serial, &[]);
+    let dest_guard = KillOnPanic::new(&dest);
+    let src = start_source(dir.path(), "src", tasks, flags);
+    let src_guard = KillOnPanic::new(&src.vm);
+    let r = send_migration(&src.socket, port, &key);
+    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
+    src_guard.defuse();
+    assert_migrated_away(src, port);
+    dest_guard.defuse();
+    finished_destination(dest, &dest_serial)
+}
+
 fn assert_fib(text: &str) {
     let f = result_in(text, "fib");
     assert_eq!(
@@ -181,53 +201,18 @@ fn assert_fib(text: &str) {
 
 #[test]
 fn fib_migrated_mid_task_ends_on_the_destination_as_an_uninterrupted_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", 7);
-    let port = free_port();
-    let dest_serial = dir.path().join("dest.out");
-    let dest = start_destination(port, &key, &dest_serial, &[]);
-    let dest_guard = KillOnPanic::new(&dest);
-    let tasks = format!("hello,fib={FIB_N}");
-    let src = start_source(dir.path(), "src", &tasks, &["--memory", MEMORY]);
-    let src_guard = KillOnPanic::new(&src.vm);
-    let r = send_migration(&src.socket, port, &key);
-    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
-    src_guard.defuse();
-    assert_migrated_away(src, port);
-    dest_guard.defuse();
-    let text = finished_destination(dest, &dest_serial);
+    let text = moved_mid_task(7, &format!("hello,fib={FIB_N}"), &["--memory", MEMORY]);
     assert_fib(&text);
 }
 
 #[test]
 fn shared_counter_on_two_vcpus_is_exact_after_migration() {
-    let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", 9);
-    let port = free_port();
-    let dest_serial = dir.path().join("dest.out");
-    let dest = start_destination(port, &key, &dest_serial, &[]);
-    let dest_guard = KillOnPanic::new(&dest);
-    let tasks = format!("hello,shared-counter={COUNTER_N}");
-    let src = start_source(
-        dir.path(),
-        "src",
-        &tasks,
+    let text = moved_mid_task(
+        9,
+        &format!("hello,shared-counter={COUNTER_N}"),
         &["--cpus", "2", "--memory", MEMORY],
     );
-    let src_guard = KillOnPanic::new(&src.vm);
-    let r = send_migration(&src.socket, port, &key);
-    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
-    src_guard.defuse();
-    assert_migrated_away(src, port);
-    dest_guard.defuse();
-    let text = finished_destination(dest, &dest_serial);
-    let c = result_in(&text, "shared-counter");
-    let expected = 2 * COUNTER_N;
-    assert_eq!(u(&c["cpus"]), 2, "{text}");
-    assert_eq!(u(&c["expected"]), expected, "{text}");
-    assert_eq!(u(&c["locked"]), expected, "{text}");
-    assert_eq!(u(&c["xadd"]), expected, "{text}");
-    assert_eq!(c["exact"], true, "{text}");
+    assert_counter_exact(&result_in(&text, "shared-counter"), 2, COUNTER_N, &text);
 }
 
 #[test]
@@ -387,21 +372,11 @@ fn assert_mem_check(text: &str) {
 
 #[test]
 fn mem_check_migrated_mid_task_reads_back_every_byte_on_the_destination() {
-    let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", 11);
-    let port = free_port();
-    let dest_serial = dir.path().join("dest.out");
-    let dest = start_destination(port, &key, &dest_serial, &[]);
-    let dest_guard = KillOnPanic::new(&dest);
-    let tasks = format!("hello,mem-check={MEM_CHECK_MIB},iters={MEM_CHECK_ROUNDS}");
-    let src = start_source(dir.path(), "src", &tasks, &["--memory", MEM_CHECK_MEMORY]);
-    let src_guard = KillOnPanic::new(&src.vm);
-    let r = send_migration(&src.socket, port, &key);
-    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
-    src_guard.defuse();
-    assert_migrated_away(src, port);
-    dest_guard.defuse();
-    let text = finished_destination(dest, &dest_serial);
+    let text = moved_mid_task(
+        11,
+        &format!("hello,mem-check={MEM_CHECK_MIB},iters={MEM_CHECK_ROUNDS}"),
+        &["--memory", MEM_CHECK_MEMORY],
+    );
     assert_mem_check(&text);
 }
 

@@ -966,45 +966,55 @@ fn a_snapshot_whose_disk_belongs_to_another_partition_is_not_restored_there() {
 /// lands mid-task (as in tests/migration.rs).
 const MIGRATE_FIB_N: u64 = 46;
 
+impl Env {
+    /// Starts VM 1 of `partition` waiting for a migration on loopback, with a secret made
+    /// of `seed`, and returns the secret file and the URL once it listens.
+    fn wait_for_migration(&self, partition: &str, seed: u8) -> (PathBuf, String) {
+        use std::os::unix::fs::PermissionsExt;
+        let key = self.state().join("secret");
+        std::fs::write(&key, [seed; 32]).unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let url = format!("tcp:127.0.0.1:{port}");
+        let secret = key.to_str().unwrap();
+        let args = [
+            "run",
+            partition,
+            "--",
+            "--receive-migration",
+            &url,
+            "--secret-file",
+            secret,
+            "--timeout",
+            "200",
+        ];
+        self.ok(&args);
+        let start = Instant::now();
+        while !common::listening_on_loopback(port) {
+            let v = self.vm(partition, 1);
+            assert_eq!(v["state"], "running", "{v}\n{}", console(&v));
+            assert!(
+                start.elapsed() < LIMIT,
+                "nothing listens on {url} after {LIMIT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (key, url)
+    }
+}
+
 #[test]
 fn a_vm_migrated_from_one_partition_to_another_ends_its_task_in_the_second() {
-    use std::os::unix::fs::PermissionsExt;
     let env = Env::new();
     env.ok(&["create", "a", "--cpus", "0", "--memory", "1G"]);
     env.ok(&["create", "b", "--cpus", "1", "--memory", "1G"]);
-    let key = env.state().join("secret");
-    std::fs::write(&key, [21u8; 32]).unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("tcp:127.0.0.1:{port}");
-
     // The destination waits in partition b, confined there before any VM arrives: the
     // VM will run in this process.
-    env.ok(&[
-        "run",
-        "b",
-        "--",
-        "--receive-migration",
-        &url,
-        "--secret-file",
-        key.to_str().unwrap(),
-        "--timeout",
-        "200",
-    ]);
-    let start = Instant::now();
-    while !common::listening_on_loopback(port) {
-        let v = env.vm("b", 1);
-        assert_eq!(v["state"], "running", "{v}\n{}", console(&v));
-        assert!(
-            start.elapsed() < LIMIT,
-            "nothing listens on {url} after {LIMIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (key, url) = env.wait_for_migration("b", 21);
     let dest = env.vm("b", 1);
     let dest_pid = dest["pid"].as_u64().unwrap();
     assert_confined(dest_pid, &env.show("b"), "1");
@@ -1060,7 +1070,6 @@ fn a_vm_migrated_from_one_partition_to_another_ends_its_task_in_the_second() {
 
 #[test]
 fn a_migrating_vm_whose_disk_belongs_to_another_partition_is_refused_on_arrival() {
-    use std::os::unix::fs::PermissionsExt;
     let env = Env::new();
     let owned = common::temp_image(env.state(), "owned.img", 1 << 20);
     let o = owned.to_str().unwrap();
@@ -1068,31 +1077,7 @@ fn a_migrating_vm_whose_disk_belongs_to_another_partition_is_refused_on_arrival(
         "create", "a", "--cpus", "0", "--memory", "512M", "--disk", o,
     ]);
     env.ok(&["create", "b", "--cpus", "1", "--memory", "512M"]);
-    let key = env.state().join("secret");
-    std::fs::write(&key, [22u8; 32]).unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("tcp:127.0.0.1:{port}");
-    env.ok(&[
-        "run",
-        "b",
-        "--",
-        "--receive-migration",
-        &url,
-        "--secret-file",
-        key.to_str().unwrap(),
-        "--timeout",
-        "200",
-    ]);
-    let start = Instant::now();
-    while !common::listening_on_loopback(port) {
-        assert!(start.elapsed() < LIMIT, "nothing listens on {url}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (key, url) = env.wait_for_migration("b", 22);
     // The source runs in partition a, which owns the disk.
     let path = format!("path={o}");
     let args = probe_run(

@@ -53,13 +53,12 @@ fn shared_counter_is_exact_on_every_cpu() {
     for cpus in [2, 3] {
         let r = smp_run("shared-counter=20000", cpus, &[]);
         assert_eq!(r.code, Some(0), "{}", r.explain());
-        let c = r.result("shared-counter");
-        let expected = cpus as u64 * 20000;
-        assert_eq!(u(&c["cpus"]), cpus as u64, "{}", r.explain());
-        assert_eq!(u(&c["expected"]), expected, "{}", r.explain());
-        assert_eq!(u(&c["locked"]), expected, "{}", r.explain());
-        assert_eq!(u(&c["xadd"]), expected, "{}", r.explain());
-        assert_eq!(c["exact"], true, "{}", r.explain());
+        assert_counter_exact(
+            &r.result("shared-counter"),
+            cpus as u64,
+            20000,
+            &r.explain(),
+        );
     }
 }
 

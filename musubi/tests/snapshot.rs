@@ -43,6 +43,17 @@ struct Snapped {
     before: String,
 }
 
+impl Snapped {
+    /// `task` had not ended when the snapshot was taken.
+    fn assert_mid_task(&self, task: &str) {
+        assert!(
+            !results_in(&self.before).iter().any(|v| v["probe"] == task),
+            "{task} had ended before the snapshot, so it was not taken mid-task:\n{}",
+            self.before
+        );
+    }
+}
+
 /// Starts the probe guest with `tasks` (and `flags`), waits until its console shows
 /// `started` and then [`INTO_TASK`], snapshots it into `dir/snap`, checks the original is
 /// paused, and shuts the original down.
@@ -138,11 +149,7 @@ fn fib_snapshotted_mid_task_and_restored_ends_as_an_uninterrupted_run() {
     assert_eq!(want, (FIB_N, fib_value(FIB_N)), "{}", plain.explain());
 
     let s = snapshot_mid_task(dir.path(), &tasks, HELLO, &["--memory", MEMORY]);
-    assert!(
-        !results_in(&s.before).iter().any(|v| v["probe"] == "fib"),
-        "fib had ended before the snapshot, so it was not taken mid-task:\n{}",
-        s.before
-    );
+    s.assert_mid_task("fib");
     let serial = dir.path().join("restored.out");
     let r = restore(&s.snap, &serial, &[]);
     let text = restored_console(&r, &serial);
@@ -222,13 +229,7 @@ fn blk_fill_snapshotted_mid_fill_and_restored_writes_the_same_disk() {
         HELLO,
         &[&BLK_FLAGS[..], &["--disk", &disk]].concat(),
     );
-    assert!(
-        !results_in(&s.before)
-            .iter()
-            .any(|v| v["probe"] == "blk-fill"),
-        "blk-fill had ended before the snapshot, so it was not taken mid-fill:\n{}",
-        s.before
-    );
+    s.assert_mid_task("blk-fill");
     let serial = dir.path().join("restored.out");
     let r = restore(&s.snap, &serial, &[]);
     let text = restored_console(&r, &serial);
@@ -255,23 +256,11 @@ fn shared_counter_on_two_vcpus_is_exact_after_restore() {
     let tasks = format!("hello,shared-counter={COUNTER_N}");
     let flags = ["--cpus", "2", "--memory", MEMORY];
     let s = snapshot_mid_task(dir.path(), &tasks, HELLO, &flags);
-    assert!(
-        !results_in(&s.before)
-            .iter()
-            .any(|v| v["probe"] == "shared-counter"),
-        "shared-counter had ended before the snapshot:\n{}",
-        s.before
-    );
+    s.assert_mid_task("shared-counter");
     let serial = dir.path().join("restored.out");
     let r = restore(&s.snap, &serial, &[]);
     let text = restored_console(&r, &serial);
-    let c = result_in(&text, "shared-counter");
-    let expected = 2 * COUNTER_N;
-    assert_eq!(u(&c["cpus"]), 2, "{text}");
-    assert_eq!(u(&c["expected"]), expected, "{text}");
-    assert_eq!(u(&c["locked"]), expected, "{text}");
-    assert_eq!(u(&c["xadd"]), expected, "{text}");
-    assert_eq!(c["exact"], true, "{text}");
+    assert_counter_exact(&result_in(&text, "shared-counter"), 2, COUNTER_N, &text);
 }
 
 fn file_crc(path: &Path) -> u32 {

@@ -373,3 +373,14 @@ pub fn listening_at(table: &str, addr: std::net::Ipv4Addr, port: u16) -> bool {
 pub fn listening_on_loopback(port: u16) -> bool {
     listening_at("/proc/net/tcp", std::net::Ipv4Addr::LOCALHOST, port)
 }
+
+/// A `shared-counter` result of `cpus` CPUs each counting `per_cpu`: both ways of counting
+/// (a spinlock and `lock xadd`) reached the exact total. `context` is shown on failure.
+pub fn assert_counter_exact(c: &Value, cpus: u64, per_cpu: u64, context: &str) {
+    let expected = cpus * per_cpu;
+    assert_eq!(c["cpus"].as_u64(), Some(cpus), "{context}");
+    assert_eq!(c["expected"].as_u64(), Some(expected), "{context}");
+    assert_eq!(c["locked"].as_u64(), Some(expected), "{context}");
+    assert_eq!(c["xadd"].as_u64(), Some(expected), "{context}");
+    assert_eq!(c["exact"], true, "{context}");
+}
