@@ -461,7 +461,8 @@ fn control_loop(ctx: ControlContext, events: mpsc::Receiver<NodeEvent>) {
                 pages_owned,
                 why,
             }) => {
-                // Every survivor finds the loss itself and reports it, so nobody is told.
+                // The coherence thread reports the first loss, whether it found it or a
+                // peer told of it, so every survivor names the node that went first.
                 ctx.ended_by_peer.store(true, Ordering::Release);
                 let outcome = Outcome::NodeLost {
                     node: peer.0,

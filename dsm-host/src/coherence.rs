@@ -435,6 +435,17 @@ impl Worker {
                     self.event(NodeEvent::PeerStopped { peer: from, code });
                 }
             }
+            Inbound::Frame {
+                from,
+                env: Envelope::Lost { node, why },
+            } => {
+                self.stats().control_received += 1;
+                // A peer saying it lost this very node is one whose link to it broke; its
+                // own close, read next, is what this node reports.
+                if NodeId(node) != self.me {
+                    self.lose(NodeId(node), format!("node {from} lost it: {why}"));
+                }
+            }
             Inbound::Frame { from, env } => {
                 self.stats().control_received += 1;
                 self.event(NodeEvent::Control(from, env));
@@ -483,6 +494,23 @@ impl Worker {
             why: why.clone(),
         });
         if self.lost.is_none() {
+            // The peers still up hear of it before this node's links close as it ends, so
+            // that none of them takes this node's leaving for the first loss.
+            let up: Vec<NodeId> = self
+                .peers
+                .iter()
+                .filter(|p| *p.1 == PeerState::Up)
+                .map(|p| *p.0)
+                .collect();
+            for to in up {
+                let notice = Envelope::Lost {
+                    node: peer.0,
+                    why: why.clone(),
+                };
+                if let Err(e) = self.send(to, notice) {
+                    tracing::warn!(node = %self.me, %to, error = %e, "could not tell of the loss");
+                }
+            }
             self.lost = Some((peer, pages_owned, why));
         }
     }

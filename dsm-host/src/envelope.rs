@@ -55,13 +55,21 @@ pub enum Envelope {
     /// A live migration's own message (`musubi-migration` gives the bytes their meaning),
     /// at most [`MAX_MIGRATION_BYTES`] long.
     Migration(Vec<u8>),
+    /// The sender lost `node` and is ending because of it. Sent before the sender's links
+    /// close, so that a peer reading the close next knows which loss came first: without
+    /// it, a node that hears of the sender's close before the lost node's own names the
+    /// wrong node. `why` is cut to [`MAX_WHY_BYTES`].
+    Lost {
+        node: u16,
+        why: String,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum EnvelopeError {
     #[error("empty envelope")]
     Empty,
-    #[error("unknown envelope tag {0:#04x} (known: 0x00..=0x06)")]
+    #[error("unknown envelope tag {0:#04x} (known: 0x00..=0x07)")]
     Tag(u8),
     #[error("envelope tag {tag:#04x}: {why} ({len} bytes)")]
     Layout {
@@ -80,6 +88,10 @@ const T_INTERRUPT: u8 = 3;
 const T_STOP: u8 = 4;
 const T_HEARTBEAT: u8 = 5;
 const T_MIGRATION: u8 = 6;
+const T_LOST: u8 = 7;
+
+/// Most bytes of the reason a [`Envelope::Lost`] carries.
+pub const MAX_WHY_BYTES: usize = 512;
 
 /// Most bytes one [`Envelope::Migration`] carries: what fits a link frame beside the tag,
 /// the length word and the MAC, with room to spare.
@@ -160,6 +172,7 @@ impl Envelope {
             Envelope::Stop { .. } => "stop",
             Envelope::Heartbeat { .. } => "heartbeat",
             Envelope::Migration(_) => "migration",
+            Envelope::Lost { .. } => "lost",
         }
     }
 
@@ -214,6 +227,16 @@ impl Envelope {
                 out.push(T_MIGRATION);
                 out.extend_from_slice(&(n as u16).to_le_bytes());
                 out.extend_from_slice(&bytes[..n]);
+            }
+            Envelope::Lost { node, why } => {
+                let mut n = why.len().min(MAX_WHY_BYTES);
+                while !why.is_char_boundary(n) {
+                    n -= 1;
+                }
+                out.push(T_LOST);
+                out.extend_from_slice(&node.to_le_bytes());
+                out.extend_from_slice(&(n as u16).to_le_bytes());
+                out.extend_from_slice(&why.as_bytes()[..n]);
             }
         }
     }
@@ -284,6 +307,16 @@ impl Envelope {
                 }
                 Envelope::Migration(c.take(n)?.to_vec())
             }
+            T_LOST => {
+                let node = u16::from_le_bytes(c.take(2)?.try_into().expect("2 bytes"));
+                let n = u16::from_le_bytes(c.take(2)?.try_into().expect("2 bytes")) as usize;
+                if n > MAX_WHY_BYTES {
+                    return Err(c.err("reason longer than MAX_WHY_BYTES"));
+                }
+                let why = String::from_utf8(c.take(n)?.to_vec())
+                    .map_err(|_| c.err("reason is not UTF-8"))?;
+                Envelope::Lost { node, why }
+            }
             t => return Err(EnvelopeError::Tag(t)),
         };
         c.end()?;
@@ -337,6 +370,14 @@ mod tests {
             Envelope::Heartbeat { seq: u64::MAX },
             Envelope::Migration(vec![]),
             Envelope::Migration((0..MAX_MIGRATION_BYTES).map(|i| i as u8).collect()),
+            Envelope::Lost {
+                node: 2,
+                why: "peer n2 at 127.0.0.1:1 closed the connection".into(),
+            },
+            Envelope::Lost {
+                node: u16::MAX,
+                why: String::new(),
+            },
         ]
     }
 
@@ -362,6 +403,25 @@ mod tests {
         long.resize(3 + MAX_MIGRATION_BYTES + 1, 0);
         assert!(matches!(
             Envelope::decode(&long),
+            Err(EnvelopeError::Layout { .. })
+        ));
+        // A reason cut to its limit stays UTF-8, and one that is not UTF-8 is refused.
+        let long_why = "é".repeat(MAX_WHY_BYTES);
+        match Envelope::decode(
+            &Envelope::Lost {
+                node: 1,
+                why: long_why,
+            }
+            .to_bytes(),
+        ) {
+            Ok(Envelope::Lost { why, .. }) => {
+                assert!(why.len() <= MAX_WHY_BYTES && why.chars().all(|c| c == 'é'))
+            }
+            other => panic!("{other:?}"),
+        }
+        let bad = [T_LOST, 1, 0, 1, 0, 0xff];
+        assert!(matches!(
+            Envelope::decode(&bad),
             Err(EnvelopeError::Layout { .. })
         ));
         // An access size of 9 is refused, not read past.

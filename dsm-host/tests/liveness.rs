@@ -141,6 +141,53 @@ fn a_stop_broadcast_reaches_every_peer_and_is_no_loss() {
     }
 }
 
+/// A node that lost a peer tells the others before it ends, so that a node hearing the
+/// notifier's close before the lost peer's own still names the peer that went first.
+#[test]
+fn a_loss_told_by_a_peer_is_the_first_loss_even_when_that_peer_closes_next() {
+    let mut nodes = cluster(3, Protocol::Vmp, FAST);
+    // Node 1 plays the node that lost node 2 and tells node 0, then ends at once.
+    assert!(nodes[1].node.send(
+        NodeId(0),
+        Envelope::Lost {
+            node: 2,
+            why: "peer n2 closed the connection".into(),
+        }
+    ));
+    let got = events_until(&nodes[0].events, WAIT, |e| !lost(e).is_empty());
+    match lost(&got)[..] {
+        [NodeEvent::PeerLost { peer, why, .. }] => {
+            assert_eq!(*peer, NodeId(2));
+            assert!(
+                why.contains("node n1 lost it") && why.contains("n2 closed"),
+                "{why}"
+            );
+        }
+        _ => panic!("expected node 2 lost, got {got:?}"),
+    }
+    let notifier = nodes.remove(1);
+    let _ = notifier.node.join();
+    // Node 1's close is a loss too, reported, but not the first.
+    let got = events_until(&nodes[0].events, WAIT, |e| !lost(e).is_empty());
+    assert!(
+        matches!(
+            lost(&got)[..],
+            [NodeEvent::PeerLost {
+                peer: NodeId(1),
+                ..
+            }]
+        ),
+        "{got:?}"
+    );
+    std::mem::forget(Arc::clone(&nodes[0].mem));
+    let last = nodes.pop().unwrap();
+    let _ = last.node.join();
+    match nodes.pop().unwrap().node.join() {
+        Err(CoherenceError::PeerLost { peer, .. }) => assert_eq!(peer, NodeId(2)),
+        other => panic!("join should name node 2, lost first: {other:?}"),
+    }
+}
+
 /// Node 0 of two running for real; node 1 played by the test over a bare link.
 struct RawPeer {
     node0: Running,
