@@ -59,6 +59,7 @@ pub fn in_vm(task: &str, exits: ExitsMode, disk: Option<&Path>) -> Result<Worklo
         serial: SerialMode::Off,
         exits,
         pmem: Vec::new(),
+        net: Vec::new(),
     };
     let name = task.split('=').next().unwrap_or(task);
     probe_in_process(

@@ -209,6 +209,7 @@ mod tests {
             memory: 64 << 20,
             disks: Vec::new(),
             pmem: Vec::new(),
+            net: Vec::new(),
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
         }

@@ -11,14 +11,21 @@
 //! too; an access outside guest memory shows as a vm-memory error (or, under the fuzzer's
 //! address sanitizer, as a crash). Each entry point returns the first broken rule.
 
+use crate::net::tap::VNET_HDR_LEN;
 use crate::virtio::block::{Block, BlockConfig, CacheMode, SECTOR_SIZE};
-use crate::virtio::driver::{Desc, Driver, DATA, HDR, INDIRECT, MEM_SIZE, QSIZE, RING, STATUS};
+use crate::virtio::driver::{
+    Desc, Driver, Ring, SocketBackend, DATA, HDR, INDIRECT, MEM_SIZE, QSIZE, RING, STATUS,
+};
 use crate::virtio::mmio::{MMIO_MAGIC, MMIO_SIZE, MMIO_VERSION};
+use crate::virtio::net::{Net, MAX_FRAME_LEN};
 use crate::virtio::pmem::{Pmem, VIRTIO_PMEM_RESP_OK};
 use dsm::rng::Rng;
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_mmio::*;
-use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF;
+use virtio_bindings::virtio_ring::{
+    VIRTIO_RING_F_EVENT_IDX, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
+};
 use virtio_queue::desc::split::{Descriptor, VirtqUsedElem};
 use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -97,6 +104,53 @@ pub fn virtio_pmem(data: &[u8]) -> Result<(), String> {
     d.bring_up(u32::from(QSIZE));
     play(&mut d, &mut script)?;
     pmem_alive(&mut d, fail_flush)
+}
+
+/// virtio-net from both ends: the guest posts receive buffers and frames to send in chains
+/// of any shape on either queue, the host end injects frames of any length (runts to
+/// over-long) and drains what the device sent, and the device's events (backend readable,
+/// resume) fire at any time. The first byte picks the features: bit 0 drops MRG_RXBUF,
+/// bit 1 drops EVENT_IDX. Every notification and event is checked on both queues; at the
+/// end, after a reset, a frame must go each way.
+pub fn virtio_net(data: &[u8]) -> Result<(), String> {
+    let mut script = Script(data);
+    let mode = script.byte();
+    let mut drop_bits = 0;
+    if mode & 1 != 0 {
+        drop_bits |= 1 << VIRTIO_NET_F_MRG_RXBUF;
+    }
+    if mode & 2 != 0 {
+        drop_bits |= 1 << VIRTIO_RING_F_EVENT_IDX;
+    }
+    let (backend, peer) = SocketBackend::pair();
+    let net =
+        Net::with_backend(Box::new(backend), None, 256, None, None).map_err(|e| e.to_string())?;
+    let mut d = Driver::new_in(net, memory());
+    let (mut rx, mut tx) = d.net_up(drop_bits);
+    play_net(&mut d, [&mut rx, &mut tx], &peer, &mut script)?;
+    finish(&mut d)?;
+    net_alive(&mut d, &peer)
+}
+
+/// Valid scripts for the smoke test: a frame sent, a frame received into one buffer, and a
+/// frame received across three buffers.
+pub fn virtio_net_samples() -> Vec<Vec<u8>> {
+    // Action 7: chain on ring (0 rx, 1 tx) from descriptor k, one part: address (base 0 is
+    // HDR, 1 DATA), length, flags (2 writable), next.
+    let chain = |ring: u8, k: u8, base: u8, len: u8, flags: u8| {
+        vec![7, ring, k, 0, base, 0, 0, len, flags, 0]
+    };
+    let send = [vec![0], chain(1, 0, 0, 60, 0)].concat();
+    let receive = [vec![0], chain(0, 0, 1, 200, 2), vec![6, 20]].concat();
+    let merged = [
+        vec![0],
+        chain(0, 0, 1, 64, 2),
+        chain(0, 1, 1, 64, 2),
+        chain(0, 2, 1, 64, 2),
+        vec![6, 20, 9, 1],
+    ]
+    .concat();
+    vec![send, receive, merged]
 }
 
 /// Drives fuzz target `name` for CI without a fuzzer: first on each input that once found a
@@ -411,6 +465,189 @@ fn play(d: &mut Driver, s: &mut Script) -> Result<(), String> {
     Ok(())
 }
 
+/// Plays the script against a virtio-net device; `rings` are receive and transmit.
+fn play_net(
+    d: &mut Driver,
+    rings: [&mut Ring; 2],
+    peer: &std::os::unix::net::UnixDatagram,
+    s: &mut Script,
+) -> Result<(), String> {
+    let [rx, tx] = rings;
+    for _ in 0..MAX_ACTIONS {
+        if s.0.is_empty() {
+            break;
+        }
+        match s.byte() % 10 {
+            0 => {
+                let (offset, width) = s.register();
+                let value = s.u64().to_le_bytes();
+                if offset == u64::from(VIRTIO_MMIO_QUEUE_NOTIFY) && width == 4 {
+                    let index = u32::from_le_bytes(value[..4].try_into().unwrap());
+                    notify(d, index)?;
+                } else {
+                    d.write_bytes(offset, &value[..width]);
+                }
+            }
+            1 => {
+                let (offset, width) = s.register();
+                let mut buf = [0u8; 8];
+                d.read_bytes(offset, &mut buf[..width]);
+            }
+            2 => {
+                let addr = s.addr();
+                let n = usize::from(s.byte() % 65).min(s.0.len());
+                let (bytes, rest) = s.0.split_at(n);
+                s.0 = rest;
+                let _ = d.mem.write_slice(bytes, GuestAddress(addr));
+            }
+            3 => {
+                let table = match s.byte() % 3 {
+                    0 => rx.desc(),
+                    1 => tx.desc(),
+                    _ => INDIRECT,
+                };
+                let index = u64::from(s.byte() % 32);
+                let desc = descriptor(s);
+                d.write_table(table + 16 * index, &[desc]);
+            }
+            4 => {
+                let ring = if s.byte() & 1 == 0 {
+                    &mut *rx
+                } else {
+                    &mut *tx
+                };
+                let head = if s.byte() < 0xf0 {
+                    u16::from(s.byte() % 32)
+                } else {
+                    s.u16()
+                };
+                d.publish_on(ring, head);
+            }
+            5 => {
+                let index = u32::from(s.byte() % 2);
+                notify(d, index)?;
+            }
+            6 => {
+                // The host end sends a frame (the socket may refuse it when full), and the
+                // device hears of it.
+                let len = match s.byte() {
+                    b if b < 0xf0 => usize::from(b) * 8,
+                    _ => s.u32() as usize % (VNET_HDR_LEN + MAX_FRAME_LEN + 64),
+                };
+                let frame: Vec<u8> = (0..len).map(|i| i as u8).collect();
+                let _ = peer.send(&frame);
+                checked(d, &[0, 1], |d| d.t.process_event(0))?;
+            }
+            7 => {
+                let ring = if s.byte() & 1 == 0 {
+                    &mut *rx
+                } else {
+                    &mut *tx
+                };
+                let queue = if ring.base == RING { 0 } else { 1 };
+                let first = u16::from(s.byte() % 28);
+                let parts = 1 + usize::from(s.byte() % 4);
+                let descs: Vec<(u64, u32, u16)> = (0..parts)
+                    .map(|_| {
+                        let (addr, len, flags, _) = descriptor(s);
+                        (addr, len, flags)
+                    })
+                    .collect();
+                d.chain_on(ring, first, &descs);
+                notify(d, queue)?;
+            }
+            8 => {
+                let drop_bits = if s.byte() & 1 == 0 { 0 } else { s.u64() };
+                let size = match s.byte() % 4 {
+                    0 | 1 => u32::from(QSIZE),
+                    2 => 1 << (s.byte() % 10),
+                    _ => s.u32(),
+                };
+                d.negotiate(drop_bits);
+                d.setup_queue_on(0, rx, size);
+                d.setup_queue_on(1, tx, size);
+                d.driver_ok();
+                for ring in [&mut *rx, &mut *tx] {
+                    ring.avail_idx = 0;
+                    ring.used_seen = 0;
+                }
+            }
+            _ => match s.byte() % 4 {
+                0 | 1 => {
+                    // An event source fires (backend, resume, or one the device lacks).
+                    let index = usize::from(s.byte() % 3);
+                    checked(d, &[0, 1], |d| d.t.process_event(index))?;
+                }
+                2 => {
+                    // The host end reads what the device sent: whole frames, never longer
+                    // than the device accepts.
+                    let mut buf = vec![0u8; VNET_HDR_LEN + MAX_FRAME_LEN + 64];
+                    for _ in 0..64 {
+                        let Ok(n) = peer.recv(&mut buf) else { break };
+                        if n <= VNET_HDR_LEN || n > VNET_HDR_LEN + MAX_FRAME_LEN {
+                            return Err(format!("the device sent a frame of {n} bytes"));
+                        }
+                    }
+                }
+                _ => {
+                    let ring = if s.byte() & 1 == 0 { &*rx } else { &*tx };
+                    let at = if s.byte() & 1 == 0 {
+                        ring.avail() + 2
+                    } else {
+                        ring.avail()
+                    };
+                    let _ = d.mem.write_obj(s.u16(), GuestAddress(at));
+                }
+            },
+        }
+    }
+    Ok(())
+}
+
+/// After a reset, a frame sent by the guest reaches the host end and a frame from the host
+/// end reaches a guest buffer.
+fn net_alive(d: &mut Driver, peer: &std::os::unix::net::UnixDatagram) -> Result<(), String> {
+    let (mut rx, mut tx) = d.net_up(0);
+    let mut buf = vec![0u8; VNET_HDR_LEN + MAX_FRAME_LEN + 64];
+    while peer.recv(&mut buf).is_ok() {}
+    let marker: Vec<u8> = (0..80u8).map(|i| i ^ 0x5a).collect();
+    d.mem
+        .write_slice(&marker, GuestAddress(DATA))
+        .map_err(|e| e.to_string())?;
+    d.chain_on(&mut tx, 0, &[(DATA, marker.len() as u32, 0)]);
+    d.notify_queue(1);
+    match peer.recv(&mut buf) {
+        Ok(n) if buf[..n] == marker[..] => {}
+        other => return Err(format!("frame sent after reset arrived as {other:?}")),
+    }
+    // Frames the script left in the backend go first, into a ring of big buffers; then the
+    // marker follows.
+    let base = 0x50_0000u64;
+    let stride = 0x2_0000u64;
+    for k in 0..QSIZE {
+        let addr = base + stride * u64::from(k);
+        d.chain_on(
+            &mut rx,
+            k,
+            &[(addr, stride as u32, VRING_DESC_F_WRITE as u16)],
+        );
+    }
+    d.notify_queue(0);
+    peer.send(&marker)
+        .map_err(|e| format!("backend full after reset: {e}"))?;
+    d.t.process_event(0);
+    while let Some((id, len)) = d.next_used_on(&mut rx) {
+        let addr = base + stride * u64::from(id);
+        if len as usize == marker.len()
+            && d.guest_bytes(addr + VNET_HDR_LEN as u64, marker.len() - VNET_HDR_LEN)
+                == marker[VNET_HDR_LEN..]
+        {
+            return Ok(());
+        }
+    }
+    Err("a frame from the host end after reset never reached the guest".into())
+}
+
 /// A descriptor as a buggy or hostile driver may write it.
 fn descriptor(s: &mut Script) -> Desc {
     let addr = s.addr();
@@ -446,21 +683,31 @@ struct Rings {
     used: u64,
 }
 
-/// Guest ranges a notification's checks read (tables and rings) and ranges the device may
-/// write (writable buffers and the used ring); if the two overlap, the device's own writes
-/// may change what the checks read back, and the notification is not checked.
+/// Guest ranges a check reads (descriptor tables and available rings, indirect tables, used
+/// rings) and ranges the device may write (used rings, writable buffers); if a write can land
+/// on something read, the device's own writes may change what the check reads back, and the
+/// action is not checked.
 #[derive(Default)]
 struct Footprint {
-    read: Vec<(u64, u64)>,
+    rings: Vec<(u64, u64)>,
+    tables: Vec<(u64, u64)>,
+    used: Vec<(u64, u64)>,
     written: Vec<(u64, u64)>,
 }
 
 impl Footprint {
     fn aliased(&self) -> bool {
         let overlap = |a: &(u64, u64), b: &(u64, u64)| a.0 < b.1 && b.0 < a.1;
-        self.written
+        let read = || self.rings.iter().chain(&self.tables);
+        let used_hits = self.used.iter().enumerate().any(|(i, u)| {
+            read().any(|r| overlap(u, r))
+                || self.used[i + 1..].iter().any(|other| overlap(u, other))
+        });
+        let buffers_hit = self
+            .written
             .iter()
-            .any(|w| self.read.iter().any(|r| overlap(w, r)))
+            .any(|w| read().chain(&self.used).any(|r| overlap(w, r)));
+        used_hits || buffers_hit
     }
 }
 
@@ -470,20 +717,49 @@ fn span(addr: u64, len: u64) -> (u64, u64) {
 
 /// Notifies queue `index` and checks what the device put on its used ring.
 fn notify(d: &mut Driver, index: u32) -> Result<(), String> {
-    let before = d.t.queue(index as usize).filter(|q| q.ready()).map(|q| {
-        let rings = Rings {
-            size: q.size(),
-            desc: q.desc_table(),
-            avail: q.avail_ring(),
-            used: q.used_ring(),
+    checked(d, &[index], |d| d.write(VIRTIO_MMIO_QUEUE_NOTIFY, index))
+}
+
+/// Runs `act` and checks what the device put on the used rings of `queues`: only chains
+/// that were available, in order, none longer than its writable buffers.
+fn checked(d: &mut Driver, queues: &[u32], act: impl FnOnce(&mut Driver)) -> Result<(), String> {
+    let mut fp = Footprint::default();
+    let mut before = Vec::new();
+    for &index in queues {
+        let live = d.t.queue(index as usize).filter(|q| q.ready()).map(|q| {
+            let rings = Rings {
+                size: q.size(),
+                desc: q.desc_table(),
+                avail: q.avail_ring(),
+                used: q.used_ring(),
+            };
+            (rings, q.next_avail(), q.next_used())
+        });
+        let Some((rings, next_avail, next_used)) = live else {
+            continue;
         };
-        (rings, q.next_avail(), q.next_used())
-    });
-    let expected = before.and_then(|(rings, next_avail, _)| pending(&d.mem, rings, next_avail));
-    d.write(VIRTIO_MMIO_QUEUE_NOTIFY, index);
-    let (Some((rings, _, used_before)), Some(expected)) = (before, expected) else {
+        // An unreadable ring is the device's to give up on, which the transport handles.
+        if let Some(expected) = pending(&d.mem, rings, next_avail, &mut fp) {
+            before.push((index, rings, next_used, expected));
+        }
+    }
+    act(d);
+    if fp.aliased() {
         return Ok(());
-    };
+    }
+    for (index, rings, used_before, expected) in before {
+        check_used(d, index, rings, used_before, &expected)?;
+    }
+    Ok(())
+}
+
+fn check_used(
+    d: &Driver,
+    index: u32,
+    rings: Rings,
+    used_before: u16,
+    expected: &[(u16, u64)],
+) -> Result<(), String> {
     let used_after =
         d.t.queue(index as usize)
             .map_or(used_before, |q| q.next_used());
@@ -521,29 +797,29 @@ fn notify(d: &mut Driver, index: u32) -> Result<(), String> {
 /// The chains available to the device, in order, each with the writable bytes it has; `None`
 /// when the device's writes could change what the check reads back, or the ring is not
 /// readable (then the device gives up on it, which the transport handles).
-fn pending(mem: &GuestMemoryMmap, rings: Rings, next_avail: u16) -> Option<Vec<(u16, u64)>> {
+fn pending(
+    mem: &GuestMemoryMmap,
+    rings: Rings,
+    next_avail: u16,
+    fp: &mut Footprint,
+) -> Option<Vec<(u16, u64)>> {
     let size = u64::from(rings.size);
     let avail_idx: u16 = mem
         .read_obj(GuestAddress(rings.avail.checked_add(2)?))
         .ok()?;
     let count = avail_idx.wrapping_sub(next_avail).min(rings.size);
-    let mut fp = Footprint::default();
-    fp.read.push(span(rings.desc, 16 * size));
-    fp.read.push(span(rings.avail, 6 + 2 * size));
-    fp.read.push(span(rings.used, 6 + 8 * size));
-    fp.written.push(span(rings.used, 6 + 8 * size));
+    fp.rings.push(span(rings.desc, 16 * size));
+    fp.rings.push(span(rings.avail, 6 + 2 * size));
+    fp.used.push(span(rings.used, 6 + 8 * size));
     let mut out = Vec::with_capacity(usize::from(count));
     for k in 0..count {
         let slot = u64::from(next_avail.wrapping_add(k) % rings.size);
         let head: u16 = mem
             .read_obj(GuestAddress(rings.avail.checked_add(4 + 2 * slot)?))
             .ok()?;
-        out.push((head, writable_bytes(mem, rings, head, &mut fp)));
+        out.push((head, writable_bytes(mem, rings, head, fp)));
     }
-    // The used ring may share bytes with the other rings only if the driver put it there.
-    let own = fp.written.remove(0);
-    let rings_alias = fp.read[..2].iter().any(|r| own.0 < r.1 && r.0 < own.1);
-    (!rings_alias && !fp.aliased()).then_some(out)
+    Some(out)
 }
 
 /// Sums the device-writable lengths along chain `head` as virtio-queue walks it (the ring's
@@ -568,7 +844,7 @@ fn writable_bytes(mem: &GuestMemoryMmap, rings: Rings, head: u16, fp: &mut Footp
             }
             indirect = true;
             (table, entries, index) = (desc.addr().0, (desc.len() / 16) as u16, 0);
-            fp.read.push(span(table, u64::from(desc.len())));
+            fp.tables.push(span(table, u64::from(desc.len())));
             continue;
         }
         if desc.is_write_only() {

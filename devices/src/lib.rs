@@ -8,6 +8,7 @@
 pub mod fuzzing;
 pub mod irq;
 pub mod legacy;
+pub mod net;
 pub mod virtio;
 
 pub use irq::{EventFdIrq, Irq};

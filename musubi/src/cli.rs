@@ -36,6 +36,12 @@ pub struct VmArgs {
     /// more. Advertised as E820 persistent memory (type 12) or as a virtio-pmem device.
     #[arg(long, value_name = vmm::pmem::PMEM_SYNTAX)]
     pub pmem: Vec<String>,
+    /// A virtio-net device over a TAP interface; repeat for more. tap=NAME opens the TAP,
+    /// creating it when missing (with ip= and mask= given to its host end); fd=N takes one
+    /// already opened with IFF_VNET_HDR. rate= limits each direction (token buckets a
+    /// second deep). The MAC is made up (locally administered) when not given.
+    #[arg(long, value_name = config::net::NET_SYNTAX)]
+    pub net: Vec<String>,
     /// Where the guest's COM1 goes. Default stdio.
     #[arg(long, value_name = "stdio|off|file=PATH")]
     pub serial: Option<String>,
@@ -45,7 +51,7 @@ pub struct VmArgs {
     #[arg(long, value_name = "kernel|user")]
     pub exits: Option<String>,
     /// JSON file with the same fields (kernel, cmdline, initrd, cpus, memory, disks,
-    /// pmem, serial, exits); flags given on the command line override it.
+    /// pmem, net, serial, exits); flags given on the command line override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 }
@@ -162,6 +168,8 @@ pub struct FileConfig {
     disks: Vec<DiskConfig>,
     #[serde(default)]
     pmem: Vec<vmm::pmem::PmemConfig>,
+    #[serde(default)]
+    net: Vec<config::net::NetConfig>,
     serial: Option<SerialMode>,
     exits: Option<config::ExitsMode>,
 }
@@ -238,6 +246,11 @@ impl VmArgs {
             config::check_storage_file("--disk path=", &d.path).map_err(|e| e.to_string())?;
         }
         let pmem = flags_or_file(&self.pmem, file.pmem)?;
+        let net: Vec<config::net::NetConfig> = flags_or_file(&self.net, file.net)?;
+        for (i, n) in net.iter().enumerate() {
+            n.check()
+                .map_err(|why| format!("net[{i}] ({}): {why}", n.name()))?;
+        }
         let exits = match &self.exits {
             Some(e) => e.parse()?,
             None => file.exits.unwrap_or_default(),
@@ -259,6 +272,7 @@ impl VmArgs {
             pmem,
             serial,
             exits,
+            net,
         })
     }
 }
@@ -329,6 +343,9 @@ impl VmArgs {
         }
         for p in &self.pmem {
             put("--pmem", Some(p.clone()));
+        }
+        for n in &self.net {
+            put("--net", Some(n.clone()));
         }
         put("--serial", self.serial.clone());
         put("--exits", self.exits.clone());

@@ -46,6 +46,7 @@ fn demo() -> Result<(), String> {
             cache: CacheMode::Writeback,
         }],
         pmem: vec![],
+        net: vec![],
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     };

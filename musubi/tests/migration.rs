@@ -380,84 +380,37 @@ fn mem_check_migrated_mid_task_reads_back_every_byte_on_the_destination() {
     assert_mem_check(&text);
 }
 
-/// iproute2's `ip`; a test that needs it fails (never skips) saying what is missing.
-fn ip(args: &[&str]) -> String {
-    let out = std::process::Command::new("ip")
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "this test needs iproute2's `ip` ({e}); install it (Debian: apt-get install \
-                 iproute2; scripts/test does)"
-            )
-        });
-    assert!(out.status.success(), "ip {args:?}: {out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Two network namespaces joined by a veth pair, `10.77.0.1/24` in the first and
 /// `10.77.0.2/24` in the second (the host's namespace gets no link and no address).
 /// Dropping it (also while a test panics) deletes both namespaces, and with them the pair.
 struct NetnsPair {
-    names: [String; 2],
+    nets: [netns::Netns; 2],
 }
 
 impl NetnsPair {
     const ADDRS: [&'static str; 2] = ["10.77.0.1", "10.77.0.2"];
 
     fn new(tag: &str) -> NetnsPair {
-        // SAFETY: geteuid(2) has no preconditions.
-        let euid = unsafe { libc::geteuid() };
-        assert_eq!(
-            euid, 0,
-            "this test makes network namespaces, which needs root (euid {euid})"
-        );
-        ip(&["-V"]);
-        let pid = std::process::id();
         let pair = NetnsPair {
-            names: [0, 1].map(|k| format!("musubi-t{pid}-{tag}{k}")),
+            nets: [0, 1].map(|k| netns::Netns::new(&format!("{tag}{k}"))),
         };
-        for name in &pair.names {
-            // Registered before it exists: a failure below still deletes what was made.
-            ip(&["netns", "add", name]);
-        }
-        let [a, b] = &pair.names;
+        let [a, b] = [&pair.nets[0].name, &pair.nets[1].name];
         // Made inside the first namespace with its peer inside the second: no end of the
         // pair is ever in the host's namespace.
-        ip(&[
+        netns::ip(&[
             "-n", a, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1", "netns", b,
         ]);
         for (k, (name, dev)) in [(a, "veth0"), (b, "veth1")].into_iter().enumerate() {
             let addr = format!("{}/24", Self::ADDRS[k]);
-            ip(&["-n", name, "addr", "add", &addr, "dev", dev]);
-            ip(&["-n", name, "link", "set", "lo", "up"]);
-            ip(&["-n", name, "link", "set", dev, "up"]);
+            netns::ip(&["-n", name, "addr", "add", &addr, "dev", dev]);
+            netns::ip(&["-n", name, "link", "set", dev, "up"]);
         }
         pair
     }
 
-    /// `musubi` run inside namespace `k` (`ip netns exec` execs it: the child's pid is
-    /// musubi's).
+    /// `musubi` run inside namespace `k`.
     fn musubi(&self, k: usize) -> std::process::Command {
-        let mut cmd = std::process::Command::new("ip");
-        cmd.args([
-            "netns",
-            "exec",
-            &self.names[k],
-            env!("CARGO_BIN_EXE_musubi"),
-        ]);
-        cmd
-    }
-}
-
-impl Drop for NetnsPair {
-    fn drop(&mut self) {
-        for name in &self.names {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "delete", name])
-                .stderr(std::process::Stdio::null())
-                .status();
-        }
+        self.nets[k].musubi()
     }
 }
 

@@ -322,7 +322,7 @@ impl Vmm {
             config.memory,
             config.cpus,
             &pmem_files.spans(),
-            config.disks.len() + pmem_files.virtio_devices(),
+            config.disks.len() + config.net.len() + pmem_files.virtio_devices(),
             host_phys_bits(),
         )?;
         let addrs: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
@@ -415,6 +415,7 @@ impl Vmm {
             let bare = VmConfig {
                 disks: Vec::new(),
                 pmem: Vec::new(),
+                net: Vec::new(),
                 serial: crate::config::SerialMode::Off,
                 ..config.clone()
             };

@@ -6,7 +6,7 @@ use crate::arch::x86_64::layout::{
 use crate::config::{ExitsMode, SerialMode, VmConfig};
 use crate::control::RunControl;
 use crate::exit::DeviceBus;
-use crate::io_thread::Notifier;
+use crate::io_thread::{DeviceEvent, Notifier};
 use crate::irq::{IrqLine, UserIrq};
 use crate::metrics::MmioTarget;
 use crate::vstate::vm::{KvmVm, VmError};
@@ -35,6 +35,8 @@ pub enum DeviceError {
         path: std::path::PathBuf,
         source: devices::virtio::block::BlockError,
     },
+    #[error("{name}: {why}")]
+    Net { name: String, why: String },
     #[error("too many devices: IRQ {0} is past the last IOAPIC pin {MAX_IRQ}")]
     OutOfIrqs(u32),
     #[error("cannot create an interrupt eventfd: {0}")]
@@ -136,6 +138,10 @@ pub struct Devices {
     pub irqs: Vec<Arc<dyn IrqLine>>,
     /// Queue doorbells for the I/O thread (kernel exit mode only).
     pub notifiers: Vec<Notifier>,
+    /// The devices' own event sources for the I/O thread (both exit modes).
+    pub device_events: Vec<DeviceEvent>,
+    /// The network devices, in `--net` order.
+    pub nets: Vec<Arc<Mutex<MmioTransport>>>,
 }
 
 impl Devices {
@@ -183,6 +189,7 @@ struct Wiring<'a> {
     irqs: Vec<Arc<dyn IrqLine>>,
     names: MmioNames,
     notifiers: Vec<Notifier>,
+    device_events: Vec<DeviceEvent>,
     fragments: Vec<String>,
     virtio_count: u64,
     /// The virtio windows the layout set aside.
@@ -244,6 +251,14 @@ impl Wiring<'_> {
                 t.clone(),
             )
             .map_err(DeviceError::Bus)?;
+        let event_fds = t.lock().unwrap_or_else(|e| e.into_inner()).event_fds();
+        for (index, fd) in event_fds.into_iter().enumerate() {
+            self.device_events.push(DeviceEvent {
+                fd,
+                server: t.clone(),
+                index,
+            });
+        }
         if self.mode == ExitsMode::Kernel {
             let queues = t.lock().unwrap_or_else(|e| e.into_inner()).num_queues();
             for q in 0..queues {
@@ -288,6 +303,7 @@ pub fn create_devices(
         irqs: Vec::new(),
         names: MmioNames::default(),
         notifiers: Vec::new(),
+        device_events: Vec::new(),
         fragments: Vec::new(),
         virtio_count: 0,
         slots: &layout.virtio,
@@ -331,6 +347,12 @@ pub fn create_devices(
         transports.push(w.add_virtio(&format!("virtio-blk{i}"), Box::new(block))?);
     }
     let mut all = transports.clone();
+    let mut nets = Vec::new();
+    for (i, n) in config.net.iter().enumerate() {
+        let device = crate::net::open(n)?;
+        nets.push(w.add_virtio(&format!("virtio-net{i}"), Box::new(device))?);
+    }
+    all.extend(nets.iter().cloned());
     for (name, device) in extra.virtio {
         all.push(w.add_virtio(&name, device)?);
     }
@@ -357,5 +379,7 @@ pub fn create_devices(
         cmdline_fragments: w.fragments,
         irqs: w.irqs,
         notifiers: w.notifiers,
+        device_events: w.device_events,
+        nets,
     })
 }

@@ -1,11 +1,12 @@
-//! Serves virtio queue notifications that KVM signals through ioeventfds, on a thread of
-//! its own, so a notifying vCPU never returns to user space.
+//! Serves virtio queue notifications that KVM signals through ioeventfds, and the devices'
+//! own event sources (a TAP with frames to read), on a thread of its own, so a notifying
+//! vCPU never returns to user space.
 
 use crate::control::{panic_message, Outcome, RunControl};
 use crate::seccomp::{SeccompMode, ThreadKind};
 use crate::vstate::pause::PauseGate;
 use devices::virtio::MmioTransport;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -14,6 +15,9 @@ use vmm_sys_util::eventfd::EventFd;
 /// Something that serves a queue when its doorbell rings.
 pub trait QueueServer: Send + Sync {
     fn serve(&self, queue: u16);
+
+    /// The device's own event source `index` (see [`DeviceEvent`]) became ready.
+    fn serve_event(&self, _index: usize) {}
 }
 
 impl QueueServer for Mutex<MmioTransport> {
@@ -22,6 +26,22 @@ impl QueueServer for Mutex<MmioTransport> {
             .unwrap_or_else(|e| e.into_inner())
             .process_queue(queue);
     }
+
+    fn serve_event(&self, index: usize) {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .process_event(index);
+    }
+}
+
+/// A device's own event source: a TAP with frames to read, a rate limiter's timer. Watched
+/// edge-triggered, so a device that stops reading (no receive buffers) is not woken again
+/// and again for what it cannot take; it reads on when a doorbell brings buffers.
+pub struct DeviceEvent {
+    /// Owned by the device, which `server` keeps alive as long as this entry.
+    pub fd: RawFd,
+    pub server: Arc<dyn QueueServer>,
+    pub index: usize,
 }
 
 /// One queue's doorbell: KVM writes `eventfd` when the guest notifies queue `queue`.
@@ -46,6 +66,7 @@ impl IoThread {
     /// would otherwise leave the guest waiting forever.
     pub fn start(
         notifiers: Vec<Notifier>,
+        device_events: Vec<DeviceEvent>,
         control: Arc<RunControl>,
         seccomp: SeccompMode,
         gate: Arc<PauseGate>,
@@ -71,6 +92,16 @@ impl IoThread {
                 EpollEvent::new(EventSet::IN, i as u64),
             )?;
         }
+        for (i, d) in device_events.iter().enumerate() {
+            epoll.ctl(
+                ControlOperation::Add,
+                d.fd,
+                EpollEvent::new(
+                    EventSet::IN | EventSet::EDGE_TRIGGERED,
+                    stop_token + 2 + i as u64,
+                ),
+            )?;
+        }
         let served = Arc::new(AtomicU64::new(0));
         let count = served.clone();
         let parking = Parking {
@@ -87,7 +118,7 @@ impl IoThread {
                     return;
                 }
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    serve(&epoll, &notifiers, stop_token, &count, &parking)
+                    serve(&epoll, &notifiers, &device_events, stop_token, &count, &parking)
                 }));
                 let failure = match result {
                     Ok(Ok(())) => return,
@@ -141,11 +172,12 @@ struct Parking {
 fn serve(
     epoll: &Epoll,
     notifiers: &[Notifier],
+    device_events: &[DeviceEvent],
     stop_token: u64,
     served: &AtomicU64,
     parking: &Parking,
 ) -> Result<(), String> {
-    let mut events = vec![EpollEvent::default(); notifiers.len() + 2];
+    let mut events = vec![EpollEvent::default(); notifiers.len() + device_events.len() + 2];
     loop {
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
@@ -162,6 +194,12 @@ fn serve(
                 let _ = parking.eventfd.read();
                 if parking.gate.asked() {
                     parking.gate.park_io(&parking.control);
+                }
+                continue;
+            }
+            if token > stop_token + 1 {
+                if let Some(d) = device_events.get((token - stop_token - 2) as usize) {
+                    d.server.serve_event(d.index);
                 }
                 continue;
             }
@@ -222,6 +260,7 @@ mod tests {
         let (n, ring) = doorbell(counting.clone());
         let mut t = IoThread::start(
             vec![n],
+            Vec::new(),
             control.clone(),
             SeccompMode::Off,
             Arc::new(PauseGate::new(0, true)),
@@ -244,6 +283,7 @@ mod tests {
         let (n, ring) = doorbell(Arc::new(Broken));
         let _t = IoThread::start(
             vec![n],
+            Vec::new(),
             control.clone(),
             SeccompMode::Off,
             Arc::new(PauseGate::new(0, true)),

@@ -22,6 +22,7 @@ mod io_thread;
 mod irq;
 mod loader;
 mod metrics;
+mod net;
 pub mod pmem;
 mod running;
 pub mod seccomp;

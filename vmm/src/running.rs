@@ -39,6 +39,24 @@ pub struct RunReport {
     pub wall: Duration,
 }
 
+/// A network device's counters, as `--metrics` and `vm.counters` give them.
+fn net_json(t: &devices::virtio::MmioTransport) -> serde_json::Value {
+    let c = t.net_counters().unwrap_or_default();
+    serde_json::json!({
+        "rx_packets": c.rx_packets,
+        "rx_bytes": c.rx_bytes,
+        "rx_drops": c.rx_drops,
+        "rx_notifications": c.rx_notifications,
+        "rx_throttled": c.rx_throttled,
+        "tx_packets": c.tx_packets,
+        "tx_bytes": c.tx_bytes,
+        "tx_drops": c.tx_drops,
+        "tx_notifications": c.tx_notifications,
+        "tx_throttled": c.tx_throttled,
+        "interrupts": t.stats().interrupts,
+    })
+}
+
 /// What the VM's threads and its handles share.
 struct Shared {
     exits: ExitsMode,
@@ -61,6 +79,8 @@ struct Shared {
     /// The KVM clock and each vCPU's TSC when the VM paused, set back on resume.
     paused_at: Mutex<Option<PausedAt>>,
     transports: Vec<Arc<Mutex<devices::virtio::MmioTransport>>>,
+    /// The network devices among `transports`, in `--net` order.
+    nets: Vec<Arc<Mutex<devices::virtio::MmioTransport>>>,
     pmem: Vec<crate::pmem::PmemRegion>,
     layout_ram: Vec<(u64, u64)>,
     layout_pmem: Vec<u64>,
@@ -143,6 +163,7 @@ impl Shared {
                 "ioeventfd": self.ioeventfd_served.load(Ordering::Relaxed),
             },
             "interrupts": irq_paths,
+            "net": self.nets.iter().map(|t| net_json(&t.lock().unwrap_or_else(|e| e.into_inner()))).collect::<Vec<_>>(),
             "memory": {
                 "backend": self.ram.backend(),
                 "vcpu_threads": self.ram.vcpu_threads(),
@@ -191,10 +212,15 @@ impl VmHandle {
         let mut out = serde_json::Map::new();
         let total: u64 = self.shared.metrics.iter().map(|m| m.total()).sum();
         out.insert("vcpus".into(), serde_json::json!({ "exits": total }));
-        let (mut blk, mut other) = (0u32, 0u32);
+        let (mut blk, mut other, mut net) = (0u32, 0u32, 0u32);
         for t in &self.shared.transports {
             let t = t.lock().unwrap_or_else(|e| e.into_inner());
             let s = t.stats();
+            if t.net_counters().is_some() {
+                out.insert(format!("virtio-net{net}"), net_json(&t));
+                net += 1;
+                continue;
+            }
             let name = match t.device_type() {
                 2 => {
                     blk += 1;
@@ -480,13 +506,18 @@ impl Vm {
             ));
         }
         let notifiers = std::mem::take(&mut self.devices.notifiers);
-        let gate = Arc::new(PauseGate::new(self.vcpus.len(), !notifiers.is_empty()));
-        let io_thread = if notifiers.is_empty() {
+        let device_events = std::mem::take(&mut self.devices.device_events);
+        // Device event sources (a TAP) need the thread on either exit path: only doorbells
+        // move to the vCPU threads on the user path.
+        let needs_io = !notifiers.is_empty() || !device_events.is_empty();
+        let gate = Arc::new(PauseGate::new(self.vcpus.len(), needs_io));
+        let io_thread = if !needs_io {
             None
         } else {
             Some(
                 IoThread::start(
                     notifiers,
+                    device_events,
                     self.control.clone(),
                     self.opts.seccomp,
                     gate.clone(),
@@ -517,6 +548,7 @@ impl Vm {
             io_park: io_thread.as_ref().map(|t| t.park_bell()),
             paused_at: Mutex::new(None),
             transports: self.devices.transports.clone(),
+            nets: self.devices.nets.clone(),
             pmem: self.pmem.regions.clone(),
             layout_ram: self.layout.ram.iter().map(|r| (r.start, r.len)).collect(),
             layout_pmem: self.layout.pmem.iter().map(|p| p.addr).collect(),

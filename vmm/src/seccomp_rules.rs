@@ -168,6 +168,20 @@ fn kvm_ioctls_only() -> Result<Vec<SeccompRule>, BackendError> {
     )?])?])
 }
 
+/// `TUNSETOFFLOAD`: a virtio-net device passes the offloads its driver accepted on to its
+/// TAP when the driver sets DRIVER_OK, which a vCPU's MMIO write (or the I/O thread's
+/// doorbell) does. `_IOW('T', 208, unsigned int)`.
+pub const TUNSETOFFLOAD: u64 = 0x4004_54d0;
+
+fn net_device_ioctls() -> Result<Vec<SeccompRule>, BackendError> {
+    Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
+        1,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        TUNSETOFFLOAD,
+    )?])?])
+}
+
 /// The filter for `kind`; a call outside it traps (the VMM's SIGSYS handler makes it fail
 /// with EPERM), or with `log` is allowed and logged by the kernel.
 pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
@@ -187,7 +201,13 @@ pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
         rules.insert(libc::SYS_sendto, vec![]);
     }
     if matches!(kind, Kind::Vcpu | Kind::Io) {
-        rules.insert(libc::SYS_ioctl, kvm_ioctls_only()?);
+        let mut ioctls = kvm_ioctls_only()?;
+        ioctls.extend(net_device_ioctls()?);
+        rules.insert(libc::SYS_ioctl, ioctls);
+        // A network device's rate limiter arms its timer where it finds a bucket empty.
+        rules.insert(libc::SYS_timerfd_settime, vec![]);
+        rules.insert(libc::SYS_timerfd_gettime, vec![]);
+        rules.insert(libc::SYS_readv, vec![]);
         rules.insert(libc::SYS_epoll_wait, vec![]);
         rules.insert(libc::SYS_epoll_pwait, vec![]);
     }

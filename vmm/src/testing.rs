@@ -156,6 +156,7 @@ pub fn tiny_config(code: &[u8], cpus: u8) -> crate::config::VmConfig {
         memory: 32 << 20,
         disks: vec![],
         pmem: vec![],
+        net: vec![],
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     }

@@ -91,6 +91,7 @@ fn vm_config(plan: &Plan, storage: Storage, file: &Path, task: &str) -> VmConfig
         memory: plan.memory,
         disks,
         pmem,
+        net: Vec::new(),
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     }

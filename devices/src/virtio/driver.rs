@@ -329,3 +329,180 @@ impl Driver {
         self.submit(&[(HDR, 4, N), (DATA, 4, W)]);
     }
 }
+
+/// virtio-net framing: two queues, each on its own [`Ring`]; frames to send at DATA, receive
+/// buffers from RX_BUF on; the backend a datagram socketpair standing in for the TAP.
+pub const TX_RING: u64 = 0x8000;
+pub const RX_BUF: u64 = 0x30_0000;
+
+/// One queue's rings (descriptor table, available and used ring a page apart from `base`)
+/// and how far the driver has got in them.
+pub struct Ring {
+    pub base: u64,
+    pub avail_idx: u16,
+    pub used_seen: u16,
+}
+
+impl Ring {
+    pub fn new(base: u64) -> Ring {
+        Ring {
+            base,
+            avail_idx: 0,
+            used_seen: 0,
+        }
+    }
+    pub fn desc(&self) -> u64 {
+        self.base
+    }
+    pub fn avail(&self) -> u64 {
+        self.base + 0x1000
+    }
+    pub fn used(&self) -> u64 {
+        self.base + 0x2000
+    }
+}
+
+impl Driver {
+    /// Points queue `queue` at `ring` and sets it ready.
+    pub fn setup_queue_on(&mut self, queue: u32, ring: &Ring, size: u32) {
+        self.write(VIRTIO_MMIO_QUEUE_SEL, queue);
+        self.write(VIRTIO_MMIO_QUEUE_NUM, size);
+        for (low, addr) in [
+            (VIRTIO_MMIO_QUEUE_DESC_LOW, ring.desc()),
+            (VIRTIO_MMIO_QUEUE_AVAIL_LOW, ring.avail()),
+            (VIRTIO_MMIO_QUEUE_USED_LOW, ring.used()),
+        ] {
+            self.write(low, addr as u32);
+            self.write(low + 4, (addr >> 32) as u32);
+        }
+        self.write(VIRTIO_MMIO_QUEUE_READY, 1);
+    }
+
+    /// Negotiates every offered feature but `drop_bits`, sets up receive (queue 0, on the
+    /// driver's own rings) and transmit (queue 1, at TX_RING) and sets DRIVER_OK; returns
+    /// the two rings on zeroed memory.
+    pub fn net_up(&mut self, drop_bits: u64) -> (Ring, Ring) {
+        self.mem
+            .write_slice(&[0u8; 0x3000], GuestAddress(RING))
+            .unwrap();
+        self.mem
+            .write_slice(&[0u8; 0x3000], GuestAddress(TX_RING))
+            .unwrap();
+        assert!(self.negotiate(drop_bits));
+        let (rx, tx) = (Ring::new(RING), Ring::new(TX_RING));
+        self.setup_queue_on(0, &rx, u32::from(QSIZE));
+        self.setup_queue_on(1, &tx, u32::from(QSIZE));
+        self.driver_ok();
+        assert!(!self.needs_reset());
+        (rx, tx)
+    }
+
+    /// Writes raw descriptors into `ring`'s table from index `first`.
+    pub fn put_descs_on(&self, ring: &Ring, first: u16, descs: &[Desc]) {
+        self.write_table(ring.desc() + 16 * u64::from(first), descs);
+    }
+
+    pub fn publish_on(&mut self, ring: &mut Ring, head: u16) {
+        let slot = ring.avail() + 4 + 2 * u64::from(ring.avail_idx % QSIZE);
+        self.mem.write_obj(head, GuestAddress(slot)).unwrap();
+        ring.avail_idx = ring.avail_idx.wrapping_add(1);
+        self.mem
+            .write_obj(ring.avail_idx, GuestAddress(ring.avail() + 2))
+            .unwrap();
+    }
+
+    /// Puts a chain at descriptor `first` on, linked in order, and publishes it.
+    pub fn chain_on(&mut self, ring: &mut Ring, first: u16, descs: &[(u64, u32, u16)]) {
+        let linked: Vec<Desc> = descs
+            .iter()
+            .enumerate()
+            .map(|(i, &(a, l, f))| {
+                let next = first + i as u16 + 1;
+                if i + 1 < descs.len() {
+                    (a, l, f | N, next)
+                } else {
+                    (a, l, f & !N, 0)
+                }
+            })
+            .collect();
+        self.put_descs_on(ring, first, &linked);
+        self.publish_on(ring, first);
+    }
+
+    pub fn notify_queue(&mut self, queue: u32) {
+        self.write(VIRTIO_MMIO_QUEUE_NOTIFY, queue);
+    }
+
+    pub fn used_idx_on(&self, ring: &Ring) -> u16 {
+        self.mem.read_obj(GuestAddress(ring.used() + 2)).unwrap()
+    }
+
+    /// The next used element on `ring` as (id, len), if the device has put one there.
+    pub fn next_used_on(&mut self, ring: &mut Ring) -> Option<(u32, u32)> {
+        if self.used_idx_on(ring) == ring.used_seen {
+            return None;
+        }
+        let at = ring.used() + 4 + 8 * u64::from(ring.used_seen % QSIZE);
+        let e: VirtqUsedElem = self.mem.read_obj(GuestAddress(at)).unwrap();
+        ring.used_seen = ring.used_seen.wrapping_add(1);
+        Some((e.id(), e.len()))
+    }
+
+    /// The driver's used_event (EVENT_IDX): interrupt once the used index passes it.
+    pub fn set_used_event(&self, ring: &Ring, idx: u16) {
+        let at = ring.avail() + 4 + 2 * u64::from(QSIZE);
+        self.mem.write_obj(idx, GuestAddress(at)).unwrap();
+    }
+
+    /// The device's avail_event (EVENT_IDX): the available index it wants a doorbell for.
+    pub fn avail_event(&self, ring: &Ring) -> u16 {
+        let at = ring.used() + 4 + 8 * u64::from(QSIZE);
+        self.mem.read_obj(GuestAddress(at)).unwrap()
+    }
+
+    pub fn guest_bytes(&self, addr: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        self.mem.read_slice(&mut v, GuestAddress(addr)).unwrap();
+        v
+    }
+}
+
+/// A frame pipe standing in for a TAP: one end of a datagram socketpair, which keeps frame
+/// boundaries and, like a TAP, says `WouldBlock` when the other end has not read enough.
+/// The offload flags the device last asked for are kept for tests to look at.
+pub struct SocketBackend {
+    pub sock: std::os::unix::net::UnixDatagram,
+    pub offload: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl SocketBackend {
+    /// The backend and the peer end a test sends and receives frames on.
+    pub fn pair() -> (SocketBackend, std::os::unix::net::UnixDatagram) {
+        let (a, b) = std::os::unix::net::UnixDatagram::pair().expect("socketpair");
+        a.set_nonblocking(true).expect("non-blocking socket");
+        b.set_nonblocking(true).expect("non-blocking socket");
+        let backend = SocketBackend {
+            sock: a,
+            offload: Arc::new(std::sync::atomic::AtomicU32::new(u32::MAX)),
+        };
+        (backend, b)
+    }
+}
+
+impl crate::virtio::NetBackend for SocketBackend {
+    fn read_frame(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.sock.recv(buf)
+    }
+    fn write_frame(&mut self, iovs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        let frame: Vec<u8> = iovs.iter().flat_map(|s| s.iter().copied()).collect();
+        self.sock.send(&frame)
+    }
+    fn raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.sock)
+    }
+    fn set_offload(&mut self, flags: u32) -> std::io::Result<()> {
+        self.offload
+            .store(flags, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+}

@@ -5,9 +5,10 @@
 //! That way a half-written or nonsensical configuration never reaches the ring code, and a
 //! bad one is refused in one place (the device then reports NEEDS_RESET).
 
-use super::{VirtioDevice, VirtioStats, QUEUE_MAX_SIZE};
+use super::{NetCounters, VirtioDevice, VirtioStats};
 use crate::Irq;
 use std::io;
+use std::os::fd::RawFd;
 use std::sync::Arc;
 use tracing::{debug, warn};
 use virtio_bindings::virtio_config::{
@@ -15,6 +16,7 @@ use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_VERSION_1,
 };
 use virtio_bindings::virtio_mmio::*;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_device::bus::{MmioAddress, MmioAddressOffset};
 use vm_device::MutDeviceMmio;
@@ -107,8 +109,9 @@ impl MmioTransport {
         irq: Arc<dyn Irq>,
     ) -> MmioTransport {
         let n = device.num_queues();
+        let max = device.queue_max_size();
         let queues = (0..n)
-            .map(|_| Queue::new(QUEUE_MAX_SIZE).expect("QUEUE_MAX_SIZE is a valid queue size"))
+            .map(|_| Queue::new(max).expect("devices offer a power of two up to 32768"))
             .collect();
         let regs = vec![QueueRegs::default(); n];
         MmioTransport {
@@ -265,15 +268,7 @@ impl MmioTransport {
             .device
             .process_queue(index, &mut self.queues[i], &self.mem);
         if self.queues[i].next_used() != before {
-            // Without EVENT_IDX (never offered) `needs_notification` is always true; asking
-            // keeps the code correct should the feature be offered later. virtio-queue does
-            // not look at the driver's VIRTQ_AVAIL_F_NO_INTERRUPT, so that is checked here:
-            // a polling driver then costs no interrupt (and no acknowledging exits).
-            let notify = self.queues[i].needs_notification(&self.mem).unwrap_or(true)
-                && !self.interrupt_suppressed(i);
-            if notify {
-                self.raise(VIRTIO_MMIO_INT_VRING);
-            }
+            self.used_buffers_added(i);
         }
         if let Err(e) = result {
             warn!(index, "virtio queue unusable, device needs reset: {e}");
@@ -281,9 +276,69 @@ impl MmioTransport {
         }
     }
 
+    /// Interrupts the driver for new used entries on queue `i` unless it asked not to be:
+    /// with EVENT_IDX through the used_event index (`needs_notification`), without it through
+    /// VIRTQ_AVAIL_F_NO_INTERRUPT, which virtio-queue does not look at. A polling driver then
+    /// costs no interrupt (and no acknowledging exits).
+    fn used_buffers_added(&mut self, i: usize) {
+        let notify = if self.queues[i].event_idx_enabled() {
+            self.queues[i].needs_notification(&self.mem).unwrap_or(true)
+        } else {
+            !self.interrupt_suppressed(i)
+        };
+        if notify {
+            self.raise(VIRTIO_MMIO_INT_VRING);
+        }
+    }
+
+    /// Descriptors the device needs watched besides its doorbells (see
+    /// [`VirtioDevice::event_fds`]); the VMM's I/O thread adds them to its epoll set and
+    /// calls `process_event` with the index of the one that became readable.
+    pub fn event_fds(&self) -> Vec<RawFd> {
+        self.device.event_fds()
+    }
+
+    /// Lets the device handle its event source `index`, then interrupts for the queues it
+    /// used. Ignored until the driver has set DRIVER_OK (the device sees the event again
+    /// through its own resume signal on activation) or while the device needs a reset.
+    pub fn process_event(&mut self, index: usize) {
+        if self.needs_reset || self.status & VIRTIO_CONFIG_S_DRIVER_OK == 0 {
+            debug!(
+                index,
+                status = self.status,
+                "device event while the device is not live"
+            );
+            return;
+        }
+        let result = self
+            .device
+            .process_event(index, &mut self.queues, &self.mem);
+        let mut used = match result {
+            Ok(used) => used,
+            Err(e) => {
+                warn!(index, "virtio queue unusable, device needs reset: {e}");
+                self.mark_needs_reset();
+                return;
+            }
+        };
+        used.sort_unstable();
+        used.dedup();
+        for q in used {
+            let i = usize::from(q);
+            if i < self.queues.len() && self.queues[i].ready() {
+                self.used_buffers_added(i);
+            }
+        }
+    }
+
     /// Makes all completed guest writes durable; the VMM calls it before exiting.
     pub fn flush(&mut self) -> io::Result<()> {
         self.device.flush()
+    }
+
+    /// Per-direction counters if the device is a network device.
+    pub fn net_counters(&self) -> Option<NetCounters> {
+        self.device.net_counters()
     }
 
     /// Device counters plus the interrupts this transport raised.
@@ -358,7 +413,9 @@ impl MmioTransport {
                 1 => (self.device.features() >> 32) as u32,
                 _ => 0,
             },
-            VIRTIO_MMIO_QUEUE_NUM_MAX => self.selected().map_or(0, |_| QUEUE_MAX_SIZE.into()),
+            VIRTIO_MMIO_QUEUE_NUM_MAX => self
+                .selected()
+                .map_or(0, |_| self.device.queue_max_size().into()),
             VIRTIO_MMIO_QUEUE_READY => self
                 .selected()
                 .map_or(0, |i| u32::from(self.queues[i].ready())),
@@ -486,10 +543,11 @@ impl MmioTransport {
 
     fn configure_queue(&mut self, i: usize) -> Result<(), String> {
         let r = self.regs[i];
+        let max = self.device.queue_max_size();
         let size = u16::try_from(r.size)
             .ok()
-            .filter(|s| *s != 0 && *s <= QUEUE_MAX_SIZE && s.is_power_of_two())
-            .ok_or_else(|| format!("queue size {} (max {QUEUE_MAX_SIZE})", r.size))?;
+            .filter(|s| *s != 0 && *s <= max && s.is_power_of_two())
+            .ok_or_else(|| format!("queue size {} (max {max})", r.size))?;
         for (what, addr, align) in [
             ("descriptor table", r.desc, DESC_ALIGN),
             ("available ring", r.avail, AVAIL_ALIGN),
@@ -507,7 +565,9 @@ impl MmioTransport {
             .map_err(|e| e.to_string())?;
         q.try_set_used_ring_address(GuestAddress(r.used))
             .map_err(|e| e.to_string())?;
-        q.set_event_idx(false);
+        // Features are settled before queues are set up; DRIVER_OK sets this again for a
+        // driver that did it the other way round.
+        q.set_event_idx(self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0);
         q.set_ready(true);
         if !q.is_valid(&self.mem) {
             return Err(format!(
@@ -541,6 +601,10 @@ impl MmioTransport {
                 debug!("DRIVER_OK without FEATURES_OK; device stays inactive");
                 value &= !VIRTIO_CONFIG_S_DRIVER_OK;
             } else {
+                let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+                for q in &mut self.queues {
+                    q.set_event_idx(event_idx);
+                }
                 self.device.activate(self.acked_features);
             }
         }

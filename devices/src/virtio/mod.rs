@@ -7,15 +7,18 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
 pub mod pmem;
 
 pub use block::{Block, BlockConfig, BlockError, CacheMode};
 pub use mmio::{MmioTransport, TransportState};
+pub use net::{Net, NetBackend, NetConfig, NetCounters, NetError};
 pub use pmem::Pmem;
 
 use std::fmt;
 use std::io;
 use std::num::Wrapping;
+use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
 use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
@@ -67,6 +70,11 @@ pub trait VirtioDevice {
     /// Number of virtqueues the device uses.
     fn num_queues(&self) -> usize;
 
+    /// Largest ring the driver may set up on each queue; a power of two.
+    fn queue_max_size(&self) -> u16 {
+        QUEUE_MAX_SIZE
+    }
+
     /// Feature bits offered, including `VIRTIO_F_VERSION_1`.
     fn features(&self) -> u64;
 
@@ -108,12 +116,40 @@ pub trait VirtioDevice {
     fn stats(&self) -> VirtioStats {
         VirtioStats::default()
     }
+
+    /// Per-direction counters of a network device; `None` for every other kind.
+    fn net_counters(&self) -> Option<NetCounters> {
+        None
+    }
+
+    /// Descriptors besides the queue doorbells that the owner must watch for readability
+    /// (a backend with data, a timer), for devices whose work does not all start with the
+    /// guest. `process_event(i)` is called when the `i`-th becomes readable. The list is
+    /// fixed for the device's life.
+    fn event_fds(&self) -> Vec<RawFd> {
+        Vec::new()
+    }
+
+    /// Handles event source `index` (of `event_fds`) with all the device's queues, and
+    /// returns the queues it put used entries on, so the transport can interrupt for them.
+    /// Like `process_queue`, an error means a ring is unusable.
+    fn process_event(
+        &mut self,
+        index: usize,
+        _queues: &mut [Queue],
+        _mem: &GuestMemoryMmap,
+    ) -> Result<Vec<u16>, QueueCorrupt> {
+        tracing::debug!(index, "event for a device without event sources");
+        Ok(Vec::new())
+    }
 }
 
 /// The guest driver of the device tests, shared with the fuzzing entry points.
 #[cfg(any(test, feature = "fuzzing"))]
 #[cfg_attr(not(test), allow(dead_code))] // the fuzzing entry points use only part of it
 pub(crate) mod driver;
+#[cfg(test)]
+mod net_tests;
 #[cfg(test)]
 mod tests;
 

@@ -1,6 +1,8 @@
 //! Shared helpers for tests that run the `musubi` binary.
 #![allow(dead_code)]
 
+pub mod netns;
+
 use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};

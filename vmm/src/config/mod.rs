@@ -1,5 +1,6 @@
 //! What a user asks a VM to be: parsed from flags and JSON, validated before any KVM call.
 
+pub mod net;
 pub mod spec;
 
 pub use devices::virtio::block::CacheMode;
@@ -215,6 +216,8 @@ pub struct VmConfig {
     pub pmem: Vec<crate::pmem::PmemConfig>,
     pub serial: SerialMode,
     pub exits: ExitsMode,
+    /// Network devices (`--net`), after the disks in the virtio slots.
+    pub net: Vec<net::NetConfig>,
 }
 
 /// One host file a VM uses as storage, named as the user names it.
@@ -379,6 +382,7 @@ mod tests {
                 "path=/b.img".parse().unwrap(),
             ],
             pmem: vec!["file=p.img".parse().unwrap()],
+            net: Vec::new(),
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
         };

@@ -111,6 +111,10 @@ pub struct SavedConfig {
     pub pmem: Vec<SavedPmem>,
     pub serial: SerialMode,
     pub exits: ExitsMode,
+    /// Network devices, reopened by TAP name on restore. Absent in snapshots of VMs that
+    /// had none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net: Vec<crate::config::net::NetConfig>,
 }
 
 impl SavedConfig {
@@ -153,6 +157,7 @@ impl SavedConfig {
                 other => other.clone(),
             },
             exits: config.exits,
+            net: config.net.clone(),
         }
     }
 
@@ -194,6 +199,7 @@ impl SavedConfig {
             pmem,
             serial: self.serial.clone(),
             exits: self.exits,
+            net: self.net.clone(),
         })
     }
 
@@ -563,6 +569,7 @@ mod tests {
             pmem: vec![],
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
+            net: vec![],
         };
         saved
             .check_given(Some(2), Some(256 << 20), None, None)

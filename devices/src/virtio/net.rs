@@ -1,0 +1,862 @@
+//! virtio-net over a TAP (or any frame pipe with the same framing): one receive and one
+//! transmit queue, frames passing with their 12-byte virtio-net header untouched so the
+//! guest's checksum and segmentation offloads reach the host kernel.
+//!
+//! Frames are copied through device-side buffers rather than handed to the kernel as
+//! iovecs over guest memory: a guest cannot then change a frame while the kernel reads it,
+//! every guest buffer is checked once before it is touched, and a frame that does not fit
+//! the receive buffers the guest posted can be held without holding guest memory.
+//!
+//! Besides its two doorbells the device waits on the backend becoming readable, on the
+//! rate limiters' timers and on an eventfd of its own that it signals when it stopped early
+//! with work left (a bounded pass, or activation with frames already queued); see
+//! [`VirtioDevice::event_fds`]. These should be watched edge-triggered: while the guest
+//! posts no receive buffers the device leaves frames in the backend, which then stays
+//! readable.
+
+use super::{read_config_bytes, QueueCorrupt, VirtioDevice, VirtioStats, QUEUE_MAX_SIZE};
+use crate::net::rate_limiter::{RateLimit, RateLimiter};
+use crate::net::tap::{offload_flags, Tap, TapError, VNET_HDR_LEN};
+use std::io::{self, IoSlice};
+use std::num::Wrapping;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{fence, Ordering};
+use tracing::{debug, warn};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
+use virtio_bindings::virtio_net::*;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap, Permissions};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+/// Longest frame (after the virtio-net header) either way: a 64 KiB GSO frame plus its
+/// Ethernet and VLAN headers, as Linux's virtio-net driver sizes its big receive buffers.
+pub const MAX_FRAME_LEN: usize = 65_562;
+/// Queue the guest posts receive buffers on.
+pub const RX_QUEUE: u16 = 0;
+/// Queue the guest posts frames to send on.
+pub const TX_QUEUE: u16 = 1;
+/// Descriptors followed per chain at most. Direct chains are bounded by the ring already;
+/// an indirect table (followed whether or not it was offered) could otherwise be huge.
+pub const MAX_CHAIN_DESCRIPTORS: usize = 512;
+
+/// Passes over a ring before a notification handler yields (and signals its resume
+/// eventfd), so a guest refilling as fast as the device drains cannot keep it forever.
+const TX_ROUNDS: usize = 4;
+const CONFIG_LEN: usize = 10;
+/// Offset of `num_buffers` in `virtio_net_hdr_v1`.
+const NUM_BUFFERS_OFFSET: usize = 10;
+
+/// Feature bits offered.
+pub const NET_FEATURES: u64 = (1 << VIRTIO_F_VERSION_1)
+    | (1 << VIRTIO_RING_F_EVENT_IDX)
+    | (1 << VIRTIO_NET_F_MAC)
+    | (1 << VIRTIO_NET_F_STATUS)
+    | (1 << VIRTIO_NET_F_MRG_RXBUF)
+    | (1 << VIRTIO_NET_F_CSUM)
+    | (1 << VIRTIO_NET_F_GUEST_CSUM)
+    | (1 << VIRTIO_NET_F_GUEST_TSO4)
+    | (1 << VIRTIO_NET_F_GUEST_TSO6)
+    | (1 << VIRTIO_NET_F_HOST_TSO4)
+    | (1 << VIRTIO_NET_F_HOST_TSO6);
+
+/// Where frames go and come from. A trait so the device tests and the fuzz target can use a
+/// socketpair instead of a TAP, which needs privileges.
+pub trait NetBackend: Send {
+    /// Reads one frame, virtio-net header first; `WouldBlock` when none is queued, `Ok(0)`
+    /// when the other end is gone.
+    fn read_frame(&mut self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Writes one frame, header first, whole; `WouldBlock` when it cannot be taken now.
+    fn write_frame(&mut self, iovs: &[IoSlice<'_>]) -> io::Result<usize>;
+    /// The descriptor that becomes readable when a frame is queued.
+    fn raw_fd(&self) -> RawFd;
+    /// Tells the backend which `TUN_F_*` offloads the guest takes on receive.
+    fn set_offload(&mut self, flags: u32) -> io::Result<()>;
+}
+
+impl NetBackend for Tap {
+    fn read_frame(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read(buf)
+    }
+    fn write_frame(&mut self, iovs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.write_vectored(iovs)
+    }
+    fn raw_fd(&self) -> RawFd {
+        self.as_raw_fd()
+    }
+    fn set_offload(&mut self, flags: u32) -> io::Result<()> {
+        Tap::set_offload(self, flags).map_err(io::Error::other)
+    }
+}
+
+/// Device counters, per direction. Plain numbers so they can be copied out under a lock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NetCounters {
+    /// Frames put in guest receive buffers.
+    pub rx_packets: u64,
+    /// Their bytes, virtio-net header excluded.
+    pub rx_bytes: u64,
+    /// Frames from the backend that never reached the guest (too short, or no usable
+    /// buffers for them), plus malformed receive chains returned unused.
+    pub rx_drops: u64,
+    /// Receive queue doorbells.
+    pub rx_notifications: u64,
+    /// Times the receive rate limiter held a frame back.
+    pub rx_throttled: u64,
+    /// Frames the guest sent that the backend took.
+    pub tx_packets: u64,
+    /// Their bytes, virtio-net header excluded.
+    pub tx_bytes: u64,
+    /// Transmit chains dropped as malformed or refused by the backend.
+    pub tx_drops: u64,
+    /// Transmit queue doorbells.
+    pub tx_notifications: u64,
+    /// Times the transmit rate limiter held a frame back.
+    pub tx_throttled: u64,
+}
+
+/// What the VMM knows about a `--net`.
+#[derive(Debug)]
+pub struct NetConfig {
+    pub tap: Tap,
+    /// The guest's MAC; a locally administered one is made up when `None`.
+    pub mac: Option<[u8; 6]>,
+    /// Largest ring the guest may set up: a power of two up to [`QUEUE_MAX_SIZE`].
+    pub queue_size: u16,
+    pub rx_rate: Option<RateLimit>,
+    pub tx_rate: Option<RateLimit>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error(transparent)]
+    Tap(#[from] TapError),
+    #[error("virtio-net: queue size {0} is not a power of two from 1 to {QUEUE_MAX_SIZE}")]
+    QueueSize(u16),
+    #[error("virtio-net: MAC {0} is a multicast address; a NIC needs a unicast one")]
+    MulticastMac(String),
+    #[error("virtio-net: {what}: {source}")]
+    Io {
+        what: &'static str,
+        source: io::Error,
+    },
+}
+
+/// The fds the device waits on besides its doorbells, in `event_fds` order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Event {
+    Backend,
+    Resume,
+    RxTimer,
+    TxTimer,
+}
+
+/// What became of the frame waiting to be received.
+enum Delivery {
+    Done,
+    /// Dropped; any chains taken for it were returned with nothing written.
+    Dropped,
+    /// Not enough buffers yet; the ring's available index when that was found.
+    Wait(u16),
+}
+
+/// Why a chain was refused, for the debug log.
+type Fault = &'static str;
+
+/// A virtio-net device.
+pub struct Net {
+    backend: Box<dyn NetBackend>,
+    config: [u8; CONFIG_LEN],
+    queue_size: u16,
+    acked: u64,
+    active: bool,
+    /// A frame read from the backend, header included, not yet in guest buffers.
+    rx_buf: Vec<u8>,
+    /// Length of the frame in `rx_buf`; zero when there is none.
+    rx_len: usize,
+    /// Whether the rate limiter already counted the frame in `rx_buf`.
+    rx_paid: bool,
+    rx_limiter: Option<RateLimiter>,
+    tx_buf: Vec<u8>,
+    /// The backend refused a frame with `WouldBlock`: retry on its next event.
+    tx_stalled: bool,
+    tx_limiter: Option<RateLimiter>,
+    resume: EventFd,
+    events: Vec<Event>,
+    counters: NetCounters,
+}
+
+fn format_mac(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// A locally administered unicast MAC in QEMU's 52:54:00 range; the seed only has to make
+/// two VMs on one bridge unlikely to clash.
+fn generated_mac() -> [u8; 6] {
+    let r = vmm_sys_util::rand::xor_pseudo_rng_u32().to_le_bytes();
+    [0x52, 0x54, 0x00, r[0], r[1], r[2]]
+}
+
+fn limiter(rate: Option<RateLimit>, what: &'static str) -> Result<Option<RateLimiter>, NetError> {
+    rate.map(|r| RateLimiter::new(&r).map_err(|source| NetError::Io { what, source }))
+        .transpose()
+}
+
+impl Net {
+    pub fn new(cfg: NetConfig) -> Result<Net, NetError> {
+        Net::with_backend(
+            Box::new(cfg.tap),
+            cfg.mac,
+            cfg.queue_size,
+            cfg.rx_rate,
+            cfg.tx_rate,
+        )
+    }
+
+    /// A device over any frame pipe with the TAP's framing.
+    pub fn with_backend(
+        backend: Box<dyn NetBackend>,
+        mac: Option<[u8; 6]>,
+        queue_size: u16,
+        rx_rate: Option<RateLimit>,
+        tx_rate: Option<RateLimit>,
+    ) -> Result<Net, NetError> {
+        if queue_size == 0 || queue_size > QUEUE_MAX_SIZE || !queue_size.is_power_of_two() {
+            return Err(NetError::QueueSize(queue_size));
+        }
+        let mac = mac.unwrap_or_else(generated_mac);
+        if mac[0] & 1 != 0 {
+            return Err(NetError::MulticastMac(format_mac(&mac)));
+        }
+        let rx_limiter = limiter(rx_rate, "receive rate limiter timer")?;
+        let tx_limiter = limiter(tx_rate, "transmit rate limiter timer")?;
+        let resume = EventFd::new(EFD_NONBLOCK).map_err(|source| NetError::Io {
+            what: "resume eventfd",
+            source,
+        })?;
+        let mut events = vec![Event::Backend, Event::Resume];
+        if rx_limiter.is_some() {
+            events.push(Event::RxTimer);
+        }
+        if tx_limiter.is_some() {
+            events.push(Event::TxTimer);
+        }
+        let mut config = [0u8; CONFIG_LEN];
+        config[0..6].copy_from_slice(&mac);
+        config[6..8].copy_from_slice(&(VIRTIO_NET_S_LINK_UP as u16).to_le_bytes());
+        config[8..10].copy_from_slice(&1u16.to_le_bytes());
+        Ok(Net {
+            backend,
+            config,
+            queue_size,
+            acked: 0,
+            active: false,
+            rx_buf: vec![0; VNET_HDR_LEN + MAX_FRAME_LEN],
+            rx_len: 0,
+            rx_paid: false,
+            rx_limiter,
+            tx_buf: vec![0; VNET_HDR_LEN + MAX_FRAME_LEN],
+            tx_stalled: false,
+            tx_limiter,
+            resume,
+            events,
+            counters: NetCounters::default(),
+        })
+    }
+
+    pub fn mac(&self) -> [u8; 6] {
+        let mut mac = [0u8; 6];
+        mac.copy_from_slice(&self.config[0..6]);
+        mac
+    }
+
+    pub fn counters(&self) -> NetCounters {
+        self.counters
+    }
+
+    fn mergeable(&self) -> bool {
+        self.acked & (1 << VIRTIO_NET_F_MRG_RXBUF) != 0
+    }
+
+    /// Asks the owner to call `process_event(Resume)` soon.
+    fn yield_with_work_left(&self) {
+        if let Err(e) = self.resume.write(1) {
+            warn!("virtio-net: resume eventfd: {e}");
+        }
+    }
+
+    /// Serves the transmit queue: each chain's frame goes to the backend or is dropped.
+    /// Returns how many chains were put on the used ring.
+    fn process_tx(&mut self, q: &mut Queue, mem: &GuestMemoryMmap) -> Result<usize, QueueCorrupt> {
+        self.tx_stalled = false;
+        if !q.ready() {
+            return Ok(0);
+        }
+        let mut used = 0;
+        for _ in 0..TX_ROUNDS {
+            let (avail, pending) = available(TX_QUEUE, q, mem)?;
+            for _ in 0..pending {
+                let chain = pop(TX_QUEUE, q, mem)?;
+                let head = chain.head_index();
+                if !self.transmit(chain, mem) {
+                    // The frame stays available: the limiter's timer, the backend or the
+                    // next doorbell brings the device back to it.
+                    q.go_to_previous_position();
+                    kick_on_next(q, mem, avail);
+                    return Ok(used);
+                }
+                q.add_used(mem, head, 0)
+                    .map_err(|e| corrupt(TX_QUEUE, "writing used ring", e))?;
+                used += 1;
+            }
+            let more = q
+                .enable_notification(mem)
+                .map_err(|e| corrupt(TX_QUEUE, "re-enabling notifications", e))?;
+            if !more {
+                return Ok(used);
+            }
+        }
+        self.yield_with_work_left();
+        Ok(used)
+    }
+
+    /// Sends one chain's frame. False if it has to be tried again later (the chain is then
+    /// not used); a malformed chain or a frame the backend refuses counts as a drop.
+    fn transmit(
+        &mut self,
+        chain: DescriptorChain<&GuestMemoryMmap>,
+        mem: &GuestMemoryMmap,
+    ) -> bool {
+        let (bufs, len) = match buffers(chain, mem, false) {
+            Ok(b) => b,
+            Err(why) => return self.tx_drop(why),
+        };
+        if len <= VNET_HDR_LEN {
+            return self.tx_drop("frame no longer than the virtio-net header");
+        }
+        if len > VNET_HDR_LEN + MAX_FRAME_LEN {
+            return self.tx_drop("frame longer than 65562 bytes");
+        }
+        if let Some(l) = &mut self.tx_limiter {
+            if !l.consume((len - VNET_HDR_LEN) as u64) {
+                self.counters.tx_throttled += 1;
+                return false;
+            }
+        }
+        let mut at = 0;
+        for (addr, n) in bufs {
+            if mem.read_slice(&mut self.tx_buf[at..at + n], addr).is_err() {
+                return self.tx_drop("buffer unreadable");
+            }
+            at += n;
+        }
+        let mut result = Err(io::ErrorKind::Interrupted.into());
+        for _ in 0..8 {
+            result = self
+                .backend
+                .write_frame(&[IoSlice::new(&self.tx_buf[..len])]);
+            if !matches!(&result, Err(e) if e.kind() == io::ErrorKind::Interrupted) {
+                break;
+            }
+        }
+        match result {
+            Ok(_) => {
+                self.counters.tx_packets += 1;
+                self.counters.tx_bytes += (len - VNET_HDR_LEN) as u64;
+                true
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if let Some(l) = &mut self.tx_limiter {
+                    l.refund((len - VNET_HDR_LEN) as u64);
+                }
+                self.tx_stalled = true;
+                false
+            }
+            Err(e) => {
+                debug!("virtio-net: backend refused a frame: {e}");
+                self.counters.tx_drops += 1;
+                true
+            }
+        }
+    }
+
+    fn tx_drop(&mut self, why: Fault) -> bool {
+        debug!("virtio-net: transmit chain dropped: {why}");
+        self.counters.tx_drops += 1;
+        true
+    }
+
+    /// Moves frames from the backend into the guest's receive buffers until the backend has
+    /// none, the guest has no room, the limiter says wait, or the pass's budget is spent.
+    /// Returns how many chains were put on the used ring.
+    fn process_rx(&mut self, q: &mut Queue, mem: &GuestMemoryMmap) -> Result<usize, QueueCorrupt> {
+        if !q.ready() {
+            return Ok(0);
+        }
+        let mut used = 0;
+        // Two passes' worth of a full ring: bounded, yet enough to drain a burst.
+        for _ in 0..2 * usize::from(q.size()).max(32) {
+            if self.rx_len == 0 && !self.read_frame() {
+                return Ok(used);
+            }
+            if !self.rx_paid {
+                if let Some(l) = &mut self.rx_limiter {
+                    if !l.consume((self.rx_len - VNET_HDR_LEN) as u64) {
+                        self.counters.rx_throttled += 1;
+                        return Ok(used);
+                    }
+                }
+                self.rx_paid = true;
+            }
+            let before = q.next_used();
+            let outcome = self.deliver(q, mem)?;
+            used += usize::from(q.next_used().wrapping_sub(before));
+            match outcome {
+                Delivery::Done | Delivery::Dropped => {
+                    self.rx_len = 0;
+                    self.rx_paid = false;
+                }
+                Delivery::Wait(seen) => {
+                    // Ask for a doorbell on the next buffer, then look again in case one
+                    // came before the request was visible.
+                    kick_on_next(q, mem, seen);
+                    let (avail, _) = available(RX_QUEUE, q, mem)?;
+                    if avail == seen {
+                        return Ok(used);
+                    }
+                }
+            }
+        }
+        self.yield_with_work_left();
+        Ok(used)
+    }
+
+    /// Reads the next frame from the backend into `rx_buf`; false if there is none now.
+    fn read_frame(&mut self) -> bool {
+        // Runts are dropped and the next frame read; bounded like everything else.
+        for _ in 0..64 {
+            match self.backend.read_frame(&mut self.rx_buf) {
+                Ok(0) => return false,
+                Ok(n) if n <= VNET_HDR_LEN => {
+                    debug!(len = n, "virtio-net: frame from the backend without data");
+                    self.counters.rx_drops += 1;
+                }
+                Ok(n) => {
+                    self.rx_len = n;
+                    return true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+                Err(e) => {
+                    warn!("virtio-net: reading from the backend: {e}");
+                    return false;
+                }
+            }
+        }
+        // More may be queued, and an edge-triggered watch would not say so again.
+        self.yield_with_work_left();
+        false
+    }
+
+    /// Puts the frame in `rx_buf` into guest receive buffers: one chain, or with
+    /// MRG_RXBUF as many as it takes, `num_buffers` saying how many.
+    fn deliver(&mut self, q: &mut Queue, mem: &GuestMemoryMmap) -> Result<Delivery, QueueCorrupt> {
+        let frame_len = self.rx_len;
+        let (avail, pending) = available(RX_QUEUE, q, mem)?;
+        let mut taken: Vec<(u16, Vec<(GuestAddress, usize)>)> = Vec::new();
+        let mut room = 0usize;
+        let mut fault = None;
+        while room < frame_len {
+            if taken.len() == usize::from(pending) {
+                for _ in 0..taken.len() {
+                    q.go_to_previous_position();
+                }
+                if pending < q.size() {
+                    return Ok(Delivery::Wait(avail));
+                }
+                // A full ring that cannot hold the frame never will.
+                return Ok(self.rx_drop("frame larger than every posted buffer together"));
+            }
+            let chain = pop(RX_QUEUE, q, mem)?;
+            let head = chain.head_index();
+            match buffers(chain, mem, true) {
+                Ok((bufs, len)) if len >= VNET_HDR_LEN => {
+                    taken.push((head, bufs));
+                    room = room.saturating_add(len);
+                }
+                Ok(_) => {
+                    taken.push((head, Vec::new()));
+                    fault = Some("receive chain smaller than the virtio-net header");
+                    break;
+                }
+                Err(why) => {
+                    taken.push((head, Vec::new()));
+                    fault = Some(why);
+                    break;
+                }
+            }
+            if !self.mergeable() {
+                break;
+            }
+        }
+        if fault.is_none() && room < frame_len {
+            // Without MRG_RXBUF a frame goes in one chain; this one stays for the next frame.
+            q.go_to_previous_position();
+            return Ok(self.rx_drop("frame larger than the receive chain"));
+        }
+        let num_buffers = taken.len() as u16;
+        self.rx_buf[NUM_BUFFERS_OFFSET..VNET_HDR_LEN].copy_from_slice(&num_buffers.to_le_bytes());
+        let mut lens = vec![0u32; taken.len()];
+        if fault.is_none() {
+            let mut at = 0;
+            'chains: for (k, (_, bufs)) in taken.iter().enumerate() {
+                for &(addr, n) in bufs {
+                    let n = n.min(frame_len - at);
+                    if n == 0 {
+                        break 'chains;
+                    }
+                    if mem.write_slice(&self.rx_buf[at..at + n], addr).is_err() {
+                        fault = Some("receive buffer unwritable");
+                        break 'chains;
+                    }
+                    at += n;
+                    lens[k] += n as u32;
+                }
+            }
+        }
+        if fault.is_some() {
+            lens.fill(0);
+        }
+        for (&(head, _), &len) in taken.iter().zip(&lens) {
+            q.add_used(mem, head, len)
+                .map_err(|e| corrupt(RX_QUEUE, "writing used ring", e))?;
+        }
+        Ok(match fault {
+            Some(why) => self.rx_drop(why),
+            None => {
+                self.counters.rx_packets += 1;
+                self.counters.rx_bytes += (frame_len - VNET_HDR_LEN) as u64;
+                Delivery::Done
+            }
+        })
+    }
+
+    fn rx_drop(&mut self, why: Fault) -> Delivery {
+        debug!("virtio-net: received frame dropped: {why}");
+        self.counters.rx_drops += 1;
+        Delivery::Dropped
+    }
+}
+
+fn corrupt(index: u16, what: &str, e: impl std::fmt::Display) -> QueueCorrupt {
+    QueueCorrupt(format!("queue {index}: {what}: {e}"))
+}
+
+/// The ring's available index and how many chains past `next_avail` it offers; more than the
+/// ring holds means the driver broke the ring.
+fn available(index: u16, q: &Queue, mem: &GuestMemoryMmap) -> Result<(u16, u16), QueueCorrupt> {
+    let avail = q
+        .avail_idx(mem, Ordering::Acquire)
+        .map_err(|e| corrupt(index, "reading avail index", e))?;
+    let pending = (avail - Wrapping(q.next_avail())).0;
+    if pending > q.size() {
+        return Err(QueueCorrupt(format!(
+            "queue {index}: avail index {} is {pending} entries ahead of {} (size {})",
+            avail.0,
+            q.next_avail(),
+            q.size()
+        )));
+    }
+    Ok((avail.0, pending))
+}
+
+/// The next available chain; call only when `available` says there is one.
+fn pop<'a>(
+    index: u16,
+    q: &mut Queue,
+    mem: &'a GuestMemoryMmap,
+) -> Result<DescriptorChain<&'a GuestMemoryMmap>, QueueCorrupt> {
+    let chain = q
+        .pop_descriptor_chain(mem)
+        .ok_or_else(|| QueueCorrupt(format!("queue {index}: available ring unreadable")))?;
+    if chain.head_index() >= q.size() {
+        return Err(QueueCorrupt(format!(
+            "queue {index}: head descriptor {} outside a ring of {}",
+            chain.head_index(),
+            q.size()
+        )));
+    }
+    Ok(chain)
+}
+
+/// With EVENT_IDX, asks the driver to notify once the available index moves past `avail`
+/// (virtio-queue's `enable_notification` would ask from `next_avail`, which a device that
+/// left chains on the ring has already passed).
+fn kick_on_next(q: &Queue, mem: &GuestMemoryMmap, avail: u16) {
+    if !q.event_idx_enabled() {
+        return;
+    }
+    let at = q.used_ring() + 4 + 8 * u64::from(q.size());
+    if let Err(e) = mem.write_obj(avail.to_le(), GuestAddress(at)) {
+        debug!("virtio-net: writing avail_event: {e}");
+    }
+    fence(Ordering::SeqCst);
+}
+
+/// The guest buffers of a chain, all of which must go one way (device-writable for
+/// receive, device-readable for transmit), with their total length. Every descriptor is
+/// checked to lie in guest memory; an empty one, a broken or over-long chain is refused.
+fn buffers(
+    chain: DescriptorChain<&GuestMemoryMmap>,
+    mem: &GuestMemoryMmap,
+    writable: bool,
+) -> Result<(Vec<(GuestAddress, usize)>, usize), Fault> {
+    let mut out = Vec::new();
+    let mut total = 0usize;
+    let mut last_has_next = false;
+    for (k, d) in chain.enumerate() {
+        if k == MAX_CHAIN_DESCRIPTORS {
+            return Err("chain longer than 512 descriptors");
+        }
+        last_has_next = d.has_next();
+        if d.is_write_only() != writable {
+            return Err(if writable {
+                "device-readable descriptor in a receive chain"
+            } else {
+                "device-writable descriptor in a transmit chain"
+            });
+        }
+        let len = d.len() as usize;
+        if len == 0 {
+            return Err("zero-length descriptor");
+        }
+        let access = if writable {
+            Permissions::Write
+        } else {
+            Permissions::Read
+        };
+        if d.addr().0.checked_add(len as u64).is_none() || !mem.check_range(d.addr(), len, access) {
+            return Err("buffer outside guest memory");
+        }
+        out.push((d.addr(), len));
+        // Bounded by MAX_CHAIN_DESCRIPTORS descriptors of at most 4 GiB each.
+        total = total.saturating_add(len);
+    }
+    // The iterator stops quietly on a bad index, an unreadable table or a loop; a last
+    // descriptor still asking for a successor is how that shows.
+    if last_has_next {
+        return Err("broken or looping chain");
+    }
+    if out.is_empty() {
+        return Err("empty chain");
+    }
+    Ok((out, total))
+}
+
+impl VirtioDevice for Net {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_NET
+    }
+
+    fn num_queues(&self) -> usize {
+        2
+    }
+
+    fn queue_max_size(&self) -> u16 {
+        self.queue_size
+    }
+
+    fn features(&self) -> u64 {
+        NET_FEATURES
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+
+    fn activate(&mut self, acked_features: u64) {
+        self.acked = acked_features;
+        self.active = true;
+        if let Err(e) = self.backend.set_offload(offload_flags(acked_features)) {
+            warn!("virtio-net: passing the guest's offloads to the backend: {e}");
+        }
+        // Frames may have queued before the driver was ready; no new edge would report them.
+        self.yield_with_work_left();
+    }
+
+    fn reset(&mut self) {
+        if self.rx_len != 0 {
+            self.counters.rx_drops += 1;
+        }
+        self.acked = 0;
+        self.active = false;
+        self.rx_len = 0;
+        self.rx_paid = false;
+        self.tx_stalled = false;
+    }
+
+    fn process_queue(
+        &mut self,
+        index: u16,
+        queue: &mut Queue,
+        mem: &GuestMemoryMmap,
+    ) -> Result<usize, QueueCorrupt> {
+        if !self.active {
+            return Ok(0);
+        }
+        match index {
+            RX_QUEUE => {
+                self.counters.rx_notifications += 1;
+                self.process_rx(queue, mem)
+            }
+            TX_QUEUE => {
+                self.counters.tx_notifications += 1;
+                self.process_tx(queue, mem)
+            }
+            _ => Ok(0),
+        }
+    }
+
+    fn event_fds(&self) -> Vec<RawFd> {
+        self.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Backend => Some(self.backend.raw_fd()),
+                Event::Resume => Some(self.resume.as_raw_fd()),
+                Event::RxTimer => self.rx_limiter.as_ref().map(|l| l.timer_fd()),
+                Event::TxTimer => self.tx_limiter.as_ref().map(|l| l.timer_fd()),
+            })
+            .collect()
+    }
+
+    fn process_event(
+        &mut self,
+        index: usize,
+        queues: &mut [Queue],
+        mem: &GuestMemoryMmap,
+    ) -> Result<Vec<u16>, QueueCorrupt> {
+        let Some(&event) = self.events.get(index) else {
+            debug!(index, "virtio-net: event the device does not have");
+            return Ok(Vec::new());
+        };
+        let (rx, tx) = match event {
+            Event::Backend => (true, self.tx_stalled),
+            Event::Resume => {
+                // Non-blocking: nothing to read after a spurious wake-up, which is fine.
+                let _ = self.resume.read();
+                (true, true)
+            }
+            Event::RxTimer => {
+                if let Some(l) = &mut self.rx_limiter {
+                    l.on_timer();
+                }
+                (true, false)
+            }
+            Event::TxTimer => {
+                if let Some(l) = &mut self.tx_limiter {
+                    l.on_timer();
+                }
+                (false, true)
+            }
+        };
+        let mut served = Vec::new();
+        if !self.active {
+            return Ok(served);
+        }
+        let [rxq, txq] = queues else {
+            return Ok(served);
+        };
+        if rx && self.process_rx(rxq, mem)? > 0 {
+            served.push(RX_QUEUE);
+        }
+        if tx && self.process_tx(txq, mem)? > 0 {
+            served.push(TX_QUEUE);
+        }
+        Ok(served)
+    }
+
+    fn stats(&self) -> VirtioStats {
+        let c = &self.counters;
+        VirtioStats {
+            requests: c.rx_packets + c.tx_packets,
+            bytes_read: c.rx_bytes,
+            bytes_written: c.tx_bytes,
+            flushes: 0,
+            errors: c.rx_drops + c.tx_drops,
+            interrupts: 0,
+        }
+    }
+
+    fn net_counters(&self) -> Option<NetCounters> {
+        Some(self.counters)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket_backend() -> (Box<dyn NetBackend>, std::os::unix::net::UnixDatagram) {
+        let (b, peer) = crate::virtio::driver::SocketBackend::pair();
+        (Box::new(b), peer)
+    }
+
+    #[test]
+    fn queue_sizes_must_be_powers_of_two_within_the_transports_limit() {
+        for size in [0u16, 3, 512] {
+            let (b, _peer) = socket_backend();
+            let e = Net::with_backend(b, None, size, None, None).err().unwrap();
+            assert!(e.to_string().contains(&format!("queue size {size}")), "{e}");
+        }
+        let (b, _peer) = socket_backend();
+        assert_eq!(
+            Net::with_backend(b, None, 64, None, None)
+                .unwrap()
+                .queue_max_size(),
+            64
+        );
+    }
+
+    #[test]
+    fn the_mac_is_the_given_one_or_a_local_unicast_one() {
+        let (b, _peer) = socket_backend();
+        let e = Net::with_backend(b, Some([1, 2, 3, 4, 5, 6]), 256, None, None)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("01:02:03:04:05:06"), "{e}");
+        let (b, _peer) = socket_backend();
+        let n = Net::with_backend(b, None, 256, None, None).unwrap();
+        let mac = n.mac();
+        assert_eq!(mac[..3], [0x52, 0x54, 0x00]);
+        assert_eq!(mac[0] & 0b11, 0b10, "locally administered unicast");
+        let mut cfg = [0u8; 10];
+        n.read_config(0, &mut cfg);
+        assert_eq!(cfg[..6], mac);
+        assert_eq!(u16::from_le_bytes([cfg[6], cfg[7]]), 1, "link up");
+        assert_eq!(u16::from_le_bytes([cfg[8], cfg[9]]), 1, "one queue pair");
+    }
+
+    #[test]
+    fn rate_limiter_timers_are_event_sources() {
+        let limit = RateLimit {
+            bandwidth: Some(crate::net::TokenBucketConfig {
+                size: 1000,
+                refill_time_ms: 100,
+                one_time_burst: 0,
+            }),
+            ops: None,
+        };
+        let (b, _peer) = socket_backend();
+        let fd = b.raw_fd();
+        let n = Net::with_backend(b, None, 256, None, None).unwrap();
+        assert_eq!(n.event_fds().len(), 2);
+        assert_eq!(n.event_fds()[0], fd);
+        let (b, _peer) = socket_backend();
+        let n = Net::with_backend(b, None, 256, Some(limit), Some(limit)).unwrap();
+        assert_eq!(n.event_fds().len(), 4);
+    }
+}

@@ -1,0 +1,708 @@
+//! virtio-net driven the way a guest driver would, over mock guest memory, with a datagram
+//! socketpair in place of the TAP.
+
+use super::driver::{Driver, Ring, SocketBackend, DATA, HDR, MEM_SIZE, N, QSIZE, RX_BUF, W};
+use super::net::{Net, MAX_FRAME_LEN, NET_FEATURES};
+use super::NetCounters;
+use crate::net::rate_limiter::{RateLimit, TokenBucketConfig};
+use crate::net::tap::VNET_HDR_LEN;
+use std::os::unix::net::UnixDatagram;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_mmio::*;
+use virtio_bindings::virtio_net::*;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use vm_memory::{Bytes, GuestAddress};
+
+/// Index of the backend in `event_fds`.
+const BACKEND: usize = 0;
+const HDR_LEN: u32 = VNET_HDR_LEN as u32;
+const MRG: u64 = 1 << VIRTIO_NET_F_MRG_RXBUF;
+const EVENT_IDX: u64 = 1 << VIRTIO_RING_F_EVENT_IDX;
+
+struct Setup {
+    d: Driver,
+    rx: Ring,
+    tx: Ring,
+    peer: UnixDatagram,
+    offload: Arc<AtomicU32>,
+}
+
+fn setup_with(drop_bits: u64, rx_rate: Option<RateLimit>, tx_rate: Option<RateLimit>) -> Setup {
+    let (backend, peer) = SocketBackend::pair();
+    let offload = backend.offload.clone();
+    let net = Net::with_backend(
+        Box::new(backend),
+        Some([0x52, 0x54, 0, 0xab, 0xcd, 0xef]),
+        256,
+        rx_rate,
+        tx_rate,
+    )
+    .unwrap();
+    let mut d = Driver::new(net);
+    let (rx, tx) = d.net_up(drop_bits);
+    // Activation asks for a pass in case frames were waiting; nothing is yet.
+    d.t.process_event(1);
+    Setup {
+        d,
+        rx,
+        tx,
+        peer,
+        offload,
+    }
+}
+
+fn setup(drop_bits: u64) -> Setup {
+    setup_with(drop_bits, None, None)
+}
+
+/// A frame as it crosses the TAP: a header whose first bytes are recognisable, then data.
+fn frame(data_len: usize, seed: u8) -> Vec<u8> {
+    let mut f = vec![0u8; VNET_HDR_LEN];
+    f[0] = VIRTIO_NET_HDR_F_DATA_VALID as u8;
+    f[2..4].copy_from_slice(&[0x11, 0x22]);
+    f.extend((0..data_len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)));
+    f
+}
+
+impl Setup {
+    fn counters(&self) -> NetCounters {
+        self.d.t.net_counters().unwrap()
+    }
+
+    /// Puts `f` in guest memory at HDR (header) and DATA (the rest) and sends it as a chain
+    /// of those two descriptors from descriptor `first`.
+    fn send(&mut self, first: u16, f: &[u8]) {
+        self.d.mem.write_slice(&f[..12], GuestAddress(HDR)).unwrap();
+        self.d
+            .mem
+            .write_slice(&f[12..], GuestAddress(DATA))
+            .unwrap();
+        let len = (f.len() - 12) as u32;
+        self.d
+            .chain_on(&mut self.tx, first, &[(HDR, HDR_LEN, 0), (DATA, len, 0)]);
+        self.d.notify_queue(1);
+    }
+
+    /// Posts receive chains of one writable buffer each, `lens[k]` bytes at
+    /// RX_BUF + k * 0x2_0000, on descriptors `first..`.
+    fn post_rx(&mut self, first: u16, lens: &[u32]) {
+        for (k, &len) in lens.iter().enumerate() {
+            let addr = RX_BUF + 0x2_0000 * (u64::from(first) + k as u64);
+            self.d
+                .chain_on(&mut self.rx, first + k as u16, &[(addr, len, W)]);
+        }
+    }
+
+    fn rx_buf(&self, k: u16, len: usize) -> Vec<u8> {
+        self.d.guest_bytes(RX_BUF + 0x2_0000 * u64::from(k), len)
+    }
+
+    fn peer_frame(&self) -> Option<Vec<u8>> {
+        let mut buf = vec![0u8; 70_000];
+        match self.peer.recv(&mut buf) {
+            Ok(n) => Some(buf[..n].to_vec()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+            Err(e) => panic!("peer recv: {e}"),
+        }
+    }
+
+    fn inject(&self, f: &[u8]) {
+        self.peer.send(f).unwrap();
+    }
+}
+
+// ---- identity and negotiation ----
+
+#[test]
+fn identity_features_and_config() {
+    let (backend, _peer) = SocketBackend::pair();
+    let net = Net::with_backend(Box::new(backend), Some([2, 0, 0, 0, 0, 7]), 64, None, None);
+    let mut d = Driver::new(net.unwrap());
+    assert_eq!(d.read(VIRTIO_MMIO_DEVICE_ID), 1);
+    let mut features = 0u64;
+    for sel in 0..2u32 {
+        d.write(VIRTIO_MMIO_DEVICE_FEATURES_SEL, sel);
+        features |= u64::from(d.read(VIRTIO_MMIO_DEVICE_FEATURES)) << (32 * sel);
+    }
+    assert_eq!(features, NET_FEATURES);
+    for bit in [
+        VIRTIO_F_VERSION_1,
+        VIRTIO_RING_F_EVENT_IDX,
+        VIRTIO_NET_F_MAC,
+        VIRTIO_NET_F_MRG_RXBUF,
+        VIRTIO_NET_F_CSUM,
+        VIRTIO_NET_F_GUEST_CSUM,
+        VIRTIO_NET_F_GUEST_TSO4,
+        VIRTIO_NET_F_GUEST_TSO6,
+        VIRTIO_NET_F_HOST_TSO4,
+        VIRTIO_NET_F_HOST_TSO6,
+    ] {
+        assert_ne!(features & (1 << bit), 0, "feature {bit}");
+    }
+    // Queue size as configured, on both queues and no third.
+    for (q, max) in [(0, 64), (1, 64), (2, 0)] {
+        d.write(VIRTIO_MMIO_QUEUE_SEL, q);
+        assert_eq!(d.read(VIRTIO_MMIO_QUEUE_NUM_MAX), max, "queue {q}");
+    }
+    let mut mac = [0u8; 6];
+    d.read_bytes(u64::from(VIRTIO_MMIO_CONFIG), &mut mac);
+    assert_eq!(mac, [2, 0, 0, 0, 0, 7]);
+    assert_eq!(d.read(VIRTIO_MMIO_CONFIG + 4) >> 16, 1, "status LINK_UP");
+    assert_eq!(
+        d.read(VIRTIO_MMIO_CONFIG + 8) & 0xffff,
+        1,
+        "max_virtqueue_pairs"
+    );
+    // A ring bigger than the configured size is refused.
+    assert!(d.negotiate(0));
+    d.setup_queue_on(0, &Ring::new(0x1000), 128);
+    assert!(d.needs_reset());
+}
+
+#[test]
+fn activation_passes_the_guests_receive_offloads_to_the_backend() {
+    let s = setup(0);
+    assert_eq!(
+        s.offload.load(Ordering::SeqCst),
+        libc::TUN_F_CSUM | libc::TUN_F_TSO4 | libc::TUN_F_TSO6
+    );
+    let s = setup(1 << VIRTIO_NET_F_GUEST_CSUM);
+    assert_eq!(s.offload.load(Ordering::SeqCst), 0);
+}
+
+// ---- transmit ----
+
+#[test]
+fn a_sent_frame_reaches_the_backend_with_its_header() {
+    let mut s = setup(0);
+    let f = frame(100, 1);
+    s.send(0, &f);
+    assert_eq!(s.peer_frame(), Some(f.clone()));
+    assert_eq!(s.d.next_used_on(&mut s.tx), Some((0, 0)));
+    assert_eq!(s.d.irq.count(), 1);
+    let c = s.counters();
+    assert_eq!(
+        (c.tx_packets, c.tx_bytes, c.tx_drops, c.tx_notifications),
+        (1, 100, 0, 1)
+    );
+    // Header and data in one descriptor work as well.
+    let f = frame(60, 2);
+    s.d.mem.write_slice(&f, GuestAddress(DATA)).unwrap();
+    s.d.chain_on(&mut s.tx, 4, &[(DATA, f.len() as u32, 0)]);
+    s.d.notify_queue(1);
+    assert_eq!(s.peer_frame(), Some(f));
+    assert_eq!(s.d.next_used_on(&mut s.tx), Some((4, 0)));
+}
+
+#[test]
+fn the_largest_frame_passes_and_a_longer_one_is_dropped() {
+    let mut s = setup(0);
+    let f = frame(MAX_FRAME_LEN, 3);
+    s.send(0, &f);
+    assert_eq!(s.peer_frame().map(|p| p.len()), Some(f.len()));
+    let f = frame(MAX_FRAME_LEN + 1, 3);
+    s.send(0, &f);
+    assert_eq!(s.peer_frame(), None);
+    assert_eq!(s.d.next_used_on(&mut s.tx), Some((0, 0)));
+    assert_eq!(
+        s.d.next_used_on(&mut s.tx),
+        Some((0, 0)),
+        "dropped, still used"
+    );
+    assert_eq!((s.counters().tx_packets, s.counters().tx_drops), (1, 1));
+}
+
+#[test]
+fn header_only_or_shorter_frames_are_dropped() {
+    let mut s = setup(0);
+    for len in [HDR_LEN, HDR_LEN - 1, 1] {
+        s.d.chain_on(&mut s.tx, 0, &[(HDR, len, 0)]);
+        s.d.notify_queue(1);
+        assert_eq!(s.d.next_used_on(&mut s.tx), Some((0, 0)), "len {len}");
+    }
+    assert_eq!(s.peer_frame(), None);
+    assert_eq!(s.counters().tx_drops, 3);
+    s.send(0, &frame(10, 0));
+    assert!(s.peer_frame().is_some(), "later frames still go");
+}
+
+#[test]
+fn a_transmit_chain_with_a_writable_descriptor_is_dropped() {
+    let mut s = setup(0);
+    s.d.chain_on(&mut s.tx, 0, &[(HDR, HDR_LEN, 0), (DATA, 100, W)]);
+    s.d.notify_queue(1);
+    assert_eq!(s.d.next_used_on(&mut s.tx), Some((0, 0)));
+    assert_eq!(s.peer_frame(), None);
+    assert_eq!(s.counters().tx_drops, 1);
+}
+
+#[test]
+fn descriptors_outside_guest_memory_are_dropped() {
+    let mut s = setup(0);
+    let top = MEM_SIZE as u64;
+    for (addr, len) in [(top, 100), (top - 50, 100), (u64::MAX - 10, 100)] {
+        s.d.chain_on(&mut s.tx, 0, &[(HDR, HDR_LEN, 0), (addr, len, 0)]);
+        s.d.notify_queue(1);
+        assert_eq!(s.d.next_used_on(&mut s.tx), Some((0, 0)));
+    }
+    assert_eq!(s.counters().tx_drops, 3);
+    // On receive: the chain comes back empty and the frame is dropped.
+    s.d.chain_on(&mut s.rx, 0, &[(top - 8, 4096, W)]);
+    s.inject(&frame(100, 0));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, 0)));
+    assert_eq!(s.counters().rx_drops, 1);
+    assert_eq!(s.counters().rx_packets, 0);
+    assert!(!s.d.needs_reset());
+}
+
+#[test]
+fn looping_chains_end_in_a_drop() {
+    let mut s = setup(0);
+    s.d.put_descs_on(&s.tx, 0, &[(HDR, HDR_LEN, N, 1), (DATA, 100, N, 0)]);
+    s.d.publish_on(&mut s.tx, 0);
+    s.d.notify_queue(1);
+    assert_eq!(s.d.next_used_on(&mut s.tx), Some((0, 0)));
+    assert_eq!(s.peer_frame(), None);
+    assert_eq!(s.counters().tx_drops, 1);
+    // A receive chain that loops on itself.
+    s.d.put_descs_on(&s.rx, 0, &[(RX_BUF, 4096, W | N, 0)]);
+    s.d.publish_on(&mut s.rx, 0);
+    s.inject(&frame(100, 0));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, 0)));
+    assert_eq!(s.counters().rx_drops, 1);
+}
+
+#[test]
+fn zero_length_descriptors_are_dropped() {
+    let mut s = setup(0);
+    s.d.chain_on(
+        &mut s.tx,
+        0,
+        &[(HDR, HDR_LEN, 0), (DATA, 0, 0), (DATA, 100, 0)],
+    );
+    s.d.notify_queue(1);
+    assert_eq!(s.d.next_used_on(&mut s.tx), Some((0, 0)));
+    assert_eq!(s.peer_frame(), None);
+    assert_eq!(s.counters().tx_drops, 1);
+    s.d.chain_on(&mut s.rx, 0, &[(RX_BUF, 0, W)]);
+    s.inject(&frame(100, 0));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, 0)));
+    assert_eq!(s.counters().rx_drops, 1);
+}
+
+#[test]
+fn a_full_backend_leaves_frames_on_the_ring_until_the_next_doorbell() {
+    let mut s = setup(0);
+    // A unix datagram socket queues what fits its send buffer (about 200 KiB), then refuses.
+    for k in 0..QSIZE {
+        let f = frame(60_000, k as u8);
+        let at = HDR + 0x1_0000 * u64::from(k);
+        s.d.mem.write_slice(&f, GuestAddress(at)).unwrap();
+        s.d.chain_on(&mut s.tx, k, &[(at, f.len() as u32, 0)]);
+    }
+    s.d.notify_queue(1);
+    let mut got = 0;
+    while s.peer_frame().is_some() {
+        got += 1;
+    }
+    assert!(got > 0 && got < usize::from(QSIZE), "{got} frames went");
+    assert_eq!(
+        s.d.used_idx_on(&s.tx),
+        got as u16,
+        "only frames sent are used"
+    );
+    assert_eq!(s.counters().tx_drops, 0);
+    // With room again, the doorbell sends the rest, in order.
+    let mut rest = 0;
+    for _ in 0..QSIZE {
+        s.d.notify_queue(1);
+        while let Some(f) = s.peer_frame() {
+            assert_eq!(f, frame(60_000, (got + rest) as u8));
+            rest += 1;
+        }
+    }
+    assert_eq!(got + rest, usize::from(QSIZE));
+    assert_eq!(s.d.used_idx_on(&s.tx), QSIZE);
+}
+
+// ---- receive ----
+
+#[test]
+fn receive_without_mergeable_buffers_uses_one_chain() {
+    let mut s = setup(MRG);
+    // One chain of two buffers: the frame is spread over both.
+    s.d.chain_on(
+        &mut s.rx,
+        0,
+        &[(RX_BUF, 100, W), (RX_BUF + 0x2_0000, 1000, W)],
+    );
+    let f = frame(300, 7);
+    s.inject(&f);
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, f.len() as u32)));
+    let mut got = s.rx_buf(0, 100);
+    got.extend(s.rx_buf(1, f.len() - 100));
+    let mut want = f.clone();
+    want[10..12].copy_from_slice(&1u16.to_le_bytes());
+    assert_eq!(got, want, "num_buffers is 1 without MRG_RXBUF");
+    assert_eq!(s.d.irq.count(), 1);
+    let c = s.counters();
+    assert_eq!((c.rx_packets, c.rx_bytes, c.rx_drops), (1, 300, 0));
+}
+
+#[test]
+fn receive_with_mergeable_buffers_spreads_a_frame_over_chains() {
+    let mut s = setup(0);
+    s.post_rx(0, &[100, 100, 100, 100]);
+    let f = frame(250, 9); // 262 bytes: 100 + 100 + 62
+    s.inject(&f);
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, 100)));
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((1, 100)));
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((2, 62)));
+    assert_eq!(
+        s.d.next_used_on(&mut s.rx),
+        None,
+        "the fourth chain is left"
+    );
+    let mut got = s.rx_buf(0, 100);
+    got.extend(s.rx_buf(1, 100));
+    got.extend(s.rx_buf(2, 62));
+    let mut want = f.clone();
+    want[10..12].copy_from_slice(&3u16.to_le_bytes());
+    assert_eq!(got, want, "num_buffers counts the chains");
+    assert_eq!(s.d.irq.count(), 1, "one interrupt for the frame");
+    // The next frame starts in the chain that was left.
+    let f = frame(20, 1);
+    s.inject(&f);
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((3, f.len() as u32)));
+}
+
+#[test]
+fn a_frame_larger_than_the_posted_buffers_waits_for_more() {
+    let mut s = setup(0);
+    s.post_rx(0, &[100]);
+    let f = frame(250, 4);
+    s.inject(&f);
+    s.d.t.process_event(BACKEND);
+    assert_eq!(
+        s.d.used_idx_on(&s.rx),
+        0,
+        "nothing written outside the buffers"
+    );
+    assert_eq!(s.counters().rx_drops, 0);
+    // The guest adds buffers and rings: the frame goes in.
+    s.post_rx(1, &[100, 100]);
+    s.d.notify_queue(0);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, 100)));
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((1, 100)));
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((2, 62)));
+    assert_eq!(s.counters().rx_packets, 1);
+}
+
+#[test]
+fn a_frame_larger_than_a_whole_ring_of_buffers_is_dropped() {
+    let mut s = setup(0);
+    let lens = vec![16u32; usize::from(QSIZE)];
+    s.post_rx(0, &lens);
+    s.inject(&frame(1000, 0));
+    s.inject(&frame(4, 0));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.counters().rx_drops, 1);
+    // The small frame after it still gets through.
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, 16)));
+    assert_eq!(s.counters().rx_packets, 1);
+}
+
+#[test]
+fn without_mergeable_buffers_a_frame_too_big_for_the_chain_is_dropped() {
+    let mut s = setup(MRG);
+    s.post_rx(0, &[100]);
+    s.inject(&frame(200, 0));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.used_idx_on(&s.rx), 0);
+    assert_eq!(s.counters().rx_drops, 1);
+    // The chain was kept for the next frame.
+    let f = frame(50, 0);
+    s.inject(&f);
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, f.len() as u32)));
+}
+
+#[test]
+fn a_receive_chain_smaller_than_the_header_drops_the_frame() {
+    let mut s = setup(0);
+    s.post_rx(0, &[8, 200]);
+    s.inject(&frame(50, 0));
+    s.inject(&frame(50, 1));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, 0)));
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((1, 62)));
+    assert_eq!(s.rx_buf(1, 62)[12..], frame(50, 1)[12..]);
+    assert_eq!((s.counters().rx_drops, s.counters().rx_packets), (1, 1));
+}
+
+#[test]
+fn with_no_receive_buffers_the_backend_is_left_alone_until_the_doorbell() {
+    let (backend, peer) = SocketBackend::pair();
+    let probe = backend.sock.try_clone().unwrap();
+    let net = Net::with_backend(Box::new(backend), None, 256, None, None).unwrap();
+    let mut d = Driver::new(net);
+    let (mut rx, _tx) = d.net_up(0);
+    let (a, b) = (frame(40, 1), frame(40, 2));
+    peer.send(&a).unwrap();
+    peer.send(&b).unwrap();
+    d.t.process_event(BACKEND);
+    d.t.process_event(BACKEND);
+    // One frame is held by the device; the other is still queued in the socket.
+    let mut buf = [0u8; 128];
+    // SAFETY: `buf` is writable for its length and outlives the call; `probe` is open.
+    let n = unsafe {
+        libc::recv(
+            std::os::fd::AsRawFd::as_raw_fd(&probe),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    assert!(n > 0, "second frame still in the backend");
+    assert_eq!(buf[..n as usize], b[..]);
+    assert_eq!(d.irq.count(), 0);
+    for k in 0..2u16 {
+        let addr = RX_BUF + 0x2_0000 * u64::from(k);
+        d.chain_on(&mut rx, k, &[(addr, 1000, W)]);
+    }
+    d.notify_queue(0);
+    assert_eq!(d.next_used_on(&mut rx), Some((0, 52)));
+    assert_eq!(d.next_used_on(&mut rx), Some((1, 52)));
+    assert_eq!(d.guest_bytes(RX_BUF + 12, 40), a[12..]);
+    assert_eq!(d.guest_bytes(RX_BUF + 0x2_0000 + 12, 40), b[12..]);
+    let c = d.t.net_counters().unwrap();
+    assert_eq!((c.rx_packets, c.rx_notifications), (2, 1));
+}
+
+#[test]
+fn frames_queued_before_driver_ok_are_received_after_it() {
+    let (backend, peer) = SocketBackend::pair();
+    let net = Net::with_backend(Box::new(backend), None, 256, None, None).unwrap();
+    let mut d = Driver::new(net);
+    peer.send(&frame(30, 0)).unwrap();
+    d.t.process_event(BACKEND); // not live: ignored
+    let (mut rx, _tx) = d.net_up(0);
+    d.chain_on(&mut rx, 0, &[(RX_BUF, 1000, W)]);
+    // Activation signalled the resume event; the owner serves it.
+    let resume = d.t.event_fds()[1];
+    let mut count = 0u64;
+    // SAFETY: reads 8 bytes into `count` from an eventfd the device owns and keeps open.
+    let n = unsafe { libc::read(resume, (&mut count as *mut u64).cast(), 8) };
+    assert_eq!((n, count), (8, 1));
+    d.t.process_event(1);
+    assert_eq!(d.next_used_on(&mut rx), Some((0, 42)));
+}
+
+#[test]
+fn runt_frames_from_the_backend_are_dropped() {
+    let mut s = setup(0);
+    s.post_rx(0, &[1000]);
+    s.inject(&[0u8; 12]);
+    s.inject(&[0u8; 3]);
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.used_idx_on(&s.rx), 0);
+    assert_eq!(s.counters().rx_drops, 2);
+}
+
+// ---- interrupts ----
+
+#[test]
+fn event_idx_suppresses_interrupts_the_driver_did_not_ask_for() {
+    let mut s = setup(0);
+    s.post_rx(0, &[1000, 1000, 1000]);
+    // The driver wants an interrupt only once the used index passes 1.
+    s.d.set_used_event(&s.rx, 1);
+    s.inject(&frame(10, 0));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.used_idx_on(&s.rx), 1);
+    assert_eq!(
+        s.d.irq.count(),
+        0,
+        "used index 1 has not passed used_event 1"
+    );
+    s.inject(&frame(10, 1));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.used_idx_on(&s.rx), 2);
+    assert_eq!(s.d.irq.count(), 1);
+    // Without EVENT_IDX, the same used_event means nothing.
+    let mut s = setup(EVENT_IDX);
+    s.post_rx(0, &[1000]);
+    s.d.set_used_event(&s.rx, 5);
+    s.inject(&frame(10, 0));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.irq.count(), 1);
+}
+
+#[test]
+fn with_event_idx_the_device_asks_for_a_doorbell_when_it_runs_out() {
+    let mut s = setup(0);
+    s.post_rx(0, &[1000]);
+    s.inject(&frame(10, 0));
+    s.inject(&frame(10, 1));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.used_idx_on(&s.rx), 1);
+    assert_eq!(
+        s.d.avail_event(&s.rx),
+        1,
+        "the next buffer published (index 1) must ring"
+    );
+    // Transmit: everything served, the next frame must ring too.
+    s.send(0, &frame(10, 0));
+    assert_eq!(s.d.avail_event(&s.tx), 1);
+}
+
+#[test]
+fn event_idx_survives_a_snapshot() {
+    let mut s = setup(0);
+    s.post_rx(0, &[1000, 1000]);
+    let state = s.d.t.state();
+    let (backend, peer) = SocketBackend::pair();
+    let net = Net::with_backend(Box::new(backend), None, 256, None, None).unwrap();
+    let mut t = super::MmioTransport::new(Box::new(net), s.d.mem.clone(), s.d.irq.clone());
+    t.restore(&state).unwrap();
+    assert_eq!(t.state(), state);
+    // The restored queues still honour used_event: no interrupt until the used index
+    // passes 1, then one.
+    s.d.set_used_event(&s.rx, 1);
+    let before = s.d.irq.count();
+    peer.send(&frame(10, 0)).unwrap();
+    t.process_event(BACKEND);
+    assert_eq!(s.d.used_idx_on(&s.rx), 1);
+    assert_eq!(s.d.irq.count(), before);
+    peer.send(&frame(10, 1)).unwrap();
+    t.process_event(BACKEND);
+    assert_eq!(s.d.used_idx_on(&s.rx), 2);
+    assert_eq!(s.d.irq.count(), before + 1);
+}
+
+// ---- rate limiting ----
+
+fn one_frame_per_ms() -> Option<RateLimit> {
+    Some(RateLimit {
+        bandwidth: None,
+        ops: Some(TokenBucketConfig {
+            size: 1,
+            refill_time_ms: 1,
+            one_time_burst: 0,
+        }),
+    })
+}
+
+/// Waits for `fd` to become readable, as the owner's epoll would.
+fn wait_readable(fd: i32) {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, alive for the call.
+    let n = unsafe { libc::poll(&mut pfd, 1, 5000) };
+    assert_eq!(n, 1, "fd {fd} not readable within 5 s");
+}
+
+#[test]
+fn the_transmit_limiter_holds_a_frame_until_its_timer() {
+    let mut s = setup_with(0, None, one_frame_per_ms());
+    let fds = s.d.t.event_fds();
+    assert_eq!(fds.len(), 3, "backend, resume, transmit timer");
+    let f = frame(10, 0);
+    s.send(0, &f);
+    s.send(1, &f);
+    assert!(s.peer_frame().is_some());
+    assert_eq!(s.peer_frame(), None, "second frame held back");
+    assert_eq!(s.d.used_idx_on(&s.tx), 1);
+    assert_eq!(s.counters().tx_throttled, 1);
+    wait_readable(fds[2]);
+    s.d.t.process_event(2);
+    assert_eq!(s.peer_frame(), Some(f));
+    assert_eq!(s.d.used_idx_on(&s.tx), 2);
+}
+
+#[test]
+fn the_receive_limiter_holds_a_frame_until_its_timer() {
+    let mut s = setup_with(0, one_frame_per_ms(), None);
+    let fds = s.d.t.event_fds();
+    assert_eq!(fds.len(), 3, "backend, resume, receive timer");
+    s.post_rx(0, &[1000, 1000]);
+    s.inject(&frame(10, 0));
+    s.inject(&frame(10, 1));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.used_idx_on(&s.rx), 1);
+    assert_eq!(s.counters().rx_throttled, 1);
+    wait_readable(fds[2]);
+    s.d.t.process_event(2);
+    assert_eq!(s.d.used_idx_on(&s.rx), 2);
+    assert_eq!(s.rx_buf(1, 22)[12..], frame(10, 1)[12..]);
+}
+
+// ---- robustness ----
+
+#[test]
+fn an_absurd_available_index_needs_reset() {
+    let mut s = setup(0);
+    s.d.mem
+        .write_obj(QSIZE + 1, GuestAddress(s.tx.avail() + 2))
+        .unwrap();
+    s.d.notify_queue(1);
+    assert!(s.d.needs_reset());
+    // Events are ignored from then on.
+    s.inject(&frame(10, 0));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.counters().rx_packets, 0);
+}
+
+#[test]
+fn events_before_driver_ok_and_unknown_events_do_nothing() {
+    let (backend, peer) = SocketBackend::pair();
+    let net = Net::with_backend(Box::new(backend), None, 256, None, None).unwrap();
+    let mut d = Driver::new(net);
+    peer.send(&frame(10, 0)).unwrap();
+    d.t.process_event(BACKEND);
+    d.t.process_event(99);
+    let (_rx, _tx) = d.net_up(0);
+    d.t.process_event(99);
+    assert_eq!(d.t.net_counters().unwrap(), NetCounters::default());
+    assert!(!d.needs_reset());
+}
+
+#[test]
+fn stats_map_onto_the_generic_counters() {
+    let mut s = setup(0);
+    s.post_rx(0, &[1000]);
+    s.inject(&frame(30, 0));
+    s.d.t.process_event(BACKEND);
+    s.send(0, &frame(20, 0));
+    s.d.chain_on(&mut s.tx, 0, &[(HDR, 4, 0)]);
+    s.d.notify_queue(1);
+    let st = s.d.t.stats();
+    assert_eq!(
+        (st.requests, st.bytes_read, st.bytes_written, st.errors),
+        (2, 30, 20, 1)
+    );
+    assert_eq!(st.interrupts, s.d.irq.count());
+}
+
+#[cfg(feature = "fuzzing")]
+#[test]
+fn virtio_net_survives_hostile_guests() {
+    crate::fuzzing::smoke(
+        "virtio_net",
+        crate::fuzzing::virtio_net,
+        &crate::fuzzing::virtio_net_samples(),
+        0x4E7,
+        1500,
+    );
+}

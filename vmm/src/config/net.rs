@@ -1,0 +1,301 @@
+//! `--net`: one network device as the user asks for it, in Cloud Hypervisor's keys where
+//! they exist, checked before any TAP is opened.
+
+use super::spec::{self, Spec};
+use super::ConfigError;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::str::FromStr;
+
+pub const NET_SYNTAX: &str = "tap=NAME|fd=N[,ip=ADDR,mask=MASK][,mac=MAC][,queue_size=N]\
+[,rate=BYTES_PER_S[/PACKETS_PER_S]]";
+
+/// Keys of `--net`; Cloud Hypervisor's own where it has them (`tap`, `ip`, `mask`, `mac`,
+/// `fd`, `queue_size`), so a command line carries over.
+const KEYS: [&str; 7] = ["tap", "ip", "mask", "mac", "fd", "queue_size", "rate"];
+
+/// Ring size when not given: Cloud Hypervisor's and Firecracker's default.
+pub const DEFAULT_QUEUE_SIZE: u16 = 256;
+
+/// A MAC address, written `52:54:00:12:34:56`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MacAddr(pub [u8; 6]);
+
+impl FromStr for MacAddr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut b = [0u8; 6];
+        let parts: Vec<&str> = s.split(':').collect();
+        if parts.len() != 6 {
+            return Err("expected six hexadecimal bytes separated by colons".into());
+        }
+        for (o, p) in b.iter_mut().zip(parts) {
+            if p.len() != 2 {
+                return Err(format!("{p:?} is not two hexadecimal digits"));
+            }
+            *o = u8::from_str_radix(p, 16).map_err(|_| format!("{p:?} is not hexadecimal"))?;
+        }
+        if b[0] & 1 != 0 {
+            return Err(
+                "a multicast address (lowest bit of the first byte set) cannot name a device"
+                    .into(),
+            );
+        }
+        Ok(MacAddr(b))
+    }
+}
+
+impl fmt::Display for MacAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.0;
+        write!(
+            f,
+            "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+            b[0], b[1], b[2], b[3], b[4], b[5]
+        )
+    }
+}
+
+impl Serialize for MacAddr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for MacAddr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        spec::from_str(d)
+    }
+}
+
+/// A token-bucket limit per direction: at most `bytes` bytes and `packets` packets a
+/// second, each bucket a second deep (Firecracker's bucket with a refill time of 1000 ms).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RateLimit {
+    pub bytes_per_s: Option<u64>,
+    pub packets_per_s: Option<u64>,
+}
+
+impl FromStr for RateLimit {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (bytes, packets) = match s.split_once('/') {
+            Some((b, p)) => (b, Some(p)),
+            None => (s, None),
+        };
+        let bytes_per_s = match bytes {
+            "" => None,
+            b => Some(
+                host_resources::parse_size("rate", b)
+                    .map_err(|e| format!("bytes per second: {}", e.why))?,
+            ),
+        };
+        let packets_per_s = match packets {
+            None | Some("") => None,
+            Some(p) => Some(
+                p.parse::<u64>()
+                    .map_err(|_| format!("packets per second {p:?} is not a whole number"))?,
+            ),
+        };
+        if bytes_per_s == Some(0) || packets_per_s == Some(0) {
+            return Err("a rate of zero would stop all traffic".into());
+        }
+        if bytes_per_s.is_none() && packets_per_s.is_none() {
+            return Err("give bytes per second, packets per second, or both".into());
+        }
+        Ok(RateLimit {
+            bytes_per_s,
+            packets_per_s,
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for RateLimit {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        spec::from_str(d)
+    }
+}
+
+/// One `--net`, or one entry of the JSON config's `net`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetConfig {
+    /// The TAP interface: opened if it exists, created if not.
+    #[serde(default)]
+    pub tap: Option<String>,
+    /// A TAP an orchestrator already opened and passed down (`IFF_VNET_HDR` set).
+    #[serde(default)]
+    pub fd: Option<i32>,
+    /// The host end's address, given to a TAP Musubi creates.
+    #[serde(default)]
+    pub ip: Option<Ipv4Addr>,
+    #[serde(default)]
+    pub mask: Option<Ipv4Addr>,
+    /// The guest's MAC; a locally administered one is made up when not given.
+    #[serde(default)]
+    pub mac: Option<MacAddr>,
+    #[serde(default = "default_queue_size")]
+    pub queue_size: u16,
+    #[serde(default)]
+    pub rate: Option<RateLimit>,
+}
+
+fn default_queue_size() -> u16 {
+    DEFAULT_QUEUE_SIZE
+}
+
+impl NetConfig {
+    /// The refusals that need no spec text: what the JSON form must obey as well.
+    pub fn check(&self) -> Result<(), String> {
+        match (&self.tap, self.fd) {
+            (None, None) => return Err("give tap=NAME or fd=N".into()),
+            (Some(_), Some(_)) => return Err("tap= and fd= name the TAP twice; give one".into()),
+            (Some(t), None) => check_ifname(t)?,
+            (None, Some(fd)) if fd < 3 => {
+                return Err(format!(
+                    "fd={fd} is standard input, output or error, not a TAP"
+                ))
+            }
+            _ => {}
+        }
+        if self.mask.is_some() && self.ip.is_none() {
+            return Err("mask= without ip=".into());
+        }
+        if self.ip.is_some() && self.fd.is_some() {
+            return Err("ip= configures a TAP Musubi opens by name; with fd= the orchestrator owns its addresses".into());
+        }
+        let q = self.queue_size;
+        if !(2..=devices::virtio::QUEUE_MAX_SIZE).contains(&q) || !q.is_power_of_two() {
+            return Err(format!(
+                "queue_size={q} must be a power of two from 2 to {}",
+                devices::virtio::QUEUE_MAX_SIZE
+            ));
+        }
+        Ok(())
+    }
+
+    /// How messages name this device: its TAP, or the descriptor it came as.
+    pub fn name(&self) -> String {
+        match (&self.tap, self.fd) {
+            (Some(t), _) => format!("--net tap={t}"),
+            (None, Some(fd)) => format!("--net fd={fd}"),
+            (None, None) => "--net".into(),
+        }
+    }
+}
+
+/// Linux's rules for an interface name: 1 to 15 bytes, no slash, no white space, not `.`
+/// or `..`.
+fn check_ifname(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > 15 {
+        return Err(format!("tap={name:?}: an interface name is 1 to 15 bytes"));
+    }
+    if name == "."
+        || name == ".."
+        || name.contains(['/', ':'])
+        || name.contains(char::is_whitespace)
+    {
+        return Err(format!(
+            "tap={name:?}: an interface name has no '/', ':' or white space and is not . or .."
+        ));
+    }
+    Ok(())
+}
+
+impl FromStr for NetConfig {
+    type Err = ConfigError;
+
+    fn from_str(text: &str) -> Result<Self, ConfigError> {
+        let spec = Spec::parse("--net", NET_SYNTAX, text, &KEYS)?;
+        let c = NetConfig {
+            tap: spec.get("tap").map(str::to_string),
+            fd: spec.value("fd")?,
+            ip: spec.value("ip")?,
+            mask: spec.value("mask")?,
+            mac: spec.value("mac")?,
+            queue_size: spec.value("queue_size")?.unwrap_or(DEFAULT_QUEUE_SIZE),
+            rate: spec.value("rate")?,
+        };
+        c.check().map_err(|why| spec.error(why))?;
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn net_specs_parse_with_cloud_hypervisors_keys() {
+        let n: NetConfig = "tap=tap0,ip=10.0.0.1,mask=255.255.255.0,mac=52:54:00:12:34:56"
+            .parse()
+            .unwrap();
+        assert_eq!(n.tap.as_deref(), Some("tap0"));
+        assert_eq!(n.ip, Some(Ipv4Addr::new(10, 0, 0, 1)));
+        assert_eq!(n.mask, Some(Ipv4Addr::new(255, 255, 255, 0)));
+        assert_eq!(n.mac, Some(MacAddr([0x52, 0x54, 0, 0x12, 0x34, 0x56])));
+        assert_eq!(n.queue_size, DEFAULT_QUEUE_SIZE);
+        assert_eq!(n.mac.unwrap().to_string(), "52:54:00:12:34:56");
+        let n: NetConfig = "fd=7,queue_size=64,rate=10M/5000".parse().unwrap();
+        assert_eq!(n.fd, Some(7));
+        assert_eq!(n.queue_size, 64);
+        assert_eq!(
+            n.rate,
+            Some(RateLimit {
+                bytes_per_s: Some(10 << 20),
+                packets_per_s: Some(5000)
+            })
+        );
+        let n: NetConfig = "tap=t,rate=/100".parse().unwrap();
+        assert_eq!(n.rate.unwrap().bytes_per_s, None);
+        assert_eq!(n.name(), "--net tap=t");
+    }
+
+    #[test]
+    fn malformed_net_specs_name_the_problem() {
+        spec::assert_refusals::<NetConfig>(
+            "--net",
+            NET_SYNTAX,
+            &[
+                ("ip=10.0.0.1", "give tap=NAME or fd=N"),
+                ("tap=a,fd=4", "give one"),
+                ("tap=a/b", "no '/'"),
+                ("tap=abcdefghijklmnop", "1 to 15 bytes"),
+                ("fd=1", "standard input, output or error"),
+                ("fd=x", "fd=\"x\""),
+                ("tap=t,mask=255.0.0.0", "mask= without ip="),
+                ("tap=t,ip=10.0.0", "ip=\"10.0.0\""),
+                ("fd=5,ip=10.0.0.1", "orchestrator owns its addresses"),
+                ("tap=t,mac=01:00:00:00:00:01", "multicast"),
+                ("tap=t,mac=52:54:00:12:34", "six hexadecimal bytes"),
+                ("tap=t,mac=52:54:00:12:34:zz", "\"zz\" is not hexadecimal"),
+                ("tap=t,queue_size=100", "power of two from 2 to 256"),
+                ("tap=t,queue_size=512", "power of two"),
+                ("tap=t,rate=0", "zero would stop all traffic"),
+                (
+                    "tap=t,rate=/",
+                    "bytes per second, packets per second, or both",
+                ),
+                ("tap=t,rate=1M/lots", "\"lots\" is not a whole number"),
+                ("tap=t,speed=1", "unknown key \"speed\""),
+            ],
+        );
+    }
+
+    #[test]
+    fn json_net_entries_take_the_words_the_flag_takes() {
+        let n: NetConfig =
+            serde_json::from_str(r#"{"tap": "t0", "mac": "52:54:00:00:00:01", "rate": "1M"}"#)
+                .unwrap();
+        assert_eq!(n.mac, Some(MacAddr([0x52, 0x54, 0, 0, 0, 1])));
+        assert_eq!(n.queue_size, DEFAULT_QUEUE_SIZE);
+        assert!(n.check().is_ok());
+        let e = serde_json::from_str::<NetConfig>(r#"{"tap": "t0", "mac": "nope"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"nope\""), "{e}");
+        let n: NetConfig = serde_json::from_str(r#"{"ip": "10.0.0.1"}"#).unwrap();
+        assert!(n.check().unwrap_err().contains("tap=NAME or fd=N"));
+    }
+}

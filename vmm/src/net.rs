@@ -1,0 +1,63 @@
+//! Turns a `--net` into a virtio-net device: opens (or creates) its TAP, gives a created
+//! TAP's host end its address, and sets the rate limits.
+
+use crate::config::net::{NetConfig, RateLimit};
+use crate::device_manager::DeviceError;
+use devices::net::rate_limiter::{RateLimit as Buckets, TokenBucketConfig};
+use devices::net::tap::Tap;
+use devices::virtio::net::{Net, NetConfig as DeviceConfig};
+use std::os::fd::{FromRawFd, OwnedFd};
+
+/// The device `n` describes. Errors name the flag and the TAP.
+pub fn open(n: &NetConfig) -> Result<Net, DeviceError> {
+    let err = |why: String| DeviceError::Net {
+        name: n.name(),
+        why,
+    };
+    let tap = match (&n.tap, n.fd) {
+        (Some(name), _) => Tap::open_or_create(name).map_err(|e| err(e.to_string()))?,
+        (None, Some(fd)) => {
+            // The descriptor must be open in this process: fstat says so without taking it.
+            // SAFETY: fstat only writes the stat buffer it is given.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: as above; a closed descriptor makes it fail with EBADF.
+            if unsafe { libc::fstat(fd, &mut st) } != 0 {
+                return Err(err(format!(
+                    "descriptor {fd} is not open in this process: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            // SAFETY: the descriptor is open (checked above) and was handed to this process
+            // for the device to own; nothing else in the VMM uses it.
+            let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+            Tap::from_fd(owned).map_err(|e| err(e.to_string()))?
+        }
+        (None, None) => return Err(err("give tap=NAME or fd=N".into())),
+    };
+    if let Some(ip) = n.ip {
+        let mask = n.mask.unwrap_or(std::net::Ipv4Addr::new(255, 255, 255, 0));
+        tap.set_up_with_address(ip, mask)
+            .map_err(|e| err(e.to_string()))?;
+    }
+    Net::new(DeviceConfig {
+        tap,
+        mac: n.mac.map(|m| m.0),
+        queue_size: n.queue_size,
+        rx_rate: n.rate.map(buckets),
+        tx_rate: n.rate.map(buckets),
+    })
+    .map_err(|e| err(e.to_string()))
+}
+
+/// A limit of so much a second as two token buckets a second deep.
+fn buckets(r: RateLimit) -> Buckets {
+    let bucket = |per_s: u64| TokenBucketConfig {
+        size: per_s,
+        refill_time_ms: 1000,
+        one_time_burst: 0,
+    };
+    Buckets {
+        bandwidth: r.bytes_per_s.map(bucket),
+        ops: r.packets_per_s.map(bucket),
+    }
+}
