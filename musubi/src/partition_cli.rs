@@ -2,7 +2,8 @@
 
 use clap::{Args, Parser, Subcommand};
 use partition::manager::{
-    CreateRequest, Manager, PartitionView, StorageFile, SupervisorState, STORAGE_FILES_COMMAND,
+    CreateRequest, Manager, PartitionView, StorageFile, SupervisorState, VmResources,
+    STORAGE_FILES_COMMAND,
 };
 use partition::store::{self, VmRecord, VmState};
 use partition::ErrorKind;
@@ -39,6 +40,9 @@ struct CreateArgs {
     /// A disk image (or block device) the partition owns; repeatable.
     #[arg(long = "disk", value_name = "FILE")]
     disks: Vec<PathBuf>,
+    /// A TAP interface (by name; it need not exist yet) the partition owns; repeatable.
+    #[arg(long = "tap", value_name = "NAME")]
+    taps: Vec<String>,
 }
 
 impl From<CreateArgs> for CreateRequest {
@@ -50,6 +54,7 @@ impl From<CreateArgs> for CreateRequest {
             mems: a.mems,
             io_weight: a.io_weight,
             disks: a.disks,
+            taps: a.taps,
         }
     }
 }
@@ -58,7 +63,7 @@ impl From<CreateArgs> for CreateRequest {
 enum PartitionCommand {
     /// Create a partition (a cgroup with its CPUs, memory and disks) and start its
     /// supervisor. CPU sets may not overlap, memory may not exceed what the host can give,
-    /// and a disk belongs to one partition.
+    /// and a disk or a TAP belongs to one partition.
     Create(CreateArgs),
     /// List partitions: resources, supervisor and VMs.
     List {
@@ -73,8 +78,8 @@ enum PartitionCommand {
     },
     /// Start a VM in a partition: `musubi partition run NAME -- --kernel probe ...`, or
     /// restore one from a snapshot: `musubi partition run NAME -- --restore DIR`. A VM whose
-    /// disk or memory-storage file (with --restore, the snapshot's) belongs to another
-    /// partition is refused. Each VM serves its control API on `NAME/vms/ID.sock` in the
+    /// disk, memory-storage file or TAP (`--net tap=NAME`; with --restore, the snapshot's)
+    /// belongs to another partition is refused. Each VM serves its control API on `NAME/vms/ID.sock` in the
     /// state directory (for pause, resume and snapshot) unless its arguments give
     /// --api-socket PATH.
     Run {
@@ -110,8 +115,8 @@ enum PartitionCommand {
     /// The supervisor process itself (started by `create`).
     #[command(hide = true)]
     Supervise { name: String },
-    /// Print, as JSON, the storage files of the VM that `musubi run ARGS` would boot in this
-    /// directory (asked by `run` to check disk ownership).
+    /// Print, as JSON, the storage files and TAPs of the VM that `musubi run ARGS` would
+    /// boot in this directory (asked by `run` to check disk and TAP ownership).
     #[command(name = STORAGE_FILES_COMMAND, hide = true)]
     StorageFiles {
         #[arg(last = true, value_name = "RUN ARGS")]
@@ -264,8 +269,8 @@ pub fn run(args: PartitionArgs) -> ExitCode {
 
 /// Answers `partition storage-files -- ARGS`: the VM that `musubi run ARGS` would boot is
 /// parsed by the same command-line grammar and resolved by the same `to_config`, so
-/// partition rules judge the storage the VM will really use, whether flags or the JSON file
-/// name it. With `--restore DIR` it is the snapshot's VM, read and checked as `run` will
+/// partition rules judge the storage and TAPs the VM will really use, whether flags or the
+/// JSON file name them. With `--restore DIR` it is the snapshot's VM, read and checked as `run` will
 /// (`open_snapshot`), so a restore is judged like a boot.
 fn storage_files(args: &[String]) -> ExitCode {
     let argv = ["musubi", "run"].map(String::from).into_iter();
@@ -275,33 +280,36 @@ fn storage_files(args: &[String]) -> ExitCode {
         }) if control.receive_migration.is_some() => {
             // Known only when the VM arrives: the supervisor hands the VM the other
             // partitions' files (`--foreign-storage`) and it refuses them then.
-            println!("[]");
-            return ExitCode::SUCCESS;
+            Ok(None)
         }
         Ok(crate::Cli {
             command: crate::Command::Run(crate::RunCmd { vm, control, .. }),
         }) => match &control.restore {
-            Some(dir) => crate::run::open_snapshot(dir, &vm).map(|(_, config)| config),
-            None => vm.to_config(),
+            Some(dir) => crate::run::open_snapshot(dir, &vm).map(|(_, config)| Some(config)),
+            None => vm.to_config().map(Some),
         },
         Ok(_) => Err("the arguments after -- are not those of `musubi run`".into()),
         Err(e) => Err(e.to_string().trim_end().to_string()),
     };
-    let files: Vec<StorageFile> = match &vm {
-        Ok(vm) => vm
-            .storage_files()
-            .into_iter()
-            .map(|f| StorageFile {
-                flag: f.flag.to_string(),
-                path: f.path.to_path_buf(),
-            })
-            .collect(),
+    let uses = match vm {
+        Ok(None) => VmResources::default(),
+        Ok(Some(vm)) => VmResources {
+            files: vm
+                .storage_files()
+                .into_iter()
+                .map(|f| StorageFile {
+                    flag: f.flag.to_string(),
+                    path: f.path.to_path_buf(),
+                })
+                .collect(),
+            taps: vm.net.iter().filter_map(|n| n.tap.clone()).collect(),
+        },
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(1);
         }
     };
-    match serde_json::to_string(&files) {
+    match serde_json::to_string(&uses) {
         Ok(text) => {
             println!("{text}");
             ExitCode::SUCCESS
@@ -400,8 +408,8 @@ fn print_table(views: &[PartitionView], m: &Manager) {
         return;
     }
     println!(
-        "{:<16} {:<8} {:<5} {:<8} {:<10} {:<5} {:<20} VMS",
-        "NAME", "CPUS", "MEMS", "MEMORY", "IO-WEIGHT", "DISKS", "SUPERVISOR"
+        "{:<16} {:<8} {:<5} {:<8} {:<10} {:<5} {:<16} {:<20} VMS",
+        "NAME", "CPUS", "MEMS", "MEMORY", "IO-WEIGHT", "DISKS", "TAPS", "SUPERVISOR"
     );
     for v in views {
         let running = v.vms.iter().filter(|x| x.state == VmState::Running).count();
@@ -412,13 +420,19 @@ fn print_table(views: &[PartitionView], m: &Manager) {
             .filter(|x| matches!(x.state, VmState::Lost { .. }))
             .count();
         println!(
-            "{:<16} {:<8} {:<5} {:<8} {:<10} {:<5} {:<20} {} running, {} paused, {} lost, {} total",
+            "{:<16} {:<8} {:<5} {:<8} {:<10} {:<5} {:<16} {:<20} {} running, {} paused, {} lost, \
+             {} total",
             v.record.name,
             v.record.cpus.to_string(),
             v.record.mems.to_string(),
             Size(v.record.memory),
             weight_text(v),
             v.record.disks.len(),
+            if v.record.taps.is_empty() {
+                "-".to_string()
+            } else {
+                v.record.taps.join(",")
+            },
             supervisor_text(&v.supervisor_state),
             running,
             paused,
@@ -440,6 +454,9 @@ fn print_detail(v: &PartitionView) {
     println!("  io-weight   {}", weight_text(v));
     for d in &r.disks {
         println!("  disk        {}", d.display());
+    }
+    for t in &r.taps {
+        println!("  tap         {t}");
     }
     println!("  cgroup      v{}", r.cgroup.version);
     for p in &r.cgroup.places {

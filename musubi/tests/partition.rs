@@ -462,6 +462,59 @@ fn a_disk_of_another_partition_is_refused_however_the_vm_names_it() {
 }
 
 #[test]
+fn a_tap_belongs_to_one_partition_at_create_and_at_run() {
+    let env = Env::new();
+    // Only recorded, never opened: every refusal comes before a VM could create it.
+    let tap = format!("mt{}t", std::process::id());
+    let t = tap.as_str();
+    env.ok(&["create", "a", "--cpus", "0", "--memory", "512M", "--tap", t]);
+    assert_eq!(env.show("a")["taps"], serde_json::json!([t]));
+    let detail = env.ok(&["show", "a"]).stdout;
+    assert!(detail.contains(&format!("  tap         {t}\n")), "{detail}");
+    let table = env.ok(&["list"]).stdout;
+    assert!(table.contains("TAPS") && table.contains(t), "{table}");
+
+    let e = env.refused(&[
+        "create", "b", "--cpus", "1", "--memory", "512M", "--tap", "other0", "--tap", t,
+    ]);
+    assert!(
+        e.contains(&format!(
+            "--tap {t}: belongs to partition a; a TAP belongs to one partition"
+        )),
+        "{e}"
+    );
+    for bad in ["a/b", "a b", "sixteen-bytes-xx"] {
+        let e = env.refused(&[
+            "create", "b", "--cpus", "1", "--memory", "512M", "--tap", bad,
+        ]);
+        assert!(e.contains(&format!("--tap {bad:?}")), "{bad:?}: {e}");
+    }
+    assert_eq!(env.list().len(), 1, "a refused create left a partition");
+
+    env.ok(&["create", "b", "--cpus", "1", "--memory", "512M"]);
+    let config = env.state().join("vm.json");
+    std::fs::write(
+        &config,
+        serde_json::json!({"kernel": "probe", "net": [{"tap": t}]}).to_string(),
+    )
+    .unwrap();
+    let net = format!("tap={t}");
+    for named in [
+        vec!["--kernel", "probe", "--net", &net],
+        vec!["--config", config.to_str().unwrap()],
+    ] {
+        let mut args = vec!["run", "b", "--"];
+        args.extend(&named);
+        let e = env.refused(&args);
+        assert!(
+            e.contains(&format!("--net tap={t}: belongs to partition a, not to b")),
+            "{named:?}: {e}"
+        );
+    }
+    assert_eq!(env.show("b")["vms"], serde_json::json!([]), "a VM started");
+}
+
+#[test]
 fn a_vm_runs_in_its_partitions_cgroup_on_its_cpus() {
     let env = Env::new();
     env.ok(&["create", "p", "--cpus", "1", "--memory", "1G"]);

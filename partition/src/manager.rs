@@ -4,7 +4,9 @@
 use crate::cgroup::{Host, Limits};
 use crate::proto::{self, Reply, Request, Status};
 use crate::resources::{self, CpuList};
-use crate::store::{self, check_name, now_secs, PartitionRecord, ProcId, Store, VmRecord, VmState};
+use crate::store::{
+    self, check_name, check_tap_name, now_secs, PartitionRecord, ProcId, Store, VmRecord, VmState,
+};
 use crate::Error;
 use host_resources::Size;
 use serde::{Deserialize, Serialize};
@@ -33,10 +35,24 @@ pub struct CreateRequest {
     pub mems: Option<String>,
     pub io_weight: Option<u32>,
     pub disks: Vec<PathBuf>,
+    /// TAP interface names; they need not exist yet.
+    pub taps: Vec<String>,
 }
 
-/// The program's hidden subcommand that lists the storage of a VM from its `run` arguments.
+/// The program's hidden subcommand that lists the storage files and TAPs of a VM from its
+/// `run` arguments.
 pub const STORAGE_FILES_COMMAND: &str = "storage-files";
+
+/// What a VM would use that a partition can own, as `PROGRAM partition storage-files`
+/// reports it: one answer, so `run` resolves the VM's arguments (and any JSON file or
+/// snapshot they name) once for every ownership rule.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+pub struct VmResources {
+    pub files: Vec<StorageFile>,
+    /// Names of the TAPs of its `--net tap=NAME` devices; a `--net fd=N` has none, as the
+    /// orchestrator that opened it answers for it.
+    pub taps: Vec<String>,
+}
 
 /// One file a VM uses as storage, as `PROGRAM partition storage-files` reports it.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -193,6 +209,19 @@ impl Manager {
                 disks.push(canon);
             }
         }
+        let mut taps: Vec<String> = Vec::new();
+        for t in &req.taps {
+            check_tap_name(t)?;
+            if let Some(owner) = others.iter().find(|p| p.taps.contains(t)) {
+                return Err(Error::refused(format!(
+                    "--tap {t}: belongs to partition {}; a TAP belongs to one partition",
+                    owner.name
+                )));
+            }
+            if !taps.contains(t) {
+                taps.push(t.clone());
+            }
+        }
         let host = Host::detect()?;
         if let Some(w) = req.io_weight {
             let range = if host.version() == 2 {
@@ -224,6 +253,7 @@ impl Manager {
             io_weight: req.io_weight,
             io_weight_file: limited.io_weight_file,
             disks,
+            taps,
             cgroup,
             supervisor: None,
             created: now_secs(),
@@ -396,12 +426,13 @@ impl Manager {
     }
 
     /// Starts a VM in partition `name`: `musubi run ARGS` under its supervisor, in `cwd`.
-    /// None of the VM's storage may belong to another partition: with `--restore DIR`, the
-    /// storage the snapshot's VM uses.
+    /// None of the VM's storage or TAPs may belong to another partition: with
+    /// `--restore DIR`, those the snapshot's VM uses.
     pub fn run(&self, name: &str, args: &[String], cwd: &Path) -> Result<VmRecord, Error> {
         let rec = self.store.load(name)?;
         let others = self.store.load_all()?;
-        for file in self.storage_files(args, cwd)? {
+        let uses = self.vm_resources(args, cwd)?;
+        for file in uses.files {
             // Relative paths are the VM's, which runs in `cwd`.
             let Ok(canon) = cwd.join(&file.path).canonicalize() else {
                 continue; // `musubi run` reports a missing file itself.
@@ -419,11 +450,24 @@ impl Manager {
                 )));
             }
         }
+        for tap in &uses.taps {
+            if let Some(owner) = others
+                .iter()
+                .find(|p| p.name != rec.name && p.taps.contains(tap))
+            {
+                return Err(Error::refused(format!(
+                    "--net tap={tap}: belongs to partition {}, not to {}; a TAP belongs to \
+                     one partition",
+                    owner.name, rec.name
+                )));
+            }
+        }
         let sock = self.live_socket(&rec)?;
         let mut args = args.to_vec();
         if args.iter().any(|a| a == "--receive-migration") {
             // The VM's disks are known only when it arrives: it is told which files other
-            // partitions own and refuses a VM that uses one.
+            // partitions own and refuses a VM that uses one. Its TAPs are not judged: `run`
+            // has no flag to be told other partitions' TAPs.
             for p in others.iter().filter(|p| p.name != rec.name) {
                 for d in &p.disks {
                     args.push("--foreign-storage".into());
@@ -442,12 +486,12 @@ impl Manager {
         }
     }
 
-    /// The files a VM started with `args` in `cwd` uses as storage, as the program itself
-    /// resolves them (`PROGRAM partition storage-files -- ARGS`): flags, the JSON file they
-    /// name and defaults alike, exactly as its `run` will. Arguments it cannot resolve are
-    /// refused with its message. With `--restore DIR` they are the files of the snapshot's
-    /// configuration, which the restored VM will use.
-    pub fn storage_files(&self, args: &[String], cwd: &Path) -> Result<Vec<StorageFile>, Error> {
+    /// The storage files and TAPs a VM started with `args` in `cwd` uses, as the program
+    /// itself resolves them (`PROGRAM partition storage-files -- ARGS`): flags, the JSON
+    /// file they name and defaults alike, exactly as its `run` will. Arguments it cannot
+    /// resolve are refused with its message. With `--restore DIR` they are those of the
+    /// snapshot's configuration, which the restored VM will use.
+    pub fn vm_resources(&self, args: &[String], cwd: &Path) -> Result<VmResources, Error> {
         let out = Command::new(&self.program)
             .args(["partition", STORAGE_FILES_COMMAND, "--"])
             .args(args)
@@ -602,6 +646,51 @@ mod tests {
         r.disks = vec![tmp.path().join("missing.img")];
         let e = m.create(&r).unwrap_err();
         assert!(e.message.contains("missing.img"), "{e}");
+        let mut r = req("p", "0", "1G");
+        r.taps = vec!["tap0".into(), "a/b".into()];
+        let e = m.create(&r).unwrap_err();
+        assert!(e.message.starts_with("--tap \"a/b\": "), "{e}");
         assert!(m.list().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_tap_another_partition_owns_is_refused_naming_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = Manager::new(tmp.path(), PathBuf::from("/nonexistent")).unwrap();
+        // A record only: an offline CPU and a token of memory keep the CPU and memory
+        // rules out of the way, so the TAP rule is what answers.
+        m.store
+            .save(&PartitionRecord {
+                name: "owner".into(),
+                cpus: CpuList::parse("c", "4000").unwrap(),
+                mems: CpuList::parse("m", "0").unwrap(),
+                memory: 1 << 20,
+                io_weight: None,
+                io_weight_file: None,
+                disks: vec![],
+                taps: vec!["vmtap0".into()],
+                cgroup: crate::cgroup::PartitionCgroup {
+                    version: 2,
+                    places: vec![],
+                },
+                supervisor: None,
+                created: 0,
+            })
+            .unwrap();
+        let e = m
+            .create(&CreateRequest {
+                name: "p".into(),
+                cpus: "0".into(),
+                memory: "1M".into(),
+                taps: vec!["vmtap1".into(), "vmtap0".into()],
+                ..Default::default()
+            })
+            .unwrap_err();
+        assert_eq!(e.kind, crate::ErrorKind::Refused);
+        assert_eq!(
+            e.message,
+            "--tap vmtap0: belongs to partition owner; a TAP belongs to one partition"
+        );
+        assert_eq!(m.store.names().unwrap(), ["owner"]);
     }
 }

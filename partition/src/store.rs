@@ -71,6 +71,10 @@ pub struct PartitionRecord {
     pub io_weight_file: Option<String>,
     /// Canonical paths of the disks the partition owns.
     pub disks: Vec<PathBuf>,
+    /// Names of the TAP interfaces the partition owns. Defaulted because records written
+    /// before partitions owned TAPs lack it and must still load.
+    #[serde(default)]
+    pub taps: Vec<String>,
     pub cgroup: PartitionCgroup,
     pub supervisor: Option<ProcId>,
     /// Seconds since the Unix epoch.
@@ -149,6 +153,22 @@ pub fn check_name(name: &str) -> Result<(), Error> {
              starting with '.' or '-'"
         )))
     }
+}
+
+/// The kernel's rule for interface names (`dev_valid_name`), checked at `create` so a
+/// partition cannot claim a name no TAP can have and the refusal names the flag, not a
+/// later VM.
+pub fn check_tap_name(name: &str) -> Result<(), Error> {
+    let why = if name.is_empty() || name.len() > 15 {
+        "an interface name is 1 to 15 bytes"
+    } else if name == "." || name == ".." {
+        "an interface name cannot be . or .."
+    } else if name.contains(['/', ':']) || name.contains(char::is_whitespace) {
+        "an interface name has no '/', ':' or white space"
+    } else {
+        return Ok(());
+    };
+    Err(Error::refused(format!("--tap {name:?}: {why}")))
 }
 
 #[derive(Clone, Debug)]
@@ -376,6 +396,7 @@ mod tests {
             io_weight: Some(200),
             io_weight_file: None,
             disks: vec![PathBuf::from("/x/disk.img")],
+            taps: vec!["tap0".into()],
             cgroup: PartitionCgroup {
                 version: 1,
                 places: vec![Place {
@@ -416,6 +437,7 @@ mod tests {
         assert_eq!(store.names().unwrap(), ["a", "b"]);
         let a = store.load("a").unwrap();
         assert_eq!(a.cpus.to_string(), "0");
+        assert_eq!(a.taps, ["tap0"]);
         assert_eq!(a.cgroup, record("a").cgroup);
         let e = store.load("zz").unwrap_err();
         assert_eq!(e.kind, crate::ErrorKind::NotFound);
@@ -479,6 +501,46 @@ mod tests {
         assert_eq!(vms[0].state, VmState::Running);
         assert!(vms[0].state.is_live() && VmState::Paused.is_live());
         assert!(!VmState::Lost { reason: "x".into() }.is_live());
+    }
+
+    #[test]
+    fn partition_records_written_before_taps_still_load() {
+        let mut old = serde_json::to_value(record("p")).unwrap();
+        old.as_object_mut().unwrap().remove("taps").unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::open(tmp.path()).unwrap();
+        std::fs::create_dir_all(store.partition_dir("p")).unwrap();
+        std::fs::write(store.record_path("p"), old.to_string()).unwrap();
+        let rec = store.load("p").unwrap();
+        assert!(rec.taps.is_empty());
+        assert_eq!(rec.disks, [PathBuf::from("/x/disk.img")]);
+    }
+
+    #[test]
+    fn tap_names_follow_the_kernels_rule() {
+        for good in ["t", "tap0", "vm-1.eth_0", &"x".repeat(15)] {
+            check_tap_name(good).unwrap();
+        }
+        let long = "x".repeat(16);
+        for (bad, why) in [
+            ("", "1 to 15 bytes"),
+            (long.as_str(), "1 to 15 bytes"),
+            // 8 two-byte characters: 16 bytes though 8 characters.
+            ("éééééééé", "1 to 15 bytes"),
+            (".", ". or .."),
+            ("..", ". or .."),
+            ("a/b", "no '/'"),
+            ("a:1", "no '/'"),
+            ("a b", "white space"),
+            ("a\tb", "white space"),
+        ] {
+            let e = check_tap_name(bad).unwrap_err();
+            assert_eq!(e.kind, crate::ErrorKind::Refused);
+            assert!(
+                e.message.starts_with(&format!("--tap {bad:?}: ")) && e.message.contains(why),
+                "{bad:?}: {e}"
+            );
+        }
     }
 
     #[test]
