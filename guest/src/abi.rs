@@ -42,6 +42,15 @@ pub const SYS_CPU_START: u64 = 24;
 /// `cpu_wait(cpu)`, from the BSP only: waits (bounded by the caller's deadline) for AP
 /// `cpu`'s entry to end; returns its exit status, `CPU_FAULTED | vector` or `CPU_TIMED_OUT`.
 pub const SYS_CPU_WAIT: u64 = 25;
+/// `net_open(block)`: resets the virtio-net device, sets its two queues up on the rings the
+/// task named in its `NetOpen` block, brings it to DRIVER_OK and maps its register page
+/// for the task; fills in the rest of the block. The task drives the queues itself.
+pub const SYS_NET_OPEN: u64 = 26;
+/// `net_wait(timeout_us, seen)`: halts until the device's used rings move past `seen`
+/// (receive used index in bits 0..16; the transmit one in bits 16..32, looked at only with
+/// `NET_WAIT_TX`), an interrupt arrives or the time passes. Returns 1 if a ring moved.
+pub const SYS_NET_WAIT: u64 = 27;
+pub const NET_WAIT_TX: u64 = 1 << 32;
 
 pub const CPU_FAULTED: u64 = 0x100;
 pub const CPU_TIMED_OUT: u64 = 0x200;
@@ -61,6 +70,42 @@ pub const STAT_KERNEL_COPY_BYTES: u64 = 0;
 pub const STAT_PAGE_FAULTS: u64 = 1;
 pub const STAT_VIRTIO_REQUESTS: u64 = 2;
 pub const STAT_INTERRUPTS: u64 = 3;
+/// Interrupts from the virtio-net device (not part of `STAT_INTERRUPTS`).
+pub const STAT_NET_INTERRUPTS: u64 = 4;
+
+/// Bytes of one virtio-net queue in the `NetOpen::rings` area: descriptor table, avail
+/// ring and used ring, a page each (room for `NET_MAX_QUEUE` entries).
+pub const NET_QUEUE_BYTES: u64 = 3 * 4096;
+pub const NET_AVAIL_OFF: u64 = 4096;
+pub const NET_USED_OFF: u64 = 8192;
+/// Queue 0 (receive) and queue 1 (transmit).
+pub const NET_RING_BYTES: u64 = 2 * NET_QUEUE_BYTES;
+pub const NET_MAX_QUEUE: u32 = 256;
+/// The longest `net_wait`: the task looks at its own deadline at least this often.
+pub const NET_MAX_WAIT_US: u64 = 1_000_000;
+
+/// The block `net_open` works on, in the task's arena. The task fills `rings` (4 KiB
+/// aligned, `NET_RING_BYTES`, zeroed and with the receive buffers already posted if it
+/// likes) and `want_queue`; the kernel fills the rest.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct NetOpen {
+    pub rings: u64,
+    pub want_queue: u32,
+    /// Entries of each queue: a power of two, at most `want_queue` and the device's limit.
+    pub queue_size: u32,
+    /// Negotiated feature bits.
+    pub features: u64,
+    /// From the device's configuration if it offers VIRTIO_NET_F_MAC, else a fixed
+    /// locally administered address; 2 bytes of padding.
+    pub mac: [u8; 8],
+    /// The QueueNotify register, mapped for the task (uncached).
+    pub notify: u64,
+    /// The task's deadline (TSC; 0: none), so its loops end before the kernel ends them.
+    pub deadline: u64,
+    /// `probe.virtio_poll_us`: how long to poll before waiting.
+    pub poll_us: u64,
+}
 
 pub const ERR_BASE: u64 = (-4096i64) as u64;
 
@@ -92,6 +137,8 @@ pub enum Error {
     NoSuchCpu = 12,
     /// The CPU still runs an earlier entry.
     Busy = 13,
+    /// No device of the kind asked for (virtio-net), or it failed to initialise.
+    NoDevice = 14,
 }
 
 impl Error {
@@ -109,6 +156,7 @@ impl Error {
             11 => Error::BadFd,
             12 => Error::NoSuchCpu,
             13 => Error::Busy,
+            14 => Error::NoDevice,
             _ => Error::NoSuchCall,
         }
     }
@@ -128,6 +176,7 @@ impl Error {
             Error::BadFd => "bad-fd",
             Error::NoSuchCpu => "no-such-cpu",
             Error::Busy => "busy",
+            Error::NoDevice => "no-device",
         }
     }
 
@@ -152,4 +201,6 @@ pub const STATUS_USER_FAULT: u8 = 4;
 pub const STATUS_CONSOLE_TIMEOUT: u8 = 5;
 /// A multi-CPU task computed a wrong result (`shared-counter` not exact, `fib` mismatch).
 pub const STATUS_WRONG_RESULT: u8 = 6;
+/// A network task failed: no device, no reply, the connection broke or time ran out.
+pub const STATUS_NET_FAILED: u8 = 7;
 pub const STATUS_KERNEL_FAULT: u8 = 101;

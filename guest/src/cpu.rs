@@ -272,6 +272,10 @@ extern "C" fn trap_dispatch(f: &mut TrapFrame) {
             virtio::irq((v - virtio::VECTOR_BASE) as usize);
             apic::eoi();
         }
+        virtio::NET_VECTOR => {
+            virtio::net::irq();
+            apic::eoi();
+        }
         SPURIOUS_VECTOR => {}
         v if (PIC_VECTOR_BASE..PIC_VECTOR_BASE + 16).contains(&v) => {}
         v if v < 32 => exception(f),

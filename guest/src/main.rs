@@ -18,6 +18,7 @@ mod file;
 mod global;
 mod mm;
 mod mtasks;
+mod net;
 mod paging;
 mod pmem;
 mod serial;

@@ -163,3 +163,40 @@ pub fn invlpg(va: u64) {
     // SAFETY: only drops a TLB entry.
     unsafe { core::arch::asm!("invlpg [{}]", in(reg) va, options(nostack, preserves_flags)) };
 }
+
+const PWT: u64 = 1 << 3;
+const PCD: u64 = 1 << 4;
+
+/// A 4 KiB table for one 2 MiB page of the MMIO hole, so that a single device register
+/// page can be handed to user mode without exposing its neighbours.
+#[link_section = ".noinit.mmiopt"]
+static MMIO_PT: Global<Table> = Global::new(Table([0; 512]));
+/// The 2 MiB page `MMIO_PT` splits (0: none yet).
+static MMIO_SPLIT: Global<u64> = Global::new(0);
+
+/// Makes the 4 KiB MMIO page at `page` (in the 3..4 GiB hole) user-accessible or, with
+/// `user` false, kernel-only again; uncached either way. False if it is outside the hole or
+/// in a different 2 MiB page from one split before.
+pub fn set_user_mmio(page: u64, user: bool) -> bool {
+    let big = page & !(MIB2 - 1);
+    if !(3 * GIB..4 * GIB).contains(&page) {
+        return false;
+    }
+    // SAFETY: BSP kernel path only (a system call of the running task or its end).
+    let (pds, pt, split) = unsafe { (PDS.get(), MMIO_PT.get(), MMIO_SPLIT.get()) };
+    if *split != big {
+        if *split != 0 {
+            return false;
+        }
+        for (i, e) in pt.0.iter_mut().enumerate() {
+            *e = (big + i as u64 * 4096) | P | RW | PWT | PCD;
+        }
+        pds[3].0[((big - 3 * GIB) / MIB2) as usize] = MMIO_PT.addr() | P | RW | US;
+        *split = big;
+        flush_tlb();
+    }
+    let i = ((page - big) / 4096) as usize;
+    pt.0[i] = (page & !0xfff) | P | RW | PWT | PCD | if user { US } else { 0 };
+    invlpg(page);
+    true
+}

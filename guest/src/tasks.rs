@@ -7,7 +7,9 @@ use crate::arch::exit_vm;
 use crate::bootinfo::{self, BootInfo};
 use crate::ulib::JsonBytes;
 use crate::user::{self, Outcome, UserEntry};
-use crate::{apic, console, cpu, kprint, kprintln, mtasks, smp, timer, utasks, virtio, wtasks};
+use crate::{
+    apic, console, cpu, kprint, kprintln, mtasks, net, smp, timer, utasks, virtio, wtasks,
+};
 
 /// Shows command-line bytes (which may be anything) safely inside a JSON string.
 pub struct Lossy<'a>(pub &'a [u8]);
@@ -27,10 +29,14 @@ pub struct Opts {
     pub iters: Option<u64>,
     /// `cpu=K`: run the task's user code on CPU K.
     pub cpu: Option<u64>,
+    /// `n=N`: rounds (`udp-echo`) or requests (`http-serve`).
+    pub n: Option<u64>,
+    /// `bytes=N` (`K`/`M`/`G` suffixes): how much `tcp-send` sends.
+    pub bytes: Option<u64>,
 }
 
 fn option_name(item: &[u8]) -> Option<&'static str> {
-    ["procs", "iters", "cpu"]
+    ["procs", "iters", "cpu", "n", "bytes"]
         .into_iter()
         .find(|o| item.len() > o.len() && item.starts_with(o.as_bytes()) && item[o.len()] == b'=')
 }
@@ -38,15 +44,20 @@ fn option_name(item: &[u8]) -> Option<&'static str> {
 impl Opts {
     fn set(&mut self, item: &[u8]) -> Result<(), &'static str> {
         let name = option_name(item).ok_or("not an option")?;
-        let v = core::str::from_utf8(&item[name.len() + 1..])
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok());
+        let v = core::str::from_utf8(&item[name.len() + 1..]).ok();
+        if name == "bytes" {
+            let v = v.and_then(virtio::parse_num);
+            self.bytes = Some(v.ok_or("bytes= needs a number (K, M, G suffixes allowed)")?);
+            return Ok(());
+        }
+        let v = v.and_then(|v| v.parse::<u64>().ok());
         let slot = match name {
             "procs" => &mut self.procs,
             "iters" => &mut self.iters,
+            "n" => &mut self.n,
             _ => &mut self.cpu,
         };
-        *slot = Some(v.ok_or("procs=, iters= and cpu= need a decimal number")?);
+        *slot = Some(v.ok_or("procs=, iters=, cpu= and n= need a decimal number")?);
         Ok(())
     }
 }
@@ -72,7 +83,7 @@ pub fn run_all(info: &BootInfo) -> u8 {
         let s = if option_name(task).is_some() {
             bad_argument(
                 task,
-                "procs=, iters= and cpu= must follow the task they belong to",
+                "procs=, iters=, cpu=, n= and bytes= must follow the task they belong to",
             )
         } else if let Some(why) = bad {
             bad_argument(task, why)
@@ -127,6 +138,12 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
     }
     if opts.iters.is_some() && name != b"litmus" && name != b"mem-check" {
         return bad_argument(task, "iters=N applies to litmus and mem-check only");
+    }
+    if opts.n.is_some() && name != b"udp-echo" && name != b"http-serve" {
+        return bad_argument(task, "n=N applies to udp-echo and http-serve only");
+    }
+    if opts.bytes.is_some() && name != b"tcp-send" {
+        return bad_argument(task, "bytes=N applies to tcp-send only");
     }
     if let (b"fib", Some(p)) = (name, opts.procs) {
         return match num(arg) {
@@ -185,6 +202,7 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
             }
         }
         (b"mem-check", a) => mem_check(task, num(a), opts.iters),
+        (b"udp-echo" | b"tcp-send" | b"http-serve", a) => net_task(task, name, a, opts),
         (b"timer", None) => timer_task(),
         (b"console-echo", a) => match a.map_or(Some(console::DEFAULT_WAIT_S), |a| num(Some(a))) {
             Some(secs) if secs > 0 => console::echo_task(secs),
@@ -245,6 +263,106 @@ fn mem_check(task: &[u8], mib: Option<u64>, rounds: Option<u64>) -> u8 {
             STATUS_UNKNOWN_TASK
         }
     }
+}
+
+/// `udp-echo` rounds and `http-serve` requests without `n=`; `tcp-send` bytes without
+/// `bytes=`.
+const NET_DEFAULT_N: u64 = 100;
+const NET_DEFAULT_BYTES: u64 = 1 << 20;
+/// The most `udp-echo` rounds (their round-trip times are kept in the task buffer).
+const NET_MAX_ROUNDS: u64 = 1_000_000;
+
+fn ipv4(v: &[u8]) -> Option<[u8; 4]> {
+    let v: core::net::Ipv4Addr = core::str::from_utf8(v).ok()?.parse().ok()?;
+    Some(v.octets())
+}
+
+/// `ADDR/PREFIX`.
+fn cidr(v: &[u8]) -> Option<([u8; 4], u8)> {
+    let slash = v.iter().position(|&b| b == b'/')?;
+    let prefix = core::str::from_utf8(&v[slash + 1..])
+        .ok()?
+        .parse::<u8>()
+        .ok()?;
+    (prefix <= 32).then_some((ipv4(&v[..slash])?, prefix))
+}
+
+/// `HOST:PORT` (an IPv4 address).
+fn host_port(v: &[u8]) -> Option<([u8; 4], u16)> {
+    let v: core::net::SocketAddrV4 = core::str::from_utf8(v).ok()?.parse().ok()?;
+    (v.port() != 0).then_some((v.ip().octets(), v.port()))
+}
+
+/// `udp-echo=HOST:PORT[,n=N]`, `tcp-send=HOST:PORT[,bytes=N]`, `http-serve=PORT[,n=N]`:
+/// parses the task and the interface's address (`probe.ip=`, `probe.gw=`), then runs the
+/// task at CPL3 (`net::*`).
+fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts) -> u8 {
+    let info = bootinfo::get();
+    let Some(ip) = info.param(b"probe.ip") else {
+        return bad_argument(
+            task,
+            "network tasks need probe.ip=ADDR/PREFIX on the command line",
+        );
+    };
+    let Some((ip, prefix)) = cidr(ip) else {
+        return bad_argument(
+            task,
+            "probe.ip=ADDR/PREFIX needs an IPv4 address and a prefix length 0..=32",
+        );
+    };
+    let gw = match info.param(b"probe.gw").map(ipv4) {
+        None => None,
+        Some(Some(gw)) => Some(gw),
+        Some(None) => return bad_argument(task, "probe.gw=ADDR needs an IPv4 address"),
+    };
+    let mut p = net::Params {
+        ip,
+        prefix,
+        has_gw: gw.is_some(),
+        gw: gw.unwrap_or_default(),
+        ..net::Params::default()
+    };
+    let (label, entry): (&str, UserEntry) = match name {
+        b"udp-echo" => {
+            let (Some((peer, port)), n @ 1..=NET_MAX_ROUNDS) =
+                (arg.and_then(host_port), opts.n.unwrap_or(NET_DEFAULT_N))
+            else {
+                return bad_argument(
+                    task,
+                    "udp-echo=HOST:PORT[,n=N] needs an IPv4 address, a port and N in 1..=1000000",
+                );
+            };
+            (p.peer, p.port, p.count) = (peer, port, n);
+            ("udp-echo", net::udp_echo)
+        }
+        b"tcp-send" => {
+            let (Some((peer, port)), n @ 1..) = (
+                arg.and_then(host_port),
+                opts.bytes.unwrap_or(NET_DEFAULT_BYTES),
+            ) else {
+                return bad_argument(
+                    task,
+                    "tcp-send=HOST:PORT[,bytes=N] needs an IPv4 address, a port and N > 0",
+                );
+            };
+            (p.peer, p.port, p.count) = (peer, port, n);
+            ("tcp-send", net::tcp_send)
+        }
+        _ => {
+            let port = arg
+                .and_then(|a| core::str::from_utf8(a).ok())
+                .and_then(|a| a.parse::<u16>().ok());
+            let (Some(port @ 1..), n @ 1..) = (port, opts.n.unwrap_or(1)) else {
+                return bad_argument(
+                    task,
+                    "http-serve=PORT[,n=N] needs a port in 1..=65535 and N > 0",
+                );
+            };
+            (p.port, p.count) = (port, n);
+            ("http-serve", net::http_serve)
+        }
+    };
+    finish(label, 0, user::run_task(0, entry, &p, timeout()))
 }
 
 fn bad_argument(task: &[u8], why: &str) -> u8 {

@@ -290,3 +290,22 @@ pub fn cpu_start(
 pub fn cpu_wait(cpu: usize) -> Result<u64, Error> {
     decode(syscall(abi::SYS_CPU_WAIT, cpu as u64, 0, 0, 0))
 }
+
+/// Brings the virtio-net device up on the rings `block` names and fills in the rest of it
+/// (see `abi::NetOpen`).
+pub fn net_open(block: &mut abi::NetOpen) -> Result<(), Error> {
+    let at = block as *mut abi::NetOpen as u64;
+    decode(syscall(abi::SYS_NET_OPEN, at, 0, 0, 0)).map(|_| ())
+}
+
+/// Halts until the receive used ring moves past `seen_rx` (and, if given, the transmit one
+/// past `seen_tx`), an interrupt comes or `timeout_us` passes; true if a ring moved.
+pub fn net_wait(timeout_us: u64, seen_rx: u16, seen_tx: Option<u16>) -> bool {
+    let tx = seen_tx.map_or(0, |t| (t as u64) << 16 | abi::NET_WAIT_TX);
+    syscall(abi::SYS_NET_WAIT, timeout_us, seen_rx as u64 | tx, 0, 0) == 1
+}
+
+/// Interrupts the virtio-net device has raised since boot.
+pub fn net_interrupts() -> u64 {
+    syscall(abi::SYS_STATS, abi::STAT_NET_INTERRUPTS, 0, 0, 0)
+}

@@ -182,22 +182,21 @@ pub fn data_bytes() -> u64 {
 
 /// Runs `entry` with a copy of `task` (at the end of its data area) as its parameter: the
 /// entry gets the address of the copy, and a data area without it. On CPU `cpu`.
-pub fn run_task(
-    cpu: usize,
-    entry: UserEntry,
-    task: &workloads::task::Task,
-    timeout_s: u64,
-) -> Outcome {
-    const { assert!(core::mem::size_of::<workloads::task::Task>() as u64 <= PARAM_BYTES) };
+pub fn run_task<T: Copy>(cpu: usize, entry: UserEntry, task: &T, timeout_s: u64) -> Outcome {
+    const {
+        assert!(
+            core::mem::size_of::<T>() as u64 <= PARAM_BYTES && core::mem::align_of::<T>() <= 4096
+        )
+    };
     let (base, len) = arena();
     if len < USER_STACK * 2 {
         return Outcome::Exit(abi::STATUS_USER_FAULT);
     }
     let at = base + len - USER_STACK - PARAM_BYTES;
     // SAFETY: `at` is in the arena (checked above to hold the stack and these bytes), which
-    // no task is using now; `Task` fits in PARAM_BYTES (the const assertion) and the arena
+    // no task is using now; `T` fits in PARAM_BYTES (the const assertion) and the arena
     // is 2 MiB-aligned, so `at` is aligned for it.
-    unsafe { core::ptr::write(at as *mut workloads::task::Task, *task) };
+    unsafe { core::ptr::write(at as *mut T, *task) };
     run_inner(cpu, entry, at, timeout_s, PARAM_BYTES)
 }
 
@@ -231,6 +230,8 @@ fn run_inner(cpu: usize, entry: UserEntry, param: u64, timeout_s: u64, reserved:
     let entry = entry as usize as u64;
     if cpu == 0 {
         let code = enter(0, entry, top - 8, args, deadline);
+        // A network task leaves the device writing into the arena: stop it.
+        virtio::net::close();
         return outcome(0, code);
     }
     if smp::post_user(cpu, false, entry, top - 8, args, deadline).is_err() {
@@ -426,6 +427,7 @@ pub fn syscall(f: &mut TrapFrame) {
             abi::STAT_PAGE_FAULTS => Ok(mm::PAGE_FAULTS.load(Ordering::Relaxed)),
             abi::STAT_VIRTIO_REQUESTS => Ok(virtio::REQUESTS.load(Ordering::Relaxed)),
             abi::STAT_INTERRUPTS => Ok(virtio::total_irqs()),
+            abi::STAT_NET_INTERRUPTS => Ok(virtio::net::irq_count()),
             _ => Err(Error::BadArgument),
         },
         abi::SYS_ANON_MAP => mm::map_window(mm::Which::Anon, a0).ok_or(Error::NoMemory),
@@ -435,6 +437,8 @@ pub fn syscall(f: &mut TrapFrame) {
             .ok_or(Error::NoSuchCpu),
         abi::SYS_CPU_START => cpu_start(a0 as usize, a1, a2, a3),
         abi::SYS_CPU_WAIT => cpu_wait(a0 as usize),
+        abi::SYS_NET_OPEN => virtio::net::open(a0),
+        abi::SYS_NET_WAIT => virtio::net::wait(a0, a1),
         _ => Err(Error::NoSuchCall),
     };
     f.rax = match result {

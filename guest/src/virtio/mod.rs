@@ -3,9 +3,11 @@
 //! Block devices (id 2) are disks 0, 1, ... in command-line order, device slots
 //! `0..MAX_DISKS`; virtio-pmem devices (id 27) take slots `MAX_DISKS..MAX_DEVS` (their
 //! regions are announced by `pmem.rs`). A device's interrupt vector is `VECTOR_BASE + slot`.
+//! The first virtio-net device (id 1) is kept apart (`net.rs`): user tasks drive it.
 
 mod block;
 mod hostile;
+pub mod net;
 mod pmem;
 mod transport;
 
@@ -26,7 +28,10 @@ pub const MAX_PMEM_DEVS: usize = 4;
 pub const MAX_DEVS: usize = MAX_DISKS + MAX_PMEM_DEVS;
 const ID_BLK: u32 = 2;
 const ID_PMEM: u32 = 27;
+const ID_NET: u32 = 1;
 pub const VECTOR_BASE: u64 = 0x30;
+/// The virtio-net device's interrupt vector, after the storage devices' ones.
+pub const NET_VECTOR: u64 = VECTOR_BASE + MAX_DEVS as u64;
 
 static DEVICES: Global<[Device; MAX_DEVS]> = Global::new([NO_DEVICE; MAX_DEVS]);
 static NDISKS: AtomicU32 = AtomicU32::new(0);
@@ -99,8 +104,8 @@ pub fn parse_num(s: &str) -> Option<u64> {
     v.checked_mul(mult)
 }
 
-/// Finds the block devices announced on the command line, sets them up and routes their
-/// interrupts to the BSP.
+/// Finds the devices announced on the command line, sets the storage devices up and routes
+/// their interrupts (and the virtio-net device's, set up later by its task) to the BSP.
 pub fn probe_all(info: &BootInfo, bsp: u32) {
     let pins = apic::ioapic_pins();
     for frag in info.params(b"virtio_mmio.device") {
@@ -127,6 +132,17 @@ pub fn probe_all(info: &BootInfo, bsp: u32) {
                     id,
                     base
                 );
+                continue;
+            }
+            ID_NET => {
+                if net::found(base) {
+                    if irq < pins {
+                        apic::ioapic_route(irq, NET_VECTOR as u8, bsp);
+                    }
+                    kprintln!("probe: virtio-net at {:#x} irq {}", base, irq);
+                } else {
+                    kprintln!("probe: another virtio-net at {:#x} ignored", base);
+                }
                 continue;
             }
             0 => continue,

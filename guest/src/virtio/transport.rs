@@ -29,7 +29,7 @@ fn quiet_flags() -> u16 {
 
 /// Read once: parsing the command line on every request would cost more kernel-mode
 /// instructions than the request itself on an emulated CPL0.
-fn poll_us() -> u64 {
+pub(super) fn poll_us() -> u64 {
     static POLL: AtomicU64 = AtomicU64::new(u64::MAX);
     let v = POLL.load(Ordering::Relaxed);
     if v != u64::MAX {

@@ -1,0 +1,249 @@
+//! virtio-net over TAP, end to end: the probe guest's network tasks against peers on the
+//! host side of the TAP. Every test makes a network namespace of its own; the VMM runs in
+//! it, creates its TAP there, and the peers are threads that entered it, so no traffic
+//! leaves the namespace and nothing is added to the host's own.
+
+mod common;
+use common::netns::Netns;
+use common::*;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const HOST: &str = "10.0.0.1";
+const GUEST: &str = "10.0.0.2";
+/// Every guest test's limit: what a loaded machine needs to boot the probe and move a few
+/// hundred packets through its emulated kernel path, with room to spare.
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// `musubi run` of the probe with a TAP named `tap0` in `ns`, its host end `10.0.0.1/24`.
+fn run_in(ns: &Netns, tasks: &str, exits: &str, extra: &[&str]) -> Started {
+    let cmdline = format!("probe.ip={GUEST}/24 probe.tasks={tasks}");
+    let mut args = vec![
+        "run",
+        "--kernel",
+        "probe",
+        "--cmdline",
+        &cmdline,
+        "--memory",
+        "128M",
+        "--exits",
+        exits,
+        "--net",
+        "tap=tap0,ip=10.0.0.1,mask=255.255.255.0",
+    ];
+    args.extend_from_slice(extra);
+    start_command(ns.musubi(), &args, None)
+}
+
+/// A UDP echo server in `ns` that answers until the guest has been quiet for 5 s after
+/// its traffic began, or the limit; `answered` counts as it goes.
+fn udp_echo(ns: &Netns, port: u16, answered: Arc<AtomicU64>) -> std::thread::JoinHandle<u64> {
+    ns.spawn(move || {
+        let s = UdpSocket::bind(("0.0.0.0", port)).expect("echo binds");
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let t0 = Instant::now();
+        let mut buf = [0u8; 2048];
+        let mut idle_since = None::<Instant>;
+        while t0.elapsed() < LIMIT {
+            match s.recv_from(&mut buf) {
+                Ok((n, from)) => {
+                    // The guest may be gone with its TAP: a failed answer is its loss.
+                    let _ = s.send_to(&buf[..n], from);
+                    answered.fetch_add(1, Ordering::Relaxed);
+                    idle_since = None;
+                }
+                Err(_) => {
+                    let since = *idle_since.get_or_insert_with(Instant::now);
+                    if answered.load(Ordering::Relaxed) > 0
+                        && since.elapsed() > Duration::from_secs(5)
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+        answered.load(Ordering::Relaxed)
+    })
+}
+
+fn metrics_in(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn udp_echo_runs(exits: &str) {
+    let ns = Netns::new(&format!("udp{}", &exits[..1]));
+    let echo = udp_echo(&ns, 7777, Arc::default());
+    let metrics = tempfile::NamedTempFile::new().unwrap();
+    let m = metrics.path().display().to_string();
+    let vm = run_in(
+        &ns,
+        &format!("udp-echo={HOST}:7777,n=200"),
+        exits,
+        &["--metrics", &m],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    let r = run.result("udp-echo");
+    assert_eq!(r["rounds"], 200, "{r}");
+    assert_eq!(r["lost"], 0, "a TAP inside one host loses nothing: {r}");
+    let answered = echo.join().unwrap();
+    assert!(answered >= 200, "the echo answered {answered} of 200");
+    let metrics = metrics_in(metrics.path());
+    let net = &metrics["net"][0];
+    assert!(
+        net["tx_packets"].as_u64().unwrap() >= 200 && net["rx_packets"].as_u64().unwrap() >= 200,
+        "{metrics}"
+    );
+    assert!(!ns.has_link("tap0"), "the TAP musubi made went with it");
+}
+
+#[test]
+fn udp_echo_over_a_tap_on_the_kernel_exit_path() {
+    udp_echo_runs("kernel");
+}
+
+#[test]
+fn udp_echo_over_a_tap_on_the_user_exit_path() {
+    udp_echo_runs("user");
+}
+
+#[test]
+fn the_guest_serves_http_to_a_client_on_the_host_side() {
+    let ns = Netns::new("http");
+    let vm = run_in(&ns, "http-serve=8080,n=2", "kernel", &[]);
+    let guard = KillOnPanic::new(&vm);
+    let client = ns.spawn(|| {
+        let addr: SocketAddr = format!("{GUEST}:8080").parse().unwrap();
+        let t0 = Instant::now();
+        let mut bodies = Vec::new();
+        for path in ["/x", "/musubi/net"] {
+            let mut s = loop {
+                match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                    Ok(s) => break s,
+                    Err(e) => {
+                        assert!(t0.elapsed() < LIMIT, "the guest never listened: {e}");
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                }
+            };
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            write!(
+                s,
+                "GET {path} HTTP/1.1\r\nHost: {GUEST}\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut answer = String::new();
+            s.read_to_string(&mut answer).unwrap();
+            bodies.push((path, answer));
+        }
+        bodies
+    });
+    let bodies = client.join().unwrap();
+    let run = vm.finish(LIMIT);
+    guard.defuse();
+    for (path, answer) in &bodies {
+        assert!(answer.starts_with("HTTP/1.1 200"), "{path}: {answer:?}");
+        let body = answer.split("\r\n\r\n").nth(1).unwrap_or("");
+        assert!(body.contains(path), "{path}: {answer:?}");
+    }
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(run.result("http-serve")["served"], 2);
+}
+
+#[test]
+fn a_tcp_stream_from_the_guest_arrives_whole() {
+    let ns = Netns::new("tcp");
+    let sink = ns.spawn(|| {
+        let l = TcpListener::bind("0.0.0.0:9000").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let t0 = Instant::now();
+        let mut s = loop {
+            match l.accept() {
+                Ok((s, _)) => break s,
+                Err(_) if t0.elapsed() < LIMIT => std::thread::sleep(Duration::from_millis(50)),
+                Err(e) => panic!("the guest never connected: {e}"),
+            }
+        };
+        s.set_nonblocking(false).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let (mut total, mut sum, mut buf) = (0u64, 0u64, vec![0u8; 65536]);
+        loop {
+            let n = s.read(&mut buf).expect("the stream ends with a close");
+            if n == 0 {
+                break;
+            }
+            sum = buf[..n].iter().fold(sum, |a, &b| a.wrapping_add(b as u64));
+            total += n as u64;
+        }
+        (total, sum)
+    });
+    let bytes = 1 << 20;
+    let vm = run_in(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes={bytes}"),
+        "kernel",
+        &[],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    let (total, _) = sink.join().unwrap();
+    assert_eq!(total, bytes, "bytes the sink read");
+    assert_eq!(run.result("tcp-send")["bytes"], bytes);
+}
+
+#[test]
+fn bad_net_flags_are_refused_naming_the_flag() {
+    for (spec, why) in [
+        ("tap=much-too-long-a-name", "1 to 15 bytes"),
+        ("ip=10.0.0.1", "give tap=NAME or fd=N"),
+        ("fd=250", "descriptor 250 is not open"),
+        ("tap=t,queue_size=3", "power of two"),
+    ] {
+        let run = run(&["run", "--kernel", "probe", "--net", spec]);
+        assert_ne!(run.code, Some(0), "{spec}");
+        assert!(
+            run.stderr.contains("--net") && run.stderr.contains(why),
+            "{spec}: {}",
+            run.stderr
+        );
+    }
+}
+
+#[test]
+fn a_tap_that_vanishes_mid_run_costs_packets_not_the_vmm() {
+    let ns = Netns::new("gone");
+    let answered = Arc::new(AtomicU64::new(0));
+    let echo = udp_echo(&ns, 7777, answered.clone());
+    let metrics = tempfile::NamedTempFile::new().unwrap();
+    let m = metrics.path().display().to_string();
+    let vm = run_in(
+        &ns,
+        // Rounds enough to outlast the TAP; the task's own time limit ends it.
+        &format!("udp-echo={HOST}:7777,n=1000000 probe.task_timeout=20"),
+        "kernel",
+        &["--metrics", &m],
+    );
+    let guard = KillOnPanic::new(&vm);
+    let t0 = Instant::now();
+    while answered.load(Ordering::Relaxed) < 20 {
+        assert!(t0.elapsed() < LIMIT, "the guest never reached the echo");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    common::netns::ip(&["-n", &ns.name, "link", "delete", "tap0"]);
+    let run = vm.finish(LIMIT);
+    guard.defuse();
+    echo.join().unwrap();
+    assert!(!run.stderr.contains("panicked"), "{}", run.explain());
+    // The guest's task runs out of time (status 7, a network task that could not finish)
+    // and the guest ends the VM: the VMM neither crashed (125, 126) nor hung.
+    assert_eq!(run.code, Some(7), "{}", run.explain());
+    let net = &metrics_in(metrics.path())["net"][0];
+    assert!(
+        net["tx_drops"].as_u64().unwrap() > 0,
+        "sends to a TAP that is gone are drops: {net}"
+    );
+}
