@@ -111,16 +111,13 @@ fn udp_echo_over_a_tap_on_the_user_exit_path() {
     udp_echo_runs("user");
 }
 
-#[test]
-fn the_guest_serves_http_to_a_client_on_the_host_side() {
-    let ns = Netns::new("http");
-    let vm = run_in(&ns, "http-serve=8080,n=2", "kernel", &[]);
-    let guard = KillOnPanic::new(&vm);
-    let client = ns.spawn(|| {
+/// GETs `paths` from the guest's HTTP server, from a thread in `ns`, once it listens.
+fn http_get_all(ns: &Netns, paths: &'static [&'static str]) -> Vec<(&'static str, String)> {
+    ns.spawn(move || {
         let addr: SocketAddr = format!("{GUEST}:8080").parse().unwrap();
         let t0 = Instant::now();
-        let mut bodies = Vec::new();
-        for path in ["/x", "/musubi/net"] {
+        let mut answers = Vec::new();
+        for &path in paths {
             let mut s = loop {
                 match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
                     Ok(s) => break s,
@@ -138,20 +135,41 @@ fn the_guest_serves_http_to_a_client_on_the_host_side() {
             .unwrap();
             let mut answer = String::new();
             s.read_to_string(&mut answer).unwrap();
-            bodies.push((path, answer));
+            answers.push((path, answer));
         }
-        bodies
-    });
-    let bodies = client.join().unwrap();
+        answers
+    })
+    .join()
+    .unwrap()
+}
+
+fn serves_http(tag: &str, extra: &[&str]) {
+    let ns = Netns::new(tag);
+    let paths: &[&str] = &["/x", "/musubi/net"];
+    let vm = run_in(&ns, "http-serve=8080,n=2", "kernel", extra);
+    let guard = KillOnPanic::new(&vm);
+    let answers = http_get_all(&ns, paths);
     let run = vm.finish(LIMIT);
     guard.defuse();
-    for (path, answer) in &bodies {
+    for (path, answer) in &answers {
         assert!(answer.starts_with("HTTP/1.1 200"), "{path}: {answer:?}");
         let body = answer.split("\r\n\r\n").nth(1).unwrap_or("");
         assert!(body.contains(path), "{path}: {answer:?}");
     }
     assert_eq!(run.code, Some(0), "{}", run.explain());
     assert_eq!(run.result("http-serve")["served"], 2);
+}
+
+#[test]
+fn the_guest_serves_http_to_a_client_on_the_host_side() {
+    serves_http("http", &[]);
+}
+
+/// The device lives on the node that holds the devices; the other node's accesses to it
+/// and its interrupts are forwarded.
+#[test]
+fn a_vm_over_two_nodes_serves_http_from_its_io_node() {
+    serves_http("http2", &["--nodes", "2", "--cpus", "2"]);
 }
 
 #[test]
