@@ -265,3 +265,76 @@ fn a_tap_that_vanishes_mid_run_costs_packets_not_the_vmm() {
         "sends to a TAP that is gone are drops: {net}"
     );
 }
+
+/// A VM with a network device snapshotted while it serves, ended, and restored: the TAP is
+/// made again by name with its address, the guest keeps the MAC it read (a made-up one is
+/// saved), and the served connection count goes on from where it was.
+#[test]
+fn a_snapshot_restores_the_network_device_with_its_mac() {
+    let ns = Netns::new("snap");
+    let dir = tempfile::tempdir().unwrap();
+    let (socket, serial) = (dir.path().join("api.sock"), dir.path().join("out"));
+    let snap = dir.path().join("snap");
+    let serial_arg = format!("file={}", serial.display());
+    let cmdline = format!("probe.ip={GUEST}/24 probe.tasks=http-serve=8080,n=2");
+    let vm = start_command(
+        ns.musubi(),
+        &[
+            "run",
+            "--kernel",
+            "probe",
+            "--memory",
+            "128M",
+            "--cmdline",
+            &cmdline,
+            "--net",
+            "tap=tap0,ip=10.0.0.1,mask=255.255.255.0",
+            "--api-socket",
+            socket.to_str().unwrap(),
+            "--serial",
+            &serial_arg,
+        ],
+        None,
+    );
+    let guard = KillOnPanic::new(&vm);
+    let before = http_get_all(&ns, &["/before"]);
+    assert!(before[0].1.contains("musubi probe: /before"), "{before:?}");
+    remote_json(&socket, &["snapshot", snap.to_str().unwrap()]);
+    remote_json(&socket, &["shutdown"]);
+    let first = vm.finish(LIMIT);
+    guard.defuse();
+    assert!(!first.stderr.contains("panicked"), "{}", first.explain());
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(snap.join("config.json")).unwrap()).unwrap();
+    let mac = saved["net"][0]["mac"]
+        .as_str()
+        .expect("the made-up MAC is saved")
+        .to_string();
+
+    let serial2 = dir.path().join("out2");
+    let serial2_arg = format!("file={}", serial2.display());
+    let restored = start_command(
+        ns.musubi(),
+        &[
+            "run",
+            "--restore",
+            snap.to_str().unwrap(),
+            "--serial",
+            &serial2_arg,
+        ],
+        None,
+    );
+    let guard = KillOnPanic::new(&restored);
+    let after = http_get_all(&ns, &["/after"]);
+    let run = restored.finish(LIMIT);
+    guard.defuse();
+    assert!(after[0].1.contains("musubi probe: /after"), "{after:?}");
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    let text = read_text(&serial2);
+    let r = result_in(&text, "http-serve");
+    assert_eq!(
+        r["served"], 2,
+        "one request before the snapshot, one after: {r}"
+    );
+    assert_eq!(r["mac"], mac.as_str(), "the guest's MAC is the saved one");
+}

@@ -438,10 +438,13 @@ impl Vmm {
         // Last: KVM_CREATE_PIT2 runs under the VM's lock, which KVM_CREATE_VCPU takes too,
         // so made earlier it held up the vCPUs being created on their threads.
         kvm.create_pit()?;
-        let saved_config = crate::snapshot::SavedConfig::new(
+        let mut saved_config = crate::snapshot::SavedConfig::new(
             config,
             &pmem.regions.iter().map(|r| r.size).collect::<Vec<_>>(),
         );
+        for (n, mac) in saved_config.net.iter_mut().zip(&devices.net_macs) {
+            n.mac = Some(crate::config::net::MacAddr(*mac));
+        }
 
         let bus: Arc<dyn DeviceBus> = devices.bus.clone();
         let mut vm = Vm {

@@ -142,6 +142,9 @@ pub struct Devices {
     pub device_events: Vec<DeviceEvent>,
     /// The network devices, in `--net` order.
     pub nets: Vec<Arc<Mutex<MmioTransport>>>,
+    /// Each network device's MAC, made up ones included: a snapshot keeps them, since the
+    /// guest goes on using the MAC it read.
+    pub net_macs: Vec<[u8; 6]>,
 }
 
 impl Devices {
@@ -347,9 +350,10 @@ pub fn create_devices(
         transports.push(w.add_virtio(&format!("virtio-blk{i}"), Box::new(block))?);
     }
     let mut all = transports.clone();
-    let mut nets = Vec::new();
+    let (mut nets, mut net_macs) = (Vec::new(), Vec::new());
     for (i, n) in config.net.iter().enumerate() {
         let device = crate::net::open(n)?;
+        net_macs.push(device.mac());
         nets.push(w.add_virtio(&format!("virtio-net{i}"), Box::new(device))?);
     }
     all.extend(nets.iter().cloned());
@@ -381,5 +385,6 @@ pub fn create_devices(
         notifiers: w.notifiers,
         device_events: w.device_events,
         nets,
+        net_macs,
     })
 }

@@ -71,7 +71,7 @@ impl<'de> Deserialize<'de> for MacAddr {
 
 /// A token-bucket limit per direction: at most `bytes` bytes and `packets` packets a
 /// second, each bucket a second deep (Firecracker's bucket with a refill time of 1000 ms).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RateLimit {
     pub bytes_per_s: Option<u64>,
     pub packets_per_s: Option<u64>,
@@ -108,6 +108,25 @@ impl FromStr for RateLimit {
             bytes_per_s,
             packets_per_s,
         })
+    }
+}
+
+/// The flag's own form, so a saved configuration (a snapshot's) reads back.
+impl fmt::Display for RateLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(b) = self.bytes_per_s {
+            write!(f, "{b}")?;
+        }
+        if let Some(p) = self.packets_per_s {
+            write!(f, "/{p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Serialize for RateLimit {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 
@@ -295,6 +314,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("\"nope\""), "{e}");
+        // What a snapshot writes reads back the same.
+        let full: NetConfig = "tap=t,ip=10.0.0.1,mac=52:54:00:00:00:02,rate=1M/20"
+            .parse()
+            .unwrap();
+        let back: NetConfig = serde_json::from_str(&serde_json::to_string(&full).unwrap()).unwrap();
+        assert_eq!(back, full);
+        let only_packets: NetConfig = "tap=t,rate=/20".parse().unwrap();
+        let text = serde_json::to_string(&only_packets).unwrap();
+        assert!(text.contains("\"rate\":\"/20\""), "{text}");
         let n: NetConfig = serde_json::from_str(r#"{"ip": "10.0.0.1"}"#).unwrap();
         assert!(n.check().unwrap_err().contains("tap=NAME or fd=N"));
     }
