@@ -109,6 +109,16 @@ pub struct ControlFlags {
         requires = "receive_migration"
     )]
     pub foreign_storage: Vec<String>,
+    /// A TAP another partition owns, as PARTITION:NAME (repeatable): an arriving VM whose
+    /// `--net tap=` names one is refused. Set by a partition's supervisor, as
+    /// `--foreign-storage` is.
+    #[arg(
+        long,
+        value_name = "PARTITION:NAME",
+        hide = true,
+        requires = "receive_migration"
+    )]
+    pub foreign_tap: Vec<String>,
 }
 
 /// `--restore-memory`.

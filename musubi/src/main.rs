@@ -95,8 +95,9 @@ struct RunCmd {
     vm: cli::VmArgs,
     #[command(flatten)]
     run: cli::RunFlags,
+    // Boxed: the control flags would make this variant several times the size of the others.
     #[command(flatten)]
-    control: cli::ControlFlags,
+    control: Box<cli::ControlFlags>,
     /// Spread the VM over N node processes on this host, linked over loopback TCP (or
     /// their own network with --netns): the
     /// vCPUs are dealt round-robin, guest RAM is kept coherent page by page, node 0

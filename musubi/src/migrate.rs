@@ -33,6 +33,8 @@ struct VmHost<'a> {
     given: cli::GivenDevices,
     /// Storage files other partitions own (partition, path): an arriving VM may use none.
     foreign: Vec<(String, PathBuf)>,
+    /// TAPs other partitions own (partition, name): an arriving VM may name none.
+    foreign_taps: Vec<(String, String)>,
     opts: vmm::RunOptions,
     from: &'a str,
     config: Option<vmm::config::VmConfig>,
@@ -64,6 +66,14 @@ impl Host for VmHost<'_> {
                     "{flag} {}: belongs to partition {owner}, not to this one; a disk belongs \
                      to one partition",
                     path.display()
+                ));
+            }
+        }
+        for tap in saved.net.iter().filter_map(|n| n.tap.as_deref()) {
+            if let Some((owner, _)) = self.foreign_taps.iter().find(|(_, t)| t == tap) {
+                return Err(format!(
+                    "--net tap={tap}: belongs to partition {owner}, not to this one; a TAP \
+                     belongs to one partition"
                 ));
             }
         }
@@ -117,12 +127,19 @@ impl Host for VmHost<'_> {
     }
 }
 
+/// What other partitions own, as their supervisor tells a VM that waits for a migration
+/// (`--foreign-storage PARTITION:PATH`, `--foreign-tap PARTITION:NAME`).
+pub struct Foreign<'a> {
+    pub storage: &'a [String],
+    pub taps: &'a [String],
+}
+
 /// `run --receive-migration URL`: waits for one VM and builds it. A signal (SIGTERM,
 /// SIGINT, SIGHUP) ends the wait with status 128+N.
 pub fn receive(
     url: &str,
     secret_file: &Path,
-    foreign: &[String],
+    foreign: Foreign<'_>,
     vm: &cli::VmArgs,
     opts: vmm::RunOptions,
     signals: &mut Signals,
@@ -138,18 +155,23 @@ pub fn receive(
         .map(|a| a.to_string())
         .unwrap_or_else(|_| addr.to_string());
     eprintln!("musubi: waiting for a migration on tcp:{bound}");
-    let foreign = foreign
-        .iter()
-        .map(|f| match f.split_once(':') {
-            Some((owner, path)) => Ok((owner.to_string(), PathBuf::from(path))),
-            None => Err(fail(format!(
-                "--foreign-storage {f:?}: expected PARTITION:PATH"
-            ))),
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let owned = |flag: &str, syntax: &str, list: &[String]| {
+        list.iter()
+            .map(|f| match f.split_once(':') {
+                Some((owner, what)) => Ok((owner.to_string(), what.to_string())),
+                None => Err(fail(format!("{flag} {f:?}: expected {syntax}"))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+    };
+    let foreign_files = owned("--foreign-storage", "PARTITION:PATH", foreign.storage)?;
+    let foreign_taps = owned("--foreign-tap", "PARTITION:NAME", foreign.taps)?;
     let mut host = VmHost {
         given,
-        foreign,
+        foreign: foreign_files
+            .into_iter()
+            .map(|(owner, path)| (owner, PathBuf::from(path)))
+            .collect(),
+        foreign_taps,
         opts,
         from: url,
         config: None,

@@ -43,7 +43,10 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
     // `--receive-migration`: the VM comes from another musubi, built here and not started.
     let mut received = match (&control.receive_migration, &control.secret_file) {
         (Some(url), Some(secret)) => {
-            let foreign = &control.foreign_storage;
+            let foreign = migrate::Foreign {
+                storage: &control.foreign_storage,
+                taps: &control.foreign_tap,
+            };
             match migrate::receive(url, secret, foreign, vm, opts.clone(), &mut signals) {
                 Ok(r) => Some(r),
                 Err(e) => {

@@ -8,6 +8,7 @@
 mod common;
 use common::*;
 use serde_json::Value;
+use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -419,20 +420,31 @@ fn listening_in(pid: u32, addr: std::net::Ipv4Addr, port: u16) -> bool {
     listening_at(&format!("/proc/{pid}/net/tcp"), addr, port)
 }
 
-#[test]
-fn fib_migrates_between_two_network_namespaces_over_a_veth_link() {
-    let dir = tempfile::tempdir().unwrap();
-    let nets = NetnsPair::new("m");
-    let key = secret(dir.path(), "secret", 13);
-    let port = 4470;
-    let addr: std::net::Ipv4Addr = NetnsPair::ADDRS[1].parse().unwrap();
-    let url = format!("tcp:{addr}:{port}");
+/// A source VM in namespace 0 and a destination waiting for it in namespace 1 (listening
+/// on the veth address there), the source once its console shows `hello`.
+struct NetnsMove {
+    dir: tempfile::TempDir,
+    nets: NetnsPair,
+    key: PathBuf,
+    url: String,
+    dest: Started,
+    dest_serial: PathBuf,
+    src: Source,
+}
 
-    let dest_serial = dir.path().join("dest.out");
-    let serial_arg = format!("file={}", dest_serial.display());
-    let mut dest = start_command(
-        nets.musubi(1),
-        &[
+impl NetnsMove {
+    /// `tag` names the namespaces, so tests running side by side do not meet.
+    fn start(tag: &str, tasks: &str, src_flags: &[&str], dest_flags: &[&str]) -> NetnsMove {
+        let dir = tempfile::tempdir().unwrap();
+        let nets = NetnsPair::new(tag);
+        let key = secret(dir.path(), "secret", 13);
+        let port = 4470;
+        let addr: std::net::Ipv4Addr = NetnsPair::ADDRS[1].parse().unwrap();
+        let url = format!("tcp:{addr}:{port}");
+
+        let dest_serial = dir.path().join("dest.out");
+        let serial_arg = format!("file={}", dest_serial.display());
+        let mut dest_args = vec![
             "run",
             "--receive-migration",
             &url,
@@ -442,29 +454,27 @@ fn fib_migrates_between_two_network_namespaces_over_a_veth_link() {
             &serial_arg,
             "--timeout",
             "120",
-        ],
-        None,
-    );
-    let dest_guard = KillOnPanic::new(&dest);
-    let start = Instant::now();
-    while !listening_in(dest.child.id(), addr, port) {
-        if let Some(s) = dest.child.try_wait().unwrap() {
-            panic!("the destination ended ({s}) before it listened on {url}");
+        ];
+        dest_args.extend_from_slice(dest_flags);
+        let mut dest = start_command(nets.musubi(1), &dest_args, None);
+        let dest_guard = KillOnPanic::new(&dest);
+        let start = Instant::now();
+        while !listening_in(dest.child.id(), addr, port) {
+            if let Some(s) = dest.child.try_wait().unwrap() {
+                panic!("the destination ended ({s}) before it listened on {url}");
+            }
+            assert!(
+                start.elapsed() < LIMIT,
+                "nothing listens on {url} after {LIMIT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
-        assert!(
-            start.elapsed() < LIMIT,
-            "nothing listens on {url} after {LIMIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 
-    let socket = dir.path().join("src.sock");
-    let serial = dir.path().join("src.out");
-    let report = dir.path().join("src.json");
-    let src_serial_arg = format!("file={}", serial.display());
-    let args = probe_args(
-        &format!("hello,fib={FIB_N}"),
-        &[
+        let socket = dir.path().join("src.sock");
+        let serial = dir.path().join("src.out");
+        let report = dir.path().join("src.json");
+        let src_serial_arg = format!("file={}", serial.display());
+        let mut flags = vec![
             "--memory",
             MEMORY,
             "--api-socket",
@@ -473,45 +483,141 @@ fn fib_migrates_between_two_network_namespaces_over_a_veth_link() {
             &src_serial_arg,
             "--report",
             report.to_str().unwrap(),
-        ],
-    );
-    let mut vm = start_command(
-        nets.musubi(0),
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        None,
-    );
-    let src_guard = KillOnPanic::new(&vm);
-    wait_for_text(&mut vm, &serial, HELLO, LIMIT);
-    let src = Source {
-        vm,
-        socket,
-        serial,
-        report,
-    };
+        ];
+        flags.extend_from_slice(src_flags);
+        let args = probe_args(tasks, &flags);
+        let mut vm = start_command(
+            nets.musubi(0),
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+            None,
+        );
+        let src_guard = KillOnPanic::new(&vm);
+        wait_for_text(&mut vm, &serial, HELLO, LIMIT);
+        src_guard.defuse();
+        dest_guard.defuse();
+        NetnsMove {
+            dir,
+            nets,
+            key,
+            url,
+            dest,
+            dest_serial,
+            src: Source {
+                vm,
+                socket,
+                serial,
+                report,
+            },
+        }
+    }
 
-    let r = remote(
-        &src.socket,
-        &[
-            "send-migration",
-            &url,
-            "--secret-file",
-            key.to_str().unwrap(),
-        ],
-    );
+    fn send(&self) -> Run {
+        remote(
+            &self.src.socket,
+            &[
+                "send-migration",
+                &self.url,
+                "--secret-file",
+                self.key.to_str().unwrap(),
+            ],
+        )
+    }
+
+    /// The source ended as one that moved away, mid-task, to this destination.
+    fn assert_source_moved(self) -> (Started, PathBuf, NetnsPair, tempfile::TempDir) {
+        let run = self.src.vm.finish(LIMIT);
+        let console = read_text(&self.src.serial);
+        assert_eq!(run.code, Some(0), "source: {}\n{console}", run.explain());
+        let report: Value = serde_json::from_str(&read_text(&self.src.report)).unwrap();
+        assert_eq!(report["outcome"]["kind"], "migrated", "{report}");
+        assert_eq!(report["outcome"]["to"], self.url, "{report}");
+        assert!(
+            !console.contains(DONE),
+            "the source ran its tasks to the end, so the move was not mid-task:\n{console}"
+        );
+        (self.dest, self.dest_serial, self.nets, self.dir)
+    }
+}
+
+#[test]
+fn fib_migrates_between_two_network_namespaces_over_a_veth_link() {
+    let m = NetnsMove::start("m", &format!("hello,fib={FIB_N}"), &[], &[]);
+    let r = m.send();
     assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
-    src_guard.defuse();
-    let run = src.vm.finish(LIMIT);
-    let console = read_text(&src.serial);
-    assert_eq!(run.code, Some(0), "source: {}\n{console}", run.explain());
-    let report: Value = serde_json::from_str(&read_text(&src.report)).unwrap();
-    assert_eq!(report["outcome"]["kind"], "migrated", "{report}");
-    assert_eq!(report["outcome"]["to"], url, "{report}");
-    assert!(
-        !console.contains(DONE),
-        "the source ran its tasks to the end, so the move was not mid-task:\n{console}"
-    );
-    dest_guard.defuse();
+    let (dest, dest_serial, nets, _dir) = m.assert_source_moved();
     let text = finished_destination(dest, &dest_serial);
     assert_fib(&text);
     drop(nets);
+}
+
+/// The guest's TAP, made at the source in namespace 0, is made again by name at the
+/// destination in namespace 1, and the guest goes on serving there with the MAC it had.
+#[test]
+fn a_vm_serving_http_migrates_with_its_network_device() {
+    let tap = "tap=tap0,ip=10.0.0.1,mask=255.255.255.0";
+    let tasks = "hello,http-serve=8080,n=2 probe.ip=10.0.0.2/24";
+    let m = NetnsMove::start("mnet", tasks, &["--net", tap], &[]);
+    let get = |k: usize, path: &'static str| {
+        m.nets.nets[k]
+            .spawn(move || {
+                let addr: std::net::SocketAddr = "10.0.0.2:8080".parse().unwrap();
+                let t0 = Instant::now();
+                let mut s = loop {
+                    match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                        Ok(s) => break s,
+                        Err(e) => {
+                            assert!(t0.elapsed() < LIMIT, "the guest never answered: {e}");
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                };
+                s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+                write!(s, "GET {path} HTTP/1.1\r\nHost: g\r\n\r\n").unwrap();
+                let mut answer = String::new();
+                s.read_to_string(&mut answer).unwrap();
+                answer
+            })
+            .join()
+            .unwrap()
+    };
+    let before = get(0, "/at-the-source");
+    assert!(
+        before.contains("musubi probe: /at-the-source"),
+        "{before:?}"
+    );
+    let r = m.send();
+    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
+    let after = get(1, "/at-the-destination");
+    assert!(
+        after.contains("musubi probe: /at-the-destination"),
+        "{after:?}"
+    );
+    let (dest, dest_serial, nets, _dir) = m.assert_source_moved();
+    let text = finished_destination(dest, &dest_serial);
+    assert_eq!(result_in(&text, "http-serve")["served"], 2, "{text}");
+    drop(nets);
+}
+
+/// A destination told that another partition owns a TAP (as a partition's supervisor
+/// tells it) refuses a VM that names it, before the switch: the VM runs on at the source.
+#[test]
+fn a_migrating_vm_whose_tap_belongs_to_another_partition_is_refused_on_arrival() {
+    let tap = "tap=tap0,ip=10.0.0.1,mask=255.255.255.0";
+    let m = NetnsMove::start(
+        "mtap",
+        &format!("hello,fib={FIB_N}"),
+        &["--net", tap],
+        &["--foreign-tap", "a:tap0"],
+    );
+    let r = m.send();
+    assert_eq!(r.code, Some(1), "send-migration: {}", r.explain());
+    assert!(
+        r.stderr.contains("tap=tap0: belongs to partition a"),
+        "{}",
+        r.explain()
+    );
+    let NetnsMove { src, mut dest, .. } = m;
+    assert_finished_at_source(src);
+    let _ = dest.child.kill();
+    let _ = dest.child.wait();
 }

@@ -465,13 +465,16 @@ impl Manager {
         let sock = self.live_socket(&rec)?;
         let mut args = args.to_vec();
         if args.iter().any(|a| a == "--receive-migration") {
-            // The VM's disks are known only when it arrives: it is told which files other
-            // partitions own and refuses a VM that uses one. Its TAPs are not judged: `run`
-            // has no flag to be told other partitions' TAPs.
+            // The VM's disks and TAPs are known only when it arrives: it is told which
+            // files and TAPs other partitions own and refuses a VM that uses one.
             for p in others.iter().filter(|p| p.name != rec.name) {
                 for d in &p.disks {
                     args.push("--foreign-storage".into());
                     args.push(format!("{}:{}", p.name, d.display()));
+                }
+                for t in &p.taps {
+                    args.push("--foreign-tap".into());
+                    args.push(format!("{}:{t}", p.name));
                 }
             }
         }
