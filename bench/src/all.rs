@@ -81,7 +81,7 @@ fn run_one(exe: &Path, name: &'static str, args: &BenchArgs) -> Outcome {
     if args.quick {
         cmd.arg("--quick");
     }
-    if matches!(name, "boot" | "vmms" | "snapshot" | "migrate") {
+    if matches!(name, "boot" | "vmms" | "snapshot" | "migrate" | "net") {
         if let Some(c) = &args.compare {
             cmd.args(["--compare", c]);
         }

@@ -15,6 +15,7 @@ mod guest_run;
 mod kvm_trace;
 mod migrate;
 mod mint;
+mod net;
 mod peers;
 pub mod plot;
 mod probe;
@@ -54,8 +55,10 @@ pub struct BenchArgs {
     /// Experiment to run: boot, composite, seq, dsm-table, mint, vmms, vmp, snapshot (save and
     /// restore a VM mid-task: snapshot time, restore to first KVM_RUN and to the task's end,
     /// 128 MiB to 4 GiB), migrate (post-copy live migration: downtime, total time, pages,
-    /// the guest's slowdown, 256 MiB to 4 GiB), or all (every one, and a page `index.html` in --out that shows them
-    /// together).
+    /// the guest's slowdown, 256 MiB to 4 GiB), net (virtio-net over a TAP in a network
+    /// namespace of its own: UDP request/response rate and latency, TCP stream throughput,
+    /// exits and interrupts per packet; needs root), or all (every one, and a page
+    /// `index.html` in --out that shows them together).
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -65,8 +68,9 @@ pub struct BenchArgs {
     pub out: PathBuf,
     /// Also run the same guest under other hypervisors in the same run, a comma-separated
     /// list of qemu, firecracker, cloud-hypervisor (boot takes all three, vmms qemu, snapshot
-    /// firecracker and cloud-hypervisor, migrate cloud-hypervisor; without
-    /// it both compare with QEMU whenever it is installed). A listed peer that is missing
+    /// firecracker and cloud-hypervisor, migrate cloud-hypervisor, net qemu and firecracker;
+    /// without it boot and vmms compare with QEMU whenever it is installed, net with QEMU and
+    /// Firecracker whenever they are). A listed peer that is missing
     /// or fails is reported unavailable; Musubi's own figures are written whatever it does.
     #[arg(long, value_name = "LIST")]
     pub compare: Option<String>,
@@ -97,6 +101,7 @@ const EXPERIMENTS: &[&str] = &[
     "vmp",
     "snapshot",
     "migrate",
+    "net",
 ];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
@@ -111,6 +116,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "vmp" => Harness::new(args).and_then(|h| vmp::run(&h, args)),
         "snapshot" => Harness::new(args).and_then(|h| snapshot::run(&h, args)),
         "migrate" => Harness::new(args).and_then(|h| migrate::run(&h, args)),
+        "net" => Harness::new(args).and_then(|h| net::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}, all",

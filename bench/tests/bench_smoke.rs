@@ -14,7 +14,7 @@ use std::time::Duration;
 /// Every experiment's quick limit together, with room for a loaded CI machine.
 const ALL_LIMIT: Duration = Duration::from_secs(1800);
 
-const EXPERIMENTS: [&str; 9] = [
+const EXPERIMENTS: [&str; 10] = [
     "boot",
     "composite",
     "seq",
@@ -24,6 +24,7 @@ const EXPERIMENTS: [&str; 9] = [
     "vmp",
     "snapshot",
     "migrate",
+    "net",
 ];
 
 /// The one `musubi bench all --quick` run, made by whichever test asks first. A run that
@@ -103,6 +104,7 @@ fn bench_all_writes_a_page_with_every_experiment_and_its_charts() {
         "vmp",
         "snapshot",
         "migrate",
+        "net",
     ] {
         assert!(
             images.contains(&format!("{e}.svg").as_str()),
@@ -658,5 +660,70 @@ fn bench_migrate_quick_moves_musubi_idle_and_writing_at_both_sizes() {
             && (r.stdout.contains("MET") || r.stdout.contains("MISSED")),
         "{}",
         r.explain()
+    );
+}
+
+/// `musubi bench net --quick` on its own (it runs as root, as CI does): both of Musubi's exit
+/// paths complete every UDP round and the TCP stream, the kernel path with no doorbell exit
+/// per packet, and the chart is written; the namespace it made is gone afterwards.
+#[test]
+fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    );
+    let out = tempfile::tempdir().unwrap();
+    let args = ["net", "--quick", "--out", out.path().to_str().unwrap()];
+    let r = run_with_limit(&args, Duration::from_secs(600));
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    let t = CsvFile::read(&out.path().join("net.csv"));
+    let c = |name: &str| t.col(name);
+    let (hv, rounds, unavailable) = (c("hypervisor"), c("udp_rounds"), c("unavailable"));
+    let (tcp, sink) = (c("tcp_bytes"), c("tcp_sink_bytes"));
+    for path in ["musubi-kernel", "musubi-user"] {
+        let rows: Vec<_> = t.rows.iter().filter(|row| row[hv] == path).collect();
+        assert_eq!(rows.len(), 1, "{path}\n{}", t.text);
+        let row = rows[0];
+        assert!(row[unavailable].is_empty(), "{row:?}");
+        assert_eq!(row[rounds], "200", "{row:?}");
+        assert_eq!(row[tcp], (1 << 20).to_string(), "{row:?}");
+        assert_eq!(row[sink], row[tcp], "{row:?}");
+        for col in [
+            "udp_kicks_per_packet",
+            "udp_exits_per_packet",
+            "tcp_exits_per_packet",
+        ] {
+            let v: f64 = row[c(col)]
+                .parse()
+                .unwrap_or_else(|_| panic!("no {col} in {row:?}"));
+            assert!(v > 0.0, "{col} in {row:?}");
+        }
+        let doorbells = |col: &str| -> f64 { row[c(col)].parse().expect(col) };
+        if path == "musubi-kernel" {
+            assert_eq!(doorbells("udp_doorbell_exits_per_packet"), 0.0, "{row:?}");
+            assert_eq!(doorbells("tcp_doorbell_exits_per_packet"), 0.0, "{row:?}");
+        } else {
+            assert!(doorbells("udp_doorbell_exits_per_packet") > 0.0, "{row:?}");
+        }
+    }
+    let svg = std::fs::read_to_string(out.path().join("net.svg")).expect("net.svg");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("musubi-kernel") && svg.contains("musubi-user"),
+        "{svg}"
+    );
+    assert!(
+        r.stdout.contains("doorbell exits per packet")
+            && (r.stdout.contains("MET") || r.stdout.contains("MISSED")),
+        "{}",
+        r.explain()
+    );
+    let netns = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
+    assert!(
+        !String::from_utf8_lossy(&netns.stdout).contains("musubi-bench-"),
+        "a benchmark namespace was left behind: {}",
+        String::from_utf8_lossy(&netns.stdout)
     );
 }

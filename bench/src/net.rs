@@ -1,0 +1,929 @@
+//! `musubi bench net`: virtio-net over a TAP, Musubi on both exit paths beside Firecracker
+//! and QEMU (no vhost), on the same probe guest: UDP request/response rate and latency, TCP
+//! stream throughput, and what each packet costs in doorbells, interrupts and exits.
+//!
+//! All traffic stays in a network namespace made for the run ([`Netns`]): a persistent TAP
+//! `tap0` (10.0.0.1/24) that every VMM opens in turn, and the host's ends (a UDP echo, a TCP
+//! sink) on threads of this program that entered it. Each run boots the guest twice, once
+//! per task, so the VMM's counters of a run belong to one kind of load.
+
+use super::peers::{self, Kind, Micro};
+use super::qemu::{self, measured_per_config, Outcome, Peer, Qemu, Standing};
+use super::report::{cell, figures_table, Csv, Figure, Table};
+use super::stats::{max, ratio, Summary};
+use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
+use super::{plot, BenchArgs, Harness};
+use serde_json::Value;
+use std::fs::File;
+use std::io::Read;
+use std::net::{TcpListener, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+const HOST: &str = "10.0.0.1";
+const GUEST: &str = "10.0.0.2/24";
+const UDP_PORT: u16 = 7777;
+const TCP_PORT: u16 = 9000;
+const TAP: &str = "tap0";
+/// Firecracker wants the guest's MAC; the others pick their own.
+const GUEST_MAC: &str = "06:00:0a:00:00:02";
+const MEMORY_MIB: u64 = 128;
+/// One boot with its task, on a loaded two-core machine; a hung VM fails its run here.
+const RUN_TIMEOUT: Duration = Duration::from_secs(120);
+/// Lines of a VMM's output quoted when a run fails: enough to reach back past a peer's
+/// shutdown lines to what it logged about the device.
+const LINES: usize = 10;
+
+/// The issue's goals, each against the better of Firecracker and QEMU in the same run.
+const GOAL_RATE: f64 = 1.2;
+const GOAL_STREAM: f64 = 1.0;
+const GOAL_P50: f64 = 1.0;
+const GOAL_SOURCE: &str = "Musubi goal, same run";
+
+/// How much each run moves.
+#[derive(Clone, Copy, Debug)]
+struct Load {
+    udp_rounds: u64,
+    tcp_bytes: u64,
+}
+
+/// Some seconds a run on this machine (100000 rounds at 7000 to 35000 a second, 512 MiB at
+/// about a Gbit/s), long enough that the boot is a small part of the VMM's counts and the
+/// host's drifts average out, short enough that 5 runs of 4 VMMs take a few minutes.
+const FULL: Load = Load {
+    udp_rounds: 100_000,
+    tcp_bytes: 512 << 20,
+};
+const QUICK: Load = Load {
+    udp_rounds: 200,
+    tcp_bytes: 1 << 20,
+};
+/// The discarded first run of each VMM: ARP, page cache and the peer's availability.
+const WARM_UP: Load = Load {
+    udp_rounds: 50,
+    tcp_bytes: 256 << 10,
+};
+
+#[derive(Clone, Debug)]
+enum Vmm {
+    Musubi {
+        exe: PathBuf,
+        elf: PathBuf,
+        exits: &'static str,
+    },
+    Firecracker {
+        micro: Micro,
+        elf: PathBuf,
+    },
+    Qemu(Qemu),
+}
+
+impl Vmm {
+    fn name(&self) -> String {
+        match self {
+            Vmm::Musubi { exits, .. } => format!("musubi-{exits}"),
+            Vmm::Firecracker { .. } => "firecracker".into(),
+            Vmm::Qemu(_) => "qemu".into(),
+        }
+    }
+
+    fn is_peer(&self) -> bool {
+        !matches!(self, Vmm::Musubi { .. })
+    }
+
+    /// The VMM booting the probe guest with `cmdline` on `tap0`, its console on stdout, its
+    /// files in `dir` (Musubi's counters in `metrics.json`). Not yet inside the namespace.
+    fn command(&self, cmdline: &str, dir: &Path) -> Result<Command, String> {
+        Ok(match self {
+            Vmm::Musubi { exe, elf, exits } => {
+                let mut cmd = Command::new(exe);
+                cmd.args(["run", "--kernel"])
+                    .arg(elf)
+                    .args(["--cmdline", cmdline])
+                    .args(["--memory", &format!("{MEMORY_MIB}M")])
+                    .args(["--exits", exits, "--net", &format!("tap={TAP}")])
+                    .arg("--metrics")
+                    .arg(dir.join("metrics.json"));
+                cmd
+            }
+            Vmm::Firecracker { micro, elf } => {
+                // Micro writes a configuration without a network; this one adds tap0.
+                let config = dir.join("firecracker.json");
+                let json = serde_json::json!({
+                    "boot-source": {"kernel_image_path": elf, "boot_args": cmdline},
+                    "drives": [],
+                    "machine-config": {"vcpu_count": 1, "mem_size_mib": MEMORY_MIB},
+                    "network-interfaces": [
+                        {"iface_id": "eth0", "host_dev_name": TAP, "guest_mac": GUEST_MAC}
+                    ],
+                });
+                std::fs::write(&config, json.to_string())
+                    .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+                let mut cmd = Command::new(&micro.exe);
+                cmd.arg("--no-api").arg("--config-file").arg(config);
+                cmd
+            }
+            Vmm::Qemu(q) => {
+                let mut cmd = q.command(MEMORY_MIB, cmdline);
+                let netdev = format!("tap,id=n0,ifname={TAP},script=no,downscript=no,vhost=off");
+                cmd.args(["-global", "virtio-mmio.force-legacy=false", "-no-reboot"])
+                    .args(["-netdev", &netdev, "-device", "virtio-net-device,netdev=n0"]);
+                cmd
+            }
+        })
+    }
+}
+
+/// The VMM's own counts over one boot (Musubi's `--metrics`).
+#[derive(Clone, Copy, Debug)]
+struct VmmCounts {
+    exits: f64,
+    doorbell_exits: f64,
+    packets: f64,
+}
+
+/// The guest driver's counts over one task.
+#[derive(Clone, Copy, Debug)]
+struct GuestCounts {
+    packets: f64,
+    kicks: f64,
+    interrupts: f64,
+}
+
+impl GuestCounts {
+    fn of(r: &Value) -> Result<GuestCounts, String> {
+        let n = |k: &str| r[k].as_f64().ok_or_else(|| format!("no {k} in {r}"));
+        Ok(GuestCounts {
+            packets: n("tx_packets")? + n("rx_packets")?,
+            kicks: n("kicks")?,
+            interrupts: n("interrupts")?,
+        })
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Sample {
+    rounds: u64,
+    lost: u64,
+    rate_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    udp_guest: GuestCounts,
+    udp_vmm: Option<VmmCounts>,
+    tcp_bytes: u64,
+    sink_bytes: u64,
+    mbit_per_s: f64,
+    tcp_guest: GuestCounts,
+    tcp_vmm: Option<VmmCounts>,
+}
+
+pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
+    if !Path::new("/dev/kvm").exists() {
+        return Err("/dev/kvm does not exist: this benchmark runs VMs and needs KVM".into());
+    }
+    let listed = peers::parse_compare(args.compare.as_deref())?;
+    let ns = Netns::new()?;
+    let load = if h.quick { QUICK } else { FULL };
+    let reps = if h.quick { 1 } else { 5 };
+    let exe = crate::probe::musubi()?;
+    let elf = crate::probe::materialize()?;
+    println!(
+        "net: probe guest, 1 vCPU, {MEMORY_MIB} MiB, virtio-net on the persistent TAP {TAP} ({HOST}/24) \
+         in the network namespace {}",
+        ns.name
+    );
+    println!(
+        "  udp-echo n={} (64-byte request/response) and tcp-send bytes={} MiB, one boot each;",
+        load.udp_rounds,
+        load.tcp_bytes >> 20
+    );
+    println!("  {reps} run(s) per hypervisor, interleaved, after one discarded warm-up run each");
+
+    let mut configs: Vec<Vmm> = ["kernel", "user"]
+        .into_iter()
+        .map(|exits| Vmm::Musubi {
+            exe: exe.clone(),
+            elf: elf.clone(),
+            exits,
+        })
+        .collect();
+    // Peers that never ran: name and why, one CSV row each.
+    let mut missing: Vec<(String, String)> = Vec::new();
+    let asked = |name: &str| args.compare.is_none() || listed.contains(&name);
+    if asked("firecracker") {
+        match Micro::find(Kind::Firecracker, &elf, &h.out) {
+            Ok(micro) => {
+                println!("firecracker: runs with its seccomp filters");
+                configs.push(Vmm::Firecracker {
+                    micro,
+                    elf: elf.clone(),
+                });
+            }
+            Err(why) if listed.contains(&"firecracker") => {
+                println!("firecracker: unavailable, Musubi runs alone: {why}");
+                missing.push(("firecracker".into(), why));
+            }
+            Err(why) => println!("firecracker: skipped, {why}"),
+        }
+    }
+    // The probe guest finds virtio-mmio devices on its command line, which QEMU writes
+    // only without ACPI.
+    match qemu::peer(args, &["microvm,acpi=off"])? {
+        Peer::Skipped(why) => println!("QEMU: skipped, {why}"),
+        Peer::Ready(q) => configs.push(Vmm::Qemu(q)),
+        Peer::Unavailable(why) => missing.push(("qemu".into(), why)),
+    }
+    if listed.contains(&"cloud-hypervisor") {
+        println!("cloud-hypervisor: not compared here (it has no virtio-mmio, which the probe guest's network driver needs)");
+    }
+
+    let mut standing: Vec<Standing> = configs.iter().map(|_| Standing::default()).collect();
+    for (c, st) in configs.iter().zip(standing.iter_mut()) {
+        let what = format!("{} warm-up run", c.name());
+        if c.is_peer() {
+            // Out for good: no runs, and one CSV row that says why.
+            if let Outcome::PeerFailed(_) = st.run(&what, || one_run(c, &ns, WARM_UP)) {
+                missing.push((c.name(), st.unavailable.clone().unwrap_or_default()));
+            }
+        } else {
+            one_run(c, &ns, WARM_UP).map_err(|e| format!("{what}: {e}"))?;
+        }
+    }
+    let runs = h.run_schedule(&configs, reps, Vmm::name, |rep, c| {
+        if !c.is_peer() {
+            return one_run(c, &ns, load).map(Outcome::Measured);
+        }
+        let i = configs.iter().position(|x| std::ptr::eq(x, c)).unwrap_or(0);
+        Ok(
+            standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
+                one_run(c, &ns, load)
+            }),
+        )
+    })?;
+
+    let mut csv = Csv::new(&[
+        "run",
+        "rep",
+        "hypervisor",
+        "udp_rounds",
+        "udp_lost",
+        "udp_rate_per_s",
+        "udp_p50_us",
+        "udp_p99_us",
+        "udp_kicks_per_packet",
+        "udp_interrupts_per_packet",
+        "udp_exits_per_packet",
+        "udp_doorbell_exits_per_packet",
+        "tcp_bytes",
+        "tcp_sink_bytes",
+        "tcp_mbit_per_s",
+        "tcp_kicks_per_packet",
+        "tcp_interrupts_per_packet",
+        "tcp_exits_per_packet",
+        "tcp_doorbell_exits_per_packet",
+        "unavailable",
+    ]);
+    let f3 = |x: Option<f64>| cell(x.map(|v| format!("{v:.3}")));
+    let blank = |n| std::iter::repeat_n(String::new(), n);
+    for (i, (rep, c, r)) in runs.iter().enumerate() {
+        let head = [
+            (i + 1).to_string(),
+            (rep + 1).to_string(),
+            configs[*c].name(),
+        ];
+        match r {
+            Outcome::Measured(s) => csv.row(head.into_iter().chain([
+                s.rounds.to_string(),
+                s.lost.to_string(),
+                format!("{:.0}", s.rate_per_s),
+                format!("{:.0}", s.p50_us),
+                format!("{:.0}", s.p99_us),
+                f3(ratio(s.udp_guest.kicks, s.udp_guest.packets)),
+                f3(ratio(s.udp_guest.interrupts, s.udp_guest.packets)),
+                f3(s.udp_vmm.and_then(|v| ratio(v.exits, v.packets))),
+                f3(s.udp_vmm.and_then(|v| ratio(v.doorbell_exits, v.packets))),
+                s.tcp_bytes.to_string(),
+                s.sink_bytes.to_string(),
+                format!("{:.1}", s.mbit_per_s),
+                f3(ratio(s.tcp_guest.kicks, s.tcp_guest.packets)),
+                f3(ratio(s.tcp_guest.interrupts, s.tcp_guest.packets)),
+                f3(s.tcp_vmm.and_then(|v| ratio(v.exits, v.packets))),
+                f3(s.tcp_vmm.and_then(|v| ratio(v.doorbell_exits, v.packets))),
+                String::new(),
+            ])),
+            Outcome::PeerFailed(why) => {
+                csv.row(head.into_iter().chain(blank(16)).chain([why.clone()]))
+            }
+            Outcome::NotMade => {}
+        }
+    }
+    for (name, why) in &missing {
+        let head = [String::new(), String::new(), name.clone()];
+        csv.row(head.into_iter().chain(blank(16)).chain([why.clone()]));
+    }
+    let csv_path = h.write_csv("net.csv", &csv)?;
+
+    let sums: Vec<Sums> = measured_per_config(&runs, configs.len())
+        .iter()
+        .map(|s| Sums::of(s))
+        .collect();
+    let med = |s: Option<Summary>, digits: usize| {
+        s.map(|s| format!("{:.*}", digits, s.median))
+            .unwrap_or_else(|| "n/a".into())
+    };
+    let mut t = Table::new(&[
+        "hypervisor",
+        ">UDP rounds/s",
+        ">p50 us",
+        ">p99 us",
+        ">TCP Mbit/s",
+        ">kicks/pkt (udp / tcp)",
+        ">irqs/pkt (udp / tcp)",
+        ">exits/pkt (udp / tcp)",
+        ">doorbell exits/pkt (udp / tcp)",
+    ]);
+    for (c, s) in configs.iter().zip(&sums) {
+        if s.n == 0 {
+            t.row([c.name(), "unavailable (below)".into()]);
+            continue;
+        }
+        let pair =
+            |a: Option<Summary>, b: Option<Summary>| format!("{} / {}", med(a, 2), med(b, 2));
+        t.row([
+            c.name(),
+            med(s.rate, 0),
+            med(s.p50, 0),
+            med(s.p99, 0),
+            med(s.mbit, 1),
+            pair(s.udp_kicks, s.tcp_kicks),
+            pair(s.udp_irqs, s.tcp_irqs),
+            pair(s.udp_exits, s.tcp_exits),
+            pair(s.udp_doorbells, s.tcp_doorbells),
+        ]);
+    }
+    println!();
+    print!("{}", t.render());
+    println!(
+        "medians over the runs. rounds/s, p50 and p99: the guest's udp-echo (answered rounds per"
+    );
+    println!("  second, round-trip percentiles); Mbit/s: the guest's tcp-send, its bytes checked against");
+    println!(
+        "  the host's sink. kicks and irqs per packet: the guest driver's doorbell writes and"
+    );
+    println!(
+        "  interrupts over its packets (every VMM); exits and doorbell exits (QueueNotify MMIO"
+    );
+    println!("  exits) per packet: Musubi's --metrics over the whole boot, boot included (n/a for");
+    println!("  the peers); it counts the exits that reach Musubi's user space, so a kick on the");
+    println!("  kernel path (an ioeventfd, served inside KVM) is a kick but not an exit here.");
+    for (c, st) in configs.iter().zip(&standing) {
+        st.print_as(&c.name());
+    }
+    for (name, why) in &missing {
+        if !configs.iter().any(|c| c.name() == *name) {
+            println!("{name}: unavailable, no comparison: {why}");
+        }
+    }
+    for (c, s) in configs.iter().zip(&sums).filter(|(_, s)| s.lost > 0) {
+        println!("{}: {} UDP replies lost over its runs", c.name(), s.lost);
+    }
+
+    let find = |name: &str| {
+        configs
+            .iter()
+            .zip(&sums)
+            .find(|(c, s)| c.name() == name && s.n > 0)
+            .map(|(_, s)| s)
+    };
+    let kernel = find("musubi-kernel");
+    let peer_sums: Vec<&Sums> = ["firecracker", "qemu"]
+        .iter()
+        .filter_map(|n| find(n))
+        .collect();
+    let better = |g: fn(&Sums) -> Option<Summary>, pick: fn(f64, f64) -> f64| {
+        peer_sums
+            .iter()
+            .filter_map(|s| g(s).map(|x| x.median))
+            .reduce(pick)
+    };
+    let vs = |g: fn(&Sums) -> Option<Summary>, pick: fn(f64, f64) -> f64| {
+        kernel
+            .and_then(g)
+            .zip(better(g, pick))
+            .and_then(|(m, p)| ratio(m.median, p))
+    };
+    let fig = |what: &str, v: Option<f64>, reference: String, met: &dyn Fn(f64) -> bool| Figure {
+        what: what.into(),
+        ours: v
+            .map(|x| format!("{x:.2}x"))
+            .unwrap_or_else(|| "not measured".into()),
+        reference,
+        source: GOAL_SOURCE.into(),
+        met: v.map(met),
+    };
+    let doorbells = kernel.and_then(|k| max(&[k.max_udp_doorbells?, k.max_tcp_doorbells?]));
+    let figs = vec![
+        fig(
+            "UDP rounds/s, musubi-kernel / better peer",
+            vs(|s| s.rate, f64::max),
+            format!(">= {GOAL_RATE:.2}x"),
+            &|x| x >= GOAL_RATE,
+        ),
+        fig(
+            "TCP Mbit/s, musubi-kernel / better peer",
+            vs(|s| s.mbit, f64::max),
+            format!(">= {GOAL_STREAM:.2}x"),
+            &|x| x >= GOAL_STREAM,
+        ),
+        fig(
+            "UDP p50 latency, musubi-kernel / better peer",
+            vs(|s| s.p50, f64::min),
+            format!("<= {GOAL_P50:.2}x"),
+            &|x| x <= GOAL_P50,
+        ),
+        Figure {
+            what: "doorbell exits per packet, musubi-kernel (max of runs)".into(),
+            ours: doorbells
+                .map(|d| format!("{d:.3}"))
+                .unwrap_or_else(|| "not measured".into()),
+            reference: "0".into(),
+            source: GOAL_SOURCE.into(),
+            met: doorbells.map(|d| d == 0.0),
+        },
+    ];
+    println!();
+    print!("{}", figures_table(&figs));
+    println!(
+        "(better peer: the higher rate and throughput, the lower p50, of firecracker and qemu;"
+    );
+    println!("  \"not measured\" when neither ran)");
+    println!();
+    println!(
+        "This machine may run KVM nested: the guest's CPL0 code is emulated there, which slows"
+    );
+    println!("  each interrupt and SYS_NET_WAIT alike for every VMM.");
+
+    // Each bar: a VMM's median, its minimum marked.
+    let panel = |title: &str, unit: &str, g: fn(&Sums) -> Option<Summary>| plot::Panel {
+        title: title.into(),
+        unit: unit.into(),
+        bars: (configs.iter().map(Vmm::name).zip(sums.iter().map(g)))
+            .filter_map(|(label, x)| {
+                let x = x?;
+                Some(plot::Bar {
+                    label,
+                    value: x.median,
+                    low: Some(x.min),
+                })
+            })
+            .collect(),
+    };
+    let panels = [
+        panel("UDP request/response rate (median, min)", "rounds/s", |s| {
+            s.rate
+        }),
+        panel("UDP round trip p50 (median, min)", "us", |s| s.p50),
+        panel("UDP round trip p99 (median, min)", "us", |s| s.p99),
+        panel("TCP stream throughput (median, min)", "Mbit/s", |s| s.mbit),
+    ];
+    // A peer without bars says so in the title, so the chart is not read as Musubi alone
+    // by choice.
+    let absent: Vec<String> = configs
+        .iter()
+        .zip(&sums)
+        .filter(|(_, s)| s.n == 0)
+        .map(|(c, _)| c.name())
+        .chain(missing.iter().map(|(name, _)| name.clone()))
+        .fold(Vec::new(), |mut v, n| {
+            if !v.contains(&n) {
+                v.push(n);
+            }
+            v
+        });
+    let title = match absent.as_slice() {
+        [] => "musubi bench net".to_string(),
+        names => format!(
+            "musubi bench net ({} unavailable, see net.csv)",
+            names.join(", ")
+        ),
+    };
+    let svg_path = h.write_chart("net.svg", &title, &panels)?;
+    println!();
+    println!("wrote {} and {}", csv_path.display(), svg_path.display());
+    Ok(())
+}
+
+struct Sums {
+    n: usize,
+    lost: u64,
+    rate: Option<Summary>,
+    p50: Option<Summary>,
+    p99: Option<Summary>,
+    mbit: Option<Summary>,
+    udp_kicks: Option<Summary>,
+    tcp_kicks: Option<Summary>,
+    udp_irqs: Option<Summary>,
+    tcp_irqs: Option<Summary>,
+    udp_exits: Option<Summary>,
+    tcp_exits: Option<Summary>,
+    udp_doorbells: Option<Summary>,
+    tcp_doorbells: Option<Summary>,
+    max_udp_doorbells: Option<f64>,
+    max_tcp_doorbells: Option<f64>,
+}
+
+impl Sums {
+    fn of(s: &[&Sample]) -> Sums {
+        let f = |g: &dyn Fn(&Sample) -> Option<f64>| {
+            s.iter().filter_map(|x| g(x)).collect::<Vec<f64>>()
+        };
+        let sum = |g: &dyn Fn(&Sample) -> Option<f64>| Summary::of(&f(g));
+        let udp_doorbells = f(&|x| x.udp_vmm.and_then(|v| ratio(v.doorbell_exits, v.packets)));
+        let tcp_doorbells = f(&|x| x.tcp_vmm.and_then(|v| ratio(v.doorbell_exits, v.packets)));
+        Sums {
+            n: s.len(),
+            lost: s.iter().map(|x| x.lost).sum(),
+            rate: sum(&|x| Some(x.rate_per_s)),
+            p50: sum(&|x| Some(x.p50_us)),
+            p99: sum(&|x| Some(x.p99_us)),
+            mbit: sum(&|x| Some(x.mbit_per_s)),
+            udp_kicks: sum(&|x| ratio(x.udp_guest.kicks, x.udp_guest.packets)),
+            tcp_kicks: sum(&|x| ratio(x.tcp_guest.kicks, x.tcp_guest.packets)),
+            udp_irqs: sum(&|x| ratio(x.udp_guest.interrupts, x.udp_guest.packets)),
+            tcp_irqs: sum(&|x| ratio(x.tcp_guest.interrupts, x.tcp_guest.packets)),
+            udp_exits: sum(&|x| x.udp_vmm.and_then(|v| ratio(v.exits, v.packets))),
+            tcp_exits: sum(&|x| x.tcp_vmm.and_then(|v| ratio(v.exits, v.packets))),
+            udp_doorbells: Summary::of(&udp_doorbells),
+            tcp_doorbells: Summary::of(&tcp_doorbells),
+            max_udp_doorbells: max(&udp_doorbells),
+            max_tcp_doorbells: max(&tcp_doorbells),
+        }
+    }
+}
+
+/// One run: a boot for the UDP rounds, then one for the TCP stream.
+fn one_run(c: &Vmm, ns: &Netns, load: Load) -> Result<Sample, String> {
+    let n = load.udp_rounds;
+    let echo = ns.spawn(move |stop, ready| udp_echo(stop, ready, n))?;
+    let (udp, udp_vmm) = boot(
+        c,
+        ns,
+        &format!("udp-echo={HOST}:{UDP_PORT},n={n}"),
+        "udp-echo",
+    );
+    let answered = echo.finish()?;
+    let udp = udp?;
+    let num = |r: &Value, k: &str| r[k].as_f64().ok_or_else(|| format!("no {k} in {r}"));
+    let rounds = num(&udp, "rounds")? as u64;
+    if rounds != n {
+        return Err(format!("udp-echo ran {rounds} rounds, not {n}: {udp}"));
+    }
+    let lost = num(&udp, "lost")? as u64;
+    if answered < n - lost {
+        return Err(format!(
+            "the guest counts {} answered rounds, the echo answered {answered}",
+            n - lost
+        ));
+    }
+
+    let bytes = load.tcp_bytes;
+    let sink = ns.spawn(move |stop, ready| tcp_sink(stop, ready, bytes))?;
+    let (tcp, tcp_vmm) = boot(
+        c,
+        ns,
+        &format!("tcp-send={HOST}:{TCP_PORT},bytes={bytes}"),
+        "tcp-send",
+    );
+    let counted = sink.finish();
+    let tcp = tcp?;
+    let counted = counted?;
+    let sent = num(&tcp, "bytes")? as u64;
+    if sent != bytes || counted != bytes {
+        return Err(format!(
+            "tcp-send: asked for {bytes} bytes, the guest says it sent {sent}, the sink counted {counted}"
+        ));
+    }
+    Ok(Sample {
+        rounds,
+        lost,
+        rate_per_s: num(&udp, "rate_per_s")?,
+        p50_us: num(&udp, "p50_us")?,
+        p99_us: num(&udp, "p99_us")?,
+        udp_guest: GuestCounts::of(&udp)?,
+        udp_vmm: udp_vmm?,
+        tcp_bytes: sent,
+        sink_bytes: counted,
+        mbit_per_s: num(&tcp, "mbit_per_s")?,
+        tcp_guest: GuestCounts::of(&tcp)?,
+        tcp_vmm: tcp_vmm?,
+    })
+}
+
+type Boot = (Result<Value, String>, Result<Option<VmmCounts>, String>);
+
+/// Boots the guest with one network task in the namespace and returns its result line and,
+/// for Musubi, its counters.
+fn boot(c: &Vmm, ns: &Netns, task: &str, name: &str) -> Boot {
+    let fail = |e: String| (Err(e), Ok(None));
+    let tmp = match tempfile::tempdir() {
+        Ok(t) => t,
+        Err(e) => return fail(format!("cannot make a temporary directory: {e}")),
+    };
+    let cmdline = format!("probe.ip={GUEST} probe.tasks={task}");
+    let cmd = match c.command(&cmdline, tmp.path()) {
+        Ok(cmd) => ns.command(&cmd),
+        Err(e) => return fail(e),
+    };
+    let marker = format!("{{\"probe\":\"{name}\"");
+    let watch = Watch {
+        marker: &marker,
+        guest_bytes: None,
+        timeout: RUN_TIMEOUT,
+        sample_every: Duration::from_millis(20),
+    };
+    // Firecracker has no exit port: it is stopped once the result line is out.
+    let o = match c {
+        Vmm::Firecracker { .. } => observe_to_marker(cmd, &watch),
+        _ => observe(cmd, &watch),
+    };
+    let o = match o {
+        Ok(o) => o,
+        Err(e) => return fail(format!("cannot start {}: {e}", c.name())),
+    };
+    let ended = match c {
+        Vmm::Musubi { .. } => time_to_marker(&o, 0, LINES).map(|_| ()),
+        Vmm::Qemu(_) => time_to_marker(&o, qemu::CLEAN_STATUS, LINES).map(|_| ()),
+        Vmm::Firecracker { .. } => match o.marker_ns {
+            Some(_) => Ok(()),
+            None => Err(format!(
+                "no {name} result line{}; {}",
+                if o.timed_out { " in time" } else { "" },
+                last_words(&o, LINES)
+            )),
+        },
+    };
+    let results = crate::probe::results(o.stdout.as_bytes());
+    let result = match (crate::probe::result(&results, name), ended) {
+        (Some(r), Ok(())) if r["ok"] == true => Ok(r.clone()),
+        (Some(r), _) => Err(format!(
+            "the guest's {name} failed: {r}; {}",
+            last_words(&o, LINES)
+        )),
+        (None, Err(e)) => Err(e),
+        (None, Ok(())) => Err(format!("no {name} result; {}", last_words(&o, LINES))),
+    };
+    let counts = match c {
+        Vmm::Musubi { .. } if result.is_ok() => {
+            vmm_counts(&tmp.path().join("metrics.json")).map(Some)
+        }
+        _ => Ok(None),
+    };
+    (result, counts)
+}
+
+fn vmm_counts(path: &Path) -> Result<VmmCounts, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("musubi's --metrics {}: {e}", path.display()))?;
+    let m: Value = serde_json::from_str(&text)
+        .map_err(|e| format!("musubi's --metrics {}: {e}", path.display()))?;
+    let n = |v: &Value| {
+        v.as_f64()
+            .ok_or_else(|| format!("--metrics lacks a count: {m}"))
+    };
+    let net = &m["net"][0];
+    Ok(VmmCounts {
+        exits: n(&m["total_exits"])?,
+        doorbell_exits: n(&m["notifications"]["mmio_exit"])?,
+        packets: n(&net["rx_packets"])? + n(&net["tx_packets"])?,
+    })
+}
+
+/// Answers every datagram until told to stop, at most `rounds` and a few more (the
+/// guest's untimed first exchange may be tried three times), and for at most a run's time.
+fn udp_echo(stop: &AtomicBool, ready: &dyn Fn(), rounds: u64) -> Result<u64, String> {
+    let s = UdpSocket::bind(("0.0.0.0", UDP_PORT))
+        .map_err(|e| format!("the UDP echo cannot bind port {UDP_PORT}: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_millis(20)))
+        .map_err(|e| format!("the UDP echo: {e}"))?;
+    ready();
+    let (t0, mut answered, mut buf) = (Instant::now(), 0u64, [0u8; 2048]);
+    while !stop.load(Ordering::Relaxed) && t0.elapsed() < RUN_TIMEOUT && answered < rounds + 8 {
+        if let Ok((n, from)) = s.recv_from(&mut buf) {
+            // A reply that cannot go is the guest's loss, which it counts.
+            if s.send_to(&buf[..n], from).is_ok() {
+                answered += 1;
+            }
+        }
+    }
+    Ok(answered)
+}
+
+/// Takes one connection and reads it to its end, checking the stream's pattern (byte i is
+/// i mod 251); for at most a run's time, and not beyond `bytes`.
+fn tcp_sink(stop: &AtomicBool, ready: &dyn Fn(), bytes: u64) -> Result<u64, String> {
+    let l = TcpListener::bind(("0.0.0.0", TCP_PORT))
+        .map_err(|e| format!("the TCP sink cannot bind port {TCP_PORT}: {e}"))?;
+    l.set_nonblocking(true)
+        .map_err(|e| format!("the TCP sink: {e}"))?;
+    ready();
+    let t0 = Instant::now();
+    let going = || !stop.load(Ordering::Relaxed) && t0.elapsed() < RUN_TIMEOUT;
+    let mut s = loop {
+        match l.accept() {
+            Ok((s, _)) => break s,
+            Err(_) if going() => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => return Err(format!("the guest never connected to the TCP sink: {e}")),
+        }
+    };
+    s.set_nonblocking(false)
+        .and_then(|()| s.set_read_timeout(Some(Duration::from_millis(100))))
+        .map_err(|e| format!("the TCP sink: {e}"))?;
+    const BUF: usize = 1 << 16;
+    // The stream as it must be from any offset: a slice compare per read (memcmp), so the
+    // check takes little of a core the VMM competes for.
+    let pattern: Vec<u8> = (0..BUF + 251).map(|i| (i % 251) as u8).collect();
+    let (mut total, mut buf) = (0u64, vec![0u8; BUF]);
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return Ok(total),
+            Ok(n) => {
+                let at = (total % 251) as usize;
+                if buf[..n] != pattern[at..at + n] {
+                    let i = (0..n).find(|&i| buf[i] != pattern[at + i]).unwrap_or(0);
+                    return Err(format!(
+                        "the TCP stream is corrupt at byte {}",
+                        total + i as u64
+                    ));
+                }
+                total += n as u64;
+                if total > bytes {
+                    return Err(format!("the TCP stream ran past {bytes} bytes"));
+                }
+            }
+            Err(_) if going() => {}
+            Err(e) => {
+                return Err(format!(
+                    "the TCP stream stopped after {total} bytes without a close: {e}"
+                ))
+            }
+        }
+    }
+}
+
+/// A network namespace of the benchmark's own, with the TAP every VMM opens. Dropping it
+/// deletes both; nothing of it is in the host's namespace.
+struct Netns {
+    name: String,
+}
+
+impl Netns {
+    /// `musubi-bench-<pid>`, loopback up, `tap0` persistent with 10.0.0.1/24 and up.
+    fn new() -> Result<Netns, String> {
+        // SAFETY: geteuid(2) has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        if euid != 0 {
+            return Err(format!(
+                "this benchmark makes a network namespace and a TAP device in it, which needs \
+                 root (CAP_NET_ADMIN and CAP_SYS_ADMIN); running as euid {euid}"
+            ));
+        }
+        ip(&["-V"]).map_err(|e| format!("{e} (Debian: apt-get install iproute2)"))?;
+        let name = format!("musubi-bench-{}", std::process::id());
+        ip(&["netns", "add", &name])?;
+        // Owned from here: a failure below still deletes it, and so does a signal.
+        let ns = Netns { name };
+        delete_on_signal(&format!("/run/netns/{}", ns.name));
+        let n = ns.name.as_str();
+        ip(&["-n", n, "link", "set", "lo", "up"])?;
+        ip(&["-n", n, "tuntap", "add", TAP, "mode", "tap"])?;
+        ip(&["-n", n, "addr", "add", &format!("{HOST}/24"), "dev", TAP])?;
+        ip(&["-n", n, "link", "set", TAP, "up"])?;
+        Ok(ns)
+    }
+
+    /// `cmd` run inside the namespace (`ip netns exec` execs it, so the pid is the VMM's).
+    fn command(&self, cmd: &Command) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.name])
+            .arg(cmd.get_program())
+            .args(cmd.get_args());
+        c
+    }
+
+    /// Runs `f` on a thread that entered the namespace (that thread alone), so its sockets
+    /// are the namespace's; returns once `f` calls its second argument (it has bound them).
+    fn spawn<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&AtomicBool, &dyn Fn()) -> Result<T, String> + Send + 'static,
+    ) -> Result<Server<T>, String> {
+        let path = format!("/run/netns/{}", self.name);
+        let file = File::open(&path).map_err(|e| format!("{path}: {e}"))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel::<()>();
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            // SAFETY: setns(2) on a descriptor this thread holds open; it moves only the
+            // calling thread into the namespace.
+            let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+            if r != 0 {
+                return Err(format!(
+                    "setns into {path}: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+            f(&flag, &move || {
+                let _ = tx.send(());
+            })
+        });
+        if rx.recv().is_err() {
+            // It ended before it was ready: its error says why.
+            return Err(match thread.join() {
+                Ok(Err(e)) => e,
+                _ => "the host-side server thread ended before it was ready".into(),
+            });
+        }
+        Ok(Server { stop, thread })
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        MOUNT.store(std::ptr::null_mut(), Ordering::SeqCst);
+        let _ = Command::new("ip")
+            .args(["netns", "delete", &self.name])
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// The namespace's file under /run/netns while it exists, for [`on_signal`].
+static MOUNT: AtomicPtr<libc::c_char> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Has SIGINT, SIGTERM and SIGHUP delete the namespace at `path` (Ctrl-C, `bench all`'s
+/// time limit and a closed terminal end the program without running its destructors).
+fn delete_on_signal(path: &str) {
+    let Ok(c) = std::ffi::CString::new(path) else {
+        return;
+    };
+    // Leaked: the handler may read it at any time until the program ends.
+    MOUNT.store(c.into_raw(), Ordering::SeqCst);
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: `on_signal` makes only async-signal-safe calls.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
+/// Deletes the namespace as `ip netns delete` does (detaches its mount, removes the file),
+/// then lets the signal end the program as it would have.
+extern "C" fn on_signal(sig: libc::c_int) {
+    let p = MOUNT.swap(std::ptr::null_mut(), Ordering::SeqCst);
+    // SAFETY: `p` is null or the NUL-terminated path leaked by `delete_on_signal`;
+    // umount2, unlink, signal and raise are async-signal-safe.
+    unsafe {
+        if !p.is_null() {
+            libc::umount2(p, libc::MNT_DETACH);
+            libc::unlink(p);
+        }
+        libc::signal(sig, libc::SIG_DFL);
+        libc::raise(sig);
+    }
+}
+
+/// A host-side server thread in the namespace.
+struct Server<T> {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Result<T, String>>,
+}
+
+impl<T> Server<T> {
+    /// Tells it to stop and takes its result.
+    fn finish(self) -> Result<T, String> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread
+            .join()
+            .unwrap_or_else(|_| Err("the host-side server thread panicked".into()))
+    }
+}
+
+/// Runs `ip ARGS`, or says what it printed when it fails.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run iproute2's `ip`: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`ip {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
