@@ -25,7 +25,7 @@ use tracing::{debug, warn};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
 use virtio_bindings::virtio_net::*;
-use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VRING_USED_F_NO_NOTIFY};
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap, Permissions};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -398,6 +398,12 @@ impl Net {
             return Ok(0);
         }
         let mut used = 0;
+        // While buffers are posted the TAP's readiness, not the driver, brings the device
+        // here, so a refill needs no doorbell: each one is a VM exit. Doorbells are asked
+        // for again only when the device runs out (below).
+        if !q.event_idx_enabled() {
+            set_no_notify(q, mem, true);
+        }
         // Two passes' worth of a full ring: bounded, yet enough to drain a burst.
         for _ in 0..2 * usize::from(q.size()).max(32) {
             if self.rx_len == 0 && !self.read_frame() {
@@ -423,6 +429,9 @@ impl Net {
                 Delivery::Wait(seen) => {
                     // Ask for a doorbell on the next buffer, then look again in case one
                     // came before the request was visible.
+                    if !q.event_idx_enabled() {
+                        set_no_notify(q, mem, false);
+                    }
                     kick_on_next(q, mem, seen);
                     let (avail, _) = available(RX_QUEUE, q, mem)?;
                     if avail == seen {
@@ -591,6 +600,16 @@ fn pop<'a>(
         )));
     }
     Ok(chain)
+}
+
+/// Without EVENT_IDX, sets or clears `VRING_USED_F_NO_NOTIFY` in the used ring's flags
+/// (virtio 1.x, 2.7.7): the driver skips its doorbell while the flag is set.
+fn set_no_notify(q: &Queue, mem: &GuestMemoryMmap, on: bool) {
+    let flags: u16 = if on { VRING_USED_F_NO_NOTIFY as u16 } else { 0 };
+    if let Err(e) = mem.write_obj(flags.to_le(), GuestAddress(q.used_ring())) {
+        debug!("virtio-net: writing used flags: {e}");
+    }
+    fence(Ordering::SeqCst);
 }
 
 /// With EVENT_IDX, asks the driver to notify once the available index moves past `avail`

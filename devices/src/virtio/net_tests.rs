@@ -12,7 +12,7 @@ use std::sync::Arc;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_mmio::*;
 use virtio_bindings::virtio_net::*;
-use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VRING_USED_F_NO_NOTIFY};
 use vm_memory::{Bytes, GuestAddress};
 
 /// Index of the backend in `event_fds`.
@@ -485,6 +485,31 @@ fn with_no_receive_buffers_the_backend_is_left_alone_until_the_doorbell() {
     assert_eq!(d.guest_bytes(RX_BUF + 0x2_0000 + 12, 40), b[12..]);
     let c = d.t.net_counters().unwrap();
     assert_eq!((c.rx_packets, c.rx_notifications), (2, 1));
+}
+
+/// Without EVENT_IDX the device sets `VRING_USED_F_NO_NOTIFY` on the receive ring while
+/// buffers are posted (the TAP brings it back to them, so a refill's doorbell would be a
+/// wasted exit) and clears it once it runs out, so the next refill rings.
+#[test]
+fn receive_refills_need_no_doorbell_until_the_buffers_run_out() {
+    let mut s = setup(EVENT_IDX);
+    let flags = |s: &Setup| -> u16 { s.d.mem.read_obj(GuestAddress(s.rx.used())).unwrap() };
+    s.post_rx(0, &[2048]);
+    s.inject(&frame(40, 1));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, 52)));
+    assert_eq!(
+        flags(&s),
+        VRING_USED_F_NO_NOTIFY as u16,
+        "buffers were posted"
+    );
+    s.inject(&frame(40, 2));
+    s.d.t.process_event(BACKEND);
+    assert_eq!(flags(&s), 0, "out of buffers: the next refill must ring");
+    s.post_rx(1, &[2048]);
+    s.d.notify_queue(0);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((1, 52)));
+    assert_eq!(s.counters().rx_packets, 2);
 }
 
 #[test]

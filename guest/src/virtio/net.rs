@@ -148,6 +148,8 @@ fn init(base: u64, rings: u64, want: u32) -> Result<(u64, u32), ()> {
     if !timer::wait_for(1000, || r32(base, Reg::Status) == 0) {
         return Err(());
     }
+    // Acknowledge first, then DRIVER: some devices (Firecracker's) refuse both at once.
+    w32(base, Reg::Status, S_ACK);
     w32(base, Reg::Status, S_ACK | S_DRIVER);
     w32(base, Reg::DeviceFeaturesSel, 0);
     let lo = r32(base, Reg::DeviceFeatures) as u64;
