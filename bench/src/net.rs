@@ -203,14 +203,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     );
     println!("  {reps} run(s) per hypervisor, interleaved, after one discarded warm-up run each");
 
-    let mut configs: Vec<Vmm> = ["kernel", "user"]
-        .into_iter()
-        .map(|exits| Vmm::Musubi {
-            exe: exe.clone(),
-            elf: elf.clone(),
-            exits,
-        })
-        .collect();
+    let mut configs = musubi_paths(&exe, &elf);
     // Peers that never ran: name and why, one CSV row each.
     let mut missing: Vec<(String, String)> = Vec::new();
     let asked = |name: &str| args.compare.is_none() || listed.contains(&name);
@@ -563,6 +556,74 @@ impl Sums {
             max_tcp_doorbells: max(&tcp_doorbells),
         }
     }
+}
+
+/// Musubi on its kernel exit path, then on its user one.
+fn musubi_paths(exe: &Path, elf: &Path) -> Vec<Vmm> {
+    ["kernel", "user"]
+        .into_iter()
+        .map(|exits| Vmm::Musubi {
+            exe: exe.to_path_buf(),
+            elf: elf.to_path_buf(),
+            exits,
+        })
+        .collect()
+}
+
+/// What `bench composite`'s network row takes from one run of Musubi on one exit path:
+/// paper 002's question asked of a network device.
+pub(crate) struct PathRun {
+    pub exits: &'static str,
+    pub rounds: u64,
+    pub rate_per_s: f64,
+    pub p50_us: f64,
+    /// Musubi's own counts over the UDP boot.
+    pub exits_total: f64,
+    pub doorbell_exits: f64,
+    pub packets: f64,
+}
+
+/// Request/response over a TAP on Musubi's kernel and user exit paths, interleaved, for
+/// `bench composite`: each run's figures, in the order run.
+pub(crate) fn exit_paths(h: &Harness) -> Result<Vec<PathRun>, String> {
+    let ns = Netns::new()?;
+    let exe = crate::probe::musubi()?;
+    let elf = crate::probe::materialize()?;
+    let (load, reps) = if h.quick {
+        (QUICK, 1)
+    } else {
+        (
+            Load {
+                udp_rounds: 20_000,
+                tcp_bytes: 1 << 20,
+            },
+            3,
+        )
+    };
+    let configs = musubi_paths(&exe, &elf);
+    for c in &configs {
+        one_run(c, &ns, WARM_UP).map_err(|e| format!("{} warm-up run: {e}", c.name()))?;
+    }
+    let runs = h.run_schedule(&configs, reps, Vmm::name, |_, c| one_run(c, &ns, load))?;
+    runs.into_iter()
+        .map(|(_, ci, s)| {
+            let Vmm::Musubi { exits, .. } = configs[ci] else {
+                unreachable!("only Musubi runs here")
+            };
+            let v = s
+                .udp_vmm
+                .ok_or_else(|| format!("musubi-{exits}: no --metrics counts"))?;
+            Ok(PathRun {
+                exits,
+                rounds: s.rounds,
+                rate_per_s: s.rate_per_s,
+                p50_us: s.p50_us,
+                exits_total: v.exits,
+                doorbell_exits: v.doorbell_exits,
+                packets: v.packets,
+            })
+        })
+        .collect()
 }
 
 /// One run: a boot for the UDP rounds, then one for the TCP stream.
