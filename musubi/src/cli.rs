@@ -261,6 +261,7 @@ impl VmArgs {
             n.check()
                 .map_err(|why| format!("net[{i}] ({}): {why}", n.name()))?;
         }
+        config::net::check_distinct(&net)?;
         let exits = match &self.exits {
             Some(e) => e.parse()?,
             None => file.exits.unwrap_or_default(),

@@ -220,8 +220,13 @@ fn bad_net_flags_are_refused_naming_the_flag() {
         ("ip=10.0.0.1", "give tap=NAME or fd=N"),
         ("fd=250", "descriptor 250 is not open"),
         ("tap=t,queue_size=3", "power of two"),
+        ("tap=t0 --net tap=t0", "--net tap=t0 is given twice"),
     ] {
-        let run = run(&["run", "--kernel", "probe", "--net", spec]);
+        let mut args = vec!["run", "--kernel", "probe"];
+        for one in spec.split(" --net ") {
+            args.extend(["--net", one]);
+        }
+        let run = run(&args);
         assert_ne!(run.code, Some(0), "{spec}");
         assert!(
             run.stderr.contains("--net") && run.stderr.contains(why),

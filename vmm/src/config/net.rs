@@ -204,6 +204,24 @@ impl NetConfig {
     }
 }
 
+/// Refuses two devices on one TAP: one descriptor would be owned (and closed) twice, and a
+/// TAP opened twice by name fails with a less helpful EBUSY.
+pub fn check_distinct(nets: &[NetConfig]) -> Result<(), String> {
+    for (i, a) in nets.iter().enumerate() {
+        for b in &nets[..i] {
+            let same_tap = a.tap.is_some() && a.tap == b.tap;
+            let same_fd = a.fd.is_some() && a.fd == b.fd;
+            if same_tap || same_fd {
+                return Err(format!(
+                    "{} is given twice; each network device needs a TAP of its own",
+                    a.name()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Linux's rules for an interface name: 1 to 15 bytes, no slash, no white space, not `.`
 /// or `..`.
 fn check_ifname(name: &str) -> Result<(), String> {
@@ -300,6 +318,16 @@ mod tests {
                 ("tap=t,speed=1", "unknown key \"speed\""),
             ],
         );
+    }
+
+    #[test]
+    fn two_devices_on_one_tap_are_refused() {
+        let n = |t: &str| t.parse::<NetConfig>().unwrap();
+        assert!(check_distinct(&[n("tap=a"), n("tap=b"), n("fd=5"), n("fd=6")]).is_ok());
+        let e = check_distinct(&[n("tap=a"), n("fd=5"), n("tap=a")]).unwrap_err();
+        assert!(e.contains("--net tap=a is given twice"), "{e}");
+        let e = check_distinct(&[n("fd=5"), n("fd=5")]).unwrap_err();
+        assert!(e.contains("--net fd=5 is given twice"), "{e}");
     }
 
     #[test]
