@@ -400,13 +400,7 @@ impl Worker {
         match item {
             Inbound::Stop => return Ok(Some(self.outcome())),
             Inbound::StopAll { code } => {
-                let up: Vec<NodeId> = self
-                    .peers
-                    .iter()
-                    .filter(|p| *p.1 == PeerState::Up)
-                    .map(|p| *p.0)
-                    .collect();
-                for to in up {
+                for to in self.peers_up() {
                     self.send(to, Envelope::Stop { code })?;
                 }
                 return Ok(Some(self.outcome()));
@@ -472,6 +466,15 @@ impl Worker {
         }
     }
 
+    /// The peers still up, collected so that sending to them may change their state.
+    fn peers_up(&self) -> Vec<NodeId> {
+        self.peers
+            .iter()
+            .filter(|p| *p.1 == PeerState::Up)
+            .map(|p| *p.0)
+            .collect()
+    }
+
     /// Reports `peer` lost, once, unless it said `Stop` first, and stops serving faults.
     fn lose(&mut self, peer: NodeId, why: String) {
         let s = self.peers.entry(peer).or_insert(PeerState::Up);
@@ -496,13 +499,7 @@ impl Worker {
         if self.lost.is_none() {
             // The peers still up hear of it before this node's links close as it ends, so
             // that none of them takes this node's leaving for the first loss.
-            let up: Vec<NodeId> = self
-                .peers
-                .iter()
-                .filter(|p| *p.1 == PeerState::Up)
-                .map(|p| *p.0)
-                .collect();
-            for to in up {
+            for to in self.peers_up() {
                 let notice = Envelope::Lost {
                     node: peer.0,
                     why: why.clone(),
