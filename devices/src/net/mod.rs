@@ -9,3 +9,21 @@ pub mod tap;
 
 pub use rate_limiter::{RateLimit, RateLimiter, TokenBucketConfig};
 pub use tap::{Tap, TapError};
+
+/// Adds `O_NONBLOCK` to an open descriptor's flags: the TAP and the limiters' timers are
+/// read from an event loop that must never sleep in a read.
+pub(crate) fn set_nonblocking(fd: std::os::fd::RawFd) -> std::io::Result<()> {
+    // SAFETY: F_GETFL and F_SETFL take no pointers; the caller owns `fd` and keeps it open.
+    let r = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags < 0 {
+            flags
+        } else {
+            libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK)
+        }
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}

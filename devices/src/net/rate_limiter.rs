@@ -158,20 +158,8 @@ impl RateLimiter {
     /// A limiter reading time from `clock`; its timer still runs on the real clock.
     pub fn with_clock(limit: &RateLimit, clock: Box<dyn Clock>) -> io::Result<RateLimiter> {
         let timer = TimerFd::new().map_err(io::Error::from)?;
-        let fd = timer.as_raw_fd();
-        // SAFETY: F_GETFL and F_SETFL take no pointers; `fd` belongs to `timer`, open here.
         // Non-blocking, so a spurious wake-up can read the timer without sleeping.
-        let r = unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            if flags < 0 {
-                flags
-            } else {
-                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK)
-            }
-        };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        super::set_nonblocking(timer.as_raw_fd())?;
         let now = clock.now();
         Ok(RateLimiter {
             bytes: limit

@@ -169,20 +169,11 @@ impl Tap {
     }
 
     fn set_nonblocking(&self) -> Result<(), TapError> {
-        let fd = self.file.as_raw_fd();
-        // SAFETY: F_GETFL and F_SETFL take no pointers; `fd` is open for the life of `self`.
-        let r = unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            if flags < 0 {
-                flags
-            } else {
-                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK)
-            }
-        };
-        if r < 0 {
-            return Err(self.os_error("setting O_NONBLOCK"));
-        }
-        Ok(())
+        super::set_nonblocking(self.file.as_raw_fd()).map_err(|source| TapError::Os {
+            name: self.name.clone(),
+            op: "setting O_NONBLOCK",
+            source,
+        })
     }
 
     /// Tells the kernel which offloads the reader (the guest) handles, as `TUN_F_*` bits:
