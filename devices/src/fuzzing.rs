@@ -364,6 +364,58 @@ impl Script<'_> {
     }
 }
 
+/// What every script does alike, whichever device: op 0 writes a register (a QueueNotify
+/// write is checked as a notification), op 1 reads one, op 2 writes guest memory.
+fn register_or_memory(d: &mut Driver, s: &mut Script, op: u8) -> Result<(), String> {
+    match op {
+        0 => {
+            let (offset, width) = s.register();
+            let value = s.u64().to_le_bytes();
+            if offset == u64::from(VIRTIO_MMIO_QUEUE_NOTIFY) && width == 4 {
+                let index = u32::from_le_bytes(value[..4].try_into().unwrap());
+                notify(d, index)?;
+            } else {
+                d.write_bytes(offset, &value[..width]);
+            }
+        }
+        1 => {
+            let (offset, width) = s.register();
+            let mut buf = [0u8; 8];
+            d.read_bytes(offset, &mut buf[..width]);
+        }
+        _ => {
+            let addr = s.addr();
+            let n = usize::from(s.byte() % 65).min(s.0.len());
+            let (bytes, rest) = s.0.split_at(n);
+            s.0 = rest;
+            // Writes that miss guest memory are the driver's mistake; nothing to check.
+            let _ = d.mem.write_slice(bytes, GuestAddress(addr));
+        }
+    }
+    Ok(())
+}
+
+/// A chain of up to four parts, as the script describes them.
+fn chain_parts(s: &mut Script) -> Vec<(u64, u32, u16)> {
+    let parts = 1 + usize::from(s.byte() % 4);
+    (0..parts)
+        .map(|_| {
+            let (addr, len, flags, _) = descriptor(s);
+            (addr, len, flags)
+        })
+        .collect()
+}
+
+/// A queue size to set up: mostly the usual one, sometimes any power of two, sometimes
+/// anything.
+fn queue_size(s: &mut Script) -> u32 {
+    match s.byte() % 4 {
+        0 | 1 => u32::from(QSIZE),
+        2 => 1 << (s.byte() % 10),
+        _ => s.u32(),
+    }
+}
+
 /// Plays the script against the device, checking every notification.
 fn play(d: &mut Driver, s: &mut Script) -> Result<(), String> {
     for _ in 0..MAX_ACTIONS {
@@ -371,29 +423,7 @@ fn play(d: &mut Driver, s: &mut Script) -> Result<(), String> {
             break;
         }
         match s.byte() % 10 {
-            0 => {
-                let (offset, width) = s.register();
-                let value = s.u64().to_le_bytes();
-                if offset == u64::from(VIRTIO_MMIO_QUEUE_NOTIFY) && width == 4 {
-                    let index = u32::from_le_bytes(value[..4].try_into().unwrap());
-                    notify(d, index)?;
-                } else {
-                    d.write_bytes(offset, &value[..width]);
-                }
-            }
-            1 => {
-                let (offset, width) = s.register();
-                let mut buf = [0u8; 8];
-                d.read_bytes(offset, &mut buf[..width]);
-            }
-            2 => {
-                let addr = s.addr();
-                let n = usize::from(s.byte() % 65).min(s.0.len());
-                let (bytes, rest) = s.0.split_at(n);
-                s.0 = rest;
-                // Writes that miss guest memory are the driver's mistake; nothing to check.
-                let _ = d.mem.write_slice(bytes, GuestAddress(addr));
-            }
+            op @ 0..=2 => register_or_memory(d, s, op)?,
             3 => {
                 let table = if s.byte() & 1 == 0 { RING } else { INDIRECT };
                 let index = u64::from(s.byte() % 32);
@@ -430,24 +460,14 @@ fn play(d: &mut Driver, s: &mut Script) -> Result<(), String> {
             }
             7 => {
                 // A chain of up to four parts, linked as a driver links them, then notified.
-                let parts = 1 + usize::from(s.byte() % 4);
-                let descs: Vec<(u64, u32, u16)> = (0..parts)
-                    .map(|_| {
-                        let (addr, len, flags, _) = descriptor(s);
-                        (addr, len, flags)
-                    })
-                    .collect();
+                let descs = chain_parts(s);
                 d.chain(&descs);
                 notify(d, 0)?;
             }
             8 => {
                 // Reset and bring the device up again with whatever the script asks for.
                 let drop_bits = if s.byte() & 1 == 0 { 0 } else { s.u64() };
-                let size = match s.byte() % 4 {
-                    0 | 1 => u32::from(QSIZE),
-                    2 => 1 << (s.byte() % 10),
-                    _ => s.u32(),
-                };
+                let size = queue_size(s);
                 d.negotiate(drop_bits);
                 d.setup_queue(size);
                 d.driver_ok();
@@ -478,28 +498,7 @@ fn play_net(
             break;
         }
         match s.byte() % 10 {
-            0 => {
-                let (offset, width) = s.register();
-                let value = s.u64().to_le_bytes();
-                if offset == u64::from(VIRTIO_MMIO_QUEUE_NOTIFY) && width == 4 {
-                    let index = u32::from_le_bytes(value[..4].try_into().unwrap());
-                    notify(d, index)?;
-                } else {
-                    d.write_bytes(offset, &value[..width]);
-                }
-            }
-            1 => {
-                let (offset, width) = s.register();
-                let mut buf = [0u8; 8];
-                d.read_bytes(offset, &mut buf[..width]);
-            }
-            2 => {
-                let addr = s.addr();
-                let n = usize::from(s.byte() % 65).min(s.0.len());
-                let (bytes, rest) = s.0.split_at(n);
-                s.0 = rest;
-                let _ = d.mem.write_slice(bytes, GuestAddress(addr));
-            }
+            op @ 0..=2 => register_or_memory(d, s, op)?,
             3 => {
                 let table = match s.byte() % 3 {
                     0 => rx.desc(),
@@ -546,23 +545,13 @@ fn play_net(
                 };
                 let queue = if ring.base == RING { 0 } else { 1 };
                 let first = u16::from(s.byte() % 28);
-                let parts = 1 + usize::from(s.byte() % 4);
-                let descs: Vec<(u64, u32, u16)> = (0..parts)
-                    .map(|_| {
-                        let (addr, len, flags, _) = descriptor(s);
-                        (addr, len, flags)
-                    })
-                    .collect();
+                let descs = chain_parts(s);
                 d.chain_on(ring, first, &descs);
                 notify(d, queue)?;
             }
             8 => {
                 let drop_bits = if s.byte() & 1 == 0 { 0 } else { s.u64() };
-                let size = match s.byte() % 4 {
-                    0 | 1 => u32::from(QSIZE),
-                    2 => 1 << (s.byte() % 10),
-                    _ => s.u32(),
-                };
+                let size = queue_size(s);
                 d.negotiate(drop_bits);
                 d.setup_queue_on(0, rx, size);
                 d.setup_queue_on(1, tx, size);
