@@ -96,16 +96,7 @@ fn start_destination(port: u16, secret: &Path, serial: &Path, flags: &[&str]) ->
 }
 
 fn send_migration(socket: &Path, port: u16, secret: &Path) -> Run {
-    let url = format!("tcp:127.0.0.1:{port}");
-    remote(
-        socket,
-        &[
-            "send-migration",
-            &url,
-            "--secret-file",
-            secret.to_str().unwrap(),
-        ],
-    )
+    send_migration_to(socket, &format!("tcp:127.0.0.1:{port}"), secret)
 }
 
 /// A source VM running `tasks` with its API on `dir/NAME.sock`, its console in
@@ -512,15 +503,7 @@ impl NetnsMove {
     }
 
     fn send(&self) -> Run {
-        remote(
-            &self.src.socket,
-            &[
-                "send-migration",
-                &self.url,
-                "--secret-file",
-                self.key.to_str().unwrap(),
-            ],
-        )
+        send_migration_to(&self.src.socket, &self.url, &self.key)
     }
 
     /// The source ended as one that moved away, mid-task, to this destination.

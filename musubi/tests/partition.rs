@@ -1077,15 +1077,7 @@ fn a_vm_migrated_from_one_partition_to_another_ends_its_task_in_the_second() {
     let src = env.wait_console("a", 1, HELLO);
     assert_confined(src["pid"].as_u64().unwrap(), &env.show("a"), "0");
     let socket = PathBuf::from(src["api_socket"].as_str().unwrap());
-    let r = common::remote(
-        &socket,
-        &[
-            "send-migration",
-            &url,
-            "--secret-file",
-            key.to_str().unwrap(),
-        ],
-    );
+    let r = common::send_migration_to(&socket, &url, &key);
     assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
 
     // The source hands the VM over and exits 0 without ending its tasks.
@@ -1140,15 +1132,7 @@ fn a_migrating_vm_whose_disk_belongs_to_another_partition_is_refused_on_arrival(
     env.ok(&with_args(&["run", "a", "--"], &args));
     let src = env.wait_console("a", 1, HELLO);
     let socket = PathBuf::from(src["api_socket"].as_str().unwrap());
-    let r = common::remote(
-        &socket,
-        &[
-            "send-migration",
-            &url,
-            "--secret-file",
-            key.to_str().unwrap(),
-        ],
-    );
+    let r = common::send_migration_to(&socket, &url, &key);
     assert_eq!(r.code, Some(1), "send-migration: {}", r.explain());
     assert!(
         r.stderr.contains("belongs to partition a") && r.stderr.contains(o),

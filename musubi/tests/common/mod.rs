@@ -292,6 +292,19 @@ pub fn remote(socket: &Path, args: &[&str]) -> Run {
     run_with_limit(&all, Duration::from_secs(60))
 }
 
+/// `musubi remote send-migration URL --secret-file KEY` to the VM whose API is `socket`.
+pub fn send_migration_to(socket: &Path, url: &str, key: &Path) -> Run {
+    remote(
+        socket,
+        &[
+            "send-migration",
+            url,
+            "--secret-file",
+            key.to_str().unwrap(),
+        ],
+    )
+}
+
 /// As [`remote`], requiring success, with the answer parsed as JSON (`null` if empty).
 pub fn remote_json(socket: &Path, args: &[&str]) -> Value {
     let r = remote(socket, args);
