@@ -3,6 +3,12 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::sync::Mutex;
+
+/// Held by each test for its whole run: a test that forks to run a program while the other
+/// still has its copy of `musubi` open for writing would hand the child that descriptor,
+/// and the other's exec would then fail with "Text file busy" (ETXTBSY).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// A copy of the `musubi` binary alone in a fresh directory, so what lies beside it is the
 /// test's choice.
@@ -15,6 +21,7 @@ fn lone_musubi() -> (tempfile::TempDir, std::path::PathBuf) {
 
 #[test]
 fn a_missing_musubi_bench_is_named_by_path_with_the_command_that_builds_it() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (dir, exe) = lone_musubi();
     let out = Command::new(&exe)
         .args(["bench", "--help"])
@@ -36,6 +43,7 @@ fn a_missing_musubi_bench_is_named_by_path_with_the_command_that_builds_it() {
 
 #[test]
 fn arguments_help_included_and_the_exit_status_pass_through_to_musubi_bench() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (dir, exe) = lone_musubi();
     let record = dir.path().join("args");
     vmm::testing::shell_script(
