@@ -28,16 +28,45 @@ pub trait VmControl: Send + Sync {
     fn resume(&self) -> Result<(), ActionError>;
     /// Writes a snapshot into `dir` (an absolute path, from a `file://` destination_url).
     fn snapshot(&self, dir: &std::path::Path) -> Result<(), ActionError>;
-    /// Moves the VM to the musubi waiting at `url` (`tcp:HOST:PORT`, `run
-    /// --receive-migration`), proving the secret in `secret_file`. `Ok` once the VM runs
-    /// there and needs nothing from here; on `Err` the message says whether the VM runs on
-    /// here (a failure before the switch) or was lost.
-    fn send_migration(&self, url: &str, secret_file: &std::path::Path) -> Result<(), ActionError> {
-        let _ = (url, secret_file);
+    /// Moves the VM to the musubi waiting at the request's `tcp:HOST:PORT` (`run
+    /// --receive-migration`), proving the secret in its file. `Ok` once the VM runs there
+    /// and needs nothing from here; on `Err` the message says whether the VM runs on here
+    /// (a failure before the switch) or was lost.
+    fn send_migration(&self, req: &SendMigration) -> Result<(), ActionError> {
+        let _ = req;
         Err(ActionError::internal("this VMM does not migrate VMs"))
     }
     fn shutdown_vm(&self) -> Result<(), ActionError>;
     fn shutdown_vmm(&self) -> Result<(), ActionError>;
+}
+
+/// A `vm.send-migration` request: `{"destination_url": "tcp:HOST:PORT", "secret_file":
+/// "/PATH"}`, with `"mode": "precopy"` and optionally `"downtime_ms"` and `"max_rounds"`
+/// for a pre-copy, or `"push_limit"` (bytes per second, at least 4096) for the default
+/// post-copy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SendMigration {
+    pub url: String,
+    pub secret_file: std::path::PathBuf,
+    /// `None` for post-copy.
+    pub precopy: Option<PreCopy>,
+    /// Post-copy: most bytes per second the background push may send (`push_limit`).
+    pub push_limit: Option<u64>,
+}
+
+/// A pre-copy's bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PreCopy {
+    /// Pause once what is left can be sent within this many milliseconds (Cloud
+    /// Hypervisor's `downtime_ms`, 300 by default).
+    pub downtime_ms: u64,
+    /// Pause after this many rounds whatever is left.
+    pub max_rounds: u32,
+}
+
+impl PreCopy {
+    pub const DEFAULT_DOWNTIME_MS: u64 = 300;
+    pub const DEFAULT_MAX_ROUNDS: u32 = 10;
 }
 
 /// Why an action failed, and the status to answer with: CH answers 500 for most failures

@@ -78,11 +78,7 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
             Err(r) => r,
         },
         "vm.send-migration" if put => match migration_target(&req.body) {
-            Ok((url, secret)) => action(
-                vm.send_migration(&url, &secret),
-                "The VM could not be migrated",
-                204,
-            ),
+            Ok(m) => action(vm.send_migration(&m), "The VM could not be migrated", 204),
             Err(r) => r,
         },
         "vmm.ping" | "vm.info" | "vm.counters" | "vm.pause" | "vm.resume" | "vm.shutdown"
@@ -123,11 +119,12 @@ fn snapshot_dir(body: &[u8]) -> Result<PathBuf, Response> {
     }
 }
 
-/// The destination and secret a vm.send-migration body names:
-/// `{"destination_url": "tcp:HOST:PORT", "secret_file": "/abs/path"}`.
-fn migration_target(body: &[u8]) -> Result<(String, PathBuf), Response> {
+/// The destination, secret and mode a vm.send-migration body names (see
+/// [`crate::SendMigration`]).
+fn migration_target(body: &[u8]) -> Result<crate::SendMigration, Response> {
     const SHAPE: &str = "vm.send-migration needs a JSON body {\"destination_url\": \
-                         \"tcp:HOST:PORT\", \"secret_file\": \"/PATH\"}";
+                         \"tcp:HOST:PORT\", \"secret_file\": \"/PATH\"} and for a pre-copy \
+                         \"mode\": \"precopy\" with optional \"downtime_ms\" and \"max_rounds\"";
     if body.is_empty() {
         return Err(bad_request(SHAPE));
     }
@@ -157,5 +154,114 @@ fn migration_target(body: &[u8]) -> Result<(String, PathBuf), Response> {
             "secret_file {secret:?}: give an absolute path (the VMM runs in another directory)"
         )));
     }
-    Ok((url, PathBuf::from(secret)))
+    let number = |name: &str, min: u64, max: u64| match value.get(name) {
+        None => Ok(None),
+        Some(v) => match v.as_u64().filter(|n| (min..=max).contains(n)) {
+            Some(n) => Ok(Some(n)),
+            None => Err(bad_request(&format!(
+                "{name} {v}: expected a whole number from {min} to {max}"
+            ))),
+        },
+    };
+    let downtime_ms = number("downtime_ms", 0, 3_600_000)?;
+    let max_rounds = number("max_rounds", 1, 1000)?;
+    let push_limit = number("push_limit", 4096, u64::MAX)?;
+    let precopy = match value.get("mode").map(|m| m.as_str()) {
+        None | Some(Some("postcopy")) => {
+            if let Some(name) = ["downtime_ms", "max_rounds"]
+                .into_iter()
+                .find(|n| value.get(*n).is_some())
+            {
+                return Err(bad_request(&format!(
+                    "{name} bounds a pre-copy; give \"mode\": \"precopy\" with it (a \
+                     post-copy switches at once)"
+                )));
+            }
+            None
+        }
+        Some(Some("precopy")) if push_limit.is_some() => {
+            return Err(bad_request(
+                "push_limit bounds a post-copy's background push; a pre-copy pushes nothing \
+                 after the switch",
+            ))
+        }
+        Some(Some("precopy")) => Some(crate::PreCopy {
+            downtime_ms: downtime_ms.unwrap_or(crate::PreCopy::DEFAULT_DOWNTIME_MS),
+            max_rounds: max_rounds.map_or(crate::PreCopy::DEFAULT_MAX_ROUNDS, |n| n as u32),
+        }),
+        Some(_) => {
+            return Err(bad_request(&format!(
+                "mode {}: expected \"postcopy\" or \"precopy\"",
+                value["mode"]
+            )))
+        }
+    };
+    Ok(crate::SendMigration {
+        url,
+        secret_file: PathBuf::from(secret),
+        precopy,
+        push_limit,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{PreCopy, SendMigration};
+
+    fn parsed(body: &str) -> Result<SendMigration, String> {
+        migration_target(body.as_bytes()).map_err(|r| format!("{r:?}"))
+    }
+
+    #[test]
+    fn a_migration_is_post_copy_unless_the_body_asks_for_a_pre_copy() {
+        let base = r#""destination_url": "tcp:127.0.0.1:6000", "secret_file": "/s""#;
+        let post = parsed(&format!("{{{base}}}")).unwrap();
+        assert_eq!(post.url, "tcp:127.0.0.1:6000");
+        assert_eq!(post.secret_file, PathBuf::from("/s"));
+        assert_eq!((post.precopy, post.push_limit), (None, None));
+        let limited = parsed(&format!(r#"{{{base}, "push_limit": 65536}}"#)).unwrap();
+        assert_eq!(limited.push_limit, Some(65536));
+        let pre = parsed(&format!(r#"{{{base}, "mode": "precopy"}}"#)).unwrap();
+        assert_eq!(
+            pre.precopy,
+            Some(PreCopy {
+                downtime_ms: 300,
+                max_rounds: 10
+            })
+        );
+        let pre = parsed(&format!(
+            r#"{{{base}, "mode": "precopy", "downtime_ms": 5, "max_rounds": 3}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            pre.precopy,
+            Some(PreCopy {
+                downtime_ms: 5,
+                max_rounds: 3
+            })
+        );
+        for (extra, names) in [
+            (r#", "mode": "fast""#, "fast"),
+            (r#", "downtime_ms": 5"#, "downtime_ms bounds a pre-copy"),
+            (
+                r#", "mode": "postcopy", "max_rounds": 2"#,
+                "max_rounds bounds",
+            ),
+            (r#", "mode": "precopy", "max_rounds": 0"#, "max_rounds 0"),
+            (
+                r#", "mode": "precopy", "downtime_ms": -1"#,
+                "downtime_ms -1",
+            ),
+            (r#", "mode": "precopy", "downtime_ms": "5""#, "whole number"),
+            (r#", "push_limit": 4095"#, "push_limit 4095"),
+            (
+                r#", "mode": "precopy", "push_limit": 8192"#,
+                "push_limit bounds a post-copy",
+            ),
+        ] {
+            let e = parsed(&format!("{{{base}{extra}}}")).unwrap_err();
+            assert!(e.contains("400") && e.contains(names), "{extra}: {e}");
+        }
+    }
 }

@@ -1,6 +1,6 @@
-//! `musubi bench migrate`: post-copy live migration of a running probe guest between two
-//! `musubi run` processes on loopback, and Cloud Hypervisor's (pre-copy) migration beside it
-//! with `--compare cloud-hypervisor`.
+//! `musubi bench migrate`: live migration of a running probe guest between two `musubi run`
+//! processes on loopback, post-copy and pre-copy on the same VMM, and Cloud Hypervisor's
+//! (pre-copy) migration beside them with `--compare cloud-hypervisor`.
 //!
 //! Each migrated run starts a destination (`run --receive-migration tcp:127.0.0.1:PORT`),
 //! boots the source with its API socket, waits for hello on its console and then asks it
@@ -12,8 +12,9 @@
 //!   one host); the same interval from the request instead of the pause is kept as an upper
 //!   bound, and the destination's `--report` stamp as a check;
 //! - total: from the request to the source process's exit;
-//! - pages: data pages, pages asked for by the destination and pushed by the source, from
-//!   the source's `migrated` log line;
+//! - pages: data pages, pages asked for by the destination and pushed by the source, and
+//!   for a pre-copy its rounds and the pages sent while the VM ran and during the pause,
+//!   from the source's `migrated` log line;
 //! - slowdown: the guest task's own time (the `ns` of its result line) migrated, against
 //!   the same task in an unmigrated run of the same size.
 
@@ -114,6 +115,8 @@ struct Config {
     mib: u64,
     work: Work,
     migrated: bool,
+    /// Musubi's pre-copy rather than its post-copy (a peer migrates its own way).
+    precopy: bool,
 }
 
 impl Config {
@@ -131,8 +134,22 @@ impl Config {
             self.vmm_name(),
             size_text(self.mib),
             self.work.name(),
-            if self.migrated { "" } else { " unmigrated" }
+            match (self.migrated, self.precopy) {
+                (false, _) => " unmigrated",
+                (true, true) => " pre-copy",
+                (true, false) => "",
+            }
         )
+    }
+
+    /// How guest RAM moved, for the CSV and the table.
+    fn mode(&self) -> &'static str {
+        match (&self.vmm, self.migrated, self.precopy) {
+            (_, false, _) => "",
+            (Vmm::Peer(_), true, _) => "its own (pre-copy)",
+            (_, true, true) => "pre-copy",
+            (_, true, false) => "post-copy",
+        }
     }
 }
 
@@ -160,6 +177,10 @@ struct Sample {
     data_pages: Option<u64>,
     asked: Option<u64>,
     pushed: Option<u64>,
+    /// Pre-copy: rounds while the VM ran, pages sent then, and pages sent in the pause.
+    rounds: Option<u64>,
+    live: Option<u64>,
+    paused: Option<u64>,
     /// The task's own time, from its result line.
     task_ns: u64,
 }
@@ -181,7 +202,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let exe = crate::probe::musubi()?;
     let elf = crate::probe::materialize()?;
     println!(
-        "migrate: post-copy live migration on loopback, probe guest, 1 vCPU, {};",
+        "migrate: live migration on loopback, post-copy and pre-copy, probe guest, 1 vCPU, {};",
         sizes
             .iter()
             .map(|m| size_text(*m))
@@ -196,6 +217,9 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     );
     println!(
         "  migrated right after hello; each also run unmigrated; {reps} run(s) each, interleaved"
+    );
+    println!(
+        "  pre-copy: Musubi's defaults (pause when what is left fits 300 ms at the last round's rate, at most 10 rounds)"
     );
     println!(
         "  KVM_RUN and KVM_GET_CLOCK from the sys_enter_ioctl tracepoint, tracefs instance {}",
@@ -230,12 +254,13 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             for v in &vmms {
                 match v {
                     Vmm::Musubi { .. } => {
-                        for migrated in [true, false] {
+                        for (migrated, precopy) in [(true, false), (true, true), (false, false)] {
                             configs.push(Config {
                                 vmm: v.clone(),
                                 mib,
                                 work,
                                 migrated,
+                                precopy,
                             });
                         }
                     }
@@ -247,6 +272,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                             mib,
                             work,
                             migrated: true,
+                            precopy: true,
                         });
                     }
                 }
@@ -286,6 +312,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "memory_mib",
         "task",
         "migrated",
+        "mode",
         "downtime_ms",
         "request_to_first_kvm_run_ms",
         "report_downtime_ms",
@@ -294,6 +321,9 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "data_pages",
         "pages_asked",
         "pages_pushed",
+        "precopy_rounds",
+        "pages_sent_live",
+        "pages_sent_paused",
         "task_ms",
         "unavailable",
     ]);
@@ -306,6 +336,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             cfg.mib.to_string(),
             cfg.work.short(cfg.mib),
             cfg.migrated.to_string(),
+            cfg.mode().to_string(),
         ];
         let msf = |n: Option<u64>| cell(n.map(|n| ms(n as f64)));
         match r {
@@ -318,12 +349,15 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 cell(s.data_pages),
                 cell(s.asked),
                 cell(s.pushed),
+                cell(s.rounds),
+                cell(s.live),
+                cell(s.paused),
                 ms(s.task_ns as f64),
                 String::new(),
             ])),
             Outcome::PeerFailed(why) => csv.row(
                 head.into_iter()
-                    .chain(std::iter::repeat_n(String::new(), 9))
+                    .chain(std::iter::repeat_n(String::new(), 12))
                     .chain([why.clone()]),
             ),
             Outcome::NotMade => {}
@@ -331,7 +365,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
     for (name, why) in &missing {
         let mut row = vec![String::new(), String::new(), name.clone()];
-        row.extend(std::iter::repeat_n(String::new(), 12));
+        row.extend(std::iter::repeat_n(String::new(), 16));
         row.push(why.clone());
         csv.row(row);
     }
@@ -341,12 +375,16 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         .iter()
         .map(|s| Sums::of(s))
         .collect();
-    let find = |vmm: &str, mib: u64, work: Work, migrated: bool| {
+    let find = |vmm: &str, mib: u64, work: Work, migrated: bool, precopy: bool| {
         configs
             .iter()
             .zip(&sums)
             .find(|(c, _)| {
-                c.vmm_name() == vmm && c.mib == mib && c.work == work && c.migrated == migrated
+                c.vmm_name() == vmm
+                    && c.mib == mib
+                    && c.work == work
+                    && c.migrated == migrated
+                    && (c.precopy == precopy || !c.migrated || matches!(c.vmm, Vmm::Peer(_)))
             })
             .map(|(_, s)| s)
     };
@@ -355,11 +393,13 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "hypervisor",
         ">RAM",
         "task",
+        "mode",
         ">downtime ms (med / min)",
         ">from request ms",
         ">total ms (med / min)",
         ">data pages",
         ">asked / pushed",
+        ">rounds, sent live / paused",
         ">task ms migrated / not",
         ">slowdown",
     ]);
@@ -369,16 +409,18 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 c.vmm_name().to_string(),
                 size_text(c.mib),
                 c.work.short(c.mib),
+                c.mode().into(),
                 "unavailable (below)".into(),
             ]);
             continue;
         }
-        let base = find(c.vmm_name(), c.mib, c.work, false).and_then(|b| b.task);
+        let base = find(c.vmm_name(), c.mib, c.work, false, false).and_then(|b| b.task);
         let med = |x: Option<Summary>| x.map(|x| format!("{:.0}", x.median));
         t.row([
             c.vmm_name().to_string(),
             size_text(c.mib),
             c.work.short(c.mib),
+            c.mode().into(),
             median_min(s.downtime, ms),
             s.from_request
                 .map(|x| ms(x.median))
@@ -388,6 +430,10 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             match (med(s.asked), med(s.pushed)) {
                 (Some(a), Some(p)) => format!("{a} / {p}"),
                 _ => "n/a".into(),
+            },
+            match (med(s.rounds), med(s.live), med(s.paused)) {
+                (Some(r), Some(l), Some(p)) => format!("{r}, {l} / {p}"),
+                _ => "-".into(),
             },
             format!(
                 "{} / {}",
@@ -415,7 +461,10 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     println!(
         "  It holds capturing and sending the vCPU and device state and building the VM there;"
     );
-    println!("  the pages follow after it (post-copy). Cloud Hypervisor: the same two ioctls.");
+    println!(
+        "  in post-copy the pages follow after it; in pre-copy it also holds sending the pages"
+    );
+    println!("  written during the last round. Cloud Hypervisor: the same two ioctls.");
     println!(
         "from request: the send-migration request to the destination's first KVM_RUN (an upper"
     );
@@ -424,7 +473,11 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     println!(
         "  destination by then). pages: the source's count of pages with data, and of those sent"
     );
-    println!("  because the destination faulted on them (asked) or in the background (pushed).");
+    println!("  because the destination faulted on them (asked) or in the background (pushed);");
+    println!(
+        "  for a pre-copy, its rounds and the pages sent while the VM ran / in the pause (a page"
+    );
+    println!("  written again is sent again).");
     println!(
         "task ms: the task's own time from its result line, migrated right after hello and in an"
     );
@@ -448,7 +501,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let mut figs = Vec::new();
     for &mib in sizes {
         for work in [Work::Idle, Work::Write] {
-            let m = find("musubi", mib, work, true).and_then(|s| s.downtime);
+            let m = find("musubi", mib, work, true, false).and_then(|s| s.downtime);
             figs.push(Figure {
                 what: format!("musubi downtime, {}, {}", size_text(mib), work.short(mib)),
                 ours: m
@@ -458,7 +511,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 source: GOAL_SOURCE.into(),
                 met: m.map(|x| x.median <= GOAL_DOWNTIME_MS * 1e6),
             });
-            let ch = find("cloud-hypervisor", mib, work, true).and_then(|s| s.downtime);
+            let ch = find("cloud-hypervisor", mib, work, true, true).and_then(|s| s.downtime);
             if listed.contains(&"cloud-hypervisor") {
                 let r = m.zip(ch).and_then(|(a, b)| ratio(a.median, b.median));
                 figs.push(Figure {
@@ -473,6 +526,38 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                     reference: format!("<= {GOAL_VS_CH}x"),
                     source: GOAL_SOURCE.into(),
                     met: r.map(|x| x <= GOAL_VS_CH),
+                });
+            }
+        }
+    }
+    // The two ways on one VMM, in one run: no goal, a comparison.
+    for &mib in sizes {
+        for work in [Work::Idle, Work::Write] {
+            let post = find("musubi", mib, work, true, false);
+            let pre = find("musubi", mib, work, true, true);
+            for (what, g) in [
+                (
+                    "downtime",
+                    (|s: &Sums| s.downtime) as fn(&Sums) -> Option<Summary>,
+                ),
+                ("total", |s: &Sums| s.total),
+            ] {
+                let r = post
+                    .and_then(g)
+                    .zip(pre.and_then(g))
+                    .and_then(|(a, b)| ratio(b.median, a.median));
+                figs.push(Figure {
+                    what: format!(
+                        "{what}, pre-copy / post-copy, {}, {}",
+                        size_text(mib),
+                        work.name()
+                    ),
+                    ours: r
+                        .map(|x| format!("{x:.2}x"))
+                        .unwrap_or_else(|| "n/a".into()),
+                    reference: "(comparison)".into(),
+                    source: "same run".into(),
+                    met: None,
                 });
             }
         }
@@ -545,6 +630,9 @@ struct Sums {
     data_pages: Option<Summary>,
     asked: Option<Summary>,
     pushed: Option<Summary>,
+    rounds: Option<Summary>,
+    live: Option<Summary>,
+    paused: Option<Summary>,
     task: Option<Summary>,
 }
 
@@ -562,6 +650,9 @@ impl Sums {
             data_pages: f(&|x| x.data_pages),
             asked: f(&|x| x.asked),
             pushed: f(&|x| x.pushed),
+            rounds: f(&|x| x.rounds),
+            live: f(&|x| x.live),
+            paused: f(&|x| x.paused),
             task: f(&|x| Some(x.task_ns)),
         }
     }
@@ -805,7 +896,11 @@ fn musubi_migrated(
     })?;
 
     trace.clear()?;
-    let body = serde_json::json!({ "destination_url": url, "secret_file": secret }).to_string();
+    let mut body = serde_json::json!({ "destination_url": url, "secret_file": secret });
+    if c.precopy {
+        body["mode"] = "precopy".into();
+    }
+    let body = body.to_string();
     let t0 = monotonic_ns();
     let (answer, total) = send_and_wait(&src, &socket, &body, t0)
         .map_err(|e| format!("{e}; {}; {}", src.said(), dst.said()))?;
@@ -861,6 +956,9 @@ fn musubi_migrated(
         data_pages: log_field(&log, "data_pages"),
         asked: log_field(&log, "asked"),
         pushed: log_field(&log, "pushed"),
+        rounds: log_field(&log, "precopy_rounds").filter(|_| c.precopy),
+        live: log_field(&log, "precopy_live").filter(|_| c.precopy),
+        paused: log_field(&log, "precopy_paused").filter(|_| c.precopy),
         task_ns,
     })
 }

@@ -612,16 +612,17 @@ fn bench_migrate_quick_moves_musubi_idle_and_writing_at_both_sizes() {
     let (r, out) = quick("migrate");
     let t = CsvFile::read(&out.path().join("migrate.csv"));
     let c = |name: &str| t.col(name);
-    let (hv, mem, task, migrated, unavailable) = (
+    let (hv, mem, task, migrated, mode, unavailable) = (
         c("hypervisor"),
         c("memory_mib"),
         c("task"),
         c("migrated"),
+        c("mode"),
         c("unavailable"),
     );
     for mib in [128u64, 256] {
         for work in ["idle", "write"] {
-            for moved in ["true", "false"] {
+            for (moved, how) in [("true", "post-copy"), ("true", "pre-copy"), ("false", "")] {
                 let rows: Vec<_> = t
                     .rows
                     .iter()
@@ -630,19 +631,23 @@ fn bench_migrate_quick_moves_musubi_idle_and_writing_at_both_sizes() {
                             && row[mem] == mib.to_string()
                             && row[task].starts_with(work)
                             && row[migrated] == moved
+                            && row[mode] == how
                     })
                     .collect();
-                assert_eq!(rows.len(), 1, "musubi {mib} MiB {work} {moved}\n{}", t.text);
+                assert_eq!(
+                    rows.len(),
+                    1,
+                    "musubi {mib} MiB {work} {moved} {how}\n{}",
+                    t.text
+                );
                 let row = rows[0];
                 assert!(row[unavailable].is_empty(), "{row:?}");
                 let mut cols = vec!["task_ms"];
                 if moved == "true" {
-                    cols.extend([
-                        "downtime_ms",
-                        "request_to_first_kvm_run_ms",
-                        "total_ms",
-                        "data_pages",
-                    ]);
+                    cols.extend(["downtime_ms", "request_to_first_kvm_run_ms", "total_ms"]);
+                }
+                if how == "post-copy" {
+                    cols.push("data_pages");
                 }
                 for col in cols {
                     let v: f64 = row[c(col)]
@@ -650,12 +655,18 @@ fn bench_migrate_quick_moves_musubi_idle_and_writing_at_both_sizes() {
                         .unwrap_or_else(|_| panic!("no {col} in {row:?}"));
                     assert!(v > 0.0, "{col} in {row:?}");
                 }
-                if moved == "true" {
-                    let n = |col: &str| -> u64 { row[c(col)].parse().expect(col) };
+                let n = |col: &str| -> u64 { row[c(col)].parse().expect(col) };
+                if how == "post-copy" {
                     assert!(
                         n("pages_asked") + n("pages_pushed") >= n("data_pages"),
                         "{row:?}"
                     );
+                }
+                if how == "pre-copy" {
+                    // Every page came before the switch: none listed to follow it.
+                    assert_eq!(n("data_pages"), 0, "{row:?}");
+                    assert!(n("precopy_rounds") >= 1, "{row:?}");
+                    assert!(n("pages_sent_live") > 0, "{row:?}");
                 }
             }
         }

@@ -19,6 +19,7 @@ use crate::virtio::driver::{
 use crate::virtio::mmio::{MMIO_MAGIC, MMIO_SIZE, MMIO_VERSION};
 use crate::virtio::net::{Net, MAX_FRAME_LEN};
 use crate::virtio::pmem::{Pmem, VIRTIO_PMEM_RESP_OK};
+use crate::GuestMemoryMmap;
 use dsm::rng::Rng;
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_mmio::*;
@@ -28,7 +29,7 @@ use virtio_bindings::virtio_ring::{
 };
 use virtio_queue::desc::split::{Descriptor, VirtqUsedElem};
 use virtio_queue::QueueT;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 
 /// A hole in the mock guest memory, so buffers can straddle two regions or end in nothing.
 const HOLE: (u64, u64) = (0x40_0000, 0x41_0000);

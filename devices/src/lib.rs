@@ -13,6 +13,15 @@ pub mod virtio;
 
 pub use irq::{EventFdIrq, Irq};
 
+/// Guest memory as the VMM and its devices see it. Every write made through it (a used ring,
+/// a received frame, a block read) marks its pages in the region's bitmap: KVM's dirty log
+/// sees only the guest's own writes, and a live migration must resend the VMM's too.
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap>;
+/// One region of [`GuestMemoryMmap`].
+pub type GuestRegionMmap = vm_memory::GuestRegionMmap<vm_memory::bitmap::AtomicBitmap>;
+/// The host mapping behind a [`GuestRegionMmap`].
+pub type MmapRegion = vm_memory::MmapRegion<vm_memory::bitmap::AtomicBitmap>;
+
 /// How the VM ends when a device asks it to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VmExitRequest {

@@ -279,6 +279,23 @@ impl Memory {
         Ok(out)
     }
 
+    /// Overwrites a present page with plain stores.
+    ///
+    /// # Safety
+    /// The page must be present (a store on an absent page would stop the calling thread on
+    /// the userfaultfd it may be serving), and no other thread may access it meanwhile.
+    pub unsafe fn write_present(
+        &self,
+        page: PageNo,
+        data: &[u8; PAGE_SIZE],
+    ) -> Result<(), MemoryError> {
+        let addr = self.page_addr(page)?;
+        // SAFETY: `addr` is a page inside the mapping; the caller guarantees it is present
+        // and not accessed by anyone else.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr, PAGE_SIZE) };
+        Ok(())
+    }
+
     /// Waits up to `timeout` (forever if `None`) for one fault. `Ok(None)` means none came.
     pub fn next_fault(&self, timeout: Option<Duration>) -> Result<Option<Fault>, MemoryError> {
         let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);

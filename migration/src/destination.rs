@@ -120,7 +120,14 @@ fn session(
         }
     };
     send(&mut writer, &Msg::Ready).map_err(|e| e.to_string())?;
-    let first = recv(&mut reader)?;
+    // A pre-copy source sends pages before the state, while its VM runs, some of them
+    // several times over.
+    let first = loop {
+        match recv(&mut reader)? {
+            Msg::Page { page, data } => ram.precopy(page, &data)?,
+            m => break m,
+        }
+    };
     let state = recv_blob(&mut reader, Blob::State, first)?;
     if let Err(why) = host.apply(&state) {
         let _ = send(&mut writer, &Msg::Failed(why.clone()));
@@ -150,6 +157,8 @@ pub struct PostCopyStats {
     pub asked: AtomicU64,
     /// Pages the source sent that were installed here.
     pub installed: AtomicU64,
+    /// Pages a pre-copy sent before the switch, counting each time a page came again.
+    pub precopied: AtomicU64,
 }
 
 /// Guest RAM filled from the migration's source: see the module comment.
@@ -220,12 +229,14 @@ impl PostCopyRam {
         self.held.load(Ordering::Acquire)
     }
 
-    /// `{"faults", "asked", "installed", "data_pages", "all_held"}` for the run's metrics.
+    /// `{"faults", "asked", "installed", "precopied", "data_pages", "all_held"}` for the
+    /// run's metrics.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
             "faults": self.stats.faults.load(Ordering::Relaxed),
             "asked": self.stats.asked.load(Ordering::Relaxed),
             "installed": self.stats.installed.load(Ordering::Relaxed),
+            "precopied": self.stats.precopied.load(Ordering::Relaxed),
             "data_pages": Some(self.data_pages.load(Ordering::Relaxed)).filter(|&n| n != NOT_LISTED),
             "all_held": self.all_held(),
         })
@@ -244,11 +255,10 @@ impl PostCopyRam {
         self.failure.fail(why);
     }
 
-    /// Pages with data not here yet; `None` before the source has listed them.
-    fn missing(&self) -> Option<u64> {
+    /// How many pages the source listed as holding data; `None` before it has.
+    fn listed(&self) -> Option<u64> {
         let listed = self.data_pages.load(Ordering::Relaxed);
-        (listed != NOT_LISTED)
-            .then(|| listed.saturating_sub(self.stats.installed.load(Ordering::Relaxed)))
+        (listed != NOT_LISTED).then_some(listed)
     }
 
     fn send(&self, m: &Envelope) -> Result<(), String> {
@@ -268,6 +278,22 @@ impl PostCopyRam {
                 tracing::warn!("taking migrated guest RAM out of userfaultfd: {e}");
             }
         }
+    }
+
+    /// Takes a page sent before the switch, when nothing but this thread touches the RAM:
+    /// the first copy of a page is installed, a later one overwrites it.
+    fn precopy(&self, page: u64, data: &[u8; PAGE_SIZE]) -> Result<(), String> {
+        let err = |e: dsm_host::MemoryError| format!("pre-copied guest RAM: {e}");
+        if self.mem.install(page, data, true).map_err(err)? {
+            self.stats.installed.fetch_add(1, Ordering::Relaxed);
+        } else {
+            // SAFETY: before the switch no vCPU runs and no device works on this RAM, so
+            // nothing else reads or writes the page, which is present (just refused as
+            // such by UFFDIO_COPY).
+            unsafe { self.mem.write_present(page, data) }.map_err(err)?;
+        }
+        self.stats.precopied.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Starts the threads that bring the pages in over the link.
@@ -334,13 +360,17 @@ impl PostCopyRam {
         if self.held.load(Ordering::Acquire) {
             return;
         }
-        let missing = match self.missing() {
-            Some(n) => format!("{n} pages never arrived"),
-            None => "pages never arrived (the source had not yet said how many)".to_string(),
+        let installed = self.stats.installed.load(Ordering::Relaxed);
+        // Asked pages may be zeros, so the count that came is not subtracted from the list.
+        let missing = match self.listed() {
+            Some(n) => {
+                format!("{n} pages listed with data, {installed} came (asked for or pushed)")
+            }
+            None => format!("the source had not yet listed the pages with data, {installed} came"),
         };
         self.fail(format!(
-            "the migration's source was lost before every page came ({why}): {missing}, so \
-             the VM cannot go on"
+            "the migration's source was lost before every page came ({why}): {missing}; the \
+             VM cannot go on"
         ));
     }
 
@@ -421,11 +451,18 @@ mod tests {
 
     /// A paused-or-running VM of 96 pages, every third page holding data.
     struct FakeVm {
-        ram: Vec<u8>,
+        ram: Mutex<Vec<u8>>,
         captured: AtomicBool,
         resumed: AtomicUsize,
         /// The VM ends here (a signal) as soon as it is captured.
         end_on_capture: bool,
+        /// Dirty logging is on; gpas written since the last look.
+        logging: AtomicBool,
+        written: Mutex<Vec<u64>>,
+        /// While it runs, the guest writes these pages again before each look at the log;
+        /// when it pauses it writes `last`.
+        busy_pages: Vec<u64>,
+        last: Option<u64>,
     }
 
     impl FakeVm {
@@ -435,18 +472,27 @@ mod tests {
                 ram[p * 4096..(p + 1) * 4096].fill(p as u8 + 1);
             }
             FakeVm {
-                ram,
+                ram: Mutex::new(ram),
                 captured: AtomicBool::new(false),
                 resumed: AtomicUsize::new(0),
                 end_on_capture: false,
+                logging: AtomicBool::new(false),
+                written: Mutex::new(Vec::new()),
+                busy_pages: Vec::new(),
+                last: None,
             }
         }
-        fn offset(gpa: u64) -> usize {
-            RamLayout::new(RANGES.to_vec())
-                .unwrap()
-                .page_of(gpa)
-                .unwrap() as usize
-                * 4096
+        fn layout() -> RamLayout {
+            RamLayout::new(RANGES.to_vec()).unwrap()
+        }
+        /// The guest stores `value` over page `page`.
+        fn write(&self, page: u64, value: u8) {
+            let o = page as usize * 4096;
+            self.ram.lock().unwrap()[o..o + 4096].fill(value);
+            if self.logging.load(Ordering::SeqCst) {
+                let gpa = Self::layout().gpa_of(page).unwrap();
+                self.written.lock().unwrap().push(gpa);
+            }
         }
     }
 
@@ -455,6 +501,9 @@ mod tests {
             b"the config".to_vec()
         }
         fn capture(&self) -> Result<Vec<u8>, String> {
+            if let Some(p) = self.last {
+                self.write(p, 0xee);
+            }
             self.captured.store(true, Ordering::SeqCst);
             Ok(vec![b's'; 40_000])
         }
@@ -466,22 +515,43 @@ mod tests {
             RANGES.to_vec()
         }
         fn pages_with_data(&self) -> Result<Vec<u64>, String> {
-            let l = RamLayout::new(RANGES.to_vec()).unwrap();
+            let l = Self::layout();
             Ok((0..96).step_by(3).map(|p| l.gpa_of(p).unwrap()).collect())
         }
         fn read_page(&self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), String> {
-            let o = Self::offset(gpa);
-            buf.copy_from_slice(&self.ram[o..o + 4096]);
+            let o = Self::layout().page_of(gpa).unwrap() as usize * 4096;
+            buf.copy_from_slice(&self.ram.lock().unwrap()[o..o + 4096]);
             Ok(())
         }
         fn has_ended(&self) -> bool {
             self.end_on_capture && self.captured.load(Ordering::SeqCst)
+        }
+        fn start_dirty_log(&self) -> Result<(), String> {
+            self.logging.store(true, Ordering::SeqCst);
+            Ok(())
+        }
+        fn dirty_pages(&self) -> Result<Vec<u64>, String> {
+            if !self.logging.load(Ordering::SeqCst) {
+                return Err("dirty logging is off".into());
+            }
+            if !self.captured.load(Ordering::SeqCst) {
+                for &p in &self.busy_pages {
+                    let next = self.ram.lock().unwrap()[p as usize * 4096].wrapping_add(1);
+                    self.write(p, next);
+                }
+            }
+            Ok(std::mem::take(&mut *self.written.lock().unwrap()))
+        }
+        fn stop_dirty_log(&self) -> Result<(), String> {
+            self.logging.store(false, Ordering::SeqCst);
+            Ok(())
         }
     }
 
     #[derive(Default)]
     struct FakeHost {
         refuse: Option<String>,
+        fail_apply: Option<String>,
         state_len: usize,
     }
 
@@ -495,7 +565,7 @@ mod tests {
         }
         fn apply(&mut self, state: &[u8]) -> Result<(), String> {
             self.state_len = state.len();
-            Ok(())
+            self.fail_apply.clone().map_or(Ok(()), Err)
         }
     }
 
@@ -631,10 +701,136 @@ mod tests {
         }));
         let why = rx.recv_timeout(Duration::from_secs(60)).unwrap();
         assert!(
-            why.contains("32 pages never arrived") || why.contains("had not yet said how many"),
+            why.contains("32 pages listed with data, 0 came")
+                || why.contains("had not yet listed the pages with data"),
             "{why}"
         );
         assert!(!ram.all_held());
+        ram.release();
+    }
+
+    fn precopy(downtime: Duration, max_rounds: u32) -> Options {
+        let mut o = opts(b"0123456789abcdef");
+        o.mode = crate::Mode::PreCopy {
+            downtime,
+            max_rounds,
+        };
+        o
+    }
+
+    #[test]
+    fn a_precopy_sends_every_page_before_the_switch_and_the_last_written_copy_wins() {
+        let (l, addr) = listener();
+        let dest = destination(l, b"0123456789abcdef", FakeHost::default(), usize::MAX);
+        let vm = Arc::new(FakeVm {
+            busy_pages: vec![1, 4],
+            last: Some(7),
+            ..FakeVm::new()
+        });
+        let src = {
+            let vm = vm.clone();
+            // A downtime of zero is never met: the rounds run out.
+            std::thread::spawn(move || migrate(&*vm, &addr, &precopy(Duration::ZERO, 3)))
+        };
+        let (logs, ram, _) = dest.join().unwrap();
+        let ram = ram.unwrap_or_else(|| panic!("no VM came: {logs:?}"));
+        let report = src.join().unwrap().unwrap();
+        assert_eq!(
+            report.precopy,
+            Some(crate::source::PreCopyReport {
+                rounds: 3,
+                // 32 pages with data, then pages 1 and 4 written again during rounds 1 and 2.
+                pages_live: 36,
+                // Written during round 3 (1 and 4) and at the pause (7).
+                pages_paused: 3,
+                converged: false,
+            })
+        );
+        assert_eq!((report.data_pages, report.pages_pushed), (0, 0));
+        let want = vm.ram.lock().unwrap().clone();
+        for p in 0..96usize {
+            // SAFETY: reads inside the mapping; a page never sent is served as zeros.
+            let b = unsafe { *ram.host_addr().add(p * 4096 + 17) };
+            assert_eq!(b, want[p * 4096 + 17], "page {p}");
+        }
+        assert_eq!(
+            want[4096], 3,
+            "page 1 was written before each of three looks"
+        );
+        assert_eq!(want[7 * 4096], 0xee);
+        assert_eq!(ram.stats().precopied.load(Ordering::Relaxed), 39);
+        // 32 pages with data and 1, 4 and 7, once each.
+        assert_eq!(ram.stats().installed.load(Ordering::Relaxed), 35);
+        assert!(ram.all_held());
+        ram.release();
+    }
+
+    #[test]
+    fn a_precopy_stops_its_rounds_once_what_is_left_fits_the_downtime() {
+        let (l, addr) = listener();
+        let dest = destination(l, b"0123456789abcdef", FakeHost::default(), usize::MAX);
+        let vm = Arc::new(FakeVm {
+            busy_pages: vec![1],
+            ..FakeVm::new()
+        });
+        let src = {
+            let vm = vm.clone();
+            std::thread::spawn(move || migrate(&*vm, &addr, &precopy(Duration::from_secs(60), 9)))
+        };
+        let (_, ram, _) = dest.join().unwrap();
+        let report = src.join().unwrap().unwrap();
+        let pre = report.precopy.unwrap();
+        assert_eq!((pre.rounds, pre.pages_live, pre.pages_paused), (1, 32, 1));
+        assert!(pre.converged);
+        ram.unwrap().release();
+    }
+
+    #[test]
+    fn a_precopy_that_fails_before_the_switch_resumes_the_vm_and_stops_the_log() {
+        let (l, addr) = listener();
+        let host = FakeHost {
+            fail_apply: Some("the state names a device this build lacks".into()),
+            ..FakeHost::default()
+        };
+        let dest = destination(l, b"0123456789abcdef", host, 1);
+        let vm = FakeVm {
+            busy_pages: vec![1],
+            ..FakeVm::new()
+        };
+        let e = migrate(&vm, &addr, &precopy(Duration::ZERO, 2)).unwrap_err();
+        assert!(matches!(e, SourceError::Before(_)), "{e}");
+        assert!(e.to_string().contains("device this build lacks"), "{e}");
+        assert_eq!(vm.resumed.load(Ordering::SeqCst), 1);
+        assert!(!vm.logging.load(Ordering::SeqCst), "dirty logging left on");
+        dest.join().unwrap();
+    }
+
+    #[test]
+    fn a_push_limit_holds_back_the_push_but_never_an_asked_page() {
+        // One page a second: pushing the 32 pages with data would take half a minute, but
+        // every page the destination touches is asked for and served at once.
+        let (l, addr) = listener();
+        let dest = destination(l, b"0123456789abcdef", FakeHost::default(), usize::MAX);
+        let vm = Arc::new(FakeVm::new());
+        let src = {
+            let vm = vm.clone();
+            let mut o = opts(b"0123456789abcdef");
+            o.push_limit = Some(4096);
+            std::thread::spawn(move || migrate(&*vm, &addr, &o))
+        };
+        let (logs, ram, _) = dest.join().unwrap();
+        let ram = ram.unwrap_or_else(|| panic!("no VM came: {logs:?}"));
+        for p in 0..96 {
+            // SAFETY: reads inside the mapping, served by the fault thread.
+            let b = unsafe { *ram.host_addr().add(p * 4096 + 5) };
+            assert_eq!(b, if p % 3 == 0 { p as u8 + 1 } else { 0 }, "page {p}");
+        }
+        let report = src.join().unwrap().unwrap();
+        assert!(
+            report.pages_pushed < 16,
+            "the push was not held back: {report:?}"
+        );
+        assert!(report.pages_asked >= 32 - report.pages_pushed, "{report:?}");
         ram.release();
     }
 }

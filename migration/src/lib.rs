@@ -1,9 +1,10 @@
-//! Live migration of a running VM from one Musubi process to another, post-copy, as issue 24
-//! describes: the coherence protocol run the other way round. The source pauses the VM and
+//! Live migration of a running VM from one Musubi process to another. By default
+//! post-copy, the coherence protocol run the other way round: the source pauses the VM and
 //! sends its configuration and its vCPU and device state; the destination builds it on guest
 //! RAM whose every page is absent and starts it at once; pages then follow, each asked for
 //! by the destination's first fault on it and pushed by the source meanwhile, until the
-//! destination holds them all and the source ends its VM.
+//! destination holds them all and the source ends its VM. Pre-copy ([`Mode::PreCopy`]) sends
+//! the pages into that same RAM before the pause instead, in rounds, so that nothing follows.
 //!
 //! - [`protocol`]: the messages and the page numbering both ends share.
 //! - [`source`]: the sending side, over a [`source::SourceVm`].
@@ -38,10 +39,37 @@ const MAX_DOCUMENT: usize = 64 << 20;
 /// Shortest secret accepted, as for the nodes of a cluster.
 pub const MIN_SECRET: usize = 16;
 
-/// How a migration's link is authenticated and bounded.
+/// How guest RAM moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Switch at once; the pages follow, each asked for by the destination's first fault on
+    /// it and pushed by the source meanwhile. The pause holds no page.
+    PostCopy,
+    /// Copy the pages while the VM runs here, then in rounds the pages written meanwhile
+    /// (KVM's dirty log and the VMM's own writes), and pause once what is left can be sent
+    /// within `downtime` at the rate the last round reached, or after `max_rounds` rounds
+    /// whatever is left. The pause sends what was written last; nothing follows the switch.
+    PreCopy { downtime: Duration, max_rounds: u32 },
+}
+
+impl Mode {
+    /// Cloud Hypervisor's downtime target (`downtime_ms`, 300 by default) and a bound on
+    /// rounds, for a guest that writes faster than the link carries.
+    pub const PRECOPY_DEFAULT: Mode = Mode::PreCopy {
+        downtime: Duration::from_millis(300),
+        max_rounds: 10,
+    };
+}
+
+/// How a migration's link is authenticated and bounded, and how RAM moves.
 #[derive(Clone)]
 pub struct Options {
     pub secret: Vec<u8>,
+    pub mode: Mode,
+    /// Post-copy: most bytes per second the background push sends (asked pages are never
+    /// held back), so a migration leaves room on a shared link; `None` sends as fast as
+    /// the link takes them.
+    pub push_limit: Option<u64>,
     /// Longest silence of the peer (not even a heartbeat) after the switch before it counts
     /// as lost.
     pub silence: Duration,
@@ -56,6 +84,8 @@ impl Options {
     pub fn new(secret: Vec<u8>) -> Options {
         Options {
             secret,
+            mode: Mode::PostCopy,
+            push_limit: None,
             silence: Duration::from_secs(10),
             heartbeat: Duration::from_secs(1),
             setup_limit: Duration::from_secs(30),
@@ -77,6 +107,8 @@ impl std::fmt::Debug for Options {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Options")
             .field("secret", &"<redacted>")
+            .field("mode", &self.mode)
+            .field("push_limit", &self.push_limit)
             .field("silence", &self.silence)
             .field("heartbeat", &self.heartbeat)
             .field("setup_limit", &self.setup_limit)

@@ -2,12 +2,17 @@
 //! authenticated link, and the numbering of guest pages both ends share.
 //!
 //! Source (S) and destination (D), in order:
-//! - S: `Part(Config, ..)`* `End(Config)`; D: `Ready` or `Refused(why)`.
-//! - S pauses the VM; S: `Part(State, ..)`* `End(State)`; D builds the VM on absent RAM:
+//! - S: `Part(Config, ..)`* `End(Config)`; D checks it and builds the VM on RAM whose
+//!   every page is absent: `Ready`, or `Refused(why)`.
+//! - Pre-copy only, while the VM runs on S: `Page`* (every page that may hold data, then
+//!   in rounds those written meanwhile, a page as often as it was written), and after the
+//!   pause the pages written last. D installs each, a later copy over an earlier one.
+//! - S pauses the VM; S: `Part(State, ..)`* `End(State)`; D puts the state into the VM:
 //!   `Built` or `Failed(why)`. Until here the source's VM can go on (S resumes it).
-//! - S: `Switch { data_pages }`, the point of no return: D starts the VM. From here on D
-//!   sends `Want(page)` for each page a fault needs (once) and S sends `Page` for those
-//!   first and for every page that may hold data meanwhile, each once, then `Done`.
+//! - S: `Switch`, the point of no return: D starts the VM. S: `Listed { data_pages }` once
+//!   it has listed the pages that may hold data (none after a pre-copy). From the switch on
+//!   D sends `Want(page)` for each page a fault needs (once) and S sends `Page` for those
+//!   first and for every listed page meanwhile, each once, then `Done`.
 //! - D, once `Done` came (every page with data is in; every other page is zeros):
 //!   `AllHeld`, and S ends its VM as migrated. D sends `Ended` instead if its VM ended
 //!   before, which ends the source's VM as migrated too.

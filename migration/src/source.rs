@@ -8,13 +8,13 @@
 //! ends its VM with that message.
 
 use crate::protocol::{Blob, Msg, RamLayout};
-use crate::{recv, send, send_blob, Options, DESTINATION, SOURCE};
+use crate::{recv, send, send_blob, Mode, Options, DESTINATION, SOURCE};
 use dsm::PAGE_SIZE;
 use dsm_host::link::{LinkReader, LinkWriter};
 use dsm_host::{Envelope, Link, Role};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::mpsc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The VM being sent, as the source sees it.
 pub trait SourceVm: Send + Sync {
@@ -31,6 +31,13 @@ pub trait SourceVm: Send + Sync {
     fn read_page(&self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), String>;
     /// Whether the VM has ended here (a signal, a timeout): nothing more can be sent.
     fn has_ended(&self) -> bool;
+    /// Starts tracking the pages written (by the guest or the VMM), for pre-copy.
+    fn start_dirty_log(&self) -> Result<(), String>;
+    /// Guest-physical addresses of the pages written since tracking started or the last
+    /// call.
+    fn dirty_pages(&self) -> Result<Vec<u64>, String>;
+    /// Stops that tracking (a pre-copy that failed before the switch).
+    fn stop_dirty_log(&self) -> Result<(), String>;
 }
 
 /// What a migration that succeeded did.
@@ -46,6 +53,22 @@ pub struct SourceReport {
     pub pages_pushed: u64,
     /// The VM ended on the destination before it held every page (no page is needed then).
     pub ended_there: bool,
+    /// Pre-copy only: what was sent before the switch.
+    pub precopy: Option<PreCopyReport>,
+}
+
+/// What the rounds of a pre-copy sent.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PreCopyReport {
+    /// Rounds while the VM ran: the first sends every page that may hold data, each later
+    /// one the pages written during the one before.
+    pub rounds: u32,
+    /// Pages sent while the VM ran, over every round (a page written again is sent again).
+    pub pages_live: u64,
+    /// Pages written during the last round and since, sent while the VM was paused.
+    pub pages_paused: u64,
+    /// Whether what was left fitted the downtime target (otherwise the rounds ran out).
+    pub converged: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -96,26 +119,59 @@ pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceRepo
         m => return Err(setup(format!("unexpected {} message", m.name()))),
     }
 
+    let layout = RamLayout::new(vm.ram_ranges()).map_err(setup)?;
+    let mut precopy = None;
+    let mut leftover = Vec::new();
+    if let Mode::PreCopy {
+        downtime,
+        max_rounds,
+    } = opts.mode
+    {
+        match rounds(vm, &layout, &mut writer, downtime, max_rounds) {
+            Ok((r, left)) => {
+                precopy = Some(r);
+                leftover = left;
+            }
+            Err(e) => {
+                let _ = vm.stop_dirty_log();
+                return Err(setup(e));
+            }
+        }
+    }
+
     // From here the VM is paused; every way out before the switch resumes it.
+    let pre_copied = precopy.is_some();
+    let resume = |why: String| {
+        if pre_copied {
+            let _ = vm.stop_dirty_log();
+        }
+        if let Err(r) = vm.resume() {
+            tracing::warn!("resuming the VM after a failed migration: {r}");
+        }
+        setup(why)
+    };
     let state = match vm.capture() {
         Ok(s) => s,
-        Err(e) => {
-            let _ = vm.resume();
-            return Err(setup(format!("pausing the VM and reading its state: {e}")));
-        }
+        Err(e) => return Err(resume(format!("pausing the VM and reading its state: {e}"))),
     };
-    // The pages that may hold data are listed while the state travels and the VM starts on
-    // the other side: the page map of a 4 GiB guest takes milliseconds to read, which
-    // would otherwise be part of the pause. The VM does not run here again, so the list
-    // made now stays true.
-    let layout = match RamLayout::new(vm.ram_ranges()) {
-        Ok(l) => l,
-        Err(e) => {
-            let _ = vm.resume();
-            return Err(setup(e));
+    if let Some(pre) = precopy.as_mut() {
+        // The pages written during the last round and since, while the VM is paused.
+        let last = vm.dirty_pages().and_then(|mut d| {
+            d.append(&mut leftover);
+            d.sort_unstable();
+            d.dedup();
+            send_pages(vm, &layout, &mut writer, &d)
+        });
+        match last {
+            Ok(n) => pre.pages_paused = n,
+            Err(e) => return Err(resume(e)),
         }
-    };
+    }
     let list = |layout: &RamLayout| -> Result<Vec<u64>, String> {
+        if pre_copied {
+            // Every page with data is there already.
+            return Ok(Vec::new());
+        }
         let mut data: Vec<u64> = vm
             .pages_with_data()?
             .into_iter()
@@ -125,14 +181,86 @@ pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceRepo
         data.dedup();
         Ok(data)
     };
-    std::thread::scope(|scope| {
+    // In post-copy, the pages that may hold data are listed while the state travels and the
+    // VM starts on the other side: the page map of a 4 GiB guest takes milliseconds to read,
+    // which would otherwise be part of the pause. The VM does not run here again, so the
+    // list made now stays true.
+    let r = std::thread::scope(|scope| {
         let (listed_tx, listed) = mpsc::channel();
         let layout_for_list = layout.clone();
         scope.spawn(move || {
             let _ = listed_tx.send(list(&layout_for_list));
         });
         switch_over(vm, to, opts, writer, reader, layout, &state, listed)
+    });
+    if r.is_err() && pre_copied {
+        let _ = vm.stop_dirty_log();
+    }
+    r.map(|mut report| {
+        report.precopy = precopy;
+        report
     })
+}
+
+/// Sends the pages numbered by guest-physical address in `gpas` (those outside guest RAM
+/// are skipped) while the VM may still write them; returns how many were sent.
+fn send_pages(
+    vm: &dyn SourceVm,
+    layout: &RamLayout,
+    writer: &mut LinkWriter,
+    gpas: &[u64],
+) -> Result<u64, String> {
+    let mut buf = Box::new([0u8; PAGE_SIZE]);
+    let mut sent = 0;
+    for &gpa in gpas {
+        let Some(page) = layout.page_of(gpa) else {
+            continue;
+        };
+        vm.read_page(gpa, &mut buf)?;
+        let m = Msg::Page {
+            page,
+            data: buf.clone(),
+        };
+        send(writer, &m).map_err(|e| e.to_string())?;
+        sent += 1;
+    }
+    Ok(sent)
+}
+
+/// Pre-copy's rounds while the VM runs: every page that may hold data, then again and again
+/// the pages written meanwhile, until what is left would take at most `downtime` to send at
+/// the rate of the round before, or `max_rounds` rounds have run. Returns the pages written
+/// during the last round, which the pause sends.
+fn rounds(
+    vm: &dyn SourceVm,
+    layout: &RamLayout,
+    writer: &mut LinkWriter,
+    downtime: Duration,
+    max_rounds: u32,
+) -> Result<(PreCopyReport, Vec<u64>), String> {
+    vm.start_dirty_log()?;
+    let mut report = PreCopyReport::default();
+    let mut pages = vm
+        .pages_with_data()
+        .map_err(|e| format!("finding the pages with data: {e}"))?;
+    loop {
+        let started = Instant::now();
+        let n = send_pages(vm, layout, writer, &pages)?;
+        report.rounds += 1;
+        report.pages_live += n;
+        // Pages per second this round reached; a round too short to time counts as fast.
+        let rate = n as f64 / started.elapsed().as_secs_f64().max(1e-6);
+        pages = vm.dirty_pages()?;
+        let left = pages.len() as f64 / rate.max(1.0);
+        if left <= downtime.as_secs_f64() {
+            report.converged = true;
+            break;
+        }
+        if report.rounds >= max_rounds.max(1) {
+            break;
+        }
+    }
+    Ok((report, pages))
 }
 
 /// Sends the paused VM's state, switches over once the destination has built it, and then
@@ -239,6 +367,15 @@ fn after_switch(
     let mut done = false;
     let mut beat = 0u64;
     let mut last_send = Instant::now();
+    // The background push keeps under `push_limit` bytes per second from the switch on;
+    // asked pages are never held back (a vCPU waits for each).
+    let pushing_since = Instant::now();
+    let over_limit = |pushed: u64| {
+        opts.push_limit.is_some_and(|limit| {
+            (pushed * PAGE_SIZE as u64) as f64
+                > limit as f64 * pushing_since.elapsed().as_secs_f64()
+        })
+    };
     loop {
         if vm.has_ended() {
             return Err(lost(&report, &data, &sent, "the VM ended here".into()));
@@ -272,8 +409,13 @@ fn after_switch(
                     Some(Err("the link's reader stopped".into()))
                 }
             }
-        } else if done {
-            match rx.recv_timeout(opts.heartbeat) {
+        } else if done || over_limit(report.pages_pushed) {
+            let wait = if done {
+                opts.heartbeat
+            } else {
+                std::time::Duration::from_millis(1)
+            };
+            match rx.recv_timeout(wait) {
                 Ok(m) => Some(m),
                 Err(mpsc::RecvTimeoutError::Timeout) => None,
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
@@ -306,7 +448,7 @@ fn after_switch(
                 ))
             }
             Some(Err(e)) => return Err(lost(&report, &data, &sent, e)),
-            None if done => None,
+            None if done || over_limit(report.pages_pushed) => None,
             None => {
                 let Some(list) = data.as_deref() else {
                     continue;
@@ -347,7 +489,7 @@ fn after_switch(
             }
             sent[p as usize] = true;
             last_send = Instant::now();
-        } else if done && last_send.elapsed() >= opts.heartbeat {
+        } else if last_send.elapsed() >= opts.heartbeat {
             beat += 1;
             if let Err(e) = writer.send(&Envelope::Heartbeat { seq: beat }) {
                 return Err(lost(&report, &data, &sent, e.to_string()));

@@ -55,9 +55,9 @@ impl VmControl for ApiTarget {
         Ok(())
     }
 
-    fn send_migration(&self, url: &str, secret_file: &std::path::Path) -> Result<(), ActionError> {
+    fn send_migration(&self, req: &musubi_api::SendMigration) -> Result<(), ActionError> {
         match &self.migrator {
-            Some(m) => m.send(url, secret_file).map_err(ActionError::internal),
+            Some(m) => m.send(req).map_err(ActionError::internal),
             None => Err(ActionError::internal(
                 "this VMM cannot send its VM: its migrator thread did not start",
             )),

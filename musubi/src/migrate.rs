@@ -1,4 +1,4 @@
-//! Live migration between `musubi run` processes (post-copy), the glue between `run`, the
+//! Live migration between `musubi run` processes (post-copy, or pre-copy on request), the
 //! control API and the `musubi-migration` crate:
 //! - destination: `run --receive-migration tcp:HOST:PORT --secret-file F` waits for one VM
 //!   ([`receive`]) and builds it on guest RAM whose pages come from the source;
@@ -9,7 +9,7 @@
 use crate::cli;
 use musubi_migration::destination::{self, Host, PostCopyRam};
 use musubi_migration::source::{self, SourceError, SourceVm};
-use musubi_migration::{parse_url, read_secret, Options};
+use musubi_migration::{parse_url, read_secret, Mode, Options};
 use signal_hook::iterator::Signals;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex};
@@ -248,11 +248,19 @@ impl SourceVm for HandleVm<'_> {
     fn has_ended(&self) -> bool {
         self.0.has_ended()
     }
+    fn start_dirty_log(&self) -> Result<(), String> {
+        self.0.start_dirty_log()
+    }
+    fn dirty_pages(&self) -> Result<Vec<u64>, String> {
+        self.0.dirty_pages()
+    }
+    fn stop_dirty_log(&self) -> Result<(), String> {
+        self.0.stop_dirty_log()
+    }
 }
 
 struct Request {
-    url: String,
-    secret_file: PathBuf,
+    req: musubi_api::SendMigration,
     reply: mpsc::Sender<Result<(), String>>,
 }
 
@@ -274,9 +282,8 @@ impl Migrator {
         std::thread::Builder::new()
             .name("migrator".into())
             .spawn(move || {
-                for req in rx {
-                    let r = send(&vm, incoming.as_deref(), &req.url, &req.secret_file);
-                    let _ = req.reply.send(r);
+                for r in rx {
+                    let _ = r.reply.send(send(&vm, incoming.as_deref(), &r.req));
                 }
             })?;
         Ok(Migrator {
@@ -284,13 +291,12 @@ impl Migrator {
         })
     }
 
-    /// Moves the VM to `url` (`tcp:HOST:PORT`): `Ok` once it runs there and this side holds
-    /// nothing it needs (the VM here has then ended as migrated).
-    pub fn send(&self, url: &str, secret_file: &Path) -> Result<(), String> {
+    /// Moves the VM as `req` asks: `Ok` once it runs there and this side holds nothing it
+    /// needs (the VM here has then ended as migrated).
+    pub fn send(&self, req: &musubi_api::SendMigration) -> Result<(), String> {
         let (tx, rx) = mpsc::channel();
         let req = Request {
-            url: url.to_string(),
-            secret_file: secret_file.to_path_buf(),
+            req: req.clone(),
             reply: tx,
         };
         self.requests
@@ -306,9 +312,9 @@ impl Migrator {
 fn send(
     vm: &vmm::VmHandle,
     incoming: Option<&PostCopyRam>,
-    url: &str,
-    secret_file: &Path,
+    req: &musubi_api::SendMigration,
 ) -> Result<(), String> {
+    let url = req.url.as_str();
     if incoming.is_some_and(|r| !r.all_held()) {
         return Err(
             "this VM is still receiving its pages from its previous migration; ask again once \
@@ -317,15 +323,28 @@ fn send(
         );
     }
     let addr = parse_url(url)?;
-    let secret = read_secret(secret_file)?;
-    match source::migrate(&HandleVm(vm), addr, &Options::new(secret)) {
+    let secret = read_secret(&req.secret_file)?;
+    let mut opts = Options::new(secret);
+    opts.push_limit = req.push_limit;
+    if let Some(p) = req.precopy {
+        opts.mode = Mode::PreCopy {
+            downtime: std::time::Duration::from_millis(p.downtime_ms),
+            max_rounds: p.max_rounds,
+        };
+    }
+    match source::migrate(&HandleVm(vm), addr, &opts) {
         Ok(r) => {
+            let pre = r.precopy.clone().unwrap_or_default();
             tracing::info!(
                 to = url,
                 data_pages = r.data_pages,
                 asked = r.pages_asked,
                 pushed = r.pages_pushed,
                 ended_there = r.ended_there,
+                precopy_rounds = pre.rounds,
+                precopy_live = pre.pages_live,
+                precopy_paused = pre.pages_paused,
+                precopy_converged = pre.converged,
                 "migrated"
             );
             vm.stop(vmm::Outcome::Migrated {

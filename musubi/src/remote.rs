@@ -41,6 +41,22 @@ enum RemoteCommand {
         /// The shared secret, the same file as the destination's --secret-file.
         #[arg(long, value_name = "FILE")]
         secret_file: PathBuf,
+        /// postcopy: switch at once and let the pages follow (the pause holds no page).
+        /// precopy: copy the pages while the VM runs, in rounds, and pause once what is left
+        /// fits --downtime-ms (nothing follows the switch).
+        #[arg(long, value_enum, default_value_t = MigrationMode::Postcopy)]
+        mode: MigrationMode,
+        /// Pre-copy: pause once what is left can be sent within this many milliseconds
+        /// at the last round's rate [default: 300].
+        #[arg(long, value_name = "MS")]
+        downtime_ms: Option<u64>,
+        /// Pre-copy: pause after this many rounds whatever is left [default: 10].
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
+        max_rounds: Option<u32>,
+        /// Post-copy: most bytes per second the background push sends after the switch
+        /// (K, M, G suffixes; at least 4K); pages the VM asks for are never held back.
+        #[arg(long, value_name = "BYTES_PER_S", value_parser = push_limit)]
+        push_limit: Option<u64>,
     },
 }
 
@@ -56,11 +72,43 @@ fn request_of(
         RemoteCommand::Resume => ("PUT", "vm.resume", None),
         RemoteCommand::Shutdown => ("PUT", "vmm.shutdown", None),
         RemoteCommand::Snapshot { dir } => ("PUT", "vm.snapshot", Some(snapshot_body(dir)?)),
-        RemoteCommand::SendMigration { url, secret_file } => (
-            "PUT",
-            "vm.send-migration",
-            Some(migration_body(url, secret_file)?),
-        ),
+        RemoteCommand::SendMigration {
+            url,
+            secret_file,
+            mode,
+            downtime_ms,
+            max_rounds,
+            push_limit,
+        } => {
+            let mut body = migration_body(url, secret_file)?;
+            match mode {
+                MigrationMode::Postcopy => {
+                    if downtime_ms.is_some() || max_rounds.is_some() {
+                        return Err("--downtime-ms and --max-rounds bound a pre-copy; add \
+                                    --mode precopy"
+                            .into());
+                    }
+                    if let Some(limit) = push_limit {
+                        body["push_limit"] = (*limit).into();
+                    }
+                }
+                MigrationMode::Precopy if push_limit.is_some() => {
+                    return Err("--push-limit bounds a post-copy's background push; a \
+                                pre-copy pushes nothing after the switch"
+                        .into());
+                }
+                MigrationMode::Precopy => {
+                    body["mode"] = "precopy".into();
+                    if let Some(ms) = downtime_ms {
+                        body["downtime_ms"] = (*ms).into();
+                    }
+                    if let Some(n) = max_rounds {
+                        body["max_rounds"] = (*n).into();
+                    }
+                }
+            }
+            ("PUT", "vm.send-migration", Some(body.to_string()))
+        }
     })
 }
 
@@ -75,14 +123,32 @@ fn snapshot_body(dir: &Path) -> Result<String, String> {
     Ok(serde_json::json!({ "destination_url": format!("file://{abs}") }).to_string())
 }
 
+/// `--push-limit`'s bytes per second: a size, at least one page.
+fn push_limit(value: &str) -> Result<u64, String> {
+    let n = vmm::config::parse_size("--push-limit", value).map_err(|e| e.to_string())?;
+    if n < 4096 {
+        return Err(format!(
+            "--push-limit {value}: at least 4K (one page) per second"
+        ));
+    }
+    Ok(n)
+}
+
+/// How `send-migration` moves guest RAM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MigrationMode {
+    Postcopy,
+    Precopy,
+}
+
 /// `{"destination_url": URL, "secret_file": "/abs/path"}`.
-fn migration_body(url: &str, secret_file: &Path) -> Result<String, String> {
+fn migration_body(url: &str, secret_file: &Path) -> Result<serde_json::Value, String> {
     let abs = std::path::absolute(secret_file)
         .map_err(|e| format!("--secret-file {}: {e}", secret_file.display()))?;
     let abs = abs
         .to_str()
         .ok_or_else(|| format!("--secret-file {}: not UTF-8", abs.display()))?;
-    Ok(serde_json::json!({ "destination_url": url, "secret_file": abs }).to_string())
+    Ok(serde_json::json!({ "destination_url": url, "secret_file": abs }))
 }
 
 /// The answer's body to print on success, or the message for a refusal.

@@ -166,20 +166,42 @@ fn finished_destination(vm: Started, serial: &Path) -> String {
 /// secret made of `seed`, and returns the destination's console once both ends have
 /// ended as a move mid-task must.
 fn moved_mid_task(seed: u8, tasks: &str, flags: &[&str]) -> String {
+    moved_mid_task_with(seed, tasks, flags, &[]).0
+}
+
+/// As [`moved_mid_task`], with `send` added to `remote send-migration`; also returns the
+/// destination's `--metrics`.
+fn moved_mid_task_with(seed: u8, tasks: &str, flags: &[&str], send: &[&str]) -> (String, Value) {
     let dir = tempfile::tempdir().unwrap();
     let key = secret(dir.path(), "secret", seed);
     let port = free_port();
     let dest_serial = dir.path().join("dest.out");
-    let dest = start_destination(port, &key, &dest_serial, &[]);
+    let dest_metrics = dir.path().join("dest-metrics.json");
+    let dest = start_destination(
+        port,
+        &key,
+        &dest_serial,
+        &["--metrics", dest_metrics.to_str().unwrap()],
+    );
     let dest_guard = KillOnPanic::new(&dest);
     let src = start_source(dir.path(), "src", tasks, flags);
     let src_guard = KillOnPanic::new(&src.vm);
-    let r = send_migration(&src.socket, port, &key);
+    let url = format!("tcp:127.0.0.1:{port}");
+    let mut args = vec![
+        "send-migration",
+        &url,
+        "--secret-file",
+        key.to_str().unwrap(),
+    ];
+    args.extend_from_slice(send);
+    let r = remote(&src.socket, &args);
     assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
     src_guard.defuse();
     assert_migrated_away(src, port);
     dest_guard.defuse();
-    finished_destination(dest, &dest_serial)
+    let text = finished_destination(dest, &dest_serial);
+    let metrics: Value = serde_json::from_str(&read_text(&dest_metrics)).unwrap();
+    (text, metrics)
 }
 
 fn assert_fib(text: &str) {
@@ -370,6 +392,206 @@ fn mem_check_migrated_mid_task_reads_back_every_byte_on_the_destination() {
         &["--memory", MEM_CHECK_MEMORY],
     );
     assert_mem_check(&text);
+}
+
+#[test]
+fn mem_check_pre_copied_reads_back_every_byte_and_no_page_follows_the_switch() {
+    // Pages the guest rewrites during the rounds, and those it wrote last, must arrive
+    // before the switch; a round limit of 2 makes the pause send what the rounds left.
+    let (text, metrics) = moved_mid_task_with(
+        12,
+        &format!("hello,mem-check={MEM_CHECK_MIB},iters={MEM_CHECK_ROUNDS}"),
+        &["--memory", MEM_CHECK_MEMORY],
+        &[
+            "--mode",
+            "precopy",
+            "--downtime-ms",
+            "1",
+            "--max-rounds",
+            "2",
+        ],
+    );
+    assert_mem_check(&text);
+    let m = &metrics["migration"];
+    assert!(
+        u(&m["precopied"]) > 0,
+        "no page came before the switch: {m}"
+    );
+    assert_eq!(
+        m["data_pages"], 0,
+        "a page was listed to follow the switch: {m}"
+    );
+    assert_eq!(m["all_held"], true, "{m}");
+}
+
+#[test]
+fn fib_pre_copied_with_the_default_downtime_ends_as_an_uninterrupted_run() {
+    let (text, metrics) = moved_mid_task_with(
+        13,
+        &format!("hello,fib={FIB_N}"),
+        &["--memory", MEMORY],
+        &["--mode", "precopy"],
+    );
+    assert_fib(&text);
+    assert!(u(&metrics["migration"]["precopied"]) > 0, "{metrics}");
+}
+
+#[test]
+fn pre_copy_bounds_without_the_pre_copy_mode_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret(dir.path(), "secret", 14);
+    let socket = dir.path().join("none.sock");
+    for (args, says) in [
+        (vec!["--downtime-ms", "5"], "--mode precopy"),
+        (vec!["--max-rounds", "0"], "--max-rounds"),
+        (vec!["--mode", "fast"], "fast"),
+    ] {
+        let mut all = vec![
+            "send-migration",
+            "tcp:127.0.0.1:9",
+            "--secret-file",
+            key.to_str().unwrap(),
+        ];
+        all.extend_from_slice(&args);
+        let r = remote(&socket, &all);
+        assert_ne!(r.code, Some(0), "{args:?}");
+        assert!(r.stderr.contains(says), "{args:?}: {}", r.explain());
+    }
+}
+
+/// A post-copy caught after its switch: the source's guest filled 16 MiB before its hello
+/// and then only waits on timers, and the background push is held to 16 pages a second, so
+/// most of its 4,096 pages with data are still on the source for minutes. Returns the
+/// source, the destination (API on `dest.sock`, metrics on `dest.json`) and the pending
+/// send-migration, once the destination runs the VM and knows how many pages will come.
+struct AfterSwitch {
+    _dir: tempfile::TempDir,
+    src: Source,
+    dest: Started,
+    dest_metrics: PathBuf,
+    send: std::thread::JoinHandle<Run>,
+}
+
+fn caught_after_the_switch(seed: u8) -> AfterSwitch {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret(dir.path(), "secret", seed);
+    let port = free_port();
+    let dest_socket = dir.path().join("dest.sock");
+    let dest_metrics = dir.path().join("dest.json");
+    let mut dest = start_destination(
+        port,
+        &key,
+        &dir.path().join("dest.out"),
+        &[
+            "--api-socket",
+            dest_socket.to_str().unwrap(),
+            "--metrics",
+            dest_metrics.to_str().unwrap(),
+        ],
+    );
+    let dest_guard = KillOnPanic::new(&dest);
+    let tasks = format!("mem-check=16,iters=1,hello{}", ",timer".repeat(200));
+    let src = start_source(dir.path(), "src", &tasks, &["--memory", MEM_CHECK_MEMORY]);
+    let src_guard = KillOnPanic::new(&src.vm);
+    let send = {
+        let (socket, url) = (src.socket.clone(), format!("tcp:127.0.0.1:{port}"));
+        std::thread::spawn(move || {
+            let key = key.to_str().unwrap();
+            remote(
+                &socket,
+                &[
+                    "send-migration",
+                    &url,
+                    "--secret-file",
+                    key,
+                    "--push-limit",
+                    "64K",
+                ],
+            )
+        })
+    };
+    // The destination serves its API once its VM runs; SIGUSR1 then writes its metrics,
+    // which count the pages with data once the source has listed them.
+    wait_for_file(&mut dest, &dest_socket);
+    let start = Instant::now();
+    loop {
+        // SAFETY: a signal to a child this test started and has not reaped.
+        unsafe { libc::kill(dest.child.id() as libc::pid_t, libc::SIGUSR1) };
+        std::thread::sleep(Duration::from_millis(50));
+        let listed = std::fs::read_to_string(&dest_metrics)
+            .ok()
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            .and_then(|m| m["migration"]["data_pages"].as_u64());
+        if let Some(n) = listed {
+            assert!(n >= 4096, "16 MiB were filled, but {n} pages are listed");
+            break;
+        }
+        assert!(start.elapsed() < LIMIT, "the source never listed its pages");
+    }
+    src_guard.defuse();
+    dest_guard.defuse();
+    AfterSwitch {
+        _dir: dir,
+        src,
+        dest,
+        dest_metrics,
+        send,
+    }
+}
+
+#[test]
+fn a_destination_killed_after_the_switch_ends_the_source_naming_the_pages_never_sent() {
+    let a = caught_after_the_switch(21);
+    let src_guard = KillOnPanic::new(&a.src.vm);
+    // SAFETY: a signal to a child this test started and has not reaped.
+    unsafe { libc::kill(a.dest.child.id() as libc::pid_t, libc::SIGKILL) };
+    let sent = a.send.join().unwrap();
+    assert_ne!(sent.code, Some(0), "send-migration: {}", sent.explain());
+    assert!(
+        sent.stderr.contains("lost after the switch")
+            && sent.stderr.contains("pages with data were never sent"),
+        "{}",
+        sent.explain()
+    );
+    src_guard.defuse();
+    let run = a.src.vm.finish(LIMIT);
+    assert_eq!(run.code, Some(126), "source: {}", run.explain());
+    assert!(
+        run.stderr.contains("pages with data were never sent"),
+        "{}",
+        run.explain()
+    );
+    let report: Value = serde_json::from_str(&read_text(&a.src.report)).unwrap();
+    assert_eq!(report["outcome"]["kind"], "vmm_error", "{report}");
+    let _ = a.dest.finish(LIMIT);
+}
+
+#[test]
+fn a_source_frozen_after_the_switch_ends_the_destination_naming_the_pages_that_never_came() {
+    let a = caught_after_the_switch(22);
+    // A stopped source never reaches its own --timeout: kill it if the test fails.
+    let src_guard = KillOnPanic::new(&a.src.vm);
+    let src_pid = a.src.vm.child.id() as libc::pid_t;
+    // SAFETY: a signal to a child this test started and has not reaped.
+    unsafe { libc::kill(src_pid, libc::SIGSTOP) };
+    // The destination hears nothing, not even a heartbeat, for 10 s and ends the VM.
+    let run = a.dest.finish(LIMIT);
+    // SAFETY: as above; SIGKILL ends the stopped source too.
+    unsafe { libc::kill(src_pid, libc::SIGKILL) };
+    assert_eq!(run.code, Some(126), "destination: {}", run.explain());
+    assert!(
+        run.stderr
+            .contains("source was lost before every page came")
+            && run.stderr.contains("pages listed with data"),
+        "{}",
+        run.explain()
+    );
+    let metrics: Value = serde_json::from_str(&read_text(&a.dest_metrics)).unwrap();
+    assert_eq!(metrics["migration"]["all_held"], false, "{metrics}");
+    src_guard.defuse();
+    let _ = a.src.vm.finish(LIMIT);
+    let sent = a.send.join().unwrap();
+    assert_ne!(sent.code, Some(0), "send-migration: {}", sent.explain());
 }
 
 /// Two network namespaces joined by a veth pair, `10.77.0.1/24` in the first and

@@ -7,7 +7,8 @@ use crate::builder::BuildError;
 use crate::config::VmConfig;
 use crate::device_manager::Devices;
 use crate::loader::EntryPoint;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use devices::GuestMemoryMmap;
+use vm_memory::{Bytes, GuestAddress};
 
 /// The command line, firmware tables and boot structures, written into guest memory by the
 /// process that loaded the kernel.

@@ -19,10 +19,10 @@ use crate::vstate::memory::{GuestRam, MemoryError, RamBackend};
 use crate::vstate::vcpu::{install_kick_handler, VcpuError};
 use crate::vstate::vcpu_thread::{Boot, PendingVcpu, VcpuSetup};
 use crate::vstate::vm::{open_kvm, KvmVm, VmError};
+use devices::GuestMemoryMmap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use vm_memory::GuestMemoryMmap;
 
 /// Why a VM could not be built or started. Each variant keeps its cause as `source()`.
 #[derive(Debug, thiserror::Error)]

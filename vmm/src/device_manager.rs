@@ -16,11 +16,11 @@ use devices::legacy::{
 };
 use devices::virtio::block::{Block, BlockConfig};
 use devices::virtio::{MmioTransport, VirtioDevice};
+use devices::GuestMemoryMmap;
 use devices::{EventFdIrq, Irq};
 use std::sync::{Arc, Mutex};
 use vm_device::bus::{MmioAddress, MmioRange, PioAddress, PioRange};
 use vm_device::device_manager::{IoManager, MmioManager, PioManager};
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 #[derive(Debug, thiserror::Error)]

@@ -5,7 +5,8 @@
 use crate::config::{parse_size, DiskConfig, ExitsMode, KernelImage, SerialMode};
 use crate::loader::{load_kernel, EntryPoint};
 use crate::pmem::PmemConfig;
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use devices::GuestMemoryMmap;
+use vm_memory::GuestAddress;
 
 /// Guest RAM of the loader target: small, so images easily reach past its end.
 const LOADER_MEMORY: usize = 4 << 20;
@@ -14,7 +15,7 @@ const LOADER_MEMORY: usize = 4 << 20;
 /// naming the image or be loaded whole inside guest memory; the VMM later places the initrd
 /// and boot structures using the end it reports, so that end must lie in guest memory too.
 pub fn kernel_image(data: &[u8]) -> Result<(), String> {
-    let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), LOADER_MEMORY)])
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), LOADER_MEMORY)])
         .map_err(|e| e.to_string())?;
     let image = KernelImage::Bytes {
         name: "fuzz-kernel".into(),

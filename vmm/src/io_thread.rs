@@ -153,6 +153,25 @@ impl IoThread {
             let _ = h.join();
         }
     }
+
+    /// As [`IoThread::stop`], waiting at most `limit`: false if the thread is still busy
+    /// then (a device waiting on guest memory that will never come), and it is left to end
+    /// with the process.
+    pub fn stop_within(&mut self, limit: std::time::Duration) -> bool {
+        let _ = self.stop.write(1);
+        let Some(h) = self.handle.take() else {
+            return true;
+        };
+        let deadline = std::time::Instant::now() + limit;
+        while !h.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        if !h.is_finished() {
+            return false;
+        }
+        let _ = h.join();
+        true
+    }
 }
 
 impl Drop for IoThread {

@@ -2,12 +2,13 @@
 
 use crate::arch::x86_64::layout::HIGH_MEMORY_START;
 use crate::config::KernelImage;
+use devices::GuestMemoryMmap;
 use linux_loader::bootparam::setup_header;
 use linux_loader::loader::bzimage::BzImage;
 use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::KernelLoader;
 use std::io::{Cursor, Read, Seek, SeekFrom};
-use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{GuestAddress, GuestMemoryBackend};
 
 /// How the BSP enters the loaded kernel.
 #[derive(Clone, Copy, Debug)]

@@ -90,6 +90,8 @@ struct Shared {
     kvm: Arc<kvm_ioctls::Kvm>,
     /// One pause, resume or snapshot at a time.
     busy: Mutex<()>,
+    /// Pages written since the last look, while a pre-copy migration asks.
+    dirty: crate::vstate::dirty::DirtyLog,
 }
 
 /// What a paused VM's clocks read when it stopped.
@@ -434,6 +436,23 @@ impl VmHandle {
         crate::snapshot::pages_that_may_hold_data(&self.shared.ram)
     }
 
+    /// Starts tracking the guest RAM pages written, by the guest or by the VMM, for a
+    /// pre-copy migration's rounds; [`VmHandle::dirty_pages`] then reports them.
+    pub fn start_dirty_log(&self) -> Result<(), String> {
+        self.shared.dirty.start()
+    }
+
+    /// Guest-physical addresses of the RAM pages written since tracking started or since
+    /// the last call.
+    pub fn dirty_pages(&self) -> Result<Vec<u64>, String> {
+        self.shared.dirty.take()
+    }
+
+    /// Stops the tracking [`VmHandle::start_dirty_log`] started.
+    pub fn stop_dirty_log(&self) -> Result<(), String> {
+        self.shared.dirty.stop()
+    }
+
     /// Writes a snapshot of the VM to `dir` (created if missing; files in it replaced). The
     /// VM is paused first if it runs, and left paused.
     pub fn snapshot(&self, dir: &std::path::Path) -> Result<SnapshotReport, ControlError> {
@@ -556,6 +575,11 @@ impl Vm {
             msr_list: OnceLock::new(),
             kvm: self.kvm.kvm_arc(),
             busy: Mutex::new(()),
+            dirty: crate::vstate::dirty::DirtyLog::new(
+                self.kvm.shared_fd(),
+                self.ram.clone(),
+                self.kvm.ram_slots().to_vec(),
+            ),
         });
         // A restored VM's clock goes on from the value it was saved with.
         if let Some(clock) = &self.start_clock {
@@ -660,20 +684,48 @@ impl RunningVm {
                 .unwrap_or_else(|e| e.into_inner()),
         );
         self.shared.gate.resume();
-        stop_vcpus(threads);
-        if let Some(t) = self.io_thread.as_mut() {
-            t.stop();
+        let vcpus_left = stop_vcpus(threads, &self.shared.vcpu_ids);
+        let io_left = match self.io_thread.as_mut() {
+            Some(t) => !t.stop_within(STOP_LIMIT),
+            None => false,
+        };
+        let mut flush_errors = Vec::new();
+        if vcpus_left.is_empty() && !io_left {
+            if let Some(f) = self.vm.on_stopped.take() {
+                f();
+            }
+            flush_errors = self.vm.devices.flush();
+        } else {
+            // Threads that wait on guest memory which will never come are not woken with
+            // pages they never had: they are left to end with the process, and what they
+            // may hold (a device's lock) is not waited for.
+            let mut left: Vec<String> = vcpus_left.iter().map(|id| format!("vCPU {id}")).collect();
+            if io_left {
+                left.push("the virtio I/O thread".into());
+                flush_errors.push("the disks were not synced: the I/O thread did not stop".into());
+            }
+            let why = format!(
+                "{} did not stop within {STOP_LIMIT:?} (waiting on guest memory that never came)",
+                left.join(" and ")
+            );
+            tracing::error!("{why}");
+            outcome = match outcome {
+                Outcome::VmmError(e) => Outcome::VmmError(format!("{e}; {why}")),
+                _ => Outcome::VmmError(why),
+            };
         }
-        if let Some(f) = self.vm.on_stopped.take() {
-            f();
-        }
-        let mut flush_errors = self.vm.devices.flush();
         flush_errors.extend(self.vm.pmem.sync());
         if !flush_errors.is_empty() {
-            outcome = Outcome::VmmError(format!(
+            let why = format!(
                 "guest writes may not be on disk: {}",
                 flush_errors.join("; ")
-            ));
+            );
+            outcome = match outcome {
+                Outcome::VmmError(e) if !vcpus_left.is_empty() || io_left => {
+                    Outcome::VmmError(format!("{e}; {why}"))
+                }
+                _ => Outcome::VmmError(why),
+            };
         }
         let metrics = self.shared.metrics_json();
         let first_run = self.first_run.get().copied();
@@ -710,16 +762,34 @@ impl RunningVm {
     }
 }
 
-/// Kicks every vCPU thread out of KVM_RUN once and waits for it to return. The kick sets
-/// `immediate_exit`, so it is not lost even when it lands just before a thread re-enters
-/// the guest; the VM's control is already finished, so no thread goes back in.
-fn stop_vcpus(handles: Vec<std::thread::JoinHandle<()>>) {
-    for h in &handles {
-        let _ = h.kill(kick_signal());
+/// How long the teardown waits for a thread it asked to stop.
+const STOP_LIMIT: Duration = Duration::from_secs(5);
+
+/// Kicks every vCPU thread out of KVM_RUN and waits for it to return, kicking again every
+/// 100 ms, for at most [`STOP_LIMIT`] in all. The kick sets `immediate_exit`, so it is not
+/// lost even when it lands just before a thread re-enters the guest; the VM's control is
+/// already finished, so no thread goes back in. A thread that waits in the kernel on guest
+/// memory that will never come (a post-copy migration whose source was lost) cannot
+/// return: it is left, and the ids of those left (`ids`, in thread order) are returned.
+fn stop_vcpus(handles: Vec<std::thread::JoinHandle<()>>, ids: &[u8]) -> Vec<u8> {
+    let deadline = Instant::now() + STOP_LIMIT;
+    let mut left = Vec::new();
+    for (k, h) in handles.into_iter().enumerate() {
+        let mut kicked: Option<Instant> = None;
+        while !h.is_finished() && Instant::now() < deadline {
+            if kicked.is_none_or(|t| t.elapsed() >= Duration::from_millis(100)) {
+                let _ = h.kill(kick_signal());
+                kicked = Some(Instant::now());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if h.is_finished() {
+            let _ = h.join();
+        } else {
+            left.push(ids.get(k).copied().unwrap_or(k as u8));
+        }
     }
-    for h in handles {
-        let _ = h.join();
-    }
+    left
 }
 
 /// Builds, starts and waits for the VM described by `config`.

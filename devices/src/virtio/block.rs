@@ -10,6 +10,7 @@
 use super::{
     read_config_bytes, serve_available, QueueCorrupt, VirtioDevice, VirtioStats, QUEUE_MAX_SIZE,
 };
+use crate::GuestMemoryMmap;
 use std::alloc::{self, Layout};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
@@ -24,7 +25,8 @@ use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{DescriptorChain, Queue};
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryMmap, Permissions};
+use vm_memory::bitmap::Bitmap;
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
 
 /// virtio-blk always counts in 512-byte sectors, whatever the host block size.
 pub const SECTOR_SIZE: u64 = 512;
@@ -689,7 +691,15 @@ impl Block {
                 iov_len: g.len(),
             })
             .collect();
-        transfer_vectored(&self.file, &mut iovs, offset, write)
+        transfer_vectored(&self.file, &mut iovs, offset, write)?;
+        if !write {
+            // The file was read straight into guest pages, past vm-memory's accessors: mark
+            // them as the accessors would, so a live migration resends them.
+            for s in &slices {
+                s.bitmap().mark_dirty(0, s.len());
+            }
+        }
+        Ok(())
     }
 
     fn direct_read(

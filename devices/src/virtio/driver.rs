@@ -8,6 +8,7 @@
 use crate::irq::test_util::CountingIrq;
 use crate::virtio::pmem::VIRTIO_PMEM_REQ_TYPE_FLUSH;
 use crate::virtio::{MmioTransport, VirtioDevice};
+use crate::GuestMemoryMmap;
 use std::sync::Arc;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_GET_ID};
 use virtio_bindings::virtio_config::*;
@@ -17,7 +18,7 @@ use virtio_queue::desc::split::{Descriptor as SplitDescriptor, VirtqUsedElem};
 use virtio_queue::desc::RawDescriptor;
 use vm_device::bus::MmioAddress;
 use vm_device::MutDeviceMmio;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 
 pub const MEM_SIZE: usize = 0x100_0000;
 /// Descriptor table, available ring and used ring, a page apart from here.
@@ -48,7 +49,7 @@ pub struct Driver {
 impl Driver {
     /// `device` behind a transport, as the guest finds it: not yet negotiated.
     pub fn new(device: impl VirtioDevice + Send + 'static) -> Driver {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
         Driver::new_in(device, mem)
     }
 

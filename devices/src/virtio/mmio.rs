@@ -6,6 +6,7 @@
 //! bad one is refused in one place (the device then reports NEEDS_RESET).
 
 use super::{NetCounters, VirtioDevice, VirtioStats};
+use crate::GuestMemoryMmap;
 use crate::Irq;
 use std::io;
 use std::os::fd::RawFd;
@@ -20,7 +21,7 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_device::bus::{MmioAddress, MmioAddressOffset};
 use vm_device::MutDeviceMmio;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 
 /// "virt" in little-endian, as the spec requires.
 pub const MMIO_MAGIC: u32 = 0x7472_6976;

@@ -15,13 +15,13 @@ pub use mmio::{MmioTransport, TransportState};
 pub use net::{Net, NetBackend, NetConfig, NetCounters, NetError};
 pub use pmem::Pmem;
 
+use crate::GuestMemoryMmap;
 use std::fmt;
 use std::io;
 use std::num::Wrapping;
 use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
 use virtio_queue::{DescriptorChain, Queue, QueueT};
-use vm_memory::GuestMemoryMmap;
 
 /// Largest queue the transport offers. 256 keeps a full ring's bookkeeping small while being
 /// what Linux asks for on virtio-blk anyway.

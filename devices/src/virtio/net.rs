@@ -17,6 +17,7 @@
 use super::{read_config_bytes, QueueCorrupt, VirtioDevice, VirtioStats, QUEUE_MAX_SIZE};
 use crate::net::rate_limiter::{RateLimit, RateLimiter};
 use crate::net::tap::{offload_flags, Tap, TapError, VNET_HDR_LEN};
+use crate::GuestMemoryMmap;
 use std::io::{self, IoSlice};
 use std::num::Wrapping;
 use std::os::fd::{AsRawFd, RawFd};
@@ -27,7 +28,7 @@ use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
 use virtio_bindings::virtio_net::*;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VRING_USED_F_NO_NOTIFY};
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap, Permissions};
+use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// Longest frame (after the virtio-net header) either way: a 64 KiB GSO frame plus its

@@ -7,12 +7,13 @@
 //! mapping itself.
 
 use super::{read_config_bytes, serve_available, QueueCorrupt, VirtioDevice, VirtioStats};
+use crate::GuestMemoryMmap;
 use std::io;
 use tracing::{debug, warn};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_PMEM;
 use virtio_queue::Queue;
-use vm_memory::{Address, Bytes, GuestMemory, GuestMemoryMmap, Permissions};
+use vm_memory::{Address, Bytes, GuestMemory, Permissions};
 
 /// Request type FLUSH (virtio spec 5.19.6).
 pub const VIRTIO_PMEM_REQ_TYPE_FLUSH: u32 = 0;

@@ -327,6 +327,37 @@ fn read_scattered_over_several_descriptors() {
     assert_eq!(d.guest_data(1024), pattern(1024, 1024));
 }
 
+/// Whether the page of `gpa` is marked in its region's dirty bitmap.
+fn dirty(d: &Driver, gpa: u64) -> bool {
+    use vm_memory::bitmap::Bitmap;
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+    let (region, offset) = d.mem.to_region_addr(GuestAddress(gpa)).unwrap();
+    region.bitmap().dirty_at(offset.0 as usize)
+}
+
+#[test]
+fn reads_mark_the_pages_the_device_filled_dirty_on_both_cache_paths() {
+    // The data pages and the used ring are written by the device alone (the driver writes
+    // the header, descriptors and available ring): a migration must resend them.
+    for cache in [CacheMode::Writeback, CacheMode::None] {
+        let (_f, mut d) = disk(false, cache);
+        let untouched = DATA + 0x9000;
+        assert!(!dirty(&d, DATA) && !dirty(&d, DATA + 0x5000) && !dirty(&d, untouched));
+        d.header(VIRTIO_BLK_T_IN, 1);
+        d.submit(&[
+            (HDR, 16, 0),
+            (DATA + 0x5000, 512, W),
+            (DATA, 1024, W),
+            (STATUS, 1, W),
+        ]);
+        assert_eq!(d.served(), ((0, 1537), OK), "{cache:?}");
+        assert!(dirty(&d, DATA), "{cache:?}");
+        assert!(dirty(&d, DATA + 0x5000), "{cache:?}");
+        assert!(dirty(&d, RING + 0x2000), "the used ring, {cache:?}");
+        assert!(!dirty(&d, untouched), "{cache:?}");
+    }
+}
+
 #[test]
 fn no_interrupt_flag_suppresses_the_completion_interrupt() {
     let (_f, mut d) = rw_disk();

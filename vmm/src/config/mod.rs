@@ -424,7 +424,8 @@ mod tests {
 
     #[test]
     fn every_accepted_cpu_count_fits_both_firmware_tables() {
-        use vm_memory::{GuestAddress, GuestMemoryMmap};
+        use devices::GuestMemoryMmap;
+        use vm_memory::GuestAddress;
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 2 << 20)]).unwrap();
         assert_eq!(MAX_VCPUS, mptable::MAX_CPUS);
         let n = check_cpus(u64::from(MAX_VCPUS)).unwrap();

@@ -1,12 +1,13 @@
 //! The read-only guard: a device over each read-only region that logs and counts the guest
 //! stores KVM turns into MMIO exits, instead of letting them vanish unseen.
 
+use devices::GuestRegionMmap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tracing::warn;
 use vm_device::bus::{MmioAddress, MmioAddressOffset};
-use vm_memory::{GuestMemoryRegion, GuestRegionMmap};
+use vm_memory::GuestMemoryRegion;
 
 /// Sits on the MMIO bus over a read-only region. KVM turns a guest store into a read-only
 /// slot into an MMIO exit; without this the store would vanish on the "unclaimed MMIO" path

@@ -11,11 +11,12 @@ use crate::config::DiskConfig;
 use crate::device_manager::ExtraDevices;
 use crate::vstate::vm::KvmVm;
 use devices::virtio::Pmem as VirtioPmem;
+use devices::MmapRegion;
+use devices::{GuestMemoryMmap, GuestRegionMmap};
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use vm_memory::mmap::MmapRegion;
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap};
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryRegion};
 
 /// boot_params holds 128 E820 entries; RAM takes at most 4 of them.
 const MAX_E820_PMEM: usize = 128 - 4;

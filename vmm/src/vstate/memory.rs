@@ -2,8 +2,9 @@
 //! host thread runs each vCPU (so a fault on guest memory can be tied to a vCPU).
 
 use crate::arch::x86_64::layout::GuestLayout;
+use devices::{GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 use std::sync::{Arc, Mutex};
-use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+use vm_memory::GuestAddress;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {

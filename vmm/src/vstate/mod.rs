@@ -1,5 +1,6 @@
 //! KVM state of a VM, kept apart from devices: the VM fd, guest memory and vCPUs.
 
+pub mod dirty;
 pub mod memory;
 pub mod pause;
 pub mod vcpu;

@@ -257,6 +257,12 @@ impl Vcpu {
         }
         while !ctx.control.is_finished() {
             let result = self.fd.run();
+            if ctx.control.is_finished() {
+                // The VM has ended while this vCPU ran: its last exit is not served, so no
+                // device acts for a VM whose outcome is already decided (and whose memory
+                // may be gone, as when a migration's source is lost).
+                break;
+            }
             let handled_at = Instant::now();
             let (reason, action) = handle_exit(result, &*ctx.bus, id);
             let end = match action {

@@ -1,12 +1,13 @@
 //! The KVM VM: memory slots, the in-kernel interrupt controllers and PIT, and irqfds.
 
+use devices::GuestMemoryMmap;
 use kvm_bindings::{
     kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_pit_state2, kvm_userspace_memory_region,
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Cap, IoEventAddress, Kvm, VmFd};
 use std::sync::Arc;
-use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +47,8 @@ pub struct KvmVm {
     kvm: Arc<Kvm>,
     fd: Arc<VmFd>,
     next_slot: u32,
+    /// Guest RAM's slots, as [`KvmVm::register_memory`] registered them.
+    ram_slots: Vec<kvm_userspace_memory_region>,
 }
 
 /// Reads the in-kernel devices' state of the VM behind `fd`.
@@ -128,6 +131,7 @@ impl KvmVm {
             kvm,
             fd: Arc::new(fd),
             next_slot: 0,
+            ram_slots: Vec::new(),
         })
     }
 
@@ -191,7 +195,12 @@ impl KvmVm {
         self.fd.clone()
     }
 
-    /// Registers every region of `mem` as a KVM memory slot.
+    /// Guest RAM's memory slots (for dirty logging).
+    pub fn ram_slots(&self) -> &[kvm_userspace_memory_region] {
+        &self.ram_slots
+    }
+
+    /// Registers every region of `mem`, guest RAM, as a KVM memory slot.
     pub fn register_memory(&mut self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
         let available = self.kvm.get_nr_memslots();
         let needed = self.next_slot as usize + mem.num_regions();
@@ -212,6 +221,7 @@ impl KvmVm {
                 what: "KVM_SET_USER_MEMORY_REGION",
                 source,
             })?;
+            self.ram_slots.push(slot);
             self.next_slot += 1;
         }
         Ok(())

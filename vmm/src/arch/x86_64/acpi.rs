@@ -17,7 +17,8 @@ use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::Aml;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
+use devices::GuestMemoryMmap;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryError};
 
 use super::layout::{APIC_START, HIGH_MEMORY_START, IOAPIC_START};
 

@@ -6,13 +6,14 @@
 //! would otherwise have gathered, and a minimal GDT and identity page tables stand in for
 //! what a boot loader would leave behind.
 
+use devices::GuestMemoryMmap;
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::bootparam::{
     boot_e820_entry, boot_params, setup_header, E820_MAX_ENTRIES_ZEROPAGE, LOADED_HIGH,
 };
-use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryError};
 
 use super::layout::{
     E820Entry, BOOT_GDT_START, BOOT_STACK_POINTER, CMDLINE_MAX_SIZE, HIGH_MEMORY_START, PDE_START,

@@ -7,7 +7,8 @@
 
 use std::mem::size_of;
 
-use vm_memory::{ByteValued, Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
+use devices::GuestMemoryMmap;
+use vm_memory::{ByteValued, Bytes, GuestAddress, GuestMemoryError};
 
 use super::layout::{APIC_START, IOAPIC_START, LEGACY_HOLE_START, MAX_IRQ, MPTABLE_START};
 
@@ -325,8 +326,9 @@ fn build(num_cpus: u8) -> Result<Vec<u8>, MpTableError> {
 /// What the tests of every firmware table that lists CPUs share.
 #[cfg(test)]
 pub(super) mod firmware_tests {
+    use devices::GuestMemoryMmap;
     use std::fmt::Display;
-    use vm_memory::{GuestAddress, GuestMemoryMmap};
+    use vm_memory::GuestAddress;
 
     pub fn guest_mem() -> GuestMemoryMmap {
         GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 64 << 20)]).unwrap()

@@ -1,0 +1,113 @@
+//! Which guest RAM pages changed since the last look, for a live migration's pre-copy
+//! rounds: KVM's dirty log gives the guest's own stores (and KVM's, such as the KVM clock
+//! page), and the guest memory's bitmap gives the VMM's (used rings, received frames, block
+//! reads), which KVM never sees.
+
+use crate::vstate::memory::GuestRam;
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
+use kvm_ioctls::VmFd;
+use std::sync::{Arc, Mutex};
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::GuestMemoryBackend;
+
+const PAGE: u64 = 4096;
+
+/// Dirty-page tracking over guest RAM's KVM memory slots; off until [`DirtyLog::start`].
+pub struct DirtyLog {
+    vm_fd: Arc<VmFd>,
+    ram: Arc<GuestRam>,
+    /// Guest RAM's slots as registered, region for region of `ram`.
+    slots: Vec<kvm_userspace_memory_region>,
+    on: Mutex<bool>,
+}
+
+impl DirtyLog {
+    pub fn new(
+        vm_fd: Arc<VmFd>,
+        ram: Arc<GuestRam>,
+        slots: Vec<kvm_userspace_memory_region>,
+    ) -> DirtyLog {
+        DirtyLog {
+            vm_fd,
+            ram,
+            slots,
+            on: Mutex::new(false),
+        }
+    }
+
+    fn set_logging(&self, on: bool) -> Result<(), String> {
+        for s in &self.slots {
+            let slot = kvm_userspace_memory_region {
+                flags: if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
+                ..*s
+            };
+            // SAFETY: the same slot, guest range and host mapping as registered (which the
+            // VM keeps for as long as its fd lives); only the logging flag changes.
+            unsafe { self.vm_fd.set_user_memory_region(slot) }.map_err(|e| {
+                format!(
+                    "KVM_SET_USER_MEMORY_REGION (dirty logging {}) on slot {}: {e}",
+                    if on { "on" } else { "off" },
+                    s.slot
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Turns tracking on: from here every page written, by the guest or the VMM, is
+    /// reported once by the next [`DirtyLog::take`]. Earlier writes are forgotten.
+    pub fn start(&self) -> Result<(), String> {
+        let mut on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        for region in self.ram.memory().iter() {
+            bitmap(region).reset();
+        }
+        self.set_logging(true)?;
+        *on = true;
+        Ok(())
+    }
+
+    /// Guest-physical addresses of the pages written since [`DirtyLog::start`] or the last
+    /// call, in order; each call starts a new interval.
+    pub fn take(&self) -> Result<Vec<u64>, String> {
+        let on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        if !*on {
+            return Err("dirty-page tracking is off".into());
+        }
+        let mut out = Vec::new();
+        for (s, region) in self.slots.iter().zip(self.ram.memory().iter()) {
+            let kvm = self
+                .vm_fd
+                .get_dirty_log(s.slot, s.memory_size as usize)
+                .map_err(|e| format!("KVM_GET_DIRTY_LOG on slot {}: {e}", s.slot))?;
+            let vmm = bitmap(region).get_and_reset();
+            let words = kvm.len().max(vmm.len());
+            for i in 0..words {
+                let mut w = kvm.get(i).copied().unwrap_or(0) | vmm.get(i).copied().unwrap_or(0);
+                while w != 0 {
+                    let bit = w.trailing_zeros() as u64;
+                    w &= w - 1;
+                    let offset = (i as u64 * 64 + bit) * PAGE;
+                    if offset < s.memory_size {
+                        out.push(s.guest_phys_addr + offset);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Turns tracking off (a migration that failed before the switch).
+    pub fn stop(&self) -> Result<(), String> {
+        let mut on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        if *on {
+            self.set_logging(false)?;
+            *on = false;
+        }
+        Ok(())
+    }
+}
+
+/// The VMM-side dirty bitmap of one RAM region (the mapping's own, not a slice of it).
+fn bitmap(region: &devices::GuestRegionMmap) -> &AtomicBitmap {
+    std::ops::Deref::deref(region).bitmap()
+}
