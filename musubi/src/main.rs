@@ -59,9 +59,11 @@ enum Command {
     Node {
         #[arg(long, value_name = "FILE")]
         cluster: std::path::PathBuf,
-        /// Which entry of the cluster's "nodes" this is (0-based).
+        /// Which entry of the cluster's "nodes" this is (0-based). Without it, the rank a
+        /// launcher gave the process: OMPI_COMM_WORLD_RANK (mpirun), PMI_RANK or
+        /// SLURM_PROCID (srun), the first one set.
         #[arg(long, value_name = "K")]
-        id: u16,
+        id: Option<u16>,
         /// VM flags override the cluster file's "vm" section.
         #[command(flatten)]
         vm: cli::VmArgs,

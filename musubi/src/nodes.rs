@@ -161,14 +161,60 @@ fn read_cluster(path: &Path, vm: &VmArgs) -> Result<Cluster, String> {
     })
 }
 
-/// `musubi node`: runs node `id` of `cluster` until the VM ends anywhere.
-pub fn node(cluster: &Path, id: u16, vm: &VmArgs, run: &RunFlags) -> ExitCode {
+/// The variables a launcher sets to each process's rank, in the order they are read:
+/// OpenMPI's `mpirun`, MPICH's and Intel MPI's (PMI), Slurm's `srun`.
+pub const RANK_VARIABLES: [&str; 3] = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"];
+
+/// This node's id when `--id` is not given: the rank a launcher (`mpirun`, `srun`) gave the
+/// process, from the first of [`RANK_VARIABLES`] that `var` finds set, with that variable's
+/// name. Two variables that disagree, or a value that is not a rank, are refused by name.
+pub fn rank_from_launcher(
+    var: impl Fn(&str) -> Option<String>,
+) -> Result<(u16, &'static str), String> {
+    let mut found: Vec<(&'static str, u16)> = Vec::new();
+    for name in RANK_VARIABLES {
+        if let Some(value) = var(name) {
+            let rank = value.trim().parse::<u16>().map_err(|_| {
+                format!("{name}={value:?}: not a rank (a whole number from 0 to 65535)")
+            })?;
+            found.push((name, rank));
+        }
+    }
+    let Some(&(first, rank)) = found.first() else {
+        return Err(format!(
+            "no --id, and none of {} is set: give --id K, or start the nodes with a launcher \
+             (mpirun, srun) that sets one",
+            RANK_VARIABLES.join(", ")
+        ));
+    };
+    if let Some((other, r)) = found.iter().find(|(_, r)| *r != rank) {
+        return Err(format!(
+            "{first}={rank} and {other}={r} disagree, so which node this is is unclear; give \
+             --id K"
+        ));
+    }
+    Ok((rank, first))
+}
+
+/// `musubi node`: runs node `id` of `cluster` (or the one the launcher's rank names) until
+/// the VM ends anywhere.
+pub fn node(cluster_path: &Path, id: Option<u16>, vm: &VmArgs, run: &RunFlags) -> ExitCode {
     let timeout = match run.timeout() {
         Ok(t) => t,
         Err(e) => {
             eprintln!("musubi: {e}");
             return ExitCode::from(1);
         }
+    };
+    let (id, from) = match id {
+        Some(id) => (id, None),
+        None => match rank_from_launcher(|k| std::env::var(k).ok()) {
+            Ok((id, name)) => (id, Some(name)),
+            Err(e) => {
+                eprintln!("musubi: node: {e}");
+                return ExitCode::from(1);
+            }
+        },
     };
     let fail = |msg: String| {
         eprintln!("musubi: node {id}: {msg}");
@@ -179,10 +225,21 @@ pub fn node(cluster: &Path, id: u16, vm: &VmArgs, run: &RunFlags) -> ExitCode {
         spec: cluster,
         link_delay,
         fetch_poll,
-    } = match read_cluster(cluster, vm) {
+    } = match read_cluster(cluster_path, vm) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
+    if let Some(name) = from {
+        let n = cluster.nodes.len();
+        if usize::from(id) >= n {
+            return fail(format!(
+                "{name}={id} names no node: --cluster {} has {n} (ids 0 to {})",
+                cluster_path.display(),
+                n.saturating_sub(1)
+            ));
+        }
+        eprintln!("musubi: node {id}: id {id} from the launcher's {name}");
+    }
     let signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
         Ok(s) => s,
         Err(e) => return fail(format!("cannot install signal handlers: {e}")),
@@ -513,6 +570,43 @@ fn write_cluster(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let pairs: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn the_rank_comes_from_the_first_launcher_variable_set_and_others_must_agree() {
+        assert_eq!(
+            rank_from_launcher(env(&[("OMPI_COMM_WORLD_RANK", "2")])),
+            Ok((2, "OMPI_COMM_WORLD_RANK"))
+        );
+        assert_eq!(
+            rank_from_launcher(env(&[("SLURM_PROCID", "1"), ("PMI_RANK", "1")])),
+            Ok((1, "PMI_RANK"))
+        );
+        assert_eq!(
+            rank_from_launcher(env(&[("SLURM_PROCID", "0")])),
+            Ok((0, "SLURM_PROCID"))
+        );
+        let e = rank_from_launcher(env(&[("OMPI_COMM_WORLD_RANK", "1"), ("SLURM_PROCID", "2")]))
+            .unwrap_err();
+        assert!(
+            e.contains("OMPI_COMM_WORLD_RANK=1 and SLURM_PROCID=2 disagree"),
+            "{e}"
+        );
+        let e = rank_from_launcher(env(&[("PMI_RANK", "-1")])).unwrap_err();
+        assert!(e.contains("PMI_RANK=\"-1\": not a rank"), "{e}");
+        let e = rank_from_launcher(env(&[])).unwrap_err();
+        assert!(
+            e.contains("no --id") && e.contains("OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn link_delays_parse_with_their_unit() {

@@ -50,20 +50,33 @@ impl Cluster {
     /// Starts node `k` of the probe guest running `tasks` on `cpus` vCPUs, with `extra`
     /// flags; its output goes to files in the cluster's directory.
     fn spawn(&self, k: u16, cpus: u8, tasks: &str, extra: &[&str]) -> Child {
+        self.spawn_ranked(k, &[("--id", &k.to_string())], &[], cpus, tasks, extra)
+    }
+
+    /// As [`Cluster::spawn`], logging as node `k`, with `id` as its `--id` flag (or none)
+    /// and `env` added to its environment (a launcher's rank variable). Any launcher
+    /// variable the test itself runs under is removed first.
+    fn spawn_ranked(
+        &self,
+        k: u16,
+        id: &[(&str, &str)],
+        env: &[(&str, &str)],
+        cpus: u8,
+        tasks: &str,
+        extra: &[&str],
+    ) -> Child {
         let log =
             |s: &str| std::fs::File::create(self.dir.path().join(format!("node{k}.{s}"))).unwrap();
-        musubi()
-            .arg("node")
+        let mut cmd = musubi();
+        for v in ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"] {
+            cmd.env_remove(v);
+        }
+        cmd.envs(env.iter().copied());
+        cmd.arg("node")
             .arg("--cluster")
             .arg(self.file())
-            .args([
-                "--id",
-                &k.to_string(),
-                "--kernel",
-                "probe",
-                "--memory",
-                "64M",
-            ])
+            .args(id.iter().flat_map(|(f, v)| [*f, *v]))
+            .args(["--kernel", "probe", "--memory", "64M"])
             .args(["--cpus", &cpus.to_string(), "--timeout", "120"])
             .args([
                 "--cmdline",
@@ -86,6 +99,66 @@ impl Cluster {
             .map(|k| format!("node {k} stderr:\n{}", self.stderr(k)))
             .collect::<Vec<_>>()
             .join("\n")
+    }
+}
+
+#[test]
+fn nodes_started_by_a_launcher_take_their_ids_from_its_rank_variables() {
+    assert_kvm();
+    let c = Cluster::new(&[&[0], &[1], &[2]]);
+    // As mpirun, a PMI launcher and srun would start them, on one host.
+    let vars = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"];
+    let mut nodes: Vec<Child> = (0..3u16)
+        .map(|k| {
+            let rank = k.to_string();
+            c.spawn_ranked(
+                k,
+                &[],
+                &[(vars[k as usize], &rank)],
+                3,
+                "shared-counter=2000",
+                &[],
+            )
+        })
+        .collect();
+    for (k, n) in nodes.iter_mut().enumerate() {
+        let s = wait_with_limit(n, Duration::from_secs(120), &format!("node {k}"));
+        assert_eq!(s.code(), Some(0), "{}", c.explain(3));
+        let err = c.stderr(k as u16);
+        assert!(
+            err.contains(&format!("id {k} from the launcher's {}", vars[k])),
+            "node {k} says where its id came from: {err}"
+        );
+    }
+    let out = std::fs::read_to_string(c.dir.path().join("node0.out")).unwrap();
+    let r = common::result_in(&out, "shared-counter");
+    common::assert_counter_exact(&r, 3, 2000, &out);
+}
+
+#[test]
+fn launcher_ranks_outside_the_cluster_disagreeing_or_missing_are_refused_by_name() {
+    assert_kvm();
+    let c = Cluster::new(&[&[0], &[1]]);
+    for (env, says) in [
+        (
+            &[("OMPI_COMM_WORLD_RANK", "2")][..],
+            "OMPI_COMM_WORLD_RANK=2 names no node",
+        ),
+        (
+            &[("PMI_RANK", "0"), ("SLURM_PROCID", "1")][..],
+            "PMI_RANK=0 and SLURM_PROCID=1 disagree",
+        ),
+        (
+            &[("SLURM_PROCID", "one")][..],
+            "SLURM_PROCID=\"one\": not a rank",
+        ),
+        (&[][..], "no --id, and none of OMPI_COMM_WORLD_RANK"),
+    ] {
+        let mut n = c.spawn_ranked(0, &[], env, 2, "hello", &[]);
+        let s = wait_with_limit(&mut n, Duration::from_secs(60), "node");
+        let err = c.stderr(0);
+        assert_eq!(s.code(), Some(1), "{env:?}: {err}");
+        assert!(err.contains(says), "{env:?}: {err}");
     }
 }
 
