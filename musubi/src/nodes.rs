@@ -428,7 +428,17 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
             }
         }
     }
-    let statuses = supervise(&mut children, &mut signals);
+    // A node that ended because it lost a peer names that peer in its report.
+    let lost_by = |k: u16| -> Option<u16> {
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(report_of(k)).ok()?).ok()?;
+        let outcome = &report["outcome"];
+        (outcome["kind"] == "node_lost")
+            .then(|| outcome["node"].as_u64())
+            .flatten()
+            .and_then(|n| u16::try_from(n).ok())
+    };
+    let statuses = supervise(&mut children, &mut signals, &lost_by);
     let code = statuses
         .iter()
         .find(|(k, _)| *k == 0)
@@ -459,9 +469,15 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
 }
 
 /// Waits for every node process; passes stop signals on, and once one process has ended,
-/// gives the others [`PEERS_GRACE`] to follow before killing them. Returns each node's exit
-/// status (None if it was killed).
-fn supervise(children: &mut Vec<(u16, Child)>, signals: &mut Signals) -> Vec<(u16, Option<i32>)> {
+/// gives the others [`PEERS_GRACE`] to follow before killing them. A node that ended
+/// having lost a peer (`lost_by` of it names the peer) has that peer killed at once: a peer
+/// that froze or was cut off would otherwise hold the launcher for the grace period.
+/// Returns each node's exit status (None if it was killed).
+fn supervise(
+    children: &mut Vec<(u16, Child)>,
+    signals: &mut Signals,
+    lost_by: &dyn Fn(u16) -> Option<u16>,
+) -> Vec<(u16, Option<i32>)> {
     let mut done: Vec<(u16, Option<i32>)> = Vec::new();
     let mut first_end: Option<Instant> = None;
     while !children.is_empty() {
@@ -479,6 +495,17 @@ fn supervise(children: &mut Vec<(u16, Child)>, signals: &mut Signals) -> Vec<(u1
                     let (k, _) = children.remove(i);
                     first_end.get_or_insert_with(Instant::now);
                     done.push((k, status.code()));
+                    let lost = (status.code() == Some(vmm::NODE_LOST_STATUS))
+                        .then(|| lost_by(k))
+                        .flatten();
+                    if let Some(pos) = lost.and_then(|l| children.iter().position(|c| c.0 == l)) {
+                        let (l, mut c) = children.remove(pos);
+                        eprintln!("musubi: node {l} was declared lost by node {k}; killed");
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        done.push((l, None));
+                        i = 0;
+                    }
                 }
                 Ok(None) => i += 1,
                 Err(_) => {

@@ -162,6 +162,62 @@ fn launcher_ranks_outside_the_cluster_disagreeing_or_missing_are_refused_by_name
     }
 }
 
+/// The node processes `musubi run --nodes` with pid `launcher` started, by id.
+fn node_pids(launcher: u32) -> Vec<(u16, i32)> {
+    let children = std::fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children"))
+        .unwrap_or_default();
+    children
+        .split_whitespace()
+        .filter_map(|p| {
+            let pid: i32 = p.parse().ok()?;
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            let at = args.iter().position(|a| *a == b"--id")?;
+            let id = std::str::from_utf8(args.get(at + 1)?).ok()?.parse().ok()?;
+            Some((id, pid))
+        })
+        .collect()
+}
+
+#[test]
+fn a_frozen_node_is_killed_by_the_launcher_once_another_node_declares_it_lost() {
+    assert_kvm();
+    let mut launcher = start_nodes(3, "spin=0", &[]);
+    let guard = common::KillOnPanic::new(&launcher);
+    let start = Instant::now();
+    let pids = loop {
+        let p = node_pids(launcher.child.id());
+        if p.len() == 3 {
+            break p;
+        }
+        if let Some(s) = launcher.child.try_wait().unwrap() {
+            panic!("the launcher ended ({s}) before it had started its nodes");
+        }
+        assert!(start.elapsed() < RUN_LIMIT, "the launcher started {p:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Let the nodes link up and the guest run, then freeze node 2 (it never exits).
+    std::thread::sleep(Duration::from_millis(1500));
+    let frozen = pids.iter().find(|(k, _)| *k == 2).unwrap().1;
+    // SAFETY: a signal to a grandchild this test's launcher started; it is reaped by the
+    // launcher, which the test waits for.
+    unsafe { libc::kill(frozen, libc::SIGSTOP) };
+    guard.defuse();
+    let r = launcher.finish(RUN_LIMIT);
+    assert_eq!(r.code, Some(NODE_LOST), "{}", r.explain());
+    assert!(r.stderr.contains("lost node 2"), "{}", r.explain());
+    assert!(
+        r.stderr.contains("node 2 was declared lost by node"),
+        "the launcher killed the frozen node when it was declared lost: {}",
+        r.explain()
+    );
+    assert!(
+        !r.stderr.contains("did not end within"),
+        "the launcher waited out its grace period instead: {}",
+        r.explain()
+    );
+}
+
 fn assert_kvm() {
     assert!(
         Path::new("/dev/kvm").exists(),
