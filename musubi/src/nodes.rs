@@ -20,6 +20,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// After one node process ended, how long the others get to end by themselves (they see the
 /// stop or the loss) before they are killed.
 const PEERS_GRACE: Duration = Duration::from_secs(8);
+/// How long the launcher collects the nodes' declarations of a lost peer before it kills
+/// the one most of them named: the survivors of a freeze or a cut see the same silence and
+/// end within milliseconds of one another.
+const DECLARATIONS_WINDOW: Duration = Duration::from_millis(300);
 /// The port every node listens on under `--netns`: each has a namespace, so ports of its own.
 const NETNS_PORT: u16 = 7000;
 
@@ -469,9 +473,10 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
 }
 
 /// Waits for every node process; passes stop signals on, and once one process has ended,
-/// gives the others [`PEERS_GRACE`] to follow before killing them. A node that ended
-/// having lost a peer (`lost_by` of it names the peer) has that peer killed at once: a peer
-/// that froze or was cut off would otherwise hold the launcher for the grace period.
+/// gives the others [`PEERS_GRACE`] to follow before killing them. Nodes that end having
+/// lost a peer (`lost_by` of one names its peer) have the peer most of them named killed
+/// [`DECLARATIONS_WINDOW`] after the first: a peer that froze or was cut off would
+/// otherwise hold the launcher for the grace period.
 /// Returns each node's exit status (None if it was killed).
 fn supervise(
     children: &mut Vec<(u16, Child)>,
@@ -480,6 +485,10 @@ fn supervise(
 ) -> Vec<(u16, Option<i32>)> {
     let mut done: Vec<(u16, Option<i32>)> = Vec::new();
     let mut first_end: Option<Instant> = None;
+    // (node that ended having lost a peer, the peer it names)
+    let mut declared: Vec<(u16, u16)> = Vec::new();
+    let mut first_declared: Option<Instant> = None;
+    let mut acted = false;
     while !children.is_empty() {
         for sig in signals.pending() {
             for (_, c) in children.iter() {
@@ -495,22 +504,44 @@ fn supervise(
                     let (k, _) = children.remove(i);
                     first_end.get_or_insert_with(Instant::now);
                     done.push((k, status.code()));
-                    let lost = (status.code() == Some(vmm::NODE_LOST_STATUS))
-                        .then(|| lost_by(k))
-                        .flatten();
-                    if let Some(pos) = lost.and_then(|l| children.iter().position(|c| c.0 == l)) {
-                        let (l, mut c) = children.remove(pos);
-                        eprintln!("musubi: node {l} was declared lost by node {k}; killed");
-                        let _ = c.kill();
-                        let _ = c.wait();
-                        done.push((l, None));
-                        i = 0;
+                    if status.code() == Some(vmm::NODE_LOST_STATUS) {
+                        if let Some(l) = lost_by(k) {
+                            declared.push((k, l));
+                            first_declared.get_or_insert_with(Instant::now);
+                        }
                     }
                 }
                 Ok(None) => i += 1,
                 Err(_) => {
                     let (k, _) = children.remove(i);
                     done.push((k, None));
+                }
+            }
+        }
+        // Declarations are counted for a moment before one is acted on: a node cut off
+        // from the others declares them lost as they declare it, and the node most nodes
+        // declared lost is the one cut off or frozen.
+        let settled = first_declared.is_some_and(|t| t.elapsed() >= DECLARATIONS_WINDOW)
+            || (first_declared.is_some() && children.len() <= 1);
+        if settled && !acted {
+            acted = true;
+            let votes = |l: u16| declared.iter().filter(|(_, d)| *d == l).count();
+            let most = children.iter().map(|c| c.0).max_by_key(|&l| votes(l));
+            if let Some(l) = most.filter(|&l| votes(l) > 0) {
+                let by: Vec<String> = declared
+                    .iter()
+                    .filter(|(_, d)| *d == l)
+                    .map(|(k, _)| k.to_string())
+                    .collect();
+                if let Some(pos) = children.iter().position(|c| c.0 == l) {
+                    let (l, mut c) = children.remove(pos);
+                    eprintln!(
+                        "musubi: node {l} was declared lost by node(s) {}; killed",
+                        by.join(", ")
+                    );
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    done.push((l, None));
                 }
             }
         }

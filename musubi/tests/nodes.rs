@@ -590,6 +590,42 @@ fn sigterm_to_the_launcher_of_a_netns_run_leaves_nothing_behind() {
 }
 
 #[test]
+fn a_node_whose_link_is_cut_is_lost_and_the_run_ends_with_123_leaving_nothing() {
+    ip(&["-V"]);
+    // spin=0 runs until stopped: the VM is running when node 2's link goes down.
+    let mut started = start_nodes(3, "spin=0", &["--netns"]);
+    let guard = common::KillOnPanic::new(&started);
+    let pid = started.child.id();
+    let t0 = Instant::now();
+    while node_pids(pid).len() < 3 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60) && started.child.try_wait().unwrap().is_none(),
+            "the launcher did not start its three nodes"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    // Node 2's end of its veth pair, inside its namespace: every process lives on.
+    ip(&[
+        "-n",
+        &format!("musubi-{pid}-n2"),
+        "link",
+        "set",
+        &format!("mb{pid}n2"),
+        "down",
+    ]);
+    guard.defuse();
+    let r = started.finish(RUN_LIMIT);
+    assert_eq!(r.code, Some(NODE_LOST), "{}", r.explain());
+    assert!(
+        r.stderr.contains("node 0: lost node 2") || r.stderr.contains("node 1: lost node 2"),
+        "a node on the other side of the cut names node 2: {}",
+        r.explain()
+    );
+    assert_eq!(leftovers(pid), Vec::<String>::new(), "{}", r.explain());
+}
+
+#[test]
 fn a_failed_ip_command_half_way_through_set_up_is_named_and_undone() {
     ip(&["-V"]);
     let real = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
