@@ -566,17 +566,15 @@ fn bench_snapshot_quick_saves_and_restores_musubi_at_both_sizes() {
         assert_eq!(rows.len(), 1, "musubi {mib} MiB\n{}", t.text);
         let row = rows[0];
         assert!(row[unavailable].is_empty(), "{row:?}");
-        for col in [
-            "snapshot_ms",
-            "restore_first_kvm_run_ms",
-            "restore_to_end_ms",
-            "restore_max_rss_mib",
-        ] {
-            let v: f64 = row[c(col)]
-                .parse()
-                .unwrap_or_else(|_| panic!("no {col} in {row:?}"));
-            assert!(v > 0.0, "{col} in {row:?}");
-        }
+        t.assert_positive(
+            row,
+            &[
+                "snapshot_ms",
+                "restore_first_kvm_run_ms",
+                "restore_to_end_ms",
+                "restore_max_rss_mib",
+            ],
+        );
         assert_eq!(row[len], (mib << 20).to_string(), "{row:?}");
         let on_disk: u64 = row[allocated].parse().expect("allocated bytes");
         assert!(
@@ -649,12 +647,7 @@ fn bench_migrate_quick_moves_musubi_idle_and_writing_at_both_sizes() {
                 if how == "post-copy" {
                     cols.push("data_pages");
                 }
-                for col in cols {
-                    let v: f64 = row[c(col)]
-                        .parse()
-                        .unwrap_or_else(|_| panic!("no {col} in {row:?}"));
-                    assert!(v > 0.0, "{col} in {row:?}");
-                }
+                t.assert_positive(row, &cols);
                 let n = |col: &str| -> u64 { row[c(col)].parse().expect(col) };
                 if how == "post-copy" {
                     assert!(
@@ -710,16 +703,14 @@ fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
         assert_eq!(row[rounds], "200", "{row:?}");
         assert_eq!(row[tcp], (1 << 20).to_string(), "{row:?}");
         assert_eq!(row[sink], row[tcp], "{row:?}");
-        for col in [
-            "udp_kicks_per_packet",
-            "udp_exits_per_packet",
-            "tcp_exits_per_packet",
-        ] {
-            let v: f64 = row[c(col)]
-                .parse()
-                .unwrap_or_else(|_| panic!("no {col} in {row:?}"));
-            assert!(v > 0.0, "{col} in {row:?}");
-        }
+        t.assert_positive(
+            row,
+            &[
+                "udp_kicks_per_packet",
+                "udp_exits_per_packet",
+                "tcp_exits_per_packet",
+            ],
+        );
         let doorbells = |col: &str| -> f64 { row[c(col)].parse().expect(col) };
         if path == "musubi-kernel" {
             assert_eq!(doorbells("udp_doorbell_exits_per_packet"), 0.0, "{row:?}");

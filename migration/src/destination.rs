@@ -597,6 +597,16 @@ mod tests {
         })
     }
 
+    /// Migrates `vm` to `addr` with `o` from a thread of its own.
+    fn source(
+        vm: &Arc<FakeVm>,
+        addr: String,
+        o: Options,
+    ) -> std::thread::JoinHandle<Result<crate::source::SourceReport, SourceError>> {
+        let vm = vm.clone();
+        std::thread::spawn(move || migrate(&*vm, &addr, &o))
+    }
+
     fn listener() -> (TcpListener, String) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let a = l.local_addr().unwrap().to_string();
@@ -608,10 +618,7 @@ mod tests {
         let (l, addr) = listener();
         let dest = destination(l, b"0123456789abcdef", FakeHost::default(), usize::MAX);
         let vm = Arc::new(FakeVm::new());
-        let src = {
-            let vm = vm.clone();
-            std::thread::spawn(move || migrate(&*vm, &addr, &opts(b"0123456789abcdef")))
-        };
+        let src = source(&vm, addr, opts(b"0123456789abcdef"));
         let (logs, ram, host) = dest.join().unwrap();
         let ram = ram.unwrap_or_else(|| panic!("no VM came: {logs:?}"));
         assert_eq!(host.state_len, 40_000);
@@ -680,10 +687,7 @@ mod tests {
             end_on_capture: true,
             ..FakeVm::new()
         });
-        let src = {
-            let vm = vm.clone();
-            std::thread::spawn(move || migrate(&*vm, &addr, &opts(b"0123456789abcdef")))
-        };
+        let src = source(&vm, addr, opts(b"0123456789abcdef"));
         let e = src.join().unwrap().unwrap_err();
         assert!(matches!(e, SourceError::After(_)), "{e}");
         // The VM ends here right after the switch, before or after the pages with data
@@ -727,11 +731,8 @@ mod tests {
             last: Some(7),
             ..FakeVm::new()
         });
-        let src = {
-            let vm = vm.clone();
-            // A downtime of zero is never met: the rounds run out.
-            std::thread::spawn(move || migrate(&*vm, &addr, &precopy(Duration::ZERO, 3)))
-        };
+        // A downtime of zero is never met: the rounds run out.
+        let src = source(&vm, addr, precopy(Duration::ZERO, 3));
         let (logs, ram, _) = dest.join().unwrap();
         let ram = ram.unwrap_or_else(|| panic!("no VM came: {logs:?}"));
         let report = src.join().unwrap().unwrap();
@@ -773,10 +774,7 @@ mod tests {
             busy_pages: vec![1],
             ..FakeVm::new()
         });
-        let src = {
-            let vm = vm.clone();
-            std::thread::spawn(move || migrate(&*vm, &addr, &precopy(Duration::from_secs(60), 9)))
-        };
+        let src = source(&vm, addr, precopy(Duration::from_secs(60), 9));
         let (_, ram, _) = dest.join().unwrap();
         let report = src.join().unwrap().unwrap();
         let pre = report.precopy.unwrap();
@@ -812,12 +810,9 @@ mod tests {
         let (l, addr) = listener();
         let dest = destination(l, b"0123456789abcdef", FakeHost::default(), usize::MAX);
         let vm = Arc::new(FakeVm::new());
-        let src = {
-            let vm = vm.clone();
-            let mut o = opts(b"0123456789abcdef");
-            o.push_limit = Some(4096);
-            std::thread::spawn(move || migrate(&*vm, &addr, &o))
-        };
+        let mut o = opts(b"0123456789abcdef");
+        o.push_limit = Some(4096);
+        let src = source(&vm, addr, o);
         let (logs, ram, _) = dest.join().unwrap();
         let ram = ram.unwrap_or_else(|| panic!("no VM came: {logs:?}"));
         for p in 0..96 {

@@ -203,6 +203,16 @@ impl CsvFile {
             .position(|h| h == name)
             .unwrap_or_else(|| panic!("no {name} column in {:?}", self.header))
     }
+
+    /// Asserts that each of `cols` in `row` holds a number above zero.
+    pub fn assert_positive(&self, row: &[String], cols: &[&str]) {
+        for &col in cols {
+            let v: f64 = row[self.col(col)]
+                .parse()
+                .unwrap_or_else(|_| panic!("no {col} in {row:?}"));
+            assert!(v > 0.0, "{col} in {row:?}");
+        }
+    }
 }
 
 /// The cells of one CSV line; a quoted cell may hold commas and doubled quotes (the

@@ -308,9 +308,8 @@ fn read_returns_file_data() {
     );
 }
 
-#[test]
-fn read_scattered_over_several_descriptors() {
-    let (_f, mut d) = rw_disk();
+/// A read of sectors 1 to 3 into 512 bytes at DATA + 0x5000, then 1024 at DATA.
+fn read_scattered(d: &mut Driver) -> ((u32, u32), u8) {
     d.header(VIRTIO_BLK_T_IN, 1);
     d.submit(&[
         (HDR, 16, 0),
@@ -318,7 +317,13 @@ fn read_scattered_over_several_descriptors() {
         (DATA, 1024, W),
         (STATUS, 1, W),
     ]);
-    assert_eq!(d.served(), ((0, 1537), OK));
+    d.served()
+}
+
+#[test]
+fn read_scattered_over_several_descriptors() {
+    let (_f, mut d) = rw_disk();
+    assert_eq!(read_scattered(&mut d), ((0, 1537), OK));
     let mut a = vec![0u8; 512];
     d.mem
         .read_slice(&mut a, GuestAddress(DATA + 0x5000))
@@ -343,14 +348,7 @@ fn reads_mark_the_pages_the_device_filled_dirty_on_both_cache_paths() {
         let (_f, mut d) = disk(false, cache);
         let untouched = DATA + 0x9000;
         assert!(!dirty(&d, DATA) && !dirty(&d, DATA + 0x5000) && !dirty(&d, untouched));
-        d.header(VIRTIO_BLK_T_IN, 1);
-        d.submit(&[
-            (HDR, 16, 0),
-            (DATA + 0x5000, 512, W),
-            (DATA, 1024, W),
-            (STATUS, 1, W),
-        ]);
-        assert_eq!(d.served(), ((0, 1537), OK), "{cache:?}");
+        assert_eq!(read_scattered(&mut d), ((0, 1537), OK), "{cache:?}");
         assert!(dirty(&d, DATA), "{cache:?}");
         assert!(dirty(&d, DATA + 0x5000), "{cache:?}");
         assert!(dirty(&d, RING + 0x2000), "the used ring, {cache:?}");
