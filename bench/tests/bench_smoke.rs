@@ -730,13 +730,22 @@ fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
         "{}",
         r.explain()
     );
+    // Its own namespace, by the name it printed: a `bench all` run of other tests may have
+    // one of its own alive meanwhile.
+    let made = r
+        .stdout
+        .split("in the network namespace ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the bench did not name its namespace: {}", r.explain()));
+    assert!(made.starts_with("musubi-bench-"), "{made}");
     let netns = std::process::Command::new("ip")
         .args(["netns", "list"])
         .output()
         .expect("ip netns list");
+    let listed = String::from_utf8_lossy(&netns.stdout);
     assert!(
-        !String::from_utf8_lossy(&netns.stdout).contains("musubi-bench-"),
-        "a benchmark namespace was left behind: {}",
-        String::from_utf8_lossy(&netns.stdout)
+        !listed.split_whitespace().any(|n| n == made),
+        "the benchmark's namespace {made} was left behind: {listed}"
     );
 }
