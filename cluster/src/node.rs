@@ -6,8 +6,8 @@ use crate::spec::{ClusterError, ClusterSpec};
 use dsm::NodeId;
 use dsm_host::MAX_LINK_DELAY;
 use dsm_host::{
-    config_hash_of_parts, CoherenceHandle, Envelope, Inbound, Inbox, InboxSender, Interrupt,
-    LinkParams, Liveness, Memory, NodeEvent, Setup, TcpConfig, TcpTransport,
+    config_hash_of_parts, CoherenceHandle, DoorLimits, Envelope, Inbound, Inbox, InboxSender,
+    Interrupt, LinkParams, Liveness, Memory, NodeEvent, Setup, TcpConfig, TcpTransport,
 };
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -214,10 +214,10 @@ impl Node {
             connect_timeout: node.connect_timeout,
             liveness: Liveness::default(),
             link_delay: node.link_delay,
+            door: DoorLimits::default(),
         };
-        let transport = TcpTransport::establish(&tcp, &listener, outbox.clone())
+        let transport = TcpTransport::establish(&tcp, listener, outbox.clone())
             .map_err(|source| NodeError::Join { id, source })?;
-        drop(listener);
 
         let memory = Arc::new(
             Memory::new(0, config.memory as usize)

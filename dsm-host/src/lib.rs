@@ -12,6 +12,7 @@ pub mod backend;
 pub mod coherence;
 pub mod delay;
 pub mod demand;
+pub mod door;
 pub mod envelope;
 pub mod failure;
 pub mod link;
@@ -24,8 +25,12 @@ mod uffd;
 pub use backend::Backend;
 pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup};
 pub use delay::{DelayLine, MAX_LINK_DELAY};
+pub use door::{DoorLimits, Refusal, Refusals};
 pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace, MAX_MIGRATION_BYTES};
-pub use link::{config_hash, config_hash_of_parts, Link, LinkError, LinkParams, LinkReader, Role};
+pub use link::{
+    config_hash, config_hash_of_parts, Link, LinkError, LinkParams, LinkReader, Role,
+    HANDSHAKE_READ,
+};
 pub use memory::{Fault, FaultKind, Memory, MemoryError};
 pub use poll_window::DEFAULT_POLL_WINDOW;
 pub use stats::{FaultStats, NodeStats};

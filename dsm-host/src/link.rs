@@ -30,6 +30,9 @@ const MAGIC: &[u8; 8] = b"MUSUBIDS";
 pub const LINK_VERSION: u8 = 2;
 const HELLO_LEN: usize = 8 + 1 + 2 + 32 + 32;
 const MAC_LEN: usize = 32;
+/// Bytes the handshake reads from a peer before it has proved the secret: its hello and its
+/// proof, whatever else it sends.
+pub const HANDSHAKE_READ: usize = HELLO_LEN + MAC_LEN;
 /// Largest frame body accepted: a page message is about 4.1 KiB.
 pub const MAX_FRAME: usize = 16 * 1024;
 

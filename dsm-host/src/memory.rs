@@ -5,6 +5,7 @@ use crate::uffd::Uffd;
 use dsm::{Access, PageData, PageNo, PAGE_SIZE};
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use thiserror::Error;
 
@@ -78,6 +79,10 @@ pub struct Memory {
     len: usize,
     gpa: u64,
     uffd: Uffd,
+    /// Set by [`Memory::release`]: no vCPU of this node runs any more, so protecting and
+    /// waking are moot, and the region's userfaultfd operations would fail with ENOENT while
+    /// the coherence thread still serves peers that have not yet heard of the end.
+    released: AtomicBool,
 }
 
 // SAFETY: the mapping is owned by `Memory` and lives until it is dropped; every operation on
@@ -126,6 +131,7 @@ impl Memory {
             len,
             gpa,
             uffd,
+            released: AtomicBool::new(false),
         };
         mem.uffd
             .register(p as u64, len as u64)
@@ -145,6 +151,7 @@ impl Memory {
     /// fault worker) would otherwise hold up the VM's destruction for good. No guest code
     /// runs after this, so nothing sees the stale or empty pages.
     pub fn release(&self) -> Result<(), MemoryError> {
+        self.released.store(true, Ordering::SeqCst);
         self.uffd
             .unregister(self.base.as_ptr() as u64, self.len as u64)
             .map_err(|source| MemoryError::Register {
@@ -225,23 +232,48 @@ impl Memory {
         let addr = self.page_addr(page)?;
         // The kernel reads PAGE_SIZE bytes from `data`, a live buffer of that size, and
         // writes only into our registered mapping, at a page-aligned address inside it.
-        let r = self
-            .uffd
-            .copy(addr as u64, data.as_ptr(), PAGE_SIZE as u64, !writable);
+        let r = if self.is_released() {
+            Err(std::io::Error::from_raw_os_error(libc::ENOENT))
+        } else {
+            self.uffd
+                .copy(addr as u64, data.as_ptr(), PAGE_SIZE as u64, !writable)
+        };
         match r {
             Ok(()) => Ok(true),
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+            Err(e) if self.released_during(&e) => {
+                // SAFETY: `addr` is a page inside the mapping, which is no longer under
+                // userfaultfd, so the stores cannot stop this thread; no vCPU runs any more.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr, PAGE_SIZE) };
+                Ok(true)
+            }
             Err(e) => Err(self.op_err("UFFDIO_COPY", page, addr, e)),
         }
+    }
+
+    fn is_released(&self) -> bool {
+        self.released.load(Ordering::SeqCst)
+    }
+
+    /// True if `e` is what an operation on the region gets once [`Memory::release`] has taken
+    /// it out of userfaultfd (the flag is set before that, so it is seen here).
+    fn released_during(&self, e: &std::io::Error) -> bool {
+        e.raw_os_error() == Some(libc::ENOENT) && self.is_released()
     }
 
     /// Write-protects a present page (`UFFDIO_WRITEPROTECT` mode WP), or lifts that without
     /// waking anyone. Once it returns, no thread can complete a write to the page.
     pub fn write_protect(&self, page: PageNo, on: bool) -> Result<(), MemoryError> {
         let addr = self.page_addr(page)?;
-        self.uffd
-            .write_protect(addr as u64, PAGE_SIZE as u64, on)
-            .map_err(|e| self.op_err("UFFDIO_WRITEPROTECT", page, addr, e))
+        if self.is_released() {
+            return Ok(());
+        }
+        match self.uffd.write_protect(addr as u64, PAGE_SIZE as u64, on) {
+            Err(e) if !self.released_during(&e) => {
+                Err(self.op_err("UFFDIO_WRITEPROTECT", page, addr, e))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Discards the page (`MADV_DONTNEED`): its next access faults as missing.
@@ -259,9 +291,13 @@ impl Memory {
     /// Lets every thread stopped on the page retry its access (`UFFDIO_WAKE`).
     pub fn wake(&self, page: PageNo) -> Result<(), MemoryError> {
         let addr = self.page_addr(page)?;
-        self.uffd
-            .wake(addr as u64, PAGE_SIZE as u64)
-            .map_err(|e| self.op_err("UFFDIO_WAKE", page, addr, e))
+        if self.is_released() {
+            return Ok(());
+        }
+        match self.uffd.wake(addr as u64, PAGE_SIZE as u64) {
+            Err(e) if !self.released_during(&e) => Err(self.op_err("UFFDIO_WAKE", page, addr, e)),
+            _ => Ok(()),
+        }
     }
 
     /// Copies a page out with plain loads.

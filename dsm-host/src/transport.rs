@@ -3,8 +3,9 @@
 //! stream per pair of nodes, which gives the per-pair order the protocol relies on).
 
 use crate::delay::DelayLine;
+use crate::door::{DoorLimits, Refusals};
 use crate::envelope::Envelope;
-use crate::link::{Link, LinkError, LinkParams, LinkReader, LinkWriter, Role};
+use crate::link::{Link, LinkError, LinkParams, LinkReader, LinkWriter};
 use dsm::NodeId;
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
@@ -36,13 +37,27 @@ pub enum TransportError {
         what: &'static str,
         source: std::io::Error,
     },
-    #[error("node {0} connected twice")]
-    Duplicate(NodeId),
+    #[error(
+        "{} never linked before the connect deadline; {refused} connections were refused \
+         meanwhile{}",
+        node_list(missing),
+        last.as_ref().map(|r| format!(", the last from {}: {}", r.addr, r.why)).unwrap_or_default()
+    )]
+    NotLinked {
+        missing: Vec<NodeId>,
+        refused: usize,
+        last: Option<crate::door::Refusal>,
+    },
     #[error("starting the receiver thread for node {peer}: {source}")]
     Spawn {
         peer: NodeId,
         source: std::io::Error,
     },
+}
+
+fn node_list(ids: &[NodeId]) -> String {
+    let v: Vec<String> = ids.iter().map(|n| n.to_string()).collect();
+    v.join(", ")
 }
 
 /// Sends to peers. Messages to one peer must arrive in the order sent.
@@ -194,6 +209,8 @@ pub struct TcpConfig {
     /// One-way delay added to every frame this node sends (zero: none), to emulate a
     /// slower network ([`crate::delay`]); at most [`crate::delay::MAX_LINK_DELAY`].
     pub link_delay: Duration,
+    /// What connections that fail the handshake may cost while linking.
+    pub door: DoorLimits,
 }
 
 /// What the sending side, the heartbeat thread and the receiver share about one peer.
@@ -241,71 +258,29 @@ pub struct TcpTransport {
     beats: Vec<(mpsc::Sender<()>, JoinHandle<()>)>,
     /// Set while this node closes its own links, whose ends are then no peer's failure.
     closing: Arc<AtomicBool>,
+    /// The connections turned away while linking.
+    refusals: Refusals,
 }
 
 impl TcpTransport {
-    /// Connects to every peer (blocking until all are linked or one fails), then starts one
-    /// heartbeat thread per peer; `inbox` is where receiver threads would put frames. A
-    /// connection that fails the handshake ends this with its error: the nodes of a VM start
-    /// together from one configuration, so a stranger or a mismatched node is a set-up fault
-    /// to report, not to wait out.
+    /// Links with every peer (blocking until all are linked, one fails, or the connect
+    /// deadline passes), then starts one heartbeat thread per peer; `inbox` is where receiver
+    /// threads would put frames. A connection that fails the handshake is refused and logged
+    /// and the node goes on waiting ([`crate::door`]); only a peer that proves the secret and
+    /// runs another VM configuration, or a peer this node dials that fails, ends linking with
+    /// an error. `listener` is closed on return: nothing is accepted after linking.
     pub fn establish(
         cfg: &TcpConfig,
-        listener: &TcpListener,
+        listener: TcpListener,
         inbox: InboxSender,
     ) -> Result<TcpTransport, TransportError> {
         let me = cfg.link.me;
         let deadline = Instant::now() + cfg.connect_timeout;
-        let mut links: BTreeMap<NodeId, Link> = BTreeMap::new();
-        for &(peer, addr) in cfg.peers.iter().filter(|p| p.0 < me) {
-            let stream = dial(peer, addr, deadline)?;
-            let link = Link::handshake(stream, Role::Dialer, Some(peer), &cfg.link)?;
-            links.insert(peer, link);
-        }
-        let mut waiting: Vec<NodeId> = cfg.peers.iter().map(|p| p.0).filter(|&p| p > me).collect();
-        let accept_err = |waiting: &Vec<NodeId>, what, source| TransportError::Accept {
-            missing: waiting.clone(),
-            what,
-            source,
-        };
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| accept_err(&waiting, "making the listener non-blocking", e))?;
-        while !waiting.is_empty() {
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    stream
-                        .set_nonblocking(false)
-                        .map_err(|e| accept_err(&waiting, "making a stream blocking", e))?;
-                    let link = Link::handshake(stream, Role::Listener, None, &cfg.link)?;
-                    if !waiting.contains(&link.peer) {
-                        return Err(if links.contains_key(&link.peer) {
-                            TransportError::Duplicate(link.peer)
-                        } else {
-                            LinkError::WrongNode {
-                                peer: link.addr.to_string(),
-                                claimed: link.peer,
-                                expected: format!("one of {waiting:?}"),
-                            }
-                            .into()
-                        });
-                    }
-                    waiting.retain(|&w| w != link.peer);
-                    links.insert(link.peer, link);
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        return Err(accept_err(
-                            &waiting,
-                            "no connection in time",
-                            std::io::Error::from(ErrorKind::TimedOut),
-                        ));
-                    }
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                Err(e) => return Err(accept_err(&waiting, "accepting", e)),
-            }
-        }
+        let dial: Vec<(NodeId, SocketAddr)> =
+            cfg.peers.iter().copied().filter(|p| p.0 < me).collect();
+        let answer: Vec<NodeId> = cfg.peers.iter().map(|p| p.0).filter(|&p| p > me).collect();
+        let (links, refusals) =
+            crate::door::link_all(&cfg.link, &dial, &answer, listener, cfg.door, deadline)?;
         let mut t = TcpTransport {
             peers: BTreeMap::new(),
             unread: Vec::new(),
@@ -313,6 +288,7 @@ impl TcpTransport {
             readers: Vec::new(),
             beats: Vec::new(),
             closing: Arc::new(AtomicBool::new(false)),
+            refusals,
         };
         let live = cfg.liveness;
         for (peer, link) in links {
@@ -391,6 +367,11 @@ impl TcpTransport {
         }
     }
 
+    /// The connections turned away while linking.
+    pub fn refusals(&self) -> &Refusals {
+        &self.refusals
+    }
+
     /// The peers linked to.
     pub fn peers(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.peers.keys().copied()
@@ -466,7 +447,11 @@ impl Transport for TcpTransport {
 }
 
 /// Connects, retrying while the peer is not listening yet, until `deadline`.
-fn dial(peer: NodeId, addr: SocketAddr, deadline: Instant) -> Result<TcpStream, TransportError> {
+pub(crate) fn dial(
+    peer: NodeId,
+    addr: SocketAddr,
+    deadline: Instant,
+) -> Result<TcpStream, TransportError> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {

@@ -290,3 +290,22 @@ fn contended_pages_keep_every_write_under_vmp() {
 fn contended_pages_keep_every_write_under_ivy() {
     contended_counters(Protocol::Ivy);
 }
+
+#[test]
+fn a_node_whose_vm_has_ended_still_serves_its_pages_to_a_peer_that_has_not_heard_yet() {
+    let Pair { ma, a, mb, b, .. } = pair(Protocol::Vmp);
+    // A takes page 1 (first held by B) and writes it; then A's VM ends and its memory leaves
+    // userfaultfd, while B, not told yet, reads and then writes the page.
+    let data = pattern(9);
+    toucher(&ma, 1).fill(data.clone()).wait();
+    ma.release().expect("releasing A's memory");
+    assert_eq!(
+        toucher(&mb, 1).read().wait(),
+        data[..],
+        "B reads what A wrote"
+    );
+    toucher(&mb, 1).write(7, 0x11).wait();
+    let (sa, sb) = settle_and_end(a, b);
+    assert_eq!(sa.protocol_errors + sb.protocol_errors, 0, "{sa:?} {sb:?}");
+    assert_eq!(sb.faults.resolved, sb.faults.count, "{sb:?}");
+}

@@ -6,8 +6,8 @@ mod common;
 use common::{params, WAIT};
 use dsm::{Access, Message, NodeId};
 use dsm_host::{
-    Envelope, Inbound, Inbox, Link, LinkError, LinkParams, LinkReader, Liveness, Role, TcpConfig,
-    TcpTransport,
+    DoorLimits, Envelope, Inbound, Inbox, Link, LinkError, LinkParams, LinkReader, Liveness, Role,
+    TcpConfig, TcpTransport,
 };
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -309,8 +309,9 @@ fn the_tcp_transport_reports_a_forged_frame_as_a_failed_peer() {
         connect_timeout: WAIT,
         liveness: Liveness::default(),
         link_delay: Duration::ZERO,
+        door: DoorLimits::default(),
     };
-    let t = std::thread::spawn(move || TcpTransport::establish(&cfg, &l, tx));
+    let t = std::thread::spawn(move || TcpTransport::establish(&cfg, l, tx));
     let s = TcpStream::connect(addr).unwrap();
     let mut raw = s.try_clone().unwrap();
     let mut peer = Link::handshake(s, Role::Dialer, Some(NodeId(0)), &params(1, b"s", b"c"))

@@ -5,7 +5,7 @@ mod common;
 
 use common::{musubi, probe_args, run_probe, start_command, wait_with_limit, Run};
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -269,16 +269,56 @@ fn killing_a_node_ends_every_other_node_with_its_name_within_five_seconds() {
     }
 }
 
+/// Connects to `addr`, retrying while nobody listens there yet (bounded).
+fn connect_when_listening(addr: SocketAddr) -> TcpStream {
+    let t0 = Instant::now();
+    loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => return s,
+            Err(e) => assert!(t0.elapsed() < Duration::from_secs(30), "{addr}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
-fn a_node_with_another_secret_is_refused() {
+fn strangers_while_the_nodes_link_are_refused_by_address_and_the_vm_still_starts() {
     assert_kvm();
     let c = Cluster::new(&[&[0], &[1]]);
+    // Enough timer rounds after hello for the test to knock on the door while the VM runs.
+    let tasks = format!("hello{}", ",timer".repeat(15));
+    let mut a = c.spawn(0, 2, &tasks, &[]);
+    let door = c.addrs[0];
+    // Once node 0 sends its hello, it is at its door (not still setting up with strangers
+    // piling up unread); hanging up then is the first refusal.
+    let mut first = connect_when_listening(door);
+    first
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    first.read_exact(&mut [0u8; 75]).expect("node 0's hello");
+    drop(first);
+    // Each of these is refused before the next comes, so each is logged by address.
+    let refused = |mut s: TcpStream| {
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    };
+    let mut garbage = TcpStream::connect(door).unwrap();
+    garbage.write_all(&[0xff; 4096]).unwrap();
+    let garbage_at = garbage.local_addr().unwrap();
+    refused(garbage);
+    let mut early = TcpStream::connect(door).unwrap();
+    early.write_all(b"MUSUBI").unwrap();
+    early.shutdown(std::net::Shutdown::Write).unwrap();
+    let early_at = early.local_addr().unwrap();
+    refused(early);
+
+    // A node of another VM (another secret) claiming to be node 1.
     let other = c.dir.path().join("other");
     std::fs::create_dir(&other).unwrap();
     std::fs::write(other.join("secret"), b"not the secret of this VM at all").unwrap();
     std::fs::copy(c.file(), other.join("cluster.json")).unwrap();
-    let mut a = c.spawn(0, 2, "hello", &[]);
-    let mut b = musubi()
+    let mut impostor = musubi()
         .args(["node", "--cluster"])
         .arg(other.join("cluster.json"))
         .args([
@@ -289,18 +329,58 @@ fn a_node_with_another_secret_is_refused() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let sb = wait_with_limit(&mut b, Duration::from_secs(60), "node 1");
-    let sa = wait_with_limit(&mut a, Duration::from_secs(60), "node 0");
-    let mut err_b = String::new();
-    b.stderr.take().unwrap().read_to_string(&mut err_b).unwrap();
-    assert_ne!(sa.code(), Some(0));
-    assert_ne!(sb.code(), Some(0));
-    let both = format!("{}\n{err_b}", c.stderr(0));
-    assert!(
-        both.contains("secret") || both.contains("authenticat"),
-        "the refusal names the secret: {both}"
+    let si = wait_with_limit(&mut impostor, Duration::from_secs(60), "the impostor");
+    let mut err_i = String::new();
+    impostor
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err_i)
+        .unwrap();
+    assert_eq!(si.code(), Some(1), "{err_i}");
+    assert!(err_i.contains("failed authentication"), "{err_i}");
+
+    // A silent one that stays, and fifty that connect and hang up at once.
+    let _silent = TcpStream::connect(door).unwrap();
+    for _ in 0..50 {
+        drop(TcpStream::connect(door).unwrap());
+    }
+
+    // The real node 1 then comes, and the VM runs.
+    let mut b = c.spawn(1, 2, &tasks, &[]);
+    wait_for_output(
+        &c.dir.path().join("node0.out"),
+        "\"probe\":\"hello\"",
+        Duration::from_secs(90),
     );
-    assert!(!both.contains("panicked"), "{both}");
+    let knock = TcpStream::connect(door);
+    let running = a.try_wait().unwrap().is_none();
+    let sb = wait_with_limit(&mut b, Duration::from_secs(90), "node 1");
+    let sa = wait_with_limit(&mut a, Duration::from_secs(90), "node 0");
+    assert_eq!(sa.code(), Some(0), "{}", c.explain(2));
+    assert_eq!(sb.code(), Some(0), "{}", c.explain(2));
+    match knock {
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}"),
+        Ok(_) => panic!("node 0 accepted a connection after linking"),
+    }
+    assert!(running, "node 0 ended before the knock: it proves nothing");
+
+    let err = c.stderr(0);
+    let refusal = |from: SocketAddr, why: &str| {
+        err.lines()
+            .any(|l| l.contains(&format!("refused {from} while linking")) && l.contains(why))
+    };
+    assert!(
+        refusal(garbage_at, "does not speak the musubi node handshake"),
+        "{err}"
+    );
+    assert!(refusal(early_at, "closed the connection"), "{err}");
+    assert!(err.contains("failed authentication"), "{err}");
+    assert!(
+        err.contains("more connections in that second (not logged one by one)"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]

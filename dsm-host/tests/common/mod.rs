@@ -6,8 +6,8 @@
 
 use dsm::{Modulo, NodeId, PageData, PageNo, Protocol, PAGE_SIZE};
 use dsm_host::{
-    config_hash, CoherenceHandle, Inbox, InboxSender, LinkParams, Liveness, Memory, NodeEvent,
-    Setup, TcpConfig, TcpTransport, Transport,
+    config_hash, CoherenceHandle, DoorLimits, Inbox, InboxSender, LinkParams, Liveness, Memory,
+    NodeEvent, Setup, TcpConfig, TcpTransport, Transport,
 };
 use std::net::{SocketAddr, TcpListener};
 use std::sync::mpsc;
@@ -135,6 +135,7 @@ pub fn tcp_config(me: u16, addrs: &[SocketAddr], liveness: Liveness) -> TcpConfi
         connect_timeout: WAIT,
         liveness,
         link_delay: Duration::ZERO,
+        door: DoorLimits::default(),
     }
 }
 
@@ -188,7 +189,7 @@ pub fn cluster(nodes: u16, protocol: Protocol, liveness: Liveness) -> Vec<Runnin
             let cfg = tcp_config(me as u16, &addrs, liveness);
             let inbox = Inbox::new().unwrap();
             let tx = inbox.0.clone();
-            let t = std::thread::spawn(move || TcpTransport::establish(&cfg, &l, tx));
+            let t = std::thread::spawn(move || TcpTransport::establish(&cfg, l, tx));
             (t, inbox)
         })
         .collect();
