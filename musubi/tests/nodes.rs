@@ -130,6 +130,67 @@ fn nodes_started_by_a_launcher_take_their_ids_from_its_rank_variables() {
 }
 
 #[test]
+fn openmpi_mpirun_starts_three_nodes_whose_shared_counter_is_exact() {
+    assert_kvm();
+    let mpirun = "mpirun";
+    let c = Cluster::new(&[&[0], &[1], &[2]]);
+    let log = |s: &str| std::fs::File::create(c.dir.path().join(format!("mpirun.{s}"))).unwrap();
+    let mut cmd = std::process::Command::new(mpirun);
+    for v in ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"] {
+        cmd.env_remove(v);
+    }
+    // SAFETY: geteuid(2) has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        cmd.arg("--allow-run-as-root");
+    }
+    // Three processes on this host's cores, however few: they are mostly waiting.
+    cmd.args(["--oversubscribe", "-np", "3"])
+        .arg(env!("CARGO_BIN_EXE_musubi"))
+        .arg("node")
+        .arg("--cluster")
+        .arg(c.file())
+        .args(["--kernel", "probe", "--memory", "64M", "--cpus", "3"])
+        .args(["--timeout", "120"])
+        .args([
+            "--cmdline",
+            "probe.task_timeout=100 probe.tasks=shared-counter=20000",
+        ])
+        .stdin(Stdio::null())
+        .stdout(log("out"))
+        .stderr(log("err"));
+    let mut run = cmd.spawn().unwrap_or_else(|e| {
+        panic!("{mpirun} (OpenMPI, Debian's openmpi-bin; scripts/test installs it): {e}")
+    });
+    let s = wait_with_limit(&mut run, Duration::from_secs(150), "mpirun");
+    let read = |s: &str| {
+        std::fs::read_to_string(c.dir.path().join(format!("mpirun.{s}"))).unwrap_or_default()
+    };
+    let (out, err) = (read("out"), read("err"));
+    assert_eq!(s.code(), Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    for k in 0..3 {
+        assert!(
+            err.contains(&format!(
+                "node {k}: id {k} from the launcher's OMPI_COMM_WORLD_RANK"
+            )),
+            "{err}"
+        );
+    }
+    let r = common::result_in(&out, "shared-counter");
+    assert_eq!(r["cpus"].as_u64(), Some(3), "{out}");
+    assert_eq!(r["exact"], true, "{out}");
+    assert_eq!(r["locked"].as_u64(), Some(60000), "{out}");
+    assert_eq!(r["xadd"].as_u64(), Some(60000), "{out}");
+    let mut on: Vec<u64> = r["cpu_nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    on.sort();
+    assert_eq!(on, [0, 1, 2], "one vCPU per node: {r}");
+}
+
+#[test]
 fn launcher_ranks_outside_the_cluster_disagreeing_or_missing_are_refused_by_name() {
     assert_kvm();
     let c = Cluster::new(&[&[0], &[1]]);
