@@ -10,6 +10,7 @@ mod all;
 mod apivm;
 mod boot;
 mod composite;
+mod door;
 mod dsm_table;
 mod guest_run;
 mod kvm_trace;
@@ -57,7 +58,9 @@ pub struct BenchArgs {
     /// 128 MiB to 4 GiB), migrate (post-copy live migration: downtime, total time, pages,
     /// the guest's slowdown, 256 MiB to 4 GiB), net (virtio-net over a TAP in a network
     /// namespace of its own: UDP request/response rate and latency, TCP stream throughput,
-    /// exits and interrupts per packet; needs root), or all (every one, and a page
+    /// exits and interrupts per packet; needs root), door (a stranger at a linking node's
+    /// port: time from its connection to a running VM, per kind of stranger), or all (every
+    /// one, and a page
     /// `index.html` in --out that shows them together).
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
@@ -102,6 +105,7 @@ const EXPERIMENTS: &[&str] = &[
     "snapshot",
     "migrate",
     "net",
+    "door",
 ];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
@@ -117,6 +121,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "snapshot" => Harness::new(args).and_then(|h| snapshot::run(&h, args)),
         "migrate" => Harness::new(args).and_then(|h| migrate::run(&h, args)),
         "net" => Harness::new(args).and_then(|h| net::run(&h, args)),
+        "door" => Harness::new(args).and_then(|h| door::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}, all",

@@ -14,7 +14,7 @@ use std::time::Duration;
 /// Every experiment's quick limit together, with room for a loaded CI machine.
 const ALL_LIMIT: Duration = Duration::from_secs(1800);
 
-const EXPERIMENTS: [&str; 10] = [
+const EXPERIMENTS: [&str; 11] = [
     "boot",
     "composite",
     "seq",
@@ -25,6 +25,7 @@ const EXPERIMENTS: [&str; 10] = [
     "snapshot",
     "migrate",
     "net",
+    "door",
 ];
 
 /// The one `musubi bench all --quick` run, made by whichever test asks first. A run that
@@ -105,6 +106,7 @@ fn bench_all_writes_a_page_with_every_experiment_and_its_charts() {
         "snapshot",
         "migrate",
         "net",
+        "door",
     ] {
         assert!(
             images.contains(&format!("{e}.svg").as_str()),
@@ -748,4 +750,39 @@ fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
         !listed.split_whitespace().any(|n| n == made),
         "the benchmark's namespace {made} was left behind: {listed}"
     );
+}
+
+/// `musubi bench door --quick`: the VM over three nodes starts past every kind of stranger,
+/// and node 0 logged a refusal for each stranger and none without one.
+#[test]
+fn bench_door_quick_starts_the_vm_past_every_kind_of_stranger() {
+    assert!(
+        Path::new("/dev/kvm").exists(),
+        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    );
+    let (r, out) = quick("door");
+    assert!(r.stdout.contains("refusals logged"), "{}", r.explain());
+    let t = CsvFile::read(&out.path().join("door.csv"));
+    let (case, refusals) = (t.col("case"), t.col("refusals_logged"));
+    let cases = [
+        "none",
+        "garbage (4 KiB)",
+        "silent",
+        "early close",
+        "50 connect-and-close",
+        "wrong secret",
+        "unknown node id",
+        "second node 1",
+    ];
+    assert_eq!(t.rows.len(), cases.len(), "{}", t.text);
+    for name in cases {
+        let row = t
+            .rows
+            .iter()
+            .find(|row| row[case] == name)
+            .unwrap_or_else(|| panic!("no row for {name}\n{}", t.text));
+        t.assert_positive(row, &["ms_to_vm"]);
+        let n: u64 = row[refusals].parse().unwrap();
+        assert_eq!(n == 0, name == "none", "{row:?}");
+    }
 }

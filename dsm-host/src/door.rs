@@ -151,6 +151,17 @@ pub(crate) fn link_all(
             })
             .map_err(|source| TransportError::Spawn { peer, source })?;
     }
+    if let Ok(at) = listener.local_addr() {
+        tracing::info!(
+            "node {} waits at {at} for {}",
+            params.me,
+            if answer.is_empty() {
+                "no node".to_string()
+            } else {
+                names(&door.waiting)
+            }
+        );
+    }
     let outcome = door.run(&listener, &bell, &rx, &mut wake, deadline);
     giving_up.store(true, Ordering::SeqCst);
     drop(listener);
@@ -296,7 +307,13 @@ impl Door<'_> {
         match a {
             Arrival::Dialed { peer, result } => {
                 self.dialing.remove(&peer);
-                self.links.insert(peer, result?);
+                let link = result?;
+                tracing::info!(
+                    "node {} linked with {peer} at {}",
+                    self.params.me,
+                    link.addr
+                );
+                self.links.insert(peer, link);
             }
             Arrival::Answered { conn, addr, result } => {
                 let cut = match self.half_open.remove(&conn) {
@@ -327,6 +344,7 @@ impl Door<'_> {
     fn linked(&mut self, link: Link) {
         let (peer, addr) = (link.peer, link.addr);
         if self.waiting.remove(&peer) {
+            tracing::info!("node {} linked with {peer} at {addr}", self.params.me);
             self.links.insert(peer, link);
         } else if self.links.contains_key(&peer) || self.dialing.contains(&peer) {
             self.log.refuse(
