@@ -326,7 +326,7 @@ impl Door<'_> {
                 match result {
                     Ok(link) => self.linked(link),
                     Err(e @ LinkError::ConfigMismatch { .. }) => return Err(e.into()),
-                    Err(_) if cut => self.log.refuse(
+                    Err(e) if cut || timed_out(&e) => self.log.refuse(
                         addr,
                         format!(
                             "no complete handshake within {} ms",
@@ -418,6 +418,13 @@ impl Door<'_> {
             last: self.log.last.clone(),
         }
     }
+}
+
+/// Whether a handshake ended because a read or write waited past its timeout, which is the
+/// handshake's deadline on the listening side.
+fn timed_out(e: &LinkError) -> bool {
+    matches!(e, LinkError::Io { source, .. }
+        if matches!(source.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut))
 }
 
 fn names(ids: &BTreeSet<NodeId>) -> String {
