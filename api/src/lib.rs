@@ -38,6 +38,14 @@ pub trait VmControl: Send + Sync {
     }
     fn shutdown_vm(&self) -> Result<(), ActionError>;
     fn shutdown_vmm(&self) -> Result<(), ActionError>;
+    /// Moves vCPU `vcpu` to node `node` of a VM over several hosts while the VM runs (`Ok`
+    /// once it runs there); its pages follow it as it touches them.
+    fn move_vcpu(&self, vcpu: u8, node: u16) -> Result<(), ActionError> {
+        let _ = (vcpu, node);
+        Err(ActionError::internal(
+            "this VM runs on one host: it has no other node to move a vCPU to",
+        ))
+    }
 }
 
 /// A `vm.send-migration` request: `{"destination_url": "tcp:HOST:PORT", "secret_file":

@@ -81,8 +81,14 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
             Ok(m) => action(vm.send_migration(&m), "The VM could not be migrated", 204),
             Err(r) => r,
         },
+        "vm.move-vcpu" if put => match move_target(&req.body) {
+            Ok((vcpu, node)) => {
+                action(vm.move_vcpu(vcpu, node), "The vCPU could not be moved", 204)
+            }
+            Err(r) => r,
+        },
         "vmm.ping" | "vm.info" | "vm.counters" | "vm.pause" | "vm.resume" | "vm.shutdown"
-        | "vmm.shutdown" | "vm.snapshot" | "vm.send-migration" => wrong_method(),
+        | "vmm.shutdown" | "vm.snapshot" | "vm.send-migration" | "vm.move-vcpu" => wrong_method(),
         _ => Response::error(404, &["Not Found"]),
     }
 }
@@ -117,6 +123,35 @@ fn snapshot_dir(body: &[u8]) -> Result<PathBuf, Response> {
              directory), no other scheme"
         ))),
     }
+}
+
+/// The vCPU and node a vm.move-vcpu body names: `{"vcpu": N, "node": K}`.
+fn move_target(body: &[u8]) -> Result<(u8, u16), Response> {
+    const SHAPE: &str = "vm.move-vcpu needs a JSON body {\"vcpu\": N, \"node\": K}";
+    if body.is_empty() {
+        return Err(bad_request(SHAPE));
+    }
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| Response::error(400, &["Failed to deserialize JSON", &e.to_string()]))?;
+    let number = |name: &str, max: u64| match value.get(name) {
+        Some(v) => v.as_u64().filter(|n| *n <= max).ok_or_else(|| {
+            bad_request(&format!(
+                "{name} {v}: expected a whole number from 0 to {max}"
+            ))
+        }),
+        None => Err(Response::error(
+            400,
+            &[
+                "Failed to deserialize JSON",
+                &format!("missing field `{name}`"),
+                SHAPE,
+            ],
+        )),
+    };
+    Ok((
+        number("vcpu", 255)? as u8,
+        number("node", u16::MAX as u64)? as u16,
+    ))
 }
 
 /// The destination, secret and mode a vm.send-migration body names (see
@@ -208,6 +243,31 @@ fn migration_target(body: &[u8]) -> Result<crate::SendMigration, Response> {
 mod tests {
     use super::*;
     use crate::{PreCopy, SendMigration};
+
+    #[test]
+    fn a_move_names_a_vcpu_and_a_node_and_nothing_else_passes() {
+        let m = |b: &str| move_target(b.as_bytes()).map_err(|r| format!("{r:?}"));
+        assert_eq!(m(r#"{"vcpu": 1, "node": 2}"#), Ok((1, 2)));
+        for bad in [
+            "",
+            "{}",
+            r#"{"vcpu": 1}"#,
+            r#"{"node": 1}"#,
+            r#"{"vcpu": 256, "node": 1}"#,
+            r#"{"vcpu": -1, "node": 1}"#,
+            r#"{"vcpu": "1", "node": 1}"#,
+            r#"{"vcpu": 1, "node": 70000}"#,
+            "not json",
+        ] {
+            let e = m(bad).expect_err(bad);
+            assert!(e.contains("400"), "{bad}: {e}");
+        }
+        let e = m(r#"{"vcpu": 300, "node": 1}"#).unwrap_err();
+        assert!(
+            e.contains("vcpu 300: expected a whole number from 0 to 255"),
+            "{e}"
+        );
+    }
 
     fn parsed(body: &str) -> Result<SendMigration, String> {
         migration_target(body.as_bytes()).map_err(|r| format!("{r:?}"))

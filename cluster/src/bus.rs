@@ -2,7 +2,8 @@
 //! node that holds the devices (served here when that is this node), answers back to the
 //! waiting vCPU.
 
-use super::ipi::{self, Msi, IPI_PORT};
+use super::ipi::{self, IPI_PORT};
+use super::moving::{Route, Routes};
 use dsm::NodeId;
 use dsm_host::{Envelope, Exit, Inbound, InboxSender, Interrupt, IoSpace};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -71,11 +72,10 @@ pub(crate) struct BusCounters {
 }
 
 pub(crate) struct NodeBus {
-    pub me: u16,
     pub io_node: u16,
     pub cpus: u8,
     /// Which node runs each vCPU.
-    pub node_of: Arc<Vec<u16>>,
+    pub routes: Arc<Routes>,
     /// The devices, on the node that holds them.
     pub local: Option<Arc<dyn DeviceBus>>,
     /// The coherence thread's inbox: what goes to peers leaves in order with the protocol's
@@ -122,19 +122,24 @@ impl NodeBus {
 
     fn ipi(&self, sender: u8, data: &[u8]) {
         for m in ipi::decode(sender, self.cpus, data) {
-            let node = self.node_of.get(m.vcpu as usize).copied();
-            if node == Some(self.me) {
-                self.counters.ipis_local.fetch_add(1, Ordering::Relaxed);
-                inject(&self.msi, m.address, m.data);
-            } else if let Some(node) = node {
-                self.counters.ipis_remote.fetch_add(1, Ordering::Relaxed);
-                self.send(
-                    node,
-                    Envelope::Interrupt(Interrupt::Msi {
-                        address: m.address as u64,
-                        data: m.data,
-                    }),
-                );
+            match self
+                .routes
+                .route(m, |m| inject(&self.msi, m.address, m.data))
+            {
+                Route::Here | Route::Held => {
+                    self.counters.ipis_local.fetch_add(1, Ordering::Relaxed);
+                }
+                Route::To(node) => {
+                    self.counters.ipis_remote.fetch_add(1, Ordering::Relaxed);
+                    self.send(
+                        node,
+                        Envelope::Interrupt(Interrupt::Msi {
+                            address: m.address as u64,
+                            data: m.data,
+                        }),
+                    );
+                }
+                Route::Nowhere => {}
             }
         }
     }
@@ -146,17 +151,6 @@ pub(crate) fn inject(msi: &MsiInjector, address: u32, data: u32) {
     if let Err(e) = msi.signal(address, data) {
         tracing::debug!(vcpu = ipi::target_of(address), "MSI not delivered: {e}");
     }
-}
-
-/// An MSI from another node, if it names a vCPU this node runs.
-pub(crate) fn accept_remote(node_of: &[u16], me: u16, address: u64, data: u32) -> Option<Msi> {
-    let address = u32::try_from(address).ok()?;
-    let vcpu = ipi::target_of(address);
-    (node_of.get(vcpu as usize) == Some(&me)).then_some(Msi {
-        vcpu,
-        address,
-        data,
-    })
 }
 
 impl DeviceBus for NodeBus {

@@ -12,10 +12,11 @@
 
 mod bus;
 mod ipi;
+mod moving;
 mod node;
 pub mod spec;
 
 pub use dsm_host::{DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
 pub use ipi::IPI_PORT;
-pub use node::{parse_duration, Node, NodeError, NodeOptions, NodeReport, RunningNode};
+pub use node::{parse_duration, Mover, Node, NodeError, NodeOptions, NodeReport, RunningNode};
 pub use spec::{ClusterError, ClusterSpec, NodeAddr};

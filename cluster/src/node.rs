@@ -1,7 +1,8 @@
 //! Builds, starts and waits for this host's node of the VM.
 
 use crate::bus::{self, BusCounters, NodeBus, Replies};
-use crate::ipi::IPI_PORT;
+use crate::ipi::{Msi, IPI_PORT};
+use crate::moving::{MoveMsg, Route, Routes};
 use crate::spec::{ClusterError, ClusterSpec};
 use dsm::NodeId;
 use dsm_host::MAX_LINK_DELAY;
@@ -9,14 +10,15 @@ use dsm_host::{
     config_hash_of_parts, CoherenceHandle, DoorLimits, Envelope, Inbound, Inbox, InboxSender,
     Interrupt, LinkParams, Liveness, Memory, NodeEvent, Setup, TcpConfig, TcpTransport,
 };
+use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::sync::{mpsc, Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use vmm::config::{KernelImage, VmConfig};
 use vmm::{
     BuildError, DeviceBus, ExternalRam, GuestRamSource, Outcome, RunControl, RunOptions, RunReport,
-    RunningVm, Topology, VmBuilder, VmHandle,
+    RunningVm, Topology, VcpuState, VmBuilder, VmHandle,
 };
 
 /// A link delay or poll window: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`,
@@ -129,11 +131,22 @@ pub struct Node {
     ctx: ControlContext,
 }
 
+/// How long the I/O node waits for a vCPU move it asked for to be done or refused.
+const MOVE_LIMIT: Duration = Duration::from_secs(10);
+
+/// A move the I/O node asked for, waiting for the node the vCPU went to (or the refusal).
+type PendingMoves = Arc<Mutex<BTreeMap<u8, mpsc::Sender<Result<u16, String>>>>>;
+
 /// What the node's control thread needs to act on messages from peers.
 #[derive(Clone)]
 struct ControlContext {
     me: u16,
-    node_of: Arc<Vec<u16>>,
+    nodes: u16,
+    io_node: u16,
+    routes: Arc<Routes>,
+    /// The running VM, once it runs: what a vCPU leaves from and arrives in.
+    handle: Arc<OnceLock<VmHandle>>,
+    moves: PendingMoves,
     local: Option<Arc<dyn DeviceBus>>,
     msi: vmm::MsiInjector,
     replies: Arc<Replies>,
@@ -147,6 +160,7 @@ struct ControlContext {
 
 /// A node whose vCPUs run.
 pub struct RunningNode {
+    ctx: ControlContext,
     id: u16,
     memory: Arc<Memory>,
     control: Arc<RunControl>,
@@ -252,6 +266,7 @@ impl Node {
         let mut vm = VmBuilder::new(config)
             .options(opts.clone())
             .vcpus(me.vcpus.clone())
+            .standby_vcpus((0..config.cpus).filter(|v| !me.vcpus.contains(v)).collect())
             .guest_ram(GuestRamSource::External(ram))
             .devices(holds_devices)
             .topology(Topology {
@@ -266,19 +281,19 @@ impl Node {
             })
             .build()
             .map_err(|source| NodeError::Build { id, source })?;
-        let node_of: Arc<Vec<u16>> = Arc::new(
+        let routes = Arc::new(Routes::new(
+            id,
             (0..config.cpus)
                 .map(|v| cluster.node_of(v).expect("checked: every vCPU has a node"))
                 .collect(),
-        );
+        ));
         let replies = Arc::new(Replies::new(config.cpus));
         let counters = Arc::new(BusCounters::default());
         let local = holds_devices.then(|| vm.device_bus());
         let bus = NodeBus {
-            me: id,
             io_node: cluster.io_node,
             cpus: config.cpus,
-            node_of: Arc::clone(&node_of),
+            routes: Arc::clone(&routes),
             local: local.clone(),
             outbox: outbox.clone(),
             msi: vm.msi_injector(),
@@ -309,7 +324,11 @@ impl Node {
         }));
         let ctx = ControlContext {
             me: id,
-            node_of,
+            nodes,
+            io_node: cluster.io_node,
+            routes,
+            handle: Arc::default(),
+            moves: Arc::default(),
             local,
             msi: vm.msi_injector(),
             replies,
@@ -345,7 +364,9 @@ impl Node {
             .vm
             .start()
             .map_err(|source| NodeError::Build { id, source })?;
+        let _ = self.ctx.handle.set(running.handle());
         Ok(RunningNode {
+            ctx: self.ctx.clone(),
             id,
             memory: self.memory,
             control: self.ctx.control.clone(),
@@ -361,6 +382,13 @@ impl Node {
 impl RunningNode {
     pub fn handle(&self) -> VmHandle {
         self.running.handle()
+    }
+
+    /// A handle for asking this node to move vCPUs (the I/O node serves the API that asks).
+    pub fn mover(&self) -> Mover {
+        Mover {
+            ctx: self.ctx.clone(),
+        }
     }
 
     /// Waits for the VM to end here or anywhere; an end that started here is told to every
@@ -487,7 +515,8 @@ fn control_loop(ctx: ControlContext, events: mpsc::Receiver<NodeEvent>) {
             Envelope::Exit(e) => {
                 // Only the node that holds the devices serves accesses, and only for vCPUs
                 // the sender runs: anything else is a peer's fault, dropped.
-                let sender_runs_it = ctx.node_of.get(e.vcpu as usize) == Some(&from.0);
+                let sender_runs_it =
+                    ctx.routes.node_of(e.vcpu as u8) == Some(from.0) && e.vcpu <= u8::MAX as u32;
                 if let (Some(local), true) = (&ctx.local, sender_runs_it) {
                     let data = bus::serve(local.as_ref(), &e);
                     ctx.outbox.push(Inbound::Send {
@@ -497,17 +526,263 @@ fn control_loop(ctx: ControlContext, events: mpsc::Receiver<NodeEvent>) {
                 }
             }
             Envelope::ExitReply { vcpu, data }
-                if ctx.node_of.get(vcpu as usize) == Some(&ctx.me) =>
+                if vcpu <= u8::MAX as u32 && ctx.routes.node_of(vcpu as u8) == Some(ctx.me) =>
             {
                 ctx.replies.answer(vcpu, data);
             }
             Envelope::Interrupt(Interrupt::Msi { address, data }) => {
-                if let Some(m) = bus::accept_remote(&ctx.node_of, ctx.me, address, data) {
-                    bus::inject(&ctx.msi, m.address, m.data);
+                if let Ok(address) = u32::try_from(address) {
+                    let m = Msi {
+                        vcpu: crate::ipi::target_of(address),
+                        address,
+                        data,
+                    };
+                    deliver(&ctx, m);
                 }
             }
+            Envelope::Move(bytes) => match MoveMsg::decode(&bytes) {
+                Ok(m) => on_move(&ctx, from, m),
+                Err(e) => tracing::warn!("node {}: from {from}: {e}", ctx.me),
+            },
             _ => {}
         }
+    }
+}
+
+/// An interrupt for `m.vcpu`: injected here, held while the vCPU is on its way here, or
+/// sent on to the node that runs it now.
+fn deliver(ctx: &ControlContext, m: Msi) {
+    if let Route::To(node) = ctx
+        .routes
+        .route(m, |m| bus::inject(&ctx.msi, m.address, m.data))
+    {
+        send_to(ctx, node, msi_envelope(&m));
+    }
+}
+
+fn msi_envelope(m: &Msi) -> Envelope {
+    Envelope::Interrupt(Interrupt::Msi {
+        address: m.address as u64,
+        data: m.data,
+    })
+}
+
+fn send_to(ctx: &ControlContext, node: u16, env: Envelope) {
+    ctx.outbox.push(Inbound::Send {
+        to: NodeId(node),
+        env,
+    });
+}
+
+fn send_move(ctx: &ControlContext, node: u16, m: &MoveMsg) {
+    send_to(ctx, node, Envelope::Move(m.encode()));
+}
+
+/// Tells the I/O node's waiting request how the move of `vcpu` ended.
+fn settle(ctx: &ControlContext, vcpu: u8, result: Result<u16, String>) {
+    let waiting = ctx
+        .moves
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&vcpu);
+    if let Some(tx) = waiting {
+        let _ = tx.send(result);
+    }
+}
+
+/// One step of a vCPU's move (see [`crate::moving`]).
+fn on_move(ctx: &ControlContext, from: NodeId, m: MoveMsg) {
+    match m {
+        MoveMsg::Move { vcpu, to } if from.0 == ctx.io_node => {
+            if let Err(why) = give_away(ctx, vcpu, to) {
+                tracing::warn!("node {}: vCPU {vcpu} stays: {why}", ctx.me);
+                let failed = MoveMsg::Failed {
+                    vcpu,
+                    node: ctx.me,
+                    why,
+                };
+                send_move(ctx, ctx.io_node, &failed);
+            }
+        }
+        MoveMsg::Coming { vcpu } => ctx.routes.coming(vcpu),
+        MoveMsg::State { vcpu, last, bytes } => match ctx.routes.piece(vcpu, &bytes, last) {
+            Ok(None) => {}
+            Ok(Some(state)) => take_over(ctx, from.0, vcpu, &state),
+            Err(why) => tracing::warn!("node {}: from {from}: {why}", ctx.me),
+        },
+        MoveMsg::Moved { vcpu, node } => {
+            if node != ctx.me {
+                ctx.routes.set(vcpu, node);
+            }
+            settle(ctx, vcpu, Ok(node));
+        }
+        MoveMsg::Failed { vcpu, node, why } => {
+            if node != ctx.me && ctx.routes.node_of(vcpu) == Some(ctx.me) {
+                for m in ctx.routes.abandon(vcpu, node) {
+                    send_to(ctx, node, msi_envelope(&m));
+                }
+            }
+            settle(ctx, vcpu, Err(why));
+        }
+        MoveMsg::Move { .. } => {
+            tracing::warn!("node {}: a move asked by {from}, not the I/O node", ctx.me);
+        }
+    }
+}
+
+/// The old node's part: the vCPU's interrupts go to `to` from now on, and its state is read
+/// and sent there. On a failure the vCPU runs on here.
+fn give_away(ctx: &ControlContext, vcpu: u8, to: u16) -> Result<(), String> {
+    let me = ctx.me;
+    let handle = ctx.handle.get().ok_or("the VM is not running yet")?;
+    if ctx.routes.node_of(vcpu) != Some(me) || to == me || to >= ctx.nodes {
+        return Err(format!(
+            "vCPU {vcpu} does not run on node {me}, or node {to} cannot take it"
+        ));
+    }
+    send_move(ctx, to, &MoveMsg::Coming { vcpu });
+    ctx.routes.set(vcpu, to);
+    let state = handle
+        .release_vcpu(vcpu)
+        .map_err(|e| e.to_string())
+        .and_then(|s| serde_json::to_vec(&s).map_err(|e| format!("encoding its state: {e}")));
+    match state {
+        Ok(bytes) => {
+            for piece in MoveMsg::pieces(vcpu, &bytes) {
+                send_move(ctx, to, &piece);
+            }
+            tracing::info!(
+                "node {me}: vCPU {vcpu} left for node {to} ({} bytes of state)",
+                bytes.len()
+            );
+            Ok(())
+        }
+        Err(why) => {
+            ctx.routes.set(vcpu, me);
+            let failed = MoveMsg::Failed {
+                vcpu,
+                node: me,
+                why: why.clone(),
+            };
+            send_move(ctx, to, &failed);
+            Err(why)
+        }
+    }
+}
+
+/// The new node's part: every node learns where the vCPU runs before it does, then it runs
+/// here from the state that came and gets the interrupts held for it.
+fn take_over(ctx: &ControlContext, from: u16, vcpu: u8, bytes: &[u8]) {
+    let me = ctx.me;
+    let state: Result<VcpuState, String> = serde_json::from_slice(bytes)
+        .map_err(|e| format!("vCPU {vcpu}'s state from node {from} does not decode: {e}"))
+        .and_then(|s: VcpuState| {
+            if s.id == vcpu {
+                Ok(s)
+            } else {
+                Err(format!(
+                    "node {from} sent vCPU {}'s state as vCPU {vcpu}'s",
+                    s.id
+                ))
+            }
+        });
+    let Some(handle) = ctx.handle.get() else {
+        return;
+    };
+    let state = match state {
+        Ok(s) => s,
+        Err(why) => {
+            // The state is gone with the message: the VM cannot go on without that vCPU.
+            ctx.control
+                .finish(Outcome::VmmError(format!("node {me}: {why}")));
+            return;
+        }
+    };
+    for n in (0..ctx.nodes).filter(|&n| n != me) {
+        send_move(ctx, n, &MoveMsg::Moved { vcpu, node: me });
+    }
+    if let Err(e) = handle.adopt_vcpu(state) {
+        ctx.control.finish(Outcome::VmmError(format!(
+            "node {me}: vCPU {vcpu} came from node {from} and cannot run here: {e}"
+        )));
+        return;
+    }
+    for m in ctx.routes.arrived(vcpu) {
+        deliver(ctx, m);
+    }
+    tracing::info!("node {me}: vCPU {vcpu} runs here now, come from node {from}");
+    settle(ctx, vcpu, Ok(me));
+}
+
+/// Asks for vCPU moves: the I/O node's, for its control API.
+#[derive(Clone)]
+pub struct Mover {
+    ctx: ControlContext,
+}
+
+impl Mover {
+    /// Moves vCPU `vcpu` to node `to` while the VM runs, and returns once it runs there.
+    /// The vCPU's pages follow it as it touches them. Refused: a vCPU or node that does not
+    /// exist, a vCPU already there, one on the I/O node (whose in-kernel interrupt
+    /// controller delivers the devices' interrupts to its own vCPUs only), and any move
+    /// asked of a node other than the I/O node.
+    pub fn move_vcpu(&self, vcpu: u8, to: u16) -> Result<(), String> {
+        let ctx = &self.ctx;
+        if ctx.me != ctx.io_node {
+            return Err(format!(
+                "node {} is not the I/O node (node {}): ask that one",
+                ctx.me, ctx.io_node
+            ));
+        }
+        let cpus = ctx.routes.all().len();
+        let Some(from) = ctx.routes.node_of(vcpu) else {
+            return Err(format!("vCPU {vcpu}: the VM has vCPUs 0 to {}", cpus - 1));
+        };
+        if to >= ctx.nodes {
+            return Err(format!(
+                "node {to}: the VM has nodes 0 to {}",
+                ctx.nodes - 1
+            ));
+        }
+        if from == to {
+            return Err(format!("vCPU {vcpu} already runs on node {to}"));
+        }
+        if from == ctx.io_node {
+            return Err(format!(
+                "vCPU {vcpu} runs on the I/O node (node {from}), whose in-kernel interrupt \
+                 controller delivers the devices' interrupts to its own vCPUs only; it stays"
+            ));
+        }
+        if ctx.control.is_finished() {
+            return Err("the VM has ended".into());
+        }
+        let (tx, rx) = mpsc::channel();
+        {
+            let mut moves = ctx.moves.lock().unwrap_or_else(|e| e.into_inner());
+            if moves.contains_key(&vcpu) {
+                return Err(format!("a move of vCPU {vcpu} is under way"));
+            }
+            moves.insert(vcpu, tx);
+        }
+        send_move(ctx, from, &MoveMsg::Move { vcpu, to });
+        let answer = rx.recv_timeout(MOVE_LIMIT);
+        ctx.moves
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&vcpu);
+        match answer {
+            Ok(Ok(node)) if node == to => Ok(()),
+            Ok(Ok(node)) => Err(format!("vCPU {vcpu} went to node {node}, not {to}")),
+            Ok(Err(why)) => Err(format!("node {from} did not move vCPU {vcpu}: {why}")),
+            Err(_) => Err(format!(
+                "vCPU {vcpu}'s move from node {from} to node {to} was not done within {MOVE_LIMIT:?}"
+            )),
+        }
+    }
+
+    /// Which node runs each vCPU, by vCPU id, as this node knows it.
+    pub fn vcpu_nodes(&self) -> Vec<u16> {
+        self.ctx.routes.all()
     }
 }
 

@@ -63,13 +63,16 @@ pub enum Envelope {
         node: u16,
         why: String,
     },
+    /// A vCPU's move between nodes (`musubi-cluster` gives the bytes their meaning), at most
+    /// [`MAX_MIGRATION_BYTES`] long.
+    Move(Vec<u8>),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum EnvelopeError {
     #[error("empty envelope")]
     Empty,
-    #[error("unknown envelope tag {0:#04x} (known: 0x00..=0x07)")]
+    #[error("unknown envelope tag {0:#04x} (known: 0x00..=0x08)")]
     Tag(u8),
     #[error("envelope tag {tag:#04x}: {why} ({len} bytes)")]
     Layout {
@@ -89,6 +92,7 @@ const T_STOP: u8 = 4;
 const T_HEARTBEAT: u8 = 5;
 const T_MIGRATION: u8 = 6;
 const T_LOST: u8 = 7;
+const T_MOVE: u8 = 8;
 
 /// Most bytes of the reason a [`Envelope::Lost`] carries.
 pub const MAX_WHY_BYTES: usize = 512;
@@ -173,6 +177,7 @@ impl Envelope {
             Envelope::Heartbeat { .. } => "heartbeat",
             Envelope::Migration(_) => "migration",
             Envelope::Lost { .. } => "lost",
+            Envelope::Move(_) => "move",
         }
     }
 
@@ -220,11 +225,15 @@ impl Envelope {
                 out.push(T_HEARTBEAT);
                 out.extend_from_slice(&seq.to_le_bytes());
             }
-            Envelope::Migration(bytes) => {
+            Envelope::Migration(bytes) | Envelope::Move(bytes) => {
                 // Longer payloads are the sender's bug; they are cut rather than sent whole
                 // into a frame the peer refuses.
                 let n = bytes.len().min(MAX_MIGRATION_BYTES);
-                out.push(T_MIGRATION);
+                out.push(if matches!(self, Envelope::Move(_)) {
+                    T_MOVE
+                } else {
+                    T_MIGRATION
+                });
                 out.extend_from_slice(&(n as u16).to_le_bytes());
                 out.extend_from_slice(&bytes[..n]);
             }
@@ -300,12 +309,17 @@ impl Envelope {
                 code: c.u32()? as i32,
             },
             T_HEARTBEAT => Envelope::Heartbeat { seq: c.u64()? },
-            T_MIGRATION => {
+            T_MIGRATION | T_MOVE => {
                 let n = u16::from_le_bytes(c.take(2)?.try_into().expect("2 bytes")) as usize;
                 if n > MAX_MIGRATION_BYTES {
-                    return Err(c.err("migration payload longer than MAX_MIGRATION_BYTES"));
+                    return Err(c.err("payload longer than MAX_MIGRATION_BYTES"));
                 }
-                Envelope::Migration(c.take(n)?.to_vec())
+                let bytes = c.take(n)?.to_vec();
+                if tag == T_MOVE {
+                    Envelope::Move(bytes)
+                } else {
+                    Envelope::Migration(bytes)
+                }
             }
             T_LOST => {
                 let node = u16::from_le_bytes(c.take(2)?.try_into().expect("2 bytes"));
@@ -370,6 +384,7 @@ mod tests {
             Envelope::Heartbeat { seq: u64::MAX },
             Envelope::Migration(vec![]),
             Envelope::Migration((0..MAX_MIGRATION_BYTES).map(|i| i as u8).collect()),
+            Envelope::Move(vec![1, 2, 3]),
             Envelope::Lost {
                 node: 2,
                 why: "peer n2 at 127.0.0.1:1 closed the connection".into(),

@@ -7,6 +7,7 @@ mod console;
 mod demo;
 mod migrate;
 mod netns;
+mod node_api;
 mod nodes;
 mod partition_cli;
 mod probe;
@@ -70,6 +71,11 @@ enum Command {
         /// This node's report and metrics (with its coherence counters).
         #[command(flatten)]
         run: cli::RunFlags,
+        /// Serve the control API on this UNIX socket (created mode 0600): info (with the
+        /// node each vCPU runs on), counters, move-vcpu (on the I/O node), shutdown.
+        /// `musubi remote --api-socket PATH` is its client.
+        #[arg(long, value_name = "PATH")]
+        api_socket: Option<std::path::PathBuf>,
     },
     /// Boot the bundled probe guest on 2 vCPUs with a temporary disk, run hello, blk-fill
     /// and blk-crc, check the disk on the host, and summarize.
@@ -186,7 +192,8 @@ fn main() -> ExitCode {
             id,
             vm,
             run,
-        } => nodes::node(&cluster, id, &vm, &run),
+            api_socket,
+        } => nodes::node(&cluster, id, &vm, &run, api_socket.as_deref()),
         Command::Run(RunCmd {
             vm, run, control, ..
         }) => run::run(&vm, &run, &control),

@@ -202,7 +202,13 @@ pub fn rank_from_launcher(
 
 /// `musubi node`: runs node `id` of `cluster` (or the one the launcher's rank names) until
 /// the VM ends anywhere.
-pub fn node(cluster_path: &Path, id: Option<u16>, vm: &VmArgs, run: &RunFlags) -> ExitCode {
+pub fn node(
+    cluster_path: &Path,
+    id: Option<u16>,
+    vm: &VmArgs,
+    run: &RunFlags,
+    api_socket: Option<&Path>,
+) -> ExitCode {
     let timeout = match run.timeout() {
         Ok(t) => t,
         Err(e) => {
@@ -274,8 +280,31 @@ pub fn node(cluster_path: &Path, id: Option<u16>, vm: &VmArgs, run: &RunFlags) -
             return ExitCode::from(1);
         }
     };
+    let api = match api_socket {
+        Some(path) => {
+            let target = std::sync::Arc::new(crate::node_api::NodeApi {
+                vm: running.handle(),
+                mover: running.mover(),
+            });
+            let mode = run.seccomp;
+            let filter = move || {
+                vmm::seccomp::apply(vmm::seccomp::ThreadKind::Api, mode).map_err(|e| e.to_string())
+            };
+            match musubi_api::ApiServer::start(path, target, filter) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    running
+                        .handle()
+                        .stop(vmm::Outcome::VmmError(format!("--api-socket: {e}")));
+                    None
+                }
+            }
+        }
+        None => None,
+    };
     let watch = SignalWatch::start(signals, running.handle(), run.metrics.clone());
     let done = running.wait();
+    drop(api);
     watch.close();
     let report = &done.report;
     if let Some(p) = &run.metrics {

@@ -32,6 +32,15 @@ enum RemoteCommand {
     },
     /// End the VM and the musubi process serving it (PUT vmm.shutdown).
     Shutdown,
+    /// Move vCPU N of a VM over several hosts to node K while it runs (PUT vm.move-vcpu, on
+    /// the I/O node's socket, `node --api-socket`); exits 0 once it runs there. Its pages
+    /// follow it as it touches them.
+    MoveVcpu {
+        #[arg(long, value_name = "N")]
+        vcpu: u8,
+        #[arg(long, value_name = "K")]
+        node: u16,
+    },
     /// Move the VM, live, to the musubi waiting at tcp:HOST:PORT (`run --receive-migration`)
     /// (PUT vm.send-migration). Exits 0 once it runs there; on a failure before the switch
     /// the VM runs on here.
@@ -71,6 +80,11 @@ fn request_of(
         RemoteCommand::Pause => ("PUT", "vm.pause", None),
         RemoteCommand::Resume => ("PUT", "vm.resume", None),
         RemoteCommand::Shutdown => ("PUT", "vmm.shutdown", None),
+        RemoteCommand::MoveVcpu { vcpu, node } => (
+            "PUT",
+            "vm.move-vcpu",
+            Some(serde_json::json!({ "vcpu": vcpu, "node": node }).to_string()),
+        ),
         RemoteCommand::Snapshot { dir } => ("PUT", "vm.snapshot", Some(snapshot_body(dir)?)),
         RemoteCommand::SendMigration {
             url,

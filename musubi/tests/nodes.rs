@@ -190,6 +190,98 @@ fn openmpi_mpirun_starts_three_nodes_whose_shared_counter_is_exact() {
     assert_eq!(on, [0, 1, 2], "one vCPU per node: {r}");
 }
 
+/// `musubi remote` on a node's API socket.
+fn remote(sock: &Path, args: &[&str]) -> Run {
+    let mut all = vec!["remote", "--api-socket", sock.to_str().unwrap()];
+    all.extend_from_slice(args);
+    common::run_with_limit(&all, Duration::from_secs(60))
+}
+
+fn coherence_faults(metrics: &Path) -> u64 {
+    let text =
+        std::fs::read_to_string(metrics).unwrap_or_else(|e| panic!("{}: {e}", metrics.display()));
+    let m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["node"]["coherence"]["faults"]["count"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no fault count in {text}"))
+}
+
+#[test]
+fn a_vcpu_moved_to_another_node_finishes_its_task_there_and_its_pages_follow_it() {
+    assert_kvm();
+    let c = Cluster::new(&[&[0], &[1], &[2]]);
+    let sock = c.dir.path().join("api.sock");
+    let metrics = |k: u16| c.dir.path().join(format!("metrics{k}.json"));
+    // vCPU 1 computes fib(40), then touches 2048 pages of its own.
+    let tasks = "hello,fib=40,cpu=1,page-touch=2048,cpu=1";
+    let mut nodes: Vec<Child> = (0..3u16)
+        .map(|k| {
+            let m = metrics(k);
+            let mut extra = vec!["--metrics", m.to_str().unwrap()];
+            if k == 0 {
+                extra.extend(["--api-socket", sock.to_str().unwrap()]);
+            }
+            c.spawn(k, 3, tasks, &extra)
+        })
+        .collect();
+    wait_for_output(
+        &c.dir.path().join("node0.out"),
+        "\"probe\":\"hello\"",
+        Duration::from_secs(90),
+    );
+    // Refused by name, and nothing moves.
+    for (args, why) in [
+        (
+            ["--vcpu", "0", "--node", "1"],
+            "vCPU 0 runs on the I/O node (node 0)",
+        ),
+        (
+            ["--vcpu", "9", "--node", "1"],
+            "vCPU 9: the VM has vCPUs 0 to 2",
+        ),
+        (
+            ["--vcpu", "1", "--node", "3"],
+            "node 3: the VM has nodes 0 to 2",
+        ),
+        (
+            ["--vcpu", "1", "--node", "1"],
+            "vCPU 1 already runs on node 1",
+        ),
+    ] {
+        let mut all = vec!["move-vcpu"];
+        all.extend_from_slice(&args);
+        let r = remote(&sock, &all);
+        assert_eq!(r.code, Some(1), "{}", r.explain());
+        assert!(r.stderr.contains(why), "{}", r.explain());
+    }
+    let r = remote(&sock, &["move-vcpu", "--vcpu", "1", "--node", "2"]);
+    assert_eq!(r.code, Some(0), "{}\n{}", r.explain(), c.explain(3));
+    let info = remote(&sock, &["info"]);
+    let v: serde_json::Value =
+        serde_json::from_str(&info.stdout).unwrap_or_else(|_| panic!("{}", info.explain()));
+    assert_eq!(v["vcpu_nodes"], serde_json::json!([0, 2, 2]), "{v}");
+
+    for (k, n) in nodes.iter_mut().enumerate() {
+        let s = wait_with_limit(n, Duration::from_secs(120), &format!("node {k}"));
+        assert_eq!(s.code(), Some(0), "{}", c.explain(3));
+    }
+    let out = std::fs::read_to_string(c.dir.path().join("node0.out")).unwrap();
+    assert_eq!(
+        common::result_in(&out, "fib")["result"],
+        102_334_155,
+        "{out}"
+    );
+    assert_eq!(
+        common::result_in(&out, "page-touch")["page_faults"],
+        2048,
+        "{out}"
+    );
+    // The pages vCPU 1 touched after the move were faulted in on node 2, not node 1.
+    let (on1, on2) = (coherence_faults(&metrics(1)), coherence_faults(&metrics(2)));
+    assert!(on2 >= 2048, "node 2 faulted {on2} times");
+    assert!(on1 < on2 / 4, "node 1 faulted {on1} times, node 2 {on2}");
+}
+
 #[test]
 fn launcher_ranks_outside_the_cluster_disagreeing_or_missing_are_refused_by_name() {
     assert_kvm();

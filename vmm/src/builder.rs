@@ -104,6 +104,8 @@ pub struct Vm {
     pub(crate) saved_config: crate::snapshot::SavedConfig,
     /// Built by [`VmBuilder::restore_later`]: its vCPUs wait for [`Vm::apply_state`].
     pub(crate) awaits_state: bool,
+    /// The vCPUs (global ids) created standing by ([`VmBuilder::standby_vcpus`]).
+    pub(crate) standby: Vec<u8>,
 }
 
 /// A source of more `--metrics` entries, called whenever the metrics are read.
@@ -122,6 +124,8 @@ pub struct VmBuilder<'a> {
     opts: RunOptions,
     /// Global ids (APIC ids) of the vCPUs created here.
     vcpus: Vec<u8>,
+    /// Of those, the ones that stand by until given a state.
+    standby: Vec<u8>,
     ram: GuestRamSource,
     /// This process holds the devices, loads the kernel and writes the firmware tables.
     devices: bool,
@@ -196,6 +200,7 @@ impl<'a> VmBuilder<'a> {
             config,
             opts: RunOptions::default(),
             vcpus: (0..config.cpus).collect(),
+            standby: Vec::new(),
             ram: GuestRamSource::Anonymous,
             devices: true,
             topology: None,
@@ -235,6 +240,15 @@ impl<'a> VmBuilder<'a> {
     /// with id 0 gets the boot entry state; the others wait for start-up IPIs.
     pub fn vcpus(mut self, ids: Vec<u8>) -> Self {
         self.vcpus = ids;
+        self
+    }
+
+    /// Creates these vCPUs too (global ids not in [`VmBuilder::vcpus`]), standing by: each
+    /// waits without running until it is given the state of the same vCPU from the share
+    /// that ran it ([`crate::VmHandle::adopt_vcpu`]). A node of a VM over several hosts
+    /// creates every vCPU this way, so any of them can move to it while the VM runs.
+    pub fn standby_vcpus(mut self, ids: Vec<u8>) -> Self {
+        self.standby = ids;
         self
     }
 
@@ -330,15 +344,16 @@ impl Vmm {
         // The vCPU threads start first and set up their vCPUs beside the rest of the build
         // (see `vcpu_thread`): the first probes the host's CPUID while the VM is created.
         let kvm_host = open_kvm()?;
+        let mut ids = share.vcpus.clone();
+        ids.extend(share.standby.iter().filter(|s| !share.vcpus.contains(s)));
         let setup = VcpuSetup::new(
             kvm_host.clone(),
             layout.cpus,
-            share.vcpus.len(),
+            ids.len(),
             share.topology,
             opts.seccomp,
         );
-        let vcpus = share
-            .vcpus
+        let vcpus = ids
             .iter()
             .map(|&id| PendingVcpu::spawn(id, &setup))
             .collect::<Result<Vec<_>, _>>()
@@ -466,6 +481,7 @@ impl Vmm {
             start_clock: None,
             saved_config,
             awaits_state: later,
+            standby: share.standby.clone(),
         };
         if let Some(snap) = snapshot {
             vm.apply_state(snap.dir.display().to_string(), snap.state)?;

@@ -43,3 +43,4 @@ pub use metrics::MmioTarget;
 pub use running::{
     monotonic_ns, run_vm, ControlError, RunReport, RunningVm, SnapshotReport, VmHandle,
 };
+pub use vstate::vcpu_state::VcpuState;

@@ -113,6 +113,8 @@ pub enum ControlError {
     Pause(#[from] PauseError),
     #[error("{0}")]
     Kvm(String),
+    #[error("{0}")]
+    Vcpu(String),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
 }
@@ -303,6 +305,10 @@ impl VmHandle {
     /// at the pause, so the guest sees no time pass while it was stopped.
     pub fn resume(&self) -> Result<(), ControlError> {
         let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.resume_locked()
+    }
+
+    fn resume_locked(&self) -> Result<(), ControlError> {
         let sh = &self.shared;
         if sh.control.is_finished() {
             return Err(ControlError::Ended);
@@ -337,6 +343,95 @@ impl VmHandle {
         Ok(())
     }
 
+    /// The local index of vCPU `id` (its APIC id), if this process created it.
+    fn vcpu_index(&self, id: u8) -> Result<usize, ControlError> {
+        self.shared
+            .vcpu_ids
+            .iter()
+            .position(|&v| v == id)
+            .ok_or_else(|| ControlError::Vcpu(format!("vCPU {id} was not created here")))
+    }
+
+    /// Takes vCPU `id` out of this process's run, for another share of the VM to run it: the
+    /// VM is paused for the moment it takes to read the vCPU's state, then goes on without
+    /// it, the vCPU standing by. A VM paused before stays paused.
+    pub fn release_vcpu(
+        &self,
+        id: u8,
+    ) -> Result<crate::vstate::vcpu_state::VcpuState, ControlError> {
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let sh = &self.shared;
+        let index = self.vcpu_index(id)?;
+        if sh.gate.is_standby(index) {
+            return Err(ControlError::Vcpu(format!("vCPU {id} does not run here")));
+        }
+        let was_paused = sh.gate.is_paused();
+        if !was_paused {
+            self.pause_locked()?;
+        }
+        let msr_list = Arc::new(self.msr_list()?);
+        let saved = sh
+            .gate
+            .on_vcpu(index, &sh.control, move |v| v.save_state(&msr_list));
+        let result = match saved {
+            Ok(Ok(state)) => {
+                sh.gate.set_standby(index, true);
+                Ok(state)
+            }
+            Ok(Err(e)) => Err(ControlError::Kvm(e.to_string())),
+            Err(e) => Err(e.into()),
+        };
+        if !was_paused {
+            self.resume_locked()?;
+        }
+        result
+    }
+
+    /// Runs vCPU `state.id`, standing by here, from `state` (as [`VmHandle::release_vcpu`]
+    /// read it elsewhere): its registers, interrupt controller, MSRs and time stamp counter
+    /// go on from there.
+    pub fn adopt_vcpu(
+        &self,
+        state: crate::vstate::vcpu_state::VcpuState,
+    ) -> Result<(), ControlError> {
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let sh = &self.shared;
+        let id = state.id;
+        let index = self.vcpu_index(id)?;
+        if !sh.gate.is_standby(index) {
+            return Err(ControlError::Vcpu(format!("vCPU {id} already runs here")));
+        }
+        sh.gate
+            .on_vcpu(index, &sh.control, move |v| v.restore_state(&state))?
+            .map_err(|e| ControlError::Kvm(e.to_string()))?;
+        sh.gate.set_standby(index, false);
+        Ok(())
+    }
+
+    /// The vCPUs (global ids) running in this process, not standing by.
+    pub fn running_vcpus(&self) -> Vec<u8> {
+        let sh = &self.shared;
+        sh.vcpu_ids
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !sh.gate.is_standby(*i))
+            .map(|(_, &id)| id)
+            .collect()
+    }
+
+    fn msr_list(&self) -> Result<Vec<u32>, ControlError> {
+        let sh = &self.shared;
+        sh.msr_list
+            .get_or_init(|| {
+                sh.kvm
+                    .get_msr_index_list()
+                    .map(|l| l.as_slice().to_vec())
+                    .map_err(|e| format!("KVM_GET_MSR_INDEX_LIST failed: {e}"))
+            })
+            .clone()
+            .map_err(ControlError::Kvm)
+    }
+
     /// Everything of the VM but its RAM and files, as a snapshot saves it: the VM is paused
     /// first if it runs, and left paused. A migration sends this.
     pub fn capture(&self) -> Result<crate::snapshot::VmState, ControlError> {
@@ -355,17 +450,7 @@ impl VmHandle {
         for t in &sh.transports {
             t.lock().unwrap_or_else(|e| e.into_inner()).serve_all();
         }
-        let msr_list = sh
-            .msr_list
-            .get_or_init(|| {
-                sh.kvm
-                    .get_msr_index_list()
-                    .map(|l| l.as_slice().to_vec())
-                    .map_err(|e| format!("KVM_GET_MSR_INDEX_LIST failed: {e}"))
-            })
-            .clone()
-            .map_err(ControlError::Kvm)?;
-        let msr_list = Arc::new(msr_list);
+        let msr_list = Arc::new(self.msr_list()?);
         let vcpus = sh
             .gate
             .on_each_vcpu(&sh.control, move |_, v| v.save_state(&msr_list))?
@@ -530,6 +615,11 @@ impl Vm {
         // move to the vCPU threads on the user path.
         let needs_io = !notifiers.is_empty() || !device_events.is_empty();
         let gate = Arc::new(PauseGate::new(self.vcpus.len(), needs_io));
+        for (i, v) in self.vcpus.iter().enumerate() {
+            if self.standby.contains(&v.id) {
+                gate.set_standby(i, true);
+            }
+        }
         let io_thread = if !needs_io {
             None
         } else {

@@ -1,6 +1,10 @@
 //! Where a VM's threads stop when it is paused, and where a paused vCPU does work it is
 //! handed (reading or writing its own state: KVM's vCPU calls belong on its thread).
 //!
+//! A vCPU can also stand by: created in this process but run elsewhere (by another node of a
+//! VM over several hosts). It waits here, counted as parked, until its state comes and it
+//! is made active; a running vCPU that leaves for another node stands by from then on.
+//!
 //! A pause is asked for here and the threads are kicked; each parks at its next exit (a
 //! vCPU) or its next wake-up (the I/O thread), between two requests, so nothing is ever
 //! half done when the last one has parked.
@@ -31,12 +35,17 @@ pub struct PauseGate {
     asked: AtomicBool,
     /// Threads that park: the local vCPUs and the I/O thread, if there is one.
     members: usize,
+    /// The vCPUs (by local index) that stand by instead of running; changed under `state`'s
+    /// lock, read without it after every exit.
+    standby: Vec<AtomicBool>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PauseError {
     #[error("the VM has ended")]
     Ended,
+    #[error("the vCPU runs: it must be paused or standing by")]
+    Running,
     #[error("{parked} of {members} VM threads stopped within {wait:?}; the VM runs on")]
     Timeout {
         parked: usize,
@@ -55,6 +64,82 @@ impl PauseGate {
             changed: Condvar::new(),
             asked: AtomicBool::new(false),
             members: vcpus + usize::from(io_thread),
+            standby: (0..vcpus).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    /// Whether the vCPU at local index `index` stands by.
+    pub fn is_standby(&self, index: usize) -> bool {
+        self.standby
+            .get(index)
+            .is_some_and(|s| s.load(Ordering::Acquire))
+    }
+
+    /// Makes the vCPU at `index` stand by (`true`: it stops at its next exit and waits) or
+    /// run (`false`: it leaves its wait, once no pause is in force).
+    pub fn set_standby(&self, index: usize, on: bool) {
+        let _s = self.lock();
+        if let Some(f) = self.standby.get(index) {
+            f.store(on, Ordering::Release);
+        }
+        self.changed.notify_all();
+    }
+
+    /// Waits while the calling vCPU (local index `index`) stands by, counted as parked so a
+    /// pause never waits for it, running the jobs it is handed (its state arriving among
+    /// them). Returns once it is to run and no pause is in force, or the VM has ended.
+    pub fn wait_standby(&self, index: usize, vcpu: &mut super::vcpu::Vcpu, control: &RunControl) {
+        let mut s = self.lock();
+        s.parked += 1;
+        self.changed.notify_all();
+        loop {
+            if let Some(job) = s.jobs.get_mut(index).and_then(Option::take) {
+                drop(s);
+                job(vcpu);
+                s = self.lock();
+                self.changed.notify_all();
+                continue;
+            }
+            if control.is_finished() || (!self.is_standby(index) && !s.paused) {
+                break;
+            }
+            s = self
+                .changed
+                .wait_timeout(s, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        s.parked -= 1;
+    }
+
+    /// Runs `f` on the thread of the vCPU at `index`, which must be parked (the VM paused)
+    /// or standing by, and returns its answer.
+    pub fn on_vcpu<T: Send + 'static>(
+        &self,
+        index: usize,
+        control: &RunControl,
+        f: impl FnOnce(&mut super::vcpu::Vcpu) -> T + Send + 'static,
+    ) -> Result<T, PauseError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let mut s = self.lock();
+            if !(s.paused || self.is_standby(index)) {
+                return Err(PauseError::Running);
+            }
+            let Some(slot) = s.jobs.get_mut(index) else {
+                return Err(PauseError::Ended);
+            };
+            *slot = Some(Box::new(move |v| {
+                let _ = tx.send(f(v));
+            }));
+            self.changed.notify_all();
+        }
+        loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(t) => return Ok(t),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !control.is_finished() => {}
+                Err(_) => return Err(PauseError::Ended),
+            }
         }
     }
 

@@ -256,6 +256,10 @@ impl Vcpu {
                 .set((Instant::now(), crate::running::monotonic_ns()));
         }
         while !ctx.control.is_finished() {
+            if ctx.pause.is_standby(ctx.index) {
+                ctx.pause.wait_standby(ctx.index, self, &ctx.control);
+                continue;
+            }
             let result = self.fd.run();
             if ctx.control.is_finished() {
                 // The VM has ended while this vCPU ran: its last exit is not served, so no

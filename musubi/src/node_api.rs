@@ -1,0 +1,72 @@
+//! What the control API does to a node of a VM over several hosts: the VM's state and
+//! counters as this node sees them, where each vCPU runs, moving a vCPU to another node, and
+//! ending the VM. Pause, resume, snapshots and migration are refused by name: each node
+//! would do them to its own share alone.
+
+use musubi_api::{ActionError, VmControl};
+
+/// The node the API serves.
+pub struct NodeApi {
+    pub vm: vmm::VmHandle,
+    pub mover: musubi_cluster::Mover,
+}
+
+fn refused(what: &str) -> ActionError {
+    ActionError::internal(format!(
+        "{what} is not done for a VM over several nodes: each node would act on its own \
+         share alone"
+    ))
+}
+
+impl VmControl for NodeApi {
+    fn info(&self) -> serde_json::Value {
+        let state = if self.vm.has_ended() {
+            "Shutdown"
+        } else {
+            "Running"
+        };
+        let config = self.vm.config();
+        serde_json::json!({
+            "config": config,
+            "state": state,
+            "memory_actual_size": config.memory,
+            "vcpu_nodes": self.mover.vcpu_nodes(),
+        })
+    }
+
+    fn counters(&self) -> serde_json::Value {
+        self.vm.counters()
+    }
+
+    fn pause(&self) -> Result<(), ActionError> {
+        Err(refused("pausing"))
+    }
+
+    fn resume(&self) -> Result<(), ActionError> {
+        Err(refused("resuming"))
+    }
+
+    fn snapshot(&self, _dir: &std::path::Path) -> Result<(), ActionError> {
+        Err(refused("a snapshot"))
+    }
+
+    fn send_migration(&self, _req: &musubi_api::SendMigration) -> Result<(), ActionError> {
+        Err(refused("a migration"))
+    }
+
+    fn shutdown_vm(&self) -> Result<(), ActionError> {
+        self.vm.stop(vmm::Outcome::Shutdown);
+        Ok(())
+    }
+
+    fn shutdown_vmm(&self) -> Result<(), ActionError> {
+        self.vm.stop(vmm::Outcome::Shutdown);
+        Ok(())
+    }
+
+    fn move_vcpu(&self, vcpu: u8, node: u16) -> Result<(), ActionError> {
+        self.mover
+            .move_vcpu(vcpu, node)
+            .map_err(ActionError::internal)
+    }
+}
