@@ -5,6 +5,10 @@ use kvm_bindings::{kvm_cpuid_entry2, CpuId};
 
 /// Leaf 1 ECX bit 31: "running under a hypervisor".
 const LEAF1_ECX_HYPERVISOR: u32 = 1 << 31;
+/// Intel VMX and AMD SVM: hidden, so no guest runs a hypervisor of its own, whose nested
+/// state a snapshot, a migration or a vCPU's move to another node would have to carry.
+const LEAF1_ECX_VMX: u32 = 1 << 5;
+const LEAF_8000_0001_ECX_SVM: u32 = 1 << 2;
 /// Leaf 1 ECX bit 24: TSC deadline timer. KVM emulates it only with an in-kernel LAPIC,
 /// which Musubi always has, so it is kept.
 /// Leaf 1 EBX bits 31..24: initial APIC id; bits 23..16: logical processors per package.
@@ -18,7 +22,7 @@ pub fn filter_cpuid(cpuid: &mut CpuId, id: u8, count: u8) {
     for e in cpuid.as_mut_slice().iter_mut() {
         match e.function {
             1 => {
-                e.ecx |= LEAF1_ECX_HYPERVISOR;
+                e.ecx = (e.ecx | LEAF1_ECX_HYPERVISOR) & !LEAF1_ECX_VMX;
                 e.ebx = (e.ebx & 0x0000_ffff)
                     | ((id as u32) << LEAF1_EBX_APIC_ID_SHIFT)
                     | ((count as u32) << LEAF1_EBX_LOGICAL_SHIFT);
@@ -31,6 +35,7 @@ pub fn filter_cpuid(cpuid: &mut CpuId, id: u8, count: u8) {
             // Deterministic cache parameters: one core per package sharing nothing, so a
             // guest's topology code does not invent siblings that do not exist.
             4 => e.eax &= 0x3fff,
+            0x8000_0001 => e.ecx &= !LEAF_8000_0001_ECX_SVM,
             _ => {}
         }
     }
@@ -116,16 +121,24 @@ mod tests {
             kvm_cpuid_entry2 {
                 function: 1,
                 ebx: 0xff00_0800,
+                ecx: LEAF1_ECX_VMX,
                 ..Default::default()
             },
             kvm_cpuid_entry2 {
                 function: 0xb,
                 ..Default::default()
             },
+            kvm_cpuid_entry2 {
+                function: 0x8000_0001,
+                ecx: LEAF_8000_0001_ECX_SVM | 1,
+                ..Default::default()
+            },
         ])
         .unwrap();
         filter_cpuid(&mut c, 3, 4);
         let l1 = c.as_slice()[0];
+        assert_eq!(l1.ecx & LEAF1_ECX_VMX, 0, "VMX hidden");
+        assert_eq!(c.as_slice()[2].ecx, 1, "SVM hidden, the rest kept");
         assert_eq!(l1.ebx >> 24, 3);
         assert_eq!((l1.ebx >> 16) & 0xff, 4);
         assert_eq!(l1.ebx & 0xffff, 0x0800);
