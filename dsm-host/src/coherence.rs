@@ -424,9 +424,18 @@ impl Worker {
                 let s = self.peers.entry(from).or_insert(PeerState::Up);
                 if matches!(*s, PeerState::Up | PeerState::SendFailed) {
                     *s = PeerState::Stopped;
+                    let first = !self.ending;
                     self.ending = true;
                     tracing::info!(node = %self.me, peer = %from, code, "peer stopped");
                     self.event(NodeEvent::PeerStopped { peer: from, code });
+                    // Passed on before this node ends and closes its links: a peer that
+                    // sees this node's link close before `from`'s own Stop reaches it
+                    // would otherwise take the close for a loss.
+                    if first {
+                        for to in self.peers_up().into_iter().filter(|&p| p != from) {
+                            let _ = self.send(to, Envelope::Stop { code });
+                        }
+                    }
                 }
             }
             Inbound::Frame {

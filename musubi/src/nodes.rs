@@ -20,10 +20,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// After one node process ended, how long the others get to end by themselves (they see the
 /// stop or the loss) before they are killed.
 const PEERS_GRACE: Duration = Duration::from_secs(8);
-/// How long the launcher collects the nodes' declarations of a lost peer before it kills
-/// the one most of them named: the survivors of a freeze or a cut see the same silence and
-/// end within milliseconds of one another.
-const DECLARATIONS_WINDOW: Duration = Duration::from_millis(300);
+/// How long the launcher waits, after the first declaration of a lost peer, for a majority
+/// of the other nodes to name one peer before it kills the one most of them named. The
+/// survivors of a freeze or a cut see the same silence, but a survivor's teardown may take
+/// up to its own 2 s bound (a vCPU stopped on a page of the lost node), so one that ends
+/// first must not decide alone.
+const DECLARATIONS_LIMIT: Duration = Duration::from_secs(3);
 /// The port every node listens on under `--netns`: each has a namespace, so ports of its own.
 const NETNS_PORT: u16 = 7000;
 
@@ -504,8 +506,9 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
 /// Waits for every node process; passes stop signals on, and once one process has ended,
 /// gives the others [`PEERS_GRACE`] to follow before killing them. Nodes that end having
 /// lost a peer (`lost_by` of one names its peer) have the peer most of them named killed
-/// [`DECLARATIONS_WINDOW`] after the first: a peer that froze or was cut off would
-/// otherwise hold the launcher for the grace period.
+/// as soon as more than half of the other nodes named it, or [`DECLARATIONS_LIMIT`] after
+/// the first declaration: a peer that froze or was cut off would otherwise hold the
+/// launcher for the grace period.
 /// Returns each node's exit status (None if it was killed).
 fn supervise(
     children: &mut Vec<(u16, Child)>,
@@ -513,6 +516,7 @@ fn supervise(
     lost_by: &dyn Fn(u16) -> Option<u16>,
 ) -> Vec<(u16, Option<i32>)> {
     let mut done: Vec<(u16, Option<i32>)> = Vec::new();
+    let nodes = children.len();
     let mut first_end: Option<Instant> = None;
     // (node that ended having lost a peer, the peer it names)
     let mut declared: Vec<(u16, u16)> = Vec::new();
@@ -547,14 +551,15 @@ fn supervise(
                 }
             }
         }
-        // Declarations are counted for a moment before one is acted on: a node cut off
-        // from the others declares them lost as they declare it, and the node most nodes
-        // declared lost is the one cut off or frozen.
-        let settled = first_declared.is_some_and(|t| t.elapsed() >= DECLARATIONS_WINDOW)
+        // Declarations are counted before one is acted on: a node cut off from the others
+        // declares them lost as they declare it, and the node most nodes declared lost is
+        // the one cut off or frozen.
+        let votes = |l: u16| declared.iter().filter(|(_, d)| *d == l).count();
+        let majority = children.iter().any(|c| 2 * votes(c.0) > nodes - 1);
+        let settled = first_declared.is_some_and(|t| majority || t.elapsed() >= DECLARATIONS_LIMIT)
             || (first_declared.is_some() && children.len() <= 1);
         if settled && !acted {
             acted = true;
-            let votes = |l: u16| declared.iter().filter(|(_, d)| *d == l).count();
             let most = children.iter().map(|c| c.0).max_by_key(|&l| votes(l));
             if let Some(l) = most.filter(|&l| votes(l) > 0) {
                 let by: Vec<String> = declared
