@@ -114,6 +114,16 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         Some(Ok(r)) => Some(r),
         None => None,
     };
+    if built.starts_paused() {
+        eprintln!(
+            "musubi: the VM arrived paused, as its source had it; {}",
+            if control.api_socket.is_some() {
+                "resume it through the API (vm.resume)"
+            } else {
+                "without --api-socket nothing can resume it here"
+            }
+        );
+    }
     let running = match built.start() {
         Ok(r) => r,
         Err(e) => return fail(e.to_string()),

@@ -394,6 +394,115 @@ fn mem_check_migrated_mid_task_reads_back_every_byte_on_the_destination() {
     assert_mem_check(&text);
 }
 
+/// The bytes of two snapshot memory files, compared page by page (a hole reads as zeros,
+/// so a page one side never wrote and the other wrote as zeros are the same).
+fn first_difference(a: &Path, b: &Path) -> Option<(u64, usize)> {
+    let (mut fa, mut fb) = (
+        std::fs::File::open(a).unwrap(),
+        std::fs::File::open(b).unwrap(),
+    );
+    let len = fa
+        .metadata()
+        .unwrap()
+        .len()
+        .max(fb.metadata().unwrap().len());
+    let (mut pa, mut pb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    let mut differing = None;
+    let mut at = 0u64;
+    while at < len {
+        for (f, p) in [(&mut fa, &mut pa), (&mut fb, &mut pb)] {
+            p.fill(0);
+            let mut got = 0;
+            while got < p.len() {
+                match f.read(&mut p[got..]).unwrap() {
+                    0 => break,
+                    n => got += n,
+                }
+            }
+        }
+        let pages = pa
+            .chunks(4096)
+            .zip(pb.chunks(4096))
+            .filter(|(x, y)| x != y)
+            .count();
+        if pages > 0 {
+            let (first, _) = differing.unwrap_or((at, 0));
+            let total = differing.map_or(0, |d: (u64, usize)| d.1) + pages;
+            differing = Some((first, total));
+        }
+        at += pa.len() as u64;
+    }
+    differing
+}
+
+#[test]
+fn a_paused_vm_arrives_paused_with_guest_ram_the_same_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret(dir.path(), "secret", 0x5a);
+    let port = free_port();
+    let dest_serial = dir.path().join("dest.out");
+    let dest_sock = dir.path().join("dest.sock");
+    let dest = start_destination(
+        port,
+        &key,
+        &dest_serial,
+        &["--api-socket", dest_sock.to_str().unwrap()],
+    );
+    let dest_guard = KillOnPanic::new(&dest);
+    let src = start_source(
+        dir.path(),
+        "src",
+        &format!("hello,mem-check={MEM_CHECK_MIB},iters={MEM_CHECK_ROUNDS}"),
+        &["--memory", MEM_CHECK_MEMORY],
+    );
+    let src_guard = KillOnPanic::new(&src.vm);
+    // Quiesced: nothing runs from the pause on, on either side, until the resume. The
+    // moment lets mem-check write more of its pattern first.
+    std::thread::sleep(Duration::from_secs(1));
+    let (before, after) = (dir.path().join("before"), dir.path().join("after"));
+    for args in [vec!["pause"], vec!["snapshot", before.to_str().unwrap()]] {
+        let r = remote(&src.socket, &args);
+        assert_eq!(r.code, Some(0), "{args:?}: {}", r.explain());
+    }
+    let url = format!("tcp:127.0.0.1:{port}");
+    let r = remote(
+        &src.socket,
+        &[
+            "send-migration",
+            &url,
+            "--secret-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
+    src_guard.defuse();
+    // The source exits once the destination holds every page.
+    assert_migrated_away(src, port);
+    let info = remote(&dest_sock, &["info"]);
+    let v: Value =
+        serde_json::from_str(&info.stdout).unwrap_or_else(|_| panic!("{}", info.explain()));
+    assert_eq!(v["state"], "Paused", "it arrives as it left: {v}");
+    let r = remote(&dest_sock, &["snapshot", after.to_str().unwrap()]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    // Not two empty files: the guest's 64 MiB of pattern are in the first.
+    use std::os::unix::fs::MetadataExt;
+    let held = std::fs::metadata(before.join("memory")).unwrap().blocks() * 512;
+    assert!(
+        held >= MEM_CHECK_MIB << 20,
+        "the snapshot holds {held} bytes"
+    );
+    assert_eq!(
+        first_difference(&before.join("memory"), &after.join("memory")),
+        None,
+        "(first differing MiB at byte offset, pages differing)"
+    );
+    let r = remote(&dest_sock, &["resume"]);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    dest_guard.defuse();
+    let text = finished_destination(dest, &dest_serial);
+    assert_mem_check(&text);
+}
+
 #[test]
 fn mem_check_pre_copied_reads_back_every_byte_and_no_page_follows_the_switch() {
     // Pages the guest rewrites during the rounds, and those it wrote last, must arrive

@@ -106,6 +106,8 @@ pub struct Vm {
     pub(crate) awaits_state: bool,
     /// The vCPUs (global ids) created standing by ([`VmBuilder::standby_vcpus`]).
     pub(crate) standby: Vec<u8>,
+    /// The state applied says the VM was paused: it starts paused.
+    pub(crate) start_paused: bool,
 }
 
 /// A source of more `--metrics` entries, called whenever the metrics are read.
@@ -482,6 +484,7 @@ impl Vmm {
             saved_config,
             awaits_state: later,
             standby: share.standby.clone(),
+            start_paused: false,
         };
         if let Some(snap) = snapshot {
             vm.apply_state(snap.dir.display().to_string(), snap.state)?;
@@ -603,8 +606,14 @@ impl Vm {
             }
         }
         self.start_clock = Some(state.vm.clock);
+        self.start_paused = state.paused;
         self.awaits_state = false;
         Ok(())
+    }
+
+    /// Whether the VM will start paused: the state it was given says its owner had paused it.
+    pub fn starts_paused(&self) -> bool {
+        self.start_paused
     }
 
     /// Delivers interrupts into the VM from any thread (IPIs that came from another node).

@@ -436,10 +436,13 @@ impl VmHandle {
     /// first if it runs, and left paused. A migration sends this.
     pub fn capture(&self) -> Result<crate::snapshot::VmState, ControlError> {
         let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
-        if !self.shared.gate.is_paused() {
+        let paused = self.shared.gate.is_paused();
+        if !paused {
             self.pause_locked()?;
         }
-        self.capture_locked()
+        let mut state = self.capture_locked()?;
+        state.paused = paused;
+        Ok(state)
     }
 
     fn capture_locked(&self) -> Result<crate::snapshot::VmState, ControlError> {
@@ -477,6 +480,7 @@ impl VmHandle {
                 .iter()
                 .map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).state())
                 .collect(),
+            paused: false,
         };
         Ok(state)
     }
@@ -674,6 +678,16 @@ impl Vm {
         // A restored VM's clock goes on from the value it was saved with.
         if let Some(clock) = &self.start_clock {
             crate::vstate::vm::set_clock(&self.kvm.shared_fd(), clock)?;
+        }
+        // A VM that arrives paused stays so until resumed, and then goes on from that clock.
+        if self.start_paused {
+            gate.pause_at_start();
+            if let Some(clock) = self.start_clock {
+                *shared.paused_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(PausedAt {
+                    clock,
+                    tscs: vec![None; self.vcpus.len()],
+                });
+            }
         }
         let first_run: Arc<OnceLock<(Instant, u64)>> = Arc::default();
         let request = Arc::new(AtomicU64::new(0));

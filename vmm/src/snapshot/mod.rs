@@ -289,6 +289,11 @@ pub struct VmState {
     pub serial: SerialSnapshot,
     /// Every virtio transport, in the order the devices were created.
     pub transports: Vec<TransportState>,
+    /// The VM's owner had paused it before it was captured (a migration of a paused VM): it
+    /// is put back paused, to be resumed by whoever controls it there. Snapshots never set
+    /// it, so a restore runs at once.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 impl std::fmt::Debug for VmState {
@@ -509,6 +514,7 @@ mod tests {
                 in_buffer: vec![],
             },
             transports: vec![],
+            paused: false,
         }
     }
 

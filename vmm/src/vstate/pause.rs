@@ -68,6 +68,14 @@ impl PauseGate {
         }
     }
 
+    /// Puts the gate in a pause before any member runs: each vCPU parks before its first
+    /// KVM_RUN, and the VM is paused as if [`PauseGate::pause`] had returned.
+    pub fn pause_at_start(&self) {
+        let mut s = self.lock();
+        s.paused = true;
+        self.asked.store(true, Ordering::Release);
+    }
+
     /// Whether the vCPU at local index `index` stands by.
     pub fn is_standby(&self, index: usize) -> bool {
         self.standby

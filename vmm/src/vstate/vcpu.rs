@@ -255,6 +255,10 @@ impl Vcpu {
                 .first_run
                 .set((Instant::now(), crate::running::monotonic_ns()));
         }
+        // A VM that starts paused parks each vCPU before it ever runs.
+        if ctx.pause.asked() {
+            ctx.pause.park_vcpu(ctx.index, self, &ctx.control);
+        }
         while !ctx.control.is_finished() {
             if ctx.pause.is_standby(ctx.index) {
                 ctx.pause.wait_standby(ctx.index, self, &ctx.control);
