@@ -14,21 +14,46 @@ fn refused(e: vmm::ControlError) -> ActionError {
     ActionError::internal(e.to_string())
 }
 
+/// Serves the API for `target` on `path`, on a thread under the API's own filter. A
+/// failure to start ends `vm` with the reason, naming the flag.
+pub fn serve(
+    path: &std::path::Path,
+    target: std::sync::Arc<dyn VmControl>,
+    seccomp: vmm::seccomp::SeccompMode,
+    vm: &vmm::VmHandle,
+) -> Option<musubi_api::ApiServer> {
+    let filter = move || {
+        vmm::seccomp::apply(vmm::seccomp::ThreadKind::Api, seccomp).map_err(|e| e.to_string())
+    };
+    match musubi_api::ApiServer::start(path, target, filter) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            vm.stop(vmm::Outcome::VmmError(format!("--api-socket: {e}")));
+            None
+        }
+    }
+}
+
+/// What `vm.info` answers for `vm`: its configuration and state, as Cloud Hypervisor's.
+pub fn info_json(vm: &vmm::VmHandle) -> serde_json::Value {
+    let state = if vm.has_ended() {
+        "Shutdown"
+    } else if vm.is_paused() {
+        "Paused"
+    } else {
+        "Running"
+    };
+    let config = vm.config();
+    serde_json::json!({
+        "config": config,
+        "state": state,
+        "memory_actual_size": config.memory,
+    })
+}
+
 impl VmControl for ApiTarget {
     fn info(&self) -> serde_json::Value {
-        let state = if self.vm.has_ended() {
-            "Shutdown"
-        } else if self.vm.is_paused() {
-            "Paused"
-        } else {
-            "Running"
-        };
-        let config = self.vm.config();
-        serde_json::json!({
-            "config": config,
-            "state": state,
-            "memory_actual_size": config.memory,
-        })
+        info_json(&self.vm)
     }
 
     fn counters(&self) -> serde_json::Value {

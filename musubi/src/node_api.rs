@@ -20,18 +20,9 @@ fn refused(what: &str) -> ActionError {
 
 impl VmControl for NodeApi {
     fn info(&self) -> serde_json::Value {
-        let state = if self.vm.has_ended() {
-            "Shutdown"
-        } else {
-            "Running"
-        };
-        let config = self.vm.config();
-        serde_json::json!({
-            "config": config,
-            "state": state,
-            "memory_actual_size": config.memory,
-            "vcpu_nodes": self.mover.vcpu_nodes(),
-        })
+        let mut info = crate::api_target::info_json(&self.vm);
+        info["vcpu_nodes"] = serde_json::json!(self.mover.vcpu_nodes());
+        info
     }
 
     fn counters(&self) -> serde_json::Value {

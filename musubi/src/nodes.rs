@@ -282,28 +282,13 @@ pub fn node(
             return ExitCode::from(1);
         }
     };
-    let api = match api_socket {
-        Some(path) => {
-            let target = std::sync::Arc::new(crate::node_api::NodeApi {
-                vm: running.handle(),
-                mover: running.mover(),
-            });
-            let mode = run.seccomp;
-            let filter = move || {
-                vmm::seccomp::apply(vmm::seccomp::ThreadKind::Api, mode).map_err(|e| e.to_string())
-            };
-            match musubi_api::ApiServer::start(path, target, filter) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    running
-                        .handle()
-                        .stop(vmm::Outcome::VmmError(format!("--api-socket: {e}")));
-                    None
-                }
-            }
-        }
-        None => None,
-    };
+    let api = api_socket.and_then(|path| {
+        let target = std::sync::Arc::new(crate::node_api::NodeApi {
+            vm: running.handle(),
+            mover: running.mover(),
+        });
+        crate::api_target::serve(path, target, run.seccomp, &running.handle())
+    });
     let watch = SignalWatch::start(signals, running.handle(), run.metrics.clone());
     let done = running.wait();
     drop(api);

@@ -142,17 +142,7 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
                 vm: running.handle(),
                 migrator,
             });
-            let mode = run.seccomp;
-            let filter = move || {
-                vmm::seccomp::apply(vmm::seccomp::ThreadKind::Api, mode).map_err(|e| e.to_string())
-            };
-            match musubi_api::ApiServer::start(path, target, filter) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    running.stop(vmm::Outcome::VmmError(format!("--api-socket: {e}")));
-                    None
-                }
-            }
+            crate::api_target::serve(path, target, run.seccomp, &running.handle())
         }
         None => None,
     };

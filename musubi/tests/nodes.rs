@@ -180,14 +180,7 @@ fn openmpi_mpirun_starts_three_nodes_whose_shared_counter_is_exact() {
     assert_eq!(r["exact"], true, "{out}");
     assert_eq!(r["locked"].as_u64(), Some(60000), "{out}");
     assert_eq!(r["xadd"].as_u64(), Some(60000), "{out}");
-    let mut on: Vec<u64> = r["cpu_nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect();
-    on.sort();
-    assert_eq!(on, [0, 1, 2], "one vCPU per node: {r}");
+    assert_eq!(sorted_cpu_nodes(&r), [0, 1, 2], "one vCPU per node: {r}");
 }
 
 /// `musubi remote` on a node's API socket.
@@ -593,6 +586,18 @@ fn run_nodes(nodes: u16, cpus: u8, tasks: &str, flags: &[&str]) -> Run {
     run_probe(tasks, &all)
 }
 
+/// The nodes a probe result's `cpu_nodes` names, in order.
+fn sorted_cpu_nodes(result: &serde_json::Value) -> Vec<u64> {
+    let mut on: Vec<u64> = result["cpu_nodes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no cpu_nodes in {result}"))
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    on.sort();
+    on
+}
+
 /// `hello` saw `nodes` CPUs, each on a node of its own.
 fn assert_every_cpu_on_its_own_node(r: &Run, nodes: u16) {
     assert_eq!(r.code, Some(0), "{}", r.explain());
@@ -600,15 +605,8 @@ fn assert_every_cpu_on_its_own_node(r: &Run, nodes: u16) {
     assert_eq!(h["cpus"], nodes, "{}", r.explain());
     assert_eq!(h["nodes"], nodes);
     assert_eq!(h["pv_ipi"], true);
-    let mut on: Vec<u64> = h["cpu_nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect();
-    on.sort();
     assert_eq!(
-        on,
+        sorted_cpu_nodes(&h),
         (0..nodes as u64).collect::<Vec<_>>(),
         "one CPU per node: {h}"
     );

@@ -97,6 +97,14 @@ impl PauseGate {
     /// pause never waits for it, running the jobs it is handed (its state arriving among
     /// them). Returns once it is to run and no pause is in force, or the VM has ended.
     pub fn wait_standby(&self, index: usize, vcpu: &mut super::vcpu::Vcpu, control: &RunControl) {
+        self.hold(index, vcpu, |s| {
+            (!self.is_standby(index) && !s.paused) || control.is_finished()
+        });
+    }
+
+    /// Counts the calling vCPU (local index `index`) as parked and runs the jobs it is
+    /// handed until `done` says it may go on.
+    fn hold(&self, index: usize, vcpu: &mut super::vcpu::Vcpu, done: impl Fn(&State) -> bool) {
         let mut s = self.lock();
         s.parked += 1;
         self.changed.notify_all();
@@ -108,7 +116,7 @@ impl PauseGate {
                 self.changed.notify_all();
                 continue;
             }
-            if control.is_finished() || (!self.is_standby(index) && !s.paused) {
+            if done(&s) {
                 break;
             }
             s = self
@@ -230,27 +238,7 @@ impl PauseGate {
     /// Parks the calling vCPU (local index `index`) until the VM resumes or ends, running
     /// the jobs it is handed meanwhile.
     pub fn park_vcpu(&self, index: usize, vcpu: &mut super::vcpu::Vcpu, control: &RunControl) {
-        let mut s = self.lock();
-        s.parked += 1;
-        self.changed.notify_all();
-        loop {
-            if let Some(job) = s.jobs.get_mut(index).and_then(Option::take) {
-                drop(s);
-                job(vcpu);
-                s = self.lock();
-                self.changed.notify_all();
-                continue;
-            }
-            if !s.paused || control.is_finished() {
-                break;
-            }
-            s = self
-                .changed
-                .wait_timeout(s, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        s.parked -= 1;
+        self.hold(index, vcpu, |s| !s.paused || control.is_finished());
     }
 
     /// Parks the I/O thread until the VM resumes or ends.
