@@ -107,40 +107,62 @@ impl Bell {
     }
 }
 
+/// The channel handshake threads report on, and the pipe that wakes the door's poll.
+struct Doorbell {
+    bell: Bell,
+    arrivals: mpsc::Receiver<Arrival>,
+    wake: UnixStream,
+}
+
+impl Doorbell {
+    fn new(listener: &TcpListener, waiting: &[NodeId]) -> Result<Doorbell, TransportError> {
+        let (tx, arrivals) = mpsc::channel();
+        let (ring, wake) =
+            UnixStream::pair().map_err(accept_err(waiting, "making a wake-up pipe"))?;
+        wake.set_nonblocking(true)
+            .map_err(accept_err(waiting, "making a wake-up pipe"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(accept_err(waiting, "making the listener non-blocking"))?;
+        Ok(Doorbell {
+            bell: Bell {
+                tx,
+                ring: Arc::new(ring),
+            },
+            arrivals,
+            wake,
+        })
+    }
+}
+
 /// Links with every peer: dials the ones in `dial` and waits at `listener` for the ones in
-/// `answer`, all at once, until each is linked or `deadline` passes. The listener is closed
-/// on return, so nothing is accepted once the nodes have linked.
+/// `answer`, all at once, until each is linked or `deadline` passes.
 pub(crate) fn link_all(
     params: &LinkParams,
     dial: &[(NodeId, SocketAddr)],
     answer: &[NodeId],
-    listener: TcpListener,
+    listener: &TcpListener,
     limits: DoorLimits,
     deadline: Instant,
 ) -> Result<(BTreeMap<NodeId, Link>, Refusals), TransportError> {
-    let (tx, rx) = mpsc::channel();
-    let (ring, mut wake) =
-        UnixStream::pair().map_err(accept_err(answer, "making a wake-up pipe"))?;
-    wake.set_nonblocking(true)
-        .map_err(accept_err(answer, "making a wake-up pipe"))?;
-    listener
-        .set_nonblocking(true)
-        .map_err(accept_err(answer, "making the listener non-blocking"))?;
-    let bell = Bell {
-        tx,
-        ring: Arc::new(ring),
-    };
+    let Doorbell {
+        bell,
+        arrivals: rx,
+        mut wake,
+    } = Doorbell::new(listener, answer)?;
     let giving_up = Arc::new(AtomicBool::new(false));
-    let mut door = Door {
+    let mut door = Door::new(
         params,
         limits,
-        links: BTreeMap::new(),
-        waiting: answer.iter().copied().collect(),
-        dialing: dial.iter().map(|d| d.0).collect(),
-        half_open: BTreeMap::new(),
-        next_conn: 0,
-        log: RefusalLog::new(params.me, limits.logged_per_second),
-    };
+        answer,
+        dial.iter().map(|d| d.0).collect(),
+        RefusalLog::new(
+            format!("node {}", params.me),
+            "while linking",
+            limits,
+            Box::new(|line: &str| tracing::warn!("{line}")),
+        ),
+    );
     for &(peer, addr) in dial {
         let (p, bell, stop) = (params.clone(), bell.clone(), Arc::clone(&giving_up));
         std::thread::Builder::new()
@@ -162,12 +184,67 @@ pub(crate) fn link_all(
             }
         );
     }
-    let outcome = door.run(&listener, &bell, &rx, &mut wake, deadline);
+    let mut give_up = GiveUp {
+        deadline: Some(deadline),
+        stop: None,
+    };
+    let outcome = door.run(listener, &bell, &rx, &mut wake, &mut give_up);
     giving_up.store(true, Ordering::SeqCst);
-    drop(listener);
     door.close_half_open(&rx);
     door.log.flush();
     outcome.map(|()| (door.links, door.log.refusals))
+}
+
+/// Waits at `listener` for `peer` alone to prove the secret, as [`link_all`] waits
+/// (strangers refused and logged, handshakes on threads of their own under `limits`), until
+/// `stop` gives a reason to give up (asked between waits). `who` names this end in the lines
+/// `log` is given. A migration's destination waits for its source this way.
+pub fn accept_one(
+    params: &LinkParams,
+    peer: NodeId,
+    listener: &TcpListener,
+    limits: DoorLimits,
+    who: &str,
+    stop: &mut dyn FnMut() -> Option<String>,
+    log: &mut dyn FnMut(&str),
+) -> Result<(Link, Refusals), TransportError> {
+    let Doorbell {
+        bell,
+        arrivals,
+        mut wake,
+    } = Doorbell::new(listener, &[peer])?;
+    let mut door = Door::new(
+        params,
+        limits,
+        &[peer],
+        BTreeSet::new(),
+        RefusalLog::new(
+            who.to_string(),
+            "while waiting for a VM",
+            limits,
+            Box::new(log),
+        ),
+    );
+    let mut give_up = GiveUp {
+        deadline: None,
+        stop: Some(stop),
+    };
+    let outcome = door.run(listener, &bell, &arrivals, &mut wake, &mut give_up);
+    door.close_half_open(&arrivals);
+    door.log.flush();
+    outcome?;
+    let link = door
+        .links
+        .remove(&peer)
+        .ok_or(TransportError::NoPeer(peer))?;
+    Ok((link, door.log.refusals))
+}
+
+/// When a door stops waiting for its peers.
+struct GiveUp<'s> {
+    deadline: Option<Instant>,
+    /// Asked between waits; a reason ends the wait.
+    stop: Option<&'s mut dyn FnMut() -> Option<String>>,
 }
 
 fn accept_err<'a>(
@@ -181,7 +258,7 @@ fn accept_err<'a>(
     }
 }
 
-struct Door<'a> {
+struct Door<'a, 's> {
     params: &'a LinkParams,
     limits: DoorLimits,
     links: BTreeMap<NodeId, Link>,
@@ -191,19 +268,41 @@ struct Door<'a> {
     dialing: BTreeSet<NodeId>,
     half_open: BTreeMap<u64, HalfOpen>,
     next_conn: u64,
-    log: RefusalLog,
+    log: RefusalLog<'s>,
 }
 
-impl Door<'_> {
+impl<'a, 's> Door<'a, 's> {
+    fn new(
+        params: &'a LinkParams,
+        limits: DoorLimits,
+        answer: &[NodeId],
+        dialing: BTreeSet<NodeId>,
+        log: RefusalLog<'s>,
+    ) -> Door<'a, 's> {
+        Door {
+            params,
+            limits,
+            links: BTreeMap::new(),
+            waiting: answer.iter().copied().collect(),
+            dialing,
+            half_open: BTreeMap::new(),
+            next_conn: 0,
+            log,
+        }
+    }
+
     fn run(
         &mut self,
         listener: &TcpListener,
         bell: &Bell,
         arrivals: &mpsc::Receiver<Arrival>,
         wake: &mut UnixStream,
-        deadline: Instant,
+        give_up: &mut GiveUp,
     ) -> Result<(), TransportError> {
         loop {
+            if let Some(why) = give_up.stop.as_mut().and_then(|stop| stop()) {
+                return Err(TransportError::Stopped(why));
+            }
             let mut sink = [0u8; 64];
             while matches!(wake.read(&mut sink), Ok(n) if n > 0) {}
             while let Ok(a) = arrivals.try_recv() {
@@ -214,21 +313,19 @@ impl Door<'_> {
             }
             self.cut_overdue();
             let now = Instant::now();
-            if now >= deadline {
+            if give_up.deadline.is_some_and(|d| now >= d) {
                 return Err(self.not_linked());
             }
             self.accept(listener, bell)?;
-            let next_cut = self
+            let next = self
                 .half_open
                 .values()
                 .filter(|h| !h.cut)
                 .map(|h| h.since + self.limits.handshake)
+                .chain(give_up.deadline)
                 .min()
-                .unwrap_or(deadline);
-            let wait = deadline
-                .min(next_cut)
-                .saturating_duration_since(now)
-                .min(TICK);
+                .unwrap_or(now + TICK);
+            let wait = next.saturating_duration_since(now).min(TICK);
             wait_readable(&[listener.as_raw_fd(), wake.as_raw_fd()], wait);
         }
     }
@@ -478,8 +575,13 @@ fn dial_and_link(
 }
 
 /// Logs refusals, at most `limit` one by one per second, and keeps them for the caller.
-struct RefusalLog {
-    me: NodeId,
+struct RefusalLog<'s> {
+    /// Where the lines go.
+    sink: Box<dyn FnMut(&str) + 's>,
+    /// This end, as the log names it ("node n0").
+    who: String,
+    /// What this end was doing ("while linking").
+    during: &'static str,
     limit: u32,
     window: Instant,
     logged: u32,
@@ -488,11 +590,18 @@ struct RefusalLog {
     refusals: Refusals,
 }
 
-impl RefusalLog {
-    fn new(me: NodeId, limit: u32) -> RefusalLog {
+impl<'s> RefusalLog<'s> {
+    fn new(
+        who: String,
+        during: &'static str,
+        limits: DoorLimits,
+        sink: Box<dyn FnMut(&str) + 's>,
+    ) -> RefusalLog<'s> {
         RefusalLog {
-            me,
-            limit,
+            sink,
+            who,
+            during,
+            limit: limits.logged_per_second,
             window: Instant::now(),
             logged: 0,
             held: 0,
@@ -514,7 +623,8 @@ impl RefusalLog {
         }
         let logged = self.logged < self.limit;
         if logged {
-            tracing::warn!("node {} refused {addr} while linking: {why}", self.me);
+            let line = format!("{} refused {addr} {}: {why}", self.who, self.during);
+            (self.sink)(&line);
             self.logged += 1;
         } else {
             self.held += 1;
@@ -530,11 +640,11 @@ impl RefusalLog {
 
     fn flush(&mut self) {
         if self.held > 0 {
-            tracing::warn!(
-                "node {} refused {} more connections in that second (not logged one by one)",
-                self.me,
-                self.held
+            let line = format!(
+                "{} refused {} more connections in that second (not logged one by one)",
+                self.who, self.held
             );
+            (self.sink)(&line);
             self.held = 0;
         }
     }
@@ -546,7 +656,11 @@ mod tests {
 
     #[test]
     fn refusals_past_the_rate_are_counted_not_logged_and_all_are_reported() {
-        let mut log = RefusalLog::new(NodeId(0), 5);
+        let limits = DoorLimits {
+            logged_per_second: 5,
+            ..DoorLimits::default()
+        };
+        let mut log = RefusalLog::new("node n0".into(), "while linking", limits, Box::new(|_| {}));
         let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
         let logged = (0..100)
             .filter(|i| log.record(addr, format!("stranger {i}")))

@@ -48,6 +48,8 @@ pub enum TransportError {
         refused: usize,
         last: Option<crate::door::Refusal>,
     },
+    #[error("stopped waiting: {0}")]
+    Stopped(String),
     #[error("starting the receiver thread for node {peer}: {source}")]
     Spawn {
         peer: NodeId,
@@ -279,8 +281,11 @@ impl TcpTransport {
         let dial: Vec<(NodeId, SocketAddr)> =
             cfg.peers.iter().copied().filter(|p| p.0 < me).collect();
         let answer: Vec<NodeId> = cfg.peers.iter().map(|p| p.0).filter(|&p| p > me).collect();
-        let (links, refusals) =
-            crate::door::link_all(&cfg.link, &dial, &answer, listener, cfg.door, deadline)?;
+        let linked =
+            crate::door::link_all(&cfg.link, &dial, &answer, &listener, cfg.door, deadline);
+        // Closed whatever the outcome: nothing is accepted once the nodes have linked.
+        drop(listener);
+        let (links, refusals) = linked?;
         let mut t = TcpTransport {
             peers: BTreeMap::new(),
             unread: Vec::new(),

@@ -13,9 +13,8 @@ use crate::protocol::{Blob, Msg, RamLayout};
 use crate::{recv, recv_blob, send, Options, DESTINATION, SOURCE};
 use dsm::PAGE_SIZE;
 use dsm_host::link::{LinkReader, LinkWriter};
-use dsm_host::{Envelope, Link, Memory, Role};
+use dsm_host::{Envelope, Link, Memory};
 use std::net::TcpListener;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -46,8 +45,10 @@ pub enum ReceiveError {
 
 /// Waits on `listener` for one VM, refusing (and reporting through `log`) every peer that
 /// does not prove the secret or whose VM cannot be hosted, until one has switched over:
-/// its VM is then built (not started) and its pages are on their way. `stop` is asked
-/// between waits: `Some(why)` gives up.
+/// its VM is then built (not started) and its pages are on their way. Handshakes run as at a
+/// node's door (`dsm_host::door`): each on a thread of its own, a short deadline each, so a
+/// silent or slow stranger cannot hold the real source up. `stop` is asked between waits:
+/// `Some(why)` gives up.
 pub fn receive(
     listener: &TcpListener,
     opts: &Options,
@@ -55,27 +56,30 @@ pub fn receive(
     stop: &mut dyn FnMut() -> Option<String>,
     log: &mut dyn FnMut(&str),
 ) -> Result<Arc<PostCopyRam>, ReceiveError> {
-    listener.set_nonblocking(true).map_err(ReceiveError::Io)?;
+    let params = opts.params(DESTINATION);
     loop {
-        if let Some(why) = stop() {
-            return Err(ReceiveError::Stopped(why));
-        }
-        let mut fd = [libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        // SAFETY: `fd` is a valid array of one pollfd for the call.
-        let n = unsafe { libc::poll(fd.as_mut_ptr(), 1, 200) };
-        if n <= 0 {
-            continue;
-        }
-        let (stream, peer) = match listener.accept() {
-            Ok(s) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(ReceiveError::Io(e)),
+        let limits = dsm_host::DoorLimits {
+            handshake: dsm_host::DoorLimits::default()
+                .handshake
+                .min(opts.setup_limit),
+            ..dsm_host::DoorLimits::default()
         };
-        match session(stream, opts, host) {
+        let link = dsm_host::door::accept_one(
+            &params,
+            SOURCE,
+            listener,
+            limits,
+            "the migration destination",
+            stop,
+            log,
+        )
+        .map(|(link, _)| link)
+        .map_err(|e| match e {
+            dsm_host::TransportError::Stopped(why) => ReceiveError::Stopped(why),
+            other => ReceiveError::Io(std::io::Error::other(other.to_string())),
+        })?;
+        let peer = link.addr;
+        match session(link, opts, host) {
             Ok(ram) => return Ok(ram),
             Err(e) => log(&format!(
                 "migration from {peer} refused or failed before the switch: {e}; still waiting"
@@ -84,20 +88,13 @@ pub fn receive(
     }
 }
 
-/// One peer, from the handshake to the switch.
-fn session(
-    stream: std::net::TcpStream,
-    opts: &Options,
-    host: &mut dyn Host,
-) -> Result<Arc<PostCopyRam>, String> {
-    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    let params = opts.params(DESTINATION);
+/// One peer that proved the secret, from its configuration to the switch.
+fn session(link: Link, opts: &Options, host: &mut dyn Host) -> Result<Arc<PostCopyRam>, String> {
     let Link {
         mut reader,
         mut writer,
         ..
-    } = Link::handshake(stream, Role::Listener, Some(SOURCE), &params)
-        .map_err(|e| e.to_string())?;
+    } = link;
     reader
         .limit_silence(opts.setup_limit)
         .and_then(|()| writer.limit_stall(opts.setup_limit))

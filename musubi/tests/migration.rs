@@ -324,6 +324,43 @@ fn nobody_listening_is_named_and_the_vm_runs_on_at_the_source() {
 }
 
 #[test]
+fn strangers_at_the_destination_are_refused_and_do_not_hold_up_the_migration() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret(dir.path(), "secret", 9);
+    let port = free_port();
+    let dest_serial = dir.path().join("dest.out");
+    let dest = start_destination(port, &key, &dest_serial, &[]);
+    let dest_guard = KillOnPanic::new(&dest);
+    // One stays silent (it would have held a destination that served one handshake at a
+    // time for its whole 30 s set-up limit), one sends garbage.
+    let _silent = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut garbage = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    garbage.write_all(&[0xff; 4096]).unwrap();
+    let src = start_source(
+        dir.path(),
+        "src",
+        &format!("hello,fib={FIB_N}"),
+        &["--memory", MEMORY],
+    );
+    let src_guard = KillOnPanic::new(&src.vm);
+    let r = send_migration(&src.socket, port, &key);
+    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
+    src_guard.defuse();
+    assert_migrated_away(src, port);
+    dest_guard.defuse();
+    let d = dest.finish(LIMIT);
+    let text = read_text(&dest_serial);
+    assert_eq!(d.code, Some(0), "destination: {}\n{text}", d.explain());
+    assert_fib(&text);
+    assert!(
+        d.stderr
+            .contains("does not speak the musubi node handshake"),
+        "the garbage was refused by name: {}",
+        d.explain()
+    );
+}
+
+#[test]
 fn a_wrong_secret_is_refused_and_the_destination_keeps_waiting() {
     let dir = tempfile::tempdir().unwrap();
     let right = secret(dir.path(), "right", 1);
@@ -360,7 +397,9 @@ fn a_wrong_secret_is_refused_and_the_destination_keeps_waiting() {
     let d = dest.finish(LIMIT);
     assert_eq!(d.code, Some(143), "destination: {}", d.explain());
     assert!(
-        d.stderr.contains("authentication") && d.stderr.contains("still waiting"),
+        d.stderr.contains("failed authentication")
+            && d.stderr.contains("refused 127.0.0.1:")
+            && d.stderr.contains("while waiting for a VM"),
         "{}",
         d.explain()
     );
