@@ -85,8 +85,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Host partitions: disjoint CPUs, memory and disks, each with its own supervisor and VMs.
     Partition(partition_cli::PartitionArgs),
-    /// Ask a VM started with `run --api-socket PATH` for its state or an action, over
-    /// its HTTP API (Cloud Hypervisor's paths, so ch-remote and curl work too).
+    /// Ask a VM started with `run --api-socket PATH` (or a node started with `node
+    /// --api-socket PATH`) for its state or an action, over its HTTP API (Cloud
+    /// Hypervisor's paths, so ch-remote and curl work too).
     Remote(remote::RemoteArgs),
     /// The bundled probe guest.
     Guest {

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 #[derive(Args, Debug)]
 pub struct RemoteArgs {
-    /// The socket the VM serves its API on (`run --api-socket PATH`).
+    /// The socket the VM serves its API on (`run --api-socket PATH`, `node --api-socket PATH`).
     #[arg(long, value_name = "PATH")]
     api_socket: PathBuf,
     #[command(subcommand)]
