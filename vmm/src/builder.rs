@@ -1,7 +1,7 @@
 //! Builds a VM, or this process's share of one: memory, vCPUs, kernel, devices and boot
 //! data, in one readable sequence, with nothing running yet.
 //!
-//! The life of a VM is [`Vmm::build`] or [`VmBuilder::build`] (everything created, nothing
+//! The life of a VM is [`Vm::build`] or [`VmBuilder::build`] (everything created, nothing
 //! running, here), [`Vm::start`] and [`RunningVm::wait`] (in `running`).
 
 use crate::arch::x86_64::cpuid::Topology;
@@ -75,9 +75,6 @@ pub struct RunOptions {
     pub seccomp: SeccompMode,
 }
 
-/// Builds VMs.
-pub struct Vmm;
-
 /// A VM with its memory, kernel, devices and vCPUs in place, not yet running.
 pub struct Vm {
     pub(crate) started: Instant,
@@ -114,7 +111,7 @@ pub struct Vm {
 pub type ExtraMetrics = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
 
 /// Builds a VM, or the share of one that this process runs. A whole VM on this host is
-/// [`Vmm::build`]; the builder is for the VMs that are not made in one piece from their
+/// [`Vm::build`]; the builder is for the VMs that are not made in one piece from their
 /// configuration: a node of a VM over several hosts (its own vCPUs only, on guest RAM the
 /// coherence layer maps, devices only on one node), and next a snapshot restore and a
 /// migration destination (guest RAM filled from elsewhere, no kernel to load).
@@ -284,7 +281,7 @@ impl<'a> VmBuilder<'a> {
     /// Creates memory, vCPUs, devices and boot data. No guest code runs until
     /// [`Vm::start`].
     pub fn build(self) -> Result<Vm, BuildError> {
-        Vmm::build_share(self)
+        Vm::build_share(self)
     }
 }
 
@@ -306,7 +303,7 @@ impl MsiInjector {
     }
 }
 
-impl Vmm {
+impl Vm {
     /// Creates the VM described by `config`: memory, kernel, devices and firmware tables in
     /// that order on this thread, the vCPUs meanwhile on their own threads. No guest code
     /// runs until [`Vm::start`].

@@ -1,7 +1,7 @@
 //! The Musubi VMM: builds a KVM virtual machine from a [`config::VmConfig`] and runs it.
 //!
 //! The surface is small on purpose: a configuration ([`config`], with the memory-storage
-//! specs of [`pmem`]), [`Vmm::build`] → [`Vm::start`] → [`RunningVm::wait`], and what a run
+//! specs of [`pmem`]), [`Vm::build`] → [`Vm::start`] → [`RunningVm::wait`], and what a run
 //! reports. Everything else is the VMM's own business.
 //!
 //! A VM that is not made in one piece on this host (a node of a VM over several hosts, in
@@ -35,7 +35,6 @@ pub use arch::x86_64::cpuid::Topology;
 pub use arch::x86_64::layout::ram_ranges;
 pub use builder::{
     BuildError, ExternalRam, ExtraMetrics, GuestRamSource, MsiInjector, RunOptions, Vm, VmBuilder,
-    Vmm,
 };
 pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
 pub use exit::DeviceBus;

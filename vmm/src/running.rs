@@ -4,7 +4,7 @@
 //! The library installs no process-wide signal handlers: the program that embeds it decides
 //! what SIGTERM or SIGUSR1 mean and acts through a [`VmHandle`].
 
-use crate::builder::{BuildError, ExtraMetrics, RunOptions, Vm, Vmm};
+use crate::builder::{BuildError, ExtraMetrics, RunOptions, Vm};
 use crate::config::{ExitsMode, VmConfig};
 use crate::control::{Outcome, RunControl};
 use crate::idle::IdleCheck;
@@ -898,7 +898,7 @@ fn stop_vcpus(handles: Vec<std::thread::JoinHandle<()>>, ids: &[u8]) -> Vec<u8> 
 
 /// Builds, starts and waits for the VM described by `config`.
 pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildError> {
-    Ok(Vmm::build(config, opts)?.start()?.wait())
+    Ok(Vm::build(config, opts)?.start()?.wait())
 }
 
 /// CLOCK_MONOTONIC in nanoseconds.

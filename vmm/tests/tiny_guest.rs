@@ -3,7 +3,7 @@
 
 use vmm::config::{ExitsMode, VmConfig};
 use vmm::testing::{tiny_config, tiny_opts, Code};
-use vmm::{run_vm, Outcome, RunOptions, Vmm};
+use vmm::{run_vm, Outcome, RunOptions, Vm};
 
 fn config(code: &[u8], cpus: u8) -> VmConfig {
     tiny_config(code, cpus)
@@ -114,7 +114,7 @@ fn a_guest_halted_with_interrupts_off_is_a_crash_not_a_hang() {
 #[test]
 fn an_idle_guest_is_left_running_until_stopped() {
     let code = Code::default().idle().0;
-    let running = Vmm::build(&config(&code, 2), &opts())
+    let running = Vm::build(&config(&code, 2), &opts())
         .expect("VM builds (needs /dev/kvm)")
         .start()
         .expect("VM starts");
@@ -146,7 +146,7 @@ fn an_idle_guest_is_left_running_until_stopped() {
 #[test]
 fn stopping_a_spinning_guest_ends_every_vcpu() {
     let code = Code::default().out8(0x3f8, b'!').spin().0;
-    let running = Vmm::build(&config(&code, 2), &opts())
+    let running = Vm::build(&config(&code, 2), &opts())
         .expect("VM builds (needs /dev/kvm)")
         .start()
         .expect("VM starts");
