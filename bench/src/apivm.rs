@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::watch::{has_ended, kill_group, spawn_group};
+use super::watch::{ended_with, has_ended, kill_group, spawn_group};
 
 /// Bound on one API answer (a full 4 GiB snapshot is written before it).
 pub const API_TIMEOUT: Duration = Duration::from_secs(120);
@@ -106,6 +106,11 @@ impl Vm {
         }
     }
 
+    /// Its exit code once it has exited by itself, read without reaping it.
+    pub fn exit_code(&self) -> Option<i32> {
+        ended_with(&self.child).ok().flatten().flatten()
+    }
+
     /// Waits up to `limit` for the VMM to end by itself.
     pub fn wait_exit(&self, limit: Duration) -> bool {
         let start = Instant::now();
@@ -117,6 +122,30 @@ impl Vm {
         }
         false
     }
+}
+
+/// Waits up to `limit` for `ready`, failing early if `vm` ends.
+pub fn wait_until(
+    vm: &Vm,
+    what: &str,
+    limit: Duration,
+    ready: impl Fn() -> bool,
+) -> Result<(), String> {
+    let start = Instant::now();
+    while !ready() {
+        if vm.ended() {
+            return Err(format!("ended before {what}; {}", vm.said()));
+        }
+        if start.elapsed() > limit {
+            return Err(format!(
+                "no {what} within {} s; {}",
+                limit.as_secs(),
+                vm.said()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
 }
 
 impl Drop for Vm {

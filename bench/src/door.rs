@@ -3,6 +3,7 @@
 //! beside a start with none. A stranger that held the door would show as a start delayed by
 //! the node's handshake deadline (2 s) or its connect deadline (20 s).
 
+use crate::apivm::{wait_until, Vm};
 use crate::plot::{Bar, Panel};
 use crate::report::{Csv, Table};
 use crate::stats::{ratio, Summary};
@@ -12,7 +13,7 @@ use dsm_host::{Link, LinkParams, Role};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// What knocks on node 0's port.
@@ -66,6 +67,7 @@ struct Start {
 
 const SECRET: &[u8] = b"the secret of the nodes of this VM";
 const NODES: usize = 3;
+const NAMES: [&str; NODES] = ["node 0", "node 1", "node 2"];
 /// Bounds on one start's steps, for a wedged run, not a slow one.
 const STEP_LIMIT: Duration = Duration::from_secs(60);
 
@@ -148,20 +150,6 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
     )
 }
 
-/// Kills the nodes still running when a start ends early.
-struct Nodes(Vec<Child>);
-
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            if matches!(c.try_wait(), Ok(None)) {
-                let _ = c.kill();
-            }
-            let _ = c.wait();
-        }
-    }
-}
-
 fn one(exe: &Path, case: Stranger) -> Result<Start, String> {
     let dir = tempfile::tempdir().map_err(|e| format!("a temporary directory: {e}"))?;
     std::fs::write(dir.path().join("secret"), SECRET).map_err(|e| format!("the secret: {e}"))?;
@@ -175,13 +163,11 @@ fn one(exe: &Path, case: Stranger) -> Result<Start, String> {
     let cluster = serde_json::json!({"secret_file": "secret", "nodes": nodes});
     std::fs::write(&file, cluster.to_string()).map_err(|e| format!("the cluster file: {e}"))?;
     let path = |k: usize, s: &str| dir.path().join(format!("node{k}.{s}"));
-    let mut running = Nodes(Vec::new());
-    let spawn = |k: usize| -> Result<Child, String> {
-        let log = |s: &str| {
-            std::fs::File::create(path(k, s)).map_err(|e| format!("{}: {e}", path(k, s).display()))
-        };
-        Command::new(exe)
-            .args(["node", "--cluster"])
+    // Killed and reaped on every way out (`Vm`'s drop).
+    let mut nodes: Vec<Vm> = Vec::new();
+    let spawn = |k: usize| -> Result<Vm, String> {
+        let mut cmd = Command::new(exe);
+        cmd.args(["node", "--cluster"])
             .arg(&file)
             .args([
                 "--id",
@@ -193,17 +179,28 @@ fn one(exe: &Path, case: Stranger) -> Result<Start, String> {
             ])
             .args(["--cpus", &NODES.to_string(), "--timeout", "60"])
             .args(["--cmdline", "probe.tasks=hello"])
-            .env("MUSUBI_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log("out")?)
-            .stderr(log("err")?)
-            .spawn()
-            .map_err(|e| format!("{}: {e}", exe.display()))
+            .env("MUSUBI_LOG", "info");
+        Vm::start_to(cmd, NAMES[k], &path(k, "out"), &path(k, "err"))
     };
-    running.0.push(spawn(0)?);
-    wait_for(&path(0, "err"), "waits at", &mut running)?;
-    running.0.push(spawn(1)?);
-    wait_for(&path(0, "err"), "linked with n1", &mut running)?;
+    let log0 = path(0, "err");
+    let said = |what: &'static str| {
+        let log = log0.clone();
+        move || std::fs::read_to_string(&log).is_ok_and(|s| s.contains(what))
+    };
+    nodes.push(spawn(0)?);
+    wait_until(
+        &nodes[0],
+        "waiting at its port",
+        STEP_LIMIT,
+        said("waits at"),
+    )?;
+    nodes.push(spawn(1)?);
+    wait_until(
+        &nodes[0],
+        "node 1 linked",
+        STEP_LIMIT,
+        said("linked with n1"),
+    )?;
     // A stranger with the secret must also bring the VM's configuration hash; a misconfigured
     // real node would. It is read from node 0's hello on a connection made for that.
     let hash = match case {
@@ -253,19 +250,18 @@ fn one(exe: &Path, case: Stranger) -> Result<Start, String> {
             }));
         }
     }
-    running.0.push(spawn(2)?);
-    let ms = first_output(&path(0, "out"), t0, &mut running)?;
+    nodes.push(spawn(2)?);
+    let ms = first_output(&path(0, "out"), t0, &nodes)?;
     if let Some(t) = handshake {
         let _ = t.join();
     }
     drop(held);
-    for (k, c) in running.0.iter_mut().enumerate() {
-        let st = wait_bounded(c, STEP_LIMIT).map_err(|e| format!("node {k}: {e}"))?;
-        if !st.success() {
-            return Err(format!(
-                "node {k} ended with {st}: {}",
-                std::fs::read_to_string(path(k, "err")).unwrap_or_default()
-            ));
+    for n in &nodes {
+        if !n.wait_exit(STEP_LIMIT) {
+            return Err(format!("still running after {STEP_LIMIT:?}; {}", n.said()));
+        }
+        if n.exit_code() != Some(0) {
+            return Err(format!("ended with {:?}; {}", n.exit_code(), n.said()));
         }
     }
     let out = std::fs::read_to_string(path(0, "out")).unwrap_or_default();
@@ -315,53 +311,22 @@ fn config_hash_of(addr: SocketAddr) -> Result<[u8; 32], String> {
     Ok(hello[43..75].try_into().expect("32 bytes"))
 }
 
-fn wait_for(path: &Path, what: &str, nodes: &mut Nodes) -> Result<(), String> {
-    let t0 = Instant::now();
-    loop {
-        if std::fs::read_to_string(path).is_ok_and(|s| s.contains(what)) {
-            return Ok(());
-        }
-        if t0.elapsed() > STEP_LIMIT || exited(nodes) {
-            return Err(format!(
-                "{} never said {what:?}:\n{}",
-                path.display(),
-                std::fs::read_to_string(path).unwrap_or_default()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-/// Polls `path` until the guest has printed something; the milliseconds since `t0`.
-fn first_output(path: &Path, t0: Instant, nodes: &mut Nodes) -> Result<f64, String> {
+/// Polls `path` until the guest has printed something; the milliseconds since `t0`. Polled
+/// more often than [`wait_until`] does, since this is the figure measured.
+fn first_output(path: &Path, t0: Instant, nodes: &[Vm]) -> Result<f64, String> {
     loop {
         if std::fs::metadata(path).is_ok_and(|m| m.len() > 0) {
             return Ok(t0.elapsed().as_secs_f64() * 1e3);
         }
-        if t0.elapsed() > STEP_LIMIT || exited(nodes) {
+        if let Some(n) = nodes.iter().find(|n| n.ended()) {
+            return Err(format!(
+                "ended before the guest printed anything; {}",
+                n.said()
+            ));
+        }
+        if t0.elapsed() > STEP_LIMIT {
             return Err(format!("the guest printed nothing on {}", path.display()));
         }
         std::thread::sleep(Duration::from_micros(500));
-    }
-}
-
-fn exited(nodes: &mut Nodes) -> bool {
-    nodes
-        .0
-        .iter_mut()
-        .any(|c| matches!(c.try_wait(), Ok(Some(_))))
-}
-
-fn wait_bounded(c: &mut Child, limit: Duration) -> Result<std::process::ExitStatus, String> {
-    let t0 = Instant::now();
-    loop {
-        if let Some(s) = c.try_wait().map_err(|e| e.to_string())? {
-            return Ok(s);
-        }
-        if t0.elapsed() > limit {
-            let _ = c.kill();
-            return Err(format!("still running after {limit:?}"));
-        }
-        std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -18,7 +18,7 @@
 //! - slowdown: the guest task's own time (the `ns` of its result line) migrated, against
 //!   the same task in an unmigrated run of the same size.
 
-use super::apivm::{api, one_line, Vm, Vmm};
+use super::apivm::{api, one_line, wait_until, Vm, Vmm};
 use super::kvm_trace::{KvmRunTrace, KVM_GET_CLOCK};
 use super::peers::{self, Kind, Micro};
 use super::qemu::{measured_per_config, Outcome, Standing};
@@ -678,30 +678,6 @@ fn listening(port: u16) -> bool {
             let f: Vec<&str> = l.split_whitespace().collect();
             f.len() > 3 && f[1] == want && f[3] == "0A"
         })
-}
-
-/// Waits up to `limit` for `ready`, failing early if `vm` ends.
-fn wait_until(
-    vm: &Vm,
-    what: &str,
-    limit: Duration,
-    ready: impl Fn() -> bool,
-) -> Result<(), String> {
-    let start = Instant::now();
-    while !ready() {
-        if vm.ended() {
-            return Err(format!("ended before {what}; {}", vm.said()));
-        }
-        if start.elapsed() > limit {
-            return Err(format!(
-                "no {what} within {} s; {}",
-                limit.as_secs(),
-                vm.said()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    Ok(())
 }
 
 /// The task's result lines on `consoles` (the source's before the move, the destination's

@@ -234,6 +234,12 @@ pub(crate) fn spawn_group(cmd: &mut Command) -> std::io::Result<Child> {
 /// Whether the child has ended, without reaping it: until it is reaped its pid, which is
 /// also its process group's id, cannot be reused, so [`kill_group`] cannot hit a stranger.
 pub(crate) fn has_ended(child: &Child) -> std::io::Result<bool> {
+    Ok(ended_with(child)?.is_some())
+}
+
+/// How the child ended, if it has, without reaping it (see [`has_ended`]): its exit code,
+/// or `None` inside when a signal ended it.
+pub(crate) fn ended_with(child: &Child) -> std::io::Result<Option<Option<i32>>> {
     // SAFETY: an all-zero siginfo_t is valid for waitid to fill.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
     // SAFETY: waitid on our own child with a valid out-parameter.
@@ -248,8 +254,10 @@ pub(crate) fn has_ended(child: &Child) -> std::io::Result<bool> {
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // SAFETY: waitid filled `info`; si_pid is 0 when the child has not ended.
-    Ok(unsafe { info.si_pid() } != 0)
+    // SAFETY: waitid filled `info`; si_pid is 0 when the child has not ended, and
+    // si_status is its exit code when si_code is CLD_EXITED.
+    Ok(unsafe { info.si_pid() != 0 }
+        .then(|| (info.si_code == libc::CLD_EXITED).then(|| unsafe { info.si_status() })))
 }
 
 /// SIGKILLs the child's process group; called before the child is reaped.
