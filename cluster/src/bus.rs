@@ -2,7 +2,7 @@
 //! node that holds the devices (served here when that is this node), answers back to the
 //! waiting vCPU.
 
-use super::ipi::{self, IPI_PORT};
+use super::ipi::{self, Msi, IPI_PORT};
 use super::moving::{Route, Routes};
 use dsm::NodeId;
 use dsm_host::{Envelope, Exit, Inbound, InboxSender, Interrupt, IoSpace};
@@ -131,18 +131,20 @@ impl NodeBus {
                 }
                 Route::To(node) => {
                     self.counters.ipis_remote.fetch_add(1, Ordering::Relaxed);
-                    self.send(
-                        node,
-                        Envelope::Interrupt(Interrupt::Msi {
-                            address: m.address as u64,
-                            data: m.data,
-                        }),
-                    );
+                    self.send(node, msi_envelope(&m));
                 }
                 Route::Nowhere => {}
             }
         }
     }
+}
+
+/// An MSI as it crosses to the node that runs its target.
+pub(crate) fn msi_envelope(m: &Msi) -> Envelope {
+    Envelope::Interrupt(Interrupt::Msi {
+        address: m.address as u64,
+        data: m.data,
+    })
 }
 
 /// Injects one MSI into this node's VM. A refused MSI means the guest named a vCPU that is

@@ -515,8 +515,10 @@ fn control_loop(ctx: ControlContext, events: mpsc::Receiver<NodeEvent>) {
             Envelope::Exit(e) => {
                 // Only the node that holds the devices serves accesses, and only for vCPUs
                 // the sender runs: anything else is a peer's fault, dropped.
-                let sender_runs_it =
-                    ctx.routes.node_of(e.vcpu as u8) == Some(from.0) && e.vcpu <= u8::MAX as u32;
+                let sender_runs_it = u8::try_from(e.vcpu)
+                    .ok()
+                    .and_then(|v| ctx.routes.node_of(v))
+                    == Some(from.0);
                 if let (Some(local), true) = (&ctx.local, sender_runs_it) {
                     let data = bus::serve(local.as_ref(), &e);
                     ctx.outbox.push(Inbound::Send {
@@ -526,7 +528,7 @@ fn control_loop(ctx: ControlContext, events: mpsc::Receiver<NodeEvent>) {
                 }
             }
             Envelope::ExitReply { vcpu, data }
-                if vcpu <= u8::MAX as u32 && ctx.routes.node_of(vcpu as u8) == Some(ctx.me) =>
+                if u8::try_from(vcpu).ok().and_then(|v| ctx.routes.node_of(v)) == Some(ctx.me) =>
             {
                 ctx.replies.answer(vcpu, data);
             }
@@ -556,15 +558,8 @@ fn deliver(ctx: &ControlContext, m: Msi) {
         .routes
         .route(m, |m| bus::inject(&ctx.msi, m.address, m.data))
     {
-        send_to(ctx, node, msi_envelope(&m));
+        send_to(ctx, node, bus::msi_envelope(&m));
     }
-}
-
-fn msi_envelope(m: &Msi) -> Envelope {
-    Envelope::Interrupt(Interrupt::Msi {
-        address: m.address as u64,
-        data: m.data,
-    })
 }
 
 fn send_to(ctx: &ControlContext, node: u16, env: Envelope) {
@@ -619,7 +614,7 @@ fn on_move(ctx: &ControlContext, from: NodeId, m: MoveMsg) {
         MoveMsg::Failed { vcpu, node, why } => {
             if node != ctx.me && ctx.routes.node_of(vcpu) == Some(ctx.me) {
                 for m in ctx.routes.abandon(vcpu, node) {
-                    send_to(ctx, node, msi_envelope(&m));
+                    send_to(ctx, node, bus::msi_envelope(&m));
                 }
             }
             settle(ctx, vcpu, Err(why));

@@ -11,7 +11,7 @@
 //! that is a set-up fault of the cluster, not a stranger.
 
 use crate::link::{Link, LinkError, LinkParams, Role};
-use crate::transport::TransportError;
+use crate::transport::{node_list, TransportError};
 use dsm::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{ErrorKind, Read, Write};
@@ -180,7 +180,7 @@ pub(crate) fn link_all(
             if answer.is_empty() {
                 "no node".to_string()
             } else {
-                names(&door.waiting)
+                node_list(&door.waiting)
             }
         );
     }
@@ -453,7 +453,7 @@ impl<'a, 's> Door<'a, 's> {
                 addr,
                 format!(
                     "it proved the secret as node {peer}, but this node waits for {}",
-                    names(&self.waiting)
+                    node_list(&self.waiting)
                 ),
             );
         }
@@ -522,11 +522,6 @@ impl<'a, 's> Door<'a, 's> {
 fn timed_out(e: &LinkError) -> bool {
     matches!(e, LinkError::Io { source, .. }
         if matches!(source.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut))
-}
-
-fn names(ids: &BTreeSet<NodeId>) -> String {
-    let v: Vec<String> = ids.iter().map(|n| n.to_string()).collect();
-    v.join(", ")
 }
 
 /// Waits until one of `fds` is readable or `wait` passes.

@@ -57,8 +57,9 @@ pub enum TransportError {
     },
 }
 
-fn node_list(ids: &[NodeId]) -> String {
-    let v: Vec<String> = ids.iter().map(|n| n.to_string()).collect();
+/// Node ids as a message lists them: "n1, n2".
+pub(crate) fn node_list<'a>(ids: impl IntoIterator<Item = &'a NodeId>) -> String {
+    let v: Vec<String> = ids.into_iter().map(|n| n.to_string()).collect();
     v.join(", ")
 }
 

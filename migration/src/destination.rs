@@ -57,13 +57,13 @@ pub fn receive(
     log: &mut dyn FnMut(&str),
 ) -> Result<Arc<PostCopyRam>, ReceiveError> {
     let params = opts.params(DESTINATION);
+    let limits = dsm_host::DoorLimits {
+        handshake: dsm_host::DoorLimits::default()
+            .handshake
+            .min(opts.setup_limit),
+        ..dsm_host::DoorLimits::default()
+    };
     loop {
-        let limits = dsm_host::DoorLimits {
-            handshake: dsm_host::DoorLimits::default()
-                .handshake
-                .min(opts.setup_limit),
-            ..dsm_host::DoorLimits::default()
-        };
         let link = dsm_host::door::accept_one(
             &params,
             SOURCE,

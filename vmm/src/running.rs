@@ -365,11 +365,12 @@ impl VmHandle {
         if sh.gate.is_standby(index) {
             return Err(ControlError::Vcpu(format!("vCPU {id} does not run here")));
         }
+        // Asked of KVM before the pause, so its failure leaves the VM running.
+        let msr_list = self.msr_list()?;
         let was_paused = sh.gate.is_paused();
         if !was_paused {
             self.pause_locked()?;
         }
-        let msr_list = Arc::new(self.msr_list()?);
         let saved = sh
             .gate
             .on_vcpu(index, &sh.control, move |v| v.save_state(&msr_list));
