@@ -7,8 +7,8 @@
 
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 /// A device register as the exit accounting names it (see `device_manager::MmioNames`);
 /// 0 is an address no device claims.
@@ -129,16 +129,16 @@ impl ExitStat {
 }
 
 struct Slot {
-    key: AtomicU32,
+    key: u32,
     count: AtomicU64,
     vmm_ns: AtomicU64,
     hist: [AtomicU64; HIST_BUCKETS],
 }
 
-impl Default for Slot {
-    fn default() -> Self {
+impl Slot {
+    fn new(key: u32) -> Self {
         Self {
-            key: AtomicU32::new(0),
+            key,
             count: AtomicU64::new(0),
             vmm_ns: AtomicU64::new(0),
             hist: std::array::from_fn(|_| AtomicU64::new(0)),
@@ -158,7 +158,10 @@ fn bump(c: &AtomicU64, n: u64) {
 
 /// One vCPU's counters: written by that vCPU's thread alone, read by anyone.
 pub struct VcpuMetrics {
-    slots: Box<[Slot]>,
+    /// Each slot is allocated when its reason first occurs: a guest uses a handful of
+    /// reasons, and a table of whole slots (344 bytes each) would cost every vCPU 86 KiB of
+    /// written memory before its first exit.
+    slots: Box<[OnceLock<Box<Slot>>]>,
     /// Exits other than kicks: tells the VM whether its guest still does anything.
     guest_exits: AtomicU64,
     /// Slots claimed so far.
@@ -168,7 +171,7 @@ pub struct VcpuMetrics {
 impl Default for VcpuMetrics {
     fn default() -> Self {
         Self {
-            slots: (0..SLOTS).map(|_| Slot::default()).collect(),
+            slots: (0..SLOTS).map(|_| OnceLock::new()).collect(),
             guest_exits: AtomicU64::new(0),
             used: AtomicUsize::new(0),
         }
@@ -194,17 +197,16 @@ impl VcpuMetrics {
         let other = ExitReason::Other.key();
         let start = (key.wrapping_mul(0x9e37_79b1) >> 24) as usize % SLOTS;
         for i in 0..SLOTS {
-            let slot = &self.slots[(start + i) % SLOTS];
-            match slot.key.load(Ordering::Acquire) {
-                k if k == key => return slot,
-                0 if key == other || self.used.load(Ordering::Relaxed) < SLOTS - 1 => {
+            let cell = &self.slots[(start + i) % SLOTS];
+            match cell.get() {
+                Some(slot) if slot.key == key => return slot,
+                Some(_) => {}
+                None if key == other || self.used.load(Ordering::Relaxed) < SLOTS - 1 => {
                     self.used
                         .store(self.used.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-                    slot.key.store(key, Ordering::Release);
-                    return slot;
+                    return cell.get_or_init(|| Box::new(Slot::new(key)));
                 }
-                0 => break,
-                _ => {}
+                None => break,
             }
         }
         self.slot(other)
@@ -217,11 +219,8 @@ impl VcpuMetrics {
 
     pub fn snapshot(&self) -> BTreeMap<ExitReason, ExitStat> {
         let mut out = BTreeMap::new();
-        for s in self.slots.iter() {
-            let key = s.key.load(Ordering::Acquire);
-            if key == 0 {
-                continue;
-            }
+        for s in self.slots.iter().filter_map(OnceLock::get) {
+            let key = s.key;
             let stat = ExitStat {
                 count: s.count.load(Ordering::Relaxed),
                 vmm_ns: s.vmm_ns.load(Ordering::Relaxed),
