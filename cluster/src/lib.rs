@@ -9,14 +9,25 @@
 //! Built on the `vmm` crate's public [`vmm::VmBuilder`]: a node builds its share of the
 //! vCPUs on guest RAM that `dsm-host` maps, and routes the vCPUs' port and MMIO accesses
 //! through its own [`vmm::DeviceBus`].
+//!
+//! The nodes find each other through a cluster file ([`ClusterFile`]); [`Launch`] runs a
+//! whole VM as node processes on one host, from a cluster file it writes.
 
 mod bus;
+mod file;
 mod ipi;
+mod launch;
 mod moving;
+mod netns;
 mod node;
 pub mod spec;
 
 pub use dsm_host::{DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
+pub use file::{
+    fresh_secret, parse_duration, parse_ordering, parse_protocol, rank_from_launcher,
+    write_cluster, ClusterFile, FileError, RANK_VARIABLES,
+};
 pub use ipi::IPI_PORT;
-pub use node::{parse_duration, Mover, Node, NodeError, NodeOptions, NodeReport, RunningNode};
+pub use launch::{Launch, LaunchError, Launched, NodeFiles};
+pub use node::{Mover, Node, NodeError, NodeOptions, NodeReport, RunningNode};
 pub use spec::{ClusterError, ClusterSpec, NodeAddr};

@@ -5,7 +5,6 @@ use crate::ipi::{Msi, IPI_PORT};
 use crate::moving::{MoveMsg, Route, Routes};
 use crate::spec::{ClusterError, ClusterSpec};
 use dsm::NodeId;
-use dsm_host::MAX_LINK_DELAY;
 use dsm_host::{
     config_hash_of_parts, CoherenceHandle, DoorLimits, Envelope, Inbound, Inbox, InboxSender,
     Interrupt, LinkParams, Liveness, Memory, NodeEvent, Setup, TcpConfig, TcpTransport,
@@ -20,36 +19,6 @@ use vmm::{
     BuildError, DeviceBus, ExternalRam, GuestRamSource, Outcome, RunControl, RunOptions, RunReport,
     RunningVm, Topology, VcpuState, VmBuilder, VmHandle,
 };
-
-/// A link delay or poll window: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`,
-/// `s`), at most [`MAX_LINK_DELAY`]. The error says what would be accepted; the
-/// caller names the flag or field.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let expected = || {
-        format!(
-            "expected a number and a unit (ns, us, ms or s), e.g. 100us or 2ms, at most {:?}",
-            MAX_LINK_DELAY
-        )
-    };
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .ok_or_else(expected)?;
-    let (number, unit) = t.split_at(split);
-    let ns_per = match unit.trim() {
-        "ns" => 1.0,
-        "us" | "µs" => 1e3,
-        "ms" => 1e6,
-        "s" => 1e9,
-        _ => return Err(expected()),
-    };
-    let v: f64 = number.parse().map_err(|_| expected())?;
-    let ns = v * ns_per;
-    if !ns.is_finite() || ns > MAX_LINK_DELAY.as_nanos() as f64 {
-        return Err(expected());
-    }
-    Ok(Duration::from_nanos(ns.round() as u64))
-}
 
 /// After a node is lost, how long the survivors' teardown may take before the node reports
 /// anyway: a vCPU stopped on a page the lost node held can stay stopped in the kernel, and

@@ -6,7 +6,6 @@ mod cli;
 mod console;
 mod demo;
 mod migrate;
-mod netns;
 mod node_api;
 mod nodes;
 mod partition_cli;
@@ -171,11 +170,11 @@ fn main() -> ExitCode {
             net,
             ..
         }) => {
-            let protocol = match nodes::parse_protocol("--protocol", &protocol) {
+            let protocol = match musubi_cluster::parse_protocol("--protocol", &protocol) {
                 Ok(p) => p,
                 Err(e) => return fail(e),
             };
-            let ordering = match nodes::parse_ordering("--ordering", &ordering) {
+            let ordering = match musubi_cluster::parse_ordering("--ordering", &ordering) {
                 Ok(o) => o,
                 Err(e) => return fail(e),
             };
