@@ -325,7 +325,7 @@ fn supervise(
                     .collect();
                 if let Some(pos) = children.iter().position(|c| c.0 == l) {
                     let (l, mut c) = children.remove(pos);
-                    eprintln!(
+                    crate::say!(
                         "musubi: node {l} was declared lost by node(s) {}; killed",
                         by.join(", ")
                     );
@@ -337,7 +337,7 @@ fn supervise(
         }
         if first_end.is_some_and(|t| t.elapsed() > PEERS_GRACE) {
             for (k, c) in children.iter_mut() {
-                eprintln!(
+                crate::say!(
                     "musubi: node {k} did not end within {PEERS_GRACE:?} of another node; killed"
                 );
                 let _ = c.kill();

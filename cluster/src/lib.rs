@@ -31,3 +31,21 @@ pub use ipi::IPI_PORT;
 pub use launch::{Launch, LaunchError, Launched, NodeFiles};
 pub use node::{Mover, Node, NodeError, NodeOptions, NodeReport, RunningNode};
 pub use spec::{ClusterError, ClusterSpec, NodeAddr};
+
+/// Prints one line on stderr in a single write. The node processes of `run --nodes` share
+/// their launcher's stderr, and `eprintln!` writes a line in pieces, so lines two nodes
+/// printed at the same moment came out mixed mid-line ("musubi: node musubi: node 2: ...").
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::say_line(format_args!($($arg)*))
+    };
+}
+
+/// The function behind [`say!`].
+pub fn say_line(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut text = line.to_string();
+    text.push('\n');
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+}

@@ -147,7 +147,7 @@ impl Drop for Netns {
     fn drop(&mut self) {
         for ns in self.created.iter().rev() {
             if let Err(e) = ip(&["netns", "delete", ns]) {
-                eprintln!("musubi: {e}; remove it with `ip netns delete {ns}`");
+                crate::say!("musubi: {e}; remove it with `ip netns delete {ns}`");
             }
         }
     }

@@ -55,7 +55,7 @@ pub fn node(
     let timeout = match run.timeout() {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("musubi: {e}");
+            musubi_cluster::say!("musubi: {e}");
             return ExitCode::from(1);
         }
     };
@@ -64,13 +64,13 @@ pub fn node(
         None => match rank_from_launcher(|k| std::env::var(k).ok()) {
             Ok((id, name)) => (id, Some(name)),
             Err(e) => {
-                eprintln!("musubi: node: {e}");
+                musubi_cluster::say!("musubi: node: {e}");
                 return ExitCode::from(1);
             }
         },
     };
     let fail = |msg: String| {
-        eprintln!("musubi: node {id}: {msg}");
+        musubi_cluster::say!("musubi: node {id}: {msg}");
         ExitCode::from(1)
     };
     let file = match ClusterFile::<FileConfig>::read(cluster_path) {
@@ -91,7 +91,7 @@ pub fn node(
                 n.saturating_sub(1)
             ));
         }
-        eprintln!("musubi: node {id}: id {id} from the launcher's {name}");
+        musubi_cluster::say!("musubi: node {id}: id {id} from the launcher's {name}");
     }
     let signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
         Ok(s) => s,
@@ -112,14 +112,14 @@ pub fn node(
     let built = match Node::build(&config, &opts, &node_opts) {
         Ok(n) => n,
         Err(e) => {
-            eprintln!("musubi: {e}");
+            musubi_cluster::say!("musubi: {e}");
             return ExitCode::from(1);
         }
     };
     let running = match built.start() {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("musubi: {e}");
+            musubi_cluster::say!("musubi: {e}");
             return ExitCode::from(1);
         }
     };
@@ -145,17 +145,17 @@ pub fn node(
         write_json(p, "--report", &j);
     }
     match &report.outcome {
-        vmm::Outcome::GuestCrash(m) => eprintln!("musubi: node {id}: guest crashed: {m}"),
-        vmm::Outcome::VmmError(m) => eprintln!("musubi: node {id}: {m}"),
-        vmm::Outcome::Signal(s) => eprintln!("musubi: node {id}: stopped by signal {s}"),
-        vmm::Outcome::NodeLost { node, pages, why } => eprintln!(
+        vmm::Outcome::GuestCrash(m) => musubi_cluster::say!("musubi: node {id}: guest crashed: {m}"),
+        vmm::Outcome::VmmError(m) => musubi_cluster::say!("musubi: node {id}: {m}"),
+        vmm::Outcome::Signal(s) => musubi_cluster::say!("musubi: node {id}: stopped by signal {s}"),
+        vmm::Outcome::NodeLost { node, pages, why } => musubi_cluster::say!(
             "musubi: node {id}: lost node {node} ({why}); it owned at least {pages} pages of guest memory (those this node's directory manages), so the VM cannot go on"
         ),
         _ => {}
     }
     if let Some(e) = &done.coherence_error {
         if !matches!(report.outcome, vmm::Outcome::NodeLost { .. }) {
-            eprintln!("musubi: node {id}: coherence: {e}");
+            musubi_cluster::say!("musubi: node {id}: coherence: {e}");
         }
     }
     ExitCode::from(report.outcome.exit_code() as u8)
@@ -175,7 +175,7 @@ pub struct LaunchArgs<'a> {
 /// `musubi node` with the same VM flags.
 pub fn launch(args: LaunchArgs) -> ExitCode {
     let fail = |msg: String| {
-        eprintln!("musubi: {msg}");
+        musubi_cluster::say!("musubi: {msg}");
         ExitCode::from(1)
     };
     let config = match args.vm.to_config() {
@@ -226,7 +226,7 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
         Ok(d) => d,
         Err(LaunchError::Refused { nodes, why }) => return fail(format!("--nodes {nodes}: {why}")),
         Err(e) => {
-            eprintln!("musubi: {e}");
+            musubi_cluster::say!("musubi: {e}");
             return ExitCode::from(e.exit_status());
         }
     };
