@@ -85,7 +85,7 @@ pub fn probe_in_process(
     };
     let report = vmm::run_vm(config, &opts).map_err(|e| e.to_string())?;
     let console = String::from_utf8_lossy(&report.serial).into_owned();
-    if report.outcome != vmm::Outcome::GuestExit(0) {
+    if report.outcome != vmm::Outcome::GuestStatus(0) {
         return Err(format!(
             "{label}: the guest ended with {:?}; console:\n{}",
             report.outcome,

@@ -24,7 +24,7 @@ pub type MmapRegion = vm_memory::MmapRegion<vm_memory::bitmap::AtomicBitmap>;
 
 /// How the VM ends when a device asks it to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum VmExitRequest {
+pub enum EndRequest {
     /// The guest wrote its exit status to the exit port.
     Status(u8),
     /// The guest reset the machine (i8042 reset line): treated as a clean shutdown.
@@ -32,6 +32,6 @@ pub enum VmExitRequest {
 }
 
 /// Receives the guest's request to end the VM; implemented by the VMM's run control.
-pub trait ExitSink: Send + Sync {
-    fn request_exit(&self, request: VmExitRequest);
+pub trait EndSink: Send + Sync {
+    fn request_end(&self, request: EndRequest);
 }

@@ -60,7 +60,7 @@ fn demo() -> Result<(), String> {
     for r in &results {
         println!("  guest: {r}");
     }
-    if report.outcome != vmm::Outcome::GuestExit(0) {
+    if report.outcome != vmm::Outcome::GuestStatus(0) {
         return Err(format!(
             "the guest did not finish cleanly: {:?}\nconsole:\n{}",
             report.outcome,

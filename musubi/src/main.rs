@@ -3,11 +3,11 @@
 mod api_target;
 mod bench;
 mod cli;
+mod cluster_cli;
 mod console;
 mod demo;
 mod migrate;
 mod node_api;
-mod nodes;
 mod partition_cli;
 mod probe;
 mod remote;
@@ -132,7 +132,7 @@ struct RunCmd {
     )]
     ordering: String,
     #[command(flatten)]
-    net: nodes::NetFlags,
+    net: cluster_cli::NetFlags,
 }
 
 #[derive(Subcommand)]
@@ -178,7 +178,7 @@ fn main() -> ExitCode {
                 Ok(o) => o,
                 Err(e) => return fail(e),
             };
-            nodes::launch(nodes::LaunchArgs {
+            cluster_cli::launch(cluster_cli::LaunchArgs {
                 nodes: n,
                 protocol,
                 ordering,
@@ -193,7 +193,7 @@ fn main() -> ExitCode {
             vm,
             run,
             api_socket,
-        } => nodes::node(&cluster, id, &vm, &run, api_socket.as_deref()),
+        } => cluster_cli::node(&cluster, id, &vm, &run, api_socket.as_deref()),
         Command::Run(RunCmd {
             vm, run, control, ..
         }) => run::run(&vm, &run, &control),

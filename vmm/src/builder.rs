@@ -69,7 +69,7 @@ pub enum BuildError {
 pub struct RunOptions {
     /// Keep a copy of everything the guest writes to COM1 in the report.
     pub capture_serial: bool,
-    /// Stop the VM (outcome [`Outcome::VmmError`]) if it runs longer than this.
+    /// Stop the VM (outcome [`Outcome::VmmError`](crate::Outcome::VmmError)) if it runs longer than this.
     pub timeout: Option<Duration>,
     /// System-call filters on the vCPU and I/O threads.
     pub seccomp: SeccompMode,

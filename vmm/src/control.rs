@@ -1,6 +1,6 @@
 //! How a running VM ends: the first reason recorded wins, and the waiting thread is woken.
 
-use devices::{ExitSink, VmExitRequest};
+use devices::{EndRequest, EndSink};
 use serde::ser::SerializeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -8,8 +8,9 @@ use std::sync::{Condvar, Mutex};
 /// Why the VM stopped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The guest wrote this status to the exit port.
-    GuestExit(u8),
+    /// The guest wrote this status to the exit port. Reports name it `guest_exit`, as they
+    /// always have, so their readers need not change.
+    GuestStatus(u8),
     /// The guest reset or powered off the machine.
     Shutdown,
     /// The guest did something no CPU survives (a triple fault, an unemulatable instruction).
@@ -37,7 +38,7 @@ impl Outcome {
     /// The process exit status `musubi run` returns for this outcome.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Outcome::GuestExit(n) => *n as i32,
+            Outcome::GuestStatus(n) => *n as i32,
             Outcome::Shutdown => 0,
             Outcome::GuestCrash(_) => 125,
             Outcome::VmmError(_) => 126,
@@ -52,7 +53,7 @@ impl Outcome {
     /// A short name for reports.
     pub fn kind(&self) -> &'static str {
         match self {
-            Outcome::GuestExit(_) => "guest_exit",
+            Outcome::GuestStatus(_) => "guest_exit",
             Outcome::Shutdown => "shutdown",
             Outcome::GuestCrash(_) => "guest_crash",
             Outcome::VmmError(_) => "vmm_error",
@@ -72,7 +73,7 @@ impl serde::Serialize for Outcome {
         let mut m = s.serialize_map(None)?;
         m.serialize_entry("kind", self.kind())?;
         match self {
-            Outcome::GuestExit(n) => m.serialize_entry("status", n)?,
+            Outcome::GuestStatus(n) => m.serialize_entry("status", n)?,
             Outcome::GuestCrash(msg) | Outcome::VmmError(msg) => {
                 m.serialize_entry("message", msg)?
             }
@@ -163,11 +164,11 @@ impl RunControl {
     }
 }
 
-impl ExitSink for RunControl {
-    fn request_exit(&self, request: VmExitRequest) {
+impl EndSink for RunControl {
+    fn request_end(&self, request: EndRequest) {
         self.finish(match request {
-            VmExitRequest::Status(n) => Outcome::GuestExit(n),
-            VmExitRequest::Reset => Outcome::Shutdown,
+            EndRequest::Status(n) => Outcome::GuestStatus(n),
+            EndRequest::Reset => Outcome::Shutdown,
         });
     }
 }
@@ -180,13 +181,13 @@ mod tests {
     #[test]
     fn first_outcome_wins() {
         let c = RunControl::default();
-        c.request_exit(VmExitRequest::Status(7));
+        c.request_end(EndRequest::Status(7));
         c.finish(Outcome::Shutdown);
         assert_eq!(
             c.wait(Duration::from_millis(1), || None),
-            Outcome::GuestExit(7)
+            Outcome::GuestStatus(7)
         );
-        assert_eq!(Outcome::GuestExit(7).exit_code(), 7);
+        assert_eq!(Outcome::GuestStatus(7).exit_code(), 7);
     }
 
     #[test]
@@ -201,7 +202,7 @@ mod tests {
     fn outcomes_serialize_as_kind_and_detail() {
         let j = |o: Outcome| serde_json::to_value(o).unwrap();
         assert_eq!(
-            j(Outcome::GuestExit(3)),
+            j(Outcome::GuestStatus(3)),
             serde_json::json!({"kind": "guest_exit", "status": 3})
         );
         assert_eq!(

@@ -7,6 +7,13 @@
 //! A VM that is not made in one piece on this host (a node of a VM over several hosts, in
 //! the `musubi-cluster` crate) is built with [`VmBuilder`] and routes its device accesses
 //! through its own [`DeviceBus`].
+//!
+//! Words kept to one meaning each, since a VM has four things that could be called its
+//! "exit": an **exit** is a VM exit, KVM_RUN returning to the VMM (`exit.rs`, the exit
+//! accounting, `--exits kernel|user` for which part handles them); the VM **ends** with an
+//! [`Outcome`], some of them asked for by a device (`devices::EndRequest`); the guest's
+//! **status** is what it writes to the exit port ([`Outcome::GuestStatus`]); and the
+//! process's **exit code** is what [`Outcome::exit_code`] turns an outcome into.
 
 mod arch;
 mod boot_data;

@@ -26,7 +26,7 @@ fn serial_output_and_exit_status_reach_the_host() {
     code.extend(out8(0xf4, 42));
     code.push(0xf4); // hlt, never reached
     let r = run_vm(&config(&code, 1), &opts()).expect("VM runs (needs /dev/kvm)");
-    assert_eq!(r.outcome, Outcome::GuestExit(42));
+    assert_eq!(r.outcome, Outcome::GuestStatus(42));
     assert_eq!(r.outcome.exit_code(), 42);
     assert_eq!(r.serial, b"Hi\n");
     let outs = r.exits.iter().find(|e| e.reason == "io_out").unwrap();
@@ -60,7 +60,7 @@ fn unclaimed_ports_read_all_ones_and_do_not_stop_the_vm() {
     code.extend_from_slice(&[0x66, 0xba, 0xf8, 0x03, 0xee]); // mov dx,0x3f8; out dx,al
     code.extend(out8(0xf4, 0));
     let r = run_vm(&config(&code, 1), &opts()).expect("VM runs (needs /dev/kvm)");
-    assert_eq!(r.outcome, Outcome::GuestExit(0));
+    assert_eq!(r.outcome, Outcome::GuestStatus(0));
     assert_eq!(r.serial, vec![0xff]);
 }
 
@@ -76,7 +76,7 @@ fn every_port_write_is_one_exit_at_that_port_in_both_modes() {
         let mut cfg = config(&code, 1);
         cfg.exits = mode;
         let r = run_vm(&cfg, &opts()).expect("VM runs (needs /dev/kvm)");
-        assert_eq!(r.outcome, Outcome::GuestExit(0));
+        assert_eq!(r.outcome, Outcome::GuestStatus(0));
         let exits = r.metrics["exits"].as_array().unwrap();
         let port80 = exits
             .iter()

@@ -1,6 +1,6 @@
 //! The exit port: a guest write of N ends the VM with status N (the probe guest's `exit=N`).
 
-use crate::{ExitSink, VmExitRequest};
+use crate::{EndRequest, EndSink};
 use std::sync::Arc;
 use vm_device::bus::{PioAddress, PioAddressOffset};
 use vm_device::MutDevicePio;
@@ -9,11 +9,11 @@ use vm_device::MutDevicePio;
 pub const EXIT_PORT: u16 = 0xf4;
 
 pub struct ExitPort {
-    sink: Arc<dyn ExitSink>,
+    sink: Arc<dyn EndSink>,
 }
 
 impl ExitPort {
-    pub fn new(sink: Arc<dyn ExitSink>) -> Self {
+    pub fn new(sink: Arc<dyn EndSink>) -> Self {
         Self { sink }
     }
 }
@@ -25,7 +25,7 @@ impl MutDevicePio for ExitPort {
 
     fn pio_write(&mut self, _base: PioAddress, offset: PioAddressOffset, data: &[u8]) {
         if offset == 0 && !data.is_empty() {
-            self.sink.request_exit(VmExitRequest::Status(data[0]));
+            self.sink.request_end(EndRequest::Status(data[0]));
         }
     }
 }
@@ -36,9 +36,9 @@ mod tests {
     use std::sync::Mutex;
 
     #[derive(Default)]
-    pub struct Recorder(pub Mutex<Vec<VmExitRequest>>);
-    impl ExitSink for Recorder {
-        fn request_exit(&self, r: VmExitRequest) {
+    pub struct Recorder(pub Mutex<Vec<EndRequest>>);
+    impl EndSink for Recorder {
+        fn request_end(&self, r: EndRequest) {
             self.0.lock().unwrap().push(r);
         }
     }
@@ -51,7 +51,7 @@ mod tests {
         port.pio_write(PioAddress(EXIT_PORT), 0, &[0x2a]);
         assert_eq!(
             *rec.0.lock().unwrap(),
-            vec![VmExitRequest::Status(3), VmExitRequest::Status(0x2a)]
+            vec![EndRequest::Status(3), EndRequest::Status(0x2a)]
         );
     }
 }

@@ -1,6 +1,6 @@
 //! The i8042 controller, kept only for its reset line: a guest reboot ends the VM.
 
-use crate::{ExitSink, VmExitRequest};
+use crate::{EndRequest, EndSink};
 use std::sync::Arc;
 use vm_device::bus::{PioAddress, PioAddressOffset};
 use vm_device::MutDevicePio;
@@ -9,12 +9,12 @@ use vm_device::MutDevicePio;
 pub const I8042_BASE: u16 = 0x60;
 pub const I8042_LEN: u16 = 5;
 
-struct ResetTrigger(Arc<dyn ExitSink>);
+struct ResetTrigger(Arc<dyn EndSink>);
 
 impl vm_superio::Trigger for ResetTrigger {
     type E = std::convert::Infallible;
     fn trigger(&self) -> Result<(), Self::E> {
-        self.0.request_exit(VmExitRequest::Reset);
+        self.0.request_end(EndRequest::Reset);
         Ok(())
     }
 }
@@ -24,7 +24,7 @@ pub struct I8042 {
 }
 
 impl I8042 {
-    pub fn new(sink: Arc<dyn ExitSink>) -> Self {
+    pub fn new(sink: Arc<dyn EndSink>) -> Self {
         Self {
             inner: vm_superio::I8042Device::new(ResetTrigger(sink)),
         }
@@ -54,9 +54,9 @@ mod tests {
     use std::sync::Mutex;
 
     #[derive(Default)]
-    struct Recorder(Mutex<Vec<VmExitRequest>>);
-    impl ExitSink for Recorder {
-        fn request_exit(&self, r: VmExitRequest) {
+    struct Recorder(Mutex<Vec<EndRequest>>);
+    impl EndSink for Recorder {
+        fn request_end(&self, r: EndRequest) {
             self.0.lock().unwrap().push(r);
         }
     }
@@ -66,7 +66,7 @@ mod tests {
         let rec = Arc::new(Recorder::default());
         let mut dev = I8042::new(rec.clone());
         dev.pio_write(PioAddress(I8042_BASE), 4, &[0xfe]);
-        assert_eq!(*rec.0.lock().unwrap(), vec![VmExitRequest::Reset]);
+        assert_eq!(*rec.0.lock().unwrap(), vec![EndRequest::Reset]);
     }
 
     #[test]

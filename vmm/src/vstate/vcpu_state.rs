@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 pub const MSR_IA32_TSC: u32 = 0x10;
 
 /// Everything KVM keeps of one vCPU that the guest can observe. The order of the fields is
-/// the order they are written back in (see [`Vcpu::restore_state`]).
+/// the order they are written back in (see `Vcpu::restore_state`).
 #[derive(Serialize, Deserialize)]
 pub struct VcpuState {
     pub id: u8,
