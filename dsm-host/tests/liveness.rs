@@ -123,17 +123,29 @@ fn a_stop_broadcast_reaches_every_peer_is_passed_on_and_is_no_loss() {
     let rest: Vec<Running> = nodes.collect();
     assert!(first.node.broadcast_stop(3));
     first.node.join().expect("node 0 ends cleanly");
-    // Each of the others hears node 0, and the other one passing the stop on before it
-    // ends, so neither takes the other's closing link for a loss. Longer than the loss
-    // timeout: a loss, were one reported, would be among these.
+    // Each of the others hears node 0, and neither takes the other's closing link for a
+    // loss. A node passes the first stop it hears on, so the other one's stop reaches a
+    // node unless that node's own passing-on reached the other first: then the other's
+    // first stop came from it, and it is not sent back. Longer than the loss timeout: a
+    // loss, were one reported, would be among these.
+    let mut heard = 0;
     for (k, n) in rest.iter().enumerate() {
-        let mut got = events_until(&n.events, 2 * FAST.loss_timeout, |_| false);
-        got.sort_by_key(|e| format!("{e:?}"));
+        let got = events_until(&n.events, 2 * FAST.loss_timeout, |_| false);
+        heard += got.len();
         let other = if k == 0 { 2 } else { 1 };
-        let mut want = only_stopped(0, 3);
-        want.extend(only_stopped(other, 3));
-        assert_eq!(got, want, "node {}", k + 1);
+        let from_0 = only_stopped(0, 3).remove(0);
+        let from_other = only_stopped(other, 3).remove(0);
+        assert!(got.contains(&from_0), "node {}: {got:?}", k + 1);
+        assert!(
+            got.iter().all(|e| *e == from_0 || *e == from_other) && got.len() <= 2,
+            "node {}: {got:?}",
+            k + 1
+        );
     }
+    // At least one of the two heard the other pass the stop on: whichever heard node 0
+    // first passed it on to a peer that had not yet passed it on to it.
+    assert!(heard >= 3, "{heard} stops heard by nodes 1 and 2 together");
+
     for n in rest {
         let stats = n.node.join().expect("ends cleanly");
         assert_eq!(stats.protocol_errors, 0);
