@@ -163,6 +163,16 @@ impl RunFlags {
             None => Ok(None),
         }
     }
+
+    /// What the VMM is asked besides the VM: `--timeout` and `--seccomp`, with the serial
+    /// console left on the terminal rather than captured.
+    pub fn run_options(&self) -> Result<vmm::RunOptions, String> {
+        Ok(vmm::RunOptions {
+            capture_serial: false,
+            timeout: self.timeout()?,
+            seccomp: self.seccomp,
+        })
+    }
 }
 
 /// The JSON form of a VM. Sizes may be numbers (bytes) or strings such as "256M".

@@ -2,14 +2,12 @@
 //! turned into the cluster crate's calls, with their errors printed.
 
 use crate::cli::{FileConfig, RunFlags, VmArgs};
-use crate::run::{report_json, write_json, SignalWatch};
+use crate::run::{report_json, stop_signals, write_json, SignalWatch};
 use clap::Args;
 use musubi_cluster::{
     parse_duration, rank_from_launcher, ClusterFile, Launch, LaunchError, Node, NodeFiles,
     NodeOptions,
 };
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
-use signal_hook::iterator::Signals;
 use std::ffi::OsString;
 use std::path::Path;
 use std::process::ExitCode;
@@ -52,8 +50,8 @@ pub fn node(
     run: &RunFlags,
     api_socket: Option<&Path>,
 ) -> ExitCode {
-    let timeout = match run.timeout() {
-        Ok(t) => t,
+    let opts = match run.run_options() {
+        Ok(o) => o,
         Err(e) => {
             musubi_cluster::say!("musubi: {e}");
             return ExitCode::from(1);
@@ -93,14 +91,9 @@ pub fn node(
         }
         musubi_cluster::say!("musubi: node {id}: id {id} from the launcher's {name}");
     }
-    let signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
+    let signals = match stop_signals() {
         Ok(s) => s,
-        Err(e) => return fail(format!("cannot install signal handlers: {e}")),
-    };
-    let opts = vmm::RunOptions {
-        capture_serial: false,
-        timeout,
-        seccomp: run.seccomp,
+        Err(e) => return fail(e),
     };
     let node_opts = NodeOptions {
         cluster,

@@ -25,20 +25,13 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         },
         None => None,
     };
-    let timeout = match run.timeout() {
-        Ok(t) => t,
+    let opts = match run.run_options() {
+        Ok(o) => o,
         Err(e) => return fail(e),
     };
-    // Registered before the VM exists, so a signal that arrives while it is being built
-    // is held and stops it as soon as it runs.
-    let mut signals = match Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1]) {
+    let mut signals = match stop_signals() {
         Ok(s) => s,
-        Err(e) => return fail(format!("cannot install signal handlers: {e}")),
-    };
-    let opts = vmm::RunOptions {
-        capture_serial: false,
-        timeout,
-        seccomp: run.seccomp,
+        Err(e) => return fail(e),
     };
     // `--receive-migration`: the VM comes from another musubi, built here and not started.
     let mut received = match (&control.receive_migration, &control.secret_file) {
@@ -235,6 +228,14 @@ fn on_demand_ram(
     let ext = unsafe { vmm::ExternalRam::new(ram.host_addr(), len, ram.clone()) }
         .on_demand_from(snap.memory.clone());
     Ok((ram, ext))
+}
+
+/// The signals that stop a VM (and SIGUSR1, which writes its metrics), registered before
+/// the VM exists: a signal that arrives while it is being built is held and stops it as
+/// soon as it runs.
+pub fn stop_signals() -> Result<Signals, String> {
+    Signals::new([SIGTERM, SIGINT, SIGHUP, SIGUSR1])
+        .map_err(|e| format!("cannot install signal handlers: {e}"))
 }
 
 /// Stops the VM on SIGTERM, SIGINT and SIGHUP and writes its metrics on SIGUSR1, from a
