@@ -83,27 +83,18 @@ impl Vm {
     /// Waits until `file` holds a line starting with `marker`, or fails when the VMM ends
     /// or the time runs out.
     pub fn wait_for_line(&self, file: &Path, marker: &str, limit: Duration) -> Result<(), String> {
-        let start = Instant::now();
-        loop {
-            let text = std::fs::read(file).unwrap_or_default();
-            if String::from_utf8_lossy(&text)
-                .lines()
-                .any(|l| l.trim_start().starts_with(marker))
-            {
-                return Ok(());
-            }
-            if self.ended() {
-                return Err(format!("ended before {marker:?}; {}", self.said()));
-            }
-            if start.elapsed() > limit {
-                return Err(format!(
-                    "no {marker:?} within {} s; {}",
-                    limit.as_secs(),
-                    self.said()
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        poll_until(
+            self,
+            &format!("{marker:?}"),
+            limit,
+            Duration::from_millis(1),
+            || {
+                let text = std::fs::read(file).unwrap_or_default();
+                String::from_utf8_lossy(&text)
+                    .lines()
+                    .any(|l| l.trim_start().starts_with(marker))
+            },
+        )
     }
 
     /// Its exit code once it has exited by itself, read without reaping it.
@@ -131,6 +122,17 @@ pub fn wait_until(
     limit: Duration,
     ready: impl Fn() -> bool,
 ) -> Result<(), String> {
+    poll_until(vm, what, limit, Duration::from_millis(2), ready)
+}
+
+/// [`wait_until`], asking `ready` every `every`.
+fn poll_until(
+    vm: &Vm,
+    what: &str,
+    limit: Duration,
+    every: Duration,
+    ready: impl Fn() -> bool,
+) -> Result<(), String> {
     let start = Instant::now();
     while !ready() {
         if vm.ended() {
@@ -143,7 +145,7 @@ pub fn wait_until(
                 vm.said()
             ));
         }
-        std::thread::sleep(Duration::from_millis(2));
+        std::thread::sleep(every);
     }
     Ok(())
 }
