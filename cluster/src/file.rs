@@ -1,7 +1,7 @@
 //! The cluster file: the one description of a VM's nodes that every host reads, and the
 //! strings in it and around it (protocol, ordering, durations, a launcher's rank).
 
-use crate::{ClusterSpec, NodeAddr, DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
+use crate::{ClusterSpec, NodeAddr, DEFAULT_PAGE_HOLD, DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -27,6 +27,8 @@ struct RawFile<V> {
     link_delay: Option<String>,
     /// As `--fetch-poll` (e.g. "200us", "0us").
     fetch_poll: Option<String>,
+    /// As `--page-hold` (e.g. "500us", "0us").
+    page_hold: Option<String>,
     nodes: Vec<RawNode>,
 }
 
@@ -47,6 +49,8 @@ pub struct ClusterFile<V> {
     pub link_delay: Duration,
     /// [`DEFAULT_POLL_WINDOW`] when the file names none.
     pub fetch_poll: Duration,
+    /// [`DEFAULT_PAGE_HOLD`] when the file names none.
+    pub page_hold: Duration,
 }
 
 /// A cluster file that cannot be read or is not valid; says which file, so the caller only
@@ -82,6 +86,10 @@ impl<V: DeserializeOwned + Default> ClusterFile<V> {
             Some(d) => parse_duration(d).map_err(|e| at(format!("fetch_poll {d:?}: {e}")))?,
             None => DEFAULT_POLL_WINDOW,
         };
+        let page_hold = match &file.page_hold {
+            Some(d) => parse_duration(d).map_err(|e| at(format!("page_hold {d:?}: {e}")))?,
+            None => DEFAULT_PAGE_HOLD,
+        };
         let dir = path.parent().unwrap_or(Path::new("."));
         let secret_path = dir.join(&file.secret_file);
         let secret = std::fs::read(&secret_path)
@@ -115,8 +123,21 @@ impl<V: DeserializeOwned + Default> ClusterFile<V> {
             spec,
             link_delay,
             fetch_poll,
+            page_hold,
         })
     }
+}
+
+/// The timings a cluster file may set for its nodes, each left to the nodes' default when
+/// not given. They change how fast the VM runs, never what its guest can observe.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timing {
+    /// `--link-delay`.
+    pub link_delay: Option<Duration>,
+    /// `--fetch-poll`.
+    pub fetch_poll: Option<Duration>,
+    /// `--page-hold`.
+    pub page_hold: Option<Duration>,
 }
 
 /// 32 bytes from /dev/urandom: a secret no other VM's nodes can know.
@@ -132,14 +153,9 @@ pub fn fresh_secret() -> Result<Vec<u8>, String> {
 /// Writes `dir/cluster.json` for `spec`, with no `vm` section, and its secret beside it in
 /// `dir/secret`, readable by this user only; returns the cluster file's path. The secret
 /// file must not exist yet, so a secret is never written where another user made a file.
-/// `link_delay` and `fetch_poll` are written only when given, so the nodes' defaults apply
+/// The timings in `timing` are written only when given, so the nodes' defaults apply
 /// otherwise.
-pub fn write_cluster(
-    dir: &Path,
-    spec: &ClusterSpec,
-    link_delay: Option<Duration>,
-    fetch_poll: Option<Duration>,
-) -> Result<PathBuf, String> {
+pub fn write_cluster(dir: &Path, spec: &ClusterSpec, timing: &Timing) -> Result<PathBuf, String> {
     use std::os::unix::fs::OpenOptionsExt;
     let secret_path = dir.join("secret");
     std::fs::OpenOptions::new()
@@ -159,11 +175,14 @@ pub fn write_cluster(
             "vcpus": nd.vcpus,
         })).collect::<Vec<_>>(),
     });
-    if let Some(d) = link_delay {
-        json["link_delay"] = serde_json::json!(format!("{}ns", d.as_nanos()));
-    }
-    if let Some(d) = fetch_poll {
-        json["fetch_poll"] = serde_json::json!(format!("{}ns", d.as_nanos()));
+    for (key, d) in [
+        ("link_delay", timing.link_delay),
+        ("fetch_poll", timing.fetch_poll),
+        ("page_hold", timing.page_hold),
+    ] {
+        if let Some(d) = d {
+            json[key] = serde_json::json!(format!("{}ns", d.as_nanos()));
+        }
     }
     let path = dir.join("cluster.json");
     std::fs::write(
@@ -334,13 +353,18 @@ mod tests {
     #[test]
     fn a_written_cluster_file_reads_back_as_written() {
         let dir = tempfile::tempdir().unwrap();
-        let path =
-            write_cluster(dir.path(), &spec(), Some(Duration::from_micros(100)), None).unwrap();
+        let timing = Timing {
+            link_delay: Some(Duration::from_micros(100)),
+            page_hold: Some(Duration::from_micros(300)),
+            ..Timing::default()
+        };
+        let path = write_cluster(dir.path(), &spec(), &timing).unwrap();
         let file = ClusterFile::<serde_json::Value>::read(&path).unwrap();
         assert_eq!(file.spec, spec());
         assert_eq!(file.vm, serde_json::Value::Null);
         assert_eq!(file.link_delay, Duration::from_micros(100));
         assert_eq!(file.fetch_poll, DEFAULT_POLL_WINDOW);
+        assert_eq!(file.page_hold, Duration::from_micros(300));
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(dir.path().join("secret"))
             .unwrap()
@@ -348,14 +372,14 @@ mod tests {
             .mode();
         assert_eq!(mode & 0o777, 0o600);
         // A second secret is not written over the first.
-        let e = write_cluster(dir.path(), &spec(), None, None).unwrap_err();
+        let e = write_cluster(dir.path(), &spec(), &Timing::default()).unwrap_err();
         assert!(e.contains("cannot write") && e.contains("secret"), "{e}");
     }
 
     #[test]
     fn bad_cluster_files_are_refused_naming_the_file_and_the_field() {
         let dir = tempfile::tempdir().unwrap();
-        let path = write_cluster(dir.path(), &spec(), None, None).unwrap();
+        let path = write_cluster(dir.path(), &spec(), &Timing::default()).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         let read_with = |field: &str, value: serde_json::Value| {
             let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();

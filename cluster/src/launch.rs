@@ -1,7 +1,7 @@
 //! Runs one VM as several node processes on this host and supervises them until it ends.
 
 use crate::netns::{self, Netns};
-use crate::{fresh_secret, write_cluster, ClusterSpec};
+use crate::{fresh_secret, write_cluster, ClusterSpec, Timing};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use std::ffi::OsString;
@@ -35,11 +35,9 @@ pub struct Launch<'a> {
     /// Each node in a network namespace of its own, so node traffic crosses a real network
     /// stack; needs root and iproute2's `ip`. Otherwise the nodes meet on loopback.
     pub netns: bool,
-    /// Left out of the cluster file when not given, so the nodes' own default applies (see
+    /// Left out of the cluster file when not given, so the nodes' own defaults apply (see
     /// [`crate::NodeOptions`]).
-    pub link_delay: Option<Duration>,
-    /// As `link_delay`.
-    pub fetch_poll: Option<Duration>,
+    pub timing: Timing,
     /// The program every node process runs.
     pub program: &'a Path,
     /// Node `files.id`'s command line: the program must run that node of the cluster file
@@ -183,7 +181,7 @@ impl Launch<'_> {
                     self.ordering,
                     secret,
                 );
-                write_cluster(dir.path(), &spec, self.link_delay, self.fetch_poll)
+                write_cluster(dir.path(), &spec, &self.timing)
             })
             .map_err(failed)?;
         let report_of = |k: u16| dir.path().join(format!("node{k}.report.json"));

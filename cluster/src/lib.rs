@@ -21,11 +21,12 @@ mod moving;
 mod netns;
 mod node;
 pub mod spec;
+mod symbols;
 
-pub use dsm_host::{DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
+pub use dsm_host::{DEFAULT_PAGE_HOLD, DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
 pub use file::{
     fresh_secret, parse_duration, parse_ordering, parse_protocol, rank_from_launcher,
-    write_cluster, ClusterFile, FileError, RANK_VARIABLES,
+    write_cluster, ClusterFile, FileError, Timing, RANK_VARIABLES,
 };
 pub use ipi::IPI_PORT;
 pub use launch::{Launch, LaunchError, Launched, NodeFiles};

@@ -4,6 +4,7 @@ use crate::bus::{self, BusCounters, NodeBus, Replies};
 use crate::ipi::{Msi, IPI_PORT};
 use crate::moving::{MoveMsg, Route, Routes};
 use crate::spec::{ClusterError, ClusterSpec};
+use crate::symbols::KernelSymbols;
 use dsm::NodeId;
 use dsm_host::{
     config_hash_of_parts, CoherenceHandle, DoorLimits, Envelope, Inbound, Inbox, InboxSender,
@@ -88,6 +89,9 @@ pub struct NodeOptions {
     /// faults waits, before it sleeps (zero: it sleeps at once). Timing only, like
     /// `link_delay`: not part of the configuration hash.
     pub fetch_poll: Duration,
+    /// How long a page this node was given stays before another node may take it (zero:
+    /// it may go at once). Timing only, like `link_delay`.
+    pub page_hold: Duration,
 }
 
 /// A node with its VM share built and its peers linked, not yet running.
@@ -96,6 +100,7 @@ pub struct Node {
     memory: Arc<Memory>,
     vm: vmm::Vm,
     coherence: Arc<CoherenceHandle>,
+    symbols: Arc<KernelSymbols>,
     events: mpsc::Receiver<NodeEvent>,
     ctx: ControlContext,
 }
@@ -135,6 +140,7 @@ pub struct RunningNode {
     control: Arc<RunControl>,
     running: RunningVm,
     coherence: Arc<CoherenceHandle>,
+    symbols: Arc<KernelSymbols>,
     ended_by_peer: Arc<AtomicBool>,
     lost: Arc<Mutex<Option<(Instant, Outcome)>>>,
     control_thread: Option<std::thread::JoinHandle<()>>,
@@ -217,6 +223,7 @@ impl Node {
                     protocol: cluster.protocol,
                     placement: Arc::new(dsm::Modulo { nodes }),
                     ordering: cluster.ordering,
+                    hold: node.page_hold.as_nanos().min(u64::MAX as u128) as u64,
                 },
                 transport: Box::new(transport),
                 inbox: (outbox.clone(), inbox),
@@ -273,10 +280,12 @@ impl Node {
         vm.set_device_bus(Arc::new(bus));
         let weak: Weak<CoherenceHandle> = Arc::downgrade(&coherence);
         let (protocol, ordering) = (cluster.protocol, cluster.ordering);
+        let symbols = Arc::new(KernelSymbols::new(config.kernel.clone()));
+        let named = Arc::clone(&symbols);
         vm.set_extra_metrics(Arc::new(move || {
             let stats = weak
                 .upgrade()
-                .map(|c| serde_json::to_value(c.stats()).unwrap_or_default())
+                .map(|c| named.coherence_json(&c.stats()))
                 .unwrap_or_default();
             serde_json::json!({
                 "node": {
@@ -311,6 +320,7 @@ impl Node {
             memory,
             vm,
             coherence,
+            symbols,
             events,
             ctx,
         })
@@ -341,6 +351,7 @@ impl Node {
             control: self.ctx.control.clone(),
             running,
             coherence: self.coherence,
+            symbols: self.symbols,
             ended_by_peer: self.ctx.ended_by_peer,
             lost: self.ctx.lost,
             control_thread: Some(control_thread),
@@ -429,7 +440,7 @@ impl RunningNode {
             Err(shared) => Ok(shared.stats()),
         };
         let (coherence, coherence_error) = match coherence {
-            Ok(stats) => (serde_json::to_value(stats).unwrap_or_default(), None),
+            Ok(stats) => (self.symbols.coherence_json(&stats), None),
             Err(e) => (serde_json::Value::Null, Some(e.to_string())),
         };
         NodeReport {

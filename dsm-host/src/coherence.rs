@@ -12,9 +12,9 @@ use crate::memory::{Memory, MemoryError};
 use crate::poll_window::{self, PollWindow, Waited};
 use crate::stats::NodeStats;
 use crate::transport::{Inbound, Inbox, InboxSender, PeerReader, Transport, TransportError};
-use dsm::{Action, ConfigError, Event, Message, Node, NodeId, PageOp, VcpuId};
-use std::collections::BTreeMap;
-use std::collections::{HashMap, VecDeque};
+use dsm::{Action, ConfigError, Event, Message, Node, NodeId, PageNo, PageOp, VcpuId};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::os::fd::AsRawFd;
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
@@ -83,6 +83,7 @@ pub enum NodeEvent {
 /// What one node's coherence thread needs.
 pub struct Setup {
     pub memory: Arc<Memory>,
+    /// The protocol's clock is the thread's: nanoseconds, so `node.hold` is in nanoseconds.
     pub node: dsm::Config,
     pub transport: Box<dyn Transport>,
     /// Both ends of the inbox the transport's receivers feed.
@@ -96,6 +97,11 @@ pub struct Setup {
     /// (zero: it sleeps at once); see [`crate::poll_window`].
     pub poll_window: Duration,
 }
+
+/// The default of [`Setup::hold`]: a few times the round trip of a page fetch between two
+/// nodes on one host, so a node that was just given a page gets some work done on it before
+/// it may lose it, and short beside the 10 ms a guest's timer tick paces most sharing at.
+pub const DEFAULT_PAGE_HOLD: Duration = Duration::from_micros(500);
 
 type Outcome = (Result<(), CoherenceError>, Box<dyn Transport>);
 
@@ -133,6 +139,8 @@ impl CoherenceHandle {
             waiting: HashMap::new(),
             next_id: 0,
             poll: PollWindow::new(s.poll_window),
+            clock: Instant::now(),
+            holds: BinaryHeap::new(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("dsm-node-{}", me.0))
@@ -241,6 +249,10 @@ struct Worker {
     waiting: HashMap<VcpuId, Instant>,
     next_id: VcpuId,
     poll: PollWindow,
+    /// The protocol's clock counts nanoseconds from here.
+    clock: Instant,
+    /// Pages whose hold ends, earliest first ([`Action::HoldUntil`]).
+    holds: BinaryHeap<Reverse<(u64, PageNo)>>,
 }
 
 impl Worker {
@@ -253,6 +265,11 @@ impl Worker {
 
     fn stats(&self) -> std::sync::MutexGuard<'_, NodeStats> {
         self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The protocol's clock: nanoseconds since the thread started.
+    fn now(&self) -> u64 {
+        self.clock.elapsed().as_nanos().min(u64::MAX as u128) as u64
     }
 
     fn run(&mut self, mut inbox: Inbox) -> Result<(), CoherenceError> {
@@ -286,18 +303,17 @@ impl Worker {
                 fds[0].fd = -1;
             }
             let now = Instant::now();
+            let hold_end = self
+                .holds
+                .peek()
+                .map(|Reverse((until, _))| self.clock + Duration::from_nanos(*until));
             let timeout = links
                 .iter()
                 .filter(|l| l.open)
                 .filter_map(|l| l.deadline())
-                .map(|d| {
-                    d.saturating_duration_since(now)
-                        .as_millis()
-                        .min(i32::MAX as u128) as i32
-                        + 1
-                })
-                .min()
-                .unwrap_or(-1);
+                .chain(hold_end)
+                .map(|d| d.saturating_duration_since(now))
+                .min();
             // Polled only while a fault waits for a peer: its vCPU is stopped until then.
             let outstanding = !self.waiting.is_empty() && self.lost.is_none();
             let window = if outstanding {
@@ -386,6 +402,14 @@ impl Worker {
                 if let Some(done) = self.handle(item)? {
                     return done;
                 }
+            }
+            let now = self.now();
+            while let Some(&Reverse((until, page))) = self.holds.peek() {
+                if until > now || self.lost.is_some() {
+                    break;
+                }
+                self.holds.pop();
+                self.feed(Event::HoldOver { page })?;
             }
             // A close is judged after the inbox: when this node was told to stop in the same
             // wake-up, the peer that closed was ending too, and that is no loss.
@@ -559,6 +583,8 @@ impl Worker {
         let mut out = Vec::new();
         while let Some(ev) = queue.pop_front() {
             out.clear();
+            let now = self.now();
+            self.node.advance(now);
             if let Err(e) = self.node.handle(ev, &mut out) {
                 // Refused and unchanged: a misbehaving peer, not a reason to stop serving.
                 tracing::warn!(node = %self.me, error = %e, "coherence event refused");
@@ -584,6 +610,7 @@ impl Worker {
                             queue.push_back(Event::PageInstalled { page });
                         }
                     }
+                    Action::HoldUntil { page, until } => self.holds.push(Reverse((until, page))),
                     Action::Resume { vcpu, page } => {
                         // Counted before the wake, so whoever sees the thread go on sees it.
                         if let Some(t0) = self.waiting.remove(&vcpu) {

@@ -23,7 +23,7 @@ pub mod transport;
 mod uffd;
 
 pub use backend::Backend;
-pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup};
+pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup, DEFAULT_PAGE_HOLD};
 pub use delay::{DelayLine, MAX_LINK_DELAY};
 pub use door::{DoorLimits, Refusal, Refusals};
 pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace, MAX_MIGRATION_BYTES};
@@ -33,7 +33,7 @@ pub use link::{
 };
 pub use memory::{Fault, FaultKind, Memory, MemoryError};
 pub use poll_window::DEFAULT_POLL_WINDOW;
-pub use stats::{FaultStats, NodeStats};
+pub use stats::{hottest, FaultStats, HotPage, NodeStats, PageFaults, HOT_PAGES};
 pub use transport::{
     Inbound, Inbox, InboxSender, Liveness, PeerReader, TcpConfig, TcpTransport, Transport,
     TransportError, DEFAULT_HEARTBEAT, DEFAULT_LOSS_TIMEOUT,

@@ -334,13 +334,12 @@ impl Memory {
 
     /// Waits up to `timeout` (forever if `None`) for one fault. `Ok(None)` means none came.
     pub fn next_fault(&self, timeout: Option<Duration>) -> Result<Option<Fault>, MemoryError> {
-        let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
         let mut fd = [libc::pollfd {
             fd: self.uffd.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         }];
-        if poll(&mut fd, ms).map_err(MemoryError::Poll)? == 0 {
+        if poll(&mut fd, timeout).map_err(MemoryError::Poll)? == 0 {
             return Ok(None);
         }
         self.read_fault()
@@ -389,12 +388,32 @@ impl Drop for Memory {
     }
 }
 
-/// `poll(2)` on `fds`, retried when a signal interrupts it; the number of ready descriptors
-/// (0 on timeout, `-1` waits forever).
-pub(crate) fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> std::io::Result<usize> {
+/// `ppoll(2)` on `fds`, retried when a signal interrupts it (for the time left); the number
+/// of ready descriptors (0 on timeout; `None` waits forever). Nanoseconds, not poll(2)'s
+/// milliseconds: a page's hold ends well within a millisecond.
+pub(crate) fn poll(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> std::io::Result<usize> {
+    let end = timeout.map(|t| std::time::Instant::now() + t);
     loop {
-        // SAFETY: `fds` is a valid, exclusively borrowed slice of pollfds for the call.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+        let left = end.map(|e| {
+            let d = e.saturating_duration_since(std::time::Instant::now());
+            libc::timespec {
+                tv_sec: d.as_secs().min(i64::MAX as u64) as _,
+                tv_nsec: d.subsec_nanos() as libc::c_long,
+            }
+        });
+        let ts = left
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: `fds` is a valid, exclusively borrowed slice of pollfds for the call, `ts`
+        // null or a timespec that outlives it, and the signal mask pointer null (unchanged).
+        let r = unsafe {
+            libc::ppoll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                ts,
+                std::ptr::null(),
+            )
+        };
         if r >= 0 {
             return Ok(r as usize);
         }

@@ -72,16 +72,16 @@ impl PollWindow {
 }
 
 /// Polls `fds` without sleeping for up to `window`, then sleeps in poll(2) for up to
-/// `timeout_ms` (-1: no limit).
+/// `timeout` (`None`: no limit).
 pub(crate) fn wait(
     fds: &mut [libc::pollfd],
     window: Duration,
-    timeout_ms: i32,
+    timeout: Option<Duration>,
 ) -> std::io::Result<Waited> {
     let start = Instant::now();
     if !window.is_zero() {
         loop {
-            if crate::memory::poll(fds, 0)? > 0 {
+            if crate::memory::poll(fds, Some(Duration::ZERO))? > 0 {
                 return Ok(Waited::Polled {
                     after: start.elapsed(),
                 });
@@ -92,7 +92,7 @@ pub(crate) fn wait(
             std::thread::yield_now();
         }
     }
-    crate::memory::poll(fds, timeout_ms)?;
+    crate::memory::poll(fds, timeout)?;
     Ok(Waited::Slept {
         after: start.elapsed(),
     })
@@ -140,10 +140,15 @@ mod tests {
             events: libc::POLLIN,
             revents: 0,
         }];
-        let r = wait(&mut fds, Duration::from_millis(1), 1).unwrap();
+        let r = wait(
+            &mut fds,
+            Duration::from_millis(1),
+            Some(Duration::from_millis(1)),
+        )
+        .unwrap();
         assert!(matches!(r, Waited::Slept { after } if after >= Duration::from_millis(1)));
         std::io::Write::write_all(&mut &a, b"x").unwrap();
-        let r = wait(&mut fds, Duration::from_secs(5), -1).unwrap();
+        let r = wait(&mut fds, Duration::from_secs(5), None).unwrap();
         assert!(matches!(r, Waited::Polled { .. }), "{r:?}");
         assert_eq!(fds[0].revents & libc::POLLIN, libc::POLLIN);
     }

@@ -2,7 +2,7 @@
 
 use dsm::{Access, PAGE_SIZE};
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use crate::memory::{Fault, FaultKind};
@@ -23,6 +23,54 @@ pub struct FaultStats {
     pub range_bytes: u64,
     /// Faults by guest-physical range, keyed by the range's first address.
     pub by_range: BTreeMap<u64, u64>,
+    /// Faults by page, printed as the [`HOT_PAGES`] pages with the most faults: a page
+    /// two nodes keep taking from each other stands out here, where `by_range` only says
+    /// which megabyte it is in.
+    #[serde(rename = "hot_pages", serialize_with = "serialize_hottest")]
+    pub by_page: HashMap<u64, PageFaults>,
+}
+
+/// How many pages `--metrics` lists in `hot_pages`.
+pub const HOT_PAGES: usize = 16;
+
+/// The faults of one guest page.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct PageFaults {
+    pub reads: u64,
+    pub writes: u64,
+}
+
+/// One entry of `hot_pages`.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+pub struct HotPage {
+    /// Guest-physical address of the page.
+    pub gpa: u64,
+    pub faults: u64,
+    pub reads: u64,
+    pub writes: u64,
+}
+
+fn serialize_hottest<S: serde::Serializer>(
+    by_page: &HashMap<u64, PageFaults>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_seq(hottest(by_page, HOT_PAGES))
+}
+
+/// The `n` pages with the most faults, most first (lower address first among equals).
+pub fn hottest(by_page: &HashMap<u64, PageFaults>, n: usize) -> Vec<HotPage> {
+    let mut all: Vec<HotPage> = by_page
+        .iter()
+        .map(|(&gpa, p)| HotPage {
+            gpa,
+            faults: p.reads + p.writes,
+            reads: p.reads,
+            writes: p.writes,
+        })
+        .collect();
+    all.sort_unstable_by(|a, b| b.faults.cmp(&a.faults).then(a.gpa.cmp(&b.gpa)));
+    all.truncate(n);
+    all
 }
 
 impl FaultStats {
@@ -40,11 +88,18 @@ impl FaultStats {
             FaultKind::Missing => self.missing += 1,
             FaultKind::WriteProtect => self.write_protect += 1,
         }
-        match f.access {
-            Access::Read => self.reads += 1,
-            Access::Write => self.writes += 1,
-        }
         let gpa = f.page * PAGE_SIZE as u64;
+        let page = self.by_page.entry(gpa).or_default();
+        match f.access {
+            Access::Read => {
+                self.reads += 1;
+                page.reads += 1;
+            }
+            Access::Write => {
+                self.writes += 1;
+                page.writes += 1;
+            }
+        }
         *self
             .by_range
             .entry(gpa & !(self.range_bytes - 1))

@@ -20,6 +20,8 @@ pub enum Event {
     /// The host has placed the bytes of `PageOp::Install` in local memory with the given
     /// protection.
     PageInstalled { page: PageNo },
+    /// The time asked for by `Action::HoldUntil` has come (see [`crate::Config::hold`]).
+    HoldOver { page: PageNo },
 }
 
 /// A change to the local copy of a page. Applied in the order emitted.
@@ -54,4 +56,7 @@ pub enum Action {
     Page { page: PageNo, op: PageOp },
     /// Let the vCPU stopped by a `Fault` on `page` run again.
     Resume { vcpu: VcpuId, page: PageNo },
+    /// A request to take `page` away waits here until time `until` (the node's clock, see
+    /// [`crate::Node::advance`]); report `HoldOver` then.
+    HoldUntil { page: PageNo, until: u64 },
 }

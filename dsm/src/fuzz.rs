@@ -81,6 +81,7 @@ pub fn node_events(bytes: &[u8]) -> Result<(), String> {
                 protocol,
                 placement: placement.clone(),
                 ordering,
+                hold: 0,
             })
             .map_err(|e| e.to_string())
         })
@@ -204,6 +205,7 @@ pub fn simulation(bytes: &[u8]) -> Result<(), String> {
         local: u64::from(b.below(6)),
         think: u64::from(b.below(10)),
         workload,
+        hold: [0, 0, 4, 30][usize::from(b.below(4))],
     };
     sim::run(cfg).map(|_| ()).map_err(|f| f.to_string())
 }

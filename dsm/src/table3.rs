@@ -137,6 +137,7 @@ pub fn measure_ordered(
         local: 0,
         think: 0,
         workload: Workload::Uniform { write_pct: 0 },
+        hold: 0,
     };
     let placement = Fixed {
         nodes,

@@ -35,6 +35,7 @@ fn random_runs(protocol: Protocol, ordering: Ordering, seeds_per_size: u64, step
                 workload: Workload::Uniform {
                     write_pct: meta.range(0, 100) as u8,
                 },
+                hold: [0, 0, 5, 40][meta.below(4) as usize],
             };
             total += check(cfg).steps;
             runs += 1;
@@ -97,6 +98,66 @@ fn targeted_workloads() {
         }
     }
     eprintln!("targeted workloads: {total} steps");
+}
+
+/// Two nodes writing one page without pause (ping-pong): with no hold, a node loses the page
+/// as soon as the other's request arrives, so it moves every few writes; with a hold of ten
+/// network delays, each node gets many more writes done per visit of the page (the simulator
+/// checks the invariants either way).
+#[test]
+fn a_hold_makes_a_write_shared_page_move_less_often_per_write() {
+    for (protocol, ordering) in MODES {
+        let run = |hold| {
+            let mut c = SimConfig::new(protocol, 7);
+            c.ordering = ordering;
+            c.nodes = 2;
+            c.vcpus = 1;
+            c.pages = 1;
+            c.steps = 20_000;
+            c.delay = 8;
+            c.think = 1;
+            c.workload = Workload::PingPong;
+            c.hold = hold;
+            let s = check(c);
+            (s.by_kind.get("page").copied().unwrap_or(0), s.writes)
+        };
+        let (moves, writes) = run(0);
+        let (held_moves, held_writes) = run(80);
+        eprintln!(
+            "{} {}: no hold {moves} page moves for {writes} writes; hold 80: {held_moves} for {held_writes}",
+            protocol.name(),
+            ordering.name()
+        );
+        assert!(
+            held_moves * writes * 5 <= moves * held_writes,
+            "with a hold, at most a fifth of the page moves per write: {held_moves} / \
+             {held_writes} against {moves} / {writes}"
+        );
+    }
+}
+
+/// Holds of every length keep the invariants under every workload and node count.
+#[test]
+fn holds_keep_the_invariants_under_targeted_workloads() {
+    for (protocol, ordering) in MODES {
+        for workload in [
+            Workload::FalseSharing,
+            Workload::ReadStorm,
+            Workload::PingPong,
+        ] {
+            for (nodes, hold) in [(2u16, 3u64), (3, 30), (5, 200), (8, 17)] {
+                let mut c = SimConfig::new(protocol, hold * 31 + u64::from(nodes));
+                c.ordering = ordering;
+                c.nodes = nodes;
+                c.vcpus = 2;
+                c.pages = 2;
+                c.steps = 8_000;
+                c.workload = workload;
+                c.hold = hold;
+                check(c);
+            }
+        }
+    }
 }
 
 /// The paper's ordering lets a reader see an old value while the invalidation is on its way
@@ -172,6 +233,7 @@ fn role_case(
         local: 2,
         think: 0,
         workload: Workload::Uniform { write_pct: 0 },
+        hold: 0,
     };
     let placement = Fixed {
         nodes: 4,
@@ -255,6 +317,7 @@ fn the_directory_counts_the_pages_a_node_owns() {
             local: 1,
             think: 0,
             workload: Workload::Uniform { write_pct: 0 },
+            hold: 0,
         };
         let pages = cfg.pages;
         // Page 7 starts on node 2 though node 1 manages it.

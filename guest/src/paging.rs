@@ -14,6 +14,10 @@ pub const P: u64 = 1;
 pub const RW: u64 = 1 << 1;
 pub const US: u64 = 1 << 2;
 pub const PS: u64 = 1 << 7;
+/// Accessed and dirty, set from the start: the CPU would otherwise write them into the
+/// table on first use of each page, and on a VM over several hosts every such write takes
+/// the table's page away from the other nodes.
+const AD: u64 = (1 << 5) | (1 << 6);
 
 const GIB: u64 = 1 << 30;
 const MIB2: u64 = 1 << 21;
@@ -57,12 +61,12 @@ pub fn init(info: &BootInfo) -> u64 {
         *e = if i == 0 {
             0
         } else if a >= ro_start && a < ro_end {
-            a | P | US
+            a | P | US | AD
         } else {
-            a | P | RW
+            a | P | RW | AD
         };
     }
-    pds[0].0[0] = PT0.addr() | P | RW | US;
+    pds[0].0[0] = PT0.addr() | P | RW | US | AD;
 
     let top = info
         .memmap()

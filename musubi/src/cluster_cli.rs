@@ -6,7 +6,7 @@ use crate::run::{report_json, stop_signals, write_json, SignalWatch};
 use clap::Args;
 use musubi_cluster::{
     parse_duration, rank_from_launcher, ClusterFile, Launch, LaunchError, Node, NodeFiles,
-    NodeOptions,
+    NodeOptions, Timing,
 };
 use std::ffi::OsString;
 use std::path::Path;
@@ -39,6 +39,12 @@ pub struct NetFlags {
     /// comes, and the window shrinks by itself on links slower than it.
     #[arg(long, value_name = "DURATION", requires = "nodes", value_parser = parse_duration)]
     pub fetch_poll: Option<Duration>,
+    /// With --nodes: how long a page a node was just given stays there before another node
+    /// may take it or its write access away (the cluster file's "page_hold"; default 500us,
+    /// 0 to let it go at once). Nodes writing one page then take turns at this pace instead
+    /// of the network's, and each gets work done on it in its turn.
+    #[arg(long, value_name = "DURATION", requires = "nodes", value_parser = parse_duration)]
+    pub page_hold: Option<Duration>,
 }
 
 /// `musubi node`: runs node `id` of `cluster` (or the one the launcher's rank names) until
@@ -79,7 +85,8 @@ pub fn node(
         Ok(c) => c,
         Err(e) => return fail(e),
     };
-    let (cluster, link_delay, fetch_poll) = (file.spec, file.link_delay, file.fetch_poll);
+    let (cluster, link_delay, fetch_poll, page_hold) =
+        (file.spec, file.link_delay, file.fetch_poll, file.page_hold);
     if let Some(name) = from {
         let n = cluster.nodes.len();
         if usize::from(id) >= n {
@@ -101,6 +108,7 @@ pub fn node(
         connect_timeout: CONNECT_TIMEOUT,
         link_delay,
         fetch_poll,
+        page_hold,
     };
     let built = match Node::build(&config, &opts, &node_opts) {
         Ok(n) => n,
@@ -208,8 +216,11 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
         protocol: args.protocol,
         ordering: args.ordering,
         netns: args.net.netns,
-        link_delay: args.net.link_delay,
-        fetch_poll: args.net.fetch_poll,
+        timing: Timing {
+            link_delay: args.net.link_delay,
+            fetch_poll: args.net.fetch_poll,
+            page_hold: args.net.page_hold,
+        },
         program: &exe,
         node_args: &node_args,
         metrics: args.run.metrics.is_some(),

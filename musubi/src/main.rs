@@ -52,8 +52,9 @@ enum Command {
     Run(RunCmd),
     /// Run one node of a VM spread over several hosts, as the cluster file describes
     /// (JSON: "vm" with the fields of --config, "nodes" [{"address": "IP:PORT", "vcpus":
-    /// [..]}], "protocol", "ordering", "secret_file", "io_node", and "link_delay" and
-    /// "fetch_poll" as --link-delay and --fetch-poll of run). Every node must be
+    /// [..]}], "protocol", "ordering", "secret_file", "io_node", and "link_delay",
+    /// "fetch_poll" and "page_hold" as --link-delay, --fetch-poll and --page-hold of run).
+    /// Every node must be
     /// started with the same cluster file, VM and secret; the node with vCPU 0 (io_node)
     /// holds the devices. Exits with the VM's status, or 123 when a node is lost.
     Node {

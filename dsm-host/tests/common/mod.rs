@@ -158,6 +158,7 @@ pub fn start(
             protocol,
             placement: Arc::new(Modulo { nodes }),
             ordering: dsm::Ordering::default(),
+            hold: 0,
         },
         transport,
         inbox,

@@ -125,8 +125,14 @@ pub(super) fn on_message(n: &mut Node, from: NodeId, msg: Message, out: &mut Vec
 pub(super) fn serve(n: &mut Node, page: PageNo, out: &mut Vec<Action>) {
     let me = n.id;
     loop {
+        let held = n.held(page);
         let c = n.copy(page);
         if !c.master || c.invalidating.is_some() || c.pending != Pending::None {
+            return;
+        }
+        if held && c.queue.iter().any(|q| q.0 != me) {
+            // Served when the hold is over (`Node::hold_over`).
+            n.hold_timer(page, out);
             return;
         }
         let Some((r, a)) = c.queue.pop_front() else {

@@ -83,6 +83,12 @@ pub struct Config {
     pub placement: Arc<dyn Placement>,
     /// Defaults to [`Ordering::Tso`]; ignored by Ivy.
     pub ordering: Ordering,
+    /// How long a page given to this node stays before a request that takes it away (or
+    /// takes its write access away) is served: Mirage's Δ. Without it, two nodes writing one
+    /// page take turns at the rate of the network, and each vCPU gets one access per round
+    /// trip; with it, each gets the page for at least this long, whatever the page's sharing.
+    /// In the units of the clock the host passes to [`Node::advance`]; 0: no hold.
+    pub hold: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
@@ -148,8 +154,13 @@ struct Copy {
     /// vCPUs stopped on this page, in fault order.
     waiters: Vec<(VcpuId, Access)>,
     pending: Pending,
-    /// Messages about this copy that arrived while a completion was pending.
+    /// Messages about this copy that arrived while a completion was pending or the copy was
+    /// held, in arrival order.
     deferred: VecDeque<(NodeId, Message)>,
+    /// Until when the copy stays here ([`Config::hold`]).
+    held_until: u64,
+    /// The `held_until` a `HoldUntil` was last asked for.
+    hold_timer: u64,
     // Ivy owner side.
     copyset: NodeSet,
     queue: VecDeque<(NodeId, Access)>,
@@ -176,6 +187,9 @@ pub struct Node {
     protocol: Protocol,
     ordering: Ordering,
     placement: Arc<dyn Placement>,
+    hold: u64,
+    /// The host's clock, as last told ([`Node::advance`]).
+    now: u64,
     copies: BTreeMap<PageNo, Copy>,
     managed: BTreeMap<PageNo, Managed>,
     /// Messages this node sent to itself, handled before `handle` returns.
@@ -215,6 +229,16 @@ fn unexpected(from: NodeId, msg: &Message, why: &'static str) -> ProtocolError {
     }
 }
 
+/// A message that makes node `me` give up its copy of the page, or its write access, for
+/// another node: what a hold ([`Config::hold`]) keeps waiting.
+fn takes_away(me: NodeId, msg: &Message) -> bool {
+    match *msg {
+        Message::Inv { requester, .. } | Message::Fwd { requester, .. } => requester != me,
+        Message::Inval { .. } => true,
+        _ => false,
+    }
+}
+
 impl Node {
     pub fn new(cfg: Config) -> Result<Node, ConfigError> {
         if cfg.nodes == 0 || cfg.nodes as usize > MAX_NODES {
@@ -232,6 +256,8 @@ impl Node {
             protocol: cfg.protocol,
             ordering: cfg.ordering,
             placement: cfg.placement,
+            hold: cfg.hold,
+            now: 0,
             copies: BTreeMap::new(),
             managed: BTreeMap::new(),
             local: VecDeque::new(),
@@ -248,6 +274,12 @@ impl Node {
 
     pub fn ordering(&self) -> Ordering {
         self.ordering
+    }
+
+    /// Moves the node's clock to `now` (it never goes back); a host calls it before each
+    /// event when pages are held ([`Config::hold`]).
+    pub fn advance(&mut self, now: u64) {
+        self.now = self.now.max(now);
     }
 
     /// Protection this node has given its copy of `page`.
@@ -340,6 +372,7 @@ impl Node {
             }
             Event::PageSent { page } => self.page_sent(page, out),
             Event::PageInstalled { page } => self.page_installed(page, out),
+            Event::HoldOver { page } => self.hold_over(page, out),
         };
         // A refused event changed nothing and sent nothing, so there is nothing to drain.
         r?;
@@ -537,14 +570,69 @@ impl Node {
             ) | (Protocol::Vmp, Message::InvalAck { .. })
         );
         let page = msg.page();
-        if to_copy && self.copy(page).pending != Pending::None {
-            self.copy(page).deferred.push_back((from, msg));
-            return Ok(());
+        if to_copy {
+            let held = takes_away(self.id, &msg) && self.held(page);
+            let c = self.copy(page);
+            if c.pending != Pending::None || !c.deferred.is_empty() || held {
+                c.deferred.push_back((from, msg));
+                if held {
+                    self.hold_timer(page, out);
+                }
+                return Ok(());
+            }
         }
+        self.dispatch(from, msg, out)
+    }
+
+    fn dispatch(
+        &mut self,
+        from: NodeId,
+        msg: Message,
+        out: &mut Vec<Action>,
+    ) -> Result<(), ProtocolError> {
         match self.protocol {
             Protocol::Vmp => vmp::on_message(self, from, msg, out),
             Protocol::Ivy => ivy::on_message(self, from, msg, out),
         }
+    }
+
+    /// The page came here less than [`Config::hold`] ago.
+    fn held(&mut self, page: PageNo) -> bool {
+        let now = self.now;
+        self.copy(page).held_until > now
+    }
+
+    /// The page was given to this node now: it stays for the hold.
+    fn start_hold(&mut self, page: PageNo) {
+        if self.hold > 0 {
+            let until = self.now.saturating_add(self.hold);
+            self.copy(page).held_until = until;
+        }
+    }
+
+    /// Asks the host to say when the hold of `page` is over, once per hold.
+    fn hold_timer(&mut self, page: PageNo, out: &mut Vec<Action>) {
+        let c = self.copy(page);
+        if c.hold_timer != c.held_until {
+            c.hold_timer = c.held_until;
+            out.push(Action::HoldUntil {
+                page,
+                until: c.held_until,
+            });
+        }
+    }
+
+    fn hold_over(&mut self, page: PageNo, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
+        if self.held(page) {
+            // Early, or the page came back and was held again meanwhile.
+            self.hold_timer(page, out);
+            return Ok(());
+        }
+        let r = self.run_deferred(page, out);
+        if self.protocol == Protocol::Ivy {
+            ivy::serve(self, page, out);
+        }
+        r
     }
 
     fn page_sent(&mut self, page: PageNo, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
@@ -585,6 +673,7 @@ impl Node {
             c.master = true;
             c.copyset = NodeSet::EMPTY;
         }
+        self.start_hold(page);
         // The paper sends finish, then restarts the VM process. Restarting first takes a
         // send off the waiting vCPU's path: finish only frees the manager for the next
         // fetch of this page, which has to wait for it either way. A fetch that `kick`
@@ -612,6 +701,7 @@ impl Node {
     fn grant_local(&mut self, page: PageNo, access: Access, out: &mut Vec<Action>) {
         self.set_prot(page, Prot::granted_by(access), out);
         self.copy(page).fetch = None;
+        self.start_hold(page);
         self.kick(page, out);
         self.finish_fetch(page, access, out);
     }
@@ -623,17 +713,30 @@ impl Node {
         }
     }
 
+    /// Handles the held-back messages of `page` in order, until a completion is pending again
+    /// or the next one is held.
     fn run_deferred(&mut self, page: PageNo, out: &mut Vec<Action>) -> Result<(), ProtocolError> {
         let mut first = Ok(());
+        let me = self.id;
         loop {
+            let held = self.held(page);
             let c = self.copy(page);
             if c.pending != Pending::None {
                 break;
             }
-            let Some((from, msg)) = c.deferred.pop_front() else {
+            let Some((_, front)) = c.deferred.front() else {
                 break;
             };
-            let r = self.message(from, msg, out);
+            if held && takes_away(me, front) {
+                self.hold_timer(page, out);
+                break;
+            }
+            let (from, msg) = self
+                .copy(page)
+                .deferred
+                .pop_front()
+                .expect("looked at above");
+            let r = self.dispatch(from, msg, out);
             if first.is_ok() {
                 first = r.map_err(|e| ProtocolError::Deferred(Box::new(e)));
             }

@@ -70,6 +70,8 @@ pub struct SimConfig {
     /// Ticks a vCPU computes between two accesses, uniform in `0..=think`.
     pub think: u64,
     pub workload: Workload,
+    /// Ticks a page stays at a node that was just given it ([`crate::Config::hold`]).
+    pub hold: u64,
 }
 
 impl SimConfig {
@@ -86,6 +88,7 @@ impl SimConfig {
             local: 3,
             think: 4,
             workload: Workload::Uniform { write_pct: 30 },
+            hold: 0,
         }
     }
 }
@@ -94,7 +97,7 @@ impl fmt::Display for SimConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} ordering={} nodes={} vcpus={} pages={} steps={} delay={} local={} think={} workload={} seed={:#x}",
+            "{} ordering={} nodes={} vcpus={} pages={} steps={} delay={} local={} think={} workload={} hold={} seed={:#x}",
             self.protocol.name(),
             self.ordering.name(),
             self.nodes,
@@ -105,6 +108,7 @@ impl fmt::Display for SimConfig {
             self.local,
             self.think,
             self.workload,
+            self.hold,
             self.seed
         )
     }
@@ -139,6 +143,7 @@ impl FromStr for SimConfig {
                 "delay" => c.delay = num()?,
                 "local" => c.local = num()?,
                 "think" => c.think = num()?,
+                "hold" => c.hold = num()?,
                 "seed" => c.seed = num()?,
                 "workload" => c.workload = v.parse()?,
                 "ordering" => {

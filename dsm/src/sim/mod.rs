@@ -66,7 +66,7 @@ pub struct Failure {
     pub config: SimConfig,
     pub step: u64,
     pub time: u64,
-    pub what: String,
+    pub what: Box<str>,
     /// Filled in by [`shrink`] / [`run_traced`].
     pub trace: Vec<String>,
 }
@@ -255,6 +255,7 @@ impl Sim {
                     protocol: cfg.protocol,
                     placement: placement.clone(),
                     ordering: cfg.ordering,
+                    hold: cfg.hold,
                 })
                 .expect("simulated node count is within MAX_NODES")
             })
@@ -279,7 +280,8 @@ impl Sim {
             MemOrdering::Tso => 8,
             MemOrdering::Paper => 6,
         };
-        let per_fetch = chain * cfg.delay + 4 * cfg.local + 4;
+        // A fetch may wait out two holds: the read copies' and then the owner's.
+        let per_fetch = chain * cfg.delay + 4 * cfg.local + 4 + 2 * cfg.hold;
         let bound = (3 * n as u64 + 3) * per_fetch;
         Sim {
             rng: Rng::new(cfg.seed),
@@ -329,7 +331,7 @@ impl Sim {
             config: self.cfg,
             step: self.step_no,
             time: self.now,
-            what,
+            what: what.into(),
             trace: Vec::new(),
         }
     }
@@ -518,6 +520,7 @@ impl Sim {
             Event::Message { from, msg } => format!("n{node} <- {from}: {}", short(msg)),
             other => format!("n{node} {other:?}"),
         });
+        self.nodes[node as usize].advance(self.now);
         let r = self.nodes[node as usize].handle(ev, &mut out);
         if let Some(d) = desc {
             let acts: Vec<String> = out
@@ -536,6 +539,7 @@ impl Sim {
                         op => format!("{op:?} p{page}"),
                     },
                     Action::Resume { vcpu, page } => format!("resume v{vcpu} p{page}"),
+                    Action::HoldUntil { page, until } => format!("hold p{page} until {until}"),
                 })
                 .collect();
             self.log(|| format!("{d} => [{}]", acts.join("; ")));
@@ -617,6 +621,16 @@ impl Sim {
                     }
                 };
                 self.mem[n][page as usize] = Slot { prot, data };
+                Ok(())
+            }
+            Action::HoldUntil { page, until } => {
+                if until <= self.now {
+                    return Err(self.fail(format!(
+                        "n{node} holds p{page} until {until}, which has passed"
+                    )));
+                }
+                let ev = Event::HoldOver { page };
+                self.schedule(until, Item::Complete { node, ev, depth });
                 Ok(())
             }
             Action::Resume { vcpu, page } => {
@@ -722,8 +736,10 @@ impl Sim {
             }
             Item::Complete { node, ev, depth } => {
                 let page = match ev {
-                    Event::PageSent { page } | Event::PageInstalled { page } => page,
-                    _ => unreachable!("only completions are scheduled"),
+                    Event::PageSent { page }
+                    | Event::PageInstalled { page }
+                    | Event::HoldOver { page } => page,
+                    _ => unreachable!("only completions and hold ends are scheduled"),
                 };
                 self.feed(node, ev, depth)?;
                 page

@@ -1,0 +1,185 @@
+//! Names the guest-physical pages of `--metrics`' hottest pages after the kernel ELF's symbols,
+//! so a page the nodes keep taking from each other reads as `TICKS` or `MAILBOXES+0x40`
+//! instead of a bare address.
+//!
+//! Only the kernel image is known to the host; pages outside it (the probe's task arena, a
+//! Linux guest's heap) get no name.
+
+use object::read::{ReadCache, ReadRef};
+use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, SymbolKind};
+use std::sync::OnceLock;
+use vmm::config::KernelImage;
+
+/// The kernel a node runs, read for its symbols when they are first needed (metrics are
+/// written at the end, or when asked for), not at start-up.
+pub(crate) struct KernelSymbols {
+    kernel: KernelImage,
+    symbols: OnceLock<Option<GuestSymbols>>,
+}
+
+impl KernelSymbols {
+    pub(crate) fn new(kernel: KernelImage) -> KernelSymbols {
+        KernelSymbols {
+            kernel,
+            symbols: OnceLock::new(),
+        }
+    }
+
+    /// `stats` as JSON, each of its `hot_pages` with what lies there (`symbol`) when the
+    /// kernel is an ELF file with symbols that can still be read.
+    pub(crate) fn coherence_json(&self, stats: &dsm_host::NodeStats) -> serde_json::Value {
+        let mut json = serde_json::to_value(stats).unwrap_or_default();
+        // Through a cache that copies what it reads: the object crate reads headers in
+        // place and refuses them where they are not aligned, as in the image the binary
+        // carries; a vmlinux file is read only where its symbols are.
+        let symbols = self.symbols.get_or_init(|| match &self.kernel {
+            KernelImage::File(p) => {
+                GuestSymbols::from_elf(&ReadCache::new(std::fs::File::open(p).ok()?))
+            }
+            KernelImage::Bytes { data, .. } => {
+                GuestSymbols::from_elf(&ReadCache::new(std::io::Cursor::new(&data[..])))
+            }
+        });
+        let pages = json
+            .pointer_mut("/faults/hot_pages")
+            .and_then(|p| p.as_array_mut());
+        if let (Some(symbols), Some(pages)) = (symbols, pages) {
+            for page in pages {
+                let name = page["gpa"].as_u64().and_then(|gpa| symbols.page(gpa));
+                if let (Some(name), Some(page)) = (name, page.as_object_mut()) {
+                    page.insert("symbol".into(), name.into());
+                }
+            }
+        }
+        json
+    }
+}
+
+/// A kernel's symbols by guest-physical address.
+pub struct GuestSymbols {
+    /// (first byte, size, name), sorted by address.
+    symbols: Vec<(u64, u64, String)>,
+    /// (first byte, size, name) of the allocated sections, for what no symbol covers.
+    sections: Vec<(u64, u64, String)>,
+}
+
+impl GuestSymbols {
+    /// Reads the symbol table of an ELF kernel; `None` for anything else (a bzImage, an ELF
+    /// stripped of its symbols and sections).
+    ///
+    /// Addresses are moved from the link-time virtual address to where the loader put the
+    /// bytes (each segment's physical address), so a higher-half kernel is named too.
+    pub fn from_elf<'data, R: ReadRef<'data>>(image: R) -> Option<GuestSymbols> {
+        let file = object::File::parse(image).ok()?;
+        let segments: Vec<(u64, u64, u64)> = file
+            .segments()
+            .map(|s| {
+                let (vaddr, size) = (s.address(), s.size());
+                (vaddr, size, physical(&file, vaddr).unwrap_or(vaddr))
+            })
+            .collect();
+        let to_gpa = |vaddr: u64| {
+            segments
+                .iter()
+                .find(|&&(v, size, _)| vaddr >= v && vaddr - v < size.max(1))
+                .map_or(vaddr, |&(v, _, p)| p + (vaddr - v))
+        };
+        let mut symbols: Vec<(u64, u64, String)> = file
+            .symbols()
+            .filter(|s| matches!(s.kind(), SymbolKind::Data | SymbolKind::Text) && s.address() != 0)
+            .filter_map(|s| {
+                let name = s.name().ok()?;
+                Some((to_gpa(s.address()), s.size(), demangle(name)))
+            })
+            .collect();
+        symbols.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        let mut sections: Vec<(u64, u64, String)> = file
+            .sections()
+            .filter(|s| s.address() != 0 && s.size() != 0)
+            .filter_map(|s| Some((to_gpa(s.address()), s.size(), s.name().ok()?.to_string())))
+            .collect();
+        sections.sort_unstable();
+        (!symbols.is_empty() || !sections.is_empty()).then_some(GuestSymbols { symbols, sections })
+    }
+
+    /// What lies in the page at `gpa`: the symbols that overlap it (at most three, then how
+    /// many more), else the section it is in.
+    pub fn page(&self, gpa: u64) -> Option<String> {
+        let end = gpa + dsm::PAGE_SIZE as u64;
+        let overlapping: Vec<&(u64, u64, String)> = self
+            .symbols
+            .iter()
+            .filter(|(a, size, _)| *a < end && a + (*size).max(1) > gpa)
+            .collect();
+        if overlapping.is_empty() {
+            return self
+                .sections
+                .iter()
+                .find(|(a, size, _)| gpa < a + size && *a < end)
+                .map(|(_, _, name)| name.clone());
+        }
+        let mut names: Vec<String> = overlapping
+            .iter()
+            .take(3)
+            .map(|(a, _, name)| {
+                if *a < gpa {
+                    format!("{name}+{:#x}", gpa - a)
+                } else {
+                    name.clone()
+                }
+            })
+            .collect();
+        if overlapping.len() > 3 {
+            names.push(format!("{} more", overlapping.len() - 3));
+        }
+        Some(names.join(", "))
+    }
+}
+
+/// The physical address the program header covering `vaddr` gives it.
+fn physical<'data, R: ReadRef<'data>>(file: &object::File<'data, R>, vaddr: u64) -> Option<u64> {
+    use object::read::elf::ProgramHeader;
+    let endian = object::Endianness::Little;
+    match file {
+        object::File::Elf64(elf) => elf.elf_program_headers().iter().find_map(|ph| {
+            let (v, size) = (ph.p_vaddr(endian), ph.p_memsz(endian));
+            (vaddr >= v && vaddr - v < size.max(1)).then(|| ph.p_paddr(endian) + (vaddr - v))
+        }),
+        _ => None,
+    }
+}
+
+/// A Rust symbol's path without its hash or crate disambiguators, enough to recognise the
+/// static (`probe::timer::TICKS`); anything else as it is.
+fn demangle(name: &str) -> String {
+    rustc_demangle::try_demangle(name)
+        .map(|d| format!("{d:#}"))
+        .unwrap_or_else(|_| name.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn anything_but_an_elf_has_no_symbols() {
+        assert!(GuestSymbols::from_elf(&b"not an ELF image"[..]).is_none());
+        assert!(GuestSymbols::from_elf(&[][..]).is_none());
+    }
+
+    #[test]
+    fn a_page_is_named_by_the_symbols_overlapping_it_and_else_by_its_section() {
+        let s = GuestSymbols {
+            symbols: vec![
+                (0x10_0ff0, 0x20, "a".into()),
+                (0x10_1100, 8, "b".into()),
+                (0x10_3000, 8, "c".into()),
+            ],
+            sections: vec![(0x10_0000, 0x4000, ".data".into())],
+        };
+        assert_eq!(s.page(0x10_0000).as_deref(), Some("a"));
+        assert_eq!(s.page(0x10_1000).as_deref(), Some("a+0x10, b"));
+        assert_eq!(s.page(0x10_2000).as_deref(), Some(".data"));
+        assert_eq!(s.page(0x20_0000), None);
+    }
+}
