@@ -138,6 +138,7 @@ pub fn measure_ordered(
         think: 0,
         workload: Workload::Uniform { write_pct: 0 },
         hold: 0,
+        retry: 0,
     };
     let placement = Fixed {
         nodes,

@@ -71,7 +71,12 @@ pub struct SimConfig {
     pub think: u64,
     pub workload: Workload,
     /// Ticks a page stays at a node that was just given it ([`crate::Config::hold`]).
-    pub hold: u64,
+    pub hold: u32,
+    /// Ticks from a vCPU's resume to its retried access, uniform in `retry/2..=retry` (0: it
+    /// accesses at once). A real vCPU re-enters the guest, or waits for KVM's page-fault
+    /// worker, before it retries; the page can be taken away meanwhile, and then it faults
+    /// again.
+    pub retry: u32,
 }
 
 impl SimConfig {
@@ -89,6 +94,7 @@ impl SimConfig {
             think: 4,
             workload: Workload::Uniform { write_pct: 30 },
             hold: 0,
+            retry: 0,
         }
     }
 }
@@ -97,7 +103,7 @@ impl fmt::Display for SimConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} ordering={} nodes={} vcpus={} pages={} steps={} delay={} local={} think={} workload={} hold={} seed={:#x}",
+            "{} ordering={} nodes={} vcpus={} pages={} steps={} delay={} local={} think={} workload={} hold={} retry={} seed={:#x}",
             self.protocol.name(),
             self.ordering.name(),
             self.nodes,
@@ -109,6 +115,7 @@ impl fmt::Display for SimConfig {
             self.think,
             self.workload,
             self.hold,
+            self.retry,
             self.seed
         )
     }
@@ -143,7 +150,8 @@ impl FromStr for SimConfig {
                 "delay" => c.delay = num()?,
                 "local" => c.local = num()?,
                 "think" => c.think = num()?,
-                "hold" => c.hold = num()?,
+                "hold" => c.hold = num()?.try_into().map_err(|_| format!("hold={v}"))?,
+                "retry" => c.retry = num()?.try_into().map_err(|_| format!("retry={v}"))?,
                 "seed" => c.seed = num()?,
                 "workload" => c.workload = v.parse()?,
                 "ordering" => {

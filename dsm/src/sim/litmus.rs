@@ -99,6 +99,7 @@ pub fn run(
         think: r.range(0, 10),
         workload: Workload::Uniform { write_pct: 0 },
         hold: 0,
+        retry: 0,
     };
     let mut sim = Sim::new(cfg);
     // Copies and owners before the test: each node reads, writes or leaves each location.

@@ -58,6 +58,9 @@ pub struct Stats {
     /// Chain length at the last vCPU resume: how many messages it waited for in sequence.
     pub last_resume_depth: Option<u32>,
     pub max_wait: u64,
+    /// Retried accesses ([`SimConfig::retry`]) that found their page gone again: the page
+    /// came and left before the vCPU used it.
+    pub refaults: u64,
 }
 
 /// A broken invariant, with what is needed to replay it.
@@ -132,6 +135,11 @@ enum Item {
         depth: u32,
     },
     Vcpu {
+        node: u16,
+        vcpu: u16,
+    },
+    /// A resumed vCPU retries the access it faulted on.
+    Retry {
         node: u16,
         vcpu: u16,
     },
@@ -255,7 +263,7 @@ impl Sim {
                     protocol: cfg.protocol,
                     placement: placement.clone(),
                     ordering: cfg.ordering,
-                    hold: cfg.hold,
+                    hold: u64::from(cfg.hold),
                 })
                 .expect("simulated node count is within MAX_NODES")
             })
@@ -281,7 +289,8 @@ impl Sim {
             MemOrdering::Paper => 6,
         };
         // A fetch may wait out two holds: the read copies' and then the owner's.
-        let per_fetch = chain * cfg.delay + 4 * cfg.local + 4 + 2 * cfg.hold;
+        let per_fetch =
+            chain * cfg.delay + 4 * cfg.local + 4 + 2 * u64::from(cfg.hold) + u64::from(cfg.retry);
         let bound = (3 * n as u64 + 3) * per_fetch;
         Sim {
             rng: Rng::new(cfg.seed),
@@ -643,8 +652,15 @@ impl Sim {
                                 b.access
                             )));
                         }
-                        self.vcpus[n][v] = None;
                         self.stats.last_resume_depth = Some(depth);
+                        if self.cfg.retry > 0 {
+                            let retry = u64::from(self.cfg.retry);
+                            let t = self.now + self.rng.range(retry / 2, retry);
+                            let vcpu = vcpu as u16;
+                            self.schedule(t, Item::Retry { node, vcpu });
+                            return Ok(());
+                        }
+                        self.vcpus[n][v] = None;
                         self.stats.max_wait = self.stats.max_wait.max(self.now - b.since);
                         self.perform((node, vcpu as u16), page, b.access)?;
                         self.next_access(node, vcpu as u16);
@@ -710,6 +726,29 @@ impl Sim {
                     None => workload::next(&mut self.rng, &self.cfg, node, vcpu),
                 };
                 return self.access(node, vcpu, page, access).map(|_| true);
+            }
+            Item::Retry { node, vcpu } => {
+                let (n, v) = (node as usize, vcpu as usize);
+                let Some(b) = self.vcpus[n][v] else {
+                    return Err(self.fail(format!("n{node} v{vcpu} retries, but was not stopped")));
+                };
+                if self.mem[n][b.page as usize].prot.permits(b.access) {
+                    self.vcpus[n][v] = None;
+                    self.stats.max_wait = self.stats.max_wait.max(self.now - b.since);
+                    self.perform((node, vcpu), b.page, b.access)?;
+                    self.next_access(node, vcpu);
+                } else {
+                    // Gone again: the vCPU faults anew, still waiting since its first fault.
+                    self.stats.refaults += 1;
+                    self.stats.faults += 1;
+                    let ev = Event::Fault {
+                        vcpu: VcpuId::from(vcpu),
+                        page: b.page,
+                        access: b.access,
+                    };
+                    self.feed(node, ev, 0)?;
+                }
+                b.page
             }
             Item::Deliver {
                 from,
