@@ -105,6 +105,30 @@ pub const DEFAULT_PAGE_HOLD: Duration = Duration::from_micros(500);
 
 type Outcome = (Result<(), CoherenceError>, Box<dyn Transport>);
 
+/// A fault unanswered for this long is reported (see `Worker::report_overdue`). Fetches take
+/// milliseconds, and a node that is lost is declared so in about a second.
+const OVERDUE: Duration = Duration::from_secs(5);
+
+/// A fault the protocol has not resumed yet.
+struct Waiting {
+    since: Instant,
+    page: PageNo,
+    access: dsm::Access,
+    /// Already reported as overdue.
+    reported: bool,
+}
+
+impl Waiting {
+    fn new(f: &crate::memory::Fault) -> Waiting {
+        Waiting {
+            since: Instant::now(),
+            page: f.page,
+            access: f.access,
+            reported: false,
+        }
+    }
+}
+
 /// A running coherence thread.
 pub struct CoherenceHandle {
     node: NodeId,
@@ -246,7 +270,7 @@ struct Worker {
     /// Faults not yet resumed, by the id given to the protocol as the "vCPU". Each fault gets
     /// a fresh id: a thread woken early (a wake covers every thread on the page) faults again
     /// and must not look like the same stop twice.
-    waiting: HashMap<VcpuId, Instant>,
+    waiting: HashMap<VcpuId, Waiting>,
     next_id: VcpuId,
     poll: PollWindow,
     /// The protocol's clock counts nanoseconds from here.
@@ -265,6 +289,31 @@ impl Worker {
 
     fn stats(&self) -> std::sync::MutexGuard<'_, NodeStats> {
         self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Says which faults have waited longer than [`OVERDUE`], once each: a fetch that never
+    /// ends is a bug, and the node's view of the page says where it is stuck.
+    fn report_overdue(&mut self) {
+        let now = Instant::now();
+        for w in self.waiting.values_mut() {
+            let waited = now.saturating_duration_since(w.since);
+            if w.reported || waited < OVERDUE {
+                continue;
+            }
+            w.reported = true;
+            tracing::warn!(
+                "node {}: a {} fault on guest-physical {:#x} has waited {:.1} s; {}",
+                self.me,
+                w.access,
+                w.page * dsm::PAGE_SIZE as u64,
+                waited.as_secs_f64(),
+                self.node.describe(w.page)
+            );
+            self.stats
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .overdue_faults += 1;
+        }
     }
 
     /// The protocol's clock: nanoseconds since the thread started.
@@ -307,11 +356,14 @@ impl Worker {
                 .holds
                 .peek()
                 .map(|Reverse((until, _))| self.clock + Duration::from_nanos(*until));
+            // While faults wait, wake at least once a second to look for one waiting too long.
+            let watch = (!self.waiting.is_empty()).then(|| now + Duration::from_secs(1));
             let timeout = links
                 .iter()
                 .filter(|l| l.open)
                 .filter_map(|l| l.deadline())
                 .chain(hold_end)
+                .chain(watch)
                 .map(|d| d.saturating_duration_since(now))
                 .min();
             // Polled only while a fault waits for a peer: its vCPU is stopped until then.
@@ -351,7 +403,7 @@ impl Worker {
                 self.stats().faults.record_fault(&f);
                 let id = self.next_id;
                 self.next_id = self.next_id.wrapping_add(1);
-                self.waiting.insert(id, Instant::now());
+                self.waiting.insert(id, Waiting::new(&f));
                 self.feed(Event::Fault {
                     vcpu: id,
                     page: f.page,
@@ -402,6 +454,9 @@ impl Worker {
                 if let Some(done) = self.handle(item)? {
                     return done;
                 }
+            }
+            if self.lost.is_none() {
+                self.report_overdue();
             }
             let now = self.now();
             while let Some(&Reverse((until, page))) = self.holds.peek() {
@@ -613,8 +668,8 @@ impl Worker {
                     Action::HoldUntil { page, until } => self.holds.push(Reverse((until, page))),
                     Action::Resume { vcpu, page } => {
                         // Counted before the wake, so whoever sees the thread go on sees it.
-                        if let Some(t0) = self.waiting.remove(&vcpu) {
-                            self.stats().faults.record_resolved(t0.elapsed());
+                        if let Some(w) = self.waiting.remove(&vcpu) {
+                            self.stats().faults.record_resolved(w.since.elapsed());
                         }
                         self.backend.resume(page).map_err(|e| self.mem_err(e))?;
                     }

@@ -128,6 +128,9 @@ pub struct NodeStats {
     pub last_protocol_error: Option<String>,
     /// Pages whose bytes were installed from a peer.
     pub installs: u64,
+    /// Faults reported for waiting more than a few seconds: each is a protocol bug, told on
+    /// stderr with the node's view of the page.
+    pub overdue_faults: u64,
     pub polling: PollStats,
 }
 

@@ -386,3 +386,29 @@ fn a_hold_longer_than_a_retry_keeps_vcpus_that_retry_late_from_starving() {
         assert!(s.writes > 5_000, "{s:?}");
     }
 }
+
+/// A report on a stuck fault names the copy's state here and who manages the page.
+#[test]
+fn a_node_describes_its_copy_and_its_managers_record_of_a_page() {
+    let mut c = SimConfig::new(Protocol::Vmp, 3);
+    c.nodes = 3;
+    c.pages = 3;
+    let mut sim = Sim::new(c);
+    // Page 1 is managed and first owned by node 1; node 2 writes it.
+    sim.access(2, 0, 1, Access::Write).unwrap();
+    sim.run_until_quiet().unwrap();
+    let at_writer = sim.node(2).describe(1);
+    assert!(
+        at_writer.starts_with("copy here: ReadWrite (current, owner)"),
+        "{at_writer}"
+    );
+    assert!(at_writer.ends_with("managed by n1"), "{at_writer}");
+    let at_manager = sim.node(1).describe(1);
+    assert!(
+        at_manager.contains("managed here: owner n2"),
+        "{at_manager}"
+    );
+    let untouched = sim.node(0).describe(2);
+    assert!(untouched.starts_with("no copy here"), "{untouched}");
+    assert!(untouched.ends_with("managed by n2"), "{untouched}");
+}

@@ -317,6 +317,44 @@ impl Node {
                 .all(|m| m.busy.is_none() && m.queue.is_empty() && m.acks.is_empty())
     }
 
+    /// What this node knows of `page`, for a report on a fault that waits too long: its copy
+    /// (protection, the fetch it awaits, a completion pending, messages held back and until
+    /// when) and the manager's record, kept here or on the node named.
+    pub fn describe(&self, page: PageNo) -> String {
+        let copy = match self.copies.get(&page) {
+            Some(c) => format!(
+                "copy here: {:?}{}, fetch out {:?}, waiters {}, pending {:?}, held back {:?}, \
+                 held until {} (now {})",
+                c.prot,
+                if c.master { " (current, owner)" } else { "" },
+                c.fetch,
+                c.waiters.len(),
+                c.pending,
+                c.deferred
+                    .iter()
+                    .map(|(n, m)| format!("{} from {n}", m.name()))
+                    .collect::<Vec<_>>(),
+                c.held_until,
+                self.now
+            ),
+            None => "no copy here, never asked for".to_string(),
+        };
+        let manager = self.manager(page);
+        let record = match self.managed.get(&page) {
+            _ if manager != self.id => format!("managed by {manager}"),
+            Some(m) => format!(
+                "managed here: owner {}, copies {:?}, serving {:?}, queued {:?}, awaiting \
+                 acknowledgements from {:?}",
+                m.owner, m.copyset, m.busy, m.queue, m.acks
+            ),
+            None => format!(
+                "managed here, never asked for (owner {})",
+                self.placement.initial_owner(page)
+            ),
+        };
+        format!("{copy}; {record}")
+    }
+
     /// How many pages of `pages` this node's manager directory says `peer` holds: the pages
     /// this node manages whose recorded owner is `peer`. Meant for a host that has lost `peer`
     /// and must say how much of the guest went with it.
