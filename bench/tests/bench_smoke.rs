@@ -244,7 +244,8 @@ fn composite_builds_the_make_workload_natively_and_on_both_exit_paths() {
 /// and (CI is root) network namespaces with and without the delay; each node's coherence
 /// counted faults (the 2-node runs fetched pages over the wire) and no protocol error, and the
 /// report has the speedup table, the links side by side, the breakdown, the fetch latencies,
-/// messages beside Table 3 and both goal lines.
+/// messages beside Table 3, the most-faulted pages, and the goal lines (the kernel-page faults,
+/// the slowest run against one node, and the shared counter's runs).
 #[test]
 fn vmp_runs_fib_on_one_and_two_nodes_with_both_protocols() {
     assert!(
@@ -261,6 +262,10 @@ fn vmp_runs_fib_on_one_and_two_nodes_with_both_protocols() {
         "2-node speedup",
         "Links side by side, 2 nodes",
         "--link-delay 100us",
+        "Most-faulted pages, 2n vmp/tso",
+        "kernel-page faults, worst node of any run",
+        "slowest run / one node's wall",
+        "shared-counter on 2 nodes, 3 runs: slowest / median (all exact)",
     ] {
         assert!(
             r.stdout.contains(heading),
