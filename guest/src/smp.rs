@@ -129,13 +129,14 @@ extern "C" fn ap_main(idx: u32) -> ! {
     apic::enable();
     CPU_APIC[cpu].store(apic::id(), Ordering::Relaxed);
     CPU_NODE[cpu].store(apic::this_node(), Ordering::Relaxed);
+    init_per_cpu(cpu);
     if apic::nodes() > 1 {
         read_user_image();
     }
     timer::start_ap_timer();
     CPU_UP[cpu].store(true, Ordering::SeqCst);
     ONLINE.fetch_add(1, Ordering::SeqCst);
-    let mb = &MAILBOXES[cpu];
+    let mb = mailbox(cpu);
     loop {
         if mb.state.load(Ordering::Acquire) != POSTED {
             // Woken by the dispatch IPI or, should one be lost, by this CPU's tick.
@@ -227,23 +228,79 @@ struct Mailbox {
     result: AtomicU64,
 }
 
-static MAILBOXES: [Mailbox; MAX_CPUS] = [const {
-    Mailbox {
-        state: AtomicU32::new(IDLE),
-        kernel: AtomicBool::new(false),
-        worker: AtomicBool::new(false),
-        entry: AtomicU64::new(0),
-        rsp: AtomicU64::new(0),
-        a0: AtomicU64::new(0),
-        a1: AtomicU64::new(0),
-        a2: AtomicU64::new(0),
+/// What one CPU writes while tasks run, on a page of its own: on a VM spread over several
+/// hosts, a write to a page another CPU reads takes that page away from the other's node, and
+/// these are written at every task's start and end and read at every tick.
+#[repr(C, align(4096))]
+pub struct PerCpu {
+    mailbox: Mailbox,
+    /// TSC value after which a task that the tick finds in user mode is ended; 0 = no limit.
+    pub deadline: AtomicU64,
+    /// The kernel stack pointer `user::run_user_asm` saved, to resume at.
+    pub ksave: AtomicU64,
+    /// What ended the CPU's current task, if a fault did (`user::fault_info`).
+    pub fault: Global<Option<crate::user::FaultInfo>>,
+}
+
+/// Never zeroed as a whole (CPL0 code is slow on nested KVM): each CPU sets its own page up
+/// when it comes online (`init_per_cpu`), and only pages of CPUs that did are touched.
+#[link_section = ".noinit.percpu"]
+pub(crate) static PER_CPU: [PerCpu; MAX_CPUS] = [const {
+    PerCpu {
+        mailbox: Mailbox {
+            state: AtomicU32::new(IDLE),
+            kernel: AtomicBool::new(false),
+            worker: AtomicBool::new(false),
+            entry: AtomicU64::new(0),
+            rsp: AtomicU64::new(0),
+            a0: AtomicU64::new(0),
+            a1: AtomicU64::new(0),
+            a2: AtomicU64::new(0),
+            deadline: AtomicU64::new(0),
+            result: AtomicU64::new(0),
+        },
         deadline: AtomicU64::new(0),
-        result: AtomicU64::new(0),
+        ksave: AtomicU64::new(0),
+        fault: Global::new(None),
     }
 }; MAX_CPUS];
 
+/// CPU `cpu`'s own page (the last one for an index out of range).
+pub fn per_cpu(cpu: usize) -> &'static PerCpu {
+    &PER_CPU[cpu.min(MAX_CPUS - 1)]
+}
+
+/// Sets up the calling CPU's page, before it counts as up.
+fn init_per_cpu(cpu: usize) {
+    let p = per_cpu(cpu);
+    let mb = &p.mailbox;
+    mb.state.store(IDLE, Ordering::Relaxed);
+    mb.kernel.store(false, Ordering::Relaxed);
+    mb.worker.store(false, Ordering::Relaxed);
+    for f in [
+        &mb.entry,
+        &mb.rsp,
+        &mb.a0,
+        &mb.a1,
+        &mb.a2,
+        &mb.deadline,
+        &mb.result,
+    ] {
+        f.store(0, Ordering::Relaxed);
+    }
+    p.deadline.store(0, Ordering::Relaxed);
+    p.ksave.store(0, Ordering::Relaxed);
+    // SAFETY: the CPU is not up yet, so nothing else uses its fault slot.
+    unsafe { *p.fault.get() = None };
+}
+
+fn mailbox(cpu: usize) -> &'static Mailbox {
+    &per_cpu(cpu).mailbox
+}
+
 /// Records the BSP as CPU 0 (after `apic::pv_detect`, before `start_aps`).
 pub fn init_bsp(bsp: u32) {
+    init_per_cpu(0);
     CPU_APIC[0].store(bsp, Ordering::Relaxed);
     CPU_NODE[0].store(apic::this_node(), Ordering::Relaxed);
     CPU_UP[0].store(true, Ordering::SeqCst);
@@ -296,7 +353,7 @@ fn post(
     if cpu == 0 || node_of(cpu).is_none() {
         return Err(PostError::NoCpu);
     }
-    let mb = &MAILBOXES[cpu];
+    let mb = mailbox(cpu);
     let s = mb.state.load(Ordering::SeqCst);
     if s == POSTED || s == RUNNING {
         return Err(PostError::Busy);
@@ -333,7 +390,7 @@ pub fn post_user(
 /// state, and no demand-paged windows.
 pub fn on_worker() -> bool {
     let cpu = current();
-    cpu != 0 && MAILBOXES[cpu].worker.load(Ordering::Relaxed)
+    cpu != 0 && mailbox(cpu).worker.load(Ordering::Relaxed)
 }
 
 /// Has AP `cpu` run `f(arg)` at CPL0.
@@ -344,7 +401,7 @@ pub fn post_kernel(cpu: usize, f: KernelJob, arg: u64) -> Result<(), PostError> 
 /// Waits until CPU `cpu` finishes its job or the TSC passes `until` (0: no limit); returns
 /// the job's result, or `None` if it is still running.
 pub fn wait(cpu: usize, until: u64) -> Option<u64> {
-    let mb = &MAILBOXES[cpu];
+    let mb = mailbox(cpu);
     loop {
         if mb.state.load(Ordering::SeqCst) == DONE {
             let r = mb.result.load(Ordering::Relaxed);
@@ -365,8 +422,8 @@ pub fn wait(cpu: usize, until: u64) -> Option<u64> {
 /// Forgets the results nobody collected (jobs ended by an earlier task's deadline), so
 /// `unfinished` speaks of the next task only.
 pub fn reap() {
-    for mb in MAILBOXES.iter() {
-        let _ = mb
+    for cpu in (0..MAX_CPUS).filter(|&c| node_of(c).is_some()) {
+        let _ = mailbox(cpu)
             .state
             .compare_exchange(DONE, IDLE, Ordering::SeqCst, Ordering::SeqCst);
     }
@@ -375,7 +432,10 @@ pub fn reap() {
 /// True if CPU `cpu`'s job is still posted or running, or ended by its deadline with
 /// nobody collecting the result (for reports of tasks that ran out of time).
 pub fn unfinished(cpu: usize) -> bool {
-    let mb = &MAILBOXES[cpu];
+    if node_of(cpu).is_none() {
+        return false;
+    }
+    let mb = mailbox(cpu);
     match mb.state.load(Ordering::SeqCst) {
         POSTED | RUNNING => true,
         DONE => crate::user::timed_out(mb.result.load(Ordering::Relaxed)),

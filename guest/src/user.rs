@@ -19,27 +19,23 @@
 //! kernel-only. Block requests hand arena addresses straight to the device (identity
 //! mapping): the kernel copies nothing.
 
-use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, Ordering};
 
 use crate::abi::{self, Error};
 use crate::arch::rdtsc;
 use crate::bootinfo::BootInfo;
-use crate::cpu::{self, TrapFrame, MAX_CPUS, UCODE, UDATA};
+use crate::cpu::{self, TrapFrame, UCODE, UDATA};
 use crate::global::Global;
 use crate::{file, mm, paging, pmem, serial, smp, timer, virtio};
 
-/// Set by `run_user_asm`, one per CPU: the kernel stack pointer to resume at.
-static KSAVE: Global<[u64; MAX_CPUS]> = Global::new([0; MAX_CPUS]);
 static ARENA: Global<(u64, u64)> = Global::new((0, 0));
-static FAULT: Global<[Option<FaultInfo>; MAX_CPUS]> = Global::new([None; MAX_CPUS]);
 
 /// What ended the current task on `cpu`, if a fault did.
 fn fault_info(cpu: usize) -> &'static mut Option<FaultInfo> {
-    // SAFETY: slot `cpu` is used only by that CPU while its task runs (set by the trap path
+    // SAFETY: the slot is used only by that CPU while its task runs (set by the trap path
     // of the task's fault, read by `enter` once the task is over), and by the BSP once that
-    // CPU reported the job done; each use ends before the next begins. The reference is
-    // made to the one slot, never to the whole array.
-    unsafe { &mut *(FAULT.addr() as *mut Option<FaultInfo>).add(cpu.min(MAX_CPUS - 1)) }
+    // CPU reported the job done; each use ends before the next begins.
+    unsafe { smp::per_cpu(cpu).fault.get() }
 }
 
 const USER_STACK: u64 = 256 * 1024;
@@ -65,10 +61,6 @@ pub enum Outcome {
     NoCpu,
 }
 
-/// Per CPU: TSC value after which a task that the tick finds in user mode is ended;
-/// 0 = no limit.
-static DEADLINE: [AtomicU64; MAX_CPUS] = [const { AtomicU64::new(0) }; MAX_CPUS];
-
 /// Entry of a user task: (arena base, arena bytes usable for data, task parameter).
 pub type UserEntry = extern "C" fn(u64, u64, u64) -> !;
 
@@ -84,9 +76,16 @@ run_user_asm:
     push %r13
     push %r14
     push %r15
-    mov %rsp, {ksave}(,%r9,8)
+    imul ${per_cpu_size}, %r9, %rax
+    mov %rsp, {per_cpu}+{ksave}(%rax)
+    # The TSSs share a page that every CPU reads at each interrupt from user mode: write
+    # this CPU's kernel stack pointer there only when it changed (on a VM over several
+    # hosts a write takes the page from the other nodes); it is the same for every task.
     imul ${tss_stride}, %r9, %rax
+    cmp %rsp, {tss}+4(%rax)
+    je 1f
     mov %rsp, {tss}+4(%rax)
+1:
     pushq ${udata}
     push %rsi
     pushq $0x202
@@ -111,7 +110,8 @@ run_user_asm:
 
     .global resume_kernel_asm
 resume_kernel_asm:
-    mov {ksave}(,%rsi,8), %rsp
+    imul ${per_cpu_size}, %rsi, %rsi
+    mov {per_cpu}+{ksave}(%rsi), %rsp
     mov %rdi, %rax
     pop %r15
     pop %r14
@@ -121,7 +121,9 @@ resume_kernel_asm:
     pop %rbx
     ret
     "#,
-    ksave = sym KSAVE,
+    per_cpu = sym smp::PER_CPU,
+    per_cpu_size = const core::mem::size_of::<smp::PerCpu>(),
+    ksave = const core::mem::offset_of!(smp::PerCpu, ksave),
     tss = sym cpu::TSS_AREA,
     tss_stride = const cpu::TSS_STRIDE,
     udata = const UDATA,
@@ -252,11 +254,13 @@ fn run_inner(cpu: usize, entry: UserEntry, param: u64, timeout_s: u64, reserved:
 /// Returns the raw code for `outcome`.
 pub fn enter(cpu: usize, entry: u64, rsp: u64, a: [u64; 3], deadline: u64) -> u64 {
     *fault_info(cpu) = None;
-    DEADLINE[cpu].store(deadline, Ordering::Relaxed);
+    smp::per_cpu(cpu)
+        .deadline
+        .store(deadline, Ordering::Relaxed);
     // SAFETY: callers pass a task body in kernel text (mapped user-readable) and a stack in
     // the task arena; `cpu` is the calling CPU, whose TSS `cpu::load` loaded.
     let code = unsafe { run_user_asm(entry, rsp, a[0], a[1], a[2], cpu as u64) };
-    DEADLINE[cpu].store(0, Ordering::Relaxed);
+    smp::per_cpu(cpu).deadline.store(0, Ordering::Relaxed);
     code
 }
 
@@ -272,7 +276,7 @@ pub fn outcome(cpu: usize, code: u64) -> Outcome {
 /// Called on every tick that interrupted user mode on `cpu`: ends a task that overran its
 /// time. The tick's EOI has been sent; the abandoned kernel stack holds nothing of value.
 pub fn check_deadline(cpu: usize) {
-    let d = DEADLINE[cpu].load(Ordering::Relaxed);
+    let d = smp::per_cpu(cpu).deadline.load(Ordering::Relaxed);
     if d != 0 && rdtsc() > d {
         // SAFETY: a deadline is set only while `run_user_asm` runs on `cpu`, and the tick's
         // trap frame below holds nothing that needs dropping.
@@ -282,7 +286,7 @@ pub fn check_deadline(cpu: usize) {
 
 /// The calling task's deadline (TSC; 0: none).
 pub fn deadline(cpu: usize) -> u64 {
-    DEADLINE[cpu].load(Ordering::Relaxed)
+    smp::per_cpu(cpu).deadline.load(Ordering::Relaxed)
 }
 
 /// Ends the current task after a CPL3 exception (already reported by the trap path).
