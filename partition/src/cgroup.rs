@@ -1,10 +1,14 @@
 //! The cgroup back-ends: cgroup v1 (one hierarchy per controller: cpuset, memory, blkio)
 //! and cgroup v2 (one unified hierarchy with the cpuset, memory and io controllers).
 //!
-//! Creation, limits and task moves go through `cgroups-rs`. The block-I/O weight is written
-//! to the cgroup directory directly: the crate knows only `blkio.weight` (v1, CFQ) and
-//! `io.bfq.weight` (v2), while kernels with BFQ under v1 name it `blkio.bfq.weight` and v2
-//! hosts with io.cost use `io.weight`, and its generic attribute writer is not public.
+//! Everything is a few files of cgroupfs, read and written directly: the mounts in
+//! `/proc/self/mountinfo`, this process's cgroups in `/proc/self/cgroup`, a directory made
+//! per cgroup, `cgroup.subtree_control`, `cpuset.cpus`, `cpuset.mems`, the memory limit, an I/O
+//! weight and `cgroup.procs`. (`cgroups-rs` did this before; it brings a D-Bus client for
+//! systemd's cgroups into every binary that links it, for a partition that needs none, and it
+//! knew only some of the I/O weight files: `blkio.weight` (v1, CFQ) and `io.bfq.weight` (v2),
+//! while kernels with BFQ under v1 name it `blkio.bfq.weight` and v2 hosts with io.cost use
+//! `io.weight`.)
 //!
 //! Where a partition's cgroup goes: on v1, under the creating process's own cgroup in each
 //! hierarchy, so a partition stays inside whatever its creator is confined to (a container,
@@ -14,13 +18,8 @@
 
 use crate::resources::CpuList;
 use crate::Error;
-use cgroups_rs::fs::cgroup::get_cgroups_relative_paths;
-use cgroups_rs::fs::cpuset::CpuSetController;
-use cgroups_rs::fs::hierarchies::{is_cgroup2_unified_mode, V1, V2};
-use cgroups_rs::fs::memory::MemController;
-use cgroups_rs::fs::{Cgroup, Controllers, Hierarchy};
-use cgroups_rs::CgroupPid;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
@@ -85,8 +84,11 @@ pub enum Host {
 impl Host {
     /// Finds which cgroup version the host runs and where the controllers are.
     pub fn detect() -> Result<Host, Error> {
-        if is_cgroup2_unified_mode() {
-            let root = PathBuf::from(cgroups_rs::fs::hierarchies::UNIFIED_MOUNTPOINT);
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|e| Error::system(format!("/proc/self/mountinfo: {e}")))?;
+        let mounts = cgroup_mounts(&mountinfo);
+        if is_unified(&mounts) {
+            let root = PathBuf::from(UNIFIED_MOUNTPOINT);
             let p = root.join("cgroup.controllers");
             let have = std::fs::read_to_string(&p)
                 .map_err(|e| Error::system(format!("cgroup v2: {}: {e}", p.display())))?;
@@ -106,22 +108,20 @@ impl Host {
             }
             return Ok(Host::V2 { root });
         }
-        let v1 = V1::new();
-        let mut mounts = Vec::new();
-        for (name, ctl) in
-            V1_CONTROLLERS
+        let mut found = Vec::new();
+        for name in V1_CONTROLLERS {
+            let m = mounts
                 .iter()
-                .zip([Controllers::CpuSet, Controllers::Mem, Controllers::BlkIo])
-        {
-            let (mount, root) = v1.get_mount_point(ctl).ok_or_else(|| {
-                Error::system(format!(
-                    "cgroup v1: the {name} controller is not mounted (see /proc/self/mountinfo); \
-                     partitions need cpuset, memory and blkio"
-                ))
-            })?;
-            mounts.push((name.to_string(), mount, root));
+                .find(|m| !m.unified && m.controllers.iter().any(|c| c == name))
+                .ok_or_else(|| {
+                    Error::system(format!(
+                        "cgroup v1: the {name} controller is not mounted (see \
+                         /proc/self/mountinfo); partitions need cpuset, memory and blkio"
+                    ))
+                })?;
+            found.push((name.to_string(), m.mount.clone(), m.root.clone()));
         }
-        Ok(Host::V1 { mounts })
+        Ok(Host::V1 { mounts: found })
     }
 
     pub fn version(&self) -> u8 {
@@ -144,7 +144,8 @@ impl Host {
                 }],
             }),
             Host::V1 { mounts } => {
-                let own = get_cgroups_relative_paths()
+                let own = std::fs::read_to_string("/proc/self/cgroup")
+                    .map(|text| own_v1_paths(&text))
                     .map_err(|e| Error::system(format!("/proc/self/cgroup: {e}")))?;
                 let mut places = Vec::new();
                 for (controller, mount, mount_root) in mounts {
@@ -181,35 +182,130 @@ fn join_rel(parent: &str, name: &str) -> String {
     }
 }
 
-fn crate_err(what: &str, dir: &Path, e: cgroups_rs::fs::error::Error) -> Error {
-    let cause = std::error::Error::source(&e)
-        .map(|c| format!(": {c}"))
-        .unwrap_or_default();
-    let hint = if cause.contains("ermission denied") || cause.contains("Read-only") {
-        " (partitions need write access to cgroupfs: run as root)"
-    } else {
-        ""
-    };
-    Error::system(format!("{what} {}: {e}{cause}{hint}", dir.display()))
+/// Where systemd and most distributions mount the unified hierarchy.
+const UNIFIED_MOUNTPOINT: &str = "/sys/fs/cgroup";
+
+/// One cgroupfs mount from `/proc/self/mountinfo`.
+#[derive(Debug, PartialEq, Eq)]
+struct Mount {
+    /// cgroup2.
+    unified: bool,
+    /// The v1 controllers it carries (`cpuset`, `memory`, ...).
+    controllers: Vec<String>,
+    mount: PathBuf,
+    /// The root of the hierarchy's subtree that is mounted there.
+    root: PathBuf,
+}
+
+/// The cgroup mounts in a mountinfo text (proc(5): ID PARENT MAJ:MIN ROOT MOUNT OPTIONS
+/// [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS).
+fn cgroup_mounts(mountinfo: &str) -> Vec<Mount> {
+    mountinfo
+        .lines()
+        .filter_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            let left: Vec<&str> = left.split_whitespace().collect();
+            let mut right = right.split_whitespace();
+            let (fstype, _source, opts) = (right.next()?, right.next()?, right.next()?);
+            let unified = match fstype {
+                "cgroup2" => true,
+                "cgroup" => false,
+                _ => return None,
+            };
+            Some(Mount {
+                unified,
+                controllers: opts.split(',').map(str::to_string).collect(),
+                mount: PathBuf::from(unescape(left.get(4)?)),
+                root: PathBuf::from(unescape(left.get(3)?)),
+            })
+        })
+        .collect()
+}
+
+/// mountinfo writes space, tab, newline and backslash in paths as octal escapes (`\040`).
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match (b[i], octal) {
+            (b'\\', Some(d)) => {
+                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The host runs the unified hierarchy alone: cgroup2 at the usual place and no v1 hierarchy
+/// with a controller a partition needs (a hybrid host keeps those on v1).
+fn is_unified(mounts: &[Mount]) -> bool {
+    let unified = mounts
+        .iter()
+        .any(|m| m.unified && m.mount == Path::new(UNIFIED_MOUNTPOINT));
+    let v1 = mounts.iter().any(|m| {
+        !m.unified
+            && m.controllers
+                .iter()
+                .any(|c| V1_CONTROLLERS.contains(&c.as_str()))
+    });
+    unified && !v1
+}
+
+/// This process's cgroup in each v1 hierarchy, by controller, from `/proc/self/cgroup`
+/// (`ID:CONTROLLERS:PATH` per line; v2's line has no controllers).
+fn own_v1_paths(text: &str) -> HashMap<String, String> {
+    let mut paths = HashMap::new();
+    for l in text.lines() {
+        let mut f = l.splitn(3, ':');
+        let (Some(_), Some(ctls), Some(path)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        for c in ctls.split(',').filter(|c| !c.is_empty()) {
+            paths.insert(c.to_string(), path.to_string());
+        }
+    }
+    paths
+}
+
+/// Writes `value` to `file` in cgroup directory `dir`, naming both on failure.
+fn write_attr(dir: &Path, file: &str, value: &str) -> Result<(), Error> {
+    let p = dir.join(file);
+    std::fs::write(&p, value).map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem => {
+                " (partitions need write access to cgroupfs: run as root)"
+            }
+            _ => "",
+        };
+        Error::system(format!("{}: writing {value:?}: {e}{hint}", p.display()))
+    })
 }
 
 impl PartitionCgroup {
-    fn handle(&self, place: &Place) -> Cgroup {
-        if self.version == 2 {
-            let hier: Box<dyn Hierarchy> = Box::new(V2::new());
-            Cgroup::load_with_specified_controllers(
-                hier,
-                &place.rel,
-                vec!["cpuset".into(), "memory".into()],
-            )
-        } else {
-            let hier: Box<dyn Hierarchy> = Box::new(V1::new());
-            Cgroup::load_with_specified_controllers(
-                hier,
-                &place.rel,
-                vec![place.controller.clone()],
-            )
+    /// The controllers the parent of a v2 cgroup must hand down: the ones it does not yet.
+    fn enable_v2_controllers(parent: &Path) -> Result<(), Error> {
+        let p = parent.join("cgroup.subtree_control");
+        let on = std::fs::read_to_string(&p)
+            .map_err(|e| Error::system(format!("{}: {e}", p.display())))?;
+        let on: Vec<&str> = on.split_whitespace().collect();
+        let missing: Vec<String> = V2_CONTROLLERS
+            .iter()
+            .filter(|c| !on.contains(c))
+            .map(|c| format!("+{c}"))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
         }
+        write_attr(parent, "cgroup.subtree_control", &missing.join(" "))
     }
 
     /// Creates the cgroup and applies the limits. On failure, whatever was created is
@@ -235,35 +331,30 @@ impl PartitionCgroup {
         let mut io_weight_file = None;
         for place in &self.places {
             let dir = place.dir();
-            let cg = self.handle(place);
             if self.version == 2 {
-                let hier: Box<dyn Hierarchy> = Box::new(V2::new());
-                Cgroup::new_with_specified_controllers(
-                    hier,
-                    &place.rel,
-                    Some(V2_CONTROLLERS.iter().map(|s| s.to_string()).collect()),
-                )
-                .map_err(|e| crate_err("cannot create cgroup", &dir, e))?;
-            } else {
-                cg.create()
-                    .map_err(|e| crate_err("cannot create cgroup", &dir, e))?;
+                let parent = dir.parent().unwrap_or(&place.mount);
+                Self::enable_v2_controllers(parent)?;
             }
-            if !dir.is_dir() {
-                return Err(Error::system(format!(
-                    "cannot create cgroup {} (partitions need write access to cgroupfs: run \
-                     as root)",
-                    dir.display()
-                )));
+            std::fs::create_dir(&dir).map_err(|e| {
+                let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    " (partitions need write access to cgroupfs: run as root)"
+                } else {
+                    ""
+                };
+                Error::system(format!("cannot create cgroup {}: {e}{hint}", dir.display()))
+            })?;
+            let unified = place.controller == "unified";
+            if unified || place.controller == "cpuset" {
+                write_attr(&dir, "cpuset.cpus", &limits.cpus.to_string())?;
+                write_attr(&dir, "cpuset.mems", &limits.mems.to_string())?;
             }
-            if let Some(c) = cg.controller_of::<CpuSetController>() {
-                c.set_cpus(&limits.cpus.to_string())
-                    .map_err(|e| crate_err("cpuset.cpus of", &dir, e))?;
-                c.set_mems(&limits.mems.to_string())
-                    .map_err(|e| crate_err("cpuset.mems of", &dir, e))?;
-            }
-            if let Some(m) = cg.controller_of::<MemController>() {
-                m.set_limit(limits.memory.min(i64::MAX as u64) as i64)
-                    .map_err(|e| crate_err("memory limit of", &dir, e))?;
+            if unified || place.controller == "memory" {
+                let file = if unified {
+                    "memory.max"
+                } else {
+                    "memory.limit_in_bytes"
+                };
+                write_attr(&dir, file, &limits.memory.to_string())?;
             }
             if let Some(w) = limits.io_weight {
                 if place.controller == "blkio" || place.controller == "unified" {
@@ -277,9 +368,7 @@ impl PartitionCgroup {
     /// Moves process `pid` (all its threads) into the cgroup.
     pub fn add_process(&self, pid: u32) -> Result<(), Error> {
         for place in &self.places {
-            self.handle(place)
-                .add_task_by_tgid(CgroupPid::from(pid as u64))
-                .map_err(|e| crate_err(&format!("cannot move pid {pid} into"), &place.dir(), e))?;
+            write_attr(&place.dir(), "cgroup.procs", &pid.to_string())?;
         }
         Ok(())
     }
@@ -450,6 +539,37 @@ mod tests {
         assert_eq!(join_rel("/", "p"), "p");
         assert_eq!(join_rel("/a/b", "p"), "a/b/p");
         assert_eq!(join_rel("", "p"), "p");
+    }
+
+    #[test]
+    fn cgroup_mounts_are_read_from_mountinfo() {
+        let text = "\
+24 18 0:21 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+25 24 0:22 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw,nsdelegate
+27 24 0:24 /machine /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset
+28 24 0:25 / /sys/fs/cgroup/memory rw shared:9 - cgroup cgroup rw,memory
+29 24 0:26 / /sys/fs/cgroup/blk\\040io rw - cgroup cgroup rw,blkio
+30 18 0:5 / /proc rw - proc proc rw";
+        let m = cgroup_mounts(text);
+        assert_eq!(m.len(), 4, "{m:?}");
+        assert!(m[0].unified);
+        assert_eq!(m[1].root, Path::new("/machine"));
+        assert_eq!(m[1].mount, Path::new("/sys/fs/cgroup/cpuset"));
+        assert!(m[2].controllers.contains(&"memory".to_string()));
+        assert_eq!(m[3].mount, Path::new("/sys/fs/cgroup/blk io"));
+        // cgroup2 beside v1 controllers is a hybrid host: the partitions use v1.
+        assert!(!is_unified(&m));
+        let v2 = cgroup_mounts("30 1 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw");
+        assert!(is_unified(&v2));
+    }
+
+    #[test]
+    fn own_cgroups_are_read_per_controller() {
+        let paths = own_v1_paths("12:cpuset:/a\n4:memory:/b/c\n3:cpu,cpuacct:/d\n0::/e\n");
+        assert_eq!(paths["cpuset"], "/a");
+        assert_eq!(paths["memory"], "/b/c");
+        assert_eq!(paths["cpuacct"], "/d");
+        assert!(!paths.contains_key(""));
     }
 
     #[test]
