@@ -10,7 +10,7 @@
 use super::guest_run::in_vm;
 use super::report::{figures_table, Csv, Figure, Table};
 use super::stats::median;
-use super::watch::{observe, tail, Watch};
+use super::watch::{observe, tail, Observed, Watch};
 use super::{plot, Harness};
 use crate::probe;
 use dsm::table3::{measure_ordered, ManagerAt};
@@ -920,13 +920,7 @@ fn shared_counter_runs(exe: &Path, nodes: u16, runs: usize) -> Result<Figure, St
         ])
         .arg(nodes.to_string())
         .args(["--cmdline", "probe.tasks=shared-counter=2000"]);
-        let w = Watch {
-            marker: "probe: done",
-            guest_bytes: None,
-            timeout: COUNTER_LIMIT,
-            sample_every: Duration::from_millis(100),
-        };
-        let o = observe(cmd, &w).map_err(|e| format!("cannot run {}: {e}", exe.display()))?;
+        let o = run_nodes(exe, cmd, COUNTER_LIMIT)?;
         let results = probe::results(o.stdout.as_bytes());
         match probe::result(&results, "shared-counter") {
             Some(l) if !o.timed_out && l["exact"] == true => {
@@ -963,6 +957,18 @@ fn shared_counter_runs(exe: &Path, nodes: u16, runs: usize) -> Result<Figure, St
         source: "goal".into(),
         met: Some(failed.is_empty() && spread.is_some_and(|s| s <= COUNTER_SPREAD_GOAL)),
     })
+}
+
+/// Runs `cmd` (a `musubi run --nodes` of `exe`) until the probe is done or `limit` passes,
+/// with memory unsampled (a sampler would take a core from the nodes).
+fn run_nodes(exe: &Path, cmd: Command, limit: Duration) -> Result<Observed, String> {
+    let w = Watch {
+        marker: "probe: done",
+        guest_bytes: None,
+        timeout: limit,
+        sample_every: Duration::from_millis(100),
+    };
+    observe(cmd, &w).map_err(|e| format!("cannot run {}: {e}", exe.display()))
 }
 
 /// The median wall time of fib(`fib`) on one node.
@@ -1111,13 +1117,7 @@ fn run_one(
     if !c.poll {
         cmd.args(["--fetch-poll", "0us"]);
     }
-    let w = Watch {
-        marker: "probe: done",
-        guest_bytes: None,
-        timeout: RUN_LIMIT,
-        sample_every: Duration::from_millis(100),
-    };
-    let o = observe(cmd, &w).map_err(|e| format!("cannot run {}: {e}", exe.display()))?;
+    let o = run_nodes(exe, cmd, RUN_LIMIT)?;
     let why = if o.timed_out {
         Some(format!("did not end within {} s", RUN_LIMIT.as_secs()))
     } else if !o.status.is_some_and(|s| s.success()) {

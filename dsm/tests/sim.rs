@@ -106,6 +106,24 @@ fn targeted_workloads() {
     eprintln!("targeted workloads: {total} steps");
 }
 
+/// One page shared by one vCPU on each of `nodes` nodes, for 20,000 steps.
+fn one_page(
+    protocol: Protocol,
+    ordering: Ordering,
+    seed: u64,
+    nodes: u16,
+    workload: Workload,
+) -> SimConfig {
+    let mut c = SimConfig::new(protocol, seed);
+    c.ordering = ordering;
+    c.nodes = nodes;
+    c.vcpus = 1;
+    c.pages = 1;
+    c.steps = 20_000;
+    c.workload = workload;
+    c
+}
+
 /// Two nodes writing one page without pause (ping-pong): with no hold, a node loses the page
 /// as soon as the other's request arrives, so it moves every few writes; with a hold of ten
 /// network delays, each node gets many more writes done per visit of the page (the simulator
@@ -114,15 +132,9 @@ fn targeted_workloads() {
 fn a_hold_makes_a_write_shared_page_move_less_often_per_write() {
     for (protocol, ordering) in MODES {
         let run = |hold| {
-            let mut c = SimConfig::new(protocol, 7);
-            c.ordering = ordering;
-            c.nodes = 2;
-            c.vcpus = 1;
-            c.pages = 1;
-            c.steps = 20_000;
+            let mut c = one_page(protocol, ordering, 7, 2, Workload::PingPong);
             c.delay = 8;
             c.think = 1;
-            c.workload = Workload::PingPong;
             c.hold = hold;
             let s = check(c);
             (s.by_kind.get("page").copied().unwrap_or(0), s.writes)
@@ -366,16 +378,10 @@ fn the_directory_counts_the_pages_a_node_owns() {
 fn a_hold_longer_than_a_retry_keeps_vcpus_that_retry_late_from_starving() {
     for (protocol, ordering) in MODES {
         let config = |hold| {
-            let mut c = SimConfig::new(protocol, 11);
-            c.ordering = ordering;
-            c.nodes = 4;
-            c.vcpus = 1;
-            c.pages = 1;
-            c.steps = 20_000;
+            let mut c = one_page(protocol, ordering, 11, 4, Workload::FalseSharing);
             c.delay = 4;
             c.think = 2;
             c.retry = 40;
-            c.workload = Workload::FalseSharing;
             c.hold = hold;
             c
         };
