@@ -149,16 +149,31 @@ fn main() -> ExitCode {
     // SAFETY: restoring a signal's default disposition has no preconditions.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     // Without MUSUBI_LOG a plain level filter: parsing filter directives is start-up time
-    // every run would pay for a feature few runs use.
-    let log = tracing_subscriber::fmt().with_writer(std::io::stderr);
-    match std::env::var_os("MUSUBI_LOG") {
-        Some(_) => log
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_from_env("MUSUBI_LOG")
-                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-            )
+    // every run would pay for a feature few runs use. With it, a level, targets with levels,
+    // or both (`info`, `dsm_host::coherence=trace,warn`): tracing-subscriber's `Targets`,
+    // which needs no regular-expression engine in the binary, unlike its `EnvFilter`.
+    match std::env::var("MUSUBI_LOG") {
+        Ok(spec) => {
+            use tracing_subscriber::layer::SubscriberExt;
+            use tracing_subscriber::util::SubscriberInitExt;
+            let targets = spec
+                .parse::<tracing_subscriber::filter::Targets>()
+                .unwrap_or_else(|e| {
+                    eprintln!(
+                        "musubi: MUSUBI_LOG={spec:?}: {e} (expected LEVEL or TARGET=LEVEL, \
+                         comma-separated); logging warnings only"
+                    );
+                    tracing_subscriber::filter::Targets::new().with_default(tracing::Level::WARN)
+                });
+            tracing_subscriber::registry()
+                .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+                .with(targets)
+                .init()
+        }
+        Err(_) => tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_max_level(tracing::Level::WARN)
             .init(),
-        None => log.with_max_level(tracing::Level::WARN).init(),
     }
     let cli = parse(args);
     match cli.command {
