@@ -4,49 +4,14 @@
 pub mod netns;
 
 use serde_json::Value;
-use std::io::Write;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-pub struct Run {
-    pub code: Option<i32>,
-    pub stdout: String,
-    pub stderr: String,
-}
-
-impl Run {
-    /// The probe guest's result lines on the console.
-    pub fn results(&self) -> Vec<Value> {
-        self.stdout
-            .lines()
-            .filter(|l| l.trim_start().starts_with("{\"probe\""))
-            .map(|l| {
-                serde_json::from_str(l.trim())
-                    .unwrap_or_else(|e| panic!("bad result line {l:?}: {e}"))
-            })
-            .collect()
-    }
-
-    pub fn result(&self, task: &str) -> Value {
-        self.results()
-            .into_iter()
-            .find(|v| v["probe"] == task)
-            .unwrap_or_else(|| {
-                panic!(
-                    "no {task} result in output:\n{}\nstderr:\n{}",
-                    self.stdout, self.stderr
-                )
-            })
-    }
-
-    pub fn explain(&self) -> String {
-        format!(
-            "status {:?}\nstdout:\n{}\nstderr:\n{}",
-            self.code, self.stdout, self.stderr
-        )
-    }
-}
+// Each test binary uses some of these.
+#[allow(unused_imports)]
+pub use testkit::{run_command, start_command, wait_with_limit, Run, Started};
 
 pub fn musubi() -> Command {
     Command::new(env!("CARGO_BIN_EXE_musubi"))
@@ -62,84 +27,6 @@ pub fn run_with_limit(args: &[&str], limit: Duration) -> Run {
 /// (stdin is empty without it).
 pub fn run_with_stdin(args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
     run_command(musubi(), args, input, limit)
-}
-
-/// As [`run_with_stdin`], with `cmd` (`musubi()` with its environment changed) instead.
-pub fn run_command(cmd: Command, args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
-    start_command(cmd, args, input).finish(limit)
-}
-
-/// A musubi process whose output is being collected, for tests that act on it while it
-/// runs (its pid, a signal).
-pub struct Started {
-    pub child: Child,
-    what: String,
-    out: std::thread::JoinHandle<String>,
-    err: std::thread::JoinHandle<String>,
-}
-
-/// Starts `cmd` with `args` as [`run_command`] does, without waiting for it.
-pub fn start_command(mut cmd: Command, args: &[&str], input: Option<&[u8]>) -> Started {
-    assert!(
-        Path::new("/dev/kvm").exists(),
-        "these tests need /dev/kvm, which this machine lacks"
-    );
-    let mut child = cmd
-        .args(args)
-        .stdin(if input.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("musubi starts");
-    if let (Some(data), Some(mut stdin)) = (input, child.stdin.take()) {
-        // Small inputs fit in the pipe, so this does not wait for the guest to read.
-        stdin.write_all(data).expect("stdin takes the input");
-    }
-    let out = child.stdout.take().unwrap();
-    let err = child.stderr.take().unwrap();
-    Started {
-        child,
-        what: format!("musubi {args:?}"),
-        out: std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default()),
-        err: std::thread::spawn(move || std::io::read_to_string(err).unwrap_or_default()),
-    }
-}
-
-impl Started {
-    /// Waits for the process (failing the test after `limit`) and returns what it printed.
-    pub fn finish(mut self, limit: Duration) -> Run {
-        let status = wait_with_limit(&mut self.child, limit, &self.what);
-        Run {
-            code: status.code(),
-            stdout: self.out.join().unwrap(),
-            stderr: self.err.join().unwrap(),
-        }
-    }
-}
-
-/// Waits for `child`; after `limit` stops it and fails the test, naming `what`.
-pub fn wait_with_limit(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        if start.elapsed() > limit {
-            // SIGTERM first, so the VMM flushes and a benchmark's guards remove what it
-            // created (partitions, cgroups); SIGKILL if that does not end it.
-            // SAFETY: kill(2) on our own child, not yet reaped.
-            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-            std::thread::sleep(Duration::from_secs(5));
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what} did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 pub fn run(args: &[&str]) -> Run {
