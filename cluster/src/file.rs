@@ -196,23 +196,13 @@ pub fn write_cluster(dir: &Path, spec: &ClusterSpec, timing: &Timing) -> Result<
 /// A protocol's name as the cluster file and `--protocol` give it; `flag` names where it
 /// came from in the error.
 pub fn parse_protocol(flag: &str, s: &str) -> Result<dsm::Protocol, String> {
-    match s {
-        "vmp" => Ok(dsm::Protocol::Vmp),
-        "ivy" => Ok(dsm::Protocol::Ivy),
-        _ => Err(format!("{flag} {s:?}: expected vmp or ivy")),
-    }
+    s.parse().map_err(|e| format!("{flag} {s:?}: {e}"))
 }
 
 /// An ordering's name as the cluster file and `--ordering` give it; `flag` names where it
 /// came from in the error, which warns that `paper` is unsafe for x86 guests.
 pub fn parse_ordering(flag: &str, s: &str) -> Result<dsm::Ordering, String> {
-    match s {
-        "tso" => Ok(dsm::Ordering::Tso),
-        "paper" => Ok(dsm::Ordering::Paper),
-        _ => Err(format!(
-            "{flag} {s:?}: expected tso or paper (paper is unsafe for x86 guests)"
-        )),
-    }
+    s.parse().map_err(|e| format!("{flag} {s:?}: {e}"))
 }
 
 /// A link delay or poll window: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`,

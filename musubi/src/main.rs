@@ -121,7 +121,7 @@ struct RunCmd {
         default_value = "vmp",
         requires = "nodes"
     )]
-    protocol: String,
+    protocol: dsm::Protocol,
     /// Memory ordering with --nodes: `tso` (x86 ordering across nodes) or `paper` (the
     /// paper's unacknowledged invalidations; UNSAFE for x86 guests: a reader can see a
     /// new flag and old data).
@@ -131,7 +131,7 @@ struct RunCmd {
         default_value = "tso",
         requires = "nodes"
     )]
-    ordering: String,
+    ordering: dsm::Ordering,
     #[command(flatten)]
     net: cluster_cli::NetFlags,
 }
@@ -185,24 +185,14 @@ fn main() -> ExitCode {
             ordering,
             net,
             ..
-        }) => {
-            let protocol = match musubi_cluster::parse_protocol("--protocol", &protocol) {
-                Ok(p) => p,
-                Err(e) => return fail(e),
-            };
-            let ordering = match musubi_cluster::parse_ordering("--ordering", &ordering) {
-                Ok(o) => o,
-                Err(e) => return fail(e),
-            };
-            cluster_cli::launch(cluster_cli::LaunchArgs {
-                nodes: n,
-                protocol,
-                ordering,
-                vm: &vm,
-                run: &run,
-                net: &net,
-            })
-        }
+        }) => cluster_cli::launch(cluster_cli::LaunchArgs {
+            nodes: n,
+            protocol,
+            ordering,
+            vm: &vm,
+            run: &run,
+            net: &net,
+        }),
         Command::Node {
             cluster,
             id,

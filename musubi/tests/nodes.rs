@@ -1029,6 +1029,14 @@ fn bad_link_delays_fetch_polls_and_netns_without_nodes_are_refused_by_name() {
             vec!["--page-hold", "a while", "e.g. 100us or 2ms"],
         ),
         (vec!["--page-hold", "1ms"], vec!["--page-hold", "--nodes"]),
+        (
+            vec!["--nodes", "2", "--protocol", "fast"],
+            vec!["--protocol", "fast", "expected vmp or ivy"],
+        ),
+        (
+            vec!["--nodes", "2", "--ordering", "weak"],
+            vec!["--ordering", "weak", "expected tso or paper"],
+        ),
     ] {
         let r = run_probe("hello", &flags);
         assert_eq!(r.code, Some(2), "{flags:?}: {}", r.explain());

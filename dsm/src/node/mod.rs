@@ -28,6 +28,17 @@ pub enum Protocol {
     Ivy,
 }
 
+impl std::str::FromStr for Protocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Protocol, String> {
+        match s {
+            "vmp" => Ok(Protocol::Vmp),
+            "ivy" => Ok(Protocol::Ivy),
+            _ => Err("expected vmp or ivy".into()),
+        }
+    }
+}
+
 impl Protocol {
     pub fn name(self) -> &'static str {
         match self {
@@ -65,6 +76,17 @@ pub enum Ordering {
     /// The paper's fire-and-forget invalidations. **Unsafe for x86 guests**: a reader can see
     /// a later write to one page and an earlier write to another not yet (stale reads).
     Paper,
+}
+
+impl std::str::FromStr for Ordering {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Ordering, String> {
+        match s {
+            "tso" => Ok(Ordering::Tso),
+            "paper" => Ok(Ordering::Paper),
+            _ => Err("expected tso or paper (paper is unsafe for x86 guests)".into()),
+        }
+    }
 }
 
 impl Ordering {

@@ -125,11 +125,10 @@ impl FromStr for SimConfig {
     type Err = String;
     fn from_str(s: &str) -> Result<SimConfig, String> {
         let mut words = s.split_whitespace();
-        let protocol = match words.next() {
-            Some("vmp") => Protocol::Vmp,
-            Some("ivy") => Protocol::Ivy,
-            other => return Err(format!("protocol {other:?}: expected vmp or ivy")),
-        };
+        let first = words.next().unwrap_or("");
+        let protocol: Protocol = first
+            .parse()
+            .map_err(|e| format!("protocol {first:?}: {e}"))?;
         let mut c = SimConfig::new(protocol, 0);
         for w in words {
             let (k, v) = w
@@ -155,11 +154,7 @@ impl FromStr for SimConfig {
                 "seed" => c.seed = num()?,
                 "workload" => c.workload = v.parse()?,
                 "ordering" => {
-                    c.ordering = match v {
-                        "tso" => Ordering::Tso,
-                        "paper" => Ordering::Paper,
-                        _ => return Err(format!("ordering={v:?}: expected tso or paper")),
-                    }
+                    c.ordering = v.parse().map_err(|e| format!("ordering={v:?}: {e}"))?;
                 }
                 _ => return Err(format!("unknown key {k:?}")),
             }
