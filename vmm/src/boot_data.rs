@@ -3,12 +3,33 @@
 
 use crate::arch::x86_64::layout::{GuestLayout, CMDLINE_MAX_SIZE};
 use crate::arch::x86_64::{acpi, linux, mptable, pvh};
-use crate::builder::BuildError;
 use crate::config::VmConfig;
 use crate::device_manager::Devices;
 use crate::loader::EntryPoint;
 use devices::GuestMemoryMmap;
 use vm_memory::{Bytes, GuestAddress};
+
+/// What the guest's boot data could not be made of, or written as.
+#[derive(Debug, thiserror::Error)]
+pub enum BootDataError {
+    #[error("cannot write the MP table: {0}")]
+    MpTable(#[from] mptable::MpTableError),
+    #[error("cannot write the ACPI tables: {0}")]
+    Acpi(#[from] acpi::AcpiError),
+    #[error("cannot write the PVH start info: {0}")]
+    Pvh(#[from] pvh::PvhError),
+    #[error("cannot write the Linux boot parameters: {0}")]
+    LinuxBoot(#[from] linux::LinuxBootError),
+    #[error("--cmdline: {0} (with the virtio device fragments it must fit in {max} bytes of printable ASCII)", max = CMDLINE_MAX_SIZE - 1)]
+    Cmdline(#[from] linux_loader::cmdline::Error),
+    #[error("cannot write the command line into guest memory: {0}")]
+    GuestMemory(#[from] vm_memory::GuestMemoryError),
+    #[error("--initrd {}: {why}", path.display())]
+    Initrd {
+        path: std::path::PathBuf,
+        why: String,
+    },
+}
 
 /// The command line, firmware tables and boot structures, written into guest memory by the
 /// process that loaded the kernel.
@@ -19,7 +40,7 @@ pub(crate) fn write_boot_data(
     devices: &Devices,
     entry: &EntryPoint,
     kernel_end: u64,
-) -> Result<(), BuildError> {
+) -> Result<(), BootDataError> {
     let cmdline = build_cmdline(&config.cmdline, devices)?;
     mem.write_slice(cmdline.as_bytes_with_nul(), GuestAddress(layout.cmdline))?;
 
@@ -48,7 +69,7 @@ pub(crate) fn write_boot_data(
 
 /// The user's command line with the device fragments added to the kernel's part (before
 /// any ` -- `, after which arguments go to init).
-fn build_cmdline(base: &str, devices: &Devices) -> Result<std::ffi::CString, BuildError> {
+fn build_cmdline(base: &str, devices: &Devices) -> Result<std::ffi::CString, BootDataError> {
     let mut cmdline = linux_loader::cmdline::Cmdline::new(CMDLINE_MAX_SIZE)?;
     let (kernel, init) = match base.trim().split_once(" -- ") {
         Some((k, i)) => (k.trim(), Some(i.trim())),
@@ -72,11 +93,11 @@ fn load_initrd(
     layout: &GuestLayout,
     entry: &EntryPoint,
     kernel_end: u64,
-) -> Result<Option<(u64, u64)>, BuildError> {
+) -> Result<Option<(u64, u64)>, BootDataError> {
     let Some(path) = &config.initrd else {
         return Ok(None);
     };
-    let fail = |why: String| BuildError::Initrd {
+    let fail = |why: String| BootDataError::Initrd {
         path: path.clone(),
         why,
     };

@@ -5,9 +5,9 @@
 //! running, here), [`Vm::start`] and [`RunningVm::wait`] (in `running`).
 
 use crate::arch::x86_64::cpuid::Topology;
-use crate::arch::x86_64::layout::{GuestLayout, CMDLINE_MAX_SIZE};
-use crate::arch::x86_64::{acpi, linux, mptable, pvh, regs};
-use crate::boot_data::write_boot_data;
+use crate::arch::x86_64::layout::GuestLayout;
+use crate::arch::x86_64::{linux, regs};
+use crate::boot_data::{write_boot_data, BootDataError};
 use crate::config::{ExitsMode, VmConfig};
 use crate::control::RunControl;
 use crate::device_manager::{create_devices, DeviceError, Devices};
@@ -20,7 +20,6 @@ use crate::vstate::vcpu::{install_kick_handler, VcpuError};
 use crate::vstate::vcpu_thread::{Boot, PendingVcpu, VcpuSetup};
 use crate::vstate::vm::{open_kvm, KvmVm, VmError};
 use devices::GuestMemoryMmap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -41,20 +40,8 @@ pub enum BuildError {
     Devices(#[from] DeviceError),
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
-    #[error("cannot write the MP table: {0}")]
-    MpTable(#[from] mptable::MpTableError),
-    #[error("cannot write the ACPI tables: {0}")]
-    Acpi(#[from] acpi::AcpiError),
-    #[error("cannot write the PVH start info: {0}")]
-    Pvh(#[from] pvh::PvhError),
-    #[error("cannot write the Linux boot parameters: {0}")]
-    LinuxBoot(#[from] linux::LinuxBootError),
-    #[error("--cmdline: {0} (with the virtio device fragments it must fit in {max} bytes of printable ASCII)", max = CMDLINE_MAX_SIZE - 1)]
-    Cmdline(#[from] linux_loader::cmdline::Error),
-    #[error("cannot write the command line into guest memory: {0}")]
-    GuestMemory(#[from] vm_memory::GuestMemoryError),
-    #[error("--initrd {}: {why}", path.display())]
-    Initrd { path: PathBuf, why: String },
+    #[error(transparent)]
+    BootData(#[from] BootDataError),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
     #[error("cannot start the {what} thread: {source}")]

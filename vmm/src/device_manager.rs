@@ -35,8 +35,8 @@ pub enum DeviceError {
         path: std::path::PathBuf,
         source: devices::virtio::block::BlockError,
     },
-    #[error("{name}: {why}")]
-    Net { name: String, why: String },
+    #[error(transparent)]
+    Net(#[from] crate::net::NetError),
     #[error("too many devices: IRQ {0} is past the last IOAPIC pin {MAX_IRQ}")]
     OutOfIrqs(u32),
     #[error("cannot create an interrupt eventfd: {0}")]

@@ -18,6 +18,7 @@
 mod arch;
 mod boot_data;
 mod builder;
+mod clock;
 pub mod config;
 mod control;
 mod device_manager;
@@ -43,10 +44,9 @@ pub use arch::x86_64::layout::ram_ranges;
 pub use builder::{
     BuildError, ExternalRam, ExtraMetrics, GuestRamSource, MsiInjector, RunOptions, Vm, VmBuilder,
 };
+pub use clock::monotonic_ns;
 pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
 pub use exit::DeviceBus;
 pub use metrics::MmioTarget;
-pub use running::{
-    monotonic_ns, run_vm, ControlError, RunReport, RunningVm, SnapshotReport, VmHandle,
-};
+pub use running::{run_vm, ControlError, RunReport, RunningVm, SnapshotReport, VmHandle};
 pub use vstate::vcpu_state::VcpuState;

@@ -2,15 +2,22 @@
 //! TAP's host end its address, and sets the rate limits.
 
 use crate::config::net::{NetConfig, RateLimit};
-use crate::device_manager::DeviceError;
 use devices::net::rate_limiter::{RateLimit as Buckets, TokenBucketConfig};
 use devices::net::tap::Tap;
 use devices::virtio::net::{Net, NetConfig as DeviceConfig};
 use std::os::fd::{FromRawFd, OwnedFd};
 
+/// A `--net` that cannot be had, named as the flag gave it.
+#[derive(Debug, thiserror::Error)]
+#[error("{name}: {why}")]
+pub struct NetError {
+    name: String,
+    why: String,
+}
+
 /// The device `n` describes. Errors name the flag and the TAP.
-pub fn open(n: &NetConfig) -> Result<Net, DeviceError> {
-    let err = |why: String| DeviceError::Net {
+pub fn open(n: &NetConfig) -> Result<Net, NetError> {
+    let err = |why: String| NetError {
         name: n.name(),
         why,
     };

@@ -253,7 +253,7 @@ impl Vcpu {
         if id == 0 {
             let _ = ctx
                 .first_run
-                .set((Instant::now(), crate::running::monotonic_ns()));
+                .set((Instant::now(), crate::clock::monotonic_ns()));
         }
         // A VM that starts paused parks each vCPU before it ever runs.
         if ctx.pause.asked() {
