@@ -94,6 +94,19 @@ struct Config {
 }
 
 impl Config {
+    /// The paper's protocol with x86 ordering over loopback, polling: the configuration every
+    /// node count and grain runs, and the one the figures single out.
+    fn vmp_tso(nodes: u16, fib: u32) -> Config {
+        Config {
+            nodes,
+            protocol: "vmp",
+            ordering: "tso",
+            fib,
+            link: LOOPBACK,
+            poll: true,
+        }
+    }
+
     fn name(&self) -> String {
         format!(
             "{}n {}/{} fib({}){}",
@@ -199,14 +212,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     for &fib in grains.iter().chain([1].iter()) {
         for nodes in 1..=max_nodes {
             if nodes == 1 {
-                configs.push(Config {
-                    nodes,
-                    protocol: "vmp",
-                    ordering: "tso",
-                    fib,
-                    link: LOOPBACK,
-                    poll: true,
-                });
+                configs.push(Config::vmp_tso(nodes, fib));
                 continue;
             }
             for protocol in ["vmp", "ivy"] {
@@ -419,15 +425,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     // ---- Table 2: per-vCPU breakdown at the largest grain on the most nodes ----
     let top = *grains.last().unwrap_or(&1);
     let native_task = {
-        let one = Config {
-            nodes: 1,
-            protocol: "vmp",
-            ordering: "tso",
-            fib: top,
-            link: LOOPBACK,
-            poll: true,
-        };
-        med(of(&one)
+        med(of(&Config::vmp_tso(1, top))
             .iter()
             .flat_map(|r| r.tasks.iter().map(|t| t.1))
             .collect())
@@ -712,14 +710,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             met: None,
         });
     }
-    let top_runs = of(&Config {
-        nodes: max_nodes,
-        protocol: "vmp",
-        ordering: "tso",
-        fib: top,
-        link: LOOPBACK,
-        poll: true,
-    });
+    let top_runs = of(&Config::vmp_tso(max_nodes, top));
     if max_nodes > 1 && !top_runs.is_empty() {
         let worst = top_runs.iter().map(|r| worst_kernel_faults(r)).max();
         figures.push(Figure {
@@ -868,14 +859,7 @@ fn worst_kernel_faults(r: &RunFigures) -> u64 {
 /// Prints the most-faulted pages of the first vmp/tso run at grain `fib` on `nodes` nodes,
 /// with what lies there: where the faults that remain come from.
 fn hottest_pages(runs: &[(usize, usize, RunFigures)], configs: &[Config], fib: u32, nodes: u16) {
-    let c = Config {
-        nodes,
-        protocol: "vmp",
-        ordering: "tso",
-        fib,
-        link: LOOPBACK,
-        poll: true,
-    };
+    let c = Config::vmp_tso(nodes, fib);
     let Some(r) = runs_of(runs, configs, &c).into_iter().next() else {
         return;
     };
@@ -973,15 +957,7 @@ fn run_nodes(exe: &Path, cmd: Command, limit: Duration) -> Result<Observed, Stri
 
 /// The median wall time of fib(`fib`) on one node.
 fn one_node_wall(runs: &[(usize, usize, RunFigures)], configs: &[Config], fib: u32) -> Option<f64> {
-    let one = Config {
-        nodes: 1,
-        protocol: "vmp",
-        ordering: "tso",
-        fib,
-        link: LOOPBACK,
-        poll: true,
-    };
-    let walls: Vec<f64> = runs_of(runs, configs, &one)
+    let walls: Vec<f64> = runs_of(runs, configs, &Config::vmp_tso(1, fib))
         .iter()
         .map(|r| r.wall_ns)
         .collect();
