@@ -98,9 +98,10 @@ pub struct Setup {
     pub poll_window: Duration,
 }
 
-/// The default of [`Setup::hold`]: a few times the round trip of a page fetch between two
-/// nodes on one host, so a node that was just given a page gets some work done on it before
-/// it may lose it, and short beside the 10 ms a guest's timer tick paces most sharing at.
+/// The default page hold (`dsm::Config::hold`, `--page-hold`): a few times the round trip of
+/// a page fetch between two nodes on one host, so a node that was just given a page gets some
+/// work done on it before it may lose it, and short beside the 10 ms a guest's timer tick
+/// paces most sharing at.
 pub const DEFAULT_PAGE_HOLD: Duration = Duration::from_micros(500);
 
 type Outcome = (Result<(), CoherenceError>, Box<dyn Transport>);
