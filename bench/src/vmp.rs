@@ -722,10 +722,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             source: "goal".into(),
             met: worst.map(|w| w <= KERNEL_FAULTS_GOAL),
         });
-        let slowest = top_runs
-            .iter()
-            .map(|r| r.wall_ns)
-            .fold(None, |m: Option<f64>, w| Some(m.map_or(w, |m| m.max(w))));
+        let slowest = top_runs.iter().map(|r| r.wall_ns).reduce(f64::max);
         let ratio = match (slowest, one_node_wall(top)) {
             (Some(s), Some(one)) if one > 0.0 => Some(s / one),
             _ => None,
@@ -915,15 +912,12 @@ fn shared_counter_runs(exe: &Path, nodes: u16, runs: usize) -> Result<Figure, St
         }
     }
     let med = median(&times);
-    let slowest = times
-        .iter()
-        .copied()
-        .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.max(t))));
+    let slowest = times.iter().copied().reduce(f64::max);
     println!(
-        "shared-counter=2000 on {nodes} nodes, {runs} runs: {} exact and ended; task time median {}, slowest {}{}",
+        "shared-counter=2000 on {nodes} nodes, {runs} runs: {} exact and ended; task time median {} ms, slowest {} ms{}",
         times.len(),
-        opt(med.map(|m| m / 1e6), 1).to_string() + " ms",
-        opt(slowest.map(|m| m / 1e6), 1).to_string() + " ms",
+        opt(med.map(|m| m / 1e6), 1),
+        opt(slowest.map(|m| m / 1e6), 1),
         if failed.is_empty() { String::new() } else { format!("; failed: {}", failed.join("; ")) }
     );
     let spread = match (slowest, med) {

@@ -6,7 +6,7 @@
 //! Linux guest's heap) get no name.
 
 use object::read::{ReadCache, ReadRef};
-use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, SymbolKind};
+use object::{Object, ObjectSection, ObjectSymbol, SymbolKind};
 use std::sync::OnceLock;
 use vmm::config::KernelImage;
 
@@ -71,13 +71,7 @@ impl GuestSymbols {
     /// bytes (each segment's physical address), so a higher-half kernel is named too.
     pub fn from_elf<'data, R: ReadRef<'data>>(image: R) -> Option<GuestSymbols> {
         let file = object::File::parse(image).ok()?;
-        let segments: Vec<(u64, u64, u64)> = file
-            .segments()
-            .map(|s| {
-                let (vaddr, size) = (s.address(), s.size());
-                (vaddr, size, physical(&file, vaddr).unwrap_or(vaddr))
-            })
-            .collect();
+        let segments = loaded_segments(&file);
         let to_gpa = |vaddr: u64| {
             segments
                 .iter()
@@ -136,16 +130,21 @@ impl GuestSymbols {
     }
 }
 
-/// The physical address the program header covering `vaddr` gives it.
-fn physical<'data, R: ReadRef<'data>>(file: &object::File<'data, R>, vaddr: u64) -> Option<u64> {
+/// (virtual address, size in memory, physical address) of each loaded segment of a 64-bit
+/// ELF; none for anything else, whose addresses are then taken as they are.
+fn loaded_segments<'data, R: ReadRef<'data>>(
+    file: &object::File<'data, R>,
+) -> Vec<(u64, u64, u64)> {
     use object::read::elf::ProgramHeader;
     let endian = object::Endianness::Little;
     match file {
-        object::File::Elf64(elf) => elf.elf_program_headers().iter().find_map(|ph| {
-            let (v, size) = (ph.p_vaddr(endian), ph.p_memsz(endian));
-            (vaddr >= v && vaddr - v < size.max(1)).then(|| ph.p_paddr(endian) + (vaddr - v))
-        }),
-        _ => None,
+        object::File::Elf64(elf) => elf
+            .elf_program_headers()
+            .iter()
+            .filter(|ph| ph.p_type(endian) == object::elf::PT_LOAD)
+            .map(|ph| (ph.p_vaddr(endian), ph.p_memsz(endian), ph.p_paddr(endian)))
+            .collect(),
+        _ => Vec::new(),
     }
 }
 
