@@ -42,6 +42,12 @@ impl DelaySink for TcpStream {
     }
 }
 
+/// A write of the delaying thread failed: the stream has ended, and the line refuses every
+/// later frame with this same error (hence the shared `io::Error`).
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("a delayed send failed: {0}")]
+pub struct DelayFailed(#[source] Arc<std::io::Error>);
+
 struct Queue {
     /// (due, frame), oldest first.
     frames: VecDeque<(Instant, Vec<u8>)>,
@@ -50,7 +56,7 @@ struct Queue {
     /// The line is being dropped: the thread ends without writing what is left.
     closed: bool,
     /// Why a write failed; nothing more is accepted or written after it.
-    failed: Option<String>,
+    failed: Option<DelayFailed>,
 }
 
 struct Shared {
@@ -106,7 +112,7 @@ impl DelayLine {
 
     /// Queues one whole frame, due `delay` from now. Never waits for the delay or the
     /// network; refused (with the reason) once a write has failed.
-    pub fn push(&self, frame: Vec<u8>) -> Result<(), String> {
+    pub fn push(&self, frame: Vec<u8>) -> Result<(), DelayFailed> {
         let mut q = self.shared.lock();
         if let Some(why) = &q.failed {
             return Err(why.clone());
@@ -142,7 +148,7 @@ impl DelayLine {
     }
 
     /// Why a write failed, if one did.
-    pub fn failed(&self) -> Option<String> {
+    pub fn failed(&self) -> Option<DelayFailed> {
         self.shared.lock().failed.clone()
     }
 }
@@ -201,7 +207,7 @@ fn drain<W: DelaySink>(mut sink: W, shared: &Shared) {
         q.writing = false;
         if let Err(e) = r {
             sink.end();
-            q.failed = Some(format!("a delayed send failed: {e}"));
+            q.failed = Some(DelayFailed(Arc::new(e)));
             q.frames.clear();
             drop(q);
             shared.changed.notify_all();
@@ -319,8 +325,8 @@ mod tests {
         assert!(line.flush(Duration::from_secs(10)));
         assert!(ended.load(std::sync::atomic::Ordering::SeqCst));
         let why = line.failed().expect("the failure is kept");
-        assert!(why.contains("the peer went away"), "{why}");
-        assert_eq!(line.push(vec![2]), Err(why));
+        assert!(why.to_string().contains("the peer went away"), "{why}");
+        assert_eq!(line.push(vec![2]).unwrap_err().to_string(), why.to_string());
     }
 
     #[test]

@@ -47,6 +47,14 @@ impl Default for DoorLimits {
     }
 }
 
+/// Why a connection could not even start its handshake: a host call on its stream failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+struct AnswerError {
+    what: &'static str,
+    source: std::io::Error,
+}
+
 /// A connection turned away while linking.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal {
@@ -351,7 +359,7 @@ impl<'a, 's> Door<'a, 's> {
             };
             if !self.waiting.is_empty() && self.half_open.len() < self.limits.half_open {
                 if let Err(why) = self.answer(stream, addr, bell) {
-                    self.log.refuse(addr, why);
+                    self.log.refuse(addr, why.to_string());
                 }
             } else if self.waiting.is_empty() {
                 self.log
@@ -369,13 +377,17 @@ impl<'a, 's> Door<'a, 's> {
     }
 
     /// Starts the handshake with a connection on a thread of its own.
-    fn answer(&mut self, stream: TcpStream, addr: SocketAddr, bell: &Bell) -> Result<(), String> {
+    fn answer(
+        &mut self,
+        stream: TcpStream,
+        addr: SocketAddr,
+        bell: &Bell,
+    ) -> Result<(), AnswerError> {
+        let failed = |what| move |source| AnswerError { what, source };
         stream
             .set_nonblocking(false)
-            .map_err(|e| format!("making its stream blocking: {e}"))?;
-        let socket = stream
-            .try_clone()
-            .map_err(|e| format!("cloning its stream: {e}"))?;
+            .map_err(failed("making its stream blocking"))?;
+        let socket = stream.try_clone().map_err(failed("cloning its stream"))?;
         let conn = self.next_conn;
         self.next_conn += 1;
         let mut p = self.params.clone();
@@ -387,7 +399,7 @@ impl<'a, 's> Door<'a, 's> {
                 let result = Link::handshake(stream, Role::Listener, None, &p);
                 bell.send(Arrival::Answered { conn, addr, result });
             })
-            .map_err(|e| format!("starting its handshake thread: {e}"))?;
+            .map_err(failed("starting its handshake thread"))?;
         self.half_open.insert(
             conn,
             HalfOpen {

@@ -24,7 +24,7 @@ mod uffd;
 
 pub use backend::Backend;
 pub use coherence::{CoherenceError, CoherenceHandle, NodeEvent, Setup, DEFAULT_PAGE_HOLD};
-pub use delay::{DelayLine, MAX_LINK_DELAY};
+pub use delay::{DelayFailed, DelayLine, MAX_LINK_DELAY};
 pub use door::{DoorLimits, Refusal, Refusals};
 pub use envelope::{Envelope, EnvelopeError, Exit, Interrupt, IoSpace, MAX_MIGRATION_BYTES};
 pub use link::{

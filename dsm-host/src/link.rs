@@ -487,7 +487,8 @@ impl LinkWriter {
         if let Some(line) = &self.line {
             let room = self.buf.len();
             let frame = std::mem::replace(&mut self.buf, Vec::with_capacity(room));
-            return line.push(frame).map_err(|why| {
+            return line.push(frame).map_err(|e| {
+                let why = e.to_string();
                 self.broken = Some(why.clone());
                 LinkError::Unusable {
                     peer: self.peer.clone(),
