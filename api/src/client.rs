@@ -3,12 +3,47 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// How long [`request`] waits for a whole answer. Long, because a snapshot of a large VM
 /// is answered only once it is written; bounded, so a wedged server does not hang a script.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Why a request got no answer. Every message but the malformed answers' names the socket.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("API socket {}: cannot connect: {source}", socket.display())]
+    Connect {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("API socket {}: cannot send the request: {source}", socket.display())]
+    Send {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("API socket {}: {source}", socket.display())]
+    SetTimeout {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("API socket {}: cannot read the answer: {source}", socket.display())]
+    Read {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("API socket {}: no answer within {timeout:?}", socket.display())]
+    Timeout { socket: PathBuf, timeout: Duration },
+    #[error("API socket {}: closed without an answer", socket.display())]
+    Closed { socket: PathBuf },
+    #[error("API socket {}: the answer was cut short", socket.display())]
+    CutShort { socket: PathBuf },
+    #[error("the API answered with malformed HTTP: {0}")]
+    Malformed(#[source] httparse::Error),
+    #[error("the API answered with an invalid Content-Length")]
+    ContentLength,
+}
 
 /// Sends `method path` (with a JSON `body` if given) to the server at `socket` and returns
 /// the answer's status and body.
@@ -17,7 +52,7 @@ pub fn request(
     method: &str,
     path: &str,
     body: Option<&str>,
-) -> Result<(u16, String), String> {
+) -> Result<(u16, String), ClientError> {
     request_with_timeout(socket, method, path, body, DEFAULT_TIMEOUT)
 }
 
@@ -28,11 +63,13 @@ pub fn request_with_timeout(
     path: &str,
     body: Option<&str>,
     timeout: Duration,
-) -> Result<(u16, String), String> {
+) -> Result<(u16, String), ClientError> {
     let deadline = Instant::now() + timeout;
-    let where_ = || format!("API socket {}", socket.display());
-    let mut stream =
-        UnixStream::connect(socket).map_err(|e| format!("{}: cannot connect: {e}", where_()))?;
+    let sock = || socket.to_path_buf();
+    let mut stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect {
+        socket: sock(),
+        source,
+    })?;
     let mut out =
         format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n");
     if let Some(b) = body {
@@ -46,7 +83,10 @@ pub fn request_with_timeout(
     stream
         .set_write_timeout(Some(timeout))
         .and_then(|()| stream.write_all(out.as_bytes()))
-        .map_err(|e| format!("{}: cannot send the request: {e}", where_()))?;
+        .map_err(|source| ClientError::Send {
+            socket: sock(),
+            source,
+        })?;
     let mut answer = Vec::new();
     let mut chunk = [0u8; 4096];
     loop {
@@ -55,40 +95,52 @@ pub fn request_with_timeout(
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(format!("{}: no answer within {timeout:?}", where_()));
+            return Err(ClientError::Timeout {
+                socket: sock(),
+                timeout,
+            });
         }
         stream
             .set_read_timeout(Some(left))
-            .map_err(|e| format!("{}: {e}", where_()))?;
+            .map_err(|source| ClientError::SetTimeout {
+                socket: sock(),
+                source,
+            })?;
         match stream.read(&mut chunk) {
             Ok(0) => {
                 return match parse_answer(&answer)? {
                     Some(a) => Ok(a),
-                    None if answer.is_empty() => {
-                        Err(format!("{}: closed without an answer", where_()))
-                    }
-                    None => Err(format!("{}: the answer was cut short", where_())),
+                    None if answer.is_empty() => Err(ClientError::Closed { socket: sock() }),
+                    None => Err(ClientError::CutShort { socket: sock() }),
                 }
             }
             Ok(n) => answer.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                return Err(format!("{}: no answer within {timeout:?}", where_()))
+                return Err(ClientError::Timeout {
+                    socket: sock(),
+                    timeout,
+                })
             }
-            Err(e) => return Err(format!("{}: cannot read the answer: {e}", where_())),
+            Err(source) => {
+                return Err(ClientError::Read {
+                    socket: sock(),
+                    source,
+                })
+            }
         }
     }
 }
 
 /// The final answer in `buf` once all of it is there (interim 1xx answers skipped).
-fn parse_answer(mut buf: &[u8]) -> Result<Option<(u16, String)>, String> {
+fn parse_answer(mut buf: &[u8]) -> Result<Option<(u16, String)>, ClientError> {
     loop {
         let mut headers = [httparse::EMPTY_HEADER; 32];
         let mut resp = httparse::Response::new(&mut headers);
         let head = match resp.parse(buf) {
             Ok(httparse::Status::Complete(n)) => n,
             Ok(httparse::Status::Partial) => return Ok(None),
-            Err(e) => return Err(format!("the API answered with malformed HTTP: {e}")),
+            Err(e) => return Err(ClientError::Malformed(e)),
         };
         let status = resp.code.unwrap_or(0);
         if (100..200).contains(&status) {
@@ -103,7 +155,7 @@ fn parse_answer(mut buf: &[u8]) -> Result<Option<(u16, String)>, String> {
                 std::str::from_utf8(h.value)
                     .ok()
                     .and_then(|v| v.trim().parse::<usize>().ok())
-                    .ok_or("the API answered with an invalid Content-Length".to_string())
+                    .ok_or(ClientError::ContentLength)
             })
             .transpose()?
             .unwrap_or(0);

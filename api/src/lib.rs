@@ -11,8 +11,8 @@ pub mod http;
 pub mod routes;
 pub mod server;
 
-pub use client::{request, request_with_timeout};
-pub use server::{ApiError, ApiServer};
+pub use client::{request, request_with_timeout, ClientError};
+pub use server::{ApiError, ApiServer, FilterError};
 
 /// The prefix of every path, as Cloud Hypervisor's.
 pub const API_ROOT: &str = "/api/v1";

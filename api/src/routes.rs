@@ -269,8 +269,8 @@ mod tests {
         );
     }
 
-    fn parsed(body: &str) -> Result<SendMigration, String> {
-        migration_target(body.as_bytes()).map_err(|r| format!("{r:?}"))
+    fn parsed(body: &str) -> Result<SendMigration, Response> {
+        migration_target(body.as_bytes())
     }
 
     #[test]
@@ -320,7 +320,7 @@ mod tests {
                 "push_limit bounds a post-copy",
             ),
         ] {
-            let e = parsed(&format!("{{{base}{extra}}}")).unwrap_err();
+            let e = format!("{:?}", parsed(&format!("{{{base}{extra}}}")).unwrap_err());
             assert!(e.contains("400") && e.contains(names), "{extra}: {e}");
         }
     }

@@ -21,45 +21,32 @@ const MAX_CONNECTIONS: usize = 16;
 /// take the answer): one that says nothing is closed after this.
 pub const DEADLINE: Duration = Duration::from_secs(5);
 
-#[derive(Debug)]
+/// What the API thread's filter may fail with: whatever the caller's filter reports.
+pub type FilterError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     /// Something other than a socket is at the path: never removed, it may be the user's.
+    #[error("API socket {}: the path exists and is not a socket (not replaced)", .0.display())]
     NotASocket(PathBuf),
     /// Another process answers on the socket at the path.
+    #[error("API socket {}: another process is serving on it", .0.display())]
     InUse(PathBuf),
+    #[error("API socket {}: cannot {op}: {source}", path.display())]
     Socket {
         path: PathBuf,
         op: &'static str,
         source: std::io::Error,
     },
-    Thread(std::io::Error),
+    #[error("cannot start the API thread: {0}")]
+    Thread(#[source] std::io::Error),
     /// The filter the caller installs on the API thread failed; the thread has ended.
-    Filter(String),
+    #[error("API thread: {0}")]
+    Filter(#[source] FilterError),
+    /// The API thread ended before it reported on its filter.
+    #[error("API thread: the thread ended before serving")]
+    Ended,
 }
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ApiError::NotASocket(p) => write!(
-                f,
-                "API socket {}: the path exists and is not a socket (not replaced)",
-                p.display()
-            ),
-            ApiError::InUse(p) => write!(
-                f,
-                "API socket {}: another process is serving on it",
-                p.display()
-            ),
-            ApiError::Socket { path, op, source } => {
-                write!(f, "API socket {}: cannot {op}: {source}", path.display())
-            }
-            ApiError::Thread(e) => write!(f, "cannot start the API thread: {e}"),
-            ApiError::Filter(e) => write!(f, "API thread: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for ApiError {}
 
 /// A running API server. Stopping it (or dropping it) ends its thread and removes the
 /// socket file.
@@ -76,7 +63,7 @@ impl ApiServer {
     pub fn start(
         path: &Path,
         control: Arc<dyn VmControl>,
-        filter: impl FnOnce() -> Result<(), String> + Send + 'static,
+        filter: impl FnOnce() -> Result<(), FilterError> + Send + 'static,
     ) -> Result<ApiServer, ApiError> {
         let listener = bind(path)?;
         // SAFETY: eventfd takes no pointers; the result is checked before use.
@@ -125,7 +112,7 @@ impl ApiServer {
         match ready_rx.recv() {
             Ok(Ok(())) => Ok(server),
             Ok(Err(e)) => Err(ApiError::Filter(e)),
-            Err(_) => Err(ApiError::Filter("the thread ended before serving".into())),
+            Err(_) => Err(ApiError::Ended),
         }
     }
 

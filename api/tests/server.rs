@@ -303,7 +303,7 @@ fn a_failing_filter_is_reported_by_start() {
 fn a_missing_socket_is_named_by_the_client() {
     let e = request_with_timeout(Path::new("/nonexistent/api.sock"), "GET", "/", None, BOUND)
         .unwrap_err();
-    assert!(e.contains("/nonexistent/api.sock"), "{e}");
+    assert!(e.to_string().contains("/nonexistent/api.sock"), "{e}");
 }
 
 /// A client of another user, in a child process that becomes `nobody`, is closed without

@@ -159,7 +159,8 @@ impl Drop for Vm {
 
 /// `method path` with `body` on `socket`; an answer outside 2xx is an error with its text.
 pub fn api(socket: &Path, method: &str, path: &str, body: Option<&str>) -> Result<(), String> {
-    let (status, text) = musubi_api::request_with_timeout(socket, method, path, body, API_TIMEOUT)?;
+    let (status, text) = musubi_api::request_with_timeout(socket, method, path, body, API_TIMEOUT)
+        .map_err(|e| e.to_string())?;
     if (200..300).contains(&status) {
         Ok(())
     } else {

@@ -22,9 +22,8 @@ pub fn serve(
     seccomp: vmm::seccomp::SeccompMode,
     vm: &vmm::VmHandle,
 ) -> Option<musubi_api::ApiServer> {
-    let filter = move || {
-        vmm::seccomp::apply(vmm::seccomp::ThreadKind::Api, seccomp).map_err(|e| e.to_string())
-    };
+    let filter =
+        move || vmm::seccomp::apply(vmm::seccomp::ThreadKind::Api, seccomp).map_err(Into::into);
     match musubi_api::ApiServer::start(path, target, filter) {
         Ok(s) => Some(s),
         Err(e) => {

@@ -169,7 +169,8 @@ fn migration_body(url: &str, secret_file: &Path) -> Result<serde_json::Value, St
 fn call(args: &RemoteArgs) -> Result<String, String> {
     let (method, endpoint, body) = request_of(&args.command)?;
     let path = format!("{}/{endpoint}", musubi_api::API_ROOT);
-    let (status, answer) = musubi_api::request(&args.api_socket, method, &path, body.as_deref())?;
+    let (status, answer) = musubi_api::request(&args.api_socket, method, &path, body.as_deref())
+        .map_err(|e| e.to_string())?;
     if !(200..300).contains(&status) {
         // CH's error answers are a list of messages, the outermost first.
         let message = match serde_json::from_str::<Vec<String>>(&answer) {

@@ -680,7 +680,8 @@ fn call_vm_api(socket: &Path, op: &ControlOp) -> Result<(), String> {
         ),
     };
     let (status, text) =
-        musubi_api::request_with_timeout(socket, "PUT", path, body.as_deref(), timeout)?;
+        musubi_api::request_with_timeout(socket, "PUT", path, body.as_deref(), timeout)
+            .map_err(|e| e.to_string())?;
     if (200..300).contains(&status) {
         Ok(())
     } else {
