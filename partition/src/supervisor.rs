@@ -71,12 +71,119 @@ impl ControlOp {
     }
 }
 
+/// Why a request about one VM is refused; its message is what the CLI is answered.
+#[derive(Debug, thiserror::Error)]
+enum VmError {
+    #[error("partition {partition} has no VM {id} (VMs: {})", vm_list(vms))]
+    NoSuchVm {
+        partition: String,
+        id: u32,
+        vms: Vec<u32>,
+    },
+    #[error(
+        "vm {id} of partition {partition} is not running (it {}); only a running VM can be \
+         asked to {op}",
+        how_it_ended(state)
+    )]
+    NotRunning {
+        partition: String,
+        id: u32,
+        state: VmState,
+        op: &'static str,
+    },
+    #[error("snapshot directory {}: give an absolute path", .0.display())]
+    RelativeSnapshotDir(PathBuf),
+    #[error(
+        "vm {id} of partition {partition} has no control API socket (it runs with --nodes, or \
+         was started before VMs had one), so it cannot be asked to {op}"
+    )]
+    NoApiSocket {
+        partition: String,
+        id: u32,
+        op: &'static str,
+    },
+    #[error(transparent)]
+    SocketPath(#[from] SocketPathError),
+    #[error("console log {}: {source}", path.display())]
+    ConsoleLog {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start {} run: {source}", program.display())]
+    Spawn {
+        program: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+fn vm_list(ids: &[u32]) -> String {
+    if ids.is_empty() {
+        "none".to_string()
+    } else {
+        ids.iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+fn how_it_ended(state: &VmState) -> String {
+    match state {
+        VmState::Exited {
+            status: Some(c), ..
+        } => format!("exited with status {c}"),
+        VmState::Exited {
+            signal: Some(s), ..
+        } => format!("was ended by signal {s}"),
+        _ => "has ended".to_string(),
+    }
+}
+
+/// A VM's API socket the kernel could not bind, refused before the VM starts.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the VM's API socket {} is {len} bytes long, and a UNIX socket path may have at most \
+     {MAX_SOCKET_PATH}; {}",
+    path.display(),
+    if *chosen {
+        "use a state directory with a shorter path (--state-dir), or give the VM a \
+         shorter --api-socket PATH"
+    } else {
+        "give a shorter --api-socket PATH"
+    }
+)]
+struct SocketPathError {
+    path: PathBuf,
+    len: usize,
+    /// The supervisor chose the path (in its state directory), not the VM's arguments.
+    chosen: bool,
+}
+
+/// Why a connection to the supervisor is not served.
+#[derive(Debug, thiserror::Error)]
+enum PeerError {
+    #[error("cannot read the peer's credentials: {0}")]
+    Credentials(#[source] std::io::Error),
+    #[error("uid {uid} (pid {pid}) is neither root nor the partition's owner (uid {owner})")]
+    NotOwner { uid: u32, pid: i32, owner: u32 },
+}
+
+/// Why a call on a VM's control API did not do what it asked.
+#[derive(Debug, thiserror::Error)]
+enum ApiCallError {
+    #[error(transparent)]
+    Client(#[from] musubi_api::ClientError),
+    /// The VM answered outside 2xx.
+    #[error("{}", api_message(*status, body))]
+    Refused { status: u16, body: String },
+}
+
 /// A call on a VM's control API, done: the connection that asked, for the answer.
 struct ControlDone {
     stream: UnixStream,
     id: u32,
     op: ControlOp,
-    result: Result<(), String>,
+    result: Result<(), ApiCallError>,
     /// Whether the VM said it was paused when asked after the call (`None`: no answer).
     paused: Option<bool>,
 }
@@ -152,7 +259,9 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
                 }
                 Err(why) => {
                     log(format!("refused a connection: {why}"));
-                    let reply = Reply::Error { message: why };
+                    let reply = Reply::Error {
+                        message: why.to_string(),
+                    };
                     let mut text = serde_json::to_string(&reply).unwrap_or_default();
                     text.push('\n');
                     let _ = (&stream).write_all(text.as_bytes());
@@ -173,7 +282,7 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
 
 /// Root and the partition's owner may drive a supervisor; anyone else could have it read
 /// any file it can read (as a disk) or create files where it can write (as a console log).
-fn peer_allowed(stream: &UnixStream, owner: u32) -> Result<(), String> {
+fn peer_allowed(stream: &UnixStream, owner: u32) -> Result<(), PeerError> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -191,21 +300,16 @@ fn peer_allowed(stream: &UnixStream, owner: u32) -> Result<(), String> {
         )
     };
     if r != 0 {
-        return Err(format!(
-            "cannot read the peer's credentials: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(PeerError::Credentials(std::io::Error::last_os_error()));
     }
     check_peer(cred.uid, cred.pid, owner)
 }
 
-fn check_peer(uid: u32, pid: i32, owner: u32) -> Result<(), String> {
+fn check_peer(uid: u32, pid: i32, owner: u32) -> Result<(), PeerError> {
     if uid == 0 || uid == owner {
         Ok(())
     } else {
-        Err(format!(
-            "uid {uid} (pid {pid}) is neither root nor the partition's owner (uid {owner})"
-        ))
+        Err(PeerError::NotOwner { uid, pid, owner })
     }
 }
 
@@ -227,11 +331,15 @@ impl Supervisor {
             },
             Ok(Request::Run { args, cwd }) => match self.start_vm(args, cwd) {
                 Ok(vm) => Reply::Vm { vm },
-                Err(message) => Reply::Error { message },
+                Err(e) => Reply::Error {
+                    message: e.to_string(),
+                },
             },
             Ok(Request::Stop { vm }) => match self.stop_vm(vm) {
                 Ok(vm) => Reply::Vm { vm },
-                Err(message) => Reply::Error { message },
+                Err(e) => Reply::Error {
+                    message: e.to_string(),
+                },
             },
             Ok(Request::Pause { vm }) => return self.control(stream, vm, ControlOp::Pause),
             Ok(Request::Resume { vm }) => return self.control(stream, vm, ControlOp::Resume),
@@ -266,7 +374,7 @@ impl Supervisor {
         exit
     }
 
-    fn start_vm(&mut self, args: Vec<String>, cwd: Option<PathBuf>) -> Result<VmRecord, String> {
+    fn start_vm(&mut self, args: Vec<String>, cwd: Option<PathBuf>) -> Result<VmRecord, VmError> {
         let id = self.vms.iter().map(|v| v.id).max().unwrap_or(0) + 1;
         let dir = cwd.clone().unwrap_or_else(|| PathBuf::from("/"));
         let (api_socket, extra) = match vm_api_socket(&args, &dir) {
@@ -281,11 +389,12 @@ impl Supervisor {
             check_socket_path(p, extra.is_some())?;
         }
         let log_path = self.store.vm_log(&self.name, id);
-        let out = std::fs::File::create(&log_path)
-            .map_err(|e| format!("console log {}: {e}", log_path.display()))?;
-        let err = out
-            .try_clone()
-            .map_err(|e| format!("console log {}: {e}", log_path.display()))?;
+        let console_log = |source| VmError::ConsoleLog {
+            path: log_path.clone(),
+            source,
+        };
+        let out = std::fs::File::create(&log_path).map_err(console_log)?;
+        let err = out.try_clone().map_err(console_log)?;
         let me = std::process::id();
         let mut cmd = Command::new(&self.program);
         cmd.arg("run").args(&args);
@@ -318,9 +427,10 @@ impl Supervisor {
                 Ok(())
             });
         }
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("cannot start {} run: {e}", self.program.display()))?;
+        let child = cmd.spawn().map_err(|source| VmError::Spawn {
+            program: self.program.clone(),
+            source,
+        })?;
         let vm = VmRecord {
             id,
             pid: child.id(),
@@ -345,20 +455,15 @@ impl Supervisor {
         Ok(vm)
     }
 
-    fn no_such_vm(&self, id: u32) -> String {
-        let ids: Vec<String> = self.vms.iter().map(|v| v.id.to_string()).collect();
-        format!(
-            "partition {} has no VM {id} (VMs: {})",
-            self.name,
-            if ids.is_empty() {
-                "none".to_string()
-            } else {
-                ids.join(", ")
-            }
-        )
+    fn no_such_vm(&self, id: u32) -> VmError {
+        VmError::NoSuchVm {
+            partition: self.name.clone(),
+            id,
+            vms: self.vms.iter().map(|v| v.id).collect(),
+        }
     }
 
-    fn stop_vm(&mut self, id: u32) -> Result<VmRecord, String> {
+    fn stop_vm(&mut self, id: u32) -> Result<VmRecord, VmError> {
         let Some(idx) = self.vms.iter().position(|v| v.id == id) else {
             return Err(self.no_such_vm(id));
         };
@@ -374,7 +479,8 @@ impl Supervisor {
     fn control(&mut self, stream: UnixStream, id: u32, op: ControlOp) -> bool {
         let socket = match self.control_target(id, &op) {
             Ok(s) => s,
-            Err(message) => {
+            Err(e) => {
+                let message = e.to_string();
                 answer(&stream, &Reply::Error { message });
                 return false;
             }
@@ -415,44 +521,29 @@ impl Supervisor {
     }
 
     /// The API socket of VM `id`, if `op` may be asked of it.
-    fn control_target(&self, id: u32, op: &ControlOp) -> Result<PathBuf, String> {
+    fn control_target(&self, id: u32, op: &ControlOp) -> Result<PathBuf, VmError> {
         let vm = self
             .vms
             .iter()
             .find(|v| v.id == id)
             .ok_or_else(|| self.no_such_vm(id))?;
         if !self.children.contains_key(&id) || !vm.state.is_live() {
-            return Err(format!(
-                "vm {id} of partition {} is not running (it {}); only a running VM can be \
-                 asked to {}",
-                self.name,
-                match &vm.state {
-                    VmState::Exited {
-                        status: Some(c), ..
-                    } => format!("exited with status {c}"),
-                    VmState::Exited {
-                        signal: Some(s), ..
-                    } => format!("was ended by signal {s}"),
-                    _ => "has ended".to_string(),
-                },
-                op.name()
-            ));
+            return Err(VmError::NotRunning {
+                partition: self.name.clone(),
+                id,
+                state: vm.state.clone(),
+                op: op.name(),
+            });
         }
         if let ControlOp::Snapshot(dir) = op {
             if !dir.is_absolute() {
-                return Err(format!(
-                    "snapshot directory {}: give an absolute path",
-                    dir.display()
-                ));
+                return Err(VmError::RelativeSnapshotDir(dir.clone()));
             }
         }
-        vm.api_socket.clone().ok_or_else(|| {
-            format!(
-                "vm {id} of partition {} has no control API socket (it runs with --nodes, or \
-                 was started before VMs had one), so it cannot be asked to {}",
-                self.name,
-                op.name()
-            )
+        vm.api_socket.clone().ok_or_else(|| VmError::NoApiSocket {
+            partition: self.name.clone(),
+            id,
+            op: op.name(),
         })
     }
 
@@ -647,26 +738,20 @@ fn vm_api_socket(args: &[String], cwd: &Path) -> ApiSocket {
 }
 
 /// A socket path the kernel can bind: refused by name otherwise, before the VM starts.
-fn check_socket_path(p: &Path, chosen: bool) -> Result<(), String> {
+fn check_socket_path(p: &Path, chosen: bool) -> Result<(), SocketPathError> {
     let len = p.as_os_str().len();
     if len <= MAX_SOCKET_PATH {
         return Ok(());
     }
-    Err(format!(
-        "the VM's API socket {} is {len} bytes long, and a UNIX socket path may have at most \
-         {MAX_SOCKET_PATH}; {}",
-        p.display(),
-        if chosen {
-            "use a state directory with a shorter path (--state-dir), or give the VM a \
-             shorter --api-socket PATH"
-        } else {
-            "give a shorter --api-socket PATH"
-        }
-    ))
+    Err(SocketPathError {
+        path: p.to_path_buf(),
+        len,
+        chosen,
+    })
 }
 
 /// Asks the VM's control API to do `op`: Ok on its 204, else its message.
-fn call_vm_api(socket: &Path, op: &ControlOp) -> Result<(), String> {
+fn call_vm_api(socket: &Path, op: &ControlOp) -> Result<(), ApiCallError> {
     let (path, body, timeout) = match op {
         ControlOp::Pause => ("/api/v1/vm.pause", None, CONTROL_TIMEOUT),
         ControlOp::Resume => ("/api/v1/vm.resume", None, CONTROL_TIMEOUT),
@@ -680,12 +765,11 @@ fn call_vm_api(socket: &Path, op: &ControlOp) -> Result<(), String> {
         ),
     };
     let (status, text) =
-        musubi_api::request_with_timeout(socket, "PUT", path, body.as_deref(), timeout)
-            .map_err(|e| e.to_string())?;
+        musubi_api::request_with_timeout(socket, "PUT", path, body.as_deref(), timeout)?;
     if (200..300).contains(&status) {
         Ok(())
     } else {
-        Err(api_message(status, &text))
+        Err(ApiCallError::Refused { status, body: text })
     }
 }
 
@@ -759,12 +843,12 @@ mod peer_tests {
     fn socket_paths_the_kernel_cannot_bind_are_refused_by_length() {
         check_socket_path(&PathBuf::from(format!("/{}", "x".repeat(106))), true).unwrap();
         let long = PathBuf::from(format!("/{}", "x".repeat(107)));
-        let e = check_socket_path(&long, true).unwrap_err();
+        let e = check_socket_path(&long, true).unwrap_err().to_string();
         assert!(
             e.contains("108 bytes long") && e.contains("at most 107") && e.contains("--state-dir"),
             "{e}"
         );
-        let e = check_socket_path(&long, false).unwrap_err();
+        let e = check_socket_path(&long, false).unwrap_err().to_string();
         assert!(e.contains("shorter --api-socket"), "{e}");
     }
 
@@ -785,7 +869,7 @@ mod peer_tests {
     fn only_root_and_the_owner_are_answered() {
         check_peer(0, 1, 1000).unwrap();
         check_peer(1000, 1, 1000).unwrap();
-        let e = check_peer(65534, 42, 1000).unwrap_err();
+        let e = check_peer(65534, 42, 1000).unwrap_err().to_string();
         assert!(
             e.contains("uid 65534 (pid 42)") && e.contains("uid 1000"),
             "{e}"
