@@ -69,10 +69,66 @@ const REGISTERS: [u32; 24] = [
     VIRTIO_MMIO_CONFIG,
 ];
 
+/// A rule the device broke, or (`Net`, `Io`, `NoDisk`) a device the run could not build,
+/// before anything was checked.
+#[derive(Debug, thiserror::Error)]
+pub enum Finding {
+    #[error(transparent)]
+    Net(#[from] crate::virtio::net::NetError),
+    /// A scratch disk image could not be made.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("no disk for the virtio-blk target: {0}")]
+    NoDisk(#[source] crate::virtio::block::BlockError),
+    #[error("flush after reset answered {got}, not {want}")]
+    FlushAnswer { got: u32, want: u32 },
+    #[error("magic {magic:#x}, version {version} after the script")]
+    Identity { magic: u32, version: u32 },
+    #[error("the device sent a frame of {0} bytes")]
+    FrameLength(usize),
+    #[error(transparent)]
+    Memory(#[from] vm_memory::GuestMemoryError),
+    #[error("frame sent after reset arrived as {0:?}")]
+    SentFrame(std::io::Result<usize>),
+    #[error("backend full after reset: {0}")]
+    BackendFull(#[source] std::io::Error),
+    #[error("a frame from the host end after reset never reached the guest")]
+    FrameLost,
+    #[error("queue {index}: {served} used entries for {available} available chains")]
+    TooManyUsed {
+        index: u32,
+        served: u16,
+        available: usize,
+    },
+    #[error("queue {index}: used element {slot} unreadable: {source}")]
+    UsedUnreadable {
+        index: u32,
+        slot: u16,
+        source: vm_memory::GuestMemoryError,
+    },
+    #[error("queue {index}: used entry {k} is chain {id}, but chain {head} was next")]
+    OutOfOrder {
+        index: u32,
+        k: usize,
+        id: u32,
+        head: u16,
+    },
+    #[error(
+        "queue {index}: chain {head} used with length {len}, but its writable buffers hold \
+         {bound} bytes"
+    )]
+    TooLong {
+        index: u32,
+        head: u16,
+        len: u32,
+        bound: u64,
+    },
+}
+
 /// The virtio-mmio transport from power-on: feature negotiation, queue registers and
 /// notifications in any order, with a virtio-pmem device behind it (it does no host I/O, so
 /// the run is all transport).
-pub fn mmio_transport(data: &[u8]) -> Result<(), String> {
+pub fn mmio_transport(data: &[u8]) -> Result<(), Finding> {
     let mut script = Script(data);
     let fail_flush = script.byte() & 1 == 1;
     let mut d = Driver::new_in(pmem(fail_flush), memory());
@@ -82,7 +138,7 @@ pub fn mmio_transport(data: &[u8]) -> Result<(), String> {
 
 /// virtio-blk requests on a live queue: header, data and status descriptors of any shape,
 /// direct and indirect, on a small disk (write-back or `O_DIRECT`, writable or read-only).
-pub fn virtio_blk(data: &[u8]) -> Result<(), String> {
+pub fn virtio_blk(data: &[u8]) -> Result<(), Finding> {
     let mut script = Script(data);
     let mode = script.byte();
     let readonly = mode & 1 == 1;
@@ -98,7 +154,7 @@ pub fn virtio_blk(data: &[u8]) -> Result<(), String> {
 }
 
 /// virtio-pmem requests on a live queue, the host flush succeeding or failing.
-pub fn virtio_pmem(data: &[u8]) -> Result<(), String> {
+pub fn virtio_pmem(data: &[u8]) -> Result<(), Finding> {
     let mut script = Script(data);
     let fail_flush = script.byte() & 1 == 1;
     let mut d = Driver::new_in(pmem(fail_flush), memory());
@@ -113,7 +169,7 @@ pub fn virtio_pmem(data: &[u8]) -> Result<(), String> {
 /// resume) fire at any time. The first byte picks the features: bit 0 drops MRG_RXBUF,
 /// bit 1 drops EVENT_IDX. Every notification and event is checked on both queues; at the
 /// end, after a reset, a frame must go each way.
-pub fn virtio_net(data: &[u8]) -> Result<(), String> {
+pub fn virtio_net(data: &[u8]) -> Result<(), Finding> {
     let mut script = Script(data);
     let mode = script.byte();
     let mut drop_bits = 0;
@@ -124,8 +180,7 @@ pub fn virtio_net(data: &[u8]) -> Result<(), String> {
         drop_bits |= 1 << VIRTIO_RING_F_EVENT_IDX;
     }
     let (backend, peer) = SocketBackend::pair();
-    let net =
-        Net::with_backend(Box::new(backend), None, 256, None, None).map_err(|e| e.to_string())?;
+    let net = Net::with_backend(Box::new(backend), None, 256, None, None)?;
     let mut d = Driver::new_in(net, memory());
     let (mut rx, mut tx) = d.net_up(drop_bits);
     play_net(&mut d, [&mut rx, &mut tx], &peer, &mut script)?;
@@ -159,9 +214,9 @@ pub fn virtio_net_samples() -> Vec<Vec<u8>> {
 /// on `count` inputs made from the samples with seeded random changes (one in four plain
 /// random bytes), so a failure replays from the same seed. A broken rule or a panic fails
 /// with the input in hex.
-pub fn smoke(
+pub fn smoke<E: std::fmt::Display>(
     name: &str,
-    target: fn(&[u8]) -> Result<(), String>,
+    target: fn(&[u8]) -> Result<(), E>,
     samples: &[Vec<u8>],
     seed: u64,
     count: u64,
@@ -240,36 +295,28 @@ fn pmem(fail_flush: bool) -> Pmem {
 /// A fresh image per input, so no input depends on what an earlier one wrote. The file is
 /// unlinked once the device holds it open. `O_DIRECT` needs a file system that has it, which
 /// /tmp may not be; where /var/tmp lacks it too, the write-back mode stands in.
-fn disk(readonly: bool, direct: bool) -> Result<Block, String> {
-    let mut last = String::new();
-    for (dir, cache) in [
-        ("/var/tmp", CacheMode::None),
-        ("/tmp", CacheMode::Writeback),
-    ] {
-        if cache == CacheMode::None && !direct {
-            continue;
-        }
+fn disk(readonly: bool, direct: bool) -> Result<Block, Finding> {
+    let open = |dir: &str, cache| -> std::io::Result<Result<Block, _>> {
         // Sparse: what the disk holds does not matter to the checks.
-        let f = tempfile::NamedTempFile::new_in(dir).map_err(|e| e.to_string())?;
-        f.as_file()
-            .set_len(DISK_SECTORS * SECTOR_SIZE)
-            .map_err(|e| e.to_string())?;
-        let cfg = BlockConfig {
+        let f = tempfile::NamedTempFile::new_in(dir)?;
+        f.as_file().set_len(DISK_SECTORS * SECTOR_SIZE)?;
+        Ok(Block::new(BlockConfig {
             path: f.path().into(),
             readonly,
             cache,
             id: "fuzz".into(),
-        };
-        match Block::new(cfg) {
-            Ok(b) => return Ok(b),
-            Err(e) => last = e.to_string(),
+        }))
+    };
+    if direct {
+        if let Ok(b) = open("/var/tmp", CacheMode::None)? {
+            return Ok(b);
         }
     }
-    Err(format!("no disk for the virtio-blk target: {last}"))
+    open("/tmp", CacheMode::Writeback)?.map_err(Finding::NoDisk)
 }
 
 /// The registers still answer, and after a reset a flush request is served.
-fn pmem_alive(d: &mut Driver, fail_flush: bool) -> Result<(), String> {
+fn pmem_alive(d: &mut Driver, fail_flush: bool) -> Result<(), Finding> {
     finish(d)?;
     d.restart();
     d.flush_request();
@@ -280,17 +327,15 @@ fn pmem_alive(d: &mut Driver, fail_flush: bool) -> Result<(), String> {
     };
     match d.response() {
         r if r == want => Ok(()),
-        r => Err(format!("flush after reset answered {r}, not {want}")),
+        got => Err(Finding::FlushAnswer { got, want }),
     }
 }
 
 /// The identification registers read as they did before the guest's script.
-fn finish(d: &mut Driver) -> Result<(), String> {
+fn finish(d: &mut Driver) -> Result<(), Finding> {
     let (magic, version) = (d.read(VIRTIO_MMIO_MAGIC_VALUE), d.read(VIRTIO_MMIO_VERSION));
     if (magic, version) != (MMIO_MAGIC, MMIO_VERSION) {
-        return Err(format!(
-            "magic {magic:#x}, version {version} after the script"
-        ));
+        return Err(Finding::Identity { magic, version });
     }
     d.status();
     Ok(())
@@ -367,7 +412,7 @@ impl Script<'_> {
 
 /// What every script does alike, whichever device: op 0 writes a register (a QueueNotify
 /// write is checked as a notification), op 1 reads one, op 2 writes guest memory.
-fn register_or_memory(d: &mut Driver, s: &mut Script, op: u8) -> Result<(), String> {
+fn register_or_memory(d: &mut Driver, s: &mut Script, op: u8) -> Result<(), Finding> {
     match op {
         0 => {
             let (offset, width) = s.register();
@@ -418,7 +463,7 @@ fn queue_size(s: &mut Script) -> u32 {
 }
 
 /// Plays the script against the device, checking every notification.
-fn play(d: &mut Driver, s: &mut Script) -> Result<(), String> {
+fn play(d: &mut Driver, s: &mut Script) -> Result<(), Finding> {
     for _ in 0..MAX_ACTIONS {
         if s.0.is_empty() {
             break;
@@ -492,7 +537,7 @@ fn play_net(
     rings: [&mut Ring; 2],
     peer: &std::os::unix::net::UnixDatagram,
     s: &mut Script,
-) -> Result<(), String> {
+) -> Result<(), Finding> {
     let [rx, tx] = rings;
     for _ in 0..MAX_ACTIONS {
         if s.0.is_empty() {
@@ -575,7 +620,7 @@ fn play_net(
                     for _ in 0..64 {
                         let Ok(n) = peer.recv(&mut buf) else { break };
                         if n <= VNET_HDR_LEN || n > VNET_HDR_LEN + MAX_FRAME_LEN {
-                            return Err(format!("the device sent a frame of {n} bytes"));
+                            return Err(Finding::FrameLength(n));
                         }
                     }
                 }
@@ -596,19 +641,17 @@ fn play_net(
 
 /// After a reset, a frame sent by the guest reaches the host end and a frame from the host
 /// end reaches a guest buffer.
-fn net_alive(d: &mut Driver, peer: &std::os::unix::net::UnixDatagram) -> Result<(), String> {
+fn net_alive(d: &mut Driver, peer: &std::os::unix::net::UnixDatagram) -> Result<(), Finding> {
     let (mut rx, mut tx) = d.net_up(0);
     let mut buf = vec![0u8; VNET_HDR_LEN + MAX_FRAME_LEN + 64];
     while peer.recv(&mut buf).is_ok() {}
     let marker: Vec<u8> = (0..80u8).map(|i| i ^ 0x5a).collect();
-    d.mem
-        .write_slice(&marker, GuestAddress(DATA))
-        .map_err(|e| e.to_string())?;
+    d.mem.write_slice(&marker, GuestAddress(DATA))?;
     d.chain_on(&mut tx, 0, &[(DATA, marker.len() as u32, 0)]);
     d.notify_queue(1);
     match peer.recv(&mut buf) {
         Ok(n) if buf[..n] == marker[..] => {}
-        other => return Err(format!("frame sent after reset arrived as {other:?}")),
+        other => return Err(Finding::SentFrame(other)),
     }
     // Frames the script left in the backend go first, into a ring of big buffers; then the
     // marker follows.
@@ -623,8 +666,7 @@ fn net_alive(d: &mut Driver, peer: &std::os::unix::net::UnixDatagram) -> Result<
         );
     }
     d.notify_queue(0);
-    peer.send(&marker)
-        .map_err(|e| format!("backend full after reset: {e}"))?;
+    peer.send(&marker).map_err(Finding::BackendFull)?;
     d.t.process_event(0);
     while let Some((id, len)) = d.next_used_on(&mut rx) {
         let addr = base + stride * u64::from(id);
@@ -635,7 +677,7 @@ fn net_alive(d: &mut Driver, peer: &std::os::unix::net::UnixDatagram) -> Result<
             return Ok(());
         }
     }
-    Err("a frame from the host end after reset never reached the guest".into())
+    Err(Finding::FrameLost)
 }
 
 /// A descriptor as a buggy or hostile driver may write it.
@@ -706,13 +748,13 @@ fn span(addr: u64, len: u64) -> (u64, u64) {
 }
 
 /// Notifies queue `index` and checks what the device put on its used ring.
-fn notify(d: &mut Driver, index: u32) -> Result<(), String> {
+fn notify(d: &mut Driver, index: u32) -> Result<(), Finding> {
     checked(d, &[index], |d| d.write(VIRTIO_MMIO_QUEUE_NOTIFY, index))
 }
 
 /// Runs `act` and checks what the device put on the used rings of `queues`: only chains
 /// that were available, in order, none longer than its writable buffers.
-fn checked(d: &mut Driver, queues: &[u32], act: impl FnOnce(&mut Driver)) -> Result<(), String> {
+fn checked(d: &mut Driver, queues: &[u32], act: impl FnOnce(&mut Driver)) -> Result<(), Finding> {
     let mut fp = Footprint::default();
     let mut before = Vec::new();
     for &index in queues {
@@ -749,36 +791,44 @@ fn check_used(
     rings: Rings,
     used_before: u16,
     expected: &[(u16, u64)],
-) -> Result<(), String> {
+) -> Result<(), Finding> {
     let used_after =
         d.t.queue(index as usize)
             .map_or(used_before, |q| q.next_used());
     let served = used_after.wrapping_sub(used_before);
     if usize::from(served) > expected.len() {
-        return Err(format!(
-            "queue {index}: {served} used entries for {} available chains",
-            expected.len()
-        ));
+        return Err(Finding::TooManyUsed {
+            index,
+            served,
+            available: expected.len(),
+        });
     }
     for (k, &(head, bound)) in expected.iter().take(usize::from(served)).enumerate() {
         let slot = used_before.wrapping_add(k as u16) % rings.size;
         let at = rings.used + 4 + 8 * u64::from(slot);
-        let elem: VirtqUsedElem = d
-            .mem
-            .read_obj(GuestAddress(at))
-            .map_err(|e| format!("queue {index}: used element {slot} unreadable: {e}"))?;
+        let elem: VirtqUsedElem =
+            d.mem
+                .read_obj(GuestAddress(at))
+                .map_err(|source| Finding::UsedUnreadable {
+                    index,
+                    slot,
+                    source,
+                })?;
         if elem.id() != u32::from(head) {
-            return Err(format!(
-                "queue {index}: used entry {k} is chain {}, but chain {head} was next",
-                elem.id()
-            ));
+            return Err(Finding::OutOfOrder {
+                index,
+                k,
+                id: elem.id(),
+                head,
+            });
         }
         if u64::from(elem.len()) > bound {
-            return Err(format!(
-                "queue {index}: chain {head} used with length {}, but its writable \
-                 buffers hold {bound} bytes",
-                elem.len()
-            ));
+            return Err(Finding::TooLong {
+                index,
+                head,
+                len: elem.len(),
+                bound,
+            });
         }
     }
     Ok(())

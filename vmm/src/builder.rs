@@ -508,7 +508,7 @@ fn restore_devices(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .restore(&state.serial)
-        .map_err(corrupt)?;
+        .map_err(|e| corrupt(e.to_string()))?;
     if state.transports.len() != devices.transports.len() {
         return Err(corrupt(format!(
             "the snapshot has {} virtio devices, this VM {}",

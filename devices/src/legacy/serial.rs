@@ -53,6 +53,11 @@ pub struct Serial {
     inner: vm_superio::Serial<SuperioTrigger, vm_superio::serial::NoEvents, SerialOutput>,
 }
 
+/// The saved UART state vm-superio refused (its receive FIFO holds more than fits).
+#[derive(Debug, thiserror::Error)]
+#[error("serial port: {0:?}")]
+pub struct SerialRestoreError(#[source] vm_superio::serial::Error<io::Error>);
+
 /// The UART's registers and receive FIFO, as saved in a snapshot (vm-superio's
 /// `SerialState`, which has no serde of its own).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -88,7 +93,7 @@ impl Serial {
     }
 
     /// Rebuilds the UART from a saved state, keeping this one's interrupt line and output.
-    pub fn restore(&mut self, s: &SerialSnapshot) -> Result<(), String> {
+    pub fn restore(&mut self, s: &SerialSnapshot) -> Result<(), SerialRestoreError> {
         let state = vm_superio::serial::SerialState {
             baud_divisor_low: s.baud_divisor_low,
             baud_divisor_high: s.baud_divisor_high,
@@ -105,7 +110,7 @@ impl Serial {
         let out = std::mem::replace(self.inner.writer_mut(), SerialOutput::new(None, None));
         self.inner =
             vm_superio::Serial::from_state(&state, trigger, vm_superio::serial::NoEvents, out)
-                .map_err(|e| format!("serial port: {e:?}"))?;
+                .map_err(SerialRestoreError)?;
         Ok(())
     }
 

@@ -65,6 +65,51 @@ pub struct MmioTransport {
     interrupts: u64,
 }
 
+/// Why a saved transport state does not fit this transport.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error(
+        "saved device type {saved_type} with {saved_queues} queues, this one is type \
+         {device_type} with {queues}"
+    )]
+    OtherDevice {
+        saved_type: u32,
+        saved_queues: usize,
+        device_type: u32,
+        queues: usize,
+    },
+    #[error("queue {queue}: {source}")]
+    Queue {
+        queue: usize,
+        source: QueueLayoutError,
+    },
+}
+
+/// Why a queue's registers (a driver's or a saved state's) do not describe a usable queue.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueLayoutError {
+    #[error("queue size {size} (max {max})")]
+    Size { size: u32, max: u16 },
+    #[error("{what} at {addr:#x} is not {align}-byte aligned")]
+    Misaligned {
+        what: &'static str,
+        addr: u64,
+        align: u64,
+    },
+    #[error(transparent)]
+    Queue(#[from] virtio_queue::Error),
+    #[error(
+        "rings (desc {desc:#x}, avail {avail:#x}, used {used:#x}, size {size}) are not in guest \
+         memory"
+    )]
+    OutsideMemory {
+        desc: u64,
+        avail: u64,
+        used: u64,
+        size: u16,
+    },
+}
+
 /// Everything a transport holds that the guest can change, so a snapshot can bring the
 /// device back exactly where the driver left it. The device behind it keeps nothing the
 /// guest set except the features it accepted, which `activate` hands it again.
@@ -186,15 +231,14 @@ impl MmioTransport {
     /// configuration. The state file is checksummed but still checked here as if the guest
     /// had written it: a ready queue goes through the same checks as a driver's, so a state
     /// that names rings outside guest memory is refused, never trusted.
-    pub fn restore(&mut self, s: &TransportState) -> Result<(), String> {
+    pub fn restore(&mut self, s: &TransportState) -> Result<(), RestoreError> {
         if s.device_type != self.device.device_type() || s.queues.len() != self.queues.len() {
-            return Err(format!(
-                "saved device type {} with {} queues, this one is type {} with {}",
-                s.device_type,
-                s.queues.len(),
-                self.device.device_type(),
-                self.queues.len()
-            ));
+            return Err(RestoreError::OtherDevice {
+                saved_type: s.device_type,
+                saved_queues: s.queues.len(),
+                device_type: self.device.device_type(),
+                queues: self.queues.len(),
+            });
         }
         self.reset();
         self.queue_sel = s.queue_sel;
@@ -210,7 +254,7 @@ impl MmioTransport {
                     used: q.used,
                 };
                 self.configure_queue(i)
-                    .map_err(|why| format!("queue {i}: {why}"))?;
+                    .map_err(|source| RestoreError::Queue { queue: i, source })?;
                 self.queues[i].set_next_avail(q.next_avail);
                 self.queues[i].set_next_used(q.next_used);
             }
@@ -542,39 +586,38 @@ impl MmioTransport {
         }
     }
 
-    fn configure_queue(&mut self, i: usize) -> Result<(), String> {
+    fn configure_queue(&mut self, i: usize) -> Result<(), QueueLayoutError> {
         let r = self.regs[i];
         let max = self.device.queue_max_size();
         let size = u16::try_from(r.size)
             .ok()
             .filter(|s| *s != 0 && *s <= max && s.is_power_of_two())
-            .ok_or_else(|| format!("queue size {} (max {max})", r.size))?;
+            .ok_or(QueueLayoutError::Size { size: r.size, max })?;
         for (what, addr, align) in [
             ("descriptor table", r.desc, DESC_ALIGN),
             ("available ring", r.avail, AVAIL_ALIGN),
             ("used ring", r.used, USED_ALIGN),
         ] {
             if addr % align != 0 {
-                return Err(format!("{what} at {addr:#x} is not {align}-byte aligned"));
+                return Err(QueueLayoutError::Misaligned { what, addr, align });
             }
         }
         let q = &mut self.queues[i];
-        q.try_set_size(size).map_err(|e| e.to_string())?;
-        q.try_set_desc_table_address(GuestAddress(r.desc))
-            .map_err(|e| e.to_string())?;
-        q.try_set_avail_ring_address(GuestAddress(r.avail))
-            .map_err(|e| e.to_string())?;
-        q.try_set_used_ring_address(GuestAddress(r.used))
-            .map_err(|e| e.to_string())?;
+        q.try_set_size(size)?;
+        q.try_set_desc_table_address(GuestAddress(r.desc))?;
+        q.try_set_avail_ring_address(GuestAddress(r.avail))?;
+        q.try_set_used_ring_address(GuestAddress(r.used))?;
         // Features are settled before queues are set up; DRIVER_OK sets this again for a
         // driver that did it the other way round.
         q.set_event_idx(self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0);
         q.set_ready(true);
         if !q.is_valid(&self.mem) {
-            return Err(format!(
-                "rings (desc {:#x}, avail {:#x}, used {:#x}, size {size}) are not in guest memory",
-                r.desc, r.avail, r.used
-            ));
+            return Err(QueueLayoutError::OutsideMemory {
+                desc: r.desc,
+                avail: r.avail,
+                used: r.used,
+                size,
+            });
         }
         Ok(())
     }

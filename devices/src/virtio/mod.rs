@@ -11,7 +11,7 @@ pub mod net;
 pub mod pmem;
 
 pub use block::{Block, BlockConfig, BlockError, CacheMode};
-pub use mmio::{MmioTransport, TransportState};
+pub use mmio::{MmioTransport, QueueLayoutError, RestoreError, TransportState};
 pub use net::{Net, NetBackend, NetConfig, NetCounters, NetError};
 pub use pmem::Pmem;
 
