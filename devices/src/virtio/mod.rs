@@ -16,7 +16,6 @@ pub use net::{Net, NetBackend, NetConfig, NetCounters, NetError};
 pub use pmem::Pmem;
 
 use crate::GuestMemoryMmap;
-use std::fmt;
 use std::io;
 use std::num::Wrapping;
 use std::os::fd::RawFd;
@@ -47,16 +46,31 @@ pub struct VirtioStats {
 
 /// Why a queue can no longer be trusted. The transport answers it by setting NEEDS_RESET,
 /// since the driver is the only party that can rebuild the ring.
-#[derive(Debug)]
-pub struct QueueCorrupt(pub String);
-
-impl fmt::Display for QueueCorrupt {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
+#[derive(Debug, thiserror::Error)]
+pub enum QueueCorrupt {
+    /// virtio-queue could not read or write the ring in guest memory.
+    #[error("queue {queue}: {what}: {source}")]
+    Ring {
+        queue: u16,
+        what: &'static str,
+        source: virtio_queue::Error,
+    },
+    #[error(
+        "queue {queue}: avail index {avail} is {pending} entries ahead of {next_avail} (size \
+         {size})"
+    )]
+    AvailAhead {
+        queue: u16,
+        avail: u16,
+        pending: u16,
+        next_avail: u16,
+        size: u16,
+    },
+    #[error("queue {queue}: available ring unreadable")]
+    Unreadable { queue: u16 },
+    #[error("queue {queue}: head descriptor {head} outside a ring of {size}")]
+    HeadOutside { queue: u16, head: u16, size: u16 },
 }
-
-impl std::error::Error for QueueCorrupt {}
 
 /// A device as the transport sees it.
 ///
@@ -167,31 +181,41 @@ pub fn serve_available(
     let size = queue.size();
     let avail = queue
         .avail_idx(mem, Ordering::Acquire)
-        .map_err(|e| QueueCorrupt(format!("queue {index}: reading avail index: {e}")))?;
+        .map_err(|source| QueueCorrupt::Ring {
+            queue: index,
+            what: "reading avail index",
+            source,
+        })?;
     let pending = (avail - Wrapping(queue.next_avail())).0;
     if pending > size {
-        return Err(QueueCorrupt(format!(
-            "queue {index}: avail index {} is {pending} entries ahead of {} (size {size})",
-            avail.0,
-            queue.next_avail()
-        )));
+        return Err(QueueCorrupt::AvailAhead {
+            queue: index,
+            avail: avail.0,
+            pending,
+            next_avail: queue.next_avail(),
+            size,
+        });
     }
     for _ in 0..pending {
         let Some(chain) = queue.pop_descriptor_chain(mem) else {
-            return Err(QueueCorrupt(format!(
-                "queue {index}: available ring unreadable"
-            )));
+            return Err(QueueCorrupt::Unreadable { queue: index });
         };
         let head = chain.head_index();
         if head >= size {
-            return Err(QueueCorrupt(format!(
-                "queue {index}: head descriptor {head} outside a ring of {size}"
-            )));
+            return Err(QueueCorrupt::HeadOutside {
+                queue: index,
+                head,
+                size,
+            });
         }
         let used_len = handle(chain);
         queue
             .add_used(mem, head, used_len)
-            .map_err(|e| QueueCorrupt(format!("queue {index}: writing used ring: {e}")))?;
+            .map_err(|source| QueueCorrupt::Ring {
+                queue: index,
+                what: "writing used ring",
+                source,
+            })?;
     }
     Ok(pending as usize)
 }

@@ -562,8 +562,12 @@ impl Net {
     }
 }
 
-fn corrupt(index: u16, what: &str, e: impl std::fmt::Display) -> QueueCorrupt {
-    QueueCorrupt(format!("queue {index}: {what}: {e}"))
+fn corrupt(queue: u16, what: &'static str, source: virtio_queue::Error) -> QueueCorrupt {
+    QueueCorrupt::Ring {
+        queue,
+        what,
+        source,
+    }
 }
 
 /// The ring's available index and how many chains past `next_avail` it offers; more than the
@@ -574,12 +578,13 @@ fn available(index: u16, q: &Queue, mem: &GuestMemoryMmap) -> Result<(u16, u16),
         .map_err(|e| corrupt(index, "reading avail index", e))?;
     let pending = (avail - Wrapping(q.next_avail())).0;
     if pending > q.size() {
-        return Err(QueueCorrupt(format!(
-            "queue {index}: avail index {} is {pending} entries ahead of {} (size {})",
-            avail.0,
-            q.next_avail(),
-            q.size()
-        )));
+        return Err(QueueCorrupt::AvailAhead {
+            queue: index,
+            avail: avail.0,
+            pending,
+            next_avail: q.next_avail(),
+            size: q.size(),
+        });
     }
     Ok((avail.0, pending))
 }
@@ -592,13 +597,13 @@ fn pop<'a>(
 ) -> Result<DescriptorChain<&'a GuestMemoryMmap>, QueueCorrupt> {
     let chain = q
         .pop_descriptor_chain(mem)
-        .ok_or_else(|| QueueCorrupt(format!("queue {index}: available ring unreadable")))?;
+        .ok_or(QueueCorrupt::Unreadable { queue: index })?;
     if chain.head_index() >= q.size() {
-        return Err(QueueCorrupt(format!(
-            "queue {index}: head descriptor {} outside a ring of {}",
-            chain.head_index(),
-            q.size()
-        )));
+        return Err(QueueCorrupt::HeadOutside {
+            queue: index,
+            head: chain.head_index(),
+            size: q.size(),
+        });
     }
     Ok(chain)
 }
