@@ -56,54 +56,144 @@ pub struct ClusterFile<V> {
 /// A cluster file that cannot be read or is not valid; says which file, so the caller only
 /// adds how it was given (e.g. the flag).
 #[derive(Debug, thiserror::Error)]
-#[error("{}: {what}", path.display())]
+#[error("{}: {fault}", path.display())]
 pub struct FileError {
     pub path: PathBuf,
-    /// Names the field (`nodes[1].address`) where one is at fault.
-    pub what: String,
+    #[source]
+    pub fault: FileFault,
+}
+
+/// What is wrong with a cluster file; names the field (`nodes[1].address`) where one is at
+/// fault.
+#[derive(Debug, thiserror::Error)]
+pub enum FileFault {
+    #[error(transparent)]
+    Read(std::io::Error),
+    #[error("invalid cluster file: {}: {}", .0.path(), .0.inner())]
+    Invalid(#[source] serde_path_to_error::Error<serde_json::Error>),
+    #[error(transparent)]
+    Name(#[from] NameError),
+    #[error("{field} {value:?}: {source}")]
+    Duration {
+        field: &'static str,
+        value: String,
+        source: DurationError,
+    },
+    #[error("secret_file {}: {source}", path.display())]
+    Secret {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("nodes[{index}].address {value:?}: {source} (expected IP:PORT)")]
+    Address {
+        index: usize,
+        value: String,
+        source: std::net::AddrParseError,
+    },
+}
+
+/// A protocol or ordering name that is not one; `why` is what dsm's parser says is accepted.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{flag} {value:?}: {why}")]
+pub struct NameError {
+    pub flag: String,
+    pub value: String,
+    pub why: String,
+}
+
+/// A duration that is not one [`parse_duration`] takes; says what would be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "expected a number and a unit (ns, us, ms or s), e.g. 100us or 2ms, at most {:?}",
+    MAX_LINK_DELAY
+)]
+pub struct DurationError;
+
+/// A file of the cluster [`write_cluster`] could not write.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write {}: {source}", path.display())]
+pub struct WriteError {
+    pub path: PathBuf,
+    pub source: std::io::Error,
+}
+
+/// No secret could be made.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read a secret from /dev/urandom: {0}")]
+pub struct SecretError(#[source] pub std::io::Error);
+
+/// No node id could be taken from a launcher's variables.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RankError {
+    #[error("{name}={value:?}: not a rank (a whole number from 0 to 65535)")]
+    NotARank { name: &'static str, value: String },
+    #[error(
+        "no --id, and none of {} is set: give --id K, or start the nodes with a launcher \
+         (mpirun, srun) that sets one",
+        RANK_VARIABLES.join(", ")
+    )]
+    Unset,
+    #[error(
+        "{first}={rank} and {other}={other_rank} disagree, so which node this is is unclear; \
+         give --id K"
+    )]
+    Disagree {
+        first: &'static str,
+        rank: u16,
+        other: &'static str,
+        other_rank: u16,
+    },
 }
 
 impl<V: DeserializeOwned + Default> ClusterFile<V> {
     /// Reads the cluster file at `path` and the secret file it names.
     pub fn read(path: &Path) -> Result<ClusterFile<V>, FileError> {
-        let at = |what: String| FileError {
+        let at = |fault: FileFault| FileError {
             path: path.to_path_buf(),
-            what,
+            fault,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| at(e.to_string()))?;
+        let text = std::fs::read_to_string(path).map_err(|e| at(FileFault::Read(e)))?;
         let json = &mut serde_json::Deserializer::from_str(&text);
-        let file: RawFile<V> = serde_path_to_error::deserialize(json)
-            .map_err(|e| at(format!("invalid cluster file: {}: {}", e.path(), e.inner())))?;
-        let protocol =
-            parse_protocol("protocol", file.protocol.as_deref().unwrap_or("vmp")).map_err(at)?;
-        let ordering =
-            parse_ordering("ordering", file.ordering.as_deref().unwrap_or("tso")).map_err(at)?;
-        let link_delay = match &file.link_delay {
-            Some(d) => parse_duration(d).map_err(|e| at(format!("link_delay {d:?}: {e}")))?,
-            None => Duration::ZERO,
+        let file: RawFile<V> =
+            serde_path_to_error::deserialize(json).map_err(|e| at(FileFault::Invalid(e)))?;
+        let protocol = parse_protocol("protocol", file.protocol.as_deref().unwrap_or("vmp"))
+            .map_err(|e| at(e.into()))?;
+        let ordering = parse_ordering("ordering", file.ordering.as_deref().unwrap_or("tso"))
+            .map_err(|e| at(e.into()))?;
+        let duration = |field: &'static str, value: &Option<String>, default: Duration| {
+            let Some(d) = value else {
+                return Ok(default);
+            };
+            parse_duration(d).map_err(|source| {
+                at(FileFault::Duration {
+                    field,
+                    value: d.clone(),
+                    source,
+                })
+            })
         };
-        let fetch_poll = match &file.fetch_poll {
-            Some(d) => parse_duration(d).map_err(|e| at(format!("fetch_poll {d:?}: {e}")))?,
-            None => DEFAULT_POLL_WINDOW,
-        };
-        let page_hold = match &file.page_hold {
-            Some(d) => parse_duration(d).map_err(|e| at(format!("page_hold {d:?}: {e}")))?,
-            None => DEFAULT_PAGE_HOLD,
-        };
+        let link_delay = duration("link_delay", &file.link_delay, Duration::ZERO)?;
+        let fetch_poll = duration("fetch_poll", &file.fetch_poll, DEFAULT_POLL_WINDOW)?;
+        let page_hold = duration("page_hold", &file.page_hold, DEFAULT_PAGE_HOLD)?;
         let dir = path.parent().unwrap_or(Path::new("."));
         let secret_path = dir.join(&file.secret_file);
-        let secret = std::fs::read(&secret_path)
-            .map_err(|e| at(format!("secret_file {}: {e}", secret_path.display())))?;
+        let secret = std::fs::read(&secret_path).map_err(|source| {
+            at(FileFault::Secret {
+                path: secret_path.clone(),
+                source,
+            })
+        })?;
         let nodes = file
             .nodes
             .into_iter()
             .enumerate()
             .map(|(i, n)| {
-                let address: SocketAddr = n.address.parse().map_err(|e| {
-                    at(format!(
-                        "nodes[{i}].address {:?}: {e} (expected IP:PORT)",
-                        n.address
-                    ))
+                let address: SocketAddr = n.address.parse().map_err(|source| {
+                    at(FileFault::Address {
+                        index: i,
+                        value: n.address.clone(),
+                        source,
+                    })
                 })?;
                 Ok(NodeAddr {
                     address,
@@ -141,12 +231,12 @@ pub struct Timing {
 }
 
 /// 32 bytes from /dev/urandom: a secret no other VM's nodes can know.
-pub fn fresh_secret() -> Result<Vec<u8>, String> {
+pub fn fresh_secret() -> Result<Vec<u8>, SecretError> {
     use std::io::Read;
     let mut secret = vec![0u8; 32];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut secret))
-        .map_err(|e| format!("cannot read a secret from /dev/urandom: {e}"))?;
+        .map_err(SecretError)?;
     Ok(secret)
 }
 
@@ -155,7 +245,11 @@ pub fn fresh_secret() -> Result<Vec<u8>, String> {
 /// file must not exist yet, so a secret is never written where another user made a file.
 /// The timings in `timing` are written only when given, so the nodes' defaults apply
 /// otherwise.
-pub fn write_cluster(dir: &Path, spec: &ClusterSpec, timing: &Timing) -> Result<PathBuf, String> {
+pub fn write_cluster(
+    dir: &Path,
+    spec: &ClusterSpec,
+    timing: &Timing,
+) -> Result<PathBuf, WriteError> {
     use std::os::unix::fs::OpenOptionsExt;
     let secret_path = dir.join("secret");
     std::fs::OpenOptions::new()
@@ -164,7 +258,10 @@ pub fn write_cluster(dir: &Path, spec: &ClusterSpec, timing: &Timing) -> Result<
         .mode(0o600)
         .open(&secret_path)
         .and_then(|mut f| std::io::Write::write_all(&mut f, &spec.secret))
-        .map_err(|e| format!("cannot write {}: {e}", secret_path.display()))?;
+        .map_err(|source| WriteError {
+            path: secret_path.clone(),
+            source,
+        })?;
     let mut json = serde_json::json!({
         "protocol": spec.protocol.name(),
         "ordering": spec.ordering.name(),
@@ -189,48 +286,53 @@ pub fn write_cluster(dir: &Path, spec: &ClusterSpec, timing: &Timing) -> Result<
         &path,
         serde_json::to_string_pretty(&json).unwrap_or_default(),
     )
-    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    .map_err(|source| WriteError {
+        path: path.clone(),
+        source,
+    })?;
     Ok(path)
 }
 
 /// A protocol's name as the cluster file and `--protocol` give it; `flag` names where it
 /// came from in the error.
-pub fn parse_protocol(flag: &str, s: &str) -> Result<dsm::Protocol, String> {
-    s.parse().map_err(|e| format!("{flag} {s:?}: {e}"))
+pub fn parse_protocol(flag: &str, s: &str) -> Result<dsm::Protocol, NameError> {
+    s.parse().map_err(|why| name_error(flag, s, why))
+}
+
+fn name_error(flag: &str, value: &str, why: String) -> NameError {
+    NameError {
+        flag: flag.to_string(),
+        value: value.to_string(),
+        why,
+    }
 }
 
 /// An ordering's name as the cluster file and `--ordering` give it; `flag` names where it
 /// came from in the error, which warns that `paper` is unsafe for x86 guests.
-pub fn parse_ordering(flag: &str, s: &str) -> Result<dsm::Ordering, String> {
-    s.parse().map_err(|e| format!("{flag} {s:?}: {e}"))
+pub fn parse_ordering(flag: &str, s: &str) -> Result<dsm::Ordering, NameError> {
+    s.parse().map_err(|why| name_error(flag, s, why))
 }
 
 /// A link delay or poll window: a non-negative number and a unit (`ns`, `us` or `µs`, `ms`,
 /// `s`), at most [`MAX_LINK_DELAY`]. The error says what would be accepted; the
 /// caller names the flag or field.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let expected = || {
-        format!(
-            "expected a number and a unit (ns, us, ms or s), e.g. 100us or 2ms, at most {:?}",
-            MAX_LINK_DELAY
-        )
-    };
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .ok_or_else(expected)?;
+        .ok_or(DurationError)?;
     let (number, unit) = t.split_at(split);
     let ns_per = match unit.trim() {
         "ns" => 1.0,
         "us" | "µs" => 1e3,
         "ms" => 1e6,
         "s" => 1e9,
-        _ => return Err(expected()),
+        _ => return Err(DurationError),
     };
-    let v: f64 = number.parse().map_err(|_| expected())?;
+    let v: f64 = number.parse().map_err(|_| DurationError)?;
     let ns = v * ns_per;
     if !ns.is_finite() || ns > MAX_LINK_DELAY.as_nanos() as f64 {
-        return Err(expected());
+        return Err(DurationError);
     }
     Ok(Duration::from_nanos(ns.round() as u64))
 }
@@ -244,28 +346,27 @@ pub const RANK_VARIABLES: [&str; 3] = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLUR
 /// name. Two variables that disagree, or a value that is not a rank, are refused by name.
 pub fn rank_from_launcher(
     var: impl Fn(&str) -> Option<String>,
-) -> Result<(u16, &'static str), String> {
+) -> Result<(u16, &'static str), RankError> {
     let mut found: Vec<(&'static str, u16)> = Vec::new();
     for name in RANK_VARIABLES {
         if let Some(value) = var(name) {
-            let rank = value.trim().parse::<u16>().map_err(|_| {
-                format!("{name}={value:?}: not a rank (a whole number from 0 to 65535)")
-            })?;
+            let rank = value
+                .trim()
+                .parse::<u16>()
+                .map_err(|_| RankError::NotARank { name, value })?;
             found.push((name, rank));
         }
     }
     let Some(&(first, rank)) = found.first() else {
-        return Err(format!(
-            "no --id, and none of {} is set: give --id K, or start the nodes with a launcher \
-             (mpirun, srun) that sets one",
-            RANK_VARIABLES.join(", ")
-        ));
+        return Err(RankError::Unset);
     };
-    if let Some((other, r)) = found.iter().find(|(_, r)| *r != rank) {
-        return Err(format!(
-            "{first}={rank} and {other}={r} disagree, so which node this is is unclear; give \
-             --id K"
-        ));
+    if let Some(&(other, other_rank)) = found.iter().find(|(_, r)| *r != rank) {
+        return Err(RankError::Disagree {
+            first,
+            rank,
+            other,
+            other_rank,
+        });
     }
     Ok((rank, first))
 }
@@ -297,14 +398,17 @@ mod tests {
             Ok((0, "SLURM_PROCID"))
         );
         let e = rank_from_launcher(env(&[("OMPI_COMM_WORLD_RANK", "1"), ("SLURM_PROCID", "2")]))
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("OMPI_COMM_WORLD_RANK=1 and SLURM_PROCID=2 disagree"),
             "{e}"
         );
-        let e = rank_from_launcher(env(&[("PMI_RANK", "-1")])).unwrap_err();
+        let e = rank_from_launcher(env(&[("PMI_RANK", "-1")]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("PMI_RANK=\"-1\": not a rank"), "{e}");
-        let e = rank_from_launcher(env(&[])).unwrap_err();
+        let e = rank_from_launcher(env(&[])).unwrap_err().to_string();
         assert!(
             e.contains("no --id") && e.contains("OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID"),
             "{e}"
@@ -322,7 +426,7 @@ mod tests {
         assert_eq!(ok("0.1s"), Duration::from_millis(100));
         assert_eq!(ok("0us"), Duration::ZERO);
         for bad in ["abc", "100", "ms", "-1ms", "1.2.3ms", "2 hours", "", "1s"] {
-            let e = parse_duration(bad).unwrap_err();
+            let e = parse_duration(bad).unwrap_err().to_string();
             assert!(e.contains("e.g. 100us or 2ms"), "{bad:?}: {e}");
         }
     }
@@ -362,7 +466,9 @@ mod tests {
             .mode();
         assert_eq!(mode & 0o777, 0o600);
         // A second secret is not written over the first.
-        let e = write_cluster(dir.path(), &spec(), &Timing::default()).unwrap_err();
+        let e = write_cluster(dir.path(), &spec(), &Timing::default())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("cannot write") && e.contains("secret"), "{e}");
     }
 

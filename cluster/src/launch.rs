@@ -76,14 +76,42 @@ pub struct Launched {
 pub enum LaunchError {
     /// The VM cannot be spread over that many nodes; nothing was set up.
     #[error("{nodes} nodes: {why}")]
-    Refused { nodes: u16, why: String },
+    Refused { nodes: u16, why: Unrunnable },
     /// Setting up the nodes' files or network, or starting a node, failed.
-    #[error("{message}")]
+    #[error("{source}")]
     Failed {
-        message: String,
+        source: SetupError,
         /// The stop signal that ended the set-up, if one did.
         signal: Option<i32>,
     },
+}
+
+/// Why no node could run the VM, whatever the nodes' addresses.
+#[derive(Debug, thiserror::Error)]
+pub enum Unrunnable {
+    #[error("a VM needs at least one node")]
+    NoNodes,
+    #[error(transparent)]
+    Spec(#[from] crate::ClusterError),
+}
+
+/// What failed while the nodes' files and network were set up or the nodes started.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("cannot create a directory for the cluster file: {0}")]
+    Dir(#[source] std::io::Error),
+    #[error("cannot install signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Netns(#[from] crate::netns::NetnsError),
+    #[error("cannot find a free loopback port: {0}")]
+    Ports(#[source] std::io::Error),
+    #[error(transparent)]
+    Secret(#[from] crate::SecretError),
+    #[error(transparent)]
+    Write(#[from] crate::WriteError),
+    #[error("cannot start node {node}: {source}")]
+    Start { node: u16, source: std::io::Error },
 }
 
 impl LaunchError {
@@ -99,9 +127,9 @@ impl LaunchError {
     }
 }
 
-fn failed(message: String) -> LaunchError {
+fn failed(source: impl Into<SetupError>) -> LaunchError {
     LaunchError::Failed {
-        message,
+        source: source.into(),
         signal: None,
     }
 }
@@ -114,7 +142,7 @@ impl Launch<'_> {
         if n == 0 {
             return Err(LaunchError::Refused {
                 nodes: n,
-                why: "a VM needs at least one node".into(),
+                why: Unrunnable::NoNodes,
             });
         }
         // Refuse what no node could run before starting any.
@@ -131,21 +159,17 @@ impl Launch<'_> {
         if let Err(e) = check.check(self.config, 0) {
             return Err(LaunchError::Refused {
                 nodes: n,
-                why: e.to_string(),
+                why: e.into(),
             });
         }
         let dir = tempfile::Builder::new()
             .prefix("musubi-nodes-")
             .tempdir()
-            .map_err(|e| {
-                failed(format!(
-                    "cannot create a directory for the cluster file: {e}"
-                ))
-            })?;
+            .map_err(|e| failed(SetupError::Dir(e)))?;
         // Before anything is made that must be removed again: a stop signal from here on is
         // seen, not fatal, so every exit path runs the clean-up.
-        let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP])
-            .map_err(|e| failed(format!("cannot install signal handlers: {e}")))?;
+        let mut signals =
+            Signals::new([SIGTERM, SIGINT, SIGHUP]).map_err(|e| failed(SetupError::Signals(e)))?;
         let mut stopped_by = None;
         let net = if self.netns {
             let mut interrupted = || {
@@ -155,9 +179,9 @@ impl Launch<'_> {
             };
             match Netns::create(n, &mut interrupted) {
                 Ok(net) => Some(net),
-                Err(message) => {
+                Err(e) => {
                     return Err(LaunchError::Failed {
-                        message,
+                        source: e.into(),
                         signal: stopped_by,
                     })
                 }
@@ -181,7 +205,7 @@ impl Launch<'_> {
                     self.ordering,
                     secret,
                 );
-                write_cluster(dir.path(), &spec, &self.timing)
+                Ok(write_cluster(dir.path(), &spec, &self.timing)?)
             })
             .map_err(failed)?;
         let report_of = |k: u16| dir.path().join(format!("node{k}.report.json"));
@@ -211,7 +235,7 @@ impl Launch<'_> {
                         let _ = c.kill();
                         let _ = c.wait();
                     }
-                    return Err(failed(format!("cannot start node {k}: {e}")));
+                    return Err(failed(SetupError::Start { node: k, source: e }));
                 }
             }
         }
@@ -351,14 +375,14 @@ fn supervise(
 
 /// `n` loopback addresses with ports the kernel hands out now; the nodes bind them a moment
 /// later.
-fn free_loopback_ports(n: u16) -> Result<Vec<SocketAddr>, String> {
+fn free_loopback_ports(n: u16) -> Result<Vec<SocketAddr>, SetupError> {
     let listeners: Vec<TcpListener> = (0..n)
         .map(|_| TcpListener::bind("127.0.0.1:0"))
         .collect::<Result<_, _>>()
-        .map_err(|e| format!("cannot find a free loopback port: {e}"))?;
+        .map_err(SetupError::Ports)?;
     listeners
         .iter()
         .map(|l| l.local_addr())
         .collect::<Result<_, _>>()
-        .map_err(|e| format!("cannot find a free loopback port: {e}"))
+        .map_err(SetupError::Ports)
 }

@@ -26,11 +26,13 @@ mod symbols;
 pub use dsm_host::{DEFAULT_PAGE_HOLD, DEFAULT_POLL_WINDOW, MAX_LINK_DELAY};
 pub use file::{
     fresh_secret, parse_duration, parse_ordering, parse_protocol, rank_from_launcher,
-    write_cluster, ClusterFile, FileError, Timing, RANK_VARIABLES,
+    write_cluster, ClusterFile, DurationError, FileError, FileFault, NameError, RankError,
+    SecretError, Timing, WriteError, RANK_VARIABLES,
 };
 pub use ipi::IPI_PORT;
-pub use launch::{Launch, LaunchError, Launched, NodeFiles};
-pub use node::{Mover, Node, NodeError, NodeOptions, NodeReport, RunningNode};
+pub use launch::{Launch, LaunchError, Launched, NodeFiles, SetupError, Unrunnable};
+pub use netns::NetnsError;
+pub use node::{MoveError, Mover, Node, NodeError, NodeOptions, NodeReport, RunningNode};
 pub use spec::{ClusterError, ClusterSpec, NodeAddr};
 
 /// Prints one line on stderr in a single write. The node processes of `run --nodes` share

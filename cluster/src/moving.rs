@@ -26,6 +26,23 @@ const PIECE: usize = dsm_host::MAX_MIGRATION_BYTES - 16;
 /// and tables, which JSON makes several times larger).
 const MAX_STATE: usize = 1 << 20;
 
+/// A move message from a peer that is not one, or state that cannot be taken.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum MoveMsgError {
+    #[error("empty move message")]
+    Empty,
+    #[error("move message without a vCPU")]
+    NoVcpu,
+    #[error("move message too short")]
+    TooShort,
+    #[error("malformed move message (kind {tag}, {len} bytes)")]
+    Malformed { tag: u8, len: usize },
+    #[error("state for vCPU {0}, which is not on its way here")]
+    NotComing(u8),
+    #[error("vCPU {0}'s state is longer than {MAX_STATE} bytes")]
+    StateTooLong(u8),
+}
+
 /// What the nodes say to each other about a move, carried in `Envelope::Move`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum MoveMsg {
@@ -76,14 +93,14 @@ impl MoveMsg {
         out
     }
 
-    pub fn decode(b: &[u8]) -> Result<MoveMsg, String> {
-        let node = |b: &[u8]| -> Result<u16, String> {
+    pub fn decode(b: &[u8]) -> Result<MoveMsg, MoveMsgError> {
+        let node = |b: &[u8]| -> Result<u16, MoveMsgError> {
             b.get(2..4)
                 .map(|n| u16::from_le_bytes([n[0], n[1]]))
-                .ok_or_else(|| "move message too short".to_string())
+                .ok_or(MoveMsgError::TooShort)
         };
-        let (&tag, rest) = b.split_first().ok_or("empty move message")?;
-        let &vcpu = rest.first().ok_or("move message without a vCPU")?;
+        let (&tag, rest) = b.split_first().ok_or(MoveMsgError::Empty)?;
+        let &vcpu = rest.first().ok_or(MoveMsgError::NoVcpu)?;
         Ok(match tag {
             0 if b.len() == 4 => MoveMsg::Move { vcpu, to: node(b)? },
             1 if b.len() == 2 => MoveMsg::Coming { vcpu },
@@ -101,12 +118,7 @@ impl MoveMsg {
                 node: node(b)?,
                 why: String::from_utf8_lossy(&b[4..]).into_owned(),
             },
-            _ => {
-                return Err(format!(
-                    "malformed move message (kind {tag}, {} bytes)",
-                    b.len()
-                ))
-            }
+            _ => return Err(MoveMsgError::Malformed { tag, len: b.len() }),
         })
     }
 
@@ -214,18 +226,19 @@ impl Routes {
 
     /// Adds a piece of `vcpu`'s state; the whole state once `last` comes. A piece for a vCPU
     /// not announced, or too much state, is refused.
-    pub fn piece(&self, vcpu: u8, bytes: &[u8], last: bool) -> Result<Option<Vec<u8>>, String> {
+    pub fn piece(
+        &self,
+        vcpu: u8,
+        bytes: &[u8],
+        last: bool,
+    ) -> Result<Option<Vec<u8>>, MoveMsgError> {
         let mut t = self.table();
         let Some(s) = t.state.get_mut(&vcpu) else {
-            return Err(format!(
-                "state for vCPU {vcpu}, which is not on its way here"
-            ));
+            return Err(MoveMsgError::NotComing(vcpu));
         };
         if s.len() + bytes.len() > MAX_STATE {
             t.state.remove(&vcpu);
-            return Err(format!(
-                "vCPU {vcpu}'s state is longer than {MAX_STATE} bytes"
-            ));
+            return Err(MoveMsgError::StateTooLong(vcpu));
         }
         s.extend_from_slice(bytes);
         Ok(if last { t.state.remove(&vcpu) } else { None })

@@ -31,6 +31,50 @@ pub const MAX_NETNS_NODES: u16 = 253;
 const CAP_NET_ADMIN: u32 = 12;
 const CAP_SYS_ADMIN: u32 = 21;
 
+/// Why the node network could not be made (or a namespace of it removed); names `--netns`
+/// and, for `ip`, the command and what it printed.
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    #[error("--netns with --nodes {0}: the node network holds 1 to {MAX_NETNS_NODES} nodes")]
+    NodeCount(u16),
+    #[error("--netns: stopped by signal {0} while setting up the node network")]
+    Stopped(i32),
+    #[error("--netns: cannot open {path} to enter it: {source}")]
+    Open {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "--netns drives iproute2's `ip` program, which is not on PATH (Debian: apt-get \
+         install iproute2)"
+    )]
+    NoIp,
+    #[error("--netns: cannot run {command}: {source}")]
+    RunIp {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "--netns: {command} failed ({status}): {}",
+        if said.is_empty() { "it printed nothing" } else { said }
+    )]
+    IpFailed {
+        command: String,
+        status: std::process::ExitStatus,
+        /// What `ip` printed on stderr, trimmed.
+        said: String,
+    },
+    #[error("--netns: cannot read /proc/self/status for capabilities: {0}")]
+    Status(#[source] std::io::Error),
+    #[error(
+        "--netns creates network namespaces and needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN); \
+         this process lacks {}: run it as root, or leave out --netns to link the nodes over \
+         loopback",
+        missing.join(" and ")
+    )]
+    Privileges { missing: Vec<&'static str> },
+}
+
 /// The namespaces, bridge and veth links of one run; removed when dropped.
 pub struct Netns {
     /// In every interface name (at most 15 bytes: `mb` and the process id leave room).
@@ -48,11 +92,12 @@ impl Netns {
     /// Creates the network for `n` nodes. `interrupted` is asked between steps, so a stop
     /// signal during set-up ends it there. On any error, what was made so far has been
     /// removed again by the time the error is returned.
-    pub fn create(n: u16, interrupted: &mut dyn FnMut() -> Option<i32>) -> Result<Netns, String> {
+    pub fn create(
+        n: u16,
+        interrupted: &mut dyn FnMut() -> Option<i32>,
+    ) -> Result<Netns, NetnsError> {
         if n == 0 || n > MAX_NETNS_NODES {
-            return Err(format!(
-                "--netns with --nodes {n}: the node network holds 1 to {MAX_NETNS_NODES} nodes"
-            ));
+            return Err(NetnsError::NodeCount(n));
         }
         check_privileges()?;
         let pid = std::process::id();
@@ -72,11 +117,9 @@ impl Netns {
         &mut self,
         n: u16,
         interrupted: &mut dyn FnMut() -> Option<i32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), NetnsError> {
         let stop = |interrupted: &mut dyn FnMut() -> Option<i32>| match interrupted() {
-            Some(sig) => Err(format!(
-                "--netns: stopped by signal {sig} while setting up the node network"
-            )),
+            Some(sig) => Err(NetnsError::Stopped(sig)),
             None => Ok(()),
         };
         let hub = self.hub.clone();
@@ -99,14 +142,16 @@ impl Netns {
             ip(&["-n", &ns, "link", "set", &node_end, "up"])?;
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
             let path = format!("{NETNS_DIR}/{ns}");
-            let f = File::open(&path)
-                .map_err(|e| format!("--netns: cannot open {path} to enter it: {e}"))?;
+            let f = File::open(&path).map_err(|source| NetnsError::Open {
+                path: path.clone(),
+                source,
+            })?;
             self.nodes.push(f);
         }
         stop(interrupted)
     }
 
-    fn add_namespace(&mut self, name: &str) -> Result<(), String> {
+    fn add_namespace(&mut self, name: &str) -> Result<(), NetnsError> {
         ip(&["netns", "add", name])?;
         self.created.push(name.to_string());
         Ok(())
@@ -154,51 +199,41 @@ impl Drop for Netns {
 }
 
 /// Runs `ip ARGS`; an error names the command, its status and what it printed.
-fn ip(args: &[&str]) -> Result<(), String> {
-    let shown = format!("`ip {}`", args.join(" "));
+fn ip(args: &[&str]) -> Result<(), NetnsError> {
+    let shown = || format!("`ip {}`", args.join(" "));
     let out = Command::new("ip")
         .args(args)
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                "--netns drives iproute2's `ip` program, which is not on PATH (Debian: apt-get \
-                 install iproute2)"
-                    .to_string()
+        .map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                NetnsError::NoIp
             } else {
-                format!("--netns: cannot run {shown}: {e}")
+                NetnsError::RunIp {
+                    command: shown(),
+                    source,
+                }
             }
         })?;
     if out.status.success() {
         return Ok(());
     }
-    let said = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    Err(format!(
-        "--netns: {shown} failed ({}): {}",
-        out.status,
-        if said.is_empty() {
-            "it printed nothing"
-        } else {
-            &said
-        }
-    ))
+    Err(NetnsError::IpFailed {
+        command: shown(),
+        status: out.status,
+        said: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    })
 }
 
 /// Refuses, by name, a process that could not create or enter namespaces, before anything
 /// is made.
-fn check_privileges() -> Result<(), String> {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .map_err(|e| format!("--netns: cannot read /proc/self/status for capabilities: {e}"))?;
+fn check_privileges() -> Result<(), NetnsError> {
+    let status = std::fs::read_to_string("/proc/self/status").map_err(NetnsError::Status)?;
     let missing = missing_capabilities(&status);
     if missing.is_empty() {
         return Ok(());
     }
-    Err(format!(
-        "--netns creates network namespaces and needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN); \
-         this process lacks {}: run it as root, or leave out --netns to link the nodes over \
-         loopback",
-        missing.join(" and ")
-    ))
+    Err(NetnsError::Privileges { missing })
 }
 
 /// The capabilities `--netns` needs that the `CapEff` line of a /proc status lacks.
@@ -243,7 +278,9 @@ mod tests {
 
     #[test]
     fn a_failing_ip_command_is_named_with_what_it_printed() {
-        let e = ip(&["link", "show", "dev", "no-such-device-here"]).unwrap_err();
+        let e = ip(&["link", "show", "dev", "no-such-device-here"])
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("`ip link show dev no-such-device-here` failed"),
             "{e}"

@@ -76,6 +76,62 @@ pub enum NodeError {
     },
 }
 
+/// Why a vCPU move asked of this node ([`Mover::move_vcpu`]) did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum MoveError {
+    #[error("node {me} is not the I/O node (node {io_node}): ask that one")]
+    NotIoNode { me: u16, io_node: u16 },
+    #[error("vCPU {vcpu}: the VM has vCPUs 0 to {last}")]
+    NoSuchVcpu { vcpu: u8, last: usize },
+    #[error("node {node}: the VM has nodes 0 to {last}")]
+    NoSuchNode { node: u16, last: u16 },
+    #[error("vCPU {vcpu} already runs on node {node}")]
+    AlreadyThere { vcpu: u8, node: u16 },
+    #[error(
+        "vCPU {vcpu} runs on the I/O node (node {node}), whose in-kernel interrupt controller \
+         delivers the devices' interrupts to its own vCPUs only; it stays"
+    )]
+    OnIoNode { vcpu: u8, node: u16 },
+    #[error("the VM has ended")]
+    Ended,
+    #[error("a move of vCPU {0} is under way")]
+    UnderWay(u8),
+    #[error("vCPU {vcpu} went to node {node}, not {to}")]
+    WentElsewhere { vcpu: u8, node: u16, to: u16 },
+    /// The vCPU's node refused; `why` is its reason, as it sent it.
+    #[error("node {from} did not move vCPU {vcpu}: {why}")]
+    Refused { from: u16, vcpu: u8, why: String },
+    #[error("vCPU {vcpu}'s move from node {from} to node {to} was not done within {MOVE_LIMIT:?}")]
+    TimedOut { vcpu: u8, from: u16, to: u16 },
+}
+
+/// Why the old node keeps a vCPU it was asked to give away; its message goes to the I/O
+/// node in the move's `Failed`.
+#[derive(Debug, thiserror::Error)]
+enum GiveAwayError {
+    #[error("the VM is not running yet")]
+    NotRunning,
+    #[error("vCPU {vcpu} does not run on node {me}, or node {to} cannot take it")]
+    NotHere { vcpu: u8, me: u16, to: u16 },
+    #[error(transparent)]
+    Release(#[from] vmm::ControlError),
+    #[error("encoding its state: {0}")]
+    Encode(#[source] serde_json::Error),
+}
+
+/// Why a vCPU's state that came from another node cannot be run here.
+#[derive(Debug, thiserror::Error)]
+enum TakeOverError {
+    #[error("vCPU {vcpu}'s state from node {from} does not decode: {source}")]
+    Decode {
+        vcpu: u8,
+        from: u16,
+        source: serde_json::Error,
+    },
+    #[error("node {from} sent vCPU {sent}'s state as vCPU {vcpu}'s")]
+    WrongVcpu { from: u16, sent: u8, vcpu: u8 },
+}
+
 /// Which node this is, of which cluster.
 #[derive(Clone, Debug)]
 pub struct NodeOptions {
@@ -576,7 +632,7 @@ fn on_move(ctx: &ControlContext, from: NodeId, m: MoveMsg) {
                 let failed = MoveMsg::Failed {
                     vcpu,
                     node: ctx.me,
-                    why,
+                    why: why.to_string(),
                 };
                 send_move(ctx, ctx.io_node, &failed);
             }
@@ -609,20 +665,18 @@ fn on_move(ctx: &ControlContext, from: NodeId, m: MoveMsg) {
 
 /// The old node's part: the vCPU's interrupts go to `to` from now on, and its state is read
 /// and sent there. On a failure the vCPU runs on here.
-fn give_away(ctx: &ControlContext, vcpu: u8, to: u16) -> Result<(), String> {
+fn give_away(ctx: &ControlContext, vcpu: u8, to: u16) -> Result<(), GiveAwayError> {
     let me = ctx.me;
-    let handle = ctx.handle.get().ok_or("the VM is not running yet")?;
+    let handle = ctx.handle.get().ok_or(GiveAwayError::NotRunning)?;
     if ctx.routes.node_of(vcpu) != Some(me) || to == me || to >= ctx.nodes {
-        return Err(format!(
-            "vCPU {vcpu} does not run on node {me}, or node {to} cannot take it"
-        ));
+        return Err(GiveAwayError::NotHere { vcpu, me, to });
     }
     send_move(ctx, to, &MoveMsg::Coming { vcpu });
     ctx.routes.set(vcpu, to);
     let state = handle
         .release_vcpu(vcpu)
-        .map_err(|e| e.to_string())
-        .and_then(|s| serde_json::to_vec(&s).map_err(|e| format!("encoding its state: {e}")));
+        .map_err(GiveAwayError::from)
+        .and_then(|s| serde_json::to_vec(&s).map_err(GiveAwayError::Encode));
     match state {
         Ok(bytes) => {
             for piece in MoveMsg::pieces(vcpu, &bytes) {
@@ -639,7 +693,7 @@ fn give_away(ctx: &ControlContext, vcpu: u8, to: u16) -> Result<(), String> {
             let failed = MoveMsg::Failed {
                 vcpu,
                 node: me,
-                why: why.clone(),
+                why: why.to_string(),
             };
             send_move(ctx, to, &failed);
             Err(why)
@@ -651,16 +705,17 @@ fn give_away(ctx: &ControlContext, vcpu: u8, to: u16) -> Result<(), String> {
 /// here from the state that came and gets the interrupts held for it.
 fn take_over(ctx: &ControlContext, from: u16, vcpu: u8, bytes: &[u8]) {
     let me = ctx.me;
-    let state: Result<VcpuState, String> = serde_json::from_slice(bytes)
-        .map_err(|e| format!("vCPU {vcpu}'s state from node {from} does not decode: {e}"))
+    let state: Result<VcpuState, TakeOverError> = serde_json::from_slice(bytes)
+        .map_err(|source| TakeOverError::Decode { vcpu, from, source })
         .and_then(|s: VcpuState| {
             if s.id == vcpu {
                 Ok(s)
             } else {
-                Err(format!(
-                    "node {from} sent vCPU {}'s state as vCPU {vcpu}'s",
-                    s.id
-                ))
+                Err(TakeOverError::WrongVcpu {
+                    from,
+                    sent: s.id,
+                    vcpu,
+                })
             }
         });
     let Some(handle) = ctx.handle.get() else {
@@ -703,41 +758,41 @@ impl Mover {
     /// exist, a vCPU already there, one on the I/O node (whose in-kernel interrupt
     /// controller delivers the devices' interrupts to its own vCPUs only), and any move
     /// asked of a node other than the I/O node.
-    pub fn move_vcpu(&self, vcpu: u8, to: u16) -> Result<(), String> {
+    pub fn move_vcpu(&self, vcpu: u8, to: u16) -> Result<(), MoveError> {
         let ctx = &self.ctx;
         if ctx.me != ctx.io_node {
-            return Err(format!(
-                "node {} is not the I/O node (node {}): ask that one",
-                ctx.me, ctx.io_node
-            ));
+            return Err(MoveError::NotIoNode {
+                me: ctx.me,
+                io_node: ctx.io_node,
+            });
         }
         let cpus = ctx.routes.all().len();
         let Some(from) = ctx.routes.node_of(vcpu) else {
-            return Err(format!("vCPU {vcpu}: the VM has vCPUs 0 to {}", cpus - 1));
+            return Err(MoveError::NoSuchVcpu {
+                vcpu,
+                last: cpus - 1,
+            });
         };
         if to >= ctx.nodes {
-            return Err(format!(
-                "node {to}: the VM has nodes 0 to {}",
-                ctx.nodes - 1
-            ));
+            return Err(MoveError::NoSuchNode {
+                node: to,
+                last: ctx.nodes - 1,
+            });
         }
         if from == to {
-            return Err(format!("vCPU {vcpu} already runs on node {to}"));
+            return Err(MoveError::AlreadyThere { vcpu, node: to });
         }
         if from == ctx.io_node {
-            return Err(format!(
-                "vCPU {vcpu} runs on the I/O node (node {from}), whose in-kernel interrupt \
-                 controller delivers the devices' interrupts to its own vCPUs only; it stays"
-            ));
+            return Err(MoveError::OnIoNode { vcpu, node: from });
         }
         if ctx.control.is_finished() {
-            return Err("the VM has ended".into());
+            return Err(MoveError::Ended);
         }
         let (tx, rx) = mpsc::channel();
         {
             let mut moves = ctx.moves.lock().unwrap_or_else(|e| e.into_inner());
             if moves.contains_key(&vcpu) {
-                return Err(format!("a move of vCPU {vcpu} is under way"));
+                return Err(MoveError::UnderWay(vcpu));
             }
             moves.insert(vcpu, tx);
         }
@@ -749,11 +804,9 @@ impl Mover {
             .remove(&vcpu);
         match answer {
             Ok(Ok(node)) if node == to => Ok(()),
-            Ok(Ok(node)) => Err(format!("vCPU {vcpu} went to node {node}, not {to}")),
-            Ok(Err(why)) => Err(format!("node {from} did not move vCPU {vcpu}: {why}")),
-            Err(_) => Err(format!(
-                "vCPU {vcpu}'s move from node {from} to node {to} was not done within {MOVE_LIMIT:?}"
-            )),
+            Ok(Ok(node)) => Err(MoveError::WentElsewhere { vcpu, node, to }),
+            Ok(Err(why)) => Err(MoveError::Refused { from, vcpu, why }),
+            Err(_) => Err(MoveError::TimedOut { vcpu, from, to }),
         }
     }
 

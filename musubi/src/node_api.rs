@@ -58,6 +58,6 @@ impl VmControl for NodeApi {
     fn move_vcpu(&self, vcpu: u8, node: u16) -> Result<(), ActionError> {
         self.mover
             .move_vcpu(vcpu, node)
-            .map_err(ActionError::internal)
+            .map_err(|e| ActionError::internal(e.to_string()))
     }
 }
