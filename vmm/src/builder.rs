@@ -13,6 +13,7 @@ use crate::control::RunControl;
 use crate::device_manager::{create_devices, DeviceError, Devices};
 use crate::exit::DeviceBus;
 use crate::loader::{load_kernel, EntryPoint, LoadError};
+use crate::persist::{InKernel, Persist, PersistError};
 use crate::pmem::{host_phys_bits, PmemError, PmemRegions};
 use crate::seccomp::SeccompMode;
 use crate::vstate::memory::{GuestRam, MemoryError, RamBackend};
@@ -44,6 +45,8 @@ pub enum BuildError {
     BootData(#[from] BootDataError),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
+    #[error(transparent)]
+    Persist(#[from] crate::persist::PersistError),
     #[error("cannot start the {what} thread: {source}")]
     Thread {
         what: &'static str,
@@ -478,53 +481,6 @@ impl Vm {
     }
 }
 
-/// Refuses a snapshot whose RAM or memory-storage regions would land elsewhere in this
-/// build's guest-physical map (another host's address width can move them).
-fn check_layout(
-    from: &str,
-    state: &crate::snapshot::VmState,
-    layout: &GuestLayout,
-) -> Result<(), crate::snapshot::SnapshotError> {
-    let ram: Vec<(u64, u64)> = layout.ram.iter().map(|r| (r.start, r.len)).collect();
-    let pmem: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
-    if ram != state.ram || pmem != state.pmem {
-        return Err(crate::snapshot::SnapshotError::Layout(format!(
-            "{}: the snapshot's guest-physical map (RAM {:x?}, memory storage {:x?}) is not this \
-             build's (RAM {ram:x?}, memory storage {pmem:x?})",
-            from, state.ram, state.pmem
-        )));
-    }
-    Ok(())
-}
-
-/// Puts the serial port and every virtio transport back as the snapshot saved them.
-fn restore_devices(
-    devices: &Devices,
-    state: &crate::snapshot::VmState,
-) -> Result<(), crate::snapshot::SnapshotError> {
-    let corrupt = |why: String| crate::snapshot::SnapshotError::Layout(why);
-    devices
-        .serial
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .restore(&state.serial)
-        .map_err(corrupt)?;
-    if state.transports.len() != devices.transports.len() {
-        return Err(corrupt(format!(
-            "the snapshot has {} virtio devices, this VM {}",
-            state.transports.len(),
-            devices.transports.len()
-        )));
-    }
-    for (i, (t, s)) in devices.transports.iter().zip(&state.transports).enumerate() {
-        t.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .restore(s)
-            .map_err(|why| corrupt(format!("virtio device {i}: {why}")))?;
-    }
-    Ok(())
-}
-
 impl Vm {
     /// The guest-physical map the VM was built with.
     pub fn layout(&self) -> &GuestLayout {
@@ -564,25 +520,14 @@ impl Vm {
         mut state: crate::snapshot::VmState,
     ) -> Result<(), BuildError> {
         if !self.awaits_state {
-            return Err(BuildError::Snapshot(
-                crate::snapshot::SnapshotError::Layout(format!(
-                    "{from}: this VM was not built to take a state"
-                )),
-            ));
+            return Err(PersistError::NotAwaitingState { from }.into());
         }
+        state.check_fits(&from, &self.layout)?;
         let vcpus = std::mem::take(&mut state.vcpus);
-        check_layout(&from, &state, &self.layout)?;
-        if vcpus.len() != self.layout.cpus as usize {
-            return Err(BuildError::Snapshot(
-                crate::snapshot::SnapshotError::Layout(format!(
-                    "{from}: {} vCPU states for a VM of {} CPUs",
-                    vcpus.len(),
-                    self.layout.cpus
-                )),
-            ));
-        }
-        self.kvm.restore_state(&state.vm)?;
-        restore_devices(&self.devices, &state)?;
+        InKernel(self.kvm.fd()).restore(&state.vm)?;
+        self.devices
+            .device_set()
+            .restore(&(state.serial, state.transports))?;
         let mut states: Vec<Option<_>> = vcpus.into_iter().map(Some).collect();
         for v in &self.vcpus {
             if let Some(s) = states.get_mut(v.id as usize).and_then(Option::take) {

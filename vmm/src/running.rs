@@ -11,6 +11,7 @@ use crate::idle::IdleCheck;
 use crate::io_thread::IoThread;
 use crate::irq::IrqLine;
 use crate::metrics::{detailed, summarize, ExitSummary, VcpuMetrics};
+use crate::persist::{Clock, Persist, PersistError, VmParts};
 use crate::vstate::memory::GuestRam;
 use crate::vstate::pause::{PauseError, PauseGate};
 use crate::vstate::vcpu::{kick_signal, VcpuContext, VcpuStatus};
@@ -69,25 +70,19 @@ struct Shared {
     irqs: Vec<Arc<dyn IrqLine>>,
     names: Arc<crate::device_manager::MmioNames>,
     ioeventfd_served: Arc<AtomicU64>,
-    serial: Arc<Mutex<devices::legacy::Serial>>,
     /// The rest is what pause, resume and snapshots need.
     gate: Arc<PauseGate>,
-    vm_fd: Arc<kvm_ioctls::VmFd>,
+    /// What the VM is saved from.
+    parts: VmParts,
     /// The vCPU threads: kicked to pause, taken out to be joined when the VM ends.
     vcpu_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     io_park: Option<Arc<vmm_sys_util::eventfd::EventFd>>,
     /// The KVM clock and each vCPU's TSC when the VM paused, set back on resume.
     paused_at: Mutex<Option<PausedAt>>,
-    transports: Vec<Arc<Mutex<devices::virtio::MmioTransport>>>,
-    /// The network devices among `transports`, in `--net` order.
+    /// The network devices among the transports, in `--net` order.
     nets: Vec<Arc<Mutex<devices::virtio::MmioTransport>>>,
     pmem: Vec<crate::pmem::PmemRegion>,
-    layout_ram: Vec<(u64, u64)>,
-    layout_pmem: Vec<u64>,
     saved_config: crate::snapshot::SavedConfig,
-    /// The MSRs KVM says a VMM should save, asked once.
-    msr_list: OnceLock<Result<Vec<u32>, String>>,
-    kvm: Arc<kvm_ioctls::Kvm>,
     /// One pause, resume or snapshot at a time.
     busy: Mutex<()>,
     /// Pages written since the last look, while a pre-copy migration asks.
@@ -117,6 +112,8 @@ pub enum ControlError {
     Vcpu(String),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
+    #[error(transparent)]
+    Persist(#[from] PersistError),
 }
 
 /// What taking a snapshot did.
@@ -217,7 +214,7 @@ impl VmHandle {
         let total: u64 = self.shared.metrics.iter().map(|m| m.total()).sum();
         out.insert("vcpus".into(), serde_json::json!({ "exits": total }));
         let (mut blk, mut other, mut net) = (0u32, 0u32, 0u32);
-        for t in &self.shared.transports {
+        for t in &self.shared.parts.devices().transports {
             let t = t.lock().unwrap_or_else(|e| e.into_inner());
             let s = t.stats();
             if t.net_counters().is_some() {
@@ -282,7 +279,7 @@ impl VmHandle {
         }
         sh.gate
             .pause(&sh.control, Duration::from_secs(10), || sh.kick_all())?;
-        let clock = crate::vstate::vm::get_clock(&sh.vm_fd);
+        let clock = Clock(sh.parts.vm_fd()).save(&());
         let tscs = sh.gate.on_each_vcpu(&sh.control, |_, v| v.tsc().ok());
         match (clock, tscs) {
             (Ok(clock), Ok(tscs)) => {
@@ -335,7 +332,7 @@ impl VmHandle {
                     tracing::warn!("resume: the guest's TSC may jump: {e}");
                 }
             }
-            if let Err(e) = crate::vstate::vm::set_clock(&sh.vm_fd, &at.clock) {
+            if let Err(e) = Clock(sh.parts.vm_fd()).restore(&at.clock) {
                 tracing::warn!("resume: the guest's KVM clock may jump: {e}");
             }
         }
@@ -355,10 +352,7 @@ impl VmHandle {
     /// Takes vCPU `id` out of this process's run, for another share of the VM to run it: the
     /// VM is paused for the moment it takes to read the vCPU's state, then goes on without
     /// it, the vCPU standing by. A VM paused before stays paused.
-    pub fn release_vcpu(
-        &self,
-        id: u8,
-    ) -> Result<crate::vstate::vcpu_state::VcpuState, ControlError> {
+    pub fn release_vcpu(&self, id: u8) -> Result<crate::persist::VcpuState, ControlError> {
         let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
         let sh = &self.shared;
         let index = self.vcpu_index(id)?;
@@ -366,20 +360,20 @@ impl VmHandle {
             return Err(ControlError::Vcpu(format!("vCPU {id} does not run here")));
         }
         // Asked of KVM before the pause, so its failure leaves the VM running.
-        let msr_list = self.msr_list()?;
+        let msr_list = sh.parts.msr_list()?;
         let was_paused = sh.gate.is_paused();
         if !was_paused {
             self.pause_locked()?;
         }
         let saved = sh
             .gate
-            .on_vcpu(index, &sh.control, move |v| v.save_state(&msr_list));
+            .on_vcpu(index, &sh.control, move |v| v.save(&msr_list));
         let result = match saved {
             Ok(Ok(state)) => {
                 sh.gate.set_standby(index, true);
                 Ok(state)
             }
-            Ok(Err(e)) => Err(ControlError::Kvm(e.to_string())),
+            Ok(Err(e)) => Err(PersistError::from(e).into()),
             Err(e) => Err(e.into()),
         };
         if !was_paused {
@@ -391,10 +385,7 @@ impl VmHandle {
     /// Runs vCPU `state.id`, standing by here, from `state` (as [`VmHandle::release_vcpu`]
     /// read it elsewhere): its registers, interrupt controller, MSRs and time stamp counter
     /// go on from there.
-    pub fn adopt_vcpu(
-        &self,
-        state: crate::vstate::vcpu_state::VcpuState,
-    ) -> Result<(), ControlError> {
+    pub fn adopt_vcpu(&self, state: crate::persist::VcpuState) -> Result<(), ControlError> {
         let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
         let sh = &self.shared;
         let id = state.id;
@@ -403,8 +394,8 @@ impl VmHandle {
             return Err(ControlError::Vcpu(format!("vCPU {id} already runs here")));
         }
         sh.gate
-            .on_vcpu(index, &sh.control, move |v| v.restore_state(&state))?
-            .map_err(|e| ControlError::Kvm(e.to_string()))?;
+            .on_vcpu(index, &sh.control, move |v| v.restore(&state))?
+            .map_err(PersistError::from)?;
         sh.gate.set_standby(index, false);
         Ok(())
     }
@@ -418,19 +409,6 @@ impl VmHandle {
             .filter(|(i, _)| !sh.gate.is_standby(*i))
             .map(|(_, &id)| id)
             .collect()
-    }
-
-    fn msr_list(&self) -> Result<Vec<u32>, ControlError> {
-        let sh = &self.shared;
-        sh.msr_list
-            .get_or_init(|| {
-                sh.kvm
-                    .get_msr_index_list()
-                    .map(|l| l.as_slice().to_vec())
-                    .map_err(|e| format!("KVM_GET_MSR_INDEX_LIST failed: {e}"))
-            })
-            .clone()
-            .map_err(ControlError::Kvm)
     }
 
     /// Everything of the VM but its RAM and files, as a snapshot saves it: the VM is paused
@@ -447,20 +425,7 @@ impl VmHandle {
     }
 
     fn capture_locked(&self) -> Result<crate::snapshot::VmState, ControlError> {
-        use crate::snapshot;
         let sh = &self.shared;
-        // A doorbell the I/O thread had not read when it parked is served now, so the
-        // restored VM does not wait for a request nobody will see.
-        for t in &sh.transports {
-            t.lock().unwrap_or_else(|e| e.into_inner()).serve_all();
-        }
-        let msr_list = Arc::new(self.msr_list()?);
-        let vcpus = sh
-            .gate
-            .on_each_vcpu(&sh.control, move |_, v| v.save_state(&msr_list))?
-            .into_iter()
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| ControlError::Kvm(e.to_string()))?;
         let clock = sh
             .paused_at
             .lock()
@@ -468,22 +433,7 @@ impl VmHandle {
             .as_ref()
             .map(|p| p.clock)
             .ok_or(ControlError::NotPaused)?;
-        let vm = crate::vstate::vm::save_state(&sh.vm_fd, clock)
-            .map_err(|e| ControlError::Kvm(e.to_string()))?;
-        let state = snapshot::VmState {
-            ram: sh.layout_ram.clone(),
-            pmem: sh.layout_pmem.clone(),
-            vcpus,
-            vm,
-            serial: sh.serial.lock().unwrap_or_else(|e| e.into_inner()).state(),
-            transports: sh
-                .transports
-                .iter()
-                .map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).state())
-                .collect(),
-            paused: false,
-        };
-        Ok(state)
+        Ok(sh.parts.save(&sh.gate, &sh.control, &clock)?)
     }
 
     /// Makes everything the guest wrote to its disks and memory-storage files durable in the
@@ -491,7 +441,7 @@ impl VmHandle {
     /// to open.
     pub fn flush_storage(&self) -> Result<(), String> {
         let mut errors = Vec::new();
-        for t in &self.shared.transports {
+        for t in &self.shared.parts.devices().transports {
             if let Err(e) = t.lock().unwrap_or_else(|e| e.into_inner()).flush() {
                 errors.push(format!("a virtio device's flush failed: {e}"));
             }
@@ -508,7 +458,7 @@ impl VmHandle {
 
     /// Guest RAM's ranges: (guest-physical start, length).
     pub fn ram_ranges(&self) -> Vec<(u64, u64)> {
-        self.shared.layout_ram.clone()
+        self.shared.parts.ram_ranges().to_vec()
     }
 
     /// Copies guest RAM at `gpa` into `buf` (a page server reads a paused VM's pages so).
@@ -597,6 +547,8 @@ impl VmHandle {
             return bytes.len();
         }
         self.shared
+            .parts
+            .devices()
             .serial
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -608,11 +560,7 @@ impl Vm {
     /// Starts the I/O thread (kernel exit path) and one thread per vCPU.
     pub fn start(mut self) -> Result<RunningVm, BuildError> {
         if self.awaits_state {
-            return Err(BuildError::Snapshot(
-                crate::snapshot::SnapshotError::Layout(
-                    "the VM was built to take a state and none was applied".into(),
-                ),
-            ));
+            return Err(PersistError::NoStateApplied.into());
         }
         let notifiers = std::mem::take(&mut self.devices.notifiers);
         let device_events = std::mem::take(&mut self.devices.device_events);
@@ -655,20 +603,19 @@ impl Vm {
                 .as_ref()
                 .map(|t| t.served_counter())
                 .unwrap_or_default(),
-            serial: self.devices.serial.clone(),
             gate: gate.clone(),
-            vm_fd: self.kvm.shared_fd(),
+            parts: VmParts::new(
+                self.kvm.shared_fd(),
+                self.kvm.kvm_arc(),
+                self.devices.device_set(),
+                &self.layout,
+            ),
             vcpu_threads: Mutex::new(Vec::new()),
             io_park: io_thread.as_ref().map(|t| t.park_bell()),
             paused_at: Mutex::new(None),
-            transports: self.devices.transports.clone(),
             nets: self.devices.nets.clone(),
             pmem: self.pmem.regions.clone(),
-            layout_ram: self.layout.ram.iter().map(|r| (r.start, r.len)).collect(),
-            layout_pmem: self.layout.pmem.iter().map(|p| p.addr).collect(),
             saved_config: self.saved_config.clone(),
-            msr_list: OnceLock::new(),
-            kvm: self.kvm.kvm_arc(),
             busy: Mutex::new(()),
             dirty: crate::vstate::dirty::DirtyLog::new(
                 self.kvm.shared_fd(),
@@ -678,7 +625,7 @@ impl Vm {
         });
         // A restored VM's clock goes on from the value it was saved with.
         if let Some(clock) = &self.start_clock {
-            crate::vstate::vm::set_clock(&self.kvm.shared_fd(), clock)?;
+            Clock(self.kvm.fd()).restore(clock)?;
         }
         // A VM that arrives paused stays so until resumed, and then goes on from that clock.
         if self.start_paused {

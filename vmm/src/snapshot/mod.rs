@@ -18,11 +18,8 @@ mod ram;
 pub use ram::{pages_that_may_hold_data, write_ram, RamWritten};
 
 use crate::config::{CacheMode, DiskConfig, ExitsMode, KernelImage, SerialMode, VmConfig};
+pub use crate::persist::VmState;
 use crate::pmem::{Advertise, PmemConfig};
-use crate::vstate::vcpu_state::VcpuState;
-use crate::vstate::vm::KvmVmState;
-use devices::legacy::SerialSnapshot;
-use devices::virtio::TransportState;
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -71,8 +68,6 @@ pub enum SnapshotError {
         path: PathBuf,
         why: String,
     },
-    #[error("{0}")]
-    Layout(String),
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError + '_ {
@@ -277,37 +272,6 @@ impl SavedConfig {
     }
 }
 
-/// Everything of a paused VM that is not its RAM or its configuration.
-#[derive(Serialize, Deserialize)]
-pub struct VmState {
-    /// Guest-physical (start, length) of each RAM range, in the memory file's order.
-    pub ram: Vec<(u64, u64)>,
-    /// Guest-physical address of each memory-storage region.
-    pub pmem: Vec<u64>,
-    pub vcpus: Vec<VcpuState>,
-    pub vm: KvmVmState,
-    pub serial: SerialSnapshot,
-    /// Every virtio transport, in the order the devices were created.
-    pub transports: Vec<TransportState>,
-    /// The VM's owner had paused it before it was captured (a migration of a paused VM): it
-    /// is put back paused, to be resumed by whoever controls it there. Snapshots never set
-    /// it, so a restore runs at once.
-    #[serde(default)]
-    pub paused: bool,
-}
-
-impl std::fmt::Debug for VmState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "VM state: {} vCPUs, {} RAM ranges, {} virtio transports",
-            self.vcpus.len(),
-            self.ram.len(),
-            self.transports.len()
-        )
-    }
-}
-
 /// Writes `state` to `dir/state` through a temporary file and a rename.
 pub fn write_state(dir: &Path, state: &VmState) -> Result<(), SnapshotError> {
     let body = serde_json::to_vec(state).map_err(|e| SnapshotError::Corrupt {
@@ -488,6 +452,8 @@ impl Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::persist::KvmVmState;
+    use devices::legacy::SerialSnapshot;
 
     fn state() -> VmState {
         VmState {
