@@ -298,17 +298,7 @@ impl VmArgs {
     }
 }
 
-/// The VM flags given on the command line, parsed, each `None` when not given: what a
-/// `--restore` compares with the snapshot it restores.
-#[derive(Debug, Default)]
-pub struct GivenDevices {
-    pub cpus: Option<u8>,
-    pub memory: Option<u64>,
-    pub disks: Option<Vec<DiskConfig>>,
-    pub pmem: Option<Vec<vmm::pmem::PmemConfig>>,
-    pub serial: Option<SerialMode>,
-    pub exits: Option<config::ExitsMode>,
-}
+pub use vmm::snapshot::GivenDevices;
 
 impl VmArgs {
     /// What of the VM the command line itself asks for (no file, no defaults).

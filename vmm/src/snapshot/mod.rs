@@ -112,6 +112,18 @@ pub struct SavedConfig {
     pub net: Vec<crate::config::net::NetConfig>,
 }
 
+/// The VM flags given on the command line, parsed, each `None` when not given: what a
+/// restore or an arriving migration compares with the configuration it was saved with.
+#[derive(Debug, Default)]
+pub struct GivenDevices {
+    pub cpus: Option<u8>,
+    pub memory: Option<u64>,
+    pub disks: Option<Vec<DiskConfig>>,
+    pub pmem: Option<Vec<PmemConfig>>,
+    pub serial: Option<SerialMode>,
+    pub exits: Option<ExitsMode>,
+}
+
 impl SavedConfig {
     /// `config` as built; `pmem_sizes` are the regions' sizes as mapped. Relative paths are
     /// made absolute against the current directory, so a restore started elsewhere opens
