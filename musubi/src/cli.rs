@@ -273,7 +273,9 @@ impl VmArgs {
         }
         config::net::check_distinct(&net)?;
         let exits = match &self.exits {
-            Some(e) => e.parse()?,
+            Some(e) => e
+                .parse()
+                .map_err(|e: config::spec::BadWord| e.to_string())?,
             None => file.exits.unwrap_or_default(),
         };
         let serial = match &self.serial {
@@ -326,7 +328,10 @@ impl VmArgs {
                 None => None,
             },
             exits: match &self.exits {
-                Some(e) => Some(e.parse()?),
+                Some(e) => Some(
+                    e.parse()
+                        .map_err(|e: config::spec::BadWord| e.to_string())?,
+                ),
                 None => None,
             },
         })

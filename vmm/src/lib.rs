@@ -46,7 +46,9 @@ pub use arch::x86_64::layout::ram_ranges;
 pub use clock::monotonic_ns;
 pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
 pub use exit::DeviceBus;
-pub use handle::{ControlError, SnapshotReport, VmHandle};
+pub use handle::{
+    ControlError, DirtyLogError, RamReadError, SnapshotReport, StorageError, VmHandle,
+};
 pub use metrics::MmioTarget;
 pub use persist::VcpuState;
 pub use running::{run_vm, RunReport, RunningVm};

@@ -77,7 +77,7 @@ impl Host for VmHost<'_> {
                 .open(&d.path)
                 .map_err(|e| format!("--disk {}: cannot open it here: {e}", d.path.display()))?;
         }
-        let mut vm = saved.to_vm_config()?;
+        let mut vm = saved.to_vm_config().map_err(|e| e.to_string())?;
         if let Some(serial) = g.serial.clone() {
             vm.serial = serial;
         }

@@ -32,7 +32,7 @@ impl SourceVm for HandleVm<'_> {
         // between hosts sees only what was written back).
         if let Err(e) = self.0.flush_storage() {
             let _ = self.0.resume();
-            return Err(e);
+            return Err(e.to_string());
         }
         serde_json::to_vec(&state).map_err(|e| e.to_string())
     }
@@ -48,19 +48,21 @@ impl SourceVm for HandleVm<'_> {
             .map_err(|e| format!("finding the pages with data: {e}"))
     }
     fn read_page(&self, gpa: u64, buf: &mut [u8; dsm::PAGE_SIZE]) -> Result<(), String> {
-        self.0.read_ram(gpa, &mut buf[..])
+        self.0
+            .read_ram(gpa, &mut buf[..])
+            .map_err(|e| e.to_string())
     }
     fn has_ended(&self) -> bool {
         self.0.has_ended()
     }
     fn start_dirty_log(&self) -> Result<(), String> {
-        self.0.start_dirty_log()
+        self.0.start_dirty_log().map_err(|e| e.to_string())
     }
     fn dirty_pages(&self) -> Result<Vec<u64>, String> {
-        self.0.dirty_pages()
+        self.0.dirty_pages().map_err(|e| e.to_string())
     }
     fn stop_dirty_log(&self) -> Result<(), String> {
-        self.0.stop_dirty_log()
+        self.0.stop_dirty_log().map_err(|e| e.to_string())
     }
 }
 

@@ -7,7 +7,7 @@ mod console;
 mod persist;
 mod vcpus;
 
-pub use persist::SnapshotReport;
+pub use persist::{DirtyLogError, RamReadError, SnapshotReport, StorageError};
 
 use crate::config::ExitsMode;
 use crate::control::{Outcome, RunControl};

@@ -2,6 +2,7 @@
 //! guest RAM as a migration's source reads it (whole, or the pages written meanwhile).
 
 use super::{ControlError, VmHandle};
+pub use crate::vstate::dirty::DirtyLogError;
 use std::time::{Duration, Instant};
 
 /// What taking a snapshot did.
@@ -11,6 +12,20 @@ pub struct SnapshotReport {
     pub ram: crate::snapshot::RamWritten,
     /// From the request to the last byte durable.
     pub took: Duration,
+}
+
+/// Guest writes that may not have reached the disks and memory-storage files: one message
+/// per device or region, each naming it.
+#[derive(Debug, thiserror::Error)]
+#[error("guest writes may not be on disk: {}", .0.join("; "))]
+pub struct StorageError(pub Vec<String>);
+
+/// Guest RAM that could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("guest RAM at {gpa:#x}: {source}")]
+pub struct RamReadError {
+    pub gpa: u64,
+    pub source: vm_memory::GuestMemoryError,
 }
 
 impl VmHandle {
@@ -42,7 +57,7 @@ impl VmHandle {
     /// Makes everything the guest wrote to its disks and memory-storage files durable in the
     /// files, as the teardown does; for a paused VM whose storage another process is about
     /// to open.
-    pub fn flush_storage(&self) -> Result<(), String> {
+    pub fn flush_storage(&self) -> Result<(), StorageError> {
         let mut errors = Vec::new();
         for t in &self.shared.parts.devices().transports {
             if let Err(e) = t.lock().unwrap_or_else(|e| e.into_inner()).flush() {
@@ -52,10 +67,7 @@ impl VmHandle {
         errors.extend(crate::pmem::sync_regions(&self.shared.pmem));
         match errors.is_empty() {
             true => Ok(()),
-            false => Err(format!(
-                "guest writes may not be on disk: {}",
-                errors.join("; ")
-            )),
+            false => Err(StorageError(errors)),
         }
     }
 
@@ -65,13 +77,13 @@ impl VmHandle {
     }
 
     /// Copies guest RAM at `gpa` into `buf` (a page server reads a paused VM's pages so).
-    pub fn read_ram(&self, gpa: u64, buf: &mut [u8]) -> Result<(), String> {
+    pub fn read_ram(&self, gpa: u64, buf: &mut [u8]) -> Result<(), RamReadError> {
         use vm_memory::Bytes;
         self.shared
             .ram
             .memory()
             .read_slice(buf, vm_memory::GuestAddress(gpa))
-            .map_err(|e| format!("guest RAM at {gpa:#x}: {e}"))
+            .map_err(|source| RamReadError { gpa, source })
     }
 
     /// Guest-physical addresses of every page that may hold data; all others are zeros.
@@ -81,18 +93,18 @@ impl VmHandle {
 
     /// Starts tracking the guest RAM pages written, by the guest or by the VMM, for a
     /// pre-copy migration's rounds; [`VmHandle::dirty_pages`] then reports them.
-    pub fn start_dirty_log(&self) -> Result<(), String> {
+    pub fn start_dirty_log(&self) -> Result<(), DirtyLogError> {
         self.shared.dirty.start()
     }
 
     /// Guest-physical addresses of the RAM pages written since tracking started or since
     /// the last call.
-    pub fn dirty_pages(&self) -> Result<Vec<u64>, String> {
+    pub fn dirty_pages(&self) -> Result<Vec<u64>, DirtyLogError> {
         self.shared.dirty.take()
     }
 
     /// Stops the tracking [`VmHandle::start_dirty_log`] started.
-    pub fn stop_dirty_log(&self) -> Result<(), String> {
+    pub fn stop_dirty_log(&self) -> Result<(), DirtyLogError> {
         self.shared.dirty.stop()
     }
 

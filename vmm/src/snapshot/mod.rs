@@ -68,6 +68,10 @@ pub enum SnapshotError {
         path: PathBuf,
         why: String,
     },
+    /// A saved setting this build does not understand; `what` says which, for callers that
+    /// match on it, and the message is the parser's own, as before.
+    #[error("{why}")]
+    Setting { what: &'static str, why: String },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError + '_ {
@@ -169,18 +173,23 @@ impl SavedConfig {
     }
 
     /// The configuration to build the restored VM from: no kernel (RAM holds it already).
-    pub fn to_vm_config(&self) -> Result<VmConfig, String> {
-        let disks = self
-            .disks
-            .iter()
-            .map(|d| {
-                Ok(DiskConfig {
-                    path: d.path.clone(),
-                    readonly: d.readonly,
-                    cache: d.cache.parse::<CacheMode>().map_err(|e| e.to_string())?,
+    pub fn to_vm_config(&self) -> Result<VmConfig, SnapshotError> {
+        let disks =
+            self.disks
+                .iter()
+                .map(|d| {
+                    Ok(DiskConfig {
+                        path: d.path.clone(),
+                        readonly: d.readonly,
+                        cache: d.cache.parse::<CacheMode>().map_err(|e| {
+                            SnapshotError::Setting {
+                                what: "disk cache mode",
+                                why: e.to_string(),
+                            }
+                        })?,
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>, String>>()?;
+                .collect::<Result<Vec<_>, SnapshotError>>()?;
         let pmem = self
             .pmem
             .iter()
@@ -189,10 +198,15 @@ impl SavedConfig {
                     file: p.file.clone(),
                     size: Some(p.size),
                     readonly: p.readonly,
-                    advertise: p.advertise.parse::<Advertise>()?,
+                    advertise: p.advertise.parse::<Advertise>().map_err(|e| {
+                        SnapshotError::Setting {
+                            what: "memory-storage advertise",
+                            why: e.to_string(),
+                        }
+                    })?,
                 })
             })
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, SnapshotError>>()?;
         Ok(VmConfig {
             kernel: KernelImage::Bytes {
                 name: self.kernel.clone(),
