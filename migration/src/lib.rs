@@ -11,6 +11,7 @@
 //! - [`destination`]: the receiving side: waiting for a VM, having a [`destination::Host`]
 //!   build it, and [`destination::PostCopyRam`], the guest RAM that serves its faults from
 //!   the source.
+//! - [`vm`]: both ends over the `vmm` crate's VMs, for the program that embeds Musubi.
 //!
 //! Both ends talk over one `dsm_host::Link` (shared-secret handshake, MAC'd frames) carrying
 //! [`protocol::Msg`] in `Envelope::Migration`; neither side compares VM configurations in
@@ -20,6 +21,7 @@
 pub mod destination;
 pub mod protocol;
 pub mod source;
+pub mod vm;
 
 use dsm::NodeId;
 use dsm_host::link::{LinkReader, LinkWriter};

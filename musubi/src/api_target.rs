@@ -7,7 +7,7 @@ use musubi_api::{ActionError, VmControl};
 pub struct ApiTarget {
     pub vm: vmm::VmHandle,
     /// Moves the VM elsewhere (vm.send-migration); `None` if its thread could not start.
-    pub migrator: Option<crate::migrate::Migrator>,
+    pub migrator: Option<musubi_migration::vm::Migrator>,
 }
 
 fn refused(e: vmm::ControlError) -> ActionError {
@@ -81,7 +81,9 @@ impl VmControl for ApiTarget {
 
     fn send_migration(&self, req: &musubi_api::SendMigration) -> Result<(), ActionError> {
         match &self.migrator {
-            Some(m) => m.send(req).map_err(ActionError::internal),
+            Some(m) => m
+                .send(&crate::migrate::send_request(req))
+                .map_err(ActionError::internal),
             None => Err(ActionError::internal(
                 "this VMM cannot send its VM: its migrator thread did not start",
             )),

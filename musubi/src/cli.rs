@@ -273,7 +273,9 @@ impl VmArgs {
         }
         config::net::check_distinct(&net)?;
         let exits = match &self.exits {
-            Some(e) => e.parse()?,
+            Some(e) => e
+                .parse()
+                .map_err(|e: config::spec::BadWord| e.to_string())?,
             None => file.exits.unwrap_or_default(),
         };
         let serial = match &self.serial {
@@ -298,17 +300,7 @@ impl VmArgs {
     }
 }
 
-/// The VM flags given on the command line, parsed, each `None` when not given: what a
-/// `--restore` compares with the snapshot it restores.
-#[derive(Debug, Default)]
-pub struct GivenDevices {
-    pub cpus: Option<u8>,
-    pub memory: Option<u64>,
-    pub disks: Option<Vec<DiskConfig>>,
-    pub pmem: Option<Vec<vmm::pmem::PmemConfig>>,
-    pub serial: Option<SerialMode>,
-    pub exits: Option<config::ExitsMode>,
-}
+pub use vmm::snapshot::GivenDevices;
 
 impl VmArgs {
     /// What of the VM the command line itself asks for (no file, no defaults).
@@ -336,7 +328,10 @@ impl VmArgs {
                 None => None,
             },
             exits: match &self.exits {
-                Some(e) => Some(e.parse()?),
+                Some(e) => Some(
+                    e.parse()
+                        .map_err(|e: config::spec::BadWord| e.to_string())?,
+                ),
                 None => None,
             },
         })

@@ -78,7 +78,7 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         None => builder,
     };
     let mut built = match received.take() {
-        Some(r) => migrate::received_vm(r),
+        Some(r) => musubi_migration::vm::received_vm(r),
         None => match builder.build() {
             Ok(vm) => vm,
             Err(e) => return fail(e.to_string()),
@@ -124,13 +124,14 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
     // Started before this thread's filter goes on, so the API thread has only its own.
     let api = match &control.api_socket {
         Some(path) => {
-            let migrator = match migrate::Migrator::start(running.handle(), incoming.clone()) {
-                Ok(m) => Some(m),
-                Err(e) => {
-                    eprintln!("musubi: cannot start the migrator thread: {e}");
-                    None
-                }
-            };
+            let migrator =
+                match musubi_migration::vm::Migrator::start(running.handle(), incoming.clone()) {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        eprintln!("musubi: cannot start the migrator thread: {e}");
+                        None
+                    }
+                };
             let target = std::sync::Arc::new(ApiTarget {
                 vm: running.handle(),
                 migrator,

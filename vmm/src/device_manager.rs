@@ -164,6 +164,14 @@ impl Devices {
         errors
     }
 
+    /// The devices whose state a saved VM keeps.
+    pub fn device_set(&self) -> crate::persist::DeviceSet {
+        crate::persist::DeviceSet {
+            serial: self.serial.clone(),
+            transports: self.transports.clone(),
+        }
+    }
+
     /// Interrupts raised by all devices so far.
     pub fn interrupts(&self) -> u64 {
         self.irqs.iter().map(|i| i.count()).sum()

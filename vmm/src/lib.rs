@@ -17,7 +17,6 @@
 
 mod arch;
 mod boot_data;
-mod builder;
 mod clock;
 pub mod config;
 mod control;
@@ -25,28 +24,34 @@ mod device_manager;
 mod exit;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod handle;
 mod idle;
 mod io_thread;
 mod irq;
 mod loader;
 mod metrics;
 mod net;
+pub mod persist;
 pub mod pmem;
 mod running;
 pub mod seccomp;
 pub mod snapshot;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod vm;
 mod vstate;
 
 pub use arch::x86_64::cpuid::Topology;
 pub use arch::x86_64::layout::ram_ranges;
-pub use builder::{
-    BuildError, ExternalRam, ExtraMetrics, GuestRamSource, MsiInjector, RunOptions, Vm, VmBuilder,
-};
 pub use clock::monotonic_ns;
 pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
 pub use exit::DeviceBus;
+pub use handle::{
+    ControlError, DirtyLogError, RamReadError, SnapshotReport, StorageError, VmHandle,
+};
 pub use metrics::MmioTarget;
-pub use running::{run_vm, ControlError, RunReport, RunningVm, SnapshotReport, VmHandle};
-pub use vstate::vcpu_state::VcpuState;
+pub use persist::VcpuState;
+pub use running::{run_vm, RunReport, RunningVm};
+pub use vm::{
+    BuildError, ExternalRam, ExtraMetrics, GuestRamSource, MsiInjector, RunOptions, Vm, VmBuilder,
+};

@@ -21,14 +21,19 @@ pub enum SeccompMode {
     Off,
 }
 
+/// A `--seccomp` value that names no mode.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("--seccomp {0:?}: expected true, false or log")]
+pub struct BadSeccompMode(pub String);
+
 impl std::str::FromStr for SeccompMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = BadSeccompMode;
+    fn from_str(s: &str) -> Result<Self, BadSeccompMode> {
         match s {
             "true" | "on" => Ok(SeccompMode::Enforce),
             "log" => Ok(SeccompMode::Log),
             "false" | "off" => Ok(SeccompMode::Off),
-            _ => Err(format!("--seccomp {s:?}: expected true, false or log")),
+            _ => Err(BadSeccompMode(s.to_string())),
         }
     }
 }
@@ -251,7 +256,7 @@ mod tests {
         assert_eq!("true".parse::<SeccompMode>(), Ok(SeccompMode::Enforce));
         assert_eq!("log".parse::<SeccompMode>(), Ok(SeccompMode::Log));
         assert_eq!("false".parse::<SeccompMode>(), Ok(SeccompMode::Off));
-        let e = "maybe".parse::<SeccompMode>().unwrap_err();
+        let e = "maybe".parse::<SeccompMode>().unwrap_err().to_string();
         assert!(e.contains("--seccomp") && e.contains("maybe"), "{e}");
     }
 

@@ -117,9 +117,13 @@ const EXITS_WORDS: [(&str, ExitsMode); 2] =
     [("kernel", ExitsMode::Kernel), ("user", ExitsMode::User)];
 
 impl std::str::FromStr for ExitsMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        spec::word(s, &EXITS_WORDS).map_err(|e| format!("--exits {s:?}: {e}"))
+    type Err = spec::BadWord;
+    fn from_str(s: &str) -> Result<Self, spec::BadWord> {
+        spec::word(s, &EXITS_WORDS).map_err(|source| spec::BadWord {
+            flag: "--exits",
+            value: s.to_string(),
+            source,
+        })
     }
 }
 

@@ -102,14 +102,29 @@ impl<'a> Spec<'a> {
     }
 }
 
+/// A word that is none of those accepted, with the ones that are.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("expected {}", .expected.join(" or "))]
+pub struct UnknownWord {
+    pub expected: Vec<String>,
+}
+
+/// A flag's value that is none of its words, named with the flag.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{flag} {value:?}: {source}")]
+pub struct BadWord {
+    pub flag: &'static str,
+    pub value: String,
+    pub source: UnknownWord,
+}
+
 /// The value `text` names among `words`, or what would have been accepted.
-pub fn word<T: Copy>(text: &str, words: &[(&str, T)]) -> Result<T, String> {
+pub fn word<T: Copy>(text: &str, words: &[(&str, T)]) -> Result<T, UnknownWord> {
     match words.iter().find(|(w, _)| *w == text) {
         Some((_, value)) => Ok(*value),
-        None => {
-            let names: Vec<&str> = words.iter().map(|(w, _)| *w).collect();
-            Err(format!("expected {}", names.join(" or ")))
-        }
+        None => Err(UnknownWord {
+            expected: words.iter().map(|(w, _)| w.to_string()).collect(),
+        }),
     }
 }
 
@@ -165,7 +180,10 @@ mod tests {
     fn words_name_the_choices() {
         let words = [("on", true), ("off", false)];
         assert_eq!(word("off", &words), Ok(false));
-        assert_eq!(word("maybe", &words), Err("expected on or off".into()));
+        assert_eq!(
+            word("maybe", &words).unwrap_err().to_string(),
+            "expected on or off"
+        );
         assert_eq!(name_of(false, &words), "off");
     }
 

@@ -20,9 +20,9 @@ pub enum Advertise {
 }
 
 impl std::str::FromStr for Advertise {
-    type Err = String;
+    type Err = spec::UnknownWord;
 
-    fn from_str(s: &str) -> Result<Advertise, String> {
+    fn from_str(s: &str) -> Result<Advertise, spec::UnknownWord> {
         let words = [("e820", Advertise::E820), ("virtio", Advertise::Virtio)];
         spec::word(s, &words)
     }

@@ -18,11 +18,8 @@ mod ram;
 pub use ram::{pages_that_may_hold_data, write_ram, RamWritten};
 
 use crate::config::{CacheMode, DiskConfig, ExitsMode, KernelImage, SerialMode, VmConfig};
+pub use crate::persist::VmState;
 use crate::pmem::{Advertise, PmemConfig};
-use crate::vstate::vcpu_state::VcpuState;
-use crate::vstate::vm::KvmVmState;
-use devices::legacy::SerialSnapshot;
-use devices::virtio::TransportState;
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -71,8 +68,10 @@ pub enum SnapshotError {
         path: PathBuf,
         why: String,
     },
-    #[error("{0}")]
-    Layout(String),
+    /// A saved setting this build does not understand; `what` says which, for callers that
+    /// match on it, and the message is the parser's own, as before.
+    #[error("{why}")]
+    Setting { what: &'static str, why: String },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError + '_ {
@@ -115,6 +114,18 @@ pub struct SavedConfig {
     /// had none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net: Vec<crate::config::net::NetConfig>,
+}
+
+/// The VM flags given on the command line, parsed, each `None` when not given: what a
+/// restore or an arriving migration compares with the configuration it was saved with.
+#[derive(Debug, Default)]
+pub struct GivenDevices {
+    pub cpus: Option<u8>,
+    pub memory: Option<u64>,
+    pub disks: Option<Vec<DiskConfig>>,
+    pub pmem: Option<Vec<PmemConfig>>,
+    pub serial: Option<SerialMode>,
+    pub exits: Option<ExitsMode>,
 }
 
 impl SavedConfig {
@@ -162,18 +173,23 @@ impl SavedConfig {
     }
 
     /// The configuration to build the restored VM from: no kernel (RAM holds it already).
-    pub fn to_vm_config(&self) -> Result<VmConfig, String> {
-        let disks = self
-            .disks
-            .iter()
-            .map(|d| {
-                Ok(DiskConfig {
-                    path: d.path.clone(),
-                    readonly: d.readonly,
-                    cache: d.cache.parse::<CacheMode>().map_err(|e| e.to_string())?,
+    pub fn to_vm_config(&self) -> Result<VmConfig, SnapshotError> {
+        let disks =
+            self.disks
+                .iter()
+                .map(|d| {
+                    Ok(DiskConfig {
+                        path: d.path.clone(),
+                        readonly: d.readonly,
+                        cache: d.cache.parse::<CacheMode>().map_err(|e| {
+                            SnapshotError::Setting {
+                                what: "disk cache mode",
+                                why: e.to_string(),
+                            }
+                        })?,
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>, String>>()?;
+                .collect::<Result<Vec<_>, SnapshotError>>()?;
         let pmem = self
             .pmem
             .iter()
@@ -182,10 +198,15 @@ impl SavedConfig {
                     file: p.file.clone(),
                     size: Some(p.size),
                     readonly: p.readonly,
-                    advertise: p.advertise.parse::<Advertise>()?,
+                    advertise: p.advertise.parse::<Advertise>().map_err(|e| {
+                        SnapshotError::Setting {
+                            what: "memory-storage advertise",
+                            why: e.to_string(),
+                        }
+                    })?,
                 })
             })
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, SnapshotError>>()?;
         Ok(VmConfig {
             kernel: KernelImage::Bytes {
                 name: self.kernel.clone(),
@@ -274,37 +295,6 @@ impl SavedConfig {
             }
         }
         Ok(())
-    }
-}
-
-/// Everything of a paused VM that is not its RAM or its configuration.
-#[derive(Serialize, Deserialize)]
-pub struct VmState {
-    /// Guest-physical (start, length) of each RAM range, in the memory file's order.
-    pub ram: Vec<(u64, u64)>,
-    /// Guest-physical address of each memory-storage region.
-    pub pmem: Vec<u64>,
-    pub vcpus: Vec<VcpuState>,
-    pub vm: KvmVmState,
-    pub serial: SerialSnapshot,
-    /// Every virtio transport, in the order the devices were created.
-    pub transports: Vec<TransportState>,
-    /// The VM's owner had paused it before it was captured (a migration of a paused VM): it
-    /// is put back paused, to be resumed by whoever controls it there. Snapshots never set
-    /// it, so a restore runs at once.
-    #[serde(default)]
-    pub paused: bool,
-}
-
-impl std::fmt::Debug for VmState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "VM state: {} vCPUs, {} RAM ranges, {} virtio transports",
-            self.vcpus.len(),
-            self.ram.len(),
-            self.transports.len()
-        )
     }
 }
 
@@ -488,6 +478,8 @@ impl Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::persist::KvmVmState;
+    use devices::legacy::SerialSnapshot;
 
     fn state() -> VmState {
         VmState {

@@ -12,6 +12,24 @@ use vm_memory::GuestMemoryBackend;
 
 const PAGE: u64 = 4096;
 
+/// Why dirty-page tracking could not be turned on or off, or read.
+#[derive(Debug, thiserror::Error)]
+pub enum DirtyLogError {
+    #[error("KVM_SET_USER_MEMORY_REGION (dirty logging {}) on slot {slot}: {source}", if *.on { "on" } else { "off" })]
+    SetLogging {
+        on: bool,
+        slot: u32,
+        source: kvm_ioctls::Error,
+    },
+    #[error("KVM_GET_DIRTY_LOG on slot {slot}: {source}")]
+    GetLog {
+        slot: u32,
+        source: kvm_ioctls::Error,
+    },
+    #[error("dirty-page tracking is off")]
+    Off,
+}
+
 /// Dirty-page tracking over guest RAM's KVM memory slots; off until [`DirtyLog::start`].
 pub struct DirtyLog {
     vm_fd: Arc<VmFd>,
@@ -35,7 +53,7 @@ impl DirtyLog {
         }
     }
 
-    fn set_logging(&self, on: bool) -> Result<(), String> {
+    fn set_logging(&self, on: bool) -> Result<(), DirtyLogError> {
         for s in &self.slots {
             let slot = kvm_userspace_memory_region {
                 flags: if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
@@ -43,12 +61,12 @@ impl DirtyLog {
             };
             // SAFETY: the same slot, guest range and host mapping as registered (which the
             // VM keeps for as long as its fd lives); only the logging flag changes.
-            unsafe { self.vm_fd.set_user_memory_region(slot) }.map_err(|e| {
-                format!(
-                    "KVM_SET_USER_MEMORY_REGION (dirty logging {}) on slot {}: {e}",
-                    if on { "on" } else { "off" },
-                    s.slot
-                )
+            unsafe { self.vm_fd.set_user_memory_region(slot) }.map_err(|source| {
+                DirtyLogError::SetLogging {
+                    on,
+                    slot: s.slot,
+                    source,
+                }
             })?;
         }
         Ok(())
@@ -56,7 +74,7 @@ impl DirtyLog {
 
     /// Turns tracking on: from here every page written, by the guest or the VMM, is
     /// reported once by the next [`DirtyLog::take`]. Earlier writes are forgotten.
-    pub fn start(&self) -> Result<(), String> {
+    pub fn start(&self) -> Result<(), DirtyLogError> {
         let mut on = self.on.lock().unwrap_or_else(|e| e.into_inner());
         for region in self.ram.memory().iter() {
             bitmap(region).reset();
@@ -68,17 +86,20 @@ impl DirtyLog {
 
     /// Guest-physical addresses of the pages written since [`DirtyLog::start`] or the last
     /// call, in order; each call starts a new interval.
-    pub fn take(&self) -> Result<Vec<u64>, String> {
+    pub fn take(&self) -> Result<Vec<u64>, DirtyLogError> {
         let on = self.on.lock().unwrap_or_else(|e| e.into_inner());
         if !*on {
-            return Err("dirty-page tracking is off".into());
+            return Err(DirtyLogError::Off);
         }
         let mut out = Vec::new();
         for (s, region) in self.slots.iter().zip(self.ram.memory().iter()) {
             let kvm = self
                 .vm_fd
                 .get_dirty_log(s.slot, s.memory_size as usize)
-                .map_err(|e| format!("KVM_GET_DIRTY_LOG on slot {}: {e}", s.slot))?;
+                .map_err(|source| DirtyLogError::GetLog {
+                    slot: s.slot,
+                    source,
+                })?;
             let vmm = bitmap(region).get_and_reset();
             let words = kvm.len().max(vmm.len());
             for i in 0..words {
@@ -97,7 +118,7 @@ impl DirtyLog {
     }
 
     /// Turns tracking off (a migration that failed before the switch).
-    pub fn stop(&self) -> Result<(), String> {
+    pub fn stop(&self) -> Result<(), DirtyLogError> {
         let mut on = self.on.lock().unwrap_or_else(|e| e.into_inner());
         if *on {
             self.set_logging(false)?;

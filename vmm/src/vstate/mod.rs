@@ -4,6 +4,5 @@ pub mod dirty;
 pub mod memory;
 pub mod pause;
 pub mod vcpu;
-pub mod vcpu_state;
 pub mod vcpu_thread;
 pub mod vm;

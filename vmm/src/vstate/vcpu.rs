@@ -147,6 +147,8 @@ pub struct Vcpu {
     pub fd: VcpuFd,
 }
 
+/// The time-stamp counter.
+pub const MSR_IA32_TSC: u32 = 0x10;
 const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
 const MISC_ENABLE_FAST_STRING: u64 = 1;
 /// MTRRs enabled with write-back as the default type, as PC firmware leaves them: with
@@ -353,4 +355,52 @@ fn set_lvt_mode(lapic: &mut kvm_lapic_state, reg: usize, mode: u32) {
     let mut v = u32::from_le_bytes(bytes[reg..reg + 4].try_into().unwrap());
     v = (v & !0x700) | (mode << 8);
     bytes[reg..reg + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+/// The TSC alone, which a pause reads and a resume sets back.
+impl Vcpu {
+    /// Sets only the TSC: a resumed vCPU goes on from the count it stopped at.
+    pub fn set_tsc(&self, tsc: u64) -> Result<(), VcpuError> {
+        let id = self.id;
+        let msrs = Msrs::from_entries(&[kvm_msr_entry {
+            index: MSR_IA32_TSC,
+            data: tsc,
+            ..Default::default()
+        }])
+        .expect("one MSR fits");
+        match self.fd.set_msrs(&msrs) {
+            Ok(1) => Ok(()),
+            Ok(_) => Err(VcpuError::MsrRejected {
+                id,
+                index: MSR_IA32_TSC,
+            }),
+            Err(source) => Err(VcpuError::Ioctl {
+                id,
+                what: "KVM_SET_MSRS",
+                source,
+            }),
+        }
+    }
+
+    /// Reads the TSC.
+    pub fn tsc(&self) -> Result<u64, VcpuError> {
+        let id = self.id;
+        let mut msrs = Msrs::from_entries(&[kvm_msr_entry {
+            index: MSR_IA32_TSC,
+            ..Default::default()
+        }])
+        .expect("one MSR fits");
+        match self.fd.get_msrs(&mut msrs) {
+            Ok(1) => Ok(msrs.as_slice()[0].data),
+            Ok(_) => Err(VcpuError::MsrRejected {
+                id,
+                index: MSR_IA32_TSC,
+            }),
+            Err(source) => Err(VcpuError::Ioctl {
+                id,
+                what: "KVM_GET_MSRS",
+                source,
+            }),
+        }
+    }
 }

@@ -10,9 +10,9 @@
 //! build, and the thread that runs the vCPU already exists when the VM starts.
 
 use super::vcpu::{kick_signal, unbind_thread, Vcpu, VcpuContext, VcpuError};
-use super::vcpu_state::VcpuState;
 use crate::arch::x86_64::cpuid::Topology;
 use crate::control::{panic_message, Outcome};
+use crate::persist::{Persist, VcpuState};
 use crate::seccomp::{self, SeccompMode, ThreadKind};
 use kvm_bindings::{kvm_regs, kvm_sregs, CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VmFd};
@@ -287,7 +287,7 @@ fn set_up(
         match entry {
             Ok(Some(b)) => v.set_regs(&b.regs, b.sregs)?,
             Ok(None) => {}
-            Err(state) => v.restore_state(&state)?,
+            Err(state) => v.restore(&state)?,
         }
         v.bind_to_thread();
         Ok(v)

@@ -1,10 +1,7 @@
 //! The KVM VM: memory slots, the in-kernel interrupt controllers and PIT, and irqfds.
 
 use devices::GuestMemoryMmap;
-use kvm_bindings::{
-    kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_pit_state2, kvm_userspace_memory_region,
-    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
-};
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Cap, IoEventAddress, Kvm, VmFd};
 use std::sync::Arc;
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
@@ -33,65 +30,12 @@ pub enum VmError {
 /// the top of 4 GiB, where no RAM or device is placed.
 const KVM_TSS_ADDRESS: usize = 0xfffb_d000;
 
-/// The in-kernel devices' state and the KVM clock, as a snapshot keeps them.
-#[derive(Clone, serde::Serialize, serde::Deserialize)]
-pub struct KvmVmState {
-    pub pic_master: kvm_irqchip,
-    pub pic_slave: kvm_irqchip,
-    pub ioapic: kvm_irqchip,
-    pub pit: kvm_pit_state2,
-    pub clock: kvm_clock_data,
-}
-
 pub struct KvmVm {
     kvm: Arc<Kvm>,
     fd: Arc<VmFd>,
     next_slot: u32,
     /// Guest RAM's slots, as [`KvmVm::register_memory`] registered them.
     ram_slots: Vec<kvm_userspace_memory_region>,
-}
-
-/// Reads the in-kernel devices' state of the VM behind `fd`.
-pub fn save_state(fd: &VmFd, clock: kvm_clock_data) -> Result<KvmVmState, VmError> {
-    let err = |what| move |source| VmError::Ioctl { what, source };
-    let chip = |id| {
-        let mut c = kvm_irqchip {
-            chip_id: id,
-            ..Default::default()
-        };
-        fd.get_irqchip(&mut c)
-            .map(|_| c)
-            .map_err(err("KVM_GET_IRQCHIP"))
-    };
-    Ok(KvmVmState {
-        pic_master: chip(KVM_IRQCHIP_PIC_MASTER)?,
-        pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE)?,
-        ioapic: chip(KVM_IRQCHIP_IOAPIC)?,
-        pit: fd.get_pit2().map_err(err("KVM_GET_PIT2"))?,
-        clock,
-    })
-}
-
-/// Reads the KVM clock, to be set back when the VM goes on.
-pub fn get_clock(fd: &VmFd) -> Result<kvm_clock_data, VmError> {
-    fd.get_clock().map_err(|source| VmError::Ioctl {
-        what: "KVM_GET_CLOCK",
-        source,
-    })
-}
-
-/// Sets the KVM clock to a value read earlier, so the guest sees no time pass while it was
-/// stopped. Only the clock itself is set: KVM_CLOCK_REALTIME would have KVM add the time
-/// that passed.
-pub fn set_clock(fd: &VmFd, saved: &kvm_clock_data) -> Result<(), VmError> {
-    let clock = kvm_clock_data {
-        clock: saved.clock,
-        ..Default::default()
-    };
-    fd.set_clock(&clock).map_err(|source| VmError::Ioctl {
-        what: "KVM_SET_CLOCK",
-        source,
-    })
 }
 
 /// Opens `/dev/kvm` and checks that it offers what Musubi needs. Apart from creating the
@@ -161,21 +105,6 @@ impl KvmVm {
             what: "KVM_CREATE_PIT2",
             source,
         })
-    }
-
-    /// Reads the PIC, IOAPIC and PIT; `clock` is the KVM clock read when the VM paused.
-    pub fn save_state(&self, clock: kvm_clock_data) -> Result<KvmVmState, VmError> {
-        save_state(&self.fd, clock)
-    }
-
-    /// Writes back what [`KvmVm::save_state`] read; the clock is set when the VM starts.
-    pub fn restore_state(&self, s: &KvmVmState) -> Result<(), VmError> {
-        let err = |what| move |source| VmError::Ioctl { what, source };
-        for chip in [&s.pic_master, &s.pic_slave, &s.ioapic] {
-            self.fd.set_irqchip(chip).map_err(err("KVM_SET_IRQCHIP"))?;
-        }
-        self.fd.set_pit2(&s.pit).map_err(err("KVM_SET_PIT2"))?;
-        Ok(())
     }
 
     pub fn kvm_arc(&self) -> Arc<Kvm> {

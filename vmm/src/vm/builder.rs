@@ -2,15 +2,17 @@
 //! data, in one readable sequence, with nothing running yet.
 //!
 //! The life of a VM is [`Vm::build`] or [`VmBuilder::build`] (everything created, nothing
-//! running, here), [`Vm::start`] and [`RunningVm::wait`] (in `running`).
+//! running, here), [`Vm::start`] (in `start`) and [`RunningVm::wait`](crate::RunningVm::wait)
+//! (in `running`).
 
+use super::Vm;
 use crate::arch::x86_64::cpuid::Topology;
 use crate::arch::x86_64::layout::GuestLayout;
 use crate::arch::x86_64::{linux, regs};
 use crate::boot_data::{write_boot_data, BootDataError};
-use crate::config::{ExitsMode, VmConfig};
+use crate::config::VmConfig;
 use crate::control::RunControl;
-use crate::device_manager::{create_devices, DeviceError, Devices};
+use crate::device_manager::{create_devices, DeviceError};
 use crate::exit::DeviceBus;
 use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::pmem::{host_phys_bits, PmemError, PmemRegions};
@@ -19,7 +21,6 @@ use crate::vstate::memory::{GuestRam, MemoryError, RamBackend};
 use crate::vstate::vcpu::{install_kick_handler, VcpuError};
 use crate::vstate::vcpu_thread::{Boot, PendingVcpu, VcpuSetup};
 use crate::vstate::vm::{open_kvm, KvmVm, VmError};
-use devices::GuestMemoryMmap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -44,6 +45,8 @@ pub enum BuildError {
     BootData(#[from] BootDataError),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
+    #[error(transparent)]
+    Persist(#[from] crate::persist::PersistError),
     #[error("cannot start the {what} thread: {source}")]
     Thread {
         what: &'static str,
@@ -60,38 +63,6 @@ pub struct RunOptions {
     pub timeout: Option<Duration>,
     /// System-call filters on the vCPU and I/O threads.
     pub seccomp: SeccompMode,
-}
-
-/// A VM with its memory, kernel, devices and vCPUs in place, not yet running.
-pub struct Vm {
-    pub(crate) started: Instant,
-    pub(crate) opts: RunOptions,
-    pub(crate) exits: ExitsMode,
-    pub(crate) layout: GuestLayout,
-    pub(crate) kvm: KvmVm,
-    pub(crate) ram: Arc<GuestRam>,
-    pub(crate) mem: GuestMemoryMmap,
-    pub(crate) pmem: PmemRegions,
-    pub(crate) devices: Devices,
-    pub(crate) vcpus: Vec<PendingVcpu>,
-    pub(crate) control: Arc<RunControl>,
-    pub(crate) capture: Option<Arc<Mutex<Vec<u8>>>>,
-    /// Where the vCPUs' port and MMIO exits go: the local devices unless a node forwards them.
-    pub(crate) bus: Arc<dyn DeviceBus>,
-    /// More entries for `--metrics` (a node's coherence counters).
-    pub(crate) extra_metrics: Option<ExtraMetrics>,
-    /// Run once the vCPUs and the I/O thread have stopped, before the VM is destroyed.
-    pub(crate) on_stopped: Option<Box<dyn FnOnce() + Send>>,
-    /// The KVM clock a restored VM goes on from, set just before its vCPUs run.
-    pub(crate) start_clock: Option<kvm_bindings::kvm_clock_data>,
-    /// What a snapshot of this VM records as its configuration.
-    pub(crate) saved_config: crate::snapshot::SavedConfig,
-    /// Built by [`VmBuilder::restore_later`]: its vCPUs wait for [`Vm::apply_state`].
-    pub(crate) awaits_state: bool,
-    /// The vCPUs (global ids) created standing by ([`VmBuilder::standby_vcpus`]).
-    pub(crate) standby: Vec<u8>,
-    /// The state applied says the VM was paused: it starts paused.
-    pub(crate) start_paused: bool,
 }
 
 /// A source of more `--metrics` entries, called whenever the metrics are read.
@@ -274,7 +245,7 @@ impl<'a> VmBuilder<'a> {
 
 /// Sends message-signalled interrupts into a VM, as a device would.
 #[derive(Clone)]
-pub struct MsiInjector(Arc<kvm_ioctls::VmFd>);
+pub struct MsiInjector(pub(super) Arc<kvm_ioctls::VmFd>);
 
 impl MsiInjector {
     /// Delivers the MSI with this address and data. KVM refuses one that names no vCPU of
@@ -475,133 +446,5 @@ impl Vm {
             phase("state restored");
         }
         Ok(vm)
-    }
-}
-
-/// Refuses a snapshot whose RAM or memory-storage regions would land elsewhere in this
-/// build's guest-physical map (another host's address width can move them).
-fn check_layout(
-    from: &str,
-    state: &crate::snapshot::VmState,
-    layout: &GuestLayout,
-) -> Result<(), crate::snapshot::SnapshotError> {
-    let ram: Vec<(u64, u64)> = layout.ram.iter().map(|r| (r.start, r.len)).collect();
-    let pmem: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
-    if ram != state.ram || pmem != state.pmem {
-        return Err(crate::snapshot::SnapshotError::Layout(format!(
-            "{}: the snapshot's guest-physical map (RAM {:x?}, memory storage {:x?}) is not this \
-             build's (RAM {ram:x?}, memory storage {pmem:x?})",
-            from, state.ram, state.pmem
-        )));
-    }
-    Ok(())
-}
-
-/// Puts the serial port and every virtio transport back as the snapshot saved them.
-fn restore_devices(
-    devices: &Devices,
-    state: &crate::snapshot::VmState,
-) -> Result<(), crate::snapshot::SnapshotError> {
-    let corrupt = |why: String| crate::snapshot::SnapshotError::Layout(why);
-    devices
-        .serial
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .restore(&state.serial)
-        .map_err(|e| corrupt(e.to_string()))?;
-    if state.transports.len() != devices.transports.len() {
-        return Err(corrupt(format!(
-            "the snapshot has {} virtio devices, this VM {}",
-            state.transports.len(),
-            devices.transports.len()
-        )));
-    }
-    for (i, (t, s)) in devices.transports.iter().zip(&state.transports).enumerate() {
-        t.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .restore(s)
-            .map_err(|why| corrupt(format!("virtio device {i}: {why}")))?;
-    }
-    Ok(())
-}
-
-impl Vm {
-    /// The guest-physical map the VM was built with.
-    pub fn layout(&self) -> &GuestLayout {
-        &self.layout
-    }
-
-    /// The bus of this process's own devices: a share of a VM that holds the devices
-    /// serves the accesses other shares forward to it here.
-    pub fn device_bus(&self) -> Arc<dyn DeviceBus> {
-        self.devices.bus.clone()
-    }
-
-    /// Sends the vCPUs' port and MMIO accesses to `bus` instead of the local devices (a
-    /// node forwards them to the node that holds the devices, and carries IPIs).
-    pub fn set_device_bus(&mut self, bus: Arc<dyn DeviceBus>) {
-        self.bus = bus;
-    }
-
-    /// Adds `extra()`'s object to the metrics whenever they are read (a node's coherence
-    /// counters). Set after the build, as the counters usually live in the device bus.
-    pub fn set_extra_metrics(&mut self, extra: ExtraMetrics) {
-        self.extra_metrics = Some(extra);
-    }
-
-    /// Where the VM's outcome is decided: a node ends the VM when a peer does, and its
-    /// forwarded accesses stop waiting once the VM has ended.
-    pub fn run_control(&self) -> Arc<RunControl> {
-        self.control.clone()
-    }
-
-    /// Puts `state` (from `from`, for messages) into a VM built with
-    /// [`VmBuilder::restore_later`]: every vCPU, the interrupt controllers and PIT, the
-    /// devices, and the KVM clock it starts from.
-    pub fn apply_state(
-        &mut self,
-        from: String,
-        mut state: crate::snapshot::VmState,
-    ) -> Result<(), BuildError> {
-        if !self.awaits_state {
-            return Err(BuildError::Snapshot(
-                crate::snapshot::SnapshotError::Layout(format!(
-                    "{from}: this VM was not built to take a state"
-                )),
-            ));
-        }
-        let vcpus = std::mem::take(&mut state.vcpus);
-        check_layout(&from, &state, &self.layout)?;
-        if vcpus.len() != self.layout.cpus as usize {
-            return Err(BuildError::Snapshot(
-                crate::snapshot::SnapshotError::Layout(format!(
-                    "{from}: {} vCPU states for a VM of {} CPUs",
-                    vcpus.len(),
-                    self.layout.cpus
-                )),
-            ));
-        }
-        self.kvm.restore_state(&state.vm)?;
-        restore_devices(&self.devices, &state)?;
-        let mut states: Vec<Option<_>> = vcpus.into_iter().map(Some).collect();
-        for v in &self.vcpus {
-            if let Some(s) = states.get_mut(v.id as usize).and_then(Option::take) {
-                v.restore(s);
-            }
-        }
-        self.start_clock = Some(state.vm.clock);
-        self.start_paused = state.paused;
-        self.awaits_state = false;
-        Ok(())
-    }
-
-    /// Whether the VM will start paused: the state it was given says its owner had paused it.
-    pub fn starts_paused(&self) -> bool {
-        self.start_paused
-    }
-
-    /// Delivers interrupts into the VM from any thread (IPIs that came from another node).
-    pub fn msi_injector(&self) -> MsiInjector {
-        MsiInjector(self.kvm.shared_fd())
     }
 }

@@ -1,15 +1,14 @@
-//! A vCPU's architectural state as KVM holds it: read for a snapshot, written back on
+//! A vCPU's architectural state as KVM holds it: read when the VM is saved, written back on
 //! restore, on the thread that runs the vCPU.
 
-use super::vcpu::{Vcpu, VcpuError};
+use super::Persist;
+pub use crate::vstate::vcpu::MSR_IA32_TSC;
+use crate::vstate::vcpu::{Vcpu, VcpuError};
 use kvm_bindings::{
     kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs,
     kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs,
 };
 use serde::{Deserialize, Serialize};
-
-/// The time-stamp counter.
-pub const MSR_IA32_TSC: u32 = 0x10;
 
 /// Everything KVM keeps of one vCPU that the guest can observe. The order of the fields is
 /// the order they are written back in (see `Vcpu::restore_state`).
@@ -73,9 +72,14 @@ fn each_batch(
     Ok(())
 }
 
-impl Vcpu {
+impl Persist for Vcpu {
+    type State = VcpuState;
+    /// What KVM says a VMM should save of the MSRs, asked once per VM rather than per vCPU.
+    type SaveArgs = [u32];
+    type Error = VcpuError;
+
     /// Reads the vCPU's state; `msr_list` is what KVM says a VMM should save.
-    pub fn save_state(&self, msr_list: &[u32]) -> Result<VcpuState, VcpuError> {
+    fn save(&self, msr_list: &[u32]) -> Result<VcpuState, VcpuError> {
         let id = self.id;
         let err = |what| move |source| VcpuError::Ioctl { id, what, source };
         let fd = &self.fd;
@@ -112,7 +116,7 @@ impl Vcpu {
     /// registers first, the LAPIC before the MSRs (the TSC-deadline MSR is checked against
     /// it), the TSC before the TSC deadline (their order in KVM's own list), and pending
     /// events last so nothing written after them clears them.
-    pub fn restore_state(&self, s: &VcpuState) -> Result<(), VcpuError> {
+    fn restore(&self, s: &VcpuState) -> Result<(), VcpuError> {
         let id = self.id;
         let err = |what| move |source| VcpuError::Ioctl { id, what, source };
         let fd = &self.fd;
@@ -137,51 +141,6 @@ impl Vcpu {
         fd.set_vcpu_events(&s.events)
             .map_err(err("KVM_SET_VCPU_EVENTS"))?;
         Ok(())
-    }
-
-    /// Sets only the TSC: a resumed vCPU goes on from the count it stopped at.
-    pub fn set_tsc(&self, tsc: u64) -> Result<(), VcpuError> {
-        let id = self.id;
-        let msrs = Msrs::from_entries(&[kvm_msr_entry {
-            index: MSR_IA32_TSC,
-            data: tsc,
-            ..Default::default()
-        }])
-        .expect("one MSR fits");
-        match self.fd.set_msrs(&msrs) {
-            Ok(1) => Ok(()),
-            Ok(_) => Err(VcpuError::MsrRejected {
-                id,
-                index: MSR_IA32_TSC,
-            }),
-            Err(source) => Err(VcpuError::Ioctl {
-                id,
-                what: "KVM_SET_MSRS",
-                source,
-            }),
-        }
-    }
-
-    /// Reads the TSC.
-    pub fn tsc(&self) -> Result<u64, VcpuError> {
-        let id = self.id;
-        let mut msrs = Msrs::from_entries(&[kvm_msr_entry {
-            index: MSR_IA32_TSC,
-            ..Default::default()
-        }])
-        .expect("one MSR fits");
-        match self.fd.get_msrs(&mut msrs) {
-            Ok(1) => Ok(msrs.as_slice()[0].data),
-            Ok(_) => Err(VcpuError::MsrRejected {
-                id,
-                index: MSR_IA32_TSC,
-            }),
-            Err(source) => Err(VcpuError::Ioctl {
-                id,
-                what: "KVM_GET_MSRS",
-                source,
-            }),
-        }
     }
 }
 

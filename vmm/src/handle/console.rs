@@ -1,0 +1,132 @@
+//! The console and the accounting of a running VM: typing into its serial port, and its
+//! exit metrics and device counters as `--metrics` and `vm.counters` give them.
+
+use super::{Shared, VmHandle};
+use crate::metrics::detailed;
+use std::sync::atomic::Ordering;
+
+/// A network device's counters, as `--metrics` and `vm.counters` give them.
+fn net_json(t: &devices::virtio::MmioTransport) -> serde_json::Value {
+    let c = t.net_counters().unwrap_or_default();
+    serde_json::json!({
+        "rx_packets": c.rx_packets,
+        "rx_bytes": c.rx_bytes,
+        "rx_drops": c.rx_drops,
+        "rx_notifications": c.rx_notifications,
+        "rx_throttled": c.rx_throttled,
+        "tx_packets": c.tx_packets,
+        "tx_bytes": c.tx_bytes,
+        "tx_drops": c.tx_drops,
+        "tx_notifications": c.tx_notifications,
+        "tx_throttled": c.tx_throttled,
+        "interrupts": t.stats().interrupts,
+    })
+}
+
+impl Shared {
+    pub(crate) fn metrics_json(&self) -> serde_json::Value {
+        let names = |t| self.names.name(t);
+        let (per_vcpu, all) = detailed(&self.metrics, &names);
+        let notify_exits: u64 = all
+            .iter()
+            .filter(|d| {
+                d.detail
+                    .as_deref()
+                    .is_some_and(|n| n.ends_with(":queue_notify"))
+            })
+            .map(|d| d.count)
+            .sum();
+        let mut irq_paths = serde_json::Map::new();
+        for irq in &self.irqs {
+            let e = irq_paths.entry(irq.path()).or_insert(serde_json::json!(0));
+            *e = serde_json::json!(e.as_u64().unwrap_or(0) + irq.count());
+        }
+        let mut json = serde_json::json!({
+            "exits_mode": self.exits.to_string(),
+            "total_exits": all.iter().map(|d| d.count).sum::<u64>(),
+            "exits": all,
+            "vcpus": per_vcpu.into_iter().zip(&self.vcpu_ids).map(|(e, id)| serde_json::json!({"id": id, "exits": e})).collect::<Vec<_>>(),
+            "notifications": {
+                "mmio_exit": notify_exits,
+                "ioeventfd": self.ioeventfd_served.load(Ordering::Relaxed),
+            },
+            "interrupts": irq_paths,
+            "net": self.nets.iter().map(|t| net_json(&t.lock().unwrap_or_else(|e| e.into_inner()))).collect::<Vec<_>>(),
+            "memory": {
+                "backend": self.ram.backend(),
+                "vcpu_threads": self.ram.vcpu_threads(),
+            },
+        });
+        if let (Some(extra), Some(obj)) = (&self.extra_metrics, json.as_object_mut()) {
+            if let serde_json::Value::Object(more) = extra() {
+                obj.extend(more);
+            }
+        }
+        json
+    }
+}
+
+impl VmHandle {
+    /// The exit accounting so far, as `--metrics` writes it.
+    pub fn metrics(&self) -> serde_json::Value {
+        self.shared.metrics_json()
+    }
+
+    /// Device counters as Cloud Hypervisor's `vm.counters` gives them: device name to
+    /// counter name to value, with the vCPUs' exits as one more "device".
+    pub fn counters(&self) -> serde_json::Value {
+        let mut out = serde_json::Map::new();
+        let total: u64 = self.shared.metrics.iter().map(|m| m.total()).sum();
+        out.insert("vcpus".into(), serde_json::json!({ "exits": total }));
+        let (mut blk, mut other, mut net) = (0u32, 0u32, 0u32);
+        for t in &self.shared.parts.devices().transports {
+            let t = t.lock().unwrap_or_else(|e| e.into_inner());
+            let s = t.stats();
+            if t.net_counters().is_some() {
+                out.insert(format!("virtio-net{net}"), net_json(&t));
+                net += 1;
+                continue;
+            }
+            let name = match t.device_type() {
+                2 => {
+                    blk += 1;
+                    format!("virtio-blk{}", blk - 1)
+                }
+                _ => {
+                    other += 1;
+                    format!("virtio-pmem{}", other - 1)
+                }
+            };
+            out.insert(
+                name,
+                serde_json::json!({
+                    "requests": s.requests,
+                    "read_bytes": s.bytes_read,
+                    "write_bytes": s.bytes_written,
+                    "flushes": s.flushes,
+                    "errors": s.errors,
+                    "interrupts": s.interrupts,
+                }),
+            );
+        }
+        serde_json::Value::Object(out)
+    }
+
+    /// Types `bytes` into COM1 as if they came down the serial line, raising its receive
+    /// interrupt. Returns how many were taken: fewer than offered (maybe 0) while the UART's
+    /// 64-byte receive FIFO is full. A UART has no way to stall its sender without losing
+    /// data, so the caller keeps the rest and offers it again later; this never waits, so
+    /// it cannot hold up a vCPU. Bytes offered after the VM ended are taken and ignored.
+    pub fn serial_input(&self, bytes: &[u8]) -> usize {
+        if self.shared.control.is_finished() {
+            return bytes.len();
+        }
+        self.shared
+            .parts
+            .devices()
+            .serial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .enqueue_input(bytes)
+    }
+}

@@ -1,0 +1,203 @@
+//! A running VM's handle: what any thread (a signal handler's, the API's, a supervisor)
+//! may do to a VM while it runs. Its jobs live in their own files: the life cycle here,
+//! saving the VM in `persist`, moving vCPUs between the shares of a VM in `vcpus`, the
+//! console and the accounting in `console`.
+
+mod console;
+mod persist;
+mod vcpus;
+
+pub use persist::{DirtyLogError, RamReadError, SnapshotReport, StorageError};
+
+use crate::config::ExitsMode;
+use crate::control::{Outcome, RunControl};
+use crate::irq::IrqLine;
+use crate::metrics::VcpuMetrics;
+use crate::persist::{Clock, Persist, PersistError, VmParts};
+use crate::vm::ExtraMetrics;
+use crate::vstate::memory::GuestRam;
+use crate::vstate::pause::{PauseError, PauseGate};
+use crate::vstate::vcpu::kick_signal;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use vmm_sys_util::signal::Killable;
+
+/// What the VM's threads and its handles share.
+pub(crate) struct Shared {
+    pub(crate) exits: ExitsMode,
+    /// Global id of each vCPU of `metrics`, in order.
+    pub(crate) vcpu_ids: Vec<u8>,
+    pub(crate) extra_metrics: Option<ExtraMetrics>,
+    pub(crate) ram: Arc<GuestRam>,
+    pub(crate) control: Arc<RunControl>,
+    pub(crate) metrics: Vec<Arc<VcpuMetrics>>,
+    pub(crate) irqs: Vec<Arc<dyn IrqLine>>,
+    pub(crate) names: Arc<crate::device_manager::MmioNames>,
+    pub(crate) ioeventfd_served: Arc<AtomicU64>,
+    /// The rest is what pause, resume and snapshots need.
+    pub(crate) gate: Arc<PauseGate>,
+    /// What the VM is saved from.
+    pub(crate) parts: VmParts,
+    /// The vCPU threads: kicked to pause, taken out to be joined when the VM ends.
+    pub(crate) vcpu_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    pub(crate) io_park: Option<Arc<vmm_sys_util::eventfd::EventFd>>,
+    /// The KVM clock and each vCPU's TSC when the VM paused, set back on resume.
+    pub(crate) paused_at: Mutex<Option<PausedAt>>,
+    /// The network devices among the transports, in `--net` order.
+    pub(crate) nets: Vec<Arc<Mutex<devices::virtio::MmioTransport>>>,
+    pub(crate) pmem: Vec<crate::pmem::PmemRegion>,
+    pub(crate) saved_config: crate::snapshot::SavedConfig,
+    /// One pause, resume or snapshot at a time.
+    pub(crate) busy: Mutex<()>,
+    /// Pages written since the last look, while a pre-copy migration asks.
+    pub(crate) dirty: crate::vstate::dirty::DirtyLog,
+}
+
+/// What a paused VM's clocks read when it stopped.
+pub(crate) struct PausedAt {
+    pub(crate) clock: kvm_bindings::kvm_clock_data,
+    pub(crate) tscs: Vec<Option<u64>>,
+}
+
+/// Why a pause, resume or snapshot was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("the VM is already paused")]
+    AlreadyPaused,
+    #[error("the VM is not paused")]
+    NotPaused,
+    #[error("the VM has ended")]
+    Ended,
+    #[error(transparent)]
+    Pause(#[from] PauseError),
+    #[error("{0}")]
+    Kvm(String),
+    #[error("{0}")]
+    Vcpu(String),
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
+    #[error(transparent)]
+    Persist(#[from] PersistError),
+}
+
+impl Shared {
+    /// Kicks every vCPU out of KVM_RUN and rings the I/O thread's parking bell.
+    fn kick_all(&self) {
+        let threads = self.vcpu_threads.lock().unwrap_or_else(|e| e.into_inner());
+        for t in threads.iter() {
+            let _ = t.kill(kick_signal());
+        }
+        if let Some(bell) = &self.io_park {
+            let _ = bell.write(1);
+        }
+    }
+}
+
+/// Stops a running VM or reads its accounting from any thread (a signal handler's thread,
+/// a supervisor).
+#[derive(Clone)]
+pub struct VmHandle {
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// The life cycle: pausing, resuming, ending, and what state the VM is in.
+impl VmHandle {
+    /// Ends the VM with `outcome` unless it has already ended.
+    pub fn stop(&self, outcome: Outcome) {
+        self.shared.control.finish(outcome);
+    }
+
+    /// Whether the VM is paused now.
+    pub fn is_paused(&self) -> bool {
+        self.shared.gate.is_paused()
+    }
+
+    /// Whether the VM has ended.
+    pub fn has_ended(&self) -> bool {
+        self.shared.control.is_finished()
+    }
+
+    /// The configuration the VM was built with, as a snapshot records it.
+    pub fn config(&self) -> &crate::snapshot::SavedConfig {
+        &self.shared.saved_config
+    }
+
+    /// Stops every vCPU between two instructions and the I/O thread between two requests,
+    /// and reads the guest's clocks, so a resume can set them back.
+    pub fn pause(&self) -> Result<(), ControlError> {
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.pause_locked()
+    }
+
+    fn pause_locked(&self) -> Result<(), ControlError> {
+        let sh = &self.shared;
+        if sh.control.is_finished() {
+            return Err(ControlError::Ended);
+        }
+        if sh.gate.is_paused() {
+            return Err(ControlError::AlreadyPaused);
+        }
+        sh.gate
+            .pause(&sh.control, Duration::from_secs(10), || sh.kick_all())?;
+        let clock = Clock(sh.parts.vm_fd()).save(&());
+        let tscs = sh.gate.on_each_vcpu(&sh.control, |_, v| v.tsc().ok());
+        match (clock, tscs) {
+            (Ok(clock), Ok(tscs)) => {
+                *sh.paused_at.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(PausedAt { clock, tscs });
+                Ok(())
+            }
+            (Err(e), _) => {
+                sh.gate.resume();
+                Err(ControlError::Kvm(e.to_string()))
+            }
+            (_, Err(e)) => {
+                sh.gate.resume();
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Lets a paused VM go on. The KVM clock and every TSC are set back to what they read
+    /// at the pause, so the guest sees no time pass while it was stopped.
+    pub fn resume(&self) -> Result<(), ControlError> {
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.resume_locked()
+    }
+
+    fn resume_locked(&self) -> Result<(), ControlError> {
+        let sh = &self.shared;
+        if sh.control.is_finished() {
+            return Err(ControlError::Ended);
+        }
+        if !sh.gate.is_paused() {
+            return Err(ControlError::NotPaused);
+        }
+        let at = sh
+            .paused_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(at) = at {
+            let tscs = Arc::new(at.tscs);
+            let set = sh.gate.on_each_vcpu(&sh.control, {
+                let tscs = tscs.clone();
+                move |i, v| match tscs.get(i).copied().flatten() {
+                    Some(t) => v.set_tsc(t).map_err(|e| e.to_string()),
+                    None => Ok(()),
+                }
+            });
+            if let Ok(results) = set {
+                for e in results.into_iter().filter_map(Result::err) {
+                    tracing::warn!("resume: the guest's TSC may jump: {e}");
+                }
+            }
+            if let Err(e) = Clock(sh.parts.vm_fd()).restore(&at.clock) {
+                tracing::warn!("resume: the guest's KVM clock may jump: {e}");
+            }
+        }
+        sh.gate.resume();
+        Ok(())
+    }
+}

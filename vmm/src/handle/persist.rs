@@ -1,0 +1,154 @@
+//! Saving a running VM: its state for a migration or a replica, a snapshot directory, and
+//! guest RAM as a migration's source reads it (whole, or the pages written meanwhile).
+
+use super::{ControlError, VmHandle};
+pub use crate::vstate::dirty::DirtyLogError;
+use std::time::{Duration, Instant};
+
+/// What taking a snapshot did.
+#[derive(Clone, Debug)]
+pub struct SnapshotReport {
+    pub dir: std::path::PathBuf,
+    pub ram: crate::snapshot::RamWritten,
+    /// From the request to the last byte durable.
+    pub took: Duration,
+}
+
+/// Guest writes that may not have reached the disks and memory-storage files: one message
+/// per device or region, each naming it.
+#[derive(Debug, thiserror::Error)]
+#[error("guest writes may not be on disk: {}", .0.join("; "))]
+pub struct StorageError(pub Vec<String>);
+
+/// Guest RAM that could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("guest RAM at {gpa:#x}: {source}")]
+pub struct RamReadError {
+    pub gpa: u64,
+    pub source: vm_memory::GuestMemoryError,
+}
+
+impl VmHandle {
+    /// Everything of the VM but its RAM and files, as a snapshot saves it: the VM is paused
+    /// first if it runs, and left paused. A migration sends this.
+    pub fn capture(&self) -> Result<crate::snapshot::VmState, ControlError> {
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let paused = self.shared.gate.is_paused();
+        if !paused {
+            self.pause_locked()?;
+        }
+        let mut state = self.capture_locked()?;
+        state.paused = paused;
+        Ok(state)
+    }
+
+    fn capture_locked(&self) -> Result<crate::snapshot::VmState, ControlError> {
+        let sh = &self.shared;
+        let clock = sh
+            .paused_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|p| p.clock)
+            .ok_or(ControlError::NotPaused)?;
+        Ok(sh.parts.save(&sh.gate, &sh.control, &clock)?)
+    }
+
+    /// Makes everything the guest wrote to its disks and memory-storage files durable in the
+    /// files, as the teardown does; for a paused VM whose storage another process is about
+    /// to open.
+    pub fn flush_storage(&self) -> Result<(), StorageError> {
+        let mut errors = Vec::new();
+        for t in &self.shared.parts.devices().transports {
+            if let Err(e) = t.lock().unwrap_or_else(|e| e.into_inner()).flush() {
+                errors.push(format!("a virtio device's flush failed: {e}"));
+            }
+        }
+        errors.extend(crate::pmem::sync_regions(&self.shared.pmem));
+        match errors.is_empty() {
+            true => Ok(()),
+            false => Err(StorageError(errors)),
+        }
+    }
+
+    /// Guest RAM's ranges: (guest-physical start, length).
+    pub fn ram_ranges(&self) -> Vec<(u64, u64)> {
+        self.shared.parts.ram_ranges().to_vec()
+    }
+
+    /// Copies guest RAM at `gpa` into `buf` (a page server reads a paused VM's pages so).
+    pub fn read_ram(&self, gpa: u64, buf: &mut [u8]) -> Result<(), RamReadError> {
+        use vm_memory::Bytes;
+        self.shared
+            .ram
+            .memory()
+            .read_slice(buf, vm_memory::GuestAddress(gpa))
+            .map_err(|source| RamReadError { gpa, source })
+    }
+
+    /// Guest-physical addresses of every page that may hold data; all others are zeros.
+    pub fn pages_with_data(&self) -> std::io::Result<Vec<u64>> {
+        crate::snapshot::pages_that_may_hold_data(&self.shared.ram)
+    }
+
+    /// Starts tracking the guest RAM pages written, by the guest or by the VMM, for a
+    /// pre-copy migration's rounds; [`VmHandle::dirty_pages`] then reports them.
+    pub fn start_dirty_log(&self) -> Result<(), DirtyLogError> {
+        self.shared.dirty.start()
+    }
+
+    /// Guest-physical addresses of the RAM pages written since tracking started or since
+    /// the last call.
+    pub fn dirty_pages(&self) -> Result<Vec<u64>, DirtyLogError> {
+        self.shared.dirty.take()
+    }
+
+    /// Stops the tracking [`VmHandle::start_dirty_log`] started.
+    pub fn stop_dirty_log(&self) -> Result<(), DirtyLogError> {
+        self.shared.dirty.stop()
+    }
+
+    /// Writes a snapshot of the VM to `dir` (created if missing; files in it replaced). The
+    /// VM is paused first if it runs, and left paused.
+    pub fn snapshot(&self, dir: &std::path::Path) -> Result<SnapshotReport, ControlError> {
+        use crate::snapshot::{self, SnapshotError};
+        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let started = Instant::now();
+        let sh = &self.shared;
+        if !sh.gate.is_paused() {
+            self.pause_locked()?;
+        }
+        let io = |path: &std::path::Path| {
+            let path = path.to_path_buf();
+            move |source| SnapshotError::Io { path, source }
+        };
+        snapshot::create_dir(dir)?;
+        // An older snapshot's state goes first, so a failure below leaves no directory
+        // that looks whole.
+        match std::fs::remove_file(dir.join(snapshot::STATE_FILE)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(SnapshotError::Io {
+                    path: dir.join(snapshot::STATE_FILE),
+                    source: e,
+                }
+                .into())
+            }
+            _ => {}
+        }
+        let state = self.capture_locked()?;
+        // Memory storage is referenced, so its pages must be in the files now.
+        let unsynced = crate::pmem::sync_regions(&sh.pmem);
+        if let Some(e) = unsynced.first() {
+            return Err(ControlError::Kvm(e.clone()));
+        }
+        let mem_path = dir.join(snapshot::MEMORY_FILE);
+        let ram = snapshot::write_ram(&sh.ram, &mem_path).map_err(io(&mem_path))?;
+        snapshot::write_config(dir, &sh.saved_config)?;
+        snapshot::write_state(dir, &state)?;
+        Ok(SnapshotReport {
+            dir: dir.to_path_buf(),
+            ram,
+            took: started.elapsed(),
+        })
+    }
+}
