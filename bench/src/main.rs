@@ -11,6 +11,7 @@ mod apivm;
 mod boot;
 mod composite;
 mod door;
+mod driver;
 mod dsm_table;
 mod guest_run;
 mod kvm_trace;
