@@ -3,6 +3,7 @@
 //! experiment says what it runs and what a row holds; the driver does the rest the same way
 //! for all of them, so their files and reports keep one shape.
 
+use super::qemu::{Outcome, Standing};
 use super::report::{figures_table, Csv, Figure};
 use super::{plot, Harness};
 use std::path::PathBuf;
@@ -104,6 +105,95 @@ impl<'c, T> Columns<'c, T> {
     }
 }
 
+/// Peers that never ran, each with why: one CSV row and one report line each.
+pub type Missing = Vec<(String, String)>;
+
+/// One CSV row of an experiment that compares with peers: the run's own cells (`head`), and
+/// what it measured, or why a peer gave no figures (the `unavailable` column).
+pub struct PeerRow<'a, H, S> {
+    pub head: H,
+    pub measured: Option<&'a S>,
+    pub unavailable: String,
+}
+
+impl<'a, H, S> PeerRow<'a, H, S> {
+    /// The rows of `runs` in the order they ran, `head` making each one's own cells from its
+    /// place in the run, repetition and configuration; runs never made have none.
+    pub fn of_runs<C>(
+        runs: &'a Runs<C, Outcome<S>>,
+        head: impl Fn(usize, usize, &'a C) -> H,
+    ) -> Vec<PeerRow<'a, H, S>> {
+        runs.runs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (rep, c, r))| {
+                let (measured, unavailable) = match r {
+                    Outcome::Measured(s) => (Some(s), String::new()),
+                    Outcome::PeerFailed(why) => (None, why.clone()),
+                    Outcome::NotMade => return None,
+                };
+                Some(PeerRow {
+                    head: head(i, *rep, &runs.configs[*c]),
+                    measured,
+                    unavailable,
+                })
+            })
+            .collect()
+    }
+
+    /// The row of a peer that never ran: why, and nothing measured.
+    pub fn missing(head: H, why: &str) -> PeerRow<'a, H, S> {
+        PeerRow {
+            head,
+            measured: None,
+            unavailable: why.to_string(),
+        }
+    }
+}
+
+impl<'c, 'a: 'c, H: 'c, S: 'c> Columns<'c, PeerRow<'a, H, S>> {
+    /// A column of the run's own cells.
+    pub fn head(self, name: &'static str, cell: impl Fn(&H) -> String + 'c) -> Self {
+        self.col(name, move |r: &PeerRow<'a, H, S>| cell(&r.head))
+    }
+
+    /// A measured column: empty for a run that measured nothing.
+    pub fn measured(self, name: &'static str, cell: impl Fn(&S) -> String + 'c) -> Self {
+        self.col(name, move |r: &PeerRow<'a, H, S>| {
+            r.measured.map(&cell).unwrap_or_default()
+        })
+    }
+
+    /// The `unavailable` column: why a peer gave no figures.
+    pub fn unavailable(self) -> Self {
+        self.col("unavailable", |r: &PeerRow<'a, H, S>| r.unavailable.clone())
+    }
+}
+
+/// The measured results of each configuration, failed and unmade runs left out.
+pub fn measured_per_config<C, S>(runs: &Runs<C, Outcome<S>>) -> Vec<Vec<&S>> {
+    super::qemu::measured_per_config(&runs.runs, runs.configs.len())
+}
+
+/// Prints each peer that dropped out once, in its own words, and each that never ran.
+pub fn print_unavailable<'n, 's>(
+    standing: impl IntoIterator<Item = (&'n str, &'s Standing)>,
+    missing: &[(String, String)],
+) {
+    let mut said: Vec<&'s String> = Vec::new();
+    for (name, st) in standing {
+        if let Some(why) = &st.unavailable {
+            if !said.contains(&why) {
+                said.push(why);
+                println!("{name}: unavailable, no comparison: {why}");
+            }
+        }
+    }
+    for (name, why) in missing {
+        println!("{name}: unavailable, no comparison: {why}");
+    }
+}
+
 /// The verdict lines: our figures beside targets, goals and published figures, printed as
 /// the figures table (the `MET`/`MISSED` column users and tests read).
 #[derive(Default)]
@@ -148,6 +238,27 @@ impl<'h> Outputs<'h> {
         plot::chart(&p, title, drawings)?;
         Ok(p)
     }
+
+    pub fn bars(&self, name: &str, title: &str, panels: &[plot::Panel]) -> Result<PathBuf, String> {
+        self.h.write_chart(name, title, panels)
+    }
+}
+
+/// Bars of one metric summarised per configuration: the median, its minimum marked.
+pub fn summary_bars<'a, C: 'a>(
+    items: impl IntoIterator<Item = (&'a C, Option<super::stats::Summary>)>,
+    label: impl Fn(&C) -> String,
+) -> Vec<plot::Bar> {
+    items
+        .into_iter()
+        .filter_map(|(c, s)| {
+            s.map(|s| plot::Bar {
+                label: label(c),
+                value: s.median,
+                low: Some(s.min),
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
