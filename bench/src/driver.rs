@@ -208,6 +208,25 @@ impl Verdicts {
         self.0.push(f);
     }
 
+    /// A figure judged against a bound: `met` is unknown when ours is.
+    pub fn judged(
+        &mut self,
+        what: impl Into<String>,
+        ours: Option<f64>,
+        shown: impl Fn(f64) -> String,
+        reference: impl Into<String>,
+        source: impl Into<String>,
+        met: impl Fn(f64) -> bool,
+    ) {
+        self.push(Figure {
+            what: what.into(),
+            ours: ours.map(&shown).unwrap_or_else(|| "n/a".into()),
+            reference: reference.into(),
+            source: source.into(),
+            met: ours.map(met),
+        });
+    }
+
     pub fn table(&self) -> String {
         figures_table(&self.0)
     }
@@ -298,5 +317,30 @@ mod tests {
         assert_eq!(runs.of(&"b"), [&"b0".to_string(), &"b1".to_string()]);
         let order: Vec<String> = runs.iter().map(|(rep, c, _)| format!("{c}{rep}")).collect();
         assert_eq!(order, ["a0", "b0", "a1", "b1"]);
+    }
+
+    #[test]
+    fn verdicts_judge_known_figures_only() {
+        let mut v = Verdicts::new();
+        v.judged(
+            "x",
+            Some(2.0),
+            |v| format!("{v:.1}"),
+            "<= 3",
+            "goal",
+            |v| v <= 3.0,
+        );
+        v.judged(
+            "y",
+            None,
+            |v| format!("{v:.1}"),
+            "<= 3",
+            "goal",
+            |v| v <= 3.0,
+        );
+        assert_eq!(v.0[0].met, Some(true));
+        assert_eq!(v.0[1].ours, "n/a");
+        assert_eq!(v.0[1].met, None);
+        assert!(v.table().contains("MET"));
     }
 }
