@@ -22,7 +22,7 @@ use super::peers::{self, Kind, Micro};
 use super::qemu::{Outcome, Standing};
 use super::report::{cell, median_min, mib, ms, Csv, Table};
 use super::stats::{max, ratio, Summary};
-use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
+use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Observed, Watch};
 use super::{plot, BenchArgs, Harness};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -515,65 +515,33 @@ fn file_size(p: &Path) -> (Option<u64>, Option<u64>) {
     }
 }
 
+/// Where one run keeps its files.
+struct Paths {
+    socket: PathBuf,
+    snap: PathBuf,
+    console: PathBuf,
+    /// `snap` as the `file://` URL the APIs take.
+    url: String,
+}
+
 fn one_run(c: &Config, trace: &KvmRunTrace) -> Result<Sample, String> {
     let tmp = tempfile::tempdir().map_err(|e| format!("cannot make a temporary directory: {e}"))?;
     let dir = tmp.path();
-    let socket = dir.join("api.sock");
     let snap = dir.join("snap");
-    let console = dir.join("console.out");
-    std::fs::create_dir(&snap).map_err(|e| format!("cannot create {}: {e}", snap.display()))?;
-    let url = format!("file://{}", snap.display());
+    let p = Paths {
+        socket: dir.join("api.sock"),
+        console: dir.join("console.out"),
+        url: format!("file://{}", snap.display()),
+        snap,
+    };
+    std::fs::create_dir(&p.snap).map_err(|e| format!("cannot create {}: {e}", p.snap.display()))?;
 
     // Boot the source VM and wait for hello: the spin task is running from there on.
-    let (cmd, name) = match &c.vmm {
-        Vmm::Musubi { exe, elf } => {
-            let mut cmd = Command::new(exe);
-            cmd.args(["run", "--kernel"])
-                .arg(elf)
-                .args(["--cpus", "1", "--memory", &format!("{}M", c.mib)])
-                .args(["--cmdline", &format!("probe.tasks=hello,spin={SPIN}")])
-                .arg("--api-socket")
-                .arg(&socket)
-                .arg("--serial")
-                .arg(format!("file={}", console.display()));
-            (cmd, "musubi")
-        }
-        Vmm::Peer(m) => (m.command_api(Some(&socket)), m.kind.name()),
-    };
-    let src = Vm::start(cmd, name, dir)?;
-    src.wait_for_line(&console, HELLO, BOOT_TIMEOUT)?;
-
-    // Snapshot it.
+    let src = boot_source(c, dir, &p)?;
     let t0 = Instant::now();
-    let mut pause_ns = None;
-    let mem_file = match &c.vmm {
-        Vmm::Musubi { .. } => {
-            let body = serde_json::json!({ "destination_url": url }).to_string();
-            api(&socket, "PUT", "/api/v1/vm.snapshot", Some(&body))?;
-            snap.join("memory")
-        }
-        Vmm::Peer(m) if m.kind == Kind::Firecracker => {
-            api(&socket, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#))?;
-            pause_ns = Some(t0.elapsed().as_nanos() as u64);
-            let body = serde_json::json!({
-                "snapshot_type": "Full",
-                "snapshot_path": snap.join("vmstate"),
-                "mem_file_path": snap.join("memory"),
-            })
-            .to_string();
-            api(&socket, "PUT", "/snapshot/create", Some(&body))?;
-            snap.join("memory")
-        }
-        Vmm::Peer(_) => {
-            api(&socket, "PUT", "/api/v1/vm.pause", None)?;
-            pause_ns = Some(t0.elapsed().as_nanos() as u64);
-            let body = serde_json::json!({ "destination_url": url }).to_string();
-            api(&socket, "PUT", "/api/v1/vm.snapshot", Some(&body))?;
-            snap.join("memory-ranges")
-        }
-    };
+    let (mem_file, pause_ns) = snapshot(c, &p, t0)?;
     let snapshot_ns = t0.elapsed().as_nanos() as u64;
-    let before = std::fs::read_to_string(&console).unwrap_or_default();
+    let before = std::fs::read_to_string(&p.console).unwrap_or_default();
     if before.contains(SPIN_RESULT) {
         return Err(format!(
             "the spin task ended before the snapshot (make SPIN longer): {}",
@@ -583,7 +551,7 @@ fn one_run(c: &Config, trace: &KvmRunTrace) -> Result<Sample, String> {
     // End the source: Musubi through its API (it stays paused after a snapshot), the
     // peers by the kill the drop does.
     if let Vmm::Musubi { .. } = c.vmm {
-        api(&socket, "PUT", "/api/v1/vmm.shutdown", None)?;
+        api(&p.socket, "PUT", "/api/v1/vmm.shutdown", None)?;
         if !src.wait_exit(EXIT_TIMEOUT) {
             return Err(format!(
                 "musubi did not end within {} s of vmm.shutdown",
@@ -592,76 +560,12 @@ fn one_run(c: &Config, trace: &KvmRunTrace) -> Result<Sample, String> {
         }
     }
     drop(src);
-    let _ = std::fs::remove_file(&socket);
+    let _ = std::fs::remove_file(&p.socket);
     let (mem_len, mem_allocated) = file_size(&mem_file);
 
     // Restore it in a new process.
     trace.clear()?;
-    let watch = Watch {
-        marker: SPIN_RESULT,
-        // No anonymous mapping is this large: every byte counts as the VMM's, so the
-        // sampled "overhead" is the whole RSS, the restored guest's pages included.
-        guest_bytes: Some(u64::MAX),
-        timeout: RESTORE_TIMEOUT,
-        sample_every: SAMPLE_EVERY,
-    };
-    let (o, restore_api_ns) = match &c.vmm {
-        Vmm::Musubi { exe, .. } => {
-            let mut cmd = Command::new(exe);
-            cmd.args(["run", "--restore"])
-                .arg(&snap)
-                .args(["--serial", "stdio"]);
-            let o = observe(cmd, &watch).map_err(|e| format!("cannot start musubi: {e}"))?;
-            time_to_marker(&o, 0, ERROR_LINES)?;
-            (o, None)
-        }
-        Vmm::Peer(m) => {
-            let mut cmd = Command::new(&m.exe);
-            let requests: Vec<(&str, &str, Option<String>)> = match m.kind {
-                Kind::Firecracker => {
-                    cmd.arg("--api-sock").arg(&socket);
-                    let body = serde_json::json!({
-                        "snapshot_path": snap.join("vmstate"),
-                        "mem_backend": {"backend_type": "File", "backend_path": snap.join("memory")},
-                        "resume_vm": true,
-                    })
-                    .to_string();
-                    vec![("PUT", "/snapshot/load", Some(body))]
-                }
-                Kind::CloudHypervisor => {
-                    cmd.arg("--api-socket")
-                        .arg(format!("path={}", socket.display()))
-                        .arg("--restore")
-                        .arg(format!("source_url={url}"));
-                    vec![("PUT", "/api/v1/vm.resume", None)]
-                }
-            };
-            // The API requests go from a thread of their own while `observe` watches the
-            // process; the thread gives up at RESTORE_TIMEOUT like `observe`.
-            let sock = socket.clone();
-            let since = Instant::now();
-            let helper = std::thread::spawn(move || api_when_up(&sock, &requests, since));
-            let o = observe_to_marker(cmd, &watch)
-                .map_err(|e| format!("cannot start {}: {e}", m.kind.name()))?;
-            let api_result = helper
-                .join()
-                .unwrap_or_else(|_| Err("the API thread panicked".into()));
-            let api_ns =
-                api_result.map_err(|e| format!("restore: {e}; {}", last_words(&o, ERROR_LINES)))?;
-            if o.marker_ns.is_none() {
-                return Err(format!(
-                    "restored, but no spin result line{}; {}",
-                    if o.timed_out {
-                        " before the time limit"
-                    } else {
-                        ""
-                    },
-                    last_words(&o, ERROR_LINES)
-                ));
-            }
-            (o, Some(api_ns))
-        }
-    };
+    let (o, restore_api_ns) = restore(c, &p)?;
     if o.stdout.contains(HELLO) {
         return Err(format!(
             "the restored VM printed hello again: it booted instead of resuming: {}",
@@ -682,4 +586,129 @@ fn one_run(c: &Config, trace: &KvmRunTrace) -> Result<Sample, String> {
         restore_end_ns,
         restore_rss: o.max_overhead,
     })
+}
+
+/// Boots the source VM with its API socket and waits for hello on its console.
+fn boot_source(c: &Config, dir: &Path, p: &Paths) -> Result<Vm, String> {
+    let (cmd, name) = match &c.vmm {
+        Vmm::Musubi { exe, elf } => {
+            let mut cmd = Command::new(exe);
+            cmd.args(["run", "--kernel"])
+                .arg(elf)
+                .args(["--cpus", "1", "--memory", &format!("{}M", c.mib)])
+                .args(["--cmdline", &format!("probe.tasks=hello,spin={SPIN}")])
+                .arg("--api-socket")
+                .arg(&p.socket)
+                .arg("--serial")
+                .arg(format!("file={}", p.console.display()));
+            (cmd, "musubi")
+        }
+        Vmm::Peer(m) => (m.command_api(Some(&p.socket)), m.kind.name()),
+    };
+    let src = Vm::start(cmd, name, dir)?;
+    src.wait_for_line(&p.console, HELLO, BOOT_TIMEOUT)?;
+    Ok(src)
+}
+
+/// Snapshots the source through its API (the peers pause it first); returns the memory
+/// file and, for the peers, the time the pause took from `t0`.
+fn snapshot(c: &Config, p: &Paths, t0: Instant) -> Result<(PathBuf, Option<u64>), String> {
+    let (socket, snap) = (&p.socket, &p.snap);
+    let mut pause_ns = None;
+    let mem_file = match &c.vmm {
+        Vmm::Musubi { .. } => {
+            let body = serde_json::json!({ "destination_url": p.url }).to_string();
+            api(socket, "PUT", "/api/v1/vm.snapshot", Some(&body))?;
+            snap.join("memory")
+        }
+        Vmm::Peer(m) if m.kind == Kind::Firecracker => {
+            api(socket, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#))?;
+            pause_ns = Some(t0.elapsed().as_nanos() as u64);
+            let body = serde_json::json!({
+                "snapshot_type": "Full",
+                "snapshot_path": snap.join("vmstate"),
+                "mem_file_path": snap.join("memory"),
+            })
+            .to_string();
+            api(socket, "PUT", "/snapshot/create", Some(&body))?;
+            snap.join("memory")
+        }
+        Vmm::Peer(_) => {
+            api(socket, "PUT", "/api/v1/vm.pause", None)?;
+            pause_ns = Some(t0.elapsed().as_nanos() as u64);
+            let body = serde_json::json!({ "destination_url": p.url }).to_string();
+            api(socket, "PUT", "/api/v1/vm.snapshot", Some(&body))?;
+            snap.join("memory-ranges")
+        }
+    };
+    Ok((mem_file, pause_ns))
+}
+
+/// Restores the snapshot in a new process and watches it to the spin task's result; the
+/// peers' restore request's time from spawn to answer beside it.
+fn restore(c: &Config, p: &Paths) -> Result<(Observed, Option<u64>), String> {
+    let watch = Watch {
+        marker: SPIN_RESULT,
+        // No anonymous mapping is this large: every byte counts as the VMM's, so the
+        // sampled "overhead" is the whole RSS, the restored guest's pages included.
+        guest_bytes: Some(u64::MAX),
+        timeout: RESTORE_TIMEOUT,
+        sample_every: SAMPLE_EVERY,
+    };
+    let m = match &c.vmm {
+        Vmm::Musubi { exe, .. } => {
+            let mut cmd = Command::new(exe);
+            cmd.args(["run", "--restore"])
+                .arg(&p.snap)
+                .args(["--serial", "stdio"]);
+            let o = observe(cmd, &watch).map_err(|e| format!("cannot start musubi: {e}"))?;
+            time_to_marker(&o, 0, ERROR_LINES)?;
+            return Ok((o, None));
+        }
+        Vmm::Peer(m) => m,
+    };
+    let mut cmd = Command::new(&m.exe);
+    let requests: Vec<(&str, &str, Option<String>)> = match m.kind {
+        Kind::Firecracker => {
+            cmd.arg("--api-sock").arg(&p.socket);
+            let body = serde_json::json!({
+                "snapshot_path": p.snap.join("vmstate"),
+                "mem_backend": {"backend_type": "File", "backend_path": p.snap.join("memory")},
+                "resume_vm": true,
+            })
+            .to_string();
+            vec![("PUT", "/snapshot/load", Some(body))]
+        }
+        Kind::CloudHypervisor => {
+            cmd.arg("--api-socket")
+                .arg(format!("path={}", p.socket.display()))
+                .arg("--restore")
+                .arg(format!("source_url={}", p.url));
+            vec![("PUT", "/api/v1/vm.resume", None)]
+        }
+    };
+    // The API requests go from a thread of their own while `observe` watches the
+    // process; the thread gives up at RESTORE_TIMEOUT like `observe`.
+    let sock = p.socket.clone();
+    let since = Instant::now();
+    let helper = std::thread::spawn(move || api_when_up(&sock, &requests, since));
+    let o = observe_to_marker(cmd, &watch)
+        .map_err(|e| format!("cannot start {}: {e}", m.kind.name()))?;
+    let api_result = helper
+        .join()
+        .unwrap_or_else(|_| Err("the API thread panicked".into()));
+    let api_ns =
+        api_result.map_err(|e| format!("restore: {e}; {}", last_words(&o, ERROR_LINES)))?;
+    if o.marker_ns.is_none() {
+        return Err(format!(
+            "restored, but no spin result line{}; {}",
+            if o.timed_out {
+                " before the time limit"
+            } else {
+                ""
+            },
+            last_words(&o, ERROR_LINES)
+        ));
+    }
+    Ok((o, Some(api_ns)))
 }
