@@ -4,10 +4,13 @@
 //! `sys_enter_ioctl` tracepoint ([`KvmRunTrace`]), memory from `/proc/PID/smaps` outside the
 //! guest-RAM mapping.
 
+use super::driver::{
+    measured_per_config, summary_bars, Columns, Missing, Outputs, PeerRow, Runs, Verdicts,
+};
 use super::kvm_trace::KvmRunTrace;
 use super::peers::{self, Kind, Micro};
-use super::qemu::{self, measured_per_config, Outcome, Peer, Qemu, Standing};
-use super::report::{cell, figures_table, median_min, mib, ms, Csv, Figure, Table};
+use super::qemu::{self, Outcome, Peer, Qemu, Standing};
+use super::report::{cell, median_min, mib, ms, Csv, Table};
 use super::stats::{max, ratio, Summary};
 use super::watch::{observe, observe_to_marker, time_to_marker, Observed, Watch};
 use super::{plot, BenchArgs, Harness};
@@ -56,6 +59,14 @@ impl Hv {
         }
     }
 
+    /// The peer's name in the comparison rows and the unavailable lines.
+    fn peer_name(&self) -> &'static str {
+        match self {
+            Hv::Micro(p) => p.kind.name(),
+            _ => "qemu",
+        }
+    }
+
     fn cpu_model(&self) -> &'static str {
         match self {
             Hv::Musubi { .. } | Hv::Micro(_) => "",
@@ -89,6 +100,9 @@ struct Sample {
     status: Option<i32>,
 }
 
+/// The runs of every hypervisor; a peer's may have failed or not been made.
+type BootRuns = Runs<Hv, Outcome<Sample>>;
+
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     if !Path::new("/dev/kvm").exists() {
         return Err("/dev/kvm does not exist: this benchmark boots VMs and needs KVM".into());
@@ -107,24 +121,79 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     println!(
         "boot: probe guest (probe.tasks=hello), 1 vCPU, 128 MiB; {reps} runs per hypervisor, interleaved"
     );
+    let (configs, mut missing) = hypervisors(h, args, &listed, exe)?;
+    let (runs, standing) = measure(h, configs, reps, &trace)?;
+    // A peer that never started, or failed its warm-up, has no runs, and one row that says
+    // why.
+    for (i, (c, st)) in runs.configs.iter().zip(&standing).enumerate().skip(1) {
+        let ran = runs
+            .runs
+            .iter()
+            .any(|r| r.1 == i && !matches!(r.2, Outcome::NotMade));
+        if let (false, Some(why)) = (ran, &st.unavailable) {
+            missing.push((c.name(), why.clone()));
+        }
+    }
+    let csv_path = Outputs::new(h).csv("boot.csv", &csv(&runs, &missing))?;
+    let per: Vec<Vec<&Sample>> = measured_per_config(&runs);
+    let sums: Vec<Sums> = per.iter().map(|s| Sums::of(s)).collect();
+    print_table(&runs.configs, &sums);
+    print_peers(&runs.configs, &standing, &missing);
+    print_musubi(&sums[0], &per[0]);
+    for (c, s) in runs.configs.iter().zip(&per) {
+        let missed = s.iter().filter(|x| x.max_overhead.is_none()).count();
+        if missed > 0 {
+            println!(
+                "{}: memory sampling missed {missed} of {} runs (the VM ended before /proc/PID/smaps was read)",
+                c.name(),
+                s.len()
+            );
+        }
+    }
+    println!();
+    print!("{}", verdicts(&runs.configs, &sums).table());
+    println!();
+    print!("{}", NOTES);
+    println!(
+        "every {} ms; shared libraries count in full. \"of it private\": Private_Clean+Private_Dirty,",
+        SAMPLE_EVERY.as_millis()
+    );
+    println!(
+        "  the pages no other process shares. The targets are checked against the full overhead."
+    );
+    let svg_path = Outputs::new(h).bars(
+        "boot.svg",
+        "musubi bench boot",
+        &panels(&runs.configs, &sums),
+    )?;
+    println!();
+    println!("wrote {} and {}", csv_path.display(), svg_path.display());
+    Ok(())
+}
+
+/// Musubi and the peers that can run, and the peers that cannot with why. microvm boots a
+/// PVH ELF with `-kernel` and has the least device model, so it is the fair comparison;
+/// `-M pc` is the fallback if this QEMU's microvm cannot boot the probe. The probe's
+/// successful boot is QEMU's warm-up run.
+fn hypervisors(
+    h: &Harness,
+    args: &BenchArgs,
+    listed: &[&str],
+    exe: PathBuf,
+) -> Result<(Vec<Hv>, Missing), String> {
     let elf = crate::probe::materialize()?;
     let mut configs = vec![Hv::Musubi {
         exe,
         elf: elf.clone(),
     }];
-    // microvm boots a PVH ELF with `-kernel` and has the least device model, so it is the
-    // fair comparison; `-M pc` is the fallback if this QEMU's microvm cannot boot the probe.
-    // The probe's successful boot is QEMU's warm-up run.
-    // Peers that never ran: name and why, one CSV row each.
-    let mut missing: Vec<(String, String)> = Vec::new();
+    let mut missing = Missing::new();
     match qemu::peer(args, &["microvm", "pc"])? {
         Peer::Skipped(why) => println!("QEMU: skipped, {why}"),
         Peer::Ready(q) => configs.push(Hv::Qemu(q)),
         Peer::Unavailable(why) => missing.push(("qemu".into(), why)),
     }
     for kind in listed.iter().filter_map(|n| Kind::of(n)) {
-        let found = Micro::find(kind, &elf, &h.out);
-        match found {
+        match Micro::find(kind, &elf, &h.out) {
             Ok(m) => {
                 println!("{}: runs with its seccomp filters", kind.name());
                 configs.push(Hv::Micro(m));
@@ -135,94 +204,79 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             }
         }
     }
-    // One discarded run each, so the first measured run does not pay for cold caches; a
-    // peer whose warm-up fails is out.
-    one_run(&configs[0], &trace).map_err(|e| format!("{} warm-up run: {e}", configs[0].name()))?;
+    Ok((configs, missing))
+}
+
+/// One discarded run each, so the first measured run does not pay for cold caches (a peer
+/// whose warm-up fails is out), then every hypervisor's runs interleaved.
+fn measure(
+    h: &Harness,
+    configs: Vec<Hv>,
+    reps: usize,
+    trace: &KvmRunTrace,
+) -> Result<(BootRuns, Vec<Standing>), String> {
+    one_run(&configs[0], trace).map_err(|e| format!("{} warm-up run: {e}", configs[0].name()))?;
     let mut standing: Vec<Standing> = configs.iter().map(|_| Standing::default()).collect();
     for (c, st) in configs.iter().zip(standing.iter_mut()).skip(1) {
         if let Hv::Micro(_) = c {
-            let _ = st.run(&format!("{} warm-up run", c.name()), || one_run(c, &trace));
+            let _ = st.run(&format!("{} warm-up run", c.name()), || one_run(c, trace));
         }
     }
-    let runs = h.run_schedule(&configs, reps, Hv::name, |rep, c| match c {
-        Hv::Musubi { .. } => one_run(c, &trace).map(Outcome::Measured),
-        _ => {
-            let i = configs.iter().position(|x| std::ptr::eq(x, c)).unwrap_or(0);
-            Ok(
-                standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
-                    one_run(c, &trace)
-                }),
-            )
-        }
+    let runs = Runs::measure_indexed(h, configs, reps, Hv::name, |rep, i, c| match c {
+        Hv::Musubi { .. } => one_run(c, trace).map(Outcome::Measured),
+        _ => Ok(
+            standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
+                one_run(c, trace)
+            }),
+        ),
     })?;
+    Ok((runs, standing))
+}
 
-    let mut csv = Csv::new(&[
-        "run",
-        "rep",
-        "hypervisor",
-        "to_first_kvm_run_ms",
-        "report_first_kvm_run_ms",
-        "vm_setup_ms",
-        "to_hello_ms",
-        "to_exit_ms",
-        "max_overhead_mib",
-        "max_private_overhead_mib",
-        "memory_samples",
-        "total_exits",
-        "exit_status",
-        "cpu_model",
-        "unavailable",
-    ]);
-    for (i, (rep, c, r)) in runs.iter().enumerate() {
-        let (run, rep, hv) = ((i + 1).to_string(), (rep + 1).to_string(), &configs[*c]);
-        match r {
-            Outcome::Measured(s) => csv.row([
-                run,
-                rep,
-                hv.name(),
-                cell(s.to_first_run_ns.map(|n| ms(n as f64))),
-                cell(s.report_first_run_ns.map(|n| ms(n as f64))),
-                cell(s.setup_ns.map(|n| ms(n as f64))),
-                ms(s.to_hello_ns as f64),
-                ms(s.to_exit_ns as f64),
-                cell(s.max_overhead.map(|b| mib(b as f64))),
-                cell(s.max_private_overhead.map(|b| mib(b as f64))),
-                s.mem_samples.to_string(),
-                cell(s.exits),
-                cell(s.status),
-                hv.cpu_model().to_string(),
-                String::new(),
-            ]),
-            Outcome::PeerFailed(why) => {
-                csv.row(unavailable_row(run, rep, hv.name(), hv.cpu_model(), why))
-            }
-            Outcome::NotMade => {}
-        }
-    }
-    // A peer that never started, or failed its warm-up, has no runs, and one row that says
-    // why.
-    for (c, st) in configs.iter().zip(&standing).skip(1) {
-        let ran = runs
-            .iter()
-            .any(|r| std::ptr::eq(&configs[r.1], c) && !matches!(r.2, Outcome::NotMade));
-        if let (false, Some(why)) = (ran, &st.unavailable) {
-            missing.push((c.name(), why.clone()));
-        }
-    }
-    for (name, why) in &missing {
-        csv.row(unavailable_row(
-            String::new(),
-            String::new(),
-            name.clone(),
-            "",
-            why,
-        ));
-    }
-    let csv_path = h.write_csv("boot.csv", &csv)?;
+/// `boot.csv`: a row per run made, and one per peer that never ran.
+fn csv(runs: &BootRuns, missing: &[(String, String)]) -> Csv {
+    /// Run and repetition (empty for a peer that never ran), hypervisor, CPU model.
+    type Head = (String, String, String, &'static str);
+    let msf = |n: Option<u64>| cell(n.map(|n| ms(n as f64)));
+    let mibf = |b: Option<u64>| cell(b.map(|b| mib(b as f64)));
+    let cols = Columns::new()
+        .head("run", |h: &Head| h.0.clone())
+        .head("rep", |h| h.1.clone())
+        .head("hypervisor", |h| h.2.clone())
+        .measured("to_first_kvm_run_ms", move |s: &Sample| {
+            msf(s.to_first_run_ns)
+        })
+        .measured("report_first_kvm_run_ms", move |s| {
+            msf(s.report_first_run_ns)
+        })
+        .measured("vm_setup_ms", move |s| msf(s.setup_ns))
+        .measured("to_hello_ms", |s| ms(s.to_hello_ns as f64))
+        .measured("to_exit_ms", |s| ms(s.to_exit_ns as f64))
+        .measured("max_overhead_mib", move |s| mibf(s.max_overhead))
+        .measured("max_private_overhead_mib", move |s| {
+            mibf(s.max_private_overhead)
+        })
+        .measured("memory_samples", |s| s.mem_samples.to_string())
+        .measured("total_exits", |s| cell(s.exits))
+        .measured("exit_status", |s| cell(s.status))
+        .head("cpu_model", |h| h.3.to_string())
+        .unavailable();
+    let mut rows = PeerRow::of_runs(runs, |i, rep, hv: &Hv| {
+        (
+            (i + 1).to_string(),
+            (rep + 1).to_string(),
+            hv.name(),
+            hv.cpu_model(),
+        )
+    });
+    rows.extend(missing.iter().map(|(name, why)| {
+        PeerRow::missing((String::new(), String::new(), name.clone(), ""), why)
+    }));
+    cols.csv(rows)
+}
 
-    let per: Vec<Vec<&Sample>> = measured_per_config(&runs, configs.len());
-    let sums: Vec<Sums> = per.iter().map(|s| Sums::of(s)).collect();
-
+/// Prints each hypervisor's figures and Musubi's over each peer's.
+fn print_table(configs: &[Hv], sums: &[Sums]) {
     let mut t = Table::new(&[
         "hypervisor",
         ">first KVM_RUN ms (med / min)",
@@ -231,7 +285,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         ">of it private",
         ">exits (run)",
     ]);
-    for (c, s) in configs.iter().zip(&sums) {
+    for (c, s) in configs.iter().zip(sums) {
         t.row([
             c.name(),
             median_min(s.first_run, ms),
@@ -249,27 +303,22 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             .map(|x| format!("{x:.2}x"))
             .unwrap_or_else(|| "n/a".into())
     };
-    for (c, q) in configs.iter().zip(&sums).skip(1) {
-        let m = &sums[0];
+    let both = |m: Option<Summary>, q: Option<Summary>| {
+        format!(
+            "{} / {}",
+            r(m.map(|s| s.median), q.map(|s| s.median)),
+            r(m.map(|s| s.min), q.map(|s| s.min))
+        )
+    };
+    let m = &sums[0];
+    for (c, q) in configs.iter().zip(sums).skip(1) {
         if q.hello.is_none() {
             continue;
         }
-        let peer = match c {
-            Hv::Micro(p) => p.kind.name(),
-            _ => "qemu",
-        };
         t.row([
-            format!("musubi / {peer}"),
-            format!(
-                "{} / {}",
-                r(m.first_run.map(|s| s.median), q.first_run.map(|s| s.median)),
-                r(m.first_run.map(|s| s.min), q.first_run.map(|s| s.min))
-            ),
-            format!(
-                "{} / {}",
-                r(m.hello.map(|s| s.median), q.hello.map(|s| s.median)),
-                r(m.hello.map(|s| s.min), q.hello.map(|s| s.min))
-            ),
+            format!("musubi / {}", c.peer_name()),
+            both(m.first_run, q.first_run),
+            both(m.hello, q.hello),
             r(m.overhead, q.overhead),
             r(m.private, q.private),
             "n/a".into(),
@@ -285,26 +334,30 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     println!(
         "  The peers without an exit port (firecracker, cloud-hypervisor) are killed at hello."
     );
-    for c in &configs {
+}
+
+/// Prints how each peer ran, or why it did not.
+fn print_peers(configs: &[Hv], standing: &[Standing], missing: &[(String, String)]) {
+    for c in configs {
         match c {
             Hv::Qemu(q) => println!("{}: ran with {}.", c.name(), q.options()),
             Hv::Micro(m) => println!("{}: ran with its seccomp filters.", m.kind.name()),
             Hv::Musubi { .. } => {}
         }
     }
-    for (c, st) in configs.iter().zip(&standing).skip(1) {
-        let name = match c {
-            Hv::Micro(m) => m.kind.name(),
-            _ => "qemu",
-        };
-        st.print_as(name);
+    for (c, st) in configs.iter().zip(standing).skip(1) {
+        st.print_as(c.peer_name());
     }
-    for (name, why) in &missing {
+    for (name, why) in missing {
         if !configs.iter().any(|c| c.name() == *name) {
             println!("{name}: unavailable, no comparison: {why}");
         }
     }
-    if let (Some(all), Some(setup)) = (sums[0].first_run, sums[0].setup) {
+}
+
+/// Prints Musubi's phases to first KVM_RUN and its report's stamp against the trace's.
+fn print_musubi(m: &Sums, samples: &[&Sample]) {
+    if let (Some(all), Some(setup)) = (m.first_run, m.setup) {
         println!(
             "musubi's phases to first KVM_RUN, median: {} ms before run_vm (exec, process start-up,",
             ms(all.median - setup.median),
@@ -315,7 +368,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         );
         println!("  MUSUBI_LOG=vmm=debug).");
     }
-    let gaps: Vec<f64> = per[0]
+    let gaps: Vec<f64> = samples
         .iter()
         .filter_map(|s| {
             let (a, b) = (s.to_first_run_ns?, s.report_first_run_ns?);
@@ -329,21 +382,14 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         );
         println!("  (the report stamps just before the ioctl; the trace at its entry, to the us).");
     }
-    for (c, s) in configs.iter().zip(&per) {
-        let missed = s.iter().filter(|x| x.max_overhead.is_none()).count();
-        if missed > 0 {
-            println!(
-                "{}: memory sampling missed {missed} of {} runs (the VM ended before /proc/PID/smaps was read)",
-                c.name(),
-                s.len()
-            );
-        }
-    }
+}
 
+/// Musubi's targets, Firecracker's published figures and the goals against the peers.
+fn verdicts(configs: &[Hv], sums: &[Sums]) -> Verdicts {
     let peer_sums = |kind: Kind| {
         configs
             .iter()
-            .zip(&sums)
+            .zip(sums)
             .find(|(c, _)| matches!(c, Hv::Micro(m) if m.kind == kind))
             .map(|(_, s)| s)
     };
@@ -359,118 +405,98 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         .and_then(|(p, m)| ratio(m, p));
     let first_ms = m.first_run.map(|s| s.median / 1e6);
     let overhead_mib = m.overhead.map(in_mib);
-    let fig = |what: &str,
-               ours: Option<f64>,
-               unit: &str,
-               reference: String,
-               source: &str,
-               met: fn(f64) -> bool| {
-        Figure {
-            what: what.into(),
-            ours: ours
-                .map(|v| format!("{v:.2} {unit}"))
-                .unwrap_or("n/a".into()),
+    let mut v = Verdicts::new();
+    let mut fig = |what: &str,
+                   ours: Option<f64>,
+                   unit: &str,
+                   reference: String,
+                   source: &str,
+                   met: &dyn Fn(f64) -> bool| {
+        v.judged(
+            what,
+            ours,
+            |x| format!("{x:.2} {unit}"),
             reference,
-            source: source.into(),
-            met: ours.map(met),
-        }
+            source,
+            met,
+        )
     };
-    let figs = vec![
-        fig(
-            "time to first KVM_RUN (median)",
-            first_ms,
-            "ms",
-            format!("<= {TARGET_FIRST_RUN_MS} ms"),
-            "Musubi target",
-            |v| v <= TARGET_FIRST_RUN_MS,
-        ),
-        fig(
-            "memory overhead (max)",
-            overhead_mib,
-            "MiB",
-            format!("< {TARGET_OVERHEAD_MIB} MiB"),
-            "Musubi target",
-            |v| v < TARGET_OVERHEAD_MIB,
-        ),
-        fig(
-            "start-up (ours: wall ms to first KVM_RUN)",
-            first_ms,
-            "ms",
-            format!("<= {FC_STARTUP_CPU_MS} CPU ms to API socket"),
-            FC_SOURCE,
-            |v| v <= FC_STARTUP_CPU_MS,
-        ),
-        fig(
-            "memory overhead (max)",
-            overhead_mib,
-            "MiB",
-            format!("<= {FC_OVERHEAD_MIB} MiB"),
-            FC_SOURCE,
-            |v| v <= FC_OVERHEAD_MIB,
-        ),
-        fig(
-            "first KVM_RUN, musubi / cloud-hypervisor (median)",
-            vs_ch,
-            "x",
-            format!("<= {GOAL_FIRST_RUN_VS_CH:.2}x"),
-            GOAL_SOURCE,
-            |v| v <= GOAL_FIRST_RUN_VS_CH,
-        ),
-        fig(
-            "first KVM_RUN, musubi / cloud-hypervisor (min)",
-            vs_ch_min,
-            "x",
-            format!("<= {GOAL_FIRST_RUN_VS_CH:.2}x"),
-            GOAL_SOURCE,
-            |v| v <= GOAL_FIRST_RUN_VS_CH,
-        ),
-        fig(
-            "RSS outside guest RAM, musubi / firecracker (max)",
-            vs_fc,
-            "x",
-            format!("<= {GOAL_OVERHEAD_VS_FC:.2}x"),
-            GOAL_SOURCE,
-            |v| v <= GOAL_OVERHEAD_VS_FC,
-        ),
-    ];
-    println!();
-    print!("{}", figures_table(&figs));
-    println!();
-    println!(
-        "This machine runs KVM nested: guest code at CPL0 goes through KVM's instruction emulator"
+    let target = "Musubi target";
+    fig(
+        "time to first KVM_RUN (median)",
+        first_ms,
+        "ms",
+        format!("<= {TARGET_FIRST_RUN_MS} ms"),
+        target,
+        &|v| v <= TARGET_FIRST_RUN_MS,
     );
-    println!(
-        "(a few million instructions/s) and each VM exit costs ~85 us. Time to hello is dominated"
+    fig(
+        "memory overhead (max)",
+        overhead_mib,
+        "MiB",
+        format!("< {TARGET_OVERHEAD_MIB} MiB"),
+        target,
+        &|v| v < TARGET_OVERHEAD_MIB,
     );
-    println!(
-        "by that, so it and the musubi/qemu hello ratio measure the nested KVM and the guest more"
+    fig(
+        "start-up (ours: wall ms to first KVM_RUN)",
+        first_ms,
+        "ms",
+        format!("<= {FC_STARTUP_CPU_MS} CPU ms to API socket"),
+        FC_SOURCE,
+        &|v| v <= FC_STARTUP_CPU_MS,
     );
-    println!("than the VMM. Time to first KVM_RUN and memory overhead are host-native and not distorted.");
-    println!(
-        "Overhead = Rss of the VMM process minus Rss of its guest-RAM mapping, max over samples"
+    fig(
+        "memory overhead (max)",
+        overhead_mib,
+        "MiB",
+        format!("<= {FC_OVERHEAD_MIB} MiB"),
+        FC_SOURCE,
+        &|v| v <= FC_OVERHEAD_MIB,
     );
-    println!(
-        "every {} ms; shared libraries count in full. \"of it private\": Private_Clean+Private_Dirty,",
-        SAMPLE_EVERY.as_millis()
+    let vs = format!("<= {GOAL_FIRST_RUN_VS_CH:.2}x");
+    fig(
+        "first KVM_RUN, musubi / cloud-hypervisor (median)",
+        vs_ch,
+        "x",
+        vs.clone(),
+        GOAL_SOURCE,
+        &|v| v <= GOAL_FIRST_RUN_VS_CH,
     );
-    println!(
-        "  the pages no other process shares. The targets are checked against the full overhead."
+    fig(
+        "first KVM_RUN, musubi / cloud-hypervisor (min)",
+        vs_ch_min,
+        "x",
+        vs,
+        GOAL_SOURCE,
+        &|v| v <= GOAL_FIRST_RUN_VS_CH,
     );
+    fig(
+        "RSS outside guest RAM, musubi / firecracker (max)",
+        vs_fc,
+        "x",
+        format!("<= {GOAL_OVERHEAD_VS_FC:.2}x"),
+        GOAL_SOURCE,
+        &|v| v <= GOAL_OVERHEAD_VS_FC,
+    );
+    v
+}
 
-    let bars = |f: &dyn Fn(&Sums) -> Option<Summary>| -> Vec<plot::Bar> {
-        configs
-            .iter()
-            .zip(&sums)
-            .filter_map(|(c, s)| {
-                f(s).map(|x| plot::Bar {
-                    label: c.name(),
-                    value: x.median,
-                    low: Some(x.min),
-                })
-            })
-            .collect()
+/// How to read the figures on this machine.
+const NOTES: &str = "\
+This machine runs KVM nested: guest code at CPL0 goes through KVM's instruction emulator
+(a few million instructions/s) and each VM exit costs ~85 us. Time to hello is dominated
+by that, so it and the musubi/qemu hello ratio measure the nested KVM and the guest more
+than the VMM. Time to first KVM_RUN and memory overhead are host-native and not distorted.
+Overhead = Rss of the VMM process minus Rss of its guest-RAM mapping, max over samples
+";
+
+/// The chart: time to first KVM_RUN and to hello, and the memory overhead.
+fn panels(configs: &[Hv], sums: &[Sums]) -> Vec<plot::Panel> {
+    let bars = |f: &dyn Fn(&Sums) -> Option<Summary>| {
+        summary_bars(configs.iter().zip(sums).map(|(c, s)| (c, f(s))), Hv::name)
     };
-    let panels = vec![
+    vec![
         plot::Panel {
             title: "time to first KVM_RUN (median, min)".into(),
             unit: "ms".into(),
@@ -486,7 +512,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             unit: "MiB".into(),
             bars: configs
                 .iter()
-                .zip(&sums)
+                .zip(sums)
                 .filter_map(|(c, s)| {
                     s.overhead.map(|b| plot::Bar {
                         label: c.name(),
@@ -496,11 +522,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 })
                 .collect(),
         },
-    ];
-    let svg_path = h.write_chart("boot.svg", "musubi bench boot", &panels)?;
-    println!();
-    println!("wrote {} and {}", csv_path.display(), svg_path.display());
-    Ok(())
+    ]
 }
 
 fn in_mib(bytes: f64) -> f64 {
@@ -537,16 +559,6 @@ impl Sums {
             None => "not sampled".into(),
         }
     }
-}
-
-/// A CSV row for a peer run that gave no figures: every measurement empty, the reason in
-/// `unavailable`.
-fn unavailable_row(run: String, rep: String, hv: String, cpu: &str, why: &str) -> Vec<String> {
-    let mut row = vec![run, rep, hv];
-    row.resize(13, String::new());
-    row.push(cpu.to_string());
-    row.push(why.to_string());
-    row
 }
 
 /// One run of `hv`, its first KVM_RUN from `trace`.

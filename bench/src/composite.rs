@@ -7,8 +7,9 @@
 
 mod make;
 
+use super::driver::{Columns, Outputs, Runs, Verdicts};
 use super::guest_run::{in_vm, native, WorkloadRun};
-use super::report::{figures_table, Csv, Figure, Table};
+use super::report::{Csv, Figure, Table};
 use super::stats::median;
 use super::{plot, Harness};
 use vmm::config::ExitsMode;
@@ -80,46 +81,28 @@ struct Config {
     base: bool,
 }
 
+impl Config {
+    fn name(&self, ws: &[Workload]) -> String {
+        format!(
+            "{} {}{}",
+            ws[self.w].task,
+            self.at.name(),
+            if self.base { " (base)" } else { "" }
+        )
+    }
+}
+
 pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
     let ws = workloads(h.quick);
     let reps = if h.quick { 1 } else { 3 };
     let dir = tempfile::tempdir().map_err(|e| format!("cannot make a temporary directory: {e}"))?;
     let disk = dir.path().join("composite-disk.img");
     std::fs::write(&disk, vec![0x5au8; 4 << 20]).map_err(|e| format!("{}: {e}", disk.display()))?;
-
-    let mut configs = Vec::new();
-    for (i, w) in ws.iter().enumerate() {
-        if w.native {
-            configs.push(Config {
-                w: i,
-                at: Where::Native,
-                base: false,
-            });
-        }
-        for mode in [ExitsMode::User, ExitsMode::Kernel] {
-            configs.push(Config {
-                w: i,
-                at: Where::Vm(mode),
-                base: false,
-            });
-            configs.push(Config {
-                w: i,
-                at: Where::Vm(mode),
-                base: true,
-            });
-        }
-    }
-    let runs = h.run_schedule(
-        &configs,
+    let runs = Runs::measure(
+        h,
+        plan(&ws),
         reps,
-        |c| {
-            format!(
-                "{} {}{}",
-                ws[c.w].task,
-                c.at.name(),
-                if c.base { " (base)" } else { "" }
-            )
-        },
+        |c| c.name(&ws),
         |_, c| {
             let w = &ws[c.w];
             let count = if c.base { 1 } else { w.count };
@@ -131,164 +114,13 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
             }
         },
     )?;
-
-    let mut csv = Csv::new(&[
-        "workload",
-        "count",
-        "where",
-        "base",
-        "rep",
-        "task_ns",
-        "total_exits",
-        "doorbell_exits",
-        "vmm_ns_per_exit",
-        "irq_user",
-        "irq_irqfd",
-    ]);
-    for (rep, ci, r) in &runs {
-        let c = &configs[*ci];
-        let w = &ws[c.w];
-        csv.row([
-            w.task.to_string(),
-            (if c.base { 1 } else { w.count }).to_string(),
-            c.at.name().to_string(),
-            c.base.to_string(),
-            rep.to_string(),
-            r.ns().map(|v| format!("{v:.0}")).unwrap_or_default(),
-            r.total_exits().map(|v| v.to_string()).unwrap_or_default(),
-            r.metrics["notifications"]["mmio_exit"]
-                .as_u64()
-                .map(|v| v.to_string())
-                .unwrap_or_default(),
-            r.vmm_ns_per_exit()
-                .map(|v| format!("{v:.0}"))
-                .unwrap_or_default(),
-            r.metrics["interrupts"]["user"]
-                .as_u64()
-                .map(|v| v.to_string())
-                .unwrap_or_default(),
-            r.metrics["interrupts"]["irqfd"]
-                .as_u64()
-                .map(|v| v.to_string())
-                .unwrap_or_default(),
-        ]);
-    }
-
-    let pick = |w: usize, at: Where, base: bool| -> Vec<&WorkloadRun> {
-        runs.iter()
-            .filter(|(_, ci, _)| {
-                let c = &configs[*ci];
-                c.w == w && c.at == at && c.base == base
-            })
-            .map(|(_, _, r)| r)
-            .collect()
+    let mut csv = columns(&ws).csv(runs.iter());
+    let m = Measures {
+        runs: &runs,
+        ws: &ws,
     };
-    let med = |xs: Vec<f64>| median(&xs);
-    let time = |w, at| med(pick(w, at, false).iter().filter_map(|r| r.ns()).collect());
-    // Exits the N operations cost beyond a run of one operation, per operation.
-    let per_op = |w: usize, at: Where, f: &dyn Fn(&WorkloadRun) -> Option<f64>| -> Option<f64> {
-        let n = med(pick(w, at, false).iter().filter_map(|r| f(r)).collect())?;
-        let b = med(pick(w, at, true).iter().filter_map(|r| f(r)).collect())?;
-        Some((n - b) / (ws[w].count.saturating_sub(1).max(1)) as f64)
-    };
-    let exits = |r: &WorkloadRun| r.total_exits().map(|v| v as f64);
-    let doorbells = |r: &WorkloadRun| r.metrics["notifications"]["mmio_exit"].as_f64();
-    let injections =
-        |r: &WorkloadRun| Some(r.metrics["interrupts"]["user"].as_f64().unwrap_or(0.0));
-    let vmm_ns = |w, at| {
-        med(pick(w, at, false)
-            .iter()
-            .filter_map(|r| r.vmm_ns_per_exit())
-            .collect())
-    };
-
-    let (u, k) = (Where::Vm(ExitsMode::User), Where::Vm(ExitsMode::Kernel));
-    let f2 = |v: Option<f64>| v.map(|v| format!("{v:.2}")).unwrap_or_else(|| "n/a".into());
-    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-        _ => None,
-    };
-    let mut t = Table::new(&[
-        "workload",
-        ">N",
-        ">native ms",
-        ">user ms",
-        ">kernel ms",
-        ">user/native",
-        ">kernel/native",
-        ">user/kernel",
-        ">exits/op u",
-        ">exits/op k",
-        ">doorbell exits/op u",
-        ">k",
-        ">user IRQ injections/op",
-        ">VMM us/exit u",
-        ">k",
-    ]);
-    let mut panels = Vec::new();
-    let mut figures = Vec::new();
-    for (i, w) in ws.iter().enumerate() {
-        let tn = if w.native {
-            time(i, Where::Native)
-        } else {
-            None
-        };
-        let (tu, tk) = (time(i, u), time(i, k));
-        let ms = |v: Option<f64>| {
-            v.map(|v| format!("{:.2}", v / 1e6))
-                .unwrap_or_else(|| "n/a".into())
-        };
-        let (dbu, dbk) = (per_op(i, u, &doorbells), per_op(i, k, &doorbells));
-        t.row([
-            w.task.to_string(),
-            w.count.to_string(),
-            ms(tn),
-            ms(tu),
-            ms(tk),
-            f2(ratio(tu, tn)),
-            f2(ratio(tk, tn)),
-            f2(ratio(tu, tk)),
-            f2(per_op(i, u, &exits)),
-            f2(per_op(i, k, &exits)),
-            f2(dbu),
-            f2(dbk),
-            f2(per_op(i, u, &injections)),
-            f2(vmm_ns(i, u).map(|v| v / 1e3)),
-            f2(vmm_ns(i, k).map(|v| v / 1e3)),
-        ]);
-        let bar = |label: &str, v: Option<f64>| {
-            v.map(|v| plot::Bar {
-                label: label.into(),
-                value: v / 1e6,
-                low: None,
-            })
-        };
-        panels.push(plot::Panel {
-            title: w.task.into(),
-            unit: "ms".into(),
-            bars: [bar("native", tn), bar("user", tu), bar("kernel", tk)]
-                .into_iter()
-                .flatten()
-                .collect(),
-        });
-        if w.task == "blk-small-reads" {
-            figures.push(Figure {
-                what: "doorbell exits per request, kernel path".into(),
-                ours: f2(dbk),
-                reference: "0".into(),
-                source: "issue goal: the kernel path removes every doorbell exit".into(),
-                met: dbk.map(|v| v.abs() < 0.01),
-            });
-            figures.push(Figure {
-                what: "user / kernel time, small reads".into(),
-                ours: format!("{}x", f2(ratio(tu, tk))),
-                reference: format!(">= {:.2}x", PAPER_USER_S / PAPER_COMPOSITE_S),
-                source: "paper 002 Table 1 (20.4 s / 15.5 s)".into(),
-                met: ratio(tu, tk).map(|r| r >= PAPER_USER_S / PAPER_COMPOSITE_S),
-            });
-        }
-    }
-    let net = network_row(h, &mut csv, &mut figures);
+    let (t, panels, mut verdicts) = m.table();
+    let net = network_row(h, &mut csv, &mut verdicts.0);
     println!("Composite hypervisor (paper 002): exit-heavy workloads, native / user-level exits / kernel exits");
     println!("{}", t.render());
     println!("{net}");
@@ -298,24 +130,236 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
         PAPER_COMPOSITE_S / PAPER_NATIVE_S,
         PAPER_USER_S / PAPER_COMPOSITE_S
     );
-    println!("{}", figures_table(&figures));
+    println!("{}", verdicts.table());
     println!(
         "On this machine every exit crosses a nested KVM (about 85 us each, the same for any VMM), so times\n\
          are dominated by exits the kernel path cannot remove (port I/O, interrupt acknowledgement);\n\
          exits per operation and VMM time per exit are the figures to compare across machines.\n\
          exits/op subtracts a run of the same task with a count of 1 (boot and reporting)."
     );
-    let p = h.write_csv("composite.csv", &csv)?;
-    let s = h.write_chart("composite.svg", "task time by exit path (median)", &panels)?;
+    let out = Outputs::new(h);
+    let p = out.csv("composite.csv", &csv)?;
+    let s = out.bars("composite.svg", "task time by exit path (median)", &panels)?;
     println!("csv: {}\nplot: {}", p.display(), s.display());
     // One exit's round trip on each path: a port write from guest user mode that no device
     // claims, so every one goes to the VMM and back.
     let ping = ws.iter().position(|w| w.task == "port-ping");
     let exit_ns = |mode: ExitsMode| {
         let i = ping?;
-        Some(time(i, Where::Vm(mode))? / ws[i].count as f64)
+        Some(m.time(i, Where::Vm(mode))? / ws[i].count as f64)
     };
     make::run(h, &exit_ns)
+}
+
+/// Every workload natively (where it runs there) and on both exit paths, each path also
+/// with a count of 1.
+fn plan(ws: &[Workload]) -> Vec<Config> {
+    let mut configs = Vec::new();
+    for (i, w) in ws.iter().enumerate() {
+        if w.native {
+            configs.push(Config {
+                w: i,
+                at: Where::Native,
+                base: false,
+            });
+        }
+        for mode in [ExitsMode::User, ExitsMode::Kernel] {
+            for base in [false, true] {
+                configs.push(Config {
+                    w: i,
+                    at: Where::Vm(mode),
+                    base,
+                });
+            }
+        }
+    }
+    configs
+}
+
+/// `composite.csv`'s columns, one row per run.
+fn columns<'c>(ws: &'c [Workload]) -> Columns<'c, (usize, &'c Config, &'c WorkloadRun)> {
+    type R<'a> = (usize, &'a Config, &'a WorkloadRun);
+    let metric = |a: &'static str, b: &'static str| {
+        move |x: &R| {
+            x.2.metrics[a][b]
+                .as_u64()
+                .map(|v| v.to_string())
+                .unwrap_or_default()
+        }
+    };
+    Columns::new()
+        .col("workload", move |x: &R| ws[x.1.w].task.to_string())
+        .col("count", move |x| {
+            (if x.1.base { 1 } else { ws[x.1.w].count }).to_string()
+        })
+        .col("where", |x| x.1.at.name().to_string())
+        .col("base", |x| x.1.base.to_string())
+        .col("rep", |x| x.0.to_string())
+        .col("task_ns", |x| {
+            x.2.ns().map(|v| format!("{v:.0}")).unwrap_or_default()
+        })
+        .col("total_exits", |x| {
+            x.2.total_exits().map(|v| v.to_string()).unwrap_or_default()
+        })
+        .col("doorbell_exits", metric("notifications", "mmio_exit"))
+        .col("vmm_ns_per_exit", |x| {
+            x.2.vmm_ns_per_exit()
+                .map(|v| format!("{v:.0}"))
+                .unwrap_or_default()
+        })
+        .col("irq_user", metric("interrupts", "user"))
+        .col("irq_irqfd", metric("interrupts", "irqfd"))
+}
+
+/// The runs' medians per workload and place, and per operation.
+struct Measures<'a> {
+    runs: &'a Runs<Config, WorkloadRun>,
+    ws: &'a [Workload],
+}
+
+/// The two exit paths.
+const U: Where = Where::Vm(ExitsMode::User);
+const K: Where = Where::Vm(ExitsMode::Kernel);
+
+fn f2(v: Option<f64>) -> String {
+    v.map(|v| format!("{v:.2}")).unwrap_or_else(|| "n/a".into())
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+impl Measures<'_> {
+    fn med(
+        &self,
+        w: usize,
+        at: Where,
+        base: bool,
+        f: &dyn Fn(&WorkloadRun) -> Option<f64>,
+    ) -> Option<f64> {
+        let xs: Vec<f64> = self
+            .runs
+            .iter()
+            .filter(|(_, c, _)| c.w == w && c.at == at && c.base == base)
+            .filter_map(|(_, _, r)| f(r))
+            .collect();
+        median(&xs)
+    }
+
+    fn time(&self, w: usize, at: Where) -> Option<f64> {
+        self.med(w, at, false, &|r| r.ns())
+    }
+
+    /// Exits the N operations cost beyond a run of one operation, per operation.
+    fn per_op(&self, w: usize, at: Where, f: &dyn Fn(&WorkloadRun) -> Option<f64>) -> Option<f64> {
+        let n = self.med(w, at, false, f)?;
+        let b = self.med(w, at, true, f)?;
+        Some((n - b) / (self.ws[w].count.saturating_sub(1).max(1)) as f64)
+    }
+
+    /// The table, a chart panel per workload, and the small reads' verdicts.
+    fn table(&self) -> (Table, Vec<plot::Panel>, Verdicts) {
+        let exits = |r: &WorkloadRun| r.total_exits().map(|v| v as f64);
+        let doorbells = |r: &WorkloadRun| r.metrics["notifications"]["mmio_exit"].as_f64();
+        let injections =
+            |r: &WorkloadRun| Some(r.metrics["interrupts"]["user"].as_f64().unwrap_or(0.0));
+        let vmm_ns = |w, at| self.med(w, at, false, &|r| r.vmm_ns_per_exit());
+        let mut t = Table::new(&[
+            "workload",
+            ">N",
+            ">native ms",
+            ">user ms",
+            ">kernel ms",
+            ">user/native",
+            ">kernel/native",
+            ">user/kernel",
+            ">exits/op u",
+            ">exits/op k",
+            ">doorbell exits/op u",
+            ">k",
+            ">user IRQ injections/op",
+            ">VMM us/exit u",
+            ">k",
+        ]);
+        let mut panels = Vec::new();
+        let mut figures = Verdicts::new();
+        for (i, w) in self.ws.iter().enumerate() {
+            let tn = if w.native {
+                self.time(i, Where::Native)
+            } else {
+                None
+            };
+            let (tu, tk) = (self.time(i, U), self.time(i, K));
+            let ms = |v: Option<f64>| {
+                v.map(|v| format!("{:.2}", v / 1e6))
+                    .unwrap_or_else(|| "n/a".into())
+            };
+            let (dbu, dbk) = (self.per_op(i, U, &doorbells), self.per_op(i, K, &doorbells));
+            t.row([
+                w.task.to_string(),
+                w.count.to_string(),
+                ms(tn),
+                ms(tu),
+                ms(tk),
+                f2(ratio(tu, tn)),
+                f2(ratio(tk, tn)),
+                f2(ratio(tu, tk)),
+                f2(self.per_op(i, U, &exits)),
+                f2(self.per_op(i, K, &exits)),
+                f2(dbu),
+                f2(dbk),
+                f2(self.per_op(i, U, &injections)),
+                f2(vmm_ns(i, U).map(|v| v / 1e3)),
+                f2(vmm_ns(i, K).map(|v| v / 1e3)),
+            ]);
+            panels.push(panel(w.task, tn, tu, tk));
+            if w.task == "blk-small-reads" {
+                small_reads_verdicts(&mut figures, dbk, ratio(tu, tk));
+            }
+        }
+        (t, panels, figures)
+    }
+}
+
+/// One workload's times, native, user and kernel.
+fn panel(task: &str, tn: Option<f64>, tu: Option<f64>, tk: Option<f64>) -> plot::Panel {
+    let bar = |label: &str, v: Option<f64>| {
+        v.map(|v| plot::Bar {
+            label: label.into(),
+            value: v / 1e6,
+            low: None,
+        })
+    };
+    plot::Panel {
+        title: task.into(),
+        unit: "ms".into(),
+        bars: [bar("native", tn), bar("user", tu), bar("kernel", tk)]
+            .into_iter()
+            .flatten()
+            .collect(),
+    }
+}
+
+/// The kernel path's doorbell goal and the user/kernel ratio beside the paper's, judged
+/// on the small reads (`dbk`: doorbell exits per request on the kernel path).
+fn small_reads_verdicts(v: &mut Verdicts, dbk: Option<f64>, user_kernel: Option<f64>) {
+    v.push(Figure {
+        what: "doorbell exits per request, kernel path".into(),
+        ours: f2(dbk),
+        reference: "0".into(),
+        source: "issue goal: the kernel path removes every doorbell exit".into(),
+        met: dbk.map(|v| v.abs() < 0.01),
+    });
+    v.push(Figure {
+        what: "user / kernel time, small reads".into(),
+        ours: format!("{}x", f2(user_kernel)),
+        reference: format!(">= {:.2}x", PAPER_USER_S / PAPER_COMPOSITE_S),
+        source: "paper 002 Table 1 (20.4 s / 15.5 s)".into(),
+        met: user_kernel.map(|r| r >= PAPER_USER_S / PAPER_COMPOSITE_S),
+    });
 }
 
 /// The network device asked paper 002's question: the probe's UDP request/response over a

@@ -4,8 +4,9 @@
 //! the node's handshake deadline (2 s) or its connect deadline (20 s).
 
 use crate::apivm::{wait_until, Vm};
+use crate::driver::{Columns, Runs};
 use crate::plot::{Bar, Panel};
-use crate::report::{Csv, Table};
+use crate::report::Table;
 use crate::stats::{ratio, Summary};
 use crate::Harness;
 use dsm::NodeId;
@@ -82,19 +83,27 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
          linked with node 0, then a stranger knocks on node 0's port and node 2 starts at once"
     );
     println!("  time from the stranger's connection to the guest's first output; {reps} run(s) per case, interleaved");
-    let runs = h.run_schedule(&CASES, reps, |c| c.name().into(), |_, &c| one(&exe, c))?;
-
-    let mut csv = Csv::new(&["case", "run", "ms_to_vm", "refusals_logged"]);
-    for (rep, c, s) in &runs {
-        csv.row([
-            CASES[*c].name().to_string(),
-            (rep + 1).to_string(),
-            format!("{:.2}", s.ms),
-            s.refusals.to_string(),
-        ]);
-    }
+    let runs = Runs::measure(
+        h,
+        CASES.to_vec(),
+        reps,
+        |c| c.name().into(),
+        |_, &c| one(&exe, c),
+    )?;
+    type Row<'a> = (usize, &'a Stranger, &'a Start);
+    let csv = Columns::new()
+        .col("case", |x: &Row| x.1.name().to_string())
+        .col("run", |x| (x.0 + 1).to_string())
+        .col("ms_to_vm", |x| format!("{:.2}", x.2.ms))
+        .col("refusals_logged", |x| x.2.refusals.to_string())
+        .csv(runs.iter());
     let summary = |i: usize| {
-        let ms: Vec<f64> = runs.iter().filter(|r| r.1 == i).map(|r| r.2.ms).collect();
+        let ms: Vec<f64> = runs
+            .runs
+            .iter()
+            .filter(|r| r.1 == i)
+            .map(|r| r.2.ms)
+            .collect();
         Summary::of(&ms)
     };
     let base = summary(0).map(|s| s.median);
@@ -108,6 +117,7 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
     for (i, c) in CASES.iter().enumerate() {
         let s = summary(i);
         let refusals = runs
+            .runs
             .iter()
             .filter(|r| r.1 == i)
             .map(|r| r.2.refusals)

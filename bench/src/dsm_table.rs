@@ -2,40 +2,28 @@
 //! before the faulting vCPU resumes), measured in the coherence simulator for Ivy and for
 //! the paper's asynchronous protocol, printed beside the paper's figures.
 
-use super::report::Csv;
+use super::driver::{Columns, Outputs};
 use super::Harness;
+use dsm::table3::Cell;
 
 pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
     let max_c = if h.quick { 2 } else { 5 };
     let cells = dsm::table3::measure_all(max_c)
         .map_err(|f| format!("a Table 3 scenario failed in the simulator:\n{f}"))?;
     println!("{}", dsm::table3::render());
-    let mut csv = Csv::new(&[
-        "protocol",
-        "access",
-        "manager",
-        "c",
-        "messages",
-        "paper_messages",
-        "to_resume",
-        "paper_path",
-        "whole_fetch",
-    ]);
-    for c in &cells {
-        let (pm, pp) = dsm::table3::paper(c.protocol, c.access, c.manager, c.c);
-        csv.row([
-            c.protocol.name().to_string(),
-            c.access.to_string(),
-            c.manager.name().to_string(),
-            c.c.to_string(),
-            c.messages.to_string(),
-            pm.to_string(),
-            c.to_resume.to_string(),
-            pp.to_string(),
-            c.whole.to_string(),
-        ]);
-    }
-    let p = h.write_csv("dsm-table.csv", &csv)?;
+    let paper = |c: &Cell| dsm::table3::paper(c.protocol, c.access, c.manager, c.c);
+    let csv = Columns::new()
+        .col("protocol", |c: &&Cell| c.protocol.name().to_string())
+        .col("access", |c| c.access.to_string())
+        .col("manager", |c| c.manager.name().to_string())
+        .col("c", |c| c.c.to_string())
+        .col("messages", |c| c.messages.to_string())
+        .col("paper_messages", move |c| paper(c).0.to_string())
+        .col("to_resume", |c| c.to_resume.to_string())
+        .col("paper_path", move |c| paper(c).1.to_string())
+        .col("whole_fetch", |c| c.whole.to_string())
+        .csv(&cells);
+    let p = Outputs::new(h).csv("dsm-table.csv", &csv)?;
     println!("csv: {}", p.display());
     Ok(())
 }

@@ -3,14 +3,17 @@
 //! its charts or its progress bars are in the hypervisor's binary.
 //!
 //! The pieces every experiment shares live here: an interleaved schedule with a progress
-//! bar ([`Harness::run_schedule`]), summaries ([`stats`]), tables and CSV ([`report`]),
-//! SVG charts ([`plot`]) and outside observation of a hypervisor process ([`watch`]).
+//! bar ([`Harness::run_schedule`]) and the driver built on it that measures an experiment's
+//! configurations and writes its CSV from typed columns, its chart and its verdicts
+//! ([`driver`]), summaries ([`stats`]), tables and CSV ([`report`]), SVG charts ([`plot`])
+//! and outside observation of a hypervisor process ([`watch`]).
 
 mod all;
 mod apivm;
 mod boot;
 mod composite;
 mod door;
+mod driver;
 mod dsm_table;
 mod guest_run;
 mod kvm_trace;

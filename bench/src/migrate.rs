@@ -19,10 +19,14 @@
 //!   the same task in an unmigrated run of the same size.
 
 use super::apivm::{api, one_line, wait_until, Vm, Vmm};
+use super::driver::{
+    measured_per_config, print_unavailable, summary_bars, Columns, Missing, Outputs, PeerRow, Runs,
+    Verdicts,
+};
 use super::kvm_trace::{KvmRunTrace, KVM_GET_CLOCK};
 use super::peers::{self, Kind, Micro};
-use super::qemu::{measured_per_config, Outcome, Standing};
-use super::report::{cell, figures_table, median_min, ms, Csv, Figure, Table};
+use super::qemu::{Outcome, Standing};
+use super::report::{cell, median_min, ms, Csv, Figure, Table};
 use super::stats::{ratio, Summary};
 use super::{plot, BenchArgs, Harness};
 use std::os::unix::fs::PermissionsExt;
@@ -185,6 +189,9 @@ struct Sample {
     task_ns: u64,
 }
 
+/// The runs of every configuration; a peer's may have failed or not been made.
+type MigrateRuns = Runs<Config, Outcome<Sample>>;
+
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     if !Path::new("/dev/kvm").exists() {
         return Err("/dev/kvm does not exist: this benchmark runs VMs and needs KVM".into());
@@ -201,6 +208,66 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     })?;
     let exe = crate::probe::musubi()?;
     let elf = crate::probe::materialize()?;
+    print_plan(sizes, reps, &trace);
+    let (vmms, missing) = vmms(h, &listed, exe, &elf, sizes[0]);
+    let configs = plan(h, &vmms, &elf, sizes)?;
+    let runs = measure(h, configs, reps, &trace)?;
+    let csv_path = Outputs::new(h).csv("migrate.csv", &csv(&runs, &missing))?;
+    let sums = Found {
+        configs: &runs.configs,
+        sums: measured_per_config(&runs)
+            .iter()
+            .map(|s| Sums::of(s))
+            .collect(),
+    };
+    print_table(&sums);
+    print_unavailable(
+        runs.configs
+            .iter()
+            .map(Config::vmm_name)
+            .zip(&runs.standing),
+        &missing,
+    );
+    println!();
+    print!("{}", verdicts(&sums, sizes, &listed).table());
+    if !listed.contains(&"cloud-hypervisor") {
+        println!(
+            "(no --compare cloud-hypervisor: the goal against Cloud Hypervisor is not measured)"
+        );
+    }
+    if h.quick {
+        println!(
+            "(--quick: 128 and 256 MiB, one run each; the goal is stated for 256 MiB to 4 GiB)"
+        );
+    }
+    println!();
+    println!(
+        "This machine runs KVM nested: the guest's CPL0 code is emulated (slow), and every EPT"
+    );
+    println!(
+        "fault is handled by two hypervisors, so the task times and their slowdown are inflated;"
+    );
+    println!("the downtime is VMM work on the host and less distorted.");
+    let svg_path = Outputs::new(h).bars("migrate.svg", "musubi bench migrate", &panels(&sums))?;
+    println!();
+    println!("wrote {} and {}", csv_path.display(), svg_path.display());
+    Ok(())
+}
+
+/// The runs and, beside them, whether each configuration's peer is still in the running.
+struct Measured {
+    runs: MigrateRuns,
+    standing: Vec<Standing>,
+}
+
+impl std::ops::Deref for Measured {
+    type Target = MigrateRuns;
+    fn deref(&self) -> &MigrateRuns {
+        &self.runs
+    }
+}
+
+fn print_plan(sizes: &[u64], reps: usize, trace: &KvmRunTrace) {
     println!(
         "migrate: live migration on loopback, post-copy and pre-copy, probe guest, 1 vCPU, {};",
         sizes
@@ -225,16 +292,19 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "  KVM_RUN and KVM_GET_CLOCK from the sys_enter_ioctl tracepoint, tracefs instance {}",
         trace.path().display()
     );
+}
 
+/// Musubi and the listed peers that can run, and the peers that cannot with why.
+fn vmms(h: &Harness, listed: &[&str], exe: PathBuf, elf: &Path, mib: u64) -> (Vec<Vmm>, Missing) {
     let mut vmms = vec![Vmm::Musubi {
         exe,
-        elf: elf.clone(),
+        elf: elf.to_path_buf(),
     }];
-    let mut missing: Vec<(String, String)> = Vec::new();
-    for name in &listed {
+    let mut missing = Missing::new();
+    for name in listed {
         match Kind::of(name) {
             Some(Kind::CloudHypervisor) => {
-                match Micro::find_with(Kind::CloudHypervisor, &elf, &h.out, "", sizes[0]) {
+                match Micro::find_with(Kind::CloudHypervisor, elf, &h.out, "", mib) {
                     Ok(m) => vmms.push(Vmm::Peer(m)),
                     Err(why) => {
                         println!("cloud-hypervisor: unavailable, Musubi runs alone: {why}");
@@ -248,10 +318,16 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             ),
         }
     }
+    (vmms, missing)
+}
+
+/// Every size and task on every VMM: Musubi post-copy, pre-copy and unmigrated, a peer its
+/// own (pre-copy) migration.
+fn plan(h: &Harness, vmms: &[Vmm], elf: &Path, sizes: &[u64]) -> Result<Vec<Config>, String> {
     let mut configs = Vec::new();
     for &mib in sizes {
         for work in [Work::Idle, Work::Write] {
-            for v in &vmms {
+            for v in vmms {
                 match v {
                     Vmm::Musubi { .. } => {
                         for (migrated, precopy) in [(true, false), (true, true), (false, false)] {
@@ -266,7 +342,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                     }
                     Vmm::Peer(_) => {
                         let tasks = format!("probe.tasks=hello,{}", work.task(mib));
-                        let m = Micro::find_with(Kind::CloudHypervisor, &elf, &h.out, &tasks, mib)?;
+                        let m = Micro::find_with(Kind::CloudHypervisor, elf, &h.out, &tasks, mib)?;
                         configs.push(Config {
                             vmm: Vmm::Peer(m),
                             mib,
@@ -279,106 +355,109 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             }
         }
     }
+    Ok(configs)
+}
 
+/// Runs every configuration; a peer that failed once is out at every size and task.
+fn measure(
+    h: &Harness,
+    configs: Vec<Config>,
+    reps: usize,
+    trace: &KvmRunTrace,
+) -> Result<Measured, String> {
     let mut standing: Vec<Standing> = configs.iter().map(|_| Standing::default()).collect();
-    let runs = h.run_schedule(&configs, reps, Config::name, |rep, c| {
-        let i = configs.iter().position(|x| std::ptr::eq(x, c)).unwrap_or(0);
-        match c.vmm {
-            Vmm::Musubi { .. } => one_run(c, &trace).map(Outcome::Measured),
-            Vmm::Peer(_) => {
-                // A peer that failed once is out at every size and task.
-                if let Some(why) = standing
-                    .iter()
-                    .zip(&configs)
-                    .find(|(s, d)| s.unavailable.is_some() && d.vmm_name() == c.vmm_name())
-                    .and_then(|(s, _)| s.unavailable.clone())
-                {
-                    standing[i].unavailable = Some(why);
-                    return Ok(Outcome::NotMade);
-                }
-                Ok(
-                    standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
-                        one_run(c, &trace)
-                    }),
-                )
+    let names: Vec<&'static str> = configs.iter().map(|c| c.vmm_name()).collect();
+    let runs = Runs::measure_indexed(h, configs, reps, Config::name, |rep, i, c| match c.vmm {
+        Vmm::Musubi { .. } => one_run(c, trace).map(Outcome::Measured),
+        Vmm::Peer(_) => {
+            if let Some(why) = standing
+                .iter()
+                .zip(&names)
+                .find(|(s, d)| s.unavailable.is_some() && **d == c.vmm_name())
+                .and_then(|(s, _)| s.unavailable.clone())
+            {
+                standing[i].unavailable = Some(why);
+                return Ok(Outcome::NotMade);
             }
+            Ok(
+                standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
+                    one_run(c, trace)
+                }),
+            )
         }
     })?;
+    Ok(Measured { runs, standing })
+}
 
-    let mut csv = Csv::new(&[
-        "run",
-        "rep",
-        "hypervisor",
-        "memory_mib",
-        "task",
-        "migrated",
-        "mode",
-        "downtime_ms",
-        "request_to_first_kvm_run_ms",
-        "report_downtime_ms",
-        "request_to_answer_ms",
-        "total_ms",
-        "data_pages",
-        "pages_asked",
-        "pages_pushed",
-        "precopy_rounds",
-        "pages_sent_live",
-        "pages_sent_paused",
-        "task_ms",
-        "unavailable",
-    ]);
-    for (i, (rep, c, r)) in runs.iter().enumerate() {
-        let cfg = &configs[*c];
-        let head = [
-            (i + 1).to_string(),
-            (rep + 1).to_string(),
-            cfg.vmm_name().to_string(),
-            cfg.mib.to_string(),
-            cfg.work.short(cfg.mib),
-            cfg.migrated.to_string(),
-            cfg.mode().to_string(),
-        ];
-        let msf = |n: Option<u64>| cell(n.map(|n| ms(n as f64)));
-        match r {
-            Outcome::Measured(s) => csv.row(head.into_iter().chain([
-                msf(s.downtime_ns),
-                msf(s.from_request_ns),
-                msf(s.report_downtime_ns),
-                msf(s.answer_ns),
-                msf(s.total_ns),
-                cell(s.data_pages),
-                cell(s.asked),
-                cell(s.pushed),
-                cell(s.rounds),
-                cell(s.live),
-                cell(s.paused),
-                ms(s.task_ns as f64),
-                String::new(),
-            ])),
-            Outcome::PeerFailed(why) => csv.row(
-                head.into_iter()
-                    .chain(std::iter::repeat_n(String::new(), 12))
-                    .chain([why.clone()]),
-            ),
-            Outcome::NotMade => {}
-        }
-    }
-    for (name, why) in &missing {
-        let mut row = vec![String::new(), String::new(), name.clone()];
-        row.extend(std::iter::repeat_n(String::new(), 16));
-        row.push(why.clone());
-        csv.row(row);
-    }
-    let csv_path = h.write_csv("migrate.csv", &csv)?;
-
-    let sums: Vec<Sums> = measured_per_config(&runs, configs.len())
-        .iter()
-        .map(|s| Sums::of(s))
-        .collect();
-    let find = |vmm: &str, mib: u64, work: Work, migrated: bool, precopy: bool| {
-        configs
+/// `migrate.csv`: a row per run made, and one per peer that never ran.
+fn csv(runs: &Measured, missing: &[(String, String)]) -> Csv {
+    type Head<'a> = (usize, usize, Option<&'a Config>, String);
+    let msf = |n: Option<u64>| cell(n.map(|n| ms(n as f64)));
+    let of_config = |f: fn(&Config) -> String| move |h: &Head| h.2.map(f).unwrap_or_default();
+    let cols = Columns::new()
+        .head("run", |h: &Head| {
+            if h.2.is_some() {
+                (h.0 + 1).to_string()
+            } else {
+                String::new()
+            }
+        })
+        .head("rep", |h| {
+            if h.2.is_some() {
+                (h.1 + 1).to_string()
+            } else {
+                String::new()
+            }
+        })
+        .head("hypervisor", |h| h.3.clone())
+        .head("memory_mib", of_config(|c| c.mib.to_string()))
+        .head("task", of_config(|c| c.work.short(c.mib)))
+        .head("migrated", of_config(|c| c.migrated.to_string()))
+        .head("mode", of_config(|c| c.mode().to_string()))
+        .measured("downtime_ms", move |s: &Sample| msf(s.downtime_ns))
+        .measured("request_to_first_kvm_run_ms", move |s| {
+            msf(s.from_request_ns)
+        })
+        .measured("report_downtime_ms", move |s| msf(s.report_downtime_ns))
+        .measured("request_to_answer_ms", move |s| msf(s.answer_ns))
+        .measured("total_ms", move |s| msf(s.total_ns))
+        .measured("data_pages", |s| cell(s.data_pages))
+        .measured("pages_asked", |s| cell(s.asked))
+        .measured("pages_pushed", |s| cell(s.pushed))
+        .measured("precopy_rounds", |s| cell(s.rounds))
+        .measured("pages_sent_live", |s| cell(s.live))
+        .measured("pages_sent_paused", |s| cell(s.paused))
+        .measured("task_ms", |s| ms(s.task_ns as f64))
+        .unavailable();
+    let mut rows = PeerRow::of_runs(&runs.runs, |i, rep, c: &Config| {
+        (i, rep, Some(c), c.vmm_name().to_string())
+    });
+    rows.extend(
+        missing
             .iter()
-            .zip(&sums)
+            .map(|(name, why)| PeerRow::missing((0, 0, None, name.clone()), why)),
+    );
+    cols.csv(rows)
+}
+
+/// Each configuration's summaries, found by what they ran.
+struct Found<'a> {
+    configs: &'a [Config],
+    sums: Vec<Sums>,
+}
+
+impl Found<'_> {
+    fn find(
+        &self,
+        vmm: &str,
+        mib: u64,
+        work: Work,
+        migrated: bool,
+        precopy: bool,
+    ) -> Option<&Sums> {
+        self.configs
+            .iter()
+            .zip(&self.sums)
             .find(|(c, _)| {
                 c.vmm_name() == vmm
                     && c.mib == mib
@@ -387,8 +466,15 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                     && (c.precopy == precopy || !c.migrated || matches!(c.vmm, Vmm::Peer(_)))
             })
             .map(|(_, s)| s)
-    };
+    }
 
+    fn pairs(&self) -> impl Iterator<Item = (&Config, &Sums)> {
+        self.configs.iter().zip(&self.sums)
+    }
+}
+
+/// Prints the migrated runs' table and what its columns measure.
+fn print_table(f: &Found) {
     let mut t = Table::new(&[
         "hypervisor",
         ">RAM",
@@ -403,7 +489,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         ">task ms migrated / not",
         ">slowdown",
     ]);
-    for (c, s) in configs.iter().zip(&sums).filter(|(c, _)| c.migrated) {
+    for (c, s) in f.pairs().filter(|(c, _)| c.migrated) {
         if s.n == 0 {
             t.row([
                 c.vmm_name().to_string(),
@@ -414,95 +500,79 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             ]);
             continue;
         }
-        let base = find(c.vmm_name(), c.mib, c.work, false, false).and_then(|b| b.task);
-        let med = |x: Option<Summary>| x.map(|x| format!("{:.0}", x.median));
-        t.row([
-            c.vmm_name().to_string(),
-            size_text(c.mib),
-            c.work.short(c.mib),
-            c.mode().into(),
-            median_min(s.downtime, ms),
-            s.from_request
-                .map(|x| ms(x.median))
-                .unwrap_or_else(|| "n/a".into()),
-            median_min(s.total, ms),
-            med(s.data_pages).unwrap_or_else(|| "n/a".into()),
-            match (med(s.asked), med(s.pushed)) {
-                (Some(a), Some(p)) => format!("{a} / {p}"),
-                _ => "n/a".into(),
-            },
-            match (med(s.rounds), med(s.live), med(s.paused)) {
-                (Some(r), Some(l), Some(p)) => format!("{r}, {l} / {p}"),
-                _ => "-".into(),
-            },
-            format!(
-                "{} / {}",
-                s.task.map(|x| ms(x.median)).unwrap_or_else(|| "n/a".into()),
-                base.map(|x| ms(x.median)).unwrap_or_else(|| "n/a".into())
-            ),
-            s.task
-                .zip(base)
-                .and_then(|(m, b)| ratio(m.median, b.median))
-                .map(|r| format!("{r:.2}x"))
-                .unwrap_or_else(|| "n/a".into()),
-        ]);
+        let base = f
+            .find(c.vmm_name(), c.mib, c.work, false, false)
+            .and_then(|b| b.task);
+        t.row(table_row(c, s, base));
     }
     println!();
     print!("{}", t.render());
-    println!(
-        "downtime: from the source's KVM_GET_CLOCK, issued right after its vCPUs stopped in the"
-    );
-    println!(
-        "  pause (so the pause's own kick, microseconds, is not in it), to the destination's first"
-    );
-    println!(
-        "  KVM_RUN; both from the sys_enter_ioctl tracepoint, CLOCK_MONOTONIC to the microsecond."
-    );
-    println!(
-        "  It holds capturing and sending the vCPU and device state and building the VM there;"
-    );
-    println!(
-        "  in post-copy the pages follow after it; in pre-copy it also holds sending the pages"
-    );
-    println!("  written during the last round. Cloud Hypervisor: the same two ioctls.");
-    println!(
-        "from request: the send-migration request to the destination's first KVM_RUN (an upper"
-    );
-    println!("  bound of the downtime: it adds the API, the connection and its handshake).");
-    println!("total: the request to the source process's exit (every page with data is on the");
-    println!(
-        "  destination by then). pages: the source's count of pages with data, and of those sent"
-    );
-    println!("  because the destination faulted on them (asked) or in the background (pushed);");
-    println!(
-        "  for a pre-copy, its rounds and the pages sent while the VM ran / in the pause (a page"
-    );
-    println!("  written again is sent again).");
-    println!(
-        "task ms: the task's own time from its result line, migrated right after hello and in an"
-    );
-    println!(
-        "  unmigrated run; the guest sees no time pass while paused, so the slowdown is the cost"
-    );
-    println!("  of the pages following (faults waiting for the source), not the downtime.");
-    let mut said: Vec<&String> = Vec::new();
-    for (c, st) in configs.iter().zip(&standing) {
-        if let Some(why) = &st.unavailable {
-            if !said.contains(&why) {
-                said.push(why);
-                println!("{}: unavailable, no comparison: {why}", c.vmm_name());
-            }
-        }
-    }
-    for (name, why) in &missing {
-        println!("{name}: unavailable, no comparison: {why}");
-    }
+    print!("{}", TABLE_NOTES);
+}
 
-    let mut figs = Vec::new();
+/// One migrated configuration's row; `base` is the task's time unmigrated.
+fn table_row(c: &Config, s: &Sums, base: Option<Summary>) -> [String; 12] {
+    let med = |x: Option<Summary>| x.map(|x| format!("{:.0}", x.median));
+    let na = || "n/a".to_string();
+    [
+        c.vmm_name().to_string(),
+        size_text(c.mib),
+        c.work.short(c.mib),
+        c.mode().into(),
+        median_min(s.downtime, ms),
+        s.from_request.map(|x| ms(x.median)).unwrap_or_else(na),
+        median_min(s.total, ms),
+        med(s.data_pages).unwrap_or_else(na),
+        match (med(s.asked), med(s.pushed)) {
+            (Some(a), Some(p)) => format!("{a} / {p}"),
+            _ => na(),
+        },
+        match (med(s.rounds), med(s.live), med(s.paused)) {
+            (Some(r), Some(l), Some(p)) => format!("{r}, {l} / {p}"),
+            _ => "-".into(),
+        },
+        format!(
+            "{} / {}",
+            s.task.map(|x| ms(x.median)).unwrap_or_else(na),
+            base.map(|x| ms(x.median)).unwrap_or_else(na)
+        ),
+        s.task
+            .zip(base)
+            .and_then(|(m, b)| ratio(m.median, b.median))
+            .map(|r| format!("{r:.2}x"))
+            .unwrap_or_else(na),
+    ]
+}
+
+/// What the table's columns measure.
+const TABLE_NOTES: &str = "\
+downtime: from the source's KVM_GET_CLOCK, issued right after its vCPUs stopped in the
+  pause (so the pause's own kick, microseconds, is not in it), to the destination's first
+  KVM_RUN; both from the sys_enter_ioctl tracepoint, CLOCK_MONOTONIC to the microsecond.
+  It holds capturing and sending the vCPU and device state and building the VM there;
+  in post-copy the pages follow after it; in pre-copy it also holds sending the pages
+  written during the last round. Cloud Hypervisor: the same two ioctls.
+from request: the send-migration request to the destination's first KVM_RUN (an upper
+  bound of the downtime: it adds the API, the connection and its handshake).
+total: the request to the source process's exit (every page with data is on the
+  destination by then). pages: the source's count of pages with data, and of those sent
+  because the destination faulted on them (asked) or in the background (pushed);
+  for a pre-copy, its rounds and the pages sent while the VM ran / in the pause (a page
+  written again is sent again).
+task ms: the task's own time from its result line, migrated right after hello and in an
+  unmigrated run; the guest sees no time pass while paused, so the slowdown is the cost
+  of the pages following (faults waiting for the source), not the downtime.
+";
+
+/// The downtime goals, and pre-copy beside post-copy on Musubi.
+fn verdicts(f: &Found, sizes: &[u64], listed: &[&str]) -> Verdicts {
+    let mut v = Verdicts::new();
     for &mib in sizes {
         for work in [Work::Idle, Work::Write] {
-            let m = find("musubi", mib, work, true, false).and_then(|s| s.downtime);
-            figs.push(Figure {
+            let m = f
+                .find("musubi", mib, work, true, false)
+                .and_then(|s| s.downtime);
+            v.push(Figure {
                 what: format!("musubi downtime, {}, {}", size_text(mib), work.short(mib)),
                 ours: m
                     .map(|x| format!("{} ms", ms(x.median)))
@@ -511,10 +581,12 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                 source: GOAL_SOURCE.into(),
                 met: m.map(|x| x.median <= GOAL_DOWNTIME_MS * 1e6),
             });
-            let ch = find("cloud-hypervisor", mib, work, true, true).and_then(|s| s.downtime);
+            let ch = f
+                .find("cloud-hypervisor", mib, work, true, true)
+                .and_then(|s| s.downtime);
             if listed.contains(&"cloud-hypervisor") {
                 let r = m.zip(ch).and_then(|(a, b)| ratio(a.median, b.median));
-                figs.push(Figure {
+                v.push(Figure {
                     what: format!(
                         "downtime, musubi / cloud-hypervisor, {}, {}",
                         size_text(mib),
@@ -533,8 +605,8 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     // The two ways on one VMM, in one run: no goal, a comparison.
     for &mib in sizes {
         for work in [Work::Idle, Work::Write] {
-            let post = find("musubi", mib, work, true, false);
-            let pre = find("musubi", mib, work, true, true);
+            let post = f.find("musubi", mib, work, true, false);
+            let pre = f.find("musubi", mib, work, true, true);
             for (what, g) in [
                 (
                     "downtime",
@@ -546,7 +618,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
                     .and_then(g)
                     .zip(pre.and_then(g))
                     .and_then(|(a, b)| ratio(b.median, a.median));
-                figs.push(Figure {
+                v.push(Figure {
                     what: format!(
                         "{what}, pre-copy / post-copy, {}, {}",
                         size_text(mib),
@@ -562,44 +634,22 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             }
         }
     }
-    println!();
-    print!("{}", figures_table(&figs));
-    if !listed.contains(&"cloud-hypervisor") {
-        println!(
-            "(no --compare cloud-hypervisor: the goal against Cloud Hypervisor is not measured)"
-        );
-    }
-    if h.quick {
-        println!(
-            "(--quick: 128 and 256 MiB, one run each; the goal is stated for 256 MiB to 4 GiB)"
-        );
-    }
-    println!();
-    println!(
-        "This machine runs KVM nested: the guest's CPL0 code is emulated (slow), and every EPT"
-    );
-    println!(
-        "fault is handled by two hypervisors, so the task times and their slowdown are inflated;"
-    );
-    println!("the downtime is VMM work on the host and less distorted.");
+    v
+}
 
+/// The chart: downtime and total of the migrated runs, the task's time migrated and not.
+fn panels(f: &Found) -> Vec<plot::Panel> {
     let bars = |g: fn(&Sums) -> Option<Summary>, migrated: bool| -> Vec<plot::Bar> {
-        configs
-            .iter()
-            .zip(&sums)
-            .filter(|(c, _)| c.migrated == migrated)
-            .filter_map(|(c, s)| {
-                g(s).map(|x| plot::Bar {
-                    label: c.name(),
-                    value: x.median / 1e6,
-                    low: Some(x.min / 1e6),
-                })
-            })
-            .collect()
+        summary_bars(
+            f.pairs()
+                .filter(|(c, _)| c.migrated == migrated)
+                .map(|(c, s)| (c, g(s).map(|x| x.scaled(1e-6)))),
+            Config::name,
+        )
     };
     let mut task_bars = bars(|s| s.task, true);
     task_bars.extend(bars(|s| s.task, false));
-    let panels = vec![
+    vec![
         plot::Panel {
             title: "downtime, source's pause to destination's first KVM_RUN (median, min)".into(),
             unit: "ms".into(),
@@ -615,11 +665,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             unit: "ms".into(),
             bars: task_bars,
         },
-    ];
-    let svg_path = h.write_chart("migrate.svg", "musubi bench migrate", &panels)?;
-    println!();
-    println!("wrote {} and {}", csv_path.display(), svg_path.display());
-    Ok(())
+    ]
 }
 
 struct Sums {

@@ -19,8 +19,9 @@
 //! add a cgroup layer the report's configuration lacks, and it could not coexist with p0 and
 //! p1, whose CPU sets it would overlap.
 
+use super::driver::{summary_bars, Columns, Outputs, Runs, Verdicts};
 use super::guest_run::native_program;
-use super::report::{figures_table, Csv, Figure, Table};
+use super::report::{Csv, Figure, Table};
 use super::stats::{ratio, Summary};
 use super::{plot, Harness};
 use crate::probe;
@@ -681,144 +682,16 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
         ws: &ws,
         lead: sz.lead,
     };
-    let runs = h.run_schedule(
-        &CONFIGS,
+    let runs = Runs::measure(
+        h,
+        CONFIGS.to_vec(),
         sz.rounds,
         |c| format!("configuration {} ({})", c.number(), c.name()),
         |_, c| bench.run(*c),
     )?;
     drop(parts);
-
-    let mut csv = Csv::new(&[
-        "workload",
-        "task",
-        "config",
-        "config_name",
-        "round",
-        "instance",
-        "rep",
-        "ns",
-        "cycles",
-    ]);
-    // pooled[workload][config]: every repetition of every instance and round.
-    let mut pooled = vec![vec![Vec::<f64>::new(); CONFIGS.len()]; ws.len()];
-    for (round, ci, r) in &runs {
-        let c = CONFIGS[*ci];
-        for (wi, per_instance) in r.samples.iter().enumerate() {
-            for (inst, s) in per_instance.iter().enumerate() {
-                for (rep, (ns, cy)) in s.ns.iter().zip(&s.cycles).enumerate() {
-                    csv.row([
-                        ws[wi].label.clone(),
-                        ws[wi].task.clone(),
-                        c.number().to_string(),
-                        c.name().to_string(),
-                        round.to_string(),
-                        (inst + 1).to_string(),
-                        rep.to_string(),
-                        format!("{ns:.0}"),
-                        cy.to_string(),
-                    ]);
-                    pooled[wi][*ci].push(*ns);
-                }
-            }
-        }
-    }
-    let summary = |wi: usize, c: Config| Summary::of(&pooled[wi][c.number() - 1]);
-    let med = |wi: usize, c: Config| summary(wi, c).map(|s| s.median);
-
-    let mut times = Table::new(&[
-        "workload",
-        ">1 host",
-        ">2 p0",
-        ">3 p0+p1",
-        ">4 host/VM",
-        ">5 p0/VM",
-        ">6 p0/VM+p1/VM",
-        ">7 host/2 VMs",
-    ]);
-    let mut rel = Table::new(&[
-        "workload",
-        ">2 vs 1",
-        ">3 vs 1",
-        ">4 vs 1",
-        ">5 vs 1",
-        ">6 vs 1",
-        ">7 vs 1",
-        ">5 vs 2",
-        ">4 vs 1 report",
-        ">6 vs 4",
-        ">goal",
-        ">6/4 over 3/1",
-        ">7 vs 6",
-        ">7 vs 6 report",
-    ]);
-    let mut figures = Vec::new();
-    let mut panels = Vec::new();
-    for (wi, w) in ws.iter().enumerate() {
-        let mut row = vec![w.label.clone()];
-        for c in CONFIGS {
-            row.push(match summary(wi, c) {
-                Some(s) => format!("{:.3} / {:.3}", s.median / 1e6, s.min / 1e6),
-                None => "n/a".into(),
-            });
-        }
-        times.row(row);
-        let base = med(wi, Config::HostNative);
-        let mut row = vec![w.label.clone()];
-        for c in &CONFIGS[1..] {
-            row.push(fmt_pct(pct(med(wi, *c), base)));
-        }
-        let p64 = pct(med(wi, Config::TwoPartVm), med(wi, Config::HostVm));
-        let p76 = pct(med(wi, Config::HostTwoVm), med(wi, Config::TwoPartVm));
-        row.push(fmt_pct(pct(
-            med(wi, Config::PartVm),
-            med(wi, Config::PartNative),
-        )));
-        row.push(
-            w.paper_kvm()
-                .map(|p| format!("~{p:+.0}%"))
-                .unwrap_or_else(|| "(not stated)".into()),
-        );
-        row.push(fmt_pct(p64));
-        row.push(format!("<{:.0}%", w.goal_6_over_4()));
-        let r31 = ratio(
-            med(wi, Config::TwoPartNative).unwrap_or(f64::NAN),
-            base.unwrap_or(f64::NAN),
-        );
-        row.push(fmt_pct(
-            p64.zip(r31)
-                .map(|(p, r)| ((1.0 + p / 100.0) / r - 1.0) * 100.0),
-        ));
-        row.push(fmt_pct(p76));
-        row.push(format!("~{:+.0}%", w.paper_7_over_6()));
-        rel.row(row);
-
-        figures.push(Figure {
-            what: format!("{}: 6 (two partitions, a VM each) vs 4 (one VM)", w.label),
-            ours: fmt_pct(p64),
-            reference: format!("< {:.0}%", w.goal_6_over_4()),
-            source: match w.kind {
-                Kind::Io { .. } => "Musubi goal; bound: report §6.1.3, 7 vs 6 ~+8%".into(),
-                _ => "Musubi goal".into(),
-            },
-            met: p64.map(|p| p < w.goal_6_over_4()),
-        });
-        panels.push(plot::Panel {
-            title: w.label.clone(),
-            unit: "ms per repetition".into(),
-            bars: CONFIGS
-                .iter()
-                .filter_map(|&c| {
-                    summary(wi, c).map(|s| plot::Bar {
-                        label: c.number().to_string(),
-                        value: s.median / 1e6,
-                        low: Some(s.min / 1e6),
-                    })
-                })
-                .collect(),
-        });
-    }
-
+    let (csv, pooled) = repetitions(&runs, &ws);
+    let report = Report::of(&ws, &pooled);
     println!(
         "Mint (report 003 ch. 5-6): the same workloads in configurations 1-7\n\
          (median / min ms per repetition: cpu M={}, mem N={} copies, io L={} reads; {} repetitions x {} \
@@ -832,36 +705,193 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
          7 host/2 VMs: two VMs at once on the unpartitioned host (both CPUs, both on disk 1), as the\n\
            report's Vanilla Linux2 with two guests; VMs have 1 vCPU and {VM_MEMORY}, disks cache=none\n"
     );
-    println!("{}", times.render());
-    println!("{}", rel.render());
+    println!("{}", report.times.render());
+    println!("{}", report.rel.render());
     println!(
         "report 003: CPU work is the same in all configurations (KVM adds nothing, 6 = 7); memcpy of\n\
          1024 KB takes ~{PAPER_KVM_MEM_PCT:.0}% longer in a VM (4, 5 vs 1, 2) and 6 = 7; I/O takes ~{PAPER_KVM_IO_PCT:.0}% longer in a VM\n\
          and two VMs on one hypervisor (7) take ~{PAPER_7_OVER_6_IO_PCT:.0}% longer than two on two partitions (6); 1 = 2 and 4 = 5.\n"
     );
-    println!("{}", figures_table(&figures));
-    println!(
-        "What this machine distorts: it is a nested KVM. Every VM exit costs about 85 us and guest\n\
-         kernel code (CPL0) is run by KVM's instruction emulator, while guest user code runs at native\n\
-         speed. The cpu and mem workloads run at CPL3 in the guest and compare with the report; their\n\
-         VM figures still carry the exits of timer interrupts and two-level paging of a nested host.\n\
-         The io workload goes through the guest kernel (system calls, virtio-blk driver, one exit per\n\
-         request and interrupt), so its VM times (4-7) are inflated far beyond the report's +16% and\n\
-         only ratios among the VM configurations (6 vs 4, 7 vs 6) mean something. Both disk images are\n\
-         files on the same host file system, not two disks as the report's HDD1 and HDD2, so the two\n\
-         partitions share one device's queue. The host has two cores, which configurations 3, 6 and 7\n\
-         use fully, with the benchmark and the supervisors competing for them; two busy cores slow\n\
-         each other even natively here (3 vs 1), so \"6/4 over 3/1\" shows what two VMs cost each\n\
-         other beyond what two native programs on the same cores do."
-    );
-    let p = h.write_csv("mint.csv", &csv)?;
-    let s = h.write_chart(
+    println!("{}", report.verdicts.table());
+    println!("{DISTORTS}");
+    let out = Outputs::new(h);
+    let p = out.csv("mint.csv", &csv)?;
+    let s = out.bars(
         "mint.svg",
         "time per repetition by configuration (median, min marked)",
-        &panels,
+        &report.panels,
     )?;
     println!("csv: {}\nplot: {}", p.display(), s.display());
     Ok(())
+}
+
+/// What this machine distorts in the figures.
+const DISTORTS: &str = "\
+What this machine distorts: it is a nested KVM. Every VM exit costs about 85 us and guest
+kernel code (CPL0) is run by KVM's instruction emulator, while guest user code runs at native
+speed. The cpu and mem workloads run at CPL3 in the guest and compare with the report; their
+VM figures still carry the exits of timer interrupts and two-level paging of a nested host.
+The io workload goes through the guest kernel (system calls, virtio-blk driver, one exit per
+request and interrupt), so its VM times (4-7) are inflated far beyond the report's +16% and
+only ratios among the VM configurations (6 vs 4, 7 vs 6) mean something. Both disk images are
+files on the same host file system, not two disks as the report's HDD1 and HDD2, so the two
+partitions share one device's queue. The host has two cores, which configurations 3, 6 and 7
+use fully, with the benchmark and the supervisors competing for them; two busy cores slow
+each other even natively here (3 vs 1), so \"6/4 over 3/1\" shows what two VMs cost each
+other beyond what two native programs on the same cores do.";
+
+/// Every repetition of every instance, round and workload.
+struct RepRow<'a> {
+    workload: &'a Workload,
+    config: Config,
+    round: usize,
+    instance: usize,
+    rep: usize,
+    ns: f64,
+    cycles: u64,
+}
+
+/// `mint.csv`, one row per repetition, and the times pooled per workload and
+/// configuration (`pooled[workload][config]`: every repetition of every instance and round).
+fn repetitions(runs: &Runs<Config, ConfigRun>, ws: &[Workload]) -> (Csv, Vec<Vec<Vec<f64>>>) {
+    let mut pooled = vec![vec![Vec::<f64>::new(); CONFIGS.len()]; ws.len()];
+    let mut rows = Vec::new();
+    for (round, &c, r) in runs.iter() {
+        for (wi, per_instance) in r.samples.iter().enumerate() {
+            for (inst, s) in per_instance.iter().enumerate() {
+                for (rep, (ns, cy)) in s.ns.iter().zip(&s.cycles).enumerate() {
+                    rows.push(RepRow {
+                        workload: &ws[wi],
+                        config: c,
+                        round,
+                        instance: inst + 1,
+                        rep,
+                        ns: *ns,
+                        cycles: *cy,
+                    });
+                    pooled[wi][c.number() - 1].push(*ns);
+                }
+            }
+        }
+    }
+    let cols = Columns::new()
+        .col("workload", |r: &RepRow| r.workload.label.clone())
+        .col("task", |r| r.workload.task.clone())
+        .col("config", |r| r.config.number().to_string())
+        .col("config_name", |r| r.config.name().to_string())
+        .col("round", |r| r.round.to_string())
+        .col("instance", |r| r.instance.to_string())
+        .col("rep", |r| r.rep.to_string())
+        .col("ns", |r| format!("{:.0}", r.ns))
+        .col("cycles", |r| r.cycles.to_string());
+    (cols.csv(rows), pooled)
+}
+
+/// The tables, verdicts and chart panels of the pooled times.
+struct Report {
+    times: Table,
+    rel: Table,
+    verdicts: Verdicts,
+    panels: Vec<plot::Panel>,
+}
+
+impl Report {
+    fn of(ws: &[Workload], pooled: &[Vec<Vec<f64>>]) -> Report {
+        let mut r = Report {
+            times: Table::new(&[
+                "workload",
+                ">1 host",
+                ">2 p0",
+                ">3 p0+p1",
+                ">4 host/VM",
+                ">5 p0/VM",
+                ">6 p0/VM+p1/VM",
+                ">7 host/2 VMs",
+            ]),
+            rel: Table::new(&[
+                "workload",
+                ">2 vs 1",
+                ">3 vs 1",
+                ">4 vs 1",
+                ">5 vs 1",
+                ">6 vs 1",
+                ">7 vs 1",
+                ">5 vs 2",
+                ">4 vs 1 report",
+                ">6 vs 4",
+                ">goal",
+                ">6/4 over 3/1",
+                ">7 vs 6",
+                ">7 vs 6 report",
+            ]),
+            verdicts: Verdicts::new(),
+            panels: Vec::new(),
+        };
+        for (w, pooled) in ws.iter().zip(pooled) {
+            r.add(w, pooled);
+        }
+        r
+    }
+
+    /// One workload's rows, verdict and panel; `pooled[config]` its times.
+    fn add(&mut self, w: &Workload, pooled: &[Vec<f64>]) {
+        let summary = |c: Config| Summary::of(&pooled[c.number() - 1]);
+        let med = |c: Config| summary(c).map(|s| s.median);
+        let mut row = vec![w.label.clone()];
+        for c in CONFIGS {
+            row.push(match summary(c) {
+                Some(s) => format!("{:.3} / {:.3}", s.median / 1e6, s.min / 1e6),
+                None => "n/a".into(),
+            });
+        }
+        self.times.row(row);
+        let base = med(Config::HostNative);
+        let mut row = vec![w.label.clone()];
+        for c in &CONFIGS[1..] {
+            row.push(fmt_pct(pct(med(*c), base)));
+        }
+        let p64 = pct(med(Config::TwoPartVm), med(Config::HostVm));
+        let p76 = pct(med(Config::HostTwoVm), med(Config::TwoPartVm));
+        row.push(fmt_pct(pct(med(Config::PartVm), med(Config::PartNative))));
+        row.push(
+            w.paper_kvm()
+                .map(|p| format!("~{p:+.0}%"))
+                .unwrap_or_else(|| "(not stated)".into()),
+        );
+        row.push(fmt_pct(p64));
+        row.push(format!("<{:.0}%", w.goal_6_over_4()));
+        let r31 = ratio(
+            med(Config::TwoPartNative).unwrap_or(f64::NAN),
+            base.unwrap_or(f64::NAN),
+        );
+        row.push(fmt_pct(
+            p64.zip(r31)
+                .map(|(p, r)| ((1.0 + p / 100.0) / r - 1.0) * 100.0),
+        ));
+        row.push(fmt_pct(p76));
+        row.push(format!("~{:+.0}%", w.paper_7_over_6()));
+        self.rel.row(row);
+        self.verdicts.push(Figure {
+            what: format!("{}: 6 (two partitions, a VM each) vs 4 (one VM)", w.label),
+            ours: fmt_pct(p64),
+            reference: format!("< {:.0}%", w.goal_6_over_4()),
+            source: match w.kind {
+                Kind::Io { .. } => "Musubi goal; bound: report §6.1.3, 7 vs 6 ~+8%".into(),
+                _ => "Musubi goal".into(),
+            },
+            met: p64.map(|p| p < w.goal_6_over_4()),
+        });
+        self.panels.push(plot::Panel {
+            title: w.label.clone(),
+            unit: "ms per repetition".into(),
+            bars: summary_bars(
+                CONFIGS
+                    .iter()
+                    .map(|c| (c, summary(*c).map(|s| s.scaled(1e-6)))),
+                |c| c.number().to_string(),
+            ),
+        });
+    }
 }
 
 #[cfg(test)]

@@ -3,8 +3,9 @@
 //! loop (getpid), a directory listing and a compilation, each with the same workload code
 //! natively and in the probe guest.
 
-use super::guest_run::{in_vm, native};
-use super::report::{Csv, Table};
+use super::driver::{Columns, Outputs, Runs};
+use super::guest_run::{in_vm, native, WorkloadRun};
+use super::report::Table;
 use super::stats::median;
 use super::{plot, Harness};
 use vmm::config::ExitsMode;
@@ -58,8 +59,9 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
     let configs: Vec<(usize, bool)> = (0..ps.len())
         .flat_map(|i| [(i, false), (i, true)])
         .collect();
-    let runs = h.run_schedule(
-        &configs,
+    let runs = Runs::measure(
+        h,
+        configs,
         reps,
         |(i, vm)| format!("{} {}", ps[*i].task, if *vm { "vm" } else { "native" }),
         |_, (i, vm)| {
@@ -70,27 +72,22 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
             }
         },
     )?;
-    let mut csv = Csv::new(&[
-        "program",
-        "task",
-        "where",
-        "rep",
-        "ns",
-        "result",
-        "total_exits",
-    ]);
-    for (rep, ci, r) in &runs {
-        let (i, vm) = configs[*ci];
-        csv.row([
-            ps[i].label.to_string(),
-            ps[i].task.clone(),
-            (if vm { "vm" } else { "native" }).to_string(),
-            rep.to_string(),
-            r.ns().map(|v| format!("{v:.0}")).unwrap_or_default(),
-            r.result["result"].to_string(),
-            r.total_exits().map(|v| v.to_string()).unwrap_or_default(),
-        ]);
-    }
+    type Row<'a> = (usize, &'a (usize, bool), &'a WorkloadRun);
+    let csv = Columns::new()
+        .col("program", |x: &Row| ps[x.1 .0].label.to_string())
+        .col("task", |x| ps[x.1 .0].task.clone())
+        .col("where", |x| {
+            (if x.1 .1 { "vm" } else { "native" }).to_string()
+        })
+        .col("rep", |x| x.0.to_string())
+        .col("ns", |x| {
+            x.2.ns().map(|v| format!("{v:.0}")).unwrap_or_default()
+        })
+        .col("result", |x| x.2.result["result"].to_string())
+        .col("total_exits", |x| {
+            x.2.total_exits().map(|v| v.to_string()).unwrap_or_default()
+        })
+        .csv(runs.iter());
     let mut t = Table::new(&[
         "program",
         "task",
@@ -102,12 +99,7 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
     ]);
     let mut bars = Vec::new();
     for (i, p) in ps.iter().enumerate() {
-        let pick = |vm: bool| -> Vec<&super::guest_run::WorkloadRun> {
-            runs.iter()
-                .filter(|(_, ci, _)| configs[*ci] == (i, vm))
-                .map(|(_, _, r)| r)
-                .collect()
-        };
+        let pick = |vm: bool| runs.of(&(i, vm));
         let (pn, pv) = (pick(false), pick(true));
         let tp = median(&pn.iter().filter_map(|r| r.ns()).collect::<Vec<_>>());
         let tv = median(&pv.iter().filter_map(|r| r.ns()).collect::<Vec<_>>());
@@ -159,8 +151,9 @@ pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
          monitor; here user code runs natively and each system call enters the guest kernel, which this\n\
          nested KVM emulates (see DESIGN), so system-call-heavy rows measure that emulation."
     );
-    let p = h.write_csv("seq.csv", &csv)?;
-    let s = h.write_chart(
+    let out = Outputs::new(h);
+    let p = out.csv("seq.csv", &csv)?;
+    let s = out.bars(
         "seq.svg",
         "V/P by program",
         &[plot::Panel {

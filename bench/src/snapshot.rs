@@ -13,14 +13,18 @@
 //!    spin task's result line on its console (the rest of the task after the restore).
 
 use super::apivm::{api, one_line, Vm, Vmm, ERROR_LINES};
+use super::driver::{
+    measured_per_config, print_unavailable, summary_bars, Columns, Missing, Outputs, PeerRow, Runs,
+    Verdicts,
+};
 use super::kvm_trace::KvmRunTrace;
 use super::peers::{self, Kind, Micro};
-use super::qemu::{measured_per_config, Outcome, Standing};
-use super::report::{cell, figures_table, median_min, mib, ms, Csv, Figure, Table};
+use super::qemu::{Outcome, Standing};
+use super::report::{cell, median_min, mib, ms, Csv, Table};
 use super::stats::{max, ratio, Summary};
-use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
+use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Observed, Watch};
 use super::{plot, BenchArgs, Harness};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -90,6 +94,9 @@ struct Sample {
     restore_rss: Option<u64>,
 }
 
+/// The runs of every configuration; a peer's may have failed or not been made.
+type SnapshotRuns = Runs<Config, Outcome<Sample>>;
+
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     if !Path::new("/dev/kvm").exists() {
         return Err("/dev/kvm does not exist: this benchmark runs VMs and needs KVM".into());
@@ -120,30 +127,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "first KVM_RUN: from the sys_enter_ioctl tracepoint, tracefs instance {}",
         trace.path().display()
     );
-
-    let mut vmms = vec![Vmm::Musubi {
-        exe,
-        elf: elf.clone(),
-    }];
-    let mut missing: Vec<(String, String)> = Vec::new();
-    for name in &listed {
-        let Some(kind) = Kind::of(name) else {
-            println!(
-                "{name}: not compared here (snapshot compares firecracker and cloud-hypervisor)"
-            );
-            continue;
-        };
-        match Micro::find_with(kind, &elf, &h.out, &tasks, sizes[0]) {
-            Ok(m) => {
-                println!("{}: runs with its seccomp filters", kind.name());
-                vmms.push(Vmm::Peer(m));
-            }
-            Err(why) => {
-                println!("{}: unavailable, Musubi runs alone: {why}", kind.name());
-                missing.push((kind.name().into(), why));
-            }
-        }
-    }
+    let (vmms, missing) = vmms(h, &listed, exe, &elf, &tasks, sizes[0]);
     let mut configs = Vec::new();
     for &mib in sizes {
         for v in &vmms {
@@ -154,18 +138,92 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             configs.push(Config { vmm, mib });
         }
     }
+    let standing = warm_up(&configs, vmms.len(), &trace)?;
+    let (runs, standing) = measure(h, configs, standing, reps, &trace)?;
+    let csv_path = Outputs::new(h).csv("snapshot.csv", &csv(&runs, &missing))?;
+    let sums: Vec<Sums> = measured_per_config(&runs)
+        .iter()
+        .map(|s| Sums::of(s))
+        .collect();
+    print_table(&runs.configs, &sums);
+    print_unavailable(
+        runs.configs.iter().map(Config::vmm_name).zip(&standing),
+        &missing,
+    );
+    let f = Found {
+        configs: &runs.configs,
+        sums,
+    };
+    println!();
+    print!("{}", verdicts(&f, sizes).table());
+    if !listed.contains(&"firecracker") {
+        println!("(no --compare firecracker: the goals against Firecracker are not measured, n/a)");
+    }
+    if h.quick {
+        println!(
+            "(--quick: {} and {} only; the goal is stated for 4 GiB against 128 MiB)",
+            size_text(sizes[0]),
+            size_text(sizes[sizes.len() - 1])
+        );
+    }
+    println!();
+    println!(
+        "This machine runs KVM nested: the guest's CPL0 code is emulated (slow), but snapshot,"
+    );
+    println!("restore and first KVM_RUN are VMM work on the host and not distorted by it.");
+    let svg_path = Outputs::new(h).bars("snapshot.svg", "musubi bench snapshot", &panels(&f))?;
+    println!();
+    println!("wrote {} and {}", csv_path.display(), svg_path.display());
+    Ok(())
+}
 
-    // One discarded run per VMM at the smallest size, so the first measured run does not
-    // pay for cold caches. Musubi's failure ends the benchmark; a peer whose warm-up fails
-    // is out at every size, with its error.
+/// Musubi and the listed peers that can run, and the peers that cannot with why.
+fn vmms(
+    h: &Harness,
+    listed: &[&str],
+    exe: PathBuf,
+    elf: &Path,
+    tasks: &str,
+    mib: u64,
+) -> (Vec<Vmm>, Missing) {
+    let mut vmms = vec![Vmm::Musubi {
+        exe,
+        elf: elf.to_path_buf(),
+    }];
+    let mut missing = Missing::new();
+    for name in listed {
+        let Some(kind) = Kind::of(name) else {
+            println!(
+                "{name}: not compared here (snapshot compares firecracker and cloud-hypervisor)"
+            );
+            continue;
+        };
+        match Micro::find_with(kind, elf, &h.out, tasks, mib) {
+            Ok(m) => {
+                println!("{}: runs with its seccomp filters", kind.name());
+                vmms.push(Vmm::Peer(m));
+            }
+            Err(why) => {
+                println!("{}: unavailable, Musubi runs alone: {why}", kind.name());
+                missing.push((kind.name().into(), why));
+            }
+        }
+    }
+    (vmms, missing)
+}
+
+/// One discarded run per VMM at the smallest size (the first `vmms` configurations), so the
+/// first measured run does not pay for cold caches. Musubi's failure ends the benchmark; a
+/// peer whose warm-up fails is out at every size, with its error.
+fn warm_up(configs: &[Config], vmms: usize, trace: &KvmRunTrace) -> Result<Vec<Standing>, String> {
     let mut standing: Vec<Standing> = configs.iter().map(|_| Standing::default()).collect();
-    for c in configs.iter().take(vmms.len()) {
+    for c in configs.iter().take(vmms) {
         match c.vmm {
             Vmm::Musubi { .. } => {
-                one_run(c, &trace).map_err(|e| format!("{} warm-up run: {e}", c.name()))?;
+                one_run(c, trace).map_err(|e| format!("{} warm-up run: {e}", c.name()))?;
             }
             Vmm::Peer(_) => {
-                if let Err(e) = one_run(c, &trace) {
+                if let Err(e) = one_run(c, trace) {
                     let why = format!("warm-up run ({}) failed: {}", size_text(c.mib), e);
                     for (d, st) in configs.iter().zip(standing.iter_mut()) {
                         if d.vmm_name() == c.vmm_name() {
@@ -176,75 +234,71 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
             }
         }
     }
-    let runs = h.run_schedule(&configs, reps, Config::name, |rep, c| {
-        let i = configs.iter().position(|x| std::ptr::eq(x, c)).unwrap_or(0);
-        match c.vmm {
-            Vmm::Musubi { .. } => one_run(c, &trace).map(Outcome::Measured),
-            Vmm::Peer(_) => Ok(
-                standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
-                    one_run(c, &trace)
-                }),
-            ),
-        }
-    })?;
+    Ok(standing)
+}
 
-    // CSV: one row per run; a peer that failed says why in `unavailable`.
-    let mut csv = Csv::new(&[
-        "run",
-        "rep",
-        "hypervisor",
-        "memory_mib",
-        "pause_ms",
-        "snapshot_ms",
-        "memory_file_bytes",
-        "memory_file_allocated_bytes",
-        "restore_first_kvm_run_ms",
-        "restore_api_ms",
-        "restore_to_end_ms",
-        "restore_max_rss_mib",
-        "unavailable",
-    ]);
-    for (i, (rep, c, r)) in runs.iter().enumerate() {
-        let cfg = &configs[*c];
-        let head = [
+/// Every configuration's runs, interleaved; a peer that has dropped out makes none.
+fn measure(
+    h: &Harness,
+    configs: Vec<Config>,
+    mut standing: Vec<Standing>,
+    reps: usize,
+    trace: &KvmRunTrace,
+) -> Result<(SnapshotRuns, Vec<Standing>), String> {
+    let runs = Runs::measure_indexed(h, configs, reps, Config::name, |rep, i, c| match c.vmm {
+        Vmm::Musubi { .. } => one_run(c, trace).map(Outcome::Measured),
+        Vmm::Peer(_) => Ok(
+            standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
+                one_run(c, trace)
+            }),
+        ),
+    })?;
+    Ok((runs, standing))
+}
+
+/// `snapshot.csv`: one row per run; a peer that failed, or never ran, says why in
+/// `unavailable`.
+fn csv(runs: &SnapshotRuns, missing: &[(String, String)]) -> Csv {
+    /// Run and repetition (empty for a peer that never ran), hypervisor, memory.
+    type Head = (String, String, String, String);
+    let msf = |n: Option<u64>| cell(n.map(|n| ms(n as f64)));
+    let cols = Columns::new()
+        .head("run", |h: &Head| h.0.clone())
+        .head("rep", |h| h.1.clone())
+        .head("hypervisor", |h| h.2.clone())
+        .head("memory_mib", |h| h.3.clone())
+        .measured("pause_ms", move |s: &Sample| msf(s.pause_ns))
+        .measured("snapshot_ms", |s| ms(s.snapshot_ns as f64))
+        .measured("memory_file_bytes", |s| cell(s.mem_len))
+        .measured("memory_file_allocated_bytes", |s| cell(s.mem_allocated))
+        .measured("restore_first_kvm_run_ms", move |s| {
+            msf(s.restore_first_run_ns)
+        })
+        .measured("restore_api_ms", move |s| msf(s.restore_api_ns))
+        .measured("restore_to_end_ms", |s| ms(s.restore_end_ns as f64))
+        .measured("restore_max_rss_mib", |s| {
+            cell(s.restore_rss.map(|b| mib(b as f64)))
+        })
+        .unavailable();
+    let mut rows = PeerRow::of_runs(runs, |i, rep, c: &Config| {
+        (
             (i + 1).to_string(),
             (rep + 1).to_string(),
-            cfg.vmm_name().to_string(),
-            cfg.mib.to_string(),
-        ];
-        match r {
-            Outcome::Measured(s) => csv.row(head.into_iter().chain([
-                cell(s.pause_ns.map(|n| ms(n as f64))),
-                ms(s.snapshot_ns as f64),
-                cell(s.mem_len),
-                cell(s.mem_allocated),
-                cell(s.restore_first_run_ns.map(|n| ms(n as f64))),
-                cell(s.restore_api_ns.map(|n| ms(n as f64))),
-                ms(s.restore_end_ns as f64),
-                cell(s.restore_rss.map(|b| mib(b as f64))),
-                String::new(),
-            ])),
-            Outcome::PeerFailed(why) => csv.row(
-                head.into_iter()
-                    .chain(std::iter::repeat_n(String::new(), 8))
-                    .chain([why.clone()]),
-            ),
-            Outcome::NotMade => {}
-        }
-    }
-    for (name, why) in &missing {
-        let mut row = vec![String::new(), String::new(), name.clone(), String::new()];
-        row.extend(std::iter::repeat_n(String::new(), 8));
-        row.push(why.clone());
-        csv.row(row);
-    }
-    let csv_path = h.write_csv("snapshot.csv", &csv)?;
+            c.vmm_name().to_string(),
+            c.mib.to_string(),
+        )
+    });
+    rows.extend(missing.iter().map(|(name, why)| {
+        PeerRow::missing(
+            (String::new(), String::new(), name.clone(), String::new()),
+            why,
+        )
+    }));
+    cols.csv(rows)
+}
 
-    let sums: Vec<Sums> = measured_per_config(&runs, configs.len())
-        .iter()
-        .map(|s| Sums::of(s))
-        .collect();
-
+/// Prints every configuration's figures and what they measure.
+fn print_table(configs: &[Config], sums: &[Sums]) {
     let mut t = Table::new(&[
         "hypervisor",
         ">RAM",
@@ -255,7 +309,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         ">restore to task end ms (med / min)",
         ">max RSS MiB",
     ]);
-    for (c, s) in configs.iter().zip(&sums) {
+    for (c, s) in configs.iter().zip(sums) {
         if s.n == 0 {
             t.row([
                 c.vmm_name().to_string(),
@@ -295,142 +349,109 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         "  of CPL3 work here, is in it). max RSS: the restoring process's, sampled every {} ms.",
         SAMPLE_EVERY.as_millis()
     );
-    // Each failed peer once, in its own words.
-    let mut said: Vec<&String> = Vec::new();
-    for (c, st) in configs.iter().zip(&standing) {
-        if let Some(why) = &st.unavailable {
-            if !said.contains(&why) {
-                said.push(why);
-                println!("{}: unavailable, no comparison: {why}", c.vmm_name());
-            }
-        }
-    }
-    for (name, why) in &missing {
-        println!("{name}: unavailable, no comparison: {why}");
-    }
+}
 
-    // Goals.
-    let find = |vmm: &str, mib: u64| {
-        configs
+/// Each configuration's summaries, found by VMM and size.
+struct Found<'a> {
+    configs: &'a [Config],
+    sums: Vec<Sums>,
+}
+
+impl Found<'_> {
+    fn find(&self, vmm: &str, mib: u64) -> Option<&Sums> {
+        self.configs
             .iter()
-            .zip(&sums)
+            .zip(&self.sums)
             .find(|(c, _)| c.vmm_name() == vmm && c.mib == mib)
             .map(|(_, s)| s)
+    }
+}
+
+/// The goals against Firecracker at every size, and Musubi's largest size over its smallest.
+fn verdicts(f: &Found, sizes: &[u64]) -> Verdicts {
+    let mut v = Verdicts::new();
+    let mut fig = |what: String, r: Option<f64>, bound: f64| {
+        v.judged(
+            what,
+            r,
+            |x| format!("{x:.2}x"),
+            format!("<= {bound:.2}x"),
+            GOAL_SOURCE,
+            |x| x <= bound,
+        )
     };
-    let mut figs = Vec::new();
-    let fig = |what: String, v: Option<f64>, bound: f64, met: fn(f64, f64) -> bool| Figure {
-        what,
-        ours: v
-            .map(|x| format!("{x:.2}x"))
-            .unwrap_or_else(|| "n/a".into()),
-        reference: format!("<= {bound:.2}x"),
-        source: GOAL_SOURCE.into(),
-        met: v.map(|x| met(x, bound)),
-    };
-    let le = |x: f64, b: f64| x <= b;
     for &mib in sizes {
-        let m = find("musubi", mib);
-        let f = find("firecracker", mib);
+        let (m, fc) = (f.find("musubi", mib), f.find("firecracker", mib));
         let r = |g: fn(&Sums) -> Option<Summary>| {
             m.and_then(g)
-                .zip(f.and_then(g))
+                .zip(fc.and_then(g))
                 .and_then(|(a, b)| ratio(a.median, b.median))
         };
-        figs.push(fig(
+        fig(
             format!(
                 "restore to 1st KVM_RUN, musubi / firecracker, {}",
                 size_text(mib)
             ),
             r(|s| s.first_run),
             GOAL_RESTORE_VS_FC,
-            le,
-        ));
-        figs.push(fig(
+        );
+        fig(
             format!("snapshot time, musubi / firecracker, {}", size_text(mib)),
             r(|s| s.snapshot),
             GOAL_SNAPSHOT_VS_FC,
-            le,
-        ));
+        );
     }
     let (small, large) = (sizes[0], sizes[sizes.len() - 1]);
     let flat = |g: fn(&Sums) -> Option<Summary>| {
-        find("musubi", large)
+        f.find("musubi", large)
             .and_then(g)
-            .zip(find("musubi", small).and_then(g))
+            .zip(f.find("musubi", small).and_then(g))
             .and_then(|(a, b)| ratio(a.median, b.median))
     };
-    figs.push(fig(
-        format!(
-            "musubi restore to 1st KVM_RUN, {} / {}",
-            size_text(large),
-            size_text(small)
-        ),
+    let sizes_text = format!("{} / {}", size_text(large), size_text(small));
+    fig(
+        format!("musubi restore to 1st KVM_RUN, {sizes_text}"),
         flat(|s| s.first_run),
         GOAL_FLAT,
-        le,
-    ));
-    figs.push(fig(
-        format!(
-            "musubi snapshot time, {} / {}",
-            size_text(large),
-            size_text(small)
-        ),
+    );
+    fig(
+        format!("musubi snapshot time, {sizes_text}"),
         flat(|s| s.snapshot),
         GOAL_FLAT,
-        le,
-    ));
-    println!();
-    print!("{}", figures_table(&figs));
-    if !listed.contains(&"firecracker") {
-        println!("(no --compare firecracker: the goals against Firecracker are not measured, n/a)");
-    }
-    if h.quick {
-        println!(
-            "(--quick: {} and {} only; the goal is stated for 4 GiB against 128 MiB)",
-            size_text(small),
-            size_text(large)
-        );
-    }
-    println!();
-    println!(
-        "This machine runs KVM nested: the guest's CPL0 code is emulated (slow), but snapshot,"
     );
-    println!("restore and first KVM_RUN are VMM work on the host and not distorted by it.");
+    v
+}
 
-    let bars = |g: fn(&Sums) -> Option<Summary>| -> Vec<plot::Bar> {
-        configs
-            .iter()
-            .zip(&sums)
-            .filter_map(|(c, s)| {
-                g(s).map(|x| plot::Bar {
-                    label: c.name(),
-                    value: x.median / 1e6,
-                    low: Some(x.min / 1e6),
-                })
-            })
-            .collect()
+/// The chart: snapshot time, and restore to first KVM_RUN and to the task's end.
+fn panels(f: &Found) -> Vec<plot::Panel> {
+    let bars = |g: fn(&Sums) -> Option<Summary>| {
+        summary_bars(
+            f.configs
+                .iter()
+                .zip(&f.sums)
+                .map(|(c, s)| (c, g(s).map(|x| x.scaled(1e-6)))),
+            Config::name,
+        )
     };
-    let panels = vec![
-        plot::Panel {
-            title: "snapshot, request to answer (median, min)".into(),
-            unit: "ms".into(),
-            bars: bars(|s| s.snapshot),
-        },
-        plot::Panel {
-            title: "restore, spawn to first KVM_RUN (median, min)".into(),
-            unit: "ms".into(),
-            bars: bars(|s| s.first_run),
-        },
-        plot::Panel {
-            title: "restore, spawn to end of the guest's task (median, min)".into(),
-            unit: "ms".into(),
-            bars: bars(|s| s.end),
-        },
-    ];
-    let svg_path = h.write_chart("snapshot.svg", "musubi bench snapshot", &panels)?;
-    println!();
-    println!("wrote {} and {}", csv_path.display(), svg_path.display());
-    Ok(())
+    let panel = |title: &str, bars: Vec<plot::Bar>| plot::Panel {
+        title: title.into(),
+        unit: "ms".into(),
+        bars,
+    };
+    vec![
+        panel(
+            "snapshot, request to answer (median, min)",
+            bars(|s| s.snapshot),
+        ),
+        panel(
+            "restore, spawn to first KVM_RUN (median, min)",
+            bars(|s| s.first_run),
+        ),
+        panel(
+            "restore, spawn to end of the guest's task (median, min)",
+            bars(|s| s.end),
+        ),
+    ]
 }
 
 struct Sums {
@@ -494,65 +515,33 @@ fn file_size(p: &Path) -> (Option<u64>, Option<u64>) {
     }
 }
 
+/// Where one run keeps its files.
+struct Paths {
+    socket: PathBuf,
+    snap: PathBuf,
+    console: PathBuf,
+    /// `snap` as the `file://` URL the APIs take.
+    url: String,
+}
+
 fn one_run(c: &Config, trace: &KvmRunTrace) -> Result<Sample, String> {
     let tmp = tempfile::tempdir().map_err(|e| format!("cannot make a temporary directory: {e}"))?;
     let dir = tmp.path();
-    let socket = dir.join("api.sock");
     let snap = dir.join("snap");
-    let console = dir.join("console.out");
-    std::fs::create_dir(&snap).map_err(|e| format!("cannot create {}: {e}", snap.display()))?;
-    let url = format!("file://{}", snap.display());
+    let p = Paths {
+        socket: dir.join("api.sock"),
+        console: dir.join("console.out"),
+        url: format!("file://{}", snap.display()),
+        snap,
+    };
+    std::fs::create_dir(&p.snap).map_err(|e| format!("cannot create {}: {e}", p.snap.display()))?;
 
     // Boot the source VM and wait for hello: the spin task is running from there on.
-    let (cmd, name) = match &c.vmm {
-        Vmm::Musubi { exe, elf } => {
-            let mut cmd = Command::new(exe);
-            cmd.args(["run", "--kernel"])
-                .arg(elf)
-                .args(["--cpus", "1", "--memory", &format!("{}M", c.mib)])
-                .args(["--cmdline", &format!("probe.tasks=hello,spin={SPIN}")])
-                .arg("--api-socket")
-                .arg(&socket)
-                .arg("--serial")
-                .arg(format!("file={}", console.display()));
-            (cmd, "musubi")
-        }
-        Vmm::Peer(m) => (m.command_api(Some(&socket)), m.kind.name()),
-    };
-    let src = Vm::start(cmd, name, dir)?;
-    src.wait_for_line(&console, HELLO, BOOT_TIMEOUT)?;
-
-    // Snapshot it.
+    let src = boot_source(c, dir, &p)?;
     let t0 = Instant::now();
-    let mut pause_ns = None;
-    let mem_file = match &c.vmm {
-        Vmm::Musubi { .. } => {
-            let body = serde_json::json!({ "destination_url": url }).to_string();
-            api(&socket, "PUT", "/api/v1/vm.snapshot", Some(&body))?;
-            snap.join("memory")
-        }
-        Vmm::Peer(m) if m.kind == Kind::Firecracker => {
-            api(&socket, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#))?;
-            pause_ns = Some(t0.elapsed().as_nanos() as u64);
-            let body = serde_json::json!({
-                "snapshot_type": "Full",
-                "snapshot_path": snap.join("vmstate"),
-                "mem_file_path": snap.join("memory"),
-            })
-            .to_string();
-            api(&socket, "PUT", "/snapshot/create", Some(&body))?;
-            snap.join("memory")
-        }
-        Vmm::Peer(_) => {
-            api(&socket, "PUT", "/api/v1/vm.pause", None)?;
-            pause_ns = Some(t0.elapsed().as_nanos() as u64);
-            let body = serde_json::json!({ "destination_url": url }).to_string();
-            api(&socket, "PUT", "/api/v1/vm.snapshot", Some(&body))?;
-            snap.join("memory-ranges")
-        }
-    };
+    let (mem_file, pause_ns) = snapshot(c, &p, t0)?;
     let snapshot_ns = t0.elapsed().as_nanos() as u64;
-    let before = std::fs::read_to_string(&console).unwrap_or_default();
+    let before = std::fs::read_to_string(&p.console).unwrap_or_default();
     if before.contains(SPIN_RESULT) {
         return Err(format!(
             "the spin task ended before the snapshot (make SPIN longer): {}",
@@ -562,7 +551,7 @@ fn one_run(c: &Config, trace: &KvmRunTrace) -> Result<Sample, String> {
     // End the source: Musubi through its API (it stays paused after a snapshot), the
     // peers by the kill the drop does.
     if let Vmm::Musubi { .. } = c.vmm {
-        api(&socket, "PUT", "/api/v1/vmm.shutdown", None)?;
+        api(&p.socket, "PUT", "/api/v1/vmm.shutdown", None)?;
         if !src.wait_exit(EXIT_TIMEOUT) {
             return Err(format!(
                 "musubi did not end within {} s of vmm.shutdown",
@@ -571,76 +560,12 @@ fn one_run(c: &Config, trace: &KvmRunTrace) -> Result<Sample, String> {
         }
     }
     drop(src);
-    let _ = std::fs::remove_file(&socket);
+    let _ = std::fs::remove_file(&p.socket);
     let (mem_len, mem_allocated) = file_size(&mem_file);
 
     // Restore it in a new process.
     trace.clear()?;
-    let watch = Watch {
-        marker: SPIN_RESULT,
-        // No anonymous mapping is this large: every byte counts as the VMM's, so the
-        // sampled "overhead" is the whole RSS, the restored guest's pages included.
-        guest_bytes: Some(u64::MAX),
-        timeout: RESTORE_TIMEOUT,
-        sample_every: SAMPLE_EVERY,
-    };
-    let (o, restore_api_ns) = match &c.vmm {
-        Vmm::Musubi { exe, .. } => {
-            let mut cmd = Command::new(exe);
-            cmd.args(["run", "--restore"])
-                .arg(&snap)
-                .args(["--serial", "stdio"]);
-            let o = observe(cmd, &watch).map_err(|e| format!("cannot start musubi: {e}"))?;
-            time_to_marker(&o, 0, ERROR_LINES)?;
-            (o, None)
-        }
-        Vmm::Peer(m) => {
-            let mut cmd = Command::new(&m.exe);
-            let requests: Vec<(&str, &str, Option<String>)> = match m.kind {
-                Kind::Firecracker => {
-                    cmd.arg("--api-sock").arg(&socket);
-                    let body = serde_json::json!({
-                        "snapshot_path": snap.join("vmstate"),
-                        "mem_backend": {"backend_type": "File", "backend_path": snap.join("memory")},
-                        "resume_vm": true,
-                    })
-                    .to_string();
-                    vec![("PUT", "/snapshot/load", Some(body))]
-                }
-                Kind::CloudHypervisor => {
-                    cmd.arg("--api-socket")
-                        .arg(format!("path={}", socket.display()))
-                        .arg("--restore")
-                        .arg(format!("source_url={url}"));
-                    vec![("PUT", "/api/v1/vm.resume", None)]
-                }
-            };
-            // The API requests go from a thread of their own while `observe` watches the
-            // process; the thread gives up at RESTORE_TIMEOUT like `observe`.
-            let sock = socket.clone();
-            let since = Instant::now();
-            let helper = std::thread::spawn(move || api_when_up(&sock, &requests, since));
-            let o = observe_to_marker(cmd, &watch)
-                .map_err(|e| format!("cannot start {}: {e}", m.kind.name()))?;
-            let api_result = helper
-                .join()
-                .unwrap_or_else(|_| Err("the API thread panicked".into()));
-            let api_ns =
-                api_result.map_err(|e| format!("restore: {e}; {}", last_words(&o, ERROR_LINES)))?;
-            if o.marker_ns.is_none() {
-                return Err(format!(
-                    "restored, but no spin result line{}; {}",
-                    if o.timed_out {
-                        " before the time limit"
-                    } else {
-                        ""
-                    },
-                    last_words(&o, ERROR_LINES)
-                ));
-            }
-            (o, Some(api_ns))
-        }
-    };
+    let (o, restore_api_ns) = restore(c, &p)?;
     if o.stdout.contains(HELLO) {
         return Err(format!(
             "the restored VM printed hello again: it booted instead of resuming: {}",
@@ -661,4 +586,129 @@ fn one_run(c: &Config, trace: &KvmRunTrace) -> Result<Sample, String> {
         restore_end_ns,
         restore_rss: o.max_overhead,
     })
+}
+
+/// Boots the source VM with its API socket and waits for hello on its console.
+fn boot_source(c: &Config, dir: &Path, p: &Paths) -> Result<Vm, String> {
+    let (cmd, name) = match &c.vmm {
+        Vmm::Musubi { exe, elf } => {
+            let mut cmd = Command::new(exe);
+            cmd.args(["run", "--kernel"])
+                .arg(elf)
+                .args(["--cpus", "1", "--memory", &format!("{}M", c.mib)])
+                .args(["--cmdline", &format!("probe.tasks=hello,spin={SPIN}")])
+                .arg("--api-socket")
+                .arg(&p.socket)
+                .arg("--serial")
+                .arg(format!("file={}", p.console.display()));
+            (cmd, "musubi")
+        }
+        Vmm::Peer(m) => (m.command_api(Some(&p.socket)), m.kind.name()),
+    };
+    let src = Vm::start(cmd, name, dir)?;
+    src.wait_for_line(&p.console, HELLO, BOOT_TIMEOUT)?;
+    Ok(src)
+}
+
+/// Snapshots the source through its API (the peers pause it first); returns the memory
+/// file and, for the peers, the time the pause took from `t0`.
+fn snapshot(c: &Config, p: &Paths, t0: Instant) -> Result<(PathBuf, Option<u64>), String> {
+    let (socket, snap) = (&p.socket, &p.snap);
+    let mut pause_ns = None;
+    let mem_file = match &c.vmm {
+        Vmm::Musubi { .. } => {
+            let body = serde_json::json!({ "destination_url": p.url }).to_string();
+            api(socket, "PUT", "/api/v1/vm.snapshot", Some(&body))?;
+            snap.join("memory")
+        }
+        Vmm::Peer(m) if m.kind == Kind::Firecracker => {
+            api(socket, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#))?;
+            pause_ns = Some(t0.elapsed().as_nanos() as u64);
+            let body = serde_json::json!({
+                "snapshot_type": "Full",
+                "snapshot_path": snap.join("vmstate"),
+                "mem_file_path": snap.join("memory"),
+            })
+            .to_string();
+            api(socket, "PUT", "/snapshot/create", Some(&body))?;
+            snap.join("memory")
+        }
+        Vmm::Peer(_) => {
+            api(socket, "PUT", "/api/v1/vm.pause", None)?;
+            pause_ns = Some(t0.elapsed().as_nanos() as u64);
+            let body = serde_json::json!({ "destination_url": p.url }).to_string();
+            api(socket, "PUT", "/api/v1/vm.snapshot", Some(&body))?;
+            snap.join("memory-ranges")
+        }
+    };
+    Ok((mem_file, pause_ns))
+}
+
+/// Restores the snapshot in a new process and watches it to the spin task's result; the
+/// peers' restore request's time from spawn to answer beside it.
+fn restore(c: &Config, p: &Paths) -> Result<(Observed, Option<u64>), String> {
+    let watch = Watch {
+        marker: SPIN_RESULT,
+        // No anonymous mapping is this large: every byte counts as the VMM's, so the
+        // sampled "overhead" is the whole RSS, the restored guest's pages included.
+        guest_bytes: Some(u64::MAX),
+        timeout: RESTORE_TIMEOUT,
+        sample_every: SAMPLE_EVERY,
+    };
+    let m = match &c.vmm {
+        Vmm::Musubi { exe, .. } => {
+            let mut cmd = Command::new(exe);
+            cmd.args(["run", "--restore"])
+                .arg(&p.snap)
+                .args(["--serial", "stdio"]);
+            let o = observe(cmd, &watch).map_err(|e| format!("cannot start musubi: {e}"))?;
+            time_to_marker(&o, 0, ERROR_LINES)?;
+            return Ok((o, None));
+        }
+        Vmm::Peer(m) => m,
+    };
+    let mut cmd = Command::new(&m.exe);
+    let requests: Vec<(&str, &str, Option<String>)> = match m.kind {
+        Kind::Firecracker => {
+            cmd.arg("--api-sock").arg(&p.socket);
+            let body = serde_json::json!({
+                "snapshot_path": p.snap.join("vmstate"),
+                "mem_backend": {"backend_type": "File", "backend_path": p.snap.join("memory")},
+                "resume_vm": true,
+            })
+            .to_string();
+            vec![("PUT", "/snapshot/load", Some(body))]
+        }
+        Kind::CloudHypervisor => {
+            cmd.arg("--api-socket")
+                .arg(format!("path={}", p.socket.display()))
+                .arg("--restore")
+                .arg(format!("source_url={}", p.url));
+            vec![("PUT", "/api/v1/vm.resume", None)]
+        }
+    };
+    // The API requests go from a thread of their own while `observe` watches the
+    // process; the thread gives up at RESTORE_TIMEOUT like `observe`.
+    let sock = p.socket.clone();
+    let since = Instant::now();
+    let helper = std::thread::spawn(move || api_when_up(&sock, &requests, since));
+    let o = observe_to_marker(cmd, &watch)
+        .map_err(|e| format!("cannot start {}: {e}", m.kind.name()))?;
+    let api_result = helper
+        .join()
+        .unwrap_or_else(|_| Err("the API thread panicked".into()));
+    let api_ns =
+        api_result.map_err(|e| format!("restore: {e}; {}", last_words(&o, ERROR_LINES)))?;
+    if o.marker_ns.is_none() {
+        return Err(format!(
+            "restored, but no spin result line{}; {}",
+            if o.timed_out {
+                " before the time limit"
+            } else {
+                ""
+            },
+            last_words(&o, ERROR_LINES)
+        ));
+    }
+    Ok((o, Some(api_ns)))
 }

@@ -7,8 +7,9 @@
 //! largest node count also runs over a delayed link (`--link-delay`) and, as root, with each
 //! node in its own network namespace (`--netns`), beside the loopback runs.
 
+use super::driver::{Columns, Outputs, Runs, Verdicts};
 use super::guest_run::in_vm;
-use super::report::{figures_table, Csv, Figure, Table};
+use super::report::{Csv, Figure, Table};
 use super::stats::median;
 use super::watch::{observe, tail, Observed, Watch};
 use super::{plot, Harness};
@@ -201,142 +202,205 @@ fn default_nodes() -> u16 {
         .max(2)
 }
 
+/// The runs of every configuration, as the driver measured them.
+type VmpRuns = Runs<Config, RunFigures>;
+
+/// The sizes of one bench run, which every table and figure is about.
+struct Shape {
+    max_nodes: u16,
+    /// The paper ran 8 processes on 1..8 nodes: the same work on every node count. Here the
+    /// process count is the largest node count, one vCPU per node.
+    procs: u16,
+    grains: Vec<u32>,
+    reps: usize,
+}
+
+impl Shape {
+    /// The largest grain, which the breakdown, the latencies and the goals are judged at.
+    fn top(&self) -> u32 {
+        *self.grains.last().unwrap_or(&1)
+    }
+}
+
+/// The two costs a remote page fetch is built from, measured in the same run.
+struct Costs {
+    rtt: Vec<f64>,
+    rtt_page: Vec<f64>,
+    pings: usize,
+    exit_ns: f64,
+}
+
+impl Costs {
+    fn measure(quick: bool) -> Result<Costs, String> {
+        let count = if quick { 200 } else { 2000 };
+        let rtt = loopback_rtt(count, 64, 64)?;
+        let rtt_page = loopback_rtt(count, 64, 4096)?;
+        let pings = count;
+        let r = in_vm(&format!("port-ping={pings}"), ExitsMode::Kernel, None)?;
+        let exit_ns = r.ns().ok_or("port-ping: no time in its result")? / pings as f64;
+        Ok(Costs {
+            rtt,
+            rtt_page,
+            pings,
+            exit_ns,
+        })
+    }
+}
+
 pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     let max_nodes = args.nodes.unwrap_or_else(default_nodes).clamp(1, 8);
-    // The paper ran 8 processes on 1..8 nodes: the same work on every node count. Here the
-    // process count is the largest node count, one vCPU per node.
-    let procs = max_nodes;
-    let grains = grains(h.quick);
-    let reps = if h.quick { 1 } else { 3 };
+    let s = Shape {
+        max_nodes,
+        procs: max_nodes,
+        grains: grains(h.quick),
+        reps: if h.quick { 1 } else { 3 },
+    };
+    let configs = plan(&s, args.link_delay);
+    let exe = crate::probe::musubi()?;
+    let scratch = tempfile::tempdir().map_err(|e| format!("scratch directory: {e}"))?;
+    let load_before = loadavg();
+    let started = Instant::now();
+    let runs = Runs::measure(h, configs, s.reps, Config::name, |rep, c| {
+        run_one(&exe, scratch.path(), c, s.procs, rep)
+    })?;
+    let costs = Costs::measure(h.quick)?;
+    let procs = s.procs;
+    let csv = node_columns(procs).csv(
+        runs.iter()
+            .flat_map(|(rep, c, r)| r.nodes.iter().map(move |n| (rep, c, r, n))),
+    );
+
+    let (speedups, lines) = speedup_table(&runs, &s);
+    hottest_pages(&runs, s.top(), max_nodes);
+    links_side_by_side(&runs, &s.grains, args.link_delay);
+    breakdown(&runs, &s);
+    let fetches = fetch_latencies(&runs, &s);
+    let mut verdicts = goals(&runs, &s, &costs, &speedups, fetches.vmp_median);
+    if max_nodes > 1 && !runs.of(&Config::vmp_tso(max_nodes, s.top())).is_empty() {
+        verdicts.push(shared_counter_runs(
+            &exe,
+            max_nodes,
+            if h.quick { 3 } else { 20 },
+        )?);
+    }
+    println!("{}", verdicts.table());
+    if h.quick {
+        println!(
+            "(--quick: fib({}) is a small grain, so the speedup goal is judged on a grain far below the paper's.)",
+            s.top()
+        );
+    }
+    println!(
+        "runs took {:.1} s in all; grains {:?}; {} run(s) per configuration; host load average \
+         (1 min) {} before, {} after, on {} cores: whatever else runs takes cores from the nodes",
+        started.elapsed().as_secs_f64(),
+        s.grains,
+        s.reps,
+        load_before,
+        loadavg(),
+        default_nodes()
+    );
+    let out = Outputs::new(h);
+    out.csv("vmp-latency.csv", &fetches.hist_csv)?;
+    let drawings = fetches.drawings(lines, &s);
+    let p = out.csv("vmp.csv", &csv)?;
+    let svg = out.chart("vmp.svg", "one VM over several nodes", &drawings)?;
+    println!("csv: {}\nplot: {}", p.display(), svg.display());
+    Ok(())
+}
+
+/// Every configuration: each grain (and the fib(1) baseline) on 1..N nodes with both
+/// protocols, the paper's ordering and no polling on the most nodes, and the other links at
+/// the largest node count and the task grains (the breakdown's baseline runs stay on
+/// loopback).
+fn plan(s: &Shape, link_delay: Duration) -> Vec<Config> {
+    let max_nodes = s.max_nodes;
+    let with = |nodes, protocol, ordering, fib, link, poll| Config {
+        nodes,
+        protocol,
+        ordering,
+        fib,
+        link,
+        poll,
+    };
     let mut configs = Vec::new();
-    for &fib in grains.iter().chain([1].iter()) {
+    for &fib in s.grains.iter().chain([1].iter()) {
         for nodes in 1..=max_nodes {
             if nodes == 1 {
                 configs.push(Config::vmp_tso(nodes, fib));
                 continue;
             }
             for protocol in ["vmp", "ivy"] {
-                configs.push(Config {
-                    nodes,
-                    protocol,
-                    ordering: "tso",
-                    fib,
-                    link: LOOPBACK,
-                    poll: true,
-                });
+                configs.push(with(nodes, protocol, "tso", fib, LOOPBACK, true));
             }
         }
         if max_nodes > 1 {
-            configs.push(Config {
-                nodes: max_nodes,
-                protocol: "vmp",
-                ordering: "paper",
-                fib,
-                link: LOOPBACK,
-                poll: true,
-            });
-            if Some(&fib) == grains.last() {
-                configs.push(Config {
-                    nodes: max_nodes,
-                    protocol: "vmp",
-                    ordering: "tso",
-                    fib,
-                    link: LOOPBACK,
-                    poll: false,
-                });
+            configs.push(with(max_nodes, "vmp", "paper", fib, LOOPBACK, true));
+            if Some(&fib) == s.grains.last() {
+                configs.push(with(max_nodes, "vmp", "tso", fib, LOOPBACK, false));
             }
         }
     }
-    // The other links, at the largest node count and the task grains (the breakdown's
-    // baseline runs stay on loopback).
-    let links = other_links(args.link_delay);
+    let links = other_links(link_delay);
     if max_nodes > 1 {
-        for &fib in &grains {
+        for &fib in &s.grains {
             for &link in &links {
                 for protocol in ["vmp", "ivy"] {
-                    configs.push(Config {
-                        nodes: max_nodes,
-                        protocol,
-                        ordering: "tso",
-                        fib,
-                        link,
-                        poll: true,
-                    });
+                    configs.push(with(max_nodes, protocol, "tso", fib, link, true));
                 }
             }
         }
     }
-    let exe = crate::probe::musubi()?;
-    let scratch = tempfile::tempdir().map_err(|e| format!("scratch directory: {e}"))?;
-    let load_before = loadavg();
-    let started = Instant::now();
-    let runs = h.run_schedule(&configs, reps, Config::name, |rep, c| {
-        run_one(&exe, scratch.path(), c, procs, rep)
-    })?;
+    configs
+}
 
-    // The two costs a remote page fetch is built from, measured in the same run.
-    let rtt = loopback_rtt(if h.quick { 200 } else { 2000 }, 64, 64)?;
-    let rtt_page = loopback_rtt(if h.quick { 200 } else { 2000 }, 64, 4096)?;
-    let pings = if h.quick { 200 } else { 2000 };
-    let exit_ns = {
-        let r = in_vm(&format!("port-ping={pings}"), ExitsMode::Kernel, None)?;
-        r.ns().ok_or("port-ping: no time in its result")? / pings as f64
-    };
+/// One CSV row per node of every run.
+type NodeRow<'a> = (usize, &'a Config, &'a RunFigures, &'a NodeFigures);
 
-    let of = |c: &Config| runs_of(&runs, &configs, c);
-    let med = |xs: Vec<f64>| median(&xs);
-    let one_node_wall = |fib: u32| one_node_wall(&runs, &configs, fib);
+/// `vmp.csv`'s columns.
+fn node_columns<'c>(procs: u16) -> Columns<'c, NodeRow<'c>> {
+    Columns::new()
+        .col("nodes", |x: &NodeRow| x.1.nodes.to_string())
+        .col("protocol", |x| x.1.protocol.to_string())
+        .col("ordering", |x| x.1.ordering.to_string())
+        .col("link", |x| x.1.link.name())
+        .col("polling", |x| {
+            if x.1.poll { "yes" } else { "no" }.to_string()
+        })
+        .col("fib", |x| x.1.fib.to_string())
+        .col("procs", move |_| procs.to_string())
+        .col("rep", |x| x.0.to_string())
+        .col("node", |x| x.3.id.to_string())
+        .col("wall_ns", |x| format!("{:.0}", x.2.wall_ns))
+        .col("task_ns", |x| format!("{:.0}", x.2.busy_ns(x.3.id as u64)))
+        .col("faults", |x| x.3.faults.to_string())
+        .col("fetches", |x| x.3.fetches.to_string())
+        .col("coherence_messages", |x| x.3.messages.to_string())
+        .col("fault_ns_estimate", |x| {
+            format!("{:.0}", fault_ns(&x.3.buckets))
+        })
+        .col("exits", |x| x.3.exits.to_string())
+        .col("vmm_exit_ns", |x| format!("{:.0}", x.3.vmm_ns))
+        .col("protocol_errors", |x| x.3.protocol_errors.to_string())
+}
 
-    let mut csv = Csv::new(&[
-        "nodes",
-        "protocol",
-        "ordering",
-        "link",
-        "polling",
-        "fib",
-        "procs",
-        "rep",
-        "node",
-        "wall_ns",
-        "task_ns",
-        "faults",
-        "fetches",
-        "coherence_messages",
-        "fault_ns_estimate",
-        "exits",
-        "vmm_exit_ns",
-        "protocol_errors",
-    ]);
-    for (rep, ci, r) in &runs {
-        let c = configs[*ci];
-        for n in &r.nodes {
-            csv.row([
-                c.nodes.to_string(),
-                c.protocol.to_string(),
-                c.ordering.to_string(),
-                c.link.name(),
-                if c.poll { "yes" } else { "no" }.to_string(),
-                c.fib.to_string(),
-                procs.to_string(),
-                rep.to_string(),
-                n.id.to_string(),
-                format!("{:.0}", r.wall_ns),
-                format!("{:.0}", r.busy_ns(n.id as u64)),
-                n.faults.to_string(),
-                n.fetches.to_string(),
-                n.messages.to_string(),
-                format!("{:.0}", fault_ns(&n.buckets)),
-                n.exits.to_string(),
-                format!("{:.0}", n.vmm_ns),
-                n.protocol_errors.to_string(),
-            ]);
-        }
-    }
+/// The median of `xs`, taken by value.
+fn med(xs: Vec<f64>) -> Option<f64> {
+    median(&xs)
+}
 
-    // ---- Fig. 6: wall time and speedup over one node ----
+/// Speedups by (grain, label), and the speedup lines of the chart by name.
+type Speedups = (
+    BTreeMap<(u32, String), f64>,
+    BTreeMap<String, Vec<(f64, f64)>>,
+);
+
+/// Fig. 6: prints wall time and speedup over one node of every loopback configuration.
+fn speedup_table(runs: &VmpRuns, s: &Shape) -> Speedups {
     println!(
-        "Parallel fib over 1..{max_nodes} nodes (paper 004 Fig. 6; {procs} processes on every node count, \
-         one vCPU per node, {reps} run(s) each, median)"
+        "Parallel fib over 1..{} nodes (paper 004 Fig. 6; {} processes on every node count, \
+         one vCPU per node, {} run(s) each, median)",
+        s.max_nodes, s.procs, s.reps
     );
     let mut t = Table::new(&[
         "grain",
@@ -353,29 +417,28 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
     let mut speedups: BTreeMap<(u32, String), f64> = BTreeMap::new();
     // Speedup against node count, one line per protocol and grain (over loopback).
     let mut lines: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    for &fib in &grains {
-        let base = one_node_wall(fib);
-        for c in configs
+    for &fib in &s.grains {
+        let base = one_node_wall(runs, fib);
+        for c in runs
+            .configs
             .iter()
             .filter(|c| c.fib == fib && c.link == LOOPBACK)
         {
-            let rs = of(c);
+            let rs = runs.of(c);
             let wall = med(rs.iter().map(|r| r.wall_ns).collect());
             let sp = match (base, wall) {
                 (Some(b), Some(w)) if w > 0.0 => Some(b / w),
                 _ => None,
             };
-            let faults = med(rs
-                .iter()
-                .map(|r| r.nodes.iter().map(|n| n.faults).sum::<u64>() as f64)
-                .collect());
-            let fetches = med(rs
-                .iter()
-                .map(|r| r.nodes.iter().map(|n| n.fetches).sum::<u64>() as f64)
-                .collect());
+            let per_run = |f: fn(&NodeFigures) -> u64| {
+                med(rs
+                    .iter()
+                    .map(|r| r.nodes.iter().map(f).sum::<u64>() as f64)
+                    .collect())
+            };
             let kernel = med(rs.iter().map(|r| worst_kernel_faults(r) as f64).collect());
-            if let Some(s) = sp {
-                speedups.insert((fib, c.label()), s);
+            if let Some(sp) = sp {
+                speedups.insert((fib, c.label()), sp);
                 if c.nodes > 1 {
                     let label = c.label();
                     let line = label.split_once(' ').map_or(label.as_str(), |(_, l)| l);
@@ -383,7 +446,7 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                     if points.is_empty() {
                         points.push((1.0, 1.0));
                     }
-                    points.push((c.nodes as f64, s));
+                    points.push((c.nodes as f64, sp));
                 }
             }
             t.row([
@@ -401,8 +464,8 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 .to_string(),
                 opt(wall.map(|w| w / 1e6), 2),
                 opt(sp, 2),
-                opt(faults, 0),
-                opt(fetches, 0),
+                opt(per_run(|n| n.faults), 0),
+                opt(per_run(|n| n.fetches), 0),
                 opt(kernel, 0),
             ]);
         }
@@ -417,19 +480,20 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
          before it sleeps while one of its faults waits (run --fetch-poll; no = --fetch-poll 0us).\n\
          kernel faults: faults on the probe kernel's pages (below 2 MiB) on the node with the most,\n\
          median of the runs; a CPU-bound task should cost next to none.\n",
-        default_nodes()
+        default_nodes(),
+        procs = s.procs
     );
-    hottest_pages(&runs, &configs, *grains.last().unwrap_or(&1), max_nodes);
-    links_side_by_side(&runs, &configs, &grains, args.link_delay);
+    (speedups, lines)
+}
 
-    // ---- Table 2: per-vCPU breakdown at the largest grain on the most nodes ----
-    let top = *grains.last().unwrap_or(&1);
-    let native_task = {
-        med(of(&Config::vmp_tso(1, top))
-            .iter()
-            .flat_map(|r| r.tasks.iter().map(|t| t.1))
-            .collect())
-    };
+/// Table 2: prints the per-vCPU breakdown at the largest grain on one and the most nodes.
+fn breakdown(runs: &VmpRuns, s: &Shape) {
+    let top = s.top();
+    let native_task = med(runs
+        .of(&Config::vmp_tso(1, top))
+        .iter()
+        .flat_map(|r| r.tasks.iter().map(|t| t.1))
+        .collect());
     let mut t2 = Table::new(&[
         "vm",
         "vcpu",
@@ -440,57 +504,14 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         ">Idle ms",
         ">rest ms",
     ]);
-    let breakdown_configs: Vec<Config> = configs
-        .iter()
-        .filter(|c| {
-            c.fib == top && c.link == LOOPBACK && c.poll && (c.nodes == 1 || c.nodes == max_nodes)
-        })
-        .copied()
-        .collect();
-    for c in &breakdown_configs {
-        let baseline = Config { fib: 1, ..*c };
-        let rs = of(c);
-        let bs = of(&baseline);
+    let shown = runs.configs.iter().filter(|c| {
+        c.fib == top && c.link == LOOPBACK && c.poll && (c.nodes == 1 || c.nodes == s.max_nodes)
+    });
+    for c in shown {
+        let rs = runs.of(c);
+        let bs = runs.of(&Config { fib: 1, ..*c });
         for cpu in 0..c.nodes {
-            // vCPU i runs on node i (one vCPU per node, dealt round-robin).
-            let node_of = |r: &&RunFigures| r.nodes.iter().find(|n| n.id == cpu).cloned();
-            let total = med(rs.iter().map(|r| r.wall_ns).collect());
-            let tasks_here = rs
-                .first()
-                .map(|r| r.tasks.iter().filter(|t| t.0 == cpu as u64).count())
-                .unwrap_or(0);
-            let native = native_task.map(|n| n * tasks_here as f64);
-            // A node figure in the runs, less its median in the baseline runs.
-            let above_baseline = |f: &dyn Fn(&NodeFigures) -> f64| {
-                let base = med(bs.iter().filter_map(node_of).map(|n| f(&n)).collect());
-                med(rs
-                    .iter()
-                    .filter_map(node_of)
-                    .map(|n| (f(&n) - base.unwrap_or(0.0)).max(0.0))
-                    .collect())
-            };
-            let mem = above_baseline(&|n| fault_ns(&n.buckets));
-            let misc = above_baseline(&|n| n.vmm_ns);
-            let busy = med(rs.iter().map(|r| r.busy_ns(cpu as u64)).collect());
-            let idle = match (total, busy) {
-                (Some(t), Some(b)) => Some((t - b).max(0.0)),
-                _ => None,
-            };
-            let rest = match (total, native, mem, misc, idle) {
-                (Some(t), Some(n), Some(m), Some(x), Some(i)) => Some(t - n - m - x - i),
-                _ => None,
-            };
-            let ms = |v: Option<f64>| opt(v.map(|v| v / 1e6), 2);
-            t2.row([
-                c.label(),
-                cpu.to_string(),
-                ms(total),
-                ms(native),
-                ms(mem),
-                ms(misc),
-                ms(idle),
-                ms(rest),
-            ]);
+            t2.row(breakdown_row(c, cpu, &rs, &bs, native_task));
         }
     }
     println!("Breakdown per vCPU, fib({top}) (paper 004 Table 2: fib(44); 8 nodes: Total 27.9 s = Native 22.1 + Mem 3.7 + Misc 0.1 + Idle 2.0)");
@@ -511,101 +532,148 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
          (--quick) the run-to-run spread of start-up alone can exceed the task phase, so read them there\n\
          as noise.\n"
     );
+}
 
-    // ---- Fig. 8 and Fig. 7 at the largest grain on the most nodes ----
-    let mut figures = Vec::new();
-    let mut hist_csv = Csv::new(&[
-        "protocol",
-        "ordering",
-        "polling",
-        "bucket_ns_low",
-        "faults",
-        "remote_fetches",
-    ]);
-    let mut cdf: Vec<plot::Series> = Vec::new();
-    let mut range_bars = Vec::new();
-    let mut msg_table = Table::new(&[
-        "vm",
-        ">messages/fault",
-        ">messages/fetch",
-        ">sim Table 3 (c=0..N-2)",
-        "paper Table 3",
-    ]);
-    let mut vmp_median = None;
-    for c in configs
-        .iter()
-        .filter(|c| c.fib == top && c.nodes == max_nodes && c.nodes > 1 && c.link == LOOPBACK)
-    {
-        let rs = of(c);
-        let mut all = vec![0u64; 64];
-        let mut remote = vec![0u64; 64];
-        let mut ranges: BTreeMap<u64, u64> = BTreeMap::new();
-        let (mut faults, mut fetches, mut msgs, mut range_bytes) = (0u64, 0u64, 0u64, 0u64);
-        for r in &rs {
-            for n in &r.nodes {
-                add(&mut all, &n.buckets);
-                add(&mut remote, &slowest(&n.buckets, n.fetches));
-                for (k, v) in &n.by_range {
-                    *ranges.entry(*k).or_default() += v;
-                }
-                faults += n.faults;
-                fetches += n.fetches;
-                msgs += n.messages;
-                range_bytes = n.range_bytes;
-            }
-        }
-        for (i, (a, r)) in all.iter().zip(&remote).enumerate() {
-            if *a > 0 {
-                hist_csv.row([
-                    c.protocol.to_string(),
-                    c.ordering.to_string(),
-                    if c.poll { "yes" } else { "no" }.to_string(),
-                    (1u64 << i).to_string(),
-                    a.to_string(),
-                    r.to_string(),
-                ]);
-            }
-        }
-        let (m_all, m_remote, p99) = (
-            quantile(&all, 0.5),
-            quantile(&remote, 0.5),
-            quantile(&remote, 0.99),
-        );
-        println!(
-            "Page faults, {} fib({top}), {} run(s): {faults} faults, {fetches} remote fetches; \
-             latency median of all faults {}, of remote fetches {} (p99 {})",
-            c.label(),
-            rs.len(),
-            us(m_all),
-            us(m_remote),
-            us(p99)
-        );
-        println!(
-            "  latency histogram (all faults / remote fetches):{}",
-            all.iter()
-                .zip(&remote)
-                .enumerate()
-                .filter(|(_, (a, _))| **a > 0)
-                .map(|(i, (a, r))| format!(" [{}: {a}/{r}]", span(i)))
-                .collect::<String>()
-        );
-        let mut top_ranges: Vec<(u64, u64)> = ranges.into_iter().collect();
-        top_ranges.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        let shown: Vec<String> = top_ranges
+/// One vCPU's row of the breakdown: `rs` are the runs of `c`, `bs` its fib(1) baseline's.
+fn breakdown_row(
+    c: &Config,
+    cpu: u16,
+    rs: &[&RunFigures],
+    bs: &[&RunFigures],
+    native_task: Option<f64>,
+) -> [String; 8] {
+    // vCPU i runs on node i (one vCPU per node, dealt round-robin).
+    let node_of = |r: &&RunFigures| r.nodes.iter().find(|n| n.id == cpu).cloned();
+    let total = med(rs.iter().map(|r| r.wall_ns).collect());
+    let tasks_here = rs
+        .first()
+        .map(|r| r.tasks.iter().filter(|t| t.0 == cpu as u64).count())
+        .unwrap_or(0);
+    let native = native_task.map(|n| n * tasks_here as f64);
+    // A node figure in the runs, less its median in the baseline runs.
+    let above_baseline = |f: &dyn Fn(&NodeFigures) -> f64| {
+        let base = med(bs.iter().filter_map(node_of).map(|n| f(&n)).collect());
+        med(rs
             .iter()
-            .take(5)
-            .map(|(start, n)| format!("{start:#x}: {n}"))
-            .collect();
-        println!(
-            "  faults by guest-physical range ({} KiB each, top 5): {}",
-            range_bytes / 1024,
-            shown.join(", ")
-        );
-        // Cumulative share of fetches done by the top of each power-of-two bucket.
-        let total: u64 = remote.iter().sum();
+            .filter_map(node_of)
+            .map(|n| (f(&n) - base.unwrap_or(0.0)).max(0.0))
+            .collect())
+    };
+    let mem = above_baseline(&|n| fault_ns(&n.buckets));
+    let misc = above_baseline(&|n| n.vmm_ns);
+    let busy = med(rs.iter().map(|r| r.busy_ns(cpu as u64)).collect());
+    let idle = match (total, busy) {
+        (Some(t), Some(b)) => Some((t - b).max(0.0)),
+        _ => None,
+    };
+    let rest = match (total, native, mem, misc, idle) {
+        (Some(t), Some(n), Some(m), Some(x), Some(i)) => Some(t - n - m - x - i),
+        _ => None,
+    };
+    let ms = |v: Option<f64>| opt(v.map(|v| v / 1e6), 2);
+    [
+        c.label(),
+        cpu.to_string(),
+        ms(total),
+        ms(native),
+        ms(mem),
+        ms(misc),
+        ms(idle),
+        ms(rest),
+    ]
+}
+
+/// Fig. 8 and Fig. 7 at the largest grain on the most nodes: what the chart and the goals
+/// take from them.
+struct Fetches {
+    hist_csv: Csv,
+    cdf: Vec<plot::Series>,
+    range_bars: Vec<plot::Bar>,
+    /// The median remote fetch of vmp/tso with polling.
+    vmp_median: Option<f64>,
+}
+
+impl Fetches {
+    /// The chart: the speedup `lines`, the fetch latencies and the fetched ranges.
+    fn drawings(self, lines: BTreeMap<String, Vec<(f64, f64)>>, s: &Shape) -> Vec<plot::Drawing> {
+        let mut drawings = vec![plot::Drawing::Lines(plot::Lines {
+            title: "speedup over 1 node (loopback)".into(),
+            x_desc: "nodes".into(),
+            y_desc: "speedup (x)".into(),
+            log_x: false,
+            legend: plotters::prelude::SeriesLabelPosition::UpperLeft,
+            series: lines
+                .into_iter()
+                .map(|(name, points)| plot::Series { name, points })
+                .collect(),
+        })];
+        if !self.cdf.is_empty() {
+            drawings.push(plot::Drawing::Lines(plot::Lines {
+                title: format!(
+                    "remote fetch latency, fib({}), {} nodes (cumulative)",
+                    s.top(),
+                    s.max_nodes
+                ),
+                x_desc: "latency (us, log scale; at the top of each power-of-two bucket)".into(),
+                y_desc: "fetches done (%)".into(),
+                log_x: true,
+                legend: plotters::prelude::SeriesLabelPosition::LowerRight,
+                series: self.cdf,
+            }));
+        }
+        if !self.range_bars.is_empty() {
+            drawings.push(plot::Drawing::Bars(plot::Panel {
+                title: "faults by guest-physical range, top 5".into(),
+                unit: "faults".into(),
+                bars: self.range_bars,
+            }));
+        }
+        drawings
+    }
+}
+
+/// One configuration's faults over all its runs and nodes.
+struct FaultSums {
+    all: Vec<u64>,
+    remote: Vec<u64>,
+    ranges: BTreeMap<u64, u64>,
+    faults: u64,
+    fetches: u64,
+    msgs: u64,
+    range_bytes: u64,
+}
+
+impl FaultSums {
+    fn of(rs: &[&RunFigures]) -> FaultSums {
+        let mut f = FaultSums {
+            all: vec![0u64; 64],
+            remote: vec![0u64; 64],
+            ranges: BTreeMap::new(),
+            faults: 0,
+            fetches: 0,
+            msgs: 0,
+            range_bytes: 0,
+        };
+        for n in rs.iter().flat_map(|r| &r.nodes) {
+            add(&mut f.all, &n.buckets);
+            add(&mut f.remote, &slowest(&n.buckets, n.fetches));
+            for (k, v) in &n.by_range {
+                *f.ranges.entry(*k).or_default() += v;
+            }
+            f.faults += n.faults;
+            f.fetches += n.fetches;
+            f.msgs += n.messages;
+            f.range_bytes = n.range_bytes;
+        }
+        f
+    }
+
+    /// Cumulative share of fetches done by the top of each power-of-two bucket.
+    fn cdf(&self) -> Vec<(f64, f64)> {
+        let total: u64 = self.remote.iter().sum();
         let mut done = 0u64;
         let mut points = Vec::new();
-        for (i, r) in remote.iter().enumerate() {
+        for (i, r) in self.remote.iter().enumerate() {
             done += r;
             if total > 0 && done > 0 && done - r < total {
                 points.push((
@@ -614,18 +682,55 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
                 ));
             }
         }
+        points
+    }
+}
+
+/// Prints the fault latencies, histogram and ranges of every protocol on the most nodes at
+/// the largest grain, and the messages per fetch beside the simulator's Table 3.
+fn fetch_latencies(runs: &VmpRuns, s: &Shape) -> Fetches {
+    let (top, max_nodes) = (s.top(), s.max_nodes);
+    let mut out = Fetches {
+        hist_csv: Csv::new(&[
+            "protocol",
+            "ordering",
+            "polling",
+            "bucket_ns_low",
+            "faults",
+            "remote_fetches",
+        ]),
+        cdf: Vec::new(),
+        range_bars: Vec::new(),
+        vmp_median: None,
+    };
+    let mut msg_table = Table::new(&[
+        "vm",
+        ">messages/fault",
+        ">messages/fetch",
+        ">sim Table 3 (c=0..N-2)",
+        "paper Table 3",
+    ]);
+    for c in runs
+        .configs
+        .iter()
+        .filter(|c| c.fib == top && c.nodes == max_nodes && c.nodes > 1 && c.link == LOOPBACK)
+    {
+        let rs = runs.of(c);
+        let f = FaultSums::of(&rs);
+        let top_ranges = fault_report(c, top, rs.len(), &f, &mut out);
+        let points = f.cdf();
         if !points.is_empty() {
             let label = c.label();
             let name = label.split_once(' ').map_or(label.as_str(), |(_, l)| l);
-            cdf.push(plot::Series {
+            out.cdf.push(plot::Series {
                 name: name.to_string(),
                 points,
             });
         }
         if c.protocol == "vmp" && c.ordering == "tso" && c.poll {
-            vmp_median = m_remote;
+            out.vmp_median = quantile(&f.remote, 0.5);
             for (start, n) in top_ranges.iter().take(5) {
-                range_bars.push(plot::Bar {
+                out.range_bars.push(plot::Bar {
                     label: format!("{:#x}", start),
                     value: *n as f64,
                     low: None,
@@ -633,13 +738,8 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             }
         }
         let (sim, paper) = sim_range(c, max_nodes);
-        msg_table.row([
-            c.label(),
-            opt((faults > 0).then(|| msgs as f64 / faults as f64), 2),
-            opt((fetches > 0).then(|| msgs as f64 / fetches as f64), 2),
-            sim,
-            paper,
-        ]);
+        let per = |n: u64| opt((n > 0).then(|| f.msgs as f64 / n as f64), 2);
+        msg_table.row([c.label(), per(f.faults), per(f.fetches), sim, paper]);
     }
     println!(
         "A node's fault histogram mixes faults resolved without a message (a write to a page it already\n\
@@ -655,21 +755,94 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
          possible with this many nodes), so a live run sits inside their range only when no fetch races\n\
          another for the same page.\n"
     );
+    out
+}
 
-    // ---- The goals ----
-    let rtt_med = median(&rtt);
-    let rtt_page_med = median(&rtt_page);
+/// Prints one configuration's fault latencies, histogram and most-faulted ranges, adds its
+/// histogram to `out`'s CSV, and returns the ranges, most faults first.
+fn fault_report(
+    c: &Config,
+    top: u32,
+    nruns: usize,
+    f: &FaultSums,
+    out: &mut Fetches,
+) -> Vec<(u64, u64)> {
+    for (i, (a, r)) in f.all.iter().zip(&f.remote).enumerate() {
+        if *a > 0 {
+            out.hist_csv.row([
+                c.protocol.to_string(),
+                c.ordering.to_string(),
+                if c.poll { "yes" } else { "no" }.to_string(),
+                (1u64 << i).to_string(),
+                a.to_string(),
+                r.to_string(),
+            ]);
+        }
+    }
+    let (m_all, m_remote, p99) = (
+        quantile(&f.all, 0.5),
+        quantile(&f.remote, 0.5),
+        quantile(&f.remote, 0.99),
+    );
+    println!(
+        "Page faults, {} fib({top}), {nruns} run(s): {} faults, {} remote fetches; \
+         latency median of all faults {}, of remote fetches {} (p99 {})",
+        c.label(),
+        f.faults,
+        f.fetches,
+        us(m_all),
+        us(m_remote),
+        us(p99)
+    );
+    println!(
+        "  latency histogram (all faults / remote fetches):{}",
+        f.all
+            .iter()
+            .zip(&f.remote)
+            .enumerate()
+            .filter(|(_, (a, _))| **a > 0)
+            .map(|(i, (a, r))| format!(" [{}: {a}/{r}]", span(i)))
+            .collect::<String>()
+    );
+    let mut top_ranges: Vec<(u64, u64)> = f.ranges.iter().map(|(k, v)| (*k, *v)).collect();
+    top_ranges.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let shown: Vec<String> = top_ranges
+        .iter()
+        .take(5)
+        .map(|(start, n)| format!("{start:#x}: {n}"))
+        .collect();
+    println!(
+        "  faults by guest-physical range ({} KiB each, top 5): {}",
+        f.range_bytes / 1024,
+        shown.join(", ")
+    );
+    top_ranges
+}
+
+/// Prints the costs a fetch is made of and returns the goals judged on the runs (the
+/// shared counter's comes after, from runs of its own).
+fn goals(
+    runs: &VmpRuns,
+    s: &Shape,
+    costs: &Costs,
+    speedups: &BTreeMap<(u32, String), f64>,
+    vmp_median: Option<f64>,
+) -> Verdicts {
+    let (top, max_nodes) = (s.top(), s.max_nodes);
+    let mut v = Verdicts::new();
+    let rtt_med = median(&costs.rtt);
     println!(
         "Loopback TCP round trip (127.0.0.1, {} ping-pongs): 64 B each way {}; 64 B out, 4 KiB back {}",
-        rtt.len(),
+        costs.rtt.len(),
         us(rtt_med),
-        us(rtt_page_med)
+        us(median(&costs.rtt_page))
     );
     println!(
-        "One VM exit (port-ping from guest user mode, {pings} writes, one node, in-kernel exits): {}",
-        us(Some(exit_ns))
+        "One VM exit (port-ping from guest user mode, {} writes, one node, in-kernel exits): {}",
+        costs.pings,
+        us(Some(costs.exit_ns))
     );
-    let budget = rtt_med.map(|r| r + exit_ns);
+    let budget = rtt_med.map(|r| r + costs.exit_ns);
     let ratio = match (vmp_median, budget) {
         (Some(m), Some(b)) if b > 0.0 => Some(m / b),
         _ => None,
@@ -679,30 +852,31 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
         opt(ratio, 2),
         us(budget)
     );
-    figures.push(Figure {
-        what: "median page fetch / (exit + RTT)".into(),
-        ours: opt(ratio, 2),
-        reference: "<= 1.2".into(),
+    let goal = |what: String, ours: Option<f64>, bound: String, met: Option<bool>| Figure {
+        what,
+        ours: opt(ours, 2),
+        reference: bound,
         source: "goal".into(),
-        met: ratio.map(|r| r <= 1.2),
-    });
+        met,
+    };
+    v.push(goal(
+        "median page fetch / (exit + RTT)".into(),
+        ratio,
+        "<= 1.2".into(),
+        ratio.map(|r| r <= 1.2),
+    ));
     let two = speedups.get(&(top, "2n vmp/tso".to_string())).copied();
-    figures.push(Figure {
-        what: format!("2-node speedup, vmp/tso fib({top})"),
-        ours: opt(two, 2),
-        reference: ">= 1.8".into(),
-        source: "goal".into(),
-        met: if max_nodes >= 2 {
-            two.map(|s| s >= 1.8)
-        } else {
-            None
-        },
-    });
+    v.push(goal(
+        format!("2-node speedup, vmp/tso fib({top})"),
+        two,
+        ">= 1.8".into(),
+        two.filter(|_| max_nodes >= 2).map(|s| s >= 1.8),
+    ));
     if max_nodes > 2 {
         let best = speedups
             .get(&(top, format!("{max_nodes}n vmp/tso")))
             .copied();
-        figures.push(Figure {
+        v.push(Figure {
             what: format!("{max_nodes}-node speedup, vmp/tso fib({top})"),
             ours: opt(best, 2),
             reference: format!("{PAPER_SPEEDUP_8} on 8 nodes, fib(46)"),
@@ -710,10 +884,10 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             met: None,
         });
     }
-    let top_runs = of(&Config::vmp_tso(max_nodes, top));
+    let top_runs = runs.of(&Config::vmp_tso(max_nodes, top));
     if max_nodes > 1 && !top_runs.is_empty() {
         let worst = top_runs.iter().map(|r| worst_kernel_faults(r)).max();
-        figures.push(Figure {
+        v.push(Figure {
             what: format!(
                 "kernel-page faults, worst node of any run ({max_nodes}n vmp/tso fib({top}))"
             ),
@@ -723,70 +897,18 @@ pub fn run(h: &Harness, args: &super::BenchArgs) -> Result<(), String> {
             met: worst.map(|w| w <= KERNEL_FAULTS_GOAL),
         });
         let slowest = top_runs.iter().map(|r| r.wall_ns).reduce(f64::max);
-        let ratio = match (slowest, one_node_wall(top)) {
+        let ratio = match (slowest, one_node_wall(runs, top)) {
             (Some(s), Some(one)) if one > 0.0 => Some(s / one),
             _ => None,
         };
-        figures.push(Figure {
-            what: format!("slowest run / one node's wall ({max_nodes}n vmp/tso fib({top}))"),
-            ours: opt(ratio, 2),
-            reference: format!("<= {SLOWEST_OVER_ONE_NODE_GOAL}"),
-            source: "goal".into(),
-            met: ratio.map(|r| r <= SLOWEST_OVER_ONE_NODE_GOAL),
-        });
-        let counter = shared_counter_runs(&exe, max_nodes, if h.quick { 3 } else { 20 })?;
-        figures.push(counter);
+        v.push(goal(
+            format!("slowest run / one node's wall ({max_nodes}n vmp/tso fib({top}))"),
+            ratio,
+            format!("<= {SLOWEST_OVER_ONE_NODE_GOAL}"),
+            ratio.map(|r| r <= SLOWEST_OVER_ONE_NODE_GOAL),
+        ));
     }
-    println!("{}", figures_table(&figures));
-    if h.quick {
-        println!(
-            "(--quick: fib({top}) is a small grain, so the speedup goal is judged on a grain far below the paper's.)"
-        );
-    }
-    println!(
-        "runs took {:.1} s in all; grains {:?}; {reps} run(s) per configuration; host load average \
-         (1 min) {} before, {} after, on {} cores: whatever else runs takes cores from the nodes",
-        started.elapsed().as_secs_f64(),
-        grains,
-        load_before,
-        loadavg(),
-        default_nodes()
-    );
-
-    h.write_csv("vmp-latency.csv", &hist_csv)?;
-    let mut drawings = vec![plot::Drawing::Lines(plot::Lines {
-        title: "speedup over 1 node (loopback)".into(),
-        x_desc: "nodes".into(),
-        y_desc: "speedup (x)".into(),
-        log_x: false,
-        legend: plotters::prelude::SeriesLabelPosition::UpperLeft,
-        series: lines
-            .into_iter()
-            .map(|(name, points)| plot::Series { name, points })
-            .collect(),
-    })];
-    if !cdf.is_empty() {
-        drawings.push(plot::Drawing::Lines(plot::Lines {
-            title: format!("remote fetch latency, fib({top}), {max_nodes} nodes (cumulative)"),
-            x_desc: "latency (us, log scale; at the top of each power-of-two bucket)".into(),
-            y_desc: "fetches done (%)".into(),
-            log_x: true,
-            legend: plotters::prelude::SeriesLabelPosition::LowerRight,
-            series: cdf,
-        }));
-    }
-    if !range_bars.is_empty() {
-        drawings.push(plot::Drawing::Bars(plot::Panel {
-            title: "faults by guest-physical range, top 5".into(),
-            unit: "faults".into(),
-            bars: range_bars,
-        }));
-    }
-    let p = h.write_csv("vmp.csv", &csv)?;
-    let svg = h.out_file("vmp.svg");
-    plot::chart(&svg, "one VM over several nodes", &drawings)?;
-    println!("csv: {}\nplot: {}", p.display(), svg.display());
-    Ok(())
+    v
 }
 
 /// The links the largest node count runs over besides loopback: loopback with `delay`, and,
@@ -836,18 +958,6 @@ fn remote_fetches(rs: &[&RunFigures]) -> Vec<u64> {
     remote
 }
 
-/// The runs of configuration `c`.
-fn runs_of<'a>(
-    runs: &'a [(usize, usize, RunFigures)],
-    configs: &[Config],
-    c: &Config,
-) -> Vec<&'a RunFigures> {
-    runs.iter()
-        .filter(|(_, ci, _)| configs[*ci] == *c)
-        .map(|(_, _, r)| r)
-        .collect()
-}
-
 /// Faults on the probe kernel's pages on the node of `r` with the most.
 fn worst_kernel_faults(r: &RunFigures) -> u64 {
     r.nodes.iter().map(|n| n.kernel_faults).max().unwrap_or(0)
@@ -855,9 +965,9 @@ fn worst_kernel_faults(r: &RunFigures) -> u64 {
 
 /// Prints the most-faulted pages of the first vmp/tso run at grain `fib` on `nodes` nodes,
 /// with what lies there: where the faults that remain come from.
-fn hottest_pages(runs: &[(usize, usize, RunFigures)], configs: &[Config], fib: u32, nodes: u16) {
+fn hottest_pages(runs: &VmpRuns, fib: u32, nodes: u16) {
     let c = Config::vmp_tso(nodes, fib);
-    let Some(r) = runs_of(runs, configs, &c).into_iter().next() else {
+    let Some(r) = runs.of(&c).into_iter().next() else {
         return;
     };
     println!(
@@ -950,8 +1060,9 @@ fn run_nodes(exe: &Path, cmd: Command, limit: Duration) -> Result<Observed, Stri
 }
 
 /// The median wall time of fib(`fib`) on one node.
-fn one_node_wall(runs: &[(usize, usize, RunFigures)], configs: &[Config], fib: u32) -> Option<f64> {
-    let walls: Vec<f64> = runs_of(runs, configs, &Config::vmp_tso(1, fib))
+fn one_node_wall(runs: &VmpRuns, fib: u32) -> Option<f64> {
+    let walls: Vec<f64> = runs
+        .of(&Config::vmp_tso(1, fib))
         .iter()
         .map(|r| r.wall_ns)
         .collect();
@@ -959,12 +1070,8 @@ fn one_node_wall(runs: &[(usize, usize, RunFigures)], configs: &[Config], fib: u
 }
 
 /// The largest node count's runs over each link, beside its loopback runs.
-fn links_side_by_side(
-    runs: &[(usize, usize, RunFigures)],
-    configs: &[Config],
-    grains: &[u32],
-    delay: Duration,
-) {
+fn links_side_by_side(runs: &VmpRuns, grains: &[u32], delay: Duration) {
+    let configs = &runs.configs;
     if configs.iter().all(|c| c.link == LOOPBACK) {
         return;
     }
@@ -991,13 +1098,13 @@ fn links_side_by_side(
                     .any(|o| o.link != LOOPBACK && o.protocol == c.protocol && o.nodes == c.nodes)
         });
         for c in shown {
-            let rs = runs_of(runs, configs, c);
+            let rs = runs.of(c);
             let loopback = Config {
                 link: LOOPBACK,
                 poll: true,
                 ..*c
             };
-            let loop_rs = runs_of(runs, configs, &loopback);
+            let loop_rs = runs.of(&loopback);
             let wall = median(&rs.iter().map(|r| r.wall_ns).collect::<Vec<_>>());
             let loop_wall = median(&loop_rs.iter().map(|r| r.wall_ns).collect::<Vec<_>>());
             let remote = remote_fetches(&rs);
@@ -1016,7 +1123,7 @@ fn links_side_by_side(
                 format!("{}n {}", c.nodes, c.protocol),
                 c.link.name(),
                 opt(wall.map(|w| w / 1e6), 2),
-                opt(ratio(one_node_wall(runs, configs, fib), wall), 2),
+                opt(ratio(one_node_wall(runs, fib), wall), 2),
                 opt(ratio(wall, loop_wall), 2),
                 us(fetch),
                 match (fetch, loop_fetch) {

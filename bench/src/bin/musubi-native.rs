@@ -176,93 +176,22 @@ fn run(t: &Task, o: &Opts) -> Result<Out, String> {
             }
         }
         Task::MintIo { kb, count, reps } => {
-            let path = need(&o.disk, "--disk", "mint-io")?;
-            let mut f = open_direct(path, false)?;
-            let disk_bytes = f.metadata().map_err(|e| e.to_string())?.len() & !511;
-            let bytes = kb * 1024;
-            if disk_bytes < bytes {
-                return Err(format!("{path} is smaller than one read of {kb} KiB"));
-            }
-            let mut buf = Aligned::new(bytes as usize);
-            for r in 0..reps {
-                let mut rng = XorShift64::new(workloads::rng::mint_io_seed(r));
-                let (c, n, res) = timed(|| -> std::io::Result<()> {
-                    for _ in 0..count {
-                        let off = rng.offset(disk_bytes, bytes, task::MINT_IO_ALIGN);
-                        f.seek(SeekFrom::Start(off))?;
-                        f.read_exact(buf.get())?;
-                    }
-                    Ok(())
-                });
-                res.map_err(|e| format!("reading {path}: {e}"))?;
+            for (c, n) in mint_io(o, kb, count, reps)? {
                 rep(c, n);
             }
         }
         Task::BlkSmallReads { count } => {
-            let path = need(&o.disk, "--disk", "blk-small-reads")?;
-            let f = open_direct(path, false)?;
-            let sectors = f.metadata().map_err(|e| e.to_string())?.len() / 512;
-            if sectors == 0 {
-                return Err(format!("{path} is empty"));
-            }
-            // O_DIRECT needs whole logical blocks: read the 4 KiB holding the sector then.
-            let mut buf = Aligned::new(4096);
-            let (c, n, res) = timed(|| -> std::io::Result<()> {
-                use std::os::unix::fs::FileExt;
-                for i in 0..count {
-                    let off = (i % sectors) * 512;
-                    let r = f.read_at(&mut buf.get()[..512], off);
-                    if r.is_err() {
-                        f.read_at(buf.get(), off & !4095)?;
-                    }
-                }
-                Ok(())
-            });
-            res.map_err(|e| format!("reading {path}: {e}"))?;
+            let (c, n) = blk_small_reads(o, count)?;
             out = Out::one(c, n);
         }
         Task::SerialOut { count } => {
-            let (c, n, _) = timed(|| {
-                for k in 0..count {
-                    let b = if k % 65 == 64 || k + 1 == count {
-                        b'\n'
-                    } else {
-                        b'a' + ((k / 65) % 26) as u8
-                    };
-                    // SAFETY: one byte from a local.
-                    unsafe { write(1, &b, 1) };
-                }
-            });
+            let (c, n) = serial_out(count);
             out = Out::one(c, n);
         }
         Task::PortPing { .. } => {
             return Err("port I/O has no meaning in a host program".into());
         }
-        Task::PageTouch { count } => {
-            let len = (count * 4096) as usize;
-            let f0 = faults();
-            let (c, n, _) = timed(|| {
-                if count > 0 {
-                    // SAFETY: a fresh private anonymous mapping, touched and unmapped here.
-                    unsafe {
-                        let p = mmap(
-                            core::ptr::null_mut(),
-                            len,
-                            PROT_READ | PROT_WRITE,
-                            MAP_PRIVATE | MAP_ANONYMOUS,
-                            -1,
-                            0,
-                        );
-                        for i in 0..count as usize {
-                            core::ptr::write_volatile(p.add(i * 4096), 1);
-                        }
-                        munmap(p, len);
-                    }
-                }
-            });
-            out = Out::one(c, n);
-            out.counters.page_faults = Some(faults() - f0);
-        }
+        Task::PageTouch { count } => out = page_touch(count),
         Task::Fib { n: arg } => {
             let (c, n, r) = timed(|| workloads::fib(std::hint::black_box(arg)));
             out = Out::one(c, n);
@@ -306,6 +235,104 @@ fn run(t: &Task, o: &Opts) -> Result<Out, String> {
         }
     }
     Ok(out)
+}
+
+/// `mint-io`: `reps` times, `count` reads of `kb` KiB at random aligned offsets of
+/// `--disk`, bypassing the host page cache; the (cycles, ns) of each repetition.
+fn mint_io(o: &Opts, kb: u64, count: u64, reps: u32) -> Result<Vec<(u64, u64)>, String> {
+    let path = need(&o.disk, "--disk", "mint-io")?;
+    let mut f = open_direct(path, false)?;
+    let disk_bytes = f.metadata().map_err(|e| e.to_string())?.len() & !511;
+    let bytes = kb * 1024;
+    if disk_bytes < bytes {
+        return Err(format!("{path} is smaller than one read of {kb} KiB"));
+    }
+    let mut buf = Aligned::new(bytes as usize);
+    let mut times = Vec::new();
+    for r in 0..reps {
+        let mut rng = XorShift64::new(workloads::rng::mint_io_seed(r));
+        let (c, n, res) = timed(|| -> std::io::Result<()> {
+            for _ in 0..count {
+                let off = rng.offset(disk_bytes, bytes, task::MINT_IO_ALIGN);
+                f.seek(SeekFrom::Start(off))?;
+                f.read_exact(buf.get())?;
+            }
+            Ok(())
+        });
+        res.map_err(|e| format!("reading {path}: {e}"))?;
+        times.push((c, n));
+    }
+    Ok(times)
+}
+
+/// `blk-small-reads`: `count` single-sector reads of `--disk` in turn, bypassing the host
+/// page cache.
+fn blk_small_reads(o: &Opts, count: u64) -> Result<(u64, u64), String> {
+    let path = need(&o.disk, "--disk", "blk-small-reads")?;
+    let f = open_direct(path, false)?;
+    let sectors = f.metadata().map_err(|e| e.to_string())?.len() / 512;
+    if sectors == 0 {
+        return Err(format!("{path} is empty"));
+    }
+    // O_DIRECT needs whole logical blocks: read the 4 KiB holding the sector then.
+    let mut buf = Aligned::new(4096);
+    let (c, n, res) = timed(|| -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        for i in 0..count {
+            let off = (i % sectors) * 512;
+            let r = f.read_at(&mut buf.get()[..512], off);
+            if r.is_err() {
+                f.read_at(buf.get(), off & !4095)?;
+            }
+        }
+        Ok(())
+    });
+    res.map_err(|e| format!("reading {path}: {e}"))?;
+    Ok((c, n))
+}
+
+/// `serial-out`: `count` bytes to stdout, one write each, in lines of 65.
+fn serial_out(count: u64) -> (u64, u64) {
+    let (c, n, _) = timed(|| {
+        for k in 0..count {
+            let b = if k % 65 == 64 || k + 1 == count {
+                b'\n'
+            } else {
+                b'a' + ((k / 65) % 26) as u8
+            };
+            // SAFETY: one byte from a local.
+            unsafe { write(1, &b, 1) };
+        }
+    });
+    (c, n)
+}
+
+/// `page-touch`: the first write to each of `count` fresh pages, with the faults it took.
+fn page_touch(count: u64) -> Out {
+    let len = (count * 4096) as usize;
+    let f0 = faults();
+    let (c, n, _) = timed(|| {
+        if count > 0 {
+            // SAFETY: a fresh private anonymous mapping, touched and unmapped here.
+            unsafe {
+                let p = mmap(
+                    core::ptr::null_mut(),
+                    len,
+                    PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                for i in 0..count as usize {
+                    core::ptr::write_volatile(p.add(i * 4096), 1);
+                }
+                munmap(p, len);
+            }
+        }
+    });
+    let mut out = Out::one(c, n);
+    out.counters.page_faults = Some(faults() - f0);
+    out
 }
 
 /// The guest's four access paths on a host file: `--disk` for `blk` (through the host page

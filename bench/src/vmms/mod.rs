@@ -22,8 +22,9 @@ mod plan;
 mod report;
 mod runners;
 
+use super::driver::{Runs, Verdicts};
 use super::qemu::{self, Outcome, Peer, Standing};
-use super::report::{figures_table, Csv};
+use super::report::Csv;
 use super::{BenchArgs, Harness};
 use disturber::{Disturb, DisturbCgroup, Disturber};
 use files::{make_file, HostDir};
@@ -88,8 +89,9 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }
 
     // A failed QEMU run is reported and the rest goes on: QEMU is a comparison, not the subject.
-    let runs = h.run_schedule(
-        &configs,
+    let runs = Runs::measure(
+        h,
+        configs,
         plan.reps,
         |c| c.name(),
         |rep, c| {
@@ -108,8 +110,8 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let mut csv = Csv::new(&CSV_COLUMNS);
     let s52 = Section52 {
         plan: &plan,
-        configs: &configs,
-        runs: &runs,
+        configs: &runs.configs,
+        runs: &runs.runs,
     };
     s52.write_csv(&mut csv, qemu.as_ref(), &peer);
     let (figures, panels) = s52.print(&dirs, &peer);
@@ -117,7 +119,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let disturb = disturbance(h, &plan, &dirs[1], &mut csv)?;
 
     println!();
-    println!("{}", figures_table(&figures));
+    println!("{}", Verdicts(figures).table());
     println!("{disturb}");
     h.write_results(
         "vmms",
@@ -168,8 +170,9 @@ fn disturbance(h: &Harness, plan: &Plan, dir: &HostDir, csv: &mut Csv) -> Result
         println!("  {n}");
     }
     let mut peaks = Vec::new();
-    let runs = h.run_schedule(
-        &conds,
+    let runs = Runs::measure(
+        h,
+        conds,
         plan.reps,
         |d| format!("§5.3 {}", d.name()),
         |_, d| -> Result<Disturbed, String> {
@@ -204,10 +207,10 @@ fn disturbance(h: &Harness, plan: &Plan, dir: &HostDir, csv: &mut Csv) -> Result
     let s53 = Section53 {
         plan,
         fs: dir.fs,
-        conds: &conds,
+        conds: &runs.configs,
         storages: &storages,
         cases: &cases,
-        runs: &runs,
+        runs: &runs.runs,
         peaks: &peaks,
         cgroup_note,
     };

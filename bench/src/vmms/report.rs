@@ -197,7 +197,39 @@ impl Section52<'_> {
         dirs: &[HostDir],
         peer: &Standing,
     ) -> (Vec<Figure>, Vec<plot::Panel>) {
-        // Costs and ratios.
+        let (t, figures) = self.cost_table(dirs);
+        println!();
+        println!(
+            "Cost of moving {} (median / min over {} run(s); ratios of medians); guest page cache \
+             {} = {:.2} of the extent (paper: 256 MB RAM / 512 MB file = 0.50)",
+            size_text(self.plan.extent),
+            self.plan.reps,
+            size_text(self.plan.page_cache),
+            self.plan.page_cache as f64 / self.plan.extent as f64
+        );
+        println!("{}", t.render());
+        println!(
+            "paper 000 §5.2 (512 MB, host page cache on): virtio/VMMS up to 9.0x reading and 10.6x writing;\n\
+             mmap warm 8.4-9.0x (read) / 9.8-10.6x (write); the other cases 2.8-3.8x (read) / 1.4-3.4x (write)."
+        );
+        peer.print();
+        let count_fs = HostFs::Disk;
+        let c = self.count_table(count_fs);
+        println!();
+        println!(
+            "What each path did per MB moved (host file on {}; QEMU on tmpfs; medians). VM exits are the\n\
+             run's exits less a run of a 4 KiB extent, over every pass (a warm run moves the extent twice);\n\
+             the guest's counts cover the timed pass. CPL0 copy B/B: bytes the guest kernel copied per byte moved;\n\
+             doorbells: virtio queue notifications the VMM saw over the whole run, per MB of every pass.",
+            count_fs.name()
+        );
+        println!("{}", c.render());
+        println!("{COUNTS_ON_THIS_MACHINE}");
+        (figures, self.panels(dirs))
+    }
+
+    /// Costs and ratios per host file and case, and the figures set beside the paper's.
+    fn cost_table(&self, dirs: &[HostDir]) -> (Table, Vec<Figure>) {
         let mut t = Table::new(&[
             "host file",
             "case",
@@ -211,8 +243,6 @@ impl Section52<'_> {
             ">paper virtio/vmms (wb)",
         ]);
         let mut figures = Vec::new();
-        let mut panels = Vec::new();
-        let f2 = |v: Option<f64>| v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into());
         for d in dirs {
             let mut ahead = Vec::new();
             for case in Case::all() {
@@ -239,9 +269,9 @@ impl Section52<'_> {
                     cell(wb, true),
                     cell(none, self.has(Storage::VirtioNone, d.fs)),
                     cell(qm, self.has(Storage::QemuWb, d.fs)),
-                    f2(r(wb)),
-                    f2(r(none)),
-                    f2(r(qm)),
+                    times(r(wb)),
+                    times(r(none)),
+                    times(r(qm)),
                     format!("{lo:.1}-{hi:.1}x"),
                 ]);
                 for x in [r(wb), r(none)].into_iter().flatten() {
@@ -251,7 +281,7 @@ impl Section52<'_> {
                     let goal = if case.write { 10.6 } else { 9.0 };
                     figures.push(Figure {
                         what: format!("virtio/wb / vmms, {case}, {}", d.fs.name()),
-                        ours: f2(r(wb)),
+                        ours: times(r(wb)),
                         reference: format!(">= {goal:.1}x"),
                         source: "paper 000 §5.2 (mmap warm, host page cache on)".into(),
                         met: r(wb).map(|x| x >= goal),
@@ -271,7 +301,12 @@ impl Section52<'_> {
                 met: worst.map(|(_, x)| *x > 1.0),
             });
         }
-        // One panel per case, each on its own scale: the costs span three orders of magnitude.
+        (t, figures)
+    }
+
+    /// One panel per case, each on its own scale: the costs span three orders of magnitude.
+    fn panels(&self, dirs: &[HostDir]) -> Vec<plot::Panel> {
+        let mut panels = Vec::new();
         for case in Case::all() {
             let mut bars = Vec::new();
             for d in dirs {
@@ -302,23 +337,12 @@ impl Section52<'_> {
                 bars,
             });
         }
-        println!();
-        println!(
-            "Cost of moving {} (median / min over {} run(s); ratios of medians); guest page cache \
-             {} = {:.2} of the extent (paper: 256 MB RAM / 512 MB file = 0.50)",
-            size_text(self.plan.extent),
-            self.plan.reps,
-            size_text(self.plan.page_cache),
-            self.plan.page_cache as f64 / self.plan.extent as f64
-        );
-        println!("{}", t.render());
-        println!(
-            "paper 000 §5.2 (512 MB, host page cache on): virtio/VMMS up to 9.0x reading and 10.6x writing;\n\
-             mmap warm 8.4-9.0x (read) / 9.8-10.6x (write); the other cases 2.8-3.8x (read) / 1.4-3.4x (write)."
-        );
-        peer.print();
+        panels
+    }
 
-        // Counts per MB: what each path costs in the currency §6.1 reasons with.
+    /// Counts per MB: what each path costs in the currency §6.1 reasons with (host files on
+    /// `count_fs`, QEMU's on tmpfs).
+    fn count_table(&self, count_fs: HostFs) -> Table {
         let mut c = Table::new(&[
             "storage",
             "case",
@@ -330,7 +354,7 @@ impl Section52<'_> {
             ">doorbells/MB (run)",
         ]);
         let mb = self.plan.extent as f64 / MIB as f64;
-        let count_fs = HostFs::Disk;
+        let one = |v: Option<f64>| v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
         for storage in [
             Storage::Vmms,
             Storage::VirtioWb,
@@ -357,53 +381,42 @@ impl Section52<'_> {
                 // Exits cover the whole run: a warm run moves the extent twice.
                 let passes = if case.warm { 2.0 } else { 1.0 };
                 let exits = med(&|s| Some(((s.exits? - base?) / (passes * mb)).max(0.0)));
-                let per = |f: &dyn Fn(&Sample) -> Option<f64>| {
-                    med(&|s| f(s).map(|v| v / mb))
-                        .map(|v| format!("{v:.1}"))
-                        .unwrap_or_else(|| "-".into())
-                };
+                let per = |f: &dyn Fn(&Sample) -> Option<f64>| one(med(&|s| f(s).map(|v| v / mb)));
                 c.row([
                     storage.name().to_string(),
                     case.to_string(),
-                    exits
-                        .map(|v| format!("{v:.1}"))
-                        .unwrap_or_else(|| "-".into()),
+                    one(exits),
                     per(&|s| s.interrupts),
                     per(&|s| s.page_faults),
                     per(&|s| s.virtio_requests),
                     med(&|s| s.kernel_copy_bytes.map(|b| b / self.plan.extent as f64))
                         .map(|v| format!("{v:.2}"))
                         .unwrap_or_else(|| "-".into()),
-                    med(&|s| Some(s.doorbells? / (passes * mb)))
-                        .map(|v| format!("{v:.1}"))
-                        .unwrap_or_else(|| "-".into()),
+                    one(med(&|s| Some(s.doorbells? / (passes * mb)))),
                 ]);
             }
         }
-        println!();
-        println!(
-            "What each path did per MB moved (host file on {}; QEMU on tmpfs; medians). VM exits are the\n\
-             run's exits less a run of a 4 KiB extent, over every pass (a warm run moves the extent twice);\n\
-             the guest's counts cover the timed pass. CPL0 copy B/B: bytes the guest kernel copied per byte moved;\n\
-             doorbells: virtio queue notifications the VMM saw over the whole run, per MB of every pass.",
-            count_fs.name()
-        );
-        println!("{}", c.render());
-        println!(
-            "On this machine guest kernel code is emulated (see DESIGN): every CPL0 copy runs at a few MB/s\n\
-             and every exit costs about 85 us, so the times above exaggerate the paths with kernel copies\n\
-             and exits (virtio; VMMS syscall). The counts are what carries over to a real KVM host: VMMS\n\
-             moves data with no virtio request, no interrupt and, on mmap, no kernel copy at all (§6.1).\n\
-             Where the counts match, the times cannot differ by the paper's factors: in the system-call\n\
-             cases both storages copy every byte at CPL0 once (CPL0 copy B/B = 1) and that emulated copy is\n\
-             most of the time; in the mmap warm reads the warm pass leaves every page mapped in both (the\n\
-             region itself, or the guest's page cache), so the timed pass is user-mode loads with no fault,\n\
-             request or copy on either side. The paper's guests were Linux 3.4 with ext2 and a block layer\n\
-             with request scheduling (§6.1 attributes most of the gap to that); the probe guest has neither."
-        );
-        (figures, panels)
+        c
     }
 }
+
+/// A ratio as the cost table prints it.
+fn times(v: Option<f64>) -> String {
+    v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into())
+}
+
+/// Why the counts, not the times, carry over to a real KVM host.
+const COUNTS_ON_THIS_MACHINE: &str = "\
+On this machine guest kernel code is emulated (see DESIGN): every CPL0 copy runs at a few MB/s
+and every exit costs about 85 us, so the times above exaggerate the paths with kernel copies
+and exits (virtio; VMMS syscall). The counts are what carries over to a real KVM host: VMMS
+moves data with no virtio request, no interrupt and, on mmap, no kernel copy at all (§6.1).
+Where the counts match, the times cannot differ by the paper's factors: in the system-call
+cases both storages copy every byte at CPL0 once (CPL0 copy B/B = 1) and that emulated copy is
+most of the time; in the mmap warm reads the warm pass leaves every page mapped in both (the
+region itself, or the guest's page cache), so the timed pass is user-mode loads with no fault,
+request or copy on either side. The paper's guests were Linux 3.4 with ext2 and a block layer
+with request scheduling (§6.1 attributes most of the gap to that); the probe guest has neither.";
 
 /// One repetition of one §5.3 condition: each storage and case measured, and how many
 /// whole fills of its disk the disturbing VM finished meanwhile.
