@@ -104,9 +104,7 @@ struct Sample {
 type BootRuns = Runs<Hv, Outcome<Sample>>;
 
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
-    if !Path::new("/dev/kvm").exists() {
-        return Err("/dev/kvm does not exist: this benchmark boots VMs and needs KVM".into());
-    }
+    crate::driver::need_kvm("boots VMs")?;
     let reps = if h.quick { 3 } else { 10 };
     let exe = crate::probe::musubi()?;
     let listed = peers::parse_compare(args.compare.as_deref())?;

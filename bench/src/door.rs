@@ -73,9 +73,7 @@ const NAMES: [&str; NODES] = ["node 0", "node 1", "node 2"];
 const STEP_LIMIT: Duration = Duration::from_secs(60);
 
 pub fn run(h: &Harness, _args: &super::BenchArgs) -> Result<(), String> {
-    if !Path::new("/dev/kvm").exists() {
-        return Err("/dev/kvm does not exist: this benchmark runs VMs and needs KVM".into());
-    }
+    crate::driver::need_kvm("runs VMs")?;
     let reps = if h.quick { 1 } else { 5 };
     let exe = crate::probe::musubi()?;
     println!(

@@ -280,6 +280,18 @@ pub fn summary_bars<'a, C: 'a>(
         .collect()
 }
 
+/// Refuses to start an experiment that needs KVM on a machine without it, before any
+/// configuration is planned, naming what the experiment would have done with it.
+pub fn need_kvm(does: &str) -> Result<(), String> {
+    if std::path::Path::new("/dev/kvm").exists() {
+        Ok(())
+    } else {
+        Err(format!(
+            "/dev/kvm does not exist: this benchmark {does} and needs KVM"
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -193,9 +193,7 @@ struct Sample {
 type MigrateRuns = Runs<Config, Outcome<Sample>>;
 
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
-    if !Path::new("/dev/kvm").exists() {
-        return Err("/dev/kvm does not exist: this benchmark runs VMs and needs KVM".into());
-    }
+    crate::driver::need_kvm("runs VMs")?;
     let reps = if h.quick { 1 } else { 5 };
     let sizes: &[u64] = if h.quick {
         &[128, 256]

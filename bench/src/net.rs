@@ -188,9 +188,7 @@ struct Sample {
 type NetRuns = Runs<Vmm, Outcome<Sample>>;
 
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
-    if !Path::new("/dev/kvm").exists() {
-        return Err("/dev/kvm does not exist: this benchmark runs VMs and needs KVM".into());
-    }
+    crate::driver::need_kvm("runs VMs")?;
     let listed = peers::parse_compare(args.compare.as_deref())?;
     let ns = Netns::new()?;
     let load = if h.quick { QUICK } else { FULL };
