@@ -16,8 +16,8 @@ use vmm::pmem::PmemConfig;
 pub struct VmArgs {
     /// Kernel to boot: an ELF vmlinux with a PVH note, a bzImage, or `probe` for the
     /// bundled probe guest.
-    #[arg(long, value_name = "PATH|probe")]
-    pub kernel: Option<String>,
+    #[arg(long, value_name = "PATH|probe", value_parser = from_str::<Kernel>())]
+    pub kernel: Option<Kernel>,
     /// Kernel command line. Default: `probe.tasks=hello` for the probe guest,
     /// `console=ttyS0 reboot=k panic=1` otherwise. virtio-mmio devices are appended.
     #[arg(long, value_name = "STR")]
@@ -63,6 +63,41 @@ pub struct VmArgs {
     /// pmem, net, serial, exits); flags given on the command line override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+}
+
+/// `--kernel`: the bundled probe guest, or a file (whether it is one is checked when the
+/// configuration is resolved, as for a JSON file's `kernel`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    Probe,
+    File(PathBuf),
+}
+
+impl std::str::FromStr for Kernel {
+    type Err = std::convert::Infallible;
+
+    fn from_str(text: &str) -> Result<Kernel, Self::Err> {
+        Ok(match text {
+            probe::PROBE_NAME => Kernel::Probe,
+            path => Kernel::File(PathBuf::from(path)),
+        })
+    }
+}
+
+impl std::fmt::Display for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Kernel::Probe => f.write_str(probe::PROBE_NAME),
+            Kernel::File(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Kernel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        Ok(text.parse().unwrap_or_else(|never| match never {}))
+    }
 }
 
 /// How a VM of `musubi run` is controlled while it runs, and where it comes from.
@@ -197,7 +232,7 @@ impl RunFlags {
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
-    kernel: Option<String>,
+    kernel: Option<Kernel>,
     cmdline: Option<String>,
     initrd: Option<PathBuf>,
     cpus: Option<u64>,
@@ -247,17 +282,15 @@ impl VmArgs {
         let kernel_arg = self.kernel.clone().or(file.kernel).ok_or(
             "--kernel is required (a vmlinux, a bzImage, or `probe` for the bundled guest)",
         )?;
-        let kernel = if kernel_arg == probe::PROBE_NAME {
-            probe::image()
-        } else {
-            let p = PathBuf::from(&kernel_arg);
-            match std::fs::metadata(&p) {
-                Ok(m) if m.is_file() => KernelImage::File(p),
+        let kernel = match &kernel_arg {
+            Kernel::Probe => probe::image(),
+            Kernel::File(p) => match std::fs::metadata(p) {
+                Ok(m) if m.is_file() => KernelImage::File(p.clone()),
                 Ok(_) => return Err(format!("--kernel {kernel_arg}: not a regular file")),
                 Err(e) => return Err(format!("--kernel {kernel_arg}: {e}")),
-            }
+            },
         };
-        let is_probe = kernel_arg == probe::PROBE_NAME;
+        let is_probe = kernel_arg == Kernel::Probe;
         let cmdline = self.cmdline.clone().or(file.cmdline).unwrap_or_else(|| {
             if is_probe {
                 DEFAULT_PROBE_CMDLINE
@@ -334,7 +367,7 @@ impl VmArgs {
                 a.push(v);
             }
         };
-        put("--kernel", self.kernel.clone());
+        put("--kernel", self.kernel.as_ref().map(|k| k.to_string()));
         put("--cmdline", self.cmdline.clone());
         put(
             "--initrd",

@@ -35,9 +35,12 @@ where
     }
 }
 
+/// `str::parse` for `T`.
+type Parse<T> = fn(&str) -> Result<T, <T as FromStr>::Err>;
+
 /// A value of a type that parses itself and names its flag when it cannot (`--disk`,
 /// `--serial`, ...).
-pub fn from_str<T>() -> Own<fn(&str) -> Result<T, T::Err>>
+pub fn from_str<T>() -> Own<Parse<T>>
 where
     T: FromStr + Clone + Send + Sync + 'static,
     T::Err: Display,
