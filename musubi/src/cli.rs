@@ -1,18 +1,23 @@
 //! Command-line and JSON-file description of a VM, merged into a `VmConfig`.
 
+use crate::migrate::{MigrationUrl, Owned};
 use crate::probe;
+use crate::value::{from_str, Own};
 use clap::Args;
 use serde::Deserialize;
 use std::path::PathBuf;
-use vmm::config::{self, DiskConfig, KernelImage, SerialMode, Size, VmConfig};
+use std::time::Duration;
+use vmm::config::net::NetConfig;
+use vmm::config::{self, DiskConfig, ExitsMode, KernelImage, SerialMode, Size, VmConfig};
+use vmm::pmem::PmemConfig;
 
 /// Flags of `musubi run` (and of every command that boots a VM).
 #[derive(Args, Debug, Clone, Default)]
 pub struct VmArgs {
     /// Kernel to boot: an ELF vmlinux with a PVH note, a bzImage, or `probe` for the
     /// bundled probe guest.
-    #[arg(long, value_name = "PATH|probe")]
-    pub kernel: Option<String>,
+    #[arg(long, value_name = "PATH|probe", value_parser = from_str::<Kernel>())]
+    pub kernel: Option<Kernel>,
     /// Kernel command line. Default: `probe.tasks=hello` for the probe guest,
     /// `console=ttyS0 reboot=k panic=1` otherwise. virtio-mmio devices are appended.
     #[arg(long, value_name = "STR")]
@@ -27,33 +32,72 @@ pub struct VmArgs {
     pub cpus: Option<u64>,
     /// Guest RAM: bytes, or a number with a K, M, G or T suffix (binary units, decimals
     /// allowed), e.g. 256M, 1.5G. Default 256M.
-    #[arg(long, value_name = "SIZE")]
-    pub memory: Option<String>,
+    #[arg(long, value_name = "SIZE", value_parser = Own(memory_size))]
+    pub memory: Option<Size>,
     /// A virtio-blk disk; repeat for more. cache=none opens the file with O_DIRECT.
-    #[arg(long, value_name = "path=FILE[,readonly=on][,cache=writeback|none]")]
-    pub disk: Vec<String>,
+    #[arg(
+        long,
+        value_name = "path=FILE[,readonly=on][,cache=writeback|none]",
+        value_parser = from_str::<DiskConfig>()
+    )]
+    pub disk: Vec<DiskConfig>,
     /// Storage as memory: a file mapped into guest-physical memory above RAM; repeat for
     /// more. Advertised as E820 persistent memory (type 12) or as a virtio-pmem device.
-    #[arg(long, value_name = vmm::pmem::PMEM_SYNTAX)]
-    pub pmem: Vec<String>,
+    #[arg(long, value_name = vmm::pmem::PMEM_SYNTAX, value_parser = from_str::<PmemConfig>())]
+    pub pmem: Vec<PmemConfig>,
     /// A virtio-net device over a TAP interface; repeat for more. tap=NAME opens the TAP,
     /// creating it when missing (with ip= and mask= given to its host end); fd=N takes one
     /// already opened with IFF_VNET_HDR. rate= limits each direction (token buckets a
     /// second deep). The MAC is made up (locally administered) when not given.
-    #[arg(long, value_name = config::net::NET_SYNTAX)]
-    pub net: Vec<String>,
+    #[arg(long, value_name = config::net::NET_SYNTAX, value_parser = from_str::<NetConfig>())]
+    pub net: Vec<NetConfig>,
     /// Where the guest's COM1 goes. Default stdio.
-    #[arg(long, value_name = "stdio|off|file=PATH")]
-    pub serial: Option<String>,
+    #[arg(long, value_name = "stdio|off|file=PATH", value_parser = from_str::<SerialMode>())]
+    pub serial: Option<SerialMode>,
     /// Where hot traps are handled: `kernel` (ioeventfd doorbells served by an I/O
     /// thread, irqfd interrupts) or `user` (every doorbell an MMIO exit on the vCPU
     /// thread, every interrupt injected from user space). Default kernel.
-    #[arg(long, value_name = "kernel|user")]
-    pub exits: Option<String>,
+    #[arg(long, value_name = "kernel|user", value_parser = from_str::<ExitsMode>())]
+    pub exits: Option<ExitsMode>,
     /// JSON file with the same fields (kernel, cmdline, initrd, cpus, memory, disks,
     /// pmem, net, serial, exits); flags given on the command line override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+}
+
+/// `--kernel`: the bundled probe guest, or a file (whether it is one is checked when the
+/// configuration is resolved, as for a JSON file's `kernel`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    Probe,
+    File(PathBuf),
+}
+
+impl std::str::FromStr for Kernel {
+    type Err = std::convert::Infallible;
+
+    fn from_str(text: &str) -> Result<Kernel, Self::Err> {
+        Ok(match text {
+            probe::PROBE_NAME => Kernel::Probe,
+            path => Kernel::File(PathBuf::from(path)),
+        })
+    }
+}
+
+impl std::fmt::Display for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Kernel::Probe => f.write_str(probe::PROBE_NAME),
+            Kernel::File(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Kernel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        Ok(text.parse().unwrap_or_else(|never| match never {}))
+    }
 }
 
 /// How a VM of `musubi run` is controlled while it runs, and where it comes from.
@@ -92,9 +136,10 @@ pub struct ControlFlags {
         long,
         value_name = "tcp:HOST:PORT",
         requires = "secret_file",
-        conflicts_with_all = ["restore", "kernel", "cmdline", "initrd", "config", "nodes"]
+        conflicts_with_all = ["restore", "kernel", "cmdline", "initrd", "config", "nodes"],
+        value_parser = Own(|s: &str| s.parse::<MigrationUrl>().map_err(|e| format!("--receive-migration: {e}")))
     )]
-    pub receive_migration: Option<String>,
+    pub receive_migration: Option<MigrationUrl>,
     /// The migration's shared secret: a file of at least 16 bytes, mode 0600, the same on
     /// both ends.
     #[arg(long, value_name = "FILE", requires = "receive_migration")]
@@ -106,9 +151,10 @@ pub struct ControlFlags {
         long,
         value_name = "PARTITION:PATH",
         hide = true,
-        requires = "receive_migration"
+        requires = "receive_migration",
+        value_parser = Own(|s: &str| Owned::parse("--foreign-storage", "PARTITION:PATH", s))
     )]
-    pub foreign_storage: Vec<String>,
+    pub foreign_storage: Vec<Owned>,
     /// A TAP another partition owns, as PARTITION:NAME (repeatable): an arriving VM whose
     /// `--net tap=` names one is refused. Set by a partition's supervisor, as
     /// `--foreign-storage` is.
@@ -116,9 +162,10 @@ pub struct ControlFlags {
         long,
         value_name = "PARTITION:NAME",
         hide = true,
-        requires = "receive_migration"
+        requires = "receive_migration",
+        value_parser = Own(|s: &str| Owned::parse("--foreign-tap", "PARTITION:NAME", s))
     )]
-    pub foreign_tap: Vec<String>,
+    pub foreign_tap: Vec<Owned>,
 }
 
 /// `--restore-memory`.
@@ -133,8 +180,8 @@ pub enum RestoreMemory {
 #[derive(Args, Debug, Clone)]
 pub struct RunFlags {
     /// Stop the VM after this many seconds (status 126).
-    #[arg(long, value_name = "SECONDS")]
-    pub timeout: Option<f64>,
+    #[arg(long, value_name = "SECONDS", value_parser = Own(seconds), allow_negative_numbers = true)]
+    pub timeout: Option<Duration>,
     /// Write a JSON report at exit: outcome, exits by reason with VMM time, interrupts,
     /// and the time to the first KVM_RUN.
     #[arg(long, value_name = "FILE")]
@@ -151,27 +198,33 @@ pub struct RunFlags {
     pub seccomp: vmm::seccomp::SeccompMode,
 }
 
-impl RunFlags {
-    /// `--timeout` as a duration; anything but a positive finite number of seconds is refused
-    /// by name.
-    pub fn timeout(&self) -> Result<Option<std::time::Duration>, String> {
-        match self.timeout {
-            Some(t) if t.is_finite() && t > 0.0 => Ok(Some(std::time::Duration::from_secs_f64(t))),
-            Some(t) => Err(format!(
-                "--timeout {t}: expected a positive number of seconds"
-            )),
-            None => Ok(None),
+/// `--timeout`: a positive, finite number of seconds.
+fn seconds(text: &str) -> Result<Duration, String> {
+    match text.parse::<f64>() {
+        Ok(t) if t.is_finite() && t > 0.0 => {
+            Duration::try_from_secs_f64(t).map_err(|e| format!("--timeout {text}: {e}"))
         }
+        _ => Err(format!(
+            "--timeout {text}: expected a positive number of seconds"
+        )),
     }
+}
 
+/// `--memory`: a size, refused naming the flag (the bounds are checked with the JSON file's
+/// size, once the two are merged).
+fn memory_size(text: &str) -> Result<Size, config::ConfigError> {
+    config::parse_size("--memory", text).map(Size)
+}
+
+impl RunFlags {
     /// What the VMM is asked besides the VM: `--timeout` and `--seccomp`, with the serial
     /// console left on the terminal rather than captured.
-    pub fn run_options(&self) -> Result<vmm::RunOptions, String> {
-        Ok(vmm::RunOptions {
+    pub fn run_options(&self) -> vmm::RunOptions {
+        vmm::RunOptions {
             capture_serial: false,
-            timeout: self.timeout()?,
+            timeout: self.timeout,
             seccomp: self.seccomp,
-        })
+        }
     }
 }
 
@@ -179,7 +232,7 @@ impl RunFlags {
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
-    kernel: Option<String>,
+    kernel: Option<Kernel>,
     cmdline: Option<String>,
     initrd: Option<PathBuf>,
     cpus: Option<u64>,
@@ -187,14 +240,14 @@ pub struct FileConfig {
     #[serde(default)]
     disks: Vec<DiskConfig>,
     #[serde(default)]
-    pmem: Vec<vmm::pmem::PmemConfig>,
+    pmem: Vec<PmemConfig>,
     #[serde(default)]
-    net: Vec<config::net::NetConfig>,
+    net: Vec<NetConfig>,
     serial: Option<SerialMode>,
-    exits: Option<config::ExitsMode>,
+    exits: Option<ExitsMode>,
 }
 
-pub const DEFAULT_MEMORY: &str = "256M";
+pub const DEFAULT_MEMORY: Size = Size(256 << 20);
 pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 reboot=k panic=1";
 pub const DEFAULT_PROBE_CMDLINE: &str = "probe.tasks=hello";
 
@@ -229,17 +282,15 @@ impl VmArgs {
         let kernel_arg = self.kernel.clone().or(file.kernel).ok_or(
             "--kernel is required (a vmlinux, a bzImage, or `probe` for the bundled guest)",
         )?;
-        let kernel = if kernel_arg == probe::PROBE_NAME {
-            probe::image()
-        } else {
-            let p = PathBuf::from(&kernel_arg);
-            match std::fs::metadata(&p) {
-                Ok(m) if m.is_file() => KernelImage::File(p),
+        let kernel = match &kernel_arg {
+            Kernel::Probe => probe::image(),
+            Kernel::File(p) => match std::fs::metadata(p) {
+                Ok(m) if m.is_file() => KernelImage::File(p.clone()),
                 Ok(_) => return Err(format!("--kernel {kernel_arg}: not a regular file")),
                 Err(e) => return Err(format!("--kernel {kernel_arg}: {e}")),
-            }
+            },
         };
-        let is_probe = kernel_arg == probe::PROBE_NAME;
+        let is_probe = kernel_arg == Kernel::Probe;
         let cmdline = self.cmdline.clone().or(file.cmdline).unwrap_or_else(|| {
             if is_probe {
                 DEFAULT_PROBE_CMDLINE
@@ -250,38 +301,26 @@ impl VmArgs {
         });
         let cpus =
             config::check_cpus(self.cpus.or(file.cpus).unwrap_or(1)).map_err(|e| e.to_string())?;
-        let (mem_flag, mem_text, memory) = match (&self.memory, file.memory) {
-            (Some(m), _) => ("--memory", m.clone(), config::parse_size("--memory", m)),
-            (None, Some(m)) => ("memory (config)", m.to_string(), Ok(m.bytes())),
-            (None, None) => (
-                "--memory",
-                DEFAULT_MEMORY.into(),
-                config::parse_size("--memory", DEFAULT_MEMORY),
-            ),
+        let (mem_flag, memory) = match (self.memory, file.memory) {
+            (Some(m), _) => ("--memory", m),
+            (None, Some(m)) => ("memory (config)", m),
+            (None, None) => ("--memory", DEFAULT_MEMORY),
         };
-        let memory = memory.map_err(|e| e.to_string())?;
-        config::check_memory(mem_flag, &mem_text, memory).map_err(|e| e.to_string())?;
-        let disks: Vec<DiskConfig> = flags_or_file(&self.disk, file.disks)?;
+        config::check_memory(mem_flag, &memory.to_string(), memory.bytes())
+            .map_err(|e| e.to_string())?;
+        let disks = flags_or_file(&self.disk, file.disks);
         for d in &disks {
             config::check_storage_file("--disk path=", &d.path).map_err(|e| e.to_string())?;
         }
-        let pmem = flags_or_file(&self.pmem, file.pmem)?;
-        let net: Vec<config::net::NetConfig> = flags_or_file(&self.net, file.net)?;
+        let pmem = flags_or_file(&self.pmem, file.pmem);
+        let net = flags_or_file(&self.net, file.net);
         for (i, n) in net.iter().enumerate() {
             n.check()
                 .map_err(|why| format!("net[{i}] ({}): {why}", n.name()))?;
         }
         config::net::check_distinct(&net)?;
-        let exits = match &self.exits {
-            Some(e) => e
-                .parse()
-                .map_err(|e: config::spec::BadWord| e.to_string())?,
-            None => file.exits.unwrap_or_default(),
-        };
-        let serial = match &self.serial {
-            Some(s) => s.parse().map_err(|e: config::ConfigError| e.to_string())?,
-            None => file.serial.unwrap_or_default(),
-        };
+        let exits = self.exits.or(file.exits).unwrap_or_default();
+        let serial = self.serial.clone().or(file.serial).unwrap_or_default();
         if let Some(p) = self.initrd.as_ref().or(file.initrd.as_ref()) {
             std::fs::metadata(p).map_err(|e| format!("--initrd {}: {e}", p.display()))?;
         }
@@ -290,7 +329,7 @@ impl VmArgs {
             cmdline,
             initrd: self.initrd.clone().or(file.initrd),
             cpus,
-            memory,
+            memory: memory.bytes(),
             disks,
             pmem,
             serial,
@@ -309,31 +348,13 @@ impl VmArgs {
             Some(n) => Some(config::check_cpus(n).map_err(|e| e.to_string())?),
             None => None,
         };
-        let memory = match &self.memory {
-            Some(m) => Some(config::parse_size("--memory", m).map_err(|e| e.to_string())?),
-            None => None,
-        };
-        let list = |flags: &[String]| (!flags.is_empty()).then(|| flags.to_vec());
         Ok(GivenDevices {
             cpus,
-            memory,
-            disks: list(&self.disk)
-                .map(|f| flags_or_file(&f, Vec::new()))
-                .transpose()?,
-            pmem: list(&self.pmem)
-                .map(|f| flags_or_file(&f, Vec::new()))
-                .transpose()?,
-            serial: match &self.serial {
-                Some(s) => Some(s.parse().map_err(|e: config::ConfigError| e.to_string())?),
-                None => None,
-            },
-            exits: match &self.exits {
-                Some(e) => Some(
-                    e.parse()
-                        .map_err(|e: config::spec::BadWord| e.to_string())?,
-                ),
-                None => None,
-            },
+            memory: self.memory.map(Size::bytes),
+            disks: given(&self.disk),
+            pmem: given(&self.pmem),
+            serial: self.serial.clone(),
+            exits: self.exits,
         })
     }
 
@@ -346,25 +367,25 @@ impl VmArgs {
                 a.push(v);
             }
         };
-        put("--kernel", self.kernel.clone());
+        put("--kernel", self.kernel.as_ref().map(|k| k.to_string()));
         put("--cmdline", self.cmdline.clone());
         put(
             "--initrd",
             self.initrd.as_ref().map(|p| p.display().to_string()),
         );
         put("--cpus", self.cpus.map(|c| c.to_string()));
-        put("--memory", self.memory.clone());
+        put("--memory", self.memory.map(|m| m.to_string()));
         for d in &self.disk {
-            put("--disk", Some(d.clone()));
+            put("--disk", Some(d.to_string()));
         }
         for p in &self.pmem {
-            put("--pmem", Some(p.clone()));
+            put("--pmem", Some(p.to_string()));
         }
         for n in &self.net {
-            put("--net", Some(n.clone()));
+            put("--net", Some(n.to_string()));
         }
-        put("--serial", self.serial.clone());
-        put("--exits", self.exits.clone());
+        put("--serial", self.serial.as_ref().map(|s| s.to_string()));
+        put("--exits", self.exits.map(|e| e.to_string()));
         put(
             "--config",
             self.config.as_ref().map(|p| p.display().to_string()),
@@ -373,17 +394,208 @@ impl VmArgs {
     }
 }
 
-/// The entries of a repeatable spec flag (`--disk`, `--pmem`), or, when the flag is not
-/// given, those of the JSON file: flags replace the file's list rather than add to it.
-fn flags_or_file<T>(flags: &[String], file: Vec<T>) -> Result<Vec<T>, String>
-where
-    T: std::str::FromStr<Err = config::ConfigError>,
-{
+/// A repeatable flag's entries, if it is given at all.
+fn given<T: Clone>(flags: &[T]) -> Option<Vec<T>> {
+    (!flags.is_empty()).then(|| flags.to_vec())
+}
+
+/// The entries of a repeatable spec flag (`--disk`, `--pmem`, `--net`), or, when the flag is
+/// not given, those of the JSON file: flags replace the file's list rather than add to it.
+fn flags_or_file<T: Clone>(flags: &[T], file: Vec<T>) -> Vec<T> {
     if flags.is_empty() {
-        return Ok(file);
+        file
+    } else {
+        flags.to_vec()
     }
-    flags
-        .iter()
-        .map(|f| f.parse().map_err(|e: config::ConfigError| e.to_string()))
-        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// The `run` command of `line` (after `musubi run`), or clap's refusal.
+    fn run(line: &[&str]) -> Result<crate::RunCmd, clap::Error> {
+        let argv = ["musubi", "run"].iter().chain(line);
+        match crate::Cli::try_parse_from(argv)?.command {
+            crate::Command::Run(r) => Ok(r),
+            _ => unreachable!("not a run"),
+        }
+    }
+
+    fn refusal(line: &[&str]) -> String {
+        run(line).map(drop).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn flags_are_typed_as_they_are_read() {
+        let r = run(&[
+            "--memory=1.5G",
+            "--disk=path=a.img,cache=none",
+            "--pmem=file=p.img,size=2M",
+            "--net=tap=t0,mac=52:54:00:00:00:01",
+            "--serial=file=out.txt",
+            "--exits=user",
+            "--timeout=2.5",
+        ])
+        .unwrap();
+        assert_eq!(r.vm.memory, Some(Size(3 << 29)));
+        assert_eq!(r.vm.disk[0].cache, config::CacheMode::None);
+        assert_eq!(r.vm.pmem[0].size, Some(2 << 20));
+        assert_eq!(r.vm.net[0].tap.as_deref(), Some("t0"));
+        assert_eq!(r.vm.serial, Some(SerialMode::File("out.txt".into())));
+        assert_eq!(r.vm.exits, Some(ExitsMode::User));
+        assert_eq!(r.run.timeout, Some(Duration::from_millis(2500)));
+        let given = r.vm.given_devices().unwrap();
+        assert_eq!(given.memory, Some(3 << 29));
+        assert_eq!(given.disks.unwrap().len(), 1);
+        assert_eq!(given.exits, Some(ExitsMode::User));
+    }
+
+    #[test]
+    fn bad_values_are_refused_by_the_parser_naming_flag_and_value() {
+        for (line, wants) in [
+            (
+                vec!["--memory", "lots"],
+                "--memory \"lots\": invalid size: ",
+            ),
+            (
+                vec!["--exits", "fast"],
+                "--exits \"fast\": expected kernel or user",
+            ),
+            (
+                vec!["--serial", "tty"],
+                "--serial \"tty\": expected stdio, off or file=PATH",
+            ),
+            (
+                vec!["--disk", "cache=none"],
+                "--disk \"cache=none\": path= is missing",
+            ),
+            (
+                vec!["--pmem", "file=a,size=x"],
+                "--pmem \"file=a,size=x\": size=\"x\"",
+            ),
+            (
+                vec!["--net", "tap=t,fd=4"],
+                "--net \"tap=t,fd=4\": tap= and fd=",
+            ),
+            (
+                vec!["--timeout", "0"],
+                "--timeout 0: expected a positive number of seconds",
+            ),
+            (
+                vec!["--timeout", "soon"],
+                "--timeout soon: expected a positive number",
+            ),
+            (
+                vec!["--timeout", "inf"],
+                "--timeout inf: expected a positive number",
+            ),
+            (
+                vec!["--receive-migration", "udp:h:1", "--secret-file", "s"],
+                "--receive-migration: migration URL \"udp:h:1\": expected tcp:HOST:PORT",
+            ),
+            (
+                vec![
+                    "--receive-migration=tcp:h:1",
+                    "--secret-file=s",
+                    "--foreign-storage=a.img",
+                ],
+                "--foreign-storage \"a.img\": expected PARTITION:PATH",
+            ),
+            (
+                vec![
+                    "--receive-migration=tcp:h:1",
+                    "--secret-file=s",
+                    "--foreign-tap=tap0",
+                ],
+                "--foreign-tap \"tap0\": expected PARTITION:NAME",
+            ),
+        ] {
+            let e = refusal(&line);
+            assert!(e.starts_with(&format!("error: {wants}")), "{line:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn to_args_gives_a_command_line_that_reads_back_the_same() {
+        let line = [
+            "--kernel",
+            "probe",
+            "--cmdline",
+            "probe.tasks=hello",
+            "--cpus",
+            "2",
+            "--memory",
+            "64.5M",
+            "--disk",
+            "path=a.img,readonly=on",
+            "--disk",
+            "path=b.img,cache=none",
+            "--pmem",
+            "file=p.img,size=4M,advertise=virtio",
+            "--net",
+            "tap=t0,ip=10.0.0.1,mask=255.255.255.0,rate=1048576/100",
+            "--serial",
+            "off",
+            "--exits",
+            "user",
+        ];
+        let vm = run(&line).unwrap().vm;
+        let args = vm.to_args();
+        assert_eq!(args, line, "the canonical forms are the ones given");
+        let again = run(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(format!("{:?}", again.vm), format!("{vm:?}"));
+        // Other spellings of the same values come back in their canonical form.
+        let vm = run(&["--memory", "67108864", "--disk", "cache=writeback,path=a"])
+            .unwrap()
+            .vm;
+        assert_eq!(vm.to_args(), ["--memory", "64M", "--disk", "path=a"]);
+    }
+
+    #[test]
+    fn flags_override_the_json_file_and_replace_its_lists() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("vm.json");
+        let disk = dir.path().join("d.img");
+        std::fs::write(&disk, [0u8; 4096]).unwrap();
+        let json = serde_json::json!({
+            "kernel": "probe",
+            "memory": "32M",
+            "disks": [{"path": disk}],
+            "serial": "off",
+            "exits": "user",
+        });
+        std::fs::write(&file, json.to_string()).unwrap();
+        let path = file.to_str().unwrap();
+        let c = run(&["--config", path]).unwrap().vm.to_config().unwrap();
+        assert_eq!(
+            (c.memory, c.disks.len(), c.serial, c.exits),
+            (32 << 20, 1, SerialMode::Off, ExitsMode::User)
+        );
+        let c = run(&["--config", path, "--memory", "64M", "--exits", "kernel"])
+            .unwrap()
+            .vm
+            .to_config()
+            .unwrap();
+        assert_eq!((c.memory, c.exits), (64 << 20, ExitsMode::Kernel));
+        assert_eq!(c.disks.len(), 1);
+        let other = dir.path().join("e.img");
+        std::fs::write(&other, [0u8; 4096]).unwrap();
+        let spec = format!("path={}", other.display());
+        let c = run(&["--config", path, "--disk", &spec])
+            .unwrap()
+            .vm
+            .to_config()
+            .unwrap();
+        assert_eq!(c.disks.len(), 1);
+        assert_eq!(c.disks[0].path, other);
+        // A size too small for a VM is refused after the merge, naming where it came from.
+        let e = run(&["--memory", "4M", "--kernel", "probe"])
+            .unwrap()
+            .vm
+            .to_config()
+            .unwrap_err();
+        assert!(e.starts_with("--memory: 4M is too small"), "{e}");
+    }
 }

@@ -56,13 +56,7 @@ pub fn node(
     run: &RunFlags,
     api_socket: Option<&Path>,
 ) -> ExitCode {
-    let opts = match run.run_options() {
-        Ok(o) => o,
-        Err(e) => {
-            musubi_cluster::say!("musubi: {e}");
-            return ExitCode::from(1);
-        }
-    };
+    let opts = run.run_options();
     let (id, from) = match id {
         Some(id) => (id, None),
         None => match rank_from_launcher(|k| std::env::var(k).ok()) {
@@ -206,7 +200,7 @@ pub fn launch(args: LaunchArgs) -> ExitCode {
             a.extend(["--metrics".into(), m.into()]);
         }
         if let Some(t) = args.run.timeout {
-            a.extend(["--timeout".into(), t.to_string().into()]);
+            a.extend(["--timeout".into(), t.as_secs_f64().to_string().into()]);
         }
         a
     };

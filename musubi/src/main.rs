@@ -12,6 +12,7 @@ mod partition_cli;
 mod probe;
 mod remote;
 mod run;
+mod value;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

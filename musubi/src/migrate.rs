@@ -10,7 +10,61 @@ use crate::cli;
 use musubi_migration::vm::{Received, Receiving, SendRequest};
 use musubi_migration::Mode;
 use signal_hook::iterator::Signals;
+use std::fmt;
 use std::path::Path;
+use std::str::FromStr;
+
+/// A `tcp:HOST:PORT` migration URL (`run --receive-migration`, `remote send-migration`),
+/// checked when the command line is read and kept as written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MigrationUrl(String);
+
+impl MigrationUrl {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for MigrationUrl {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        musubi_migration::parse_url(text).map(|_| MigrationUrl(text.to_string()))
+    }
+}
+
+impl fmt::Display for MigrationUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Something another partition owns, as `PARTITION:WHAT` (`--foreign-storage
+/// PARTITION:PATH`, `--foreign-tap PARTITION:NAME`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Owned {
+    pub partition: String,
+    pub what: String,
+}
+
+impl Owned {
+    /// `text`, given to `flag`, whose form is `syntax`.
+    pub fn parse(flag: &str, syntax: &str, text: &str) -> Result<Owned, String> {
+        match text.split_once(':') {
+            Some((partition, what)) => Ok(Owned {
+                partition: partition.to_string(),
+                what: what.to_string(),
+            }),
+            None => Err(format!("{flag} {text:?}: expected {syntax}")),
+        }
+    }
+}
+
+impl fmt::Display for Owned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.partition, self.what)
+    }
+}
 
 /// Why no VM came: the message, and the exit status.
 pub struct NotReceived {
@@ -21,14 +75,14 @@ pub struct NotReceived {
 /// What other partitions own, as their supervisor tells a VM that waits for a migration
 /// (`--foreign-storage PARTITION:PATH`, `--foreign-tap PARTITION:NAME`).
 pub struct Foreign<'a> {
-    pub storage: &'a [String],
-    pub taps: &'a [String],
+    pub storage: &'a [Owned],
+    pub taps: &'a [Owned],
 }
 
 /// `run --receive-migration URL`: waits for one VM and builds it. A signal (SIGTERM,
 /// SIGINT, SIGHUP) ends the wait with status 128+N.
 pub fn receive(
-    url: &str,
+    url: &MigrationUrl,
     secret_file: &Path,
     foreign: Foreign<'_>,
     vm: &cli::VmArgs,
@@ -51,13 +105,16 @@ pub fn receive(
         None
     };
     let mut log = |m: &str| eprintln!("musubi: {m}");
+    // The migration crate takes them as written.
+    let written = |list: &[Owned]| list.iter().map(Owned::to_string).collect::<Vec<_>>();
+    let (foreign_storage, foreign_taps) = (written(foreign.storage), written(foreign.taps));
     let r = musubi_migration::vm::receive(
         Receiving {
-            url,
+            url: url.as_str(),
             secret_file,
             given,
-            foreign_storage: foreign.storage,
-            foreign_taps: foreign.taps,
+            foreign_storage: &foreign_storage,
+            foreign_taps: &foreign_taps,
             opts,
         },
         &mut stop,

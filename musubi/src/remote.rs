@@ -1,5 +1,7 @@
 //! `musubi remote`: one request to a running VM's API socket, its answer printed.
 
+use crate::migrate::MigrationUrl;
+use crate::value::{from_str, Own};
 use clap::{Args, Subcommand};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -45,8 +47,8 @@ enum RemoteCommand {
     /// (PUT vm.send-migration). Exits 0 once it runs there; on a failure before the switch
     /// the VM runs on here.
     SendMigration {
-        #[arg(value_name = "tcp:HOST:PORT")]
-        url: String,
+        #[arg(value_name = "tcp:HOST:PORT", value_parser = from_str::<MigrationUrl>())]
+        url: MigrationUrl,
         /// The shared secret, the same file as the destination's --secret-file.
         #[arg(long, value_name = "FILE")]
         secret_file: PathBuf,
@@ -64,7 +66,7 @@ enum RemoteCommand {
         max_rounds: Option<u32>,
         /// Post-copy: most bytes per second the background push sends after the switch
         /// (K, M, G suffixes; at least 4K); pages the VM asks for are never held back.
-        #[arg(long, value_name = "BYTES_PER_S", value_parser = push_limit)]
+        #[arg(long, value_name = "BYTES_PER_S", value_parser = Own(push_limit))]
         push_limit: Option<u64>,
     },
 }
@@ -156,13 +158,13 @@ pub enum MigrationMode {
 }
 
 /// `{"destination_url": URL, "secret_file": "/abs/path"}`.
-fn migration_body(url: &str, secret_file: &Path) -> Result<serde_json::Value, String> {
+fn migration_body(url: &MigrationUrl, secret_file: &Path) -> Result<serde_json::Value, String> {
     let abs = std::path::absolute(secret_file)
         .map_err(|e| format!("--secret-file {}: {e}", secret_file.display()))?;
     let abs = abs
         .to_str()
         .ok_or_else(|| format!("--secret-file {}: not UTF-8", abs.display()))?;
-    Ok(serde_json::json!({ "destination_url": url, "secret_file": abs }))
+    Ok(serde_json::json!({ "destination_url": url.as_str(), "secret_file": abs }))
 }
 
 /// The answer's body to print on success, or the message for a refusal.

@@ -25,10 +25,7 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         },
         None => None,
     };
-    let opts = match run.run_options() {
-        Ok(o) => o,
-        Err(e) => return fail(e),
-    };
+    let opts = run.run_options();
     let mut signals = match stop_signals() {
         Ok(s) => s,
         Err(e) => return fail(e),

@@ -93,6 +93,21 @@ impl std::str::FromStr for DiskConfig {
     }
 }
 
+/// The flag's own form, defaults left out, so a command line made from a parsed `--disk`
+/// (one node's, handed to the next) parses back to the same disk.
+impl fmt::Display for DiskConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "path={}", self.path.display())?;
+        if self.readonly {
+            f.write_str(",readonly=on")?;
+        }
+        if self.cache != CacheMode::default() {
+            write!(f, ",cache={}", self.cache)?;
+        }
+        Ok(())
+    }
+}
+
 /// Checks that `path`, given as `flag`, can hold storage (see
 /// [`host_resources::check_storage_file`]).
 pub fn check_storage_file(flag: &'static str, path: &Path) -> Result<(), ConfigError> {
@@ -359,6 +374,23 @@ mod tests {
                 ("path=a,path=b", "path= is given twice"),
             ],
         );
+    }
+
+    #[test]
+    fn disks_print_as_specs_that_parse_back() {
+        for text in ["path=a.img", "path=/x/b=c.img,readonly=on,cache=none"] {
+            let d: DiskConfig = text.parse().unwrap();
+            assert_eq!(d.to_string(), text);
+        }
+        let d: DiskConfig = "cache=writeback,readonly=off,path=a".parse().unwrap();
+        assert_eq!(d.to_string(), "path=a");
+    }
+
+    #[test]
+    fn serial_modes_print_as_they_parse() {
+        for text in ["stdio", "off", "file=/tmp/console.log"] {
+            assert_eq!(text.parse::<SerialMode>().unwrap().to_string(), text);
+        }
     }
 
     #[test]

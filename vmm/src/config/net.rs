@@ -259,6 +259,40 @@ impl FromStr for NetConfig {
     }
 }
 
+/// The flag's own form, defaults left out, so a command line made from a parsed `--net`
+/// parses back to the same device.
+impl fmt::Display for NetConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut pairs: Vec<(&str, String)> = Vec::new();
+        if let Some(t) = &self.tap {
+            pairs.push(("tap", t.clone()));
+        }
+        if let Some(fd) = self.fd {
+            pairs.push(("fd", fd.to_string()));
+        }
+        if let Some(ip) = self.ip {
+            pairs.push(("ip", ip.to_string()));
+        }
+        if let Some(mask) = self.mask {
+            pairs.push(("mask", mask.to_string()));
+        }
+        if let Some(mac) = self.mac {
+            pairs.push(("mac", mac.to_string()));
+        }
+        if self.queue_size != DEFAULT_QUEUE_SIZE {
+            pairs.push(("queue_size", self.queue_size.to_string()));
+        }
+        if let Some(rate) = self.rate {
+            pairs.push(("rate", rate.to_string()));
+        }
+        for (i, (key, value)) in pairs.iter().enumerate() {
+            let comma = if i == 0 { "" } else { "," };
+            write!(f, "{comma}{key}={value}")?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -287,6 +321,21 @@ mod tests {
         let n: NetConfig = "tap=t,rate=/100".parse().unwrap();
         assert_eq!(n.rate.unwrap().bytes_per_s, None);
         assert_eq!(n.name(), "--net tap=t");
+    }
+
+    #[test]
+    fn net_specs_print_as_specs_that_parse_back() {
+        for text in [
+            "tap=tap0",
+            "tap=t1,ip=10.0.0.1,mask=255.255.255.0,mac=52:54:00:12:34:56,queue_size=64,rate=1048576/100",
+            "fd=7,rate=/20",
+        ] {
+            let n: NetConfig = text.parse().unwrap();
+            assert_eq!(n.to_string(), text);
+        }
+        let n: NetConfig = "queue_size=256,rate=1M,tap=t".parse().unwrap();
+        assert_eq!(n.to_string(), "tap=t,rate=1048576");
+        assert_eq!(n.to_string().parse::<NetConfig>().unwrap(), n);
     }
 
     #[test]

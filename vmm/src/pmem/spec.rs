@@ -4,6 +4,7 @@
 use crate::config::spec::{self, Spec};
 use crate::config::{ConfigError, Size};
 use serde::Deserialize;
+use std::fmt;
 use std::path::PathBuf;
 
 pub const PMEM_SYNTAX: &str = "file=PATH[,size=SIZE][,readonly=on][,advertise=e820|virtio]";
@@ -19,12 +20,21 @@ pub enum Advertise {
     Virtio,
 }
 
+/// The words of `advertise=`, for parsing and printing alike.
+const ADVERTISE_WORDS: [(&str, Advertise); 2] =
+    [("e820", Advertise::E820), ("virtio", Advertise::Virtio)];
+
 impl std::str::FromStr for Advertise {
     type Err = spec::UnknownWord;
 
     fn from_str(s: &str) -> Result<Advertise, spec::UnknownWord> {
-        let words = [("e820", Advertise::E820), ("virtio", Advertise::Virtio)];
-        spec::word(s, &words)
+        spec::word(s, &ADVERTISE_WORDS)
+    }
+}
+
+impl fmt::Display for Advertise {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(spec::name_of(*self, &ADVERTISE_WORDS))
     }
 }
 
@@ -83,6 +93,24 @@ impl std::str::FromStr for PmemConfig {
     }
 }
 
+/// The flag's own form, defaults left out, so a command line made from a parsed `--pmem`
+/// parses back to the same region.
+impl fmt::Display for PmemConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "file={}", self.file.display())?;
+        if let Some(size) = self.size {
+            write!(f, ",size={}", Size(size))?;
+        }
+        if self.readonly {
+            f.write_str(",readonly=on")?;
+        }
+        if self.advertise != Advertise::default() {
+            write!(f, ",advertise={}", self.advertise)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,6 +136,20 @@ mod tests {
             (c.size, c.readonly, c.advertise),
             (None, false, Advertise::E820)
         );
+    }
+
+    #[test]
+    fn specs_print_as_specs_that_parse_back() {
+        for text in [
+            "file=a.img",
+            "file=/p/b.img,size=1.5G,readonly=on,advertise=virtio",
+        ] {
+            let c: PmemConfig = text.parse().unwrap();
+            assert_eq!(c.to_string(), text);
+        }
+        let c: PmemConfig = "advertise=e820,size=2097152,file=x".parse().unwrap();
+        assert_eq!(c.to_string(), "file=x,size=2M");
+        assert_eq!(c.to_string().parse::<PmemConfig>().unwrap(), c);
     }
 
     #[test]
