@@ -271,7 +271,7 @@ impl VmArgs {
             n.check()
                 .map_err(|why| format!("net[{i}] ({}): {why}", n.name()))?;
         }
-        config::net::check_distinct(&net)?;
+        config::net::check_distinct(&net).map_err(|e| e.to_string())?;
         let exits = match &self.exits {
             Some(e) => e
                 .parse()
