@@ -64,7 +64,7 @@ pub fn receive(
         &mut log,
     );
     r.map_err(|e| NotReceived {
-        message: e.message,
+        message: e.to_string(),
         code: signal.map_or(1, |s| 128 + s as u8),
     })
 }
