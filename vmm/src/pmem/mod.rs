@@ -48,7 +48,7 @@ pub enum PmemError {
     #[error("--pmem: {0}")]
     Layout(String),
     #[error("--pmem: {0}")]
-    Place(#[from] PlaceError),
+    Place(#[from] Box<PlaceError>),
 }
 
 fn file_err(file: &Path, why: impl Into<String>) -> PmemError {

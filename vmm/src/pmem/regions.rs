@@ -217,7 +217,7 @@ impl PmemRegions {
     ) -> Result<PmemRegions, PmemError> {
         let files = Self::open_files(configs, disks)?;
         let sizes: Vec<u64> = files.spans().iter().map(|s| s.0).collect();
-        let addrs = place(ram_size, &sizes, phys_bits)?;
+        let addrs = place(ram_size, &sizes, phys_bits).map_err(Box::new)?;
         files.map(&addrs)
     }
 
