@@ -9,11 +9,11 @@
 //! so the memory leaves userfaultfd (absent pages then read as zeros, as on the source) and
 //! the source is told it may end.
 
-use crate::protocol::{Blob, Msg, RamLayout};
-use crate::{recv, recv_blob, send, Options, DESTINATION, SOURCE};
+use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
+use crate::{recv, recv_blob, send, Options, ProtocolError, VmFault, DESTINATION, SOURCE};
 use dsm::PAGE_SIZE;
 use dsm_host::link::{LinkReader, LinkWriter};
-use dsm_host::{Envelope, Link, Memory};
+use dsm_host::{Envelope, Link, LinkError, Memory, MemoryError};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -26,12 +26,12 @@ pub trait Host {
     /// `Err(why)` refuses it before the source pauses anything. Returns the VM's RAM
     /// ranges (guest-physical start, length), laid one after the other in the mapping
     /// [`Host::build`] gets.
-    fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, String>;
+    fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, VmFault>;
     /// Builds the VM on `ram`, without its state and without starting it, while the source
     /// still runs it: the time this takes (it grows with RAM) is not part of the pause.
-    fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), String>;
+    fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), VmFault>;
     /// Puts the VM's state (JSON), sent once the source has paused, into the built VM.
-    fn apply(&mut self, state: &[u8]) -> Result<(), String>;
+    fn apply(&mut self, state: &[u8]) -> Result<(), VmFault>;
 }
 
 /// Why the wait for a VM ended without one.
@@ -40,7 +40,57 @@ pub enum ReceiveError {
     #[error("{0}")]
     Stopped(String),
     #[error("waiting for a migration: {0}")]
-    Io(std::io::Error),
+    Transport(#[source] dsm_host::TransportError),
+}
+
+/// Why one source's migration ended before the switch (the wait goes on).
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The reason, also sent to the source as text.
+    #[error("refused the VM: {0}")]
+    Refused(#[source] Unhostable),
+    #[error("pre-copied guest RAM: {0}")]
+    Precopy(#[source] MemoryError),
+    /// The reason, also sent to the source as text.
+    #[error("could not build the VM: {0}")]
+    NotBuilt(#[source] VmFault),
+    #[error("expected the switch, got a {0} message")]
+    NoSwitch(&'static str),
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+}
+
+/// Why this process cannot host the VM offered.
+#[derive(Debug, thiserror::Error)]
+pub enum Unhostable {
+    #[error("{0}")]
+    Host(#[source] VmFault),
+    #[error(transparent)]
+    Layout(#[from] RamLayoutError),
+    #[error(transparent)]
+    Ram(#[from] MemoryError),
+}
+
+/// Why the threads that bring the pages in could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Thread(#[from] std::io::Error),
+}
+
+/// Why a message to the source could not go.
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error("no link")]
+    NoLink,
 }
 
 /// Waits on `listener` for one VM, refusing (and reporting through `log`) every peer that
@@ -76,7 +126,7 @@ pub fn receive(
         .map(|(link, _)| link)
         .map_err(|e| match e {
             dsm_host::TransportError::Stopped(why) => ReceiveError::Stopped(why),
-            other => ReceiveError::Io(std::io::Error::other(other.to_string())),
+            other => ReceiveError::Transport(other),
         })?;
         let peer = link.addr;
         match session(link, opts, host) {
@@ -89,7 +139,11 @@ pub fn receive(
 }
 
 /// One peer that proved the secret, from its configuration to the switch.
-fn session(link: Link, opts: &Options, host: &mut dyn Host) -> Result<Arc<PostCopyRam>, String> {
+fn session(
+    link: Link,
+    opts: &Options,
+    host: &mut dyn Host,
+) -> Result<Arc<PostCopyRam>, SessionError> {
     let Link {
         mut reader,
         mut writer,
@@ -97,43 +151,45 @@ fn session(link: Link, opts: &Options, host: &mut dyn Host) -> Result<Arc<PostCo
     } = link;
     reader
         .limit_silence(opts.setup_limit)
-        .and_then(|()| writer.limit_stall(opts.setup_limit))
-        .map_err(|e| e.to_string())?;
+        .and_then(|()| writer.limit_stall(opts.setup_limit))?;
     let first = recv(&mut reader)?;
     let config = recv_blob(&mut reader, Blob::Config, first)?;
     // Everything that takes time in proportion to the VM is done here, while the source
     // still runs it.
-    let built = host.check(&config).and_then(|ranges| {
-        let layout = RamLayout::new(ranges)?;
-        let ram = PostCopyRam::new(layout, opts.clone())?;
-        host.build(&ram)?;
-        Ok::<_, String>(ram)
-    });
+    let built = host
+        .check(&config)
+        .map_err(Unhostable::Host)
+        .and_then(|ranges| {
+            let layout = RamLayout::new(ranges)?;
+            let ram = PostCopyRam::new(layout, opts.clone())?;
+            host.build(&ram).map_err(Unhostable::Host)?;
+            Ok(ram)
+        });
     let ram = match built {
         Ok(r) => r,
         Err(why) => {
-            let _ = send(&mut writer, &Msg::Refused(why.clone()));
-            return Err(format!("refused the VM: {why}"));
+            let _ = send(&mut writer, &Msg::Refused(why.to_string()));
+            return Err(SessionError::Refused(why));
         }
     };
-    send(&mut writer, &Msg::Ready).map_err(|e| e.to_string())?;
+    send(&mut writer, &Msg::Ready)?;
     // A pre-copy source sends pages before the state, while its VM runs, some of them
     // several times over.
     let first = loop {
         match recv(&mut reader)? {
-            Msg::Page { page, data } => ram.precopy(page, &data)?,
+            Msg::Page { page, data } => ram.precopy(page, &data).map_err(SessionError::Precopy)?,
             m => break m,
         }
     };
     let state = recv_blob(&mut reader, Blob::State, first)?;
     if let Err(why) = host.apply(&state) {
-        let _ = send(&mut writer, &Msg::Failed(why.clone()));
-        return Err(format!("could not build the VM: {why}"));
+        let _ = send(&mut writer, &Msg::Failed(why.to_string()));
+        return Err(SessionError::NotBuilt(why));
     }
-    send(&mut writer, &Msg::Built).map_err(|e| e.to_string())?;
+    send(&mut writer, &Msg::Built)?;
     match recv(&mut reader)? {
         Msg::Switch => {}
-        m => return Err(format!("expected the switch, got a {} message", m.name())),
+        m => return Err(SessionError::NoSwitch(m.name())),
     }
     ram.serve(reader, writer)?;
     Ok(ram)
@@ -184,8 +240,8 @@ impl std::fmt::Debug for PostCopyRam {
 
 impl PostCopyRam {
     /// Maps RAM for `layout`, every page absent.
-    pub fn new(layout: RamLayout, opts: Options) -> Result<Arc<PostCopyRam>, String> {
-        let mem = Memory::new(0, layout.bytes() as usize).map_err(|e| e.to_string())?;
+    pub fn new(layout: RamLayout, opts: Options) -> Result<Arc<PostCopyRam>, MemoryError> {
+        let mem = Memory::new(0, layout.bytes() as usize)?;
         Ok(Arc::new(PostCopyRam {
             mem,
             layout,
@@ -258,14 +314,10 @@ impl PostCopyRam {
         (listed != NOT_LISTED).then_some(listed)
     }
 
-    fn send(&self, m: &Envelope) -> Result<(), String> {
+    fn send(&self, m: &Envelope) -> Result<(), SendError> {
         match self.writer.get() {
-            Some(w) => w
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .send(m)
-                .map_err(|e| e.to_string()),
-            None => Err("no link".into()),
+            Some(w) => Ok(w.lock().unwrap_or_else(|e| e.into_inner()).send(m)?),
+            None => Err(SendError::NoLink),
         }
     }
 
@@ -279,41 +331,41 @@ impl PostCopyRam {
 
     /// Takes a page sent before the switch, when nothing but this thread touches the RAM:
     /// the first copy of a page is installed, a later one overwrites it.
-    fn precopy(&self, page: u64, data: &[u8; PAGE_SIZE]) -> Result<(), String> {
-        let err = |e: dsm_host::MemoryError| format!("pre-copied guest RAM: {e}");
-        if self.mem.install(page, data, true).map_err(err)? {
+    fn precopy(&self, page: u64, data: &[u8; PAGE_SIZE]) -> Result<(), MemoryError> {
+        if self.mem.install(page, data, true)? {
             self.stats.installed.fetch_add(1, Ordering::Relaxed);
         } else {
             // SAFETY: before the switch no vCPU runs and no device works on this RAM, so
             // nothing else reads or writes the page, which is present (just refused as
             // such by UFFDIO_COPY).
-            unsafe { self.mem.write_present(page, data) }.map_err(err)?;
+            unsafe { self.mem.write_present(page, data) }?;
         }
         self.stats.precopied.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
     /// Starts the threads that bring the pages in over the link.
-    fn serve(self: &Arc<Self>, mut reader: LinkReader, writer: LinkWriter) -> Result<(), String> {
+    fn serve(
+        self: &Arc<Self>,
+        mut reader: LinkReader,
+        writer: LinkWriter,
+    ) -> Result<(), ServeError> {
         reader
             .limit_silence(self.opts.silence)
-            .and_then(|()| writer.limit_stall(self.opts.silence))
-            .map_err(|e| e.to_string())?;
+            .and_then(|()| writer.limit_stall(self.opts.silence))?;
         let _ = self.writer.set(Mutex::new(writer));
         let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
         let me = self.clone();
         threads.push(
             std::thread::Builder::new()
                 .name("migration-faults".into())
-                .spawn(move || me.serve_faults())
-                .map_err(|e| e.to_string())?,
+                .spawn(move || me.serve_faults())?,
         );
         let me = self.clone();
         threads.push(
             std::thread::Builder::new()
                 .name("migration-pages".into())
-                .spawn(move || me.take_pages(reader))
-                .map_err(|e| e.to_string())?,
+                .spawn(move || me.take_pages(reader))?,
         );
         Ok(())
     }
@@ -353,7 +405,7 @@ impl PostCopyRam {
         }
     }
 
-    fn lost(&self, why: String) {
+    fn lost(&self, why: impl std::fmt::Display) {
         if self.held.load(Ordering::Acquire) {
             return;
         }
@@ -408,7 +460,7 @@ impl PostCopyRam {
                     }
                     return;
                 }
-                m => return self.lost(format!("unexpected {} message", m.name())),
+                m => return self.lost(ProtocolError::Unexpected(m.name())),
             }
         }
     }
@@ -497,25 +549,25 @@ mod tests {
         fn config(&self) -> Vec<u8> {
             b"the config".to_vec()
         }
-        fn capture(&self) -> Result<Vec<u8>, String> {
+        fn capture(&self) -> Result<Vec<u8>, VmFault> {
             if let Some(p) = self.last {
                 self.write(p, 0xee);
             }
             self.captured.store(true, Ordering::SeqCst);
             Ok(vec![b's'; 40_000])
         }
-        fn resume(&self) -> Result<(), String> {
+        fn resume(&self) -> Result<(), VmFault> {
             self.resumed.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }
         fn ram_ranges(&self) -> Vec<(u64, u64)> {
             RANGES.to_vec()
         }
-        fn pages_with_data(&self) -> Result<Vec<u64>, String> {
+        fn pages_with_data(&self) -> Result<Vec<u64>, VmFault> {
             let l = Self::layout();
             Ok((0..96).step_by(3).map(|p| l.gpa_of(p).unwrap()).collect())
         }
-        fn read_page(&self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), String> {
+        fn read_page(&self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), VmFault> {
             let o = Self::layout().page_of(gpa).unwrap() as usize * 4096;
             buf.copy_from_slice(&self.ram.lock().unwrap()[o..o + 4096]);
             Ok(())
@@ -523,11 +575,11 @@ mod tests {
         fn has_ended(&self) -> bool {
             self.end_on_capture && self.captured.load(Ordering::SeqCst)
         }
-        fn start_dirty_log(&self) -> Result<(), String> {
+        fn start_dirty_log(&self) -> Result<(), VmFault> {
             self.logging.store(true, Ordering::SeqCst);
             Ok(())
         }
-        fn dirty_pages(&self) -> Result<Vec<u64>, String> {
+        fn dirty_pages(&self) -> Result<Vec<u64>, VmFault> {
             if !self.logging.load(Ordering::SeqCst) {
                 return Err("dirty logging is off".into());
             }
@@ -539,7 +591,7 @@ mod tests {
             }
             Ok(std::mem::take(&mut *self.written.lock().unwrap()))
         }
-        fn stop_dirty_log(&self) -> Result<(), String> {
+        fn stop_dirty_log(&self) -> Result<(), VmFault> {
             self.logging.store(false, Ordering::SeqCst);
             Ok(())
         }
@@ -553,16 +605,20 @@ mod tests {
     }
 
     impl Host for FakeHost {
-        fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, String> {
+        fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, VmFault> {
             assert_eq!(config, b"the config");
-            self.refuse.clone().map_or(Ok(RANGES.to_vec()), Err)
+            self.refuse
+                .clone()
+                .map_or(Ok(RANGES.to_vec()), |why| Err(why.into()))
         }
-        fn build(&mut self, _ram: &Arc<PostCopyRam>) -> Result<(), String> {
+        fn build(&mut self, _ram: &Arc<PostCopyRam>) -> Result<(), VmFault> {
             Ok(())
         }
-        fn apply(&mut self, state: &[u8]) -> Result<(), String> {
+        fn apply(&mut self, state: &[u8]) -> Result<(), VmFault> {
             self.state_len = state.len();
-            self.fail_apply.clone().map_or(Ok(()), Err)
+            self.fail_apply
+                .clone()
+                .map_or(Ok(()), |why| Err(why.into()))
         }
     }
 

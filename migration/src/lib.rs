@@ -27,8 +27,12 @@ use dsm::NodeId;
 use dsm_host::link::{LinkReader, LinkWriter};
 use dsm_host::{Envelope, LinkError, LinkParams};
 use protocol::{Blob, Msg};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// A failure of the VM side of a migration (the program that embeds it, through
+/// [`source::SourceVm`] or [`destination::Host`]), kept whole for its message and source.
+pub type VmFault = Box<dyn std::error::Error + Send + Sync>;
 
 /// The source's node id on the link.
 pub const SOURCE: NodeId = NodeId(0);
@@ -118,8 +122,50 @@ impl std::fmt::Debug for Options {
     }
 }
 
+/// A migration URL that is not `tcp:HOST:PORT`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("migration URL {url:?}: expected tcp:HOST:PORT (e.g. tcp:192.0.2.7:6000)")]
+pub struct UrlError {
+    pub url: String,
+}
+
+/// Why a secret file cannot be used; each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error("--secret-file {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "--secret-file {}: mode {mode:04o} lets others read or change the secret; make it 0600 \
+         (chmod 600)",
+        path.display()
+    )]
+    Mode { path: PathBuf, mode: u32 },
+    #[error("--secret-file {}: {len} bytes; a secret needs at least {MIN_SECRET}", path.display())]
+    Short { path: PathBuf, len: usize },
+}
+
+/// Why the messages on a migration's link did not make sense, or the link failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Msg(#[from] protocol::MsgError),
+    #[error("unexpected {0} frame on a migration link")]
+    Frame(&'static str),
+    #[error("{0:?} document longer than {MAX_DOCUMENT} bytes")]
+    TooLong(Blob),
+    #[error("expected the {what:?} document, got a {got} message")]
+    NotDocument { what: Blob, got: &'static str },
+    #[error("unexpected {0} message")]
+    Unexpected(&'static str),
+}
+
 /// `HOST:PORT` of a `tcp:HOST:PORT` migration URL, or why it is not one.
-pub fn parse_url(url: &str) -> Result<&str, String> {
+pub fn parse_url(url: &str) -> Result<&str, UrlError> {
     match url.strip_prefix("tcp:") {
         Some(rest)
             if rest
@@ -128,30 +174,32 @@ pub fn parse_url(url: &str) -> Result<&str, String> {
         {
             Ok(rest)
         }
-        _ => Err(format!(
-            "migration URL {url:?}: expected tcp:HOST:PORT (e.g. tcp:192.0.2.7:6000)"
-        )),
+        _ => Err(UrlError { url: url.into() }),
     }
 }
 
 /// The shared secret in `path`: at least [`MIN_SECRET`] bytes, in a file only its owner may
 /// read or write.
-pub fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
+pub fn read_secret(path: &Path) -> Result<Vec<u8>, SecretError> {
     use std::os::unix::fs::PermissionsExt;
-    let at = |e: String| format!("--secret-file {}: {e}", path.display());
-    let meta = std::fs::metadata(path).map_err(|e| at(e.to_string()))?;
+    let io = |source| SecretError::Io {
+        path: path.into(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(io)?;
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
-        return Err(at(format!(
-            "mode {mode:04o} lets others read or change the secret; make it 0600 (chmod 600)"
-        )));
+        return Err(SecretError::Mode {
+            path: path.into(),
+            mode,
+        });
     }
-    let secret = std::fs::read(path).map_err(|e| at(e.to_string()))?;
+    let secret = std::fs::read(path).map_err(io)?;
     if secret.len() < MIN_SECRET {
-        return Err(at(format!(
-            "{} bytes; a secret needs at least {MIN_SECRET}",
-            secret.len()
-        )));
+        return Err(SecretError::Short {
+            path: path.into(),
+            len: secret.len(),
+        });
     }
     Ok(secret)
 }
@@ -161,12 +209,12 @@ pub(crate) fn send(w: &mut LinkWriter, m: &Msg) -> Result<(), LinkError> {
 }
 
 /// The next migration message; heartbeats are skipped, anything else is an error.
-pub(crate) fn recv(r: &mut LinkReader) -> Result<Msg, String> {
+pub(crate) fn recv(r: &mut LinkReader) -> Result<Msg, ProtocolError> {
     loop {
-        match r.recv().map_err(|e| e.to_string())? {
-            Envelope::Migration(b) => return Msg::decode(&b).map_err(|e| e.to_string()),
+        match r.recv()? {
+            Envelope::Migration(b) => return Ok(Msg::decode(&b)?),
             Envelope::Heartbeat { .. } => continue,
-            e => return Err(format!("unexpected {} frame on a migration link", e.name())),
+            e => return Err(ProtocolError::Frame(e.name())),
         }
     }
 }
@@ -179,25 +227,27 @@ pub(crate) fn send_blob(w: &mut LinkWriter, what: Blob, bytes: &[u8]) -> Result<
 }
 
 /// A document sent in parts; `first` is a message already read.
-pub(crate) fn recv_blob(r: &mut LinkReader, what: Blob, first: Msg) -> Result<Vec<u8>, String> {
+pub(crate) fn recv_blob(
+    r: &mut LinkReader,
+    what: Blob,
+    first: Msg,
+) -> Result<Vec<u8>, ProtocolError> {
     let mut out = Vec::new();
     let mut m = first;
     loop {
         match m {
             Msg::Part(b, bytes) if b == what => {
                 if out.len() + bytes.len() > MAX_DOCUMENT {
-                    return Err(format!(
-                        "{what:?} document longer than {MAX_DOCUMENT} bytes"
-                    ));
+                    return Err(ProtocolError::TooLong(what));
                 }
                 out.extend_from_slice(&bytes);
             }
             Msg::End(b) if b == what => return Ok(out),
             other => {
-                return Err(format!(
-                    "expected the {what:?} document, got a {} message",
-                    other.name()
-                ))
+                return Err(ProtocolError::NotDocument {
+                    what,
+                    got: other.name(),
+                })
             }
         }
         m = recv(r)?;
@@ -221,7 +271,10 @@ mod tests {
             "unix:/x",
         ] {
             assert!(
-                parse_url(bad).unwrap_err().contains("tcp:HOST:PORT"),
+                parse_url(bad)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("tcp:HOST:PORT"),
                 "{bad}"
             );
         }
@@ -233,13 +286,20 @@ mod tests {
         let p = dir.path().join("secret");
         std::fs::write(&p, [7u8; 32]).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
-        assert!(read_secret(&p).unwrap_err().contains("chmod 600"));
+        assert!(read_secret(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("chmod 600"));
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert_eq!(read_secret(&p).unwrap(), [7u8; 32]);
         std::fs::write(&p, b"short").unwrap();
-        assert!(read_secret(&p).unwrap_err().contains("at least 16"));
+        assert!(read_secret(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("at least 16"));
         assert!(read_secret(&dir.path().join("none"))
             .unwrap_err()
+            .to_string()
             .contains("none"));
     }
 }

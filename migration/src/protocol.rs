@@ -229,6 +229,17 @@ impl Msg {
     }
 }
 
+/// RAM ranges that cannot be numbered as pages.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RamLayoutError {
+    #[error("RAM range {gpa:#x}+{len:#x} is not whole pages")]
+    NotPages { gpa: u64, len: u64 },
+    #[error("RAM range {gpa:#x}+{len:#x} wraps")]
+    Wraps { gpa: u64, len: u64 },
+    #[error("RAM ranges overlap")]
+    Overlap,
+}
+
 /// Guest RAM's ranges (guest-physical start, length), laid one after the other: how pages
 /// are numbered on the wire and placed in the destination's mapping.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -238,19 +249,19 @@ pub struct RamLayout {
 
 impl RamLayout {
     /// Refuses ranges that are not page-aligned or that overlap.
-    pub fn new(ranges: Vec<(u64, u64)>) -> Result<RamLayout, String> {
+    pub fn new(ranges: Vec<(u64, u64)>) -> Result<RamLayout, RamLayoutError> {
         let page = PAGE_SIZE as u64;
         for &(gpa, len) in &ranges {
             if !gpa.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
-                return Err(format!("RAM range {gpa:#x}+{len:#x} is not whole pages"));
+                return Err(RamLayoutError::NotPages { gpa, len });
             }
             gpa.checked_add(len)
-                .ok_or(format!("RAM range {gpa:#x}+{len:#x} wraps"))?;
+                .ok_or(RamLayoutError::Wraps { gpa, len })?;
         }
         let mut sorted = ranges.clone();
         sorted.sort();
         if sorted.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
-            return Err("RAM ranges overlap".into());
+            return Err(RamLayoutError::Overlap);
         }
         Ok(RamLayout { ranges })
     }

@@ -7,11 +7,11 @@
 //! and needs the pages still here, so a lost link is [`SourceError::After`]: the caller
 //! ends its VM with that message.
 
-use crate::protocol::{Blob, Msg, RamLayout};
-use crate::{recv, send, send_blob, Mode, Options, DESTINATION, SOURCE};
+use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
+use crate::{recv, send, send_blob, Mode, Options, ProtocolError, VmFault, DESTINATION, SOURCE};
 use dsm::PAGE_SIZE;
 use dsm_host::link::{LinkReader, LinkWriter};
-use dsm_host::{Envelope, Link, Role};
+use dsm_host::{Envelope, Link, LinkError, Role};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -21,23 +21,23 @@ pub trait SourceVm: Send + Sync {
     /// The configuration the destination builds the VM from (JSON).
     fn config(&self) -> Vec<u8>;
     /// Pauses the VM (if it runs) and returns its vCPU and device state (JSON).
-    fn capture(&self) -> Result<Vec<u8>, String>;
+    fn capture(&self) -> Result<Vec<u8>, VmFault>;
     /// Lets a VM paused by [`SourceVm::capture`] go on.
-    fn resume(&self) -> Result<(), String>;
+    fn resume(&self) -> Result<(), VmFault>;
     /// Guest RAM's ranges (guest-physical start, length).
     fn ram_ranges(&self) -> Vec<(u64, u64)>;
     /// Guest-physical addresses of every page that may hold data; all others are zeros.
-    fn pages_with_data(&self) -> Result<Vec<u64>, String>;
-    fn read_page(&self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), String>;
+    fn pages_with_data(&self) -> Result<Vec<u64>, VmFault>;
+    fn read_page(&self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), VmFault>;
     /// Whether the VM has ended here (a signal, a timeout): nothing more can be sent.
     fn has_ended(&self) -> bool;
     /// Starts tracking the pages written (by the guest or the VMM), for pre-copy.
-    fn start_dirty_log(&self) -> Result<(), String>;
+    fn start_dirty_log(&self) -> Result<(), VmFault>;
     /// Guest-physical addresses of the pages written since tracking started or the last
     /// call.
-    fn dirty_pages(&self) -> Result<Vec<u64>, String>;
+    fn dirty_pages(&self) -> Result<Vec<u64>, VmFault>;
     /// Stops that tracking (a pre-copy that failed before the switch).
-    fn stop_dirty_log(&self) -> Result<(), String>;
+    fn stop_dirty_log(&self) -> Result<(), VmFault>;
 }
 
 /// What a migration that succeeded did.
@@ -71,28 +71,136 @@ pub struct PreCopyReport {
     pub converged: bool,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum SourceError {
     /// The VM did not move and runs on here.
     #[error("{0}; the VM runs on here")]
-    Before(String),
+    Before(#[source] Box<Unmoved>),
     /// The VM moved but pages it needs are still here and can no longer be sent: it is lost.
+    #[error(transparent)]
+    After(Box<Lost>),
+}
+
+/// Why a migration ended before the switch; each names the destination.
+#[derive(Debug, thiserror::Error)]
+pub enum Unmoved {
+    #[error("migration destination {to}: {source}")]
+    Resolve { to: String, source: std::io::Error },
+    #[error("migration destination {to}: no address")]
+    NoAddress { to: String },
+    #[error("cannot connect to the migration destination {to}: {source}")]
+    Connect { to: String, source: std::io::Error },
+    #[error("migration destination {to}: {source}")]
+    Handshake { to: String, source: LinkError },
+    #[error("migration to {to}: {why}")]
+    Setup {
+        to: String,
+        #[source]
+        why: SetupError,
+    },
+}
+
+/// What failed between the handshake and the switch.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The destination's reason, as it sent it.
+    #[error("the destination refused the VM: {0}")]
+    Refused(String),
+    /// The destination's reason, as it sent it.
+    #[error("the destination could not build the VM: {0}")]
+    NotBuilt(String),
+    #[error("unexpected {0} message")]
+    Unexpected(&'static str),
+    #[error(transparent)]
+    Layout(#[from] RamLayoutError),
+    #[error("finding the pages with data: {0}")]
+    DataPages(#[source] VmFault),
+    #[error("pausing the VM and reading its state: {0}")]
+    Capture(#[source] VmFault),
+    /// Reading a page or the dirty log.
     #[error("{0}")]
-    After(String),
+    Vm(#[source] VmFault),
+}
+
+/// A migration lost after the switch, with what was sent of the pages.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "migration to {to} lost after the switch ({why}): {left}, so the VM cannot go on \
+     ({asked} sent on request, {pushed} pushed)"
+)]
+pub struct Lost {
+    pub to: String,
+    #[source]
+    pub why: LostWhy,
+    pub left: Unsent,
+    pub asked: u64,
+    pub pushed: u64,
+}
+
+/// Why the pages could no longer be sent after the switch.
+#[derive(Debug, thiserror::Error)]
+pub enum LostWhy {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("cannot start a thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("the VM ended here")]
+    EndedHere,
+    #[error("the thread listing the pages with data ended")]
+    ListerEnded,
+    #[error("the link's reader stopped")]
+    ReaderStopped,
+    #[error("unexpected {0} message")]
+    Unexpected(&'static str),
+    /// Listing or reading the pages.
+    #[error("{0}")]
+    Vm(#[source] VmFault),
+}
+
+/// The pages with data that never left, when a migration was lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unsent {
+    Pages { unsent: usize, listed: usize },
+    NotListed,
+}
+
+impl std::fmt::Display for Unsent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unsent::Pages { unsent, listed } => {
+                write!(f, "{unsent} of {listed} pages with data were never sent")
+            }
+            Unsent::NotListed => {
+                f.write_str("the pages with data were not yet listed, none pushed")
+            }
+        }
+    }
 }
 
 /// Moves `vm` to the destination listening at `to` (`HOST:PORT`).
 pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceReport, SourceError> {
-    let before = SourceError::Before;
+    let before = |e| SourceError::Before(Box::new(e));
     let addr = to
         .to_socket_addrs()
-        .map_err(|e| before(format!("migration destination {to}: {e}")))?
+        .map_err(|source| {
+            before(Unmoved::Resolve {
+                to: to.into(),
+                source,
+            })
+        })?
         .next()
-        .ok_or_else(|| before(format!("migration destination {to}: no address")))?;
-    let stream = TcpStream::connect_timeout(&addr, opts.setup_limit).map_err(|e| {
-        before(format!(
-            "cannot connect to the migration destination {to}: {e}"
-        ))
+        .ok_or_else(|| before(Unmoved::NoAddress { to: to.into() }))?;
+    let stream = TcpStream::connect_timeout(&addr, opts.setup_limit).map_err(|source| {
+        before(Unmoved::Connect {
+            to: to.into(),
+            source,
+        })
     })?;
     let link = Link::handshake(
         stream,
@@ -100,26 +208,31 @@ pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceRepo
         Some(DESTINATION),
         &opts.params(SOURCE),
     )
-    .map_err(|e| before(format!("migration destination {to}: {e}")))?;
+    .map_err(|source| {
+        before(Unmoved::Handshake {
+            to: to.into(),
+            source,
+        })
+    })?;
     let Link {
         mut reader,
         mut writer,
         ..
     } = link;
-    let setup = |e: String| before(format!("migration to {to}: {e}"));
+    let setup = |why: SetupError| before(Unmoved::Setup { to: to.into(), why });
     reader
         .limit_silence(opts.setup_limit)
         .and_then(|()| writer.limit_stall(opts.setup_limit))
-        .map_err(|e| setup(e.to_string()))?;
+        .map_err(|e| setup(e.into()))?;
 
-    send_blob(&mut writer, Blob::Config, &vm.config()).map_err(|e| setup(e.to_string()))?;
-    match recv(&mut reader).map_err(setup)? {
+    send_blob(&mut writer, Blob::Config, &vm.config()).map_err(|e| setup(e.into()))?;
+    match recv(&mut reader).map_err(|e| setup(e.into()))? {
         Msg::Ready => {}
-        Msg::Refused(why) => return Err(setup(format!("the destination refused the VM: {why}"))),
-        m => return Err(setup(format!("unexpected {} message", m.name()))),
+        Msg::Refused(why) => return Err(setup(SetupError::Refused(why))),
+        m => return Err(setup(SetupError::Unexpected(m.name()))),
     }
 
-    let layout = RamLayout::new(vm.ram_ranges()).map_err(setup)?;
+    let layout = RamLayout::new(vm.ram_ranges()).map_err(|e| setup(e.into()))?;
     let mut precopy = None;
     let mut leftover = Vec::new();
     if let Mode::PreCopy {
@@ -141,7 +254,7 @@ pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceRepo
 
     // From here the VM is paused; every way out before the switch resumes it.
     let pre_copied = precopy.is_some();
-    let resume = |why: String| {
+    let resume = |why: SetupError| {
         if pre_copied {
             let _ = vm.stop_dirty_log();
         }
@@ -152,11 +265,11 @@ pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceRepo
     };
     let state = match vm.capture() {
         Ok(s) => s,
-        Err(e) => return Err(resume(format!("pausing the VM and reading its state: {e}"))),
+        Err(e) => return Err(resume(SetupError::Capture(e))),
     };
     if let Some(pre) = precopy.as_mut() {
         // The pages written during the last round and since, while the VM is paused.
-        let last = vm.dirty_pages().and_then(|mut d| {
+        let last = vm.dirty_pages().map_err(SetupError::Vm).and_then(|mut d| {
             d.append(&mut leftover);
             d.sort_unstable();
             d.dedup();
@@ -167,7 +280,7 @@ pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceRepo
             Err(e) => return Err(resume(e)),
         }
     }
-    let list = |layout: &RamLayout| -> Result<Vec<u64>, String> {
+    let list = |layout: &RamLayout| -> Result<Vec<u64>, VmFault> {
         if pre_copied {
             // Every page with data is there already.
             return Ok(Vec::new());
@@ -209,19 +322,19 @@ fn send_pages(
     layout: &RamLayout,
     writer: &mut LinkWriter,
     gpas: &[u64],
-) -> Result<u64, String> {
+) -> Result<u64, SetupError> {
     let mut buf = Box::new([0u8; PAGE_SIZE]);
     let mut sent = 0;
     for &gpa in gpas {
         let Some(page) = layout.page_of(gpa) else {
             continue;
         };
-        vm.read_page(gpa, &mut buf)?;
+        vm.read_page(gpa, &mut buf).map_err(SetupError::Vm)?;
         let m = Msg::Page {
             page,
             data: buf.clone(),
         };
-        send(writer, &m).map_err(|e| e.to_string())?;
+        send(writer, &m)?;
         sent += 1;
     }
     Ok(sent)
@@ -237,12 +350,10 @@ fn rounds(
     writer: &mut LinkWriter,
     downtime: Duration,
     max_rounds: u32,
-) -> Result<(PreCopyReport, Vec<u64>), String> {
-    vm.start_dirty_log()?;
+) -> Result<(PreCopyReport, Vec<u64>), SetupError> {
+    vm.start_dirty_log().map_err(SetupError::Vm)?;
     let mut report = PreCopyReport::default();
-    let mut pages = vm
-        .pages_with_data()
-        .map_err(|e| format!("finding the pages with data: {e}"))?;
+    let mut pages = vm.pages_with_data().map_err(SetupError::DataPages)?;
     loop {
         let started = Instant::now();
         let n = send_pages(vm, layout, writer, &pages)?;
@@ -250,7 +361,7 @@ fn rounds(
         report.pages_live += n;
         // Pages per second this round reached; a round too short to time counts as fast.
         let rate = n as f64 / started.elapsed().as_secs_f64().max(1e-6);
-        pages = vm.dirty_pages()?;
+        pages = vm.dirty_pages().map_err(SetupError::Vm)?;
         let left = pages.len() as f64 / rate.max(1.0);
         if left <= downtime.as_secs_f64() {
             report.converged = true;
@@ -274,19 +385,18 @@ fn switch_over(
     mut reader: LinkReader,
     layout: RamLayout,
     state: &[u8],
-    listed: mpsc::Receiver<Result<Vec<u64>, String>>,
+    listed: mpsc::Receiver<Result<Vec<u64>, VmFault>>,
 ) -> Result<SourceReport, SourceError> {
-    let setup = |why: String| SourceError::Before(format!("migration to {to}: {why}"));
+    let setup =
+        |why: SetupError| SourceError::Before(Box::new(Unmoved::Setup { to: to.into(), why }));
     let prepared = (|| {
-        send_blob(&mut writer, Blob::State, state).map_err(|e| e.to_string())?;
+        send_blob(&mut writer, Blob::State, state)?;
         match recv(&mut reader)? {
             Msg::Built => {}
-            Msg::Failed(why) => {
-                return Err(format!("the destination could not build the VM: {why}"))
-            }
-            m => return Err(format!("unexpected {} message", m.name())),
+            Msg::Failed(why) => return Err(SetupError::NotBuilt(why)),
+            m => return Err(SetupError::Unexpected(m.name())),
         }
-        send(&mut writer, &Msg::Switch).map_err(|e| e.to_string())?;
+        send(&mut writer, &Msg::Switch)?;
         Ok(layout)
     })();
     let layout = match prepared {
@@ -313,7 +423,7 @@ fn after_switch(
     writer: &mut LinkWriter,
     mut reader: LinkReader,
     layout: &RamLayout,
-    listed: mpsc::Receiver<Result<Vec<u64>, String>>,
+    listed: mpsc::Receiver<Result<Vec<u64>, VmFault>>,
 ) -> Result<SourceReport, SourceError> {
     let mut report = SourceReport {
         to: to.to_string(),
@@ -321,27 +431,28 @@ fn after_switch(
     };
     // The pages that may hold data, once listed (see `send`); asked pages are served before.
     let mut data: Option<Vec<u64>> = None;
-    let lost = |report: &SourceReport, data: &Option<Vec<u64>>, sent: &[bool], why: String| {
+    let lost = |report: &SourceReport, data: &Option<Vec<u64>>, sent: &[bool], why: LostWhy| {
         let left = match data {
-            Some(d) => format!(
-                "{} of {} pages with data were never sent",
-                d.iter().filter(|&&p| !sent[p as usize]).count(),
-                d.len()
-            ),
-            None => "the pages with data were not yet listed, none pushed".to_string(),
+            Some(d) => Unsent::Pages {
+                unsent: d.iter().filter(|&&p| !sent[p as usize]).count(),
+                listed: d.len(),
+            },
+            None => Unsent::NotListed,
         };
-        SourceError::After(format!(
-            "migration to {to} lost after the switch ({why}): {left}, so the VM cannot go on \
-             ({} sent on request, {} pushed)",
-            report.pages_asked, report.pages_pushed
-        ))
+        SourceError::After(Box::new(Lost {
+            to: to.into(),
+            why,
+            left,
+            asked: report.pages_asked,
+            pushed: report.pages_pushed,
+        }))
     };
     let mut sent = vec![false; layout.pages() as usize];
     if let Err(e) = reader
         .limit_silence(opts.silence)
         .and_then(|()| writer.limit_stall(opts.silence))
     {
-        return Err(lost(&report, &data, &sent, e.to_string()));
+        return Err(lost(&report, &data, &sent, e.into()));
     }
     let (tx, rx) = mpsc::channel();
     let listener = std::thread::Builder::new()
@@ -354,12 +465,7 @@ fn after_switch(
             }
         });
     if let Err(e) = listener {
-        return Err(lost(
-            &report,
-            &data,
-            &sent,
-            format!("cannot start a thread: {e}"),
-        ));
+        return Err(lost(&report, &data, &sent, LostWhy::Thread(e)));
     }
 
     let mut buf = Box::new([0u8; PAGE_SIZE]);
@@ -378,7 +484,7 @@ fn after_switch(
     };
     loop {
         if vm.has_ended() {
-            return Err(lost(&report, &data, &sent, "the VM ended here".into()));
+            return Err(lost(&report, &data, &sent, LostWhy::EndedHere));
         }
         if data.is_none() {
             match listed.try_recv() {
@@ -388,26 +494,23 @@ fn after_switch(
                         data_pages: report.data_pages,
                     };
                     if let Err(e) = send(writer, &m) {
-                        return Err(lost(&report, &data, &sent, e.to_string()));
+                        return Err(lost(&report, &data, &sent, e.into()));
                     }
                     data = Some(d);
                 }
-                Ok(Err(e)) => return Err(lost(&report, &data, &sent, e)),
+                Ok(Err(e)) => return Err(lost(&report, &data, &sent, LostWhy::Vm(e))),
                 Err(mpsc::TryRecvError::Empty) => {}
                 Err(mpsc::TryRecvError::Disconnected) => {
-                    let why = "the thread listing the pages with data ended".to_string();
-                    return Err(lost(&report, &data, &sent, why));
+                    return Err(lost(&report, &data, &sent, LostWhy::ListerEnded));
                 }
             }
         }
         let event = if data.is_none() {
             // Only asked pages can be served yet: wait for one briefly, then look again.
             match rx.recv_timeout(std::time::Duration::from_millis(1)) {
-                Ok(m) => Some(m),
+                Ok(m) => Some(m.map_err(LostWhy::from)),
                 Err(mpsc::RecvTimeoutError::Timeout) => None,
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    Some(Err("the link's reader stopped".into()))
-                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => Some(Err(LostWhy::ReaderStopped)),
             }
         } else if done || over_limit(report.pages_pushed) {
             let wait = if done {
@@ -416,14 +519,12 @@ fn after_switch(
                 std::time::Duration::from_millis(1)
             };
             match rx.recv_timeout(wait) {
-                Ok(m) => Some(m),
+                Ok(m) => Some(m.map_err(LostWhy::from)),
                 Err(mpsc::RecvTimeoutError::Timeout) => None,
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    Some(Err("the link's reader stopped".into()))
-                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => Some(Err(LostWhy::ReaderStopped)),
             }
         } else {
-            rx.try_recv().ok()
+            rx.try_recv().ok().map(|m| m.map_err(LostWhy::from))
         };
         let page = match event {
             Some(Ok(Msg::Want(p))) if (p as usize) < sent.len() => {
@@ -439,14 +540,7 @@ fn after_switch(
                 report.ended_there = true;
                 return Ok(report);
             }
-            Some(Ok(m)) => {
-                return Err(lost(
-                    &report,
-                    &data,
-                    &sent,
-                    format!("unexpected {} message", m.name()),
-                ))
-            }
+            Some(Ok(m)) => return Err(lost(&report, &data, &sent, LostWhy::Unexpected(m.name()))),
             Some(Err(e)) => return Err(lost(&report, &data, &sent, e)),
             None if done || over_limit(report.pages_pushed) => None,
             None => {
@@ -467,7 +561,7 @@ fn after_switch(
                             pushed: report.pages_pushed,
                         };
                         if let Err(e) = send(writer, &m) {
-                            return Err(lost(&report, &data, &sent, e.to_string()));
+                            return Err(lost(&report, &data, &sent, e.into()));
                         }
                         last_send = Instant::now();
                         None
@@ -478,21 +572,21 @@ fn after_switch(
         if let Some(p) = page {
             let gpa = layout.gpa_of(p).expect("page numbers come from the layout");
             if let Err(e) = vm.read_page(gpa, &mut buf) {
-                return Err(lost(&report, &data, &sent, e));
+                return Err(lost(&report, &data, &sent, LostWhy::Vm(e)));
             }
             let m = Msg::Page {
                 page: p,
                 data: buf.clone(),
             };
             if let Err(e) = send(writer, &m) {
-                return Err(lost(&report, &data, &sent, e.to_string()));
+                return Err(lost(&report, &data, &sent, e.into()));
             }
             sent[p as usize] = true;
             last_send = Instant::now();
         } else if last_send.elapsed() >= opts.heartbeat {
             beat += 1;
             if let Err(e) = writer.send(&Envelope::Heartbeat { seq: beat }) {
-                return Err(lost(&report, &data, &sent, e.to_string()));
+                return Err(lost(&report, &data, &sent, e.into()));
             }
             last_send = Instant::now();
         }

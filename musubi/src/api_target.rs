@@ -83,7 +83,7 @@ impl VmControl for ApiTarget {
         match &self.migrator {
             Some(m) => m
                 .send(&crate::migrate::send_request(req))
-                .map_err(ActionError::internal),
+                .map_err(|e| ActionError::internal(e.to_string())),
             None => Err(ActionError::internal(
                 "this VMM cannot send its VM: its migrator thread did not start",
             )),

@@ -318,7 +318,7 @@ impl VmArgs {
             n.check()
                 .map_err(|why| format!("net[{i}] ({}): {why}", n.name()))?;
         }
-        config::net::check_distinct(&net)?;
+        config::net::check_distinct(&net).map_err(|e| e.to_string())?;
         let exits = self.exits.or(file.exits).unwrap_or_default();
         let serial = self.serial.clone().or(file.serial).unwrap_or_default();
         if let Some(p) = self.initrd.as_ref().or(file.initrd.as_ref()) {

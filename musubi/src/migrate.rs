@@ -26,9 +26,9 @@ impl MigrationUrl {
 }
 
 impl FromStr for MigrationUrl {
-    type Err = String;
+    type Err = musubi_migration::UrlError;
 
-    fn from_str(text: &str) -> Result<Self, String> {
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
         musubi_migration::parse_url(text).map(|_| MigrationUrl(text.to_string()))
     }
 }
@@ -121,7 +121,7 @@ pub fn receive(
         &mut log,
     );
     r.map_err(|e| NotReceived {
-        message: e.message,
+        message: e.to_string(),
         code: signal.map_or(1, |s| 128 + s as u8),
     })
 }

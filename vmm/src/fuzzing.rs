@@ -2,8 +2,8 @@
 //! a file can feed the VMM: a hostile kernel image and the JSON configuration's parts.
 //! Each takes arbitrary bytes and returns the first broken rule; none may panic.
 
-use crate::config::{parse_size, DiskConfig, ExitsMode, KernelImage, SerialMode};
-use crate::loader::{load_kernel, EntryPoint};
+use crate::config::{parse_size, ConfigError, DiskConfig, ExitsMode, KernelImage, SerialMode};
+use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::pmem::PmemConfig;
 use devices::GuestMemoryMmap;
 use vm_memory::GuestAddress;
@@ -11,12 +11,58 @@ use vm_memory::GuestAddress;
 /// Guest RAM of the loader target: small, so images easily reach past its end.
 const LOADER_MEMORY: usize = 4 << 20;
 
+/// A rule the loader or a parser broke, or (`Memory`) guest memory the run could not make.
+#[derive(Debug, thiserror::Error)]
+pub enum Finding {
+    #[error(transparent)]
+    Memory(#[from] vm_memory::mmap::FromRangesError),
+    #[error("the error does not name the image: {0}")]
+    UnnamedImage(#[source] LoadError),
+    #[error("kernel end {end:#x} is past guest memory ({top:#x})")]
+    EndPastMemory { end: u64, top: u64 },
+    #[error("64-bit entry {0:#x} is outside guest memory")]
+    EntryOutside(u64),
+    /// A disk that parsed from JSON but not from its own flag spec.
+    #[error("{disk:?} as {spec:?}: {error}")]
+    DiskSpec {
+        disk: Box<DiskConfig>,
+        spec: String,
+        #[source]
+        error: ConfigError,
+    },
+    /// A value (shown as `Debug`) that reads back through its own syntax as another.
+    #[error("{value} reads back as {back}")]
+    ReadsBack { value: String, back: String },
+    #[error("{value} does not read back: {error}")]
+    NoReadBack {
+        value: String,
+        #[source]
+        error: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A refusal of `text` that does not name its flag.
+    #[error("{text:?}: {error}")]
+    UnnamedFlag {
+        text: String,
+        #[source]
+        error: ConfigError,
+    },
+    #[error("{0:?} parses with an empty file")]
+    EmptyFile(String),
+    #[error("{text:?}: {error}")]
+    Digits {
+        text: String,
+        #[source]
+        error: std::num::ParseIntError,
+    },
+    #[error("{text:?} is {bytes} bytes, fewer than its number")]
+    FewerBytes { text: String, bytes: u64 },
+}
+
 /// Loads `data` as a kernel image into small guest memory. It must be refused with an error
 /// naming the image or be loaded whole inside guest memory; the VMM later places the initrd
 /// and boot structures using the end it reports, so that end must lie in guest memory too.
-pub fn kernel_image(data: &[u8]) -> Result<(), String> {
-    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), LOADER_MEMORY)])
-        .map_err(|e| e.to_string())?;
+pub fn kernel_image(data: &[u8]) -> Result<(), Finding> {
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), LOADER_MEMORY)])?;
     let image = KernelImage::Bytes {
         name: "fuzz-kernel".into(),
         data: data.to_vec().into(),
@@ -24,17 +70,15 @@ pub fn kernel_image(data: &[u8]) -> Result<(), String> {
     let (entry, end) = match load_kernel(&mem, &image) {
         Ok(loaded) => loaded,
         Err(e) if e.to_string().contains("fuzz-kernel") => return Ok(()),
-        Err(e) => return Err(format!("the error does not name the image: {e}")),
+        Err(e) => return Err(Finding::UnnamedImage(e)),
     };
     let top = LOADER_MEMORY as u64;
     if end > top {
-        return Err(format!(
-            "kernel end {end:#x} is past guest memory ({top:#x})"
-        ));
+        return Err(Finding::EndPastMemory { end, top });
     }
     if let EntryPoint::Linux64 { entry, .. } = entry {
         if entry >= top {
-            return Err(format!("64-bit entry {entry:#x} is outside guest memory"));
+            return Err(Finding::EntryOutside(entry));
         }
     }
     Ok(())
@@ -43,7 +87,7 @@ pub fn kernel_image(data: &[u8]) -> Result<(), String> {
 /// Parses `data` as each part of the JSON configuration (a disk, a pmem region, the serial
 /// and exits modes) and, as UTF-8 text, as the matching flag specs and a size. Refusals must
 /// name the flag; what parses must read back the same through its own syntax.
-pub fn config(data: &[u8]) -> Result<(), String> {
+pub fn config(data: &[u8]) -> Result<(), Finding> {
     if let Ok(disk) = serde_json::from_slice::<DiskConfig>(data) {
         // The same disk written as a --disk spec must read back the same, wherever the
         // path can be written in one (no separators in it).
@@ -54,11 +98,21 @@ pub fn config(data: &[u8]) -> Result<(), String> {
                 if disk.readonly { "on" } else { "off" },
                 disk.cache
             );
-            let back: DiskConfig = spec
-                .parse()
-                .map_err(|e| format!("{disk:?} as {spec:?}: {e}"))?;
+            let back: DiskConfig = match spec.parse() {
+                Ok(back) => back,
+                Err(error) => {
+                    return Err(Finding::DiskSpec {
+                        disk: Box::new(disk),
+                        spec,
+                        error,
+                    })
+                }
+            };
             if back != disk {
-                return Err(format!("{disk:?} reads back as {back:?}"));
+                return Err(Finding::ReadsBack {
+                    value: format!("{disk:?}"),
+                    back: format!("{back:?}"),
+                });
             }
         }
     }
@@ -72,15 +126,19 @@ pub fn config(data: &[u8]) -> Result<(), String> {
     let Ok(text) = std::str::from_utf8(data) else {
         return Ok(());
     };
+    let unnamed = |error| Finding::UnnamedFlag {
+        text: text.into(),
+        error,
+    };
     match text.parse::<DiskConfig>() {
-        Err(e) if !e.to_string().contains("--disk") => return Err(format!("{text:?}: {e}")),
+        Err(e) if !e.to_string().contains("--disk") => return Err(unnamed(e)),
         _ => {}
     }
     match text.parse::<PmemConfig>() {
         Ok(pmem) if pmem.file.as_os_str().is_empty() => {
-            return Err(format!("{text:?} parses with an empty file"))
+            return Err(Finding::EmptyFile(text.into()))
         }
-        Err(e) if !e.to_string().contains("--pmem") => return Err(format!("{text:?}: {e}")),
+        Err(e) if !e.to_string().contains("--pmem") => return Err(unnamed(e)),
         _ => {}
     }
     if let Ok(serial) = text.parse::<SerialMode>() {
@@ -96,25 +154,38 @@ pub fn config(data: &[u8]) -> Result<(), String> {
             let unit = if whole.is_empty() {
                 0
             } else {
-                whole.parse::<u64>().map_err(|e| format!("{text:?}: {e}"))?
+                whole.parse::<u64>().map_err(|error| Finding::Digits {
+                    text: text.into(),
+                    error,
+                })?
             };
             if n < unit {
-                return Err(format!("{text:?} is {n} bytes, fewer than its number"));
+                return Err(Finding::FewerBytes {
+                    text: text.into(),
+                    bytes: n,
+                });
             }
         }
-        Err(e) if !e.to_string().contains("--memory") => return Err(format!("{text:?}: {e}")),
+        Err(e) if !e.to_string().contains("--memory") => return Err(unnamed(e)),
         Err(_) => {}
     }
     Ok(())
 }
 
-fn same_again<T: PartialEq + std::fmt::Debug, E: std::fmt::Display>(
-    value: &T,
-    again: Result<T, E>,
-) -> Result<(), String> {
+fn same_again<T, E>(value: &T, again: Result<T, E>) -> Result<(), Finding>
+where
+    T: PartialEq + std::fmt::Debug,
+    E: std::error::Error + Send + Sync + 'static,
+{
     match again {
         Ok(v) if v == *value => Ok(()),
-        Ok(v) => Err(format!("{value:?} reads back as {v:?}")),
-        Err(e) => Err(format!("{value:?} does not read back: {e}")),
+        Ok(v) => Err(Finding::ReadsBack {
+            value: format!("{value:?}"),
+            back: format!("{v:?}"),
+        }),
+        Err(e) => Err(Finding::NoReadBack {
+            value: format!("{value:?}"),
+            error: Box::new(e),
+        }),
     }
 }

@@ -12,6 +12,17 @@ use std::sync::{Arc, Mutex};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+/// Why the I/O thread stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum IoThreadError {
+    #[error("epoll_wait: {0}")]
+    Wait(#[source] std::io::Error),
+    #[error("reading a doorbell eventfd: {0}")]
+    Doorbell(#[source] std::io::Error),
+    #[error("a device panicked: {0}")]
+    Panicked(String),
+}
+
 /// Something that serves a queue when its doorbell rings.
 pub trait QueueServer: Send + Sync {
     fn serve(&self, queue: u16);
@@ -123,7 +134,7 @@ impl IoThread {
                 let failure = match result {
                     Ok(Ok(())) => return,
                     Ok(Err(e)) => e,
-                    Err(panic) => format!("a device panicked: {}", panic_message(&*panic)),
+                    Err(panic) => IoThreadError::Panicked(panic_message(&*panic)),
                 };
                 control.finish(Outcome::VmmError(format!(
                     "the virtio I/O thread failed, so queue notifications would go unserved: {failure}"
@@ -195,13 +206,13 @@ fn serve(
     stop_token: u64,
     served: &AtomicU64,
     parking: &Parking,
-) -> Result<(), String> {
+) -> Result<(), IoThreadError> {
     let mut events = vec![EpollEvent::default(); notifiers.len() + device_events.len() + 2];
     loop {
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(format!("epoll_wait: {e}")),
+            Err(e) => return Err(IoThreadError::Wait(e)),
         };
         for ev in &events[..n] {
             let token = ev.data();
@@ -233,7 +244,7 @@ fn serve(
                     notifier.server.serve(notifier.queue);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(format!("reading a doorbell eventfd: {e}")),
+                Err(e) => return Err(IoThreadError::Doorbell(e)),
             }
         }
     }

@@ -2,8 +2,8 @@
 //! what this process's own flags allow, building the VM on guest RAM the source fills, and
 //! putting the state into it.
 
-use crate::destination::{self, Host, PostCopyRam};
-use crate::{parse_url, read_secret, Options};
+use crate::destination::{self, Host, PostCopyRam, ReceiveError};
+use crate::{parse_url, read_secret, Options, SecretError, UrlError, VmFault};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use vmm::snapshot::GivenDevices;
@@ -17,8 +17,66 @@ pub struct Received {
 }
 
 /// Why no VM came.
-pub struct NotReceived {
-    pub message: String,
+#[derive(Debug, thiserror::Error)]
+pub enum NotReceived {
+    #[error("--receive-migration: {0}")]
+    Url(#[source] UrlError),
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    #[error("--receive-migration {url}: cannot listen: {source}")]
+    Listen { url: String, source: std::io::Error },
+    #[error("{flag} {entry:?}: expected {syntax}")]
+    Owner {
+        flag: &'static str,
+        entry: String,
+        syntax: &'static str,
+    },
+    #[error(transparent)]
+    Receive(#[from] ReceiveError),
+    #[error("the migration switched over without a built VM")]
+    NotBuilt,
+}
+
+/// Why this process does not take the VM a source offers, or cannot build it.
+#[derive(Debug, thiserror::Error)]
+enum HostError {
+    #[error("the source's VM configuration is not understood here: {0}")]
+    Config(#[source] serde_json::Error),
+    #[error(transparent)]
+    Snapshot(#[from] vmm::snapshot::SnapshotError),
+    #[error(
+        "{flag} {}: belongs to partition {owner}, not to this one; a disk belongs to one \
+         partition",
+        path.display()
+    )]
+    ForeignFile {
+        flag: &'static str,
+        path: PathBuf,
+        owner: String,
+    },
+    #[error(
+        "--net tap={tap}: belongs to partition {owner}, not to this one; a TAP belongs to one \
+         partition"
+    )]
+    ForeignTap { tap: String, owner: String },
+    #[error("--disk {}: cannot open it here: {source}", path.display())]
+    Disk {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the VM's exit path is {saved}, but this destination's --exits asks for {given}")]
+    Exits {
+        saved: vmm::config::ExitsMode,
+        given: vmm::config::ExitsMode,
+    },
+    #[error("no configuration came")]
+    NoConfig,
+    #[error("no VM was built")]
+    NoVm,
+    #[error(transparent)]
+    Build(Box<vmm::BuildError>),
+    #[error("the source's VM state is not understood here: {0}")]
+    State(#[source] serde_json::Error),
 }
 
 /// Builds the incoming VM with what the destination's own flags allow.
@@ -35,14 +93,26 @@ struct VmHost<'a> {
 }
 
 impl Host for VmHost<'_> {
-    fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, String> {
-        let saved: vmm::snapshot::SavedConfig = serde_json::from_slice(config)
-            .map_err(|e| format!("the source's VM configuration is not understood here: {e}"))?;
+    fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, VmFault> {
+        Ok(self.check_config(config)?)
+    }
+
+    fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), VmFault> {
+        Ok(self.build_on(ram)?)
+    }
+
+    fn apply(&mut self, state: &[u8]) -> Result<(), VmFault> {
+        Ok(self.apply_state(state)?)
+    }
+}
+
+impl VmHost<'_> {
+    fn check_config(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, HostError> {
+        let saved: vmm::snapshot::SavedConfig =
+            serde_json::from_slice(config).map_err(HostError::Config)?;
         let g = &self.given;
-        saved
-            .check_given(g.cpus, g.memory, g.disks.as_deref(), g.pmem.as_deref())
-            .map_err(|e| e.to_string())?;
-        saved.check_files().map_err(|e| e.to_string())?;
+        saved.check_given(g.cpus, g.memory, g.disks.as_deref(), g.pmem.as_deref())?;
+        saved.check_files()?;
         let files = saved
             .disks
             .iter()
@@ -55,19 +125,19 @@ impl Host for VmHost<'_> {
                 .iter()
                 .find(|(_, f)| f.canonicalize().unwrap_or_else(|_| f.clone()) == canon);
             if let Some((owner, _)) = owner {
-                return Err(format!(
-                    "{flag} {}: belongs to partition {owner}, not to this one; a disk belongs \
-                     to one partition",
-                    path.display()
-                ));
+                return Err(HostError::ForeignFile {
+                    flag,
+                    path: path.clone(),
+                    owner: owner.clone(),
+                });
             }
         }
         for tap in saved.net.iter().filter_map(|n| n.tap.as_deref()) {
             if let Some((owner, _)) = self.foreign_taps.iter().find(|(_, t)| t == tap) {
-                return Err(format!(
-                    "--net tap={tap}: belongs to partition {owner}, not to this one; a TAP \
-                     belongs to one partition"
-                ));
+                return Err(HostError::ForeignTap {
+                    tap: tap.into(),
+                    owner: owner.clone(),
+                });
             }
         }
         for d in &saved.disks {
@@ -75,25 +145,28 @@ impl Host for VmHost<'_> {
                 .read(true)
                 .write(!d.readonly)
                 .open(&d.path)
-                .map_err(|e| format!("--disk {}: cannot open it here: {e}", d.path.display()))?;
+                .map_err(|source| HostError::Disk {
+                    path: d.path.clone(),
+                    source,
+                })?;
         }
-        let mut vm = saved.to_vm_config().map_err(|e| e.to_string())?;
+        let mut vm = saved.to_vm_config()?;
         if let Some(serial) = g.serial.clone() {
             vm.serial = serial;
         }
         if let Some(exits) = g.exits.filter(|&e| e != vm.exits) {
-            return Err(format!(
-                "the VM's exit path is {}, but this destination's --exits asks for {exits}",
-                vm.exits
-            ));
+            return Err(HostError::Exits {
+                saved: vm.exits,
+                given: exits,
+            });
         }
         let ranges = vmm::ram_ranges(vm.memory);
         self.config = Some(vm);
         Ok(ranges)
     }
 
-    fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), String> {
-        let config = self.config.as_ref().ok_or("no configuration came")?;
+    fn build_on(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), HostError> {
+        let config = self.config.as_ref().ok_or(HostError::NoConfig)?;
         // SAFETY: the mapping is `ram`'s, `ram.len()` bytes, read-write, and stays mapped
         // while the `ram` handed over as owner lives; only its release changes it (out of
         // userfaultfd, never unmapped).
@@ -106,17 +179,17 @@ impl Host for VmHost<'_> {
             .on_stopped(move || owner.release())
             .restore_later()
             .build()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| HostError::Build(Box::new(e)))?;
         self.built = Some(vm);
         Ok(())
     }
 
-    fn apply(&mut self, state: &[u8]) -> Result<(), String> {
-        let state: vmm::snapshot::VmState = serde_json::from_slice(state)
-            .map_err(|e| format!("the source's VM state is not understood here: {e}"))?;
-        let vm = self.built.as_mut().ok_or("no VM was built")?;
+    fn apply_state(&mut self, state: &[u8]) -> Result<(), HostError> {
+        let state: vmm::snapshot::VmState =
+            serde_json::from_slice(state).map_err(HostError::State)?;
+        let vm = self.built.as_mut().ok_or(HostError::NoVm)?;
         vm.apply_state(format!("the migration from {}", self.from), state)
-            .map_err(|e| e.to_string())
+            .map_err(|e| HostError::Build(Box::new(e)))
     }
 }
 
@@ -139,22 +212,27 @@ pub fn receive(
     stop: &mut dyn FnMut() -> Option<String>,
     log: &mut dyn FnMut(&str),
 ) -> Result<Received, NotReceived> {
-    let fail = |message: String| NotReceived { message };
     let url = r.url;
-    let addr = parse_url(url).map_err(|e| fail(format!("--receive-migration: {e}")))?;
-    let secret = read_secret(r.secret_file).map_err(fail)?;
-    let listener = std::net::TcpListener::bind(addr)
-        .map_err(|e| fail(format!("--receive-migration {url}: cannot listen: {e}")))?;
+    let addr = parse_url(url).map_err(NotReceived::Url)?;
+    let secret = read_secret(r.secret_file)?;
+    let listener = std::net::TcpListener::bind(addr).map_err(|source| NotReceived::Listen {
+        url: url.into(),
+        source,
+    })?;
     let bound = listener
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_else(|_| addr.to_string());
     log(&format!("waiting for a migration on tcp:{bound}"));
-    let owned = |flag: &str, syntax: &str, list: &[String]| {
+    let owned = |flag: &'static str, syntax: &'static str, list: &[String]| {
         list.iter()
             .map(|f| match f.split_once(':') {
                 Some((owner, what)) => Ok((owner.to_string(), what.to_string())),
-                None => Err(fail(format!("{flag} {f:?}: expected {syntax}"))),
+                None => Err(NotReceived::Owner {
+                    flag,
+                    entry: f.clone(),
+                    syntax,
+                }),
             })
             .collect::<Result<Vec<_>, _>>()
     };
@@ -172,12 +250,9 @@ pub fn receive(
         config: None,
         built: None,
     };
-    let ram = destination::receive(&listener, &Options::new(secret), &mut host, stop, log)
-        .map_err(|e| fail(e.to_string()))?;
+    let ram = destination::receive(&listener, &Options::new(secret), &mut host, stop, log)?;
     let (Some(vm), Some(config)) = (host.built.take(), host.config.take()) else {
-        return Err(fail(
-            "the migration switched over without a built VM".into(),
-        ));
+        return Err(NotReceived::NotBuilt);
     };
     Ok(Received { vm, config, ram })
 }

@@ -9,4 +9,4 @@ mod destination;
 mod source;
 
 pub use destination::{receive, received_vm, NotReceived, Received, Receiving};
-pub use source::{Migrator, SendRequest};
+pub use source::{MigrateError, Migrator, SendRequest};

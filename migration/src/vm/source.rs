@@ -3,7 +3,7 @@
 
 use crate::destination::PostCopyRam;
 use crate::source::{self, SourceError, SourceVm};
-use crate::{parse_url, read_secret, Mode, Options};
+use crate::{parse_url, read_secret, Mode, Options, SecretError, UrlError, VmFault};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc, Mutex};
 
@@ -18,6 +18,29 @@ pub struct SendRequest {
     pub mode: Mode,
 }
 
+/// Why a VM was not moved, or was lost moving.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    #[error("the migrator thread has stopped")]
+    Stopped,
+    #[error(
+        "this VM is still receiving its pages from its previous migration; ask again once they \
+         are all here"
+    )]
+    StillReceiving,
+    #[error(transparent)]
+    Url(#[from] UrlError),
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    #[error(transparent)]
+    Source(#[from] SourceError),
+}
+
+/// The page map could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("finding the pages with data: {0}")]
+struct DataPagesError(#[source] std::io::Error);
+
 /// The running VM as the migration's source sees it.
 struct HandleVm<'a>(&'a vmm::VmHandle);
 
@@ -25,50 +48,46 @@ impl SourceVm for HandleVm<'_> {
     fn config(&self) -> Vec<u8> {
         serde_json::to_vec(self.0.config()).unwrap_or_default()
     }
-    fn capture(&self) -> Result<Vec<u8>, String> {
-        let state = self.0.capture().map_err(|e| e.to_string())?;
+    fn capture(&self) -> Result<Vec<u8>, VmFault> {
+        let state = self.0.capture()?;
         // The destination opens the same disks and memory-storage files: what the guest
         // wrote to them here must be in the files before it runs there (shared storage
         // between hosts sees only what was written back).
         if let Err(e) = self.0.flush_storage() {
             let _ = self.0.resume();
-            return Err(e.to_string());
+            return Err(e.into());
         }
-        serde_json::to_vec(&state).map_err(|e| e.to_string())
+        Ok(serde_json::to_vec(&state)?)
     }
-    fn resume(&self) -> Result<(), String> {
-        self.0.resume().map_err(|e| e.to_string())
+    fn resume(&self) -> Result<(), VmFault> {
+        Ok(self.0.resume()?)
     }
     fn ram_ranges(&self) -> Vec<(u64, u64)> {
         self.0.ram_ranges()
     }
-    fn pages_with_data(&self) -> Result<Vec<u64>, String> {
-        self.0
-            .pages_with_data()
-            .map_err(|e| format!("finding the pages with data: {e}"))
+    fn pages_with_data(&self) -> Result<Vec<u64>, VmFault> {
+        Ok(self.0.pages_with_data().map_err(DataPagesError)?)
     }
-    fn read_page(&self, gpa: u64, buf: &mut [u8; dsm::PAGE_SIZE]) -> Result<(), String> {
-        self.0
-            .read_ram(gpa, &mut buf[..])
-            .map_err(|e| e.to_string())
+    fn read_page(&self, gpa: u64, buf: &mut [u8; dsm::PAGE_SIZE]) -> Result<(), VmFault> {
+        Ok(self.0.read_ram(gpa, &mut buf[..])?)
     }
     fn has_ended(&self) -> bool {
         self.0.has_ended()
     }
-    fn start_dirty_log(&self) -> Result<(), String> {
-        self.0.start_dirty_log().map_err(|e| e.to_string())
+    fn start_dirty_log(&self) -> Result<(), VmFault> {
+        Ok(self.0.start_dirty_log()?)
     }
-    fn dirty_pages(&self) -> Result<Vec<u64>, String> {
-        self.0.dirty_pages().map_err(|e| e.to_string())
+    fn dirty_pages(&self) -> Result<Vec<u64>, VmFault> {
+        Ok(self.0.dirty_pages()?)
     }
-    fn stop_dirty_log(&self) -> Result<(), String> {
-        self.0.stop_dirty_log().map_err(|e| e.to_string())
+    fn stop_dirty_log(&self) -> Result<(), VmFault> {
+        Ok(self.0.stop_dirty_log()?)
     }
 }
 
 struct Request {
     req: SendRequest,
-    reply: mpsc::Sender<Result<(), String>>,
+    reply: mpsc::Sender<Result<(), MigrateError>>,
 }
 
 /// Moves the VM elsewhere when asked, from a thread of its own: the API thread's filter
@@ -100,7 +119,7 @@ impl Migrator {
 
     /// Moves the VM as `req` asks: `Ok` once it runs there and this side holds nothing it
     /// needs (the VM here has then ended as migrated).
-    pub fn send(&self, req: &SendRequest) -> Result<(), String> {
+    pub fn send(&self, req: &SendRequest) -> Result<(), MigrateError> {
         let (tx, rx) = mpsc::channel();
         let req = Request {
             req: req.clone(),
@@ -110,9 +129,8 @@ impl Migrator {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .send(req)
-            .map_err(|_| "the migrator thread has stopped".to_string())?;
-        rx.recv()
-            .map_err(|_| "the migrator thread has stopped".to_string())?
+            .map_err(|_| MigrateError::Stopped)?;
+        rx.recv().map_err(|_| MigrateError::Stopped)?
     }
 }
 
@@ -120,14 +138,10 @@ fn send(
     vm: &vmm::VmHandle,
     incoming: Option<&PostCopyRam>,
     req: &SendRequest,
-) -> Result<(), String> {
+) -> Result<(), MigrateError> {
     let url = req.url.as_str();
     if incoming.is_some_and(|r| !r.all_held()) {
-        return Err(
-            "this VM is still receiving its pages from its previous migration; ask again once \
-             they are all here"
-                .into(),
-        );
+        return Err(MigrateError::StillReceiving);
     }
     let addr = parse_url(url)?;
     let secret = read_secret(&req.secret_file)?;
@@ -154,10 +168,10 @@ fn send(
             });
             Ok(())
         }
-        Err(SourceError::After(e)) => {
-            vm.stop(vmm::Outcome::VmmError(e.clone()));
-            Err(e)
+        Err(e @ SourceError::After(_)) => {
+            vm.stop(vmm::Outcome::VmmError(e.to_string()));
+            Err(e.into())
         }
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(e.into()),
     }
 }

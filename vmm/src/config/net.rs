@@ -18,29 +18,77 @@ const KEYS: [&str; 7] = ["tap", "ip", "mask", "mac", "fd", "queue_size", "rate"]
 /// Ring size when not given: Cloud Hypervisor's and Firecracker's default.
 pub const DEFAULT_QUEUE_SIZE: u16 = 256;
 
+/// Why a `mac=` value is not a device's MAC address.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MacError {
+    #[error("expected six hexadecimal bytes separated by colons")]
+    NotSixBytes,
+    #[error("{0:?} is not two hexadecimal digits")]
+    NotTwoDigits(String),
+    #[error("{0:?} is not hexadecimal")]
+    NotHex(String),
+    #[error("a multicast address (lowest bit of the first byte set) cannot name a device")]
+    Multicast,
+}
+
+/// Why a `rate=` value is not a limit.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RateError {
+    #[error("bytes per second: {0}")]
+    Bytes(host_resources::SizeError),
+    #[error("packets per second {0:?} is not a whole number")]
+    Packets(String),
+    #[error("a rate of zero would stop all traffic")]
+    Zero,
+    #[error("give bytes per second, packets per second, or both")]
+    Empty,
+}
+
+/// Why a network device cannot be set up as given; each names the key or device.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NetError {
+    #[error("give tap=NAME or fd=N")]
+    NoTap,
+    #[error("tap= and fd= name the TAP twice; give one")]
+    TapTwice,
+    #[error("fd={0} is standard input, output or error, not a TAP")]
+    StdFd(i32),
+    #[error("mask= without ip=")]
+    MaskWithoutIp,
+    #[error(
+        "ip= configures a TAP Musubi opens by name; with fd= the orchestrator owns its addresses"
+    )]
+    IpWithFd,
+    #[error("queue_size={size} must be a power of two from 2 to {max}", max = devices::virtio::QUEUE_MAX_SIZE)]
+    QueueSize { size: u16 },
+    #[error("{0} is given twice; each network device needs a TAP of its own")]
+    Twice(String),
+    #[error("tap={0:?}: an interface name is 1 to 15 bytes")]
+    IfnameLength(String),
+    #[error("tap={0:?}: an interface name has no '/', ':' or white space and is not . or ..")]
+    IfnameChars(String),
+}
+
 /// A MAC address, written `52:54:00:12:34:56`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MacAddr(pub [u8; 6]);
 
 impl FromStr for MacAddr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = MacError;
+    fn from_str(s: &str) -> Result<Self, MacError> {
         let mut b = [0u8; 6];
         let parts: Vec<&str> = s.split(':').collect();
         if parts.len() != 6 {
-            return Err("expected six hexadecimal bytes separated by colons".into());
+            return Err(MacError::NotSixBytes);
         }
         for (o, p) in b.iter_mut().zip(parts) {
             if p.len() != 2 {
-                return Err(format!("{p:?} is not two hexadecimal digits"));
+                return Err(MacError::NotTwoDigits(p.into()));
             }
-            *o = u8::from_str_radix(p, 16).map_err(|_| format!("{p:?} is not hexadecimal"))?;
+            *o = u8::from_str_radix(p, 16).map_err(|_| MacError::NotHex(p.into()))?;
         }
         if b[0] & 1 != 0 {
-            return Err(
-                "a multicast address (lowest bit of the first byte set) cannot name a device"
-                    .into(),
-            );
+            return Err(MacError::Multicast);
         }
         Ok(MacAddr(b))
     }
@@ -78,31 +126,25 @@ pub struct RateLimit {
 }
 
 impl FromStr for RateLimit {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = RateError;
+    fn from_str(s: &str) -> Result<Self, RateError> {
         let (bytes, packets) = match s.split_once('/') {
             Some((b, p)) => (b, Some(p)),
             None => (s, None),
         };
         let bytes_per_s = match bytes {
             "" => None,
-            b => Some(
-                host_resources::parse_size("rate", b)
-                    .map_err(|e| format!("bytes per second: {}", e.why))?,
-            ),
+            b => Some(host_resources::parse_size("rate", b).map_err(|e| RateError::Bytes(e.why))?),
         };
         let packets_per_s = match packets {
             None | Some("") => None,
-            Some(p) => Some(
-                p.parse::<u64>()
-                    .map_err(|_| format!("packets per second {p:?} is not a whole number"))?,
-            ),
+            Some(p) => Some(p.parse::<u64>().map_err(|_| RateError::Packets(p.into()))?),
         };
         if bytes_per_s == Some(0) || packets_per_s == Some(0) {
-            return Err("a rate of zero would stop all traffic".into());
+            return Err(RateError::Zero);
         }
         if bytes_per_s.is_none() && packets_per_s.is_none() {
-            return Err("give bytes per second, packets per second, or both".into());
+            return Err(RateError::Empty);
         }
         Ok(RateLimit {
             bytes_per_s,
@@ -166,30 +208,23 @@ fn default_queue_size() -> u16 {
 
 impl NetConfig {
     /// The refusals that need no spec text: what the JSON form must obey as well.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), NetError> {
         match (&self.tap, self.fd) {
-            (None, None) => return Err("give tap=NAME or fd=N".into()),
-            (Some(_), Some(_)) => return Err("tap= and fd= name the TAP twice; give one".into()),
+            (None, None) => return Err(NetError::NoTap),
+            (Some(_), Some(_)) => return Err(NetError::TapTwice),
             (Some(t), None) => check_ifname(t)?,
-            (None, Some(fd)) if fd < 3 => {
-                return Err(format!(
-                    "fd={fd} is standard input, output or error, not a TAP"
-                ))
-            }
+            (None, Some(fd)) if fd < 3 => return Err(NetError::StdFd(fd)),
             _ => {}
         }
         if self.mask.is_some() && self.ip.is_none() {
-            return Err("mask= without ip=".into());
+            return Err(NetError::MaskWithoutIp);
         }
         if self.ip.is_some() && self.fd.is_some() {
-            return Err("ip= configures a TAP Musubi opens by name; with fd= the orchestrator owns its addresses".into());
+            return Err(NetError::IpWithFd);
         }
         let q = self.queue_size;
         if !(2..=devices::virtio::QUEUE_MAX_SIZE).contains(&q) || !q.is_power_of_two() {
-            return Err(format!(
-                "queue_size={q} must be a power of two from 2 to {}",
-                devices::virtio::QUEUE_MAX_SIZE
-            ));
+            return Err(NetError::QueueSize { size: q });
         }
         Ok(())
     }
@@ -206,16 +241,13 @@ impl NetConfig {
 
 /// Refuses two devices on one TAP: one descriptor would be owned (and closed) twice, and a
 /// TAP opened twice by name fails with a less helpful EBUSY.
-pub fn check_distinct(nets: &[NetConfig]) -> Result<(), String> {
+pub fn check_distinct(nets: &[NetConfig]) -> Result<(), NetError> {
     for (i, a) in nets.iter().enumerate() {
         for b in &nets[..i] {
             let same_tap = a.tap.is_some() && a.tap == b.tap;
             let same_fd = a.fd.is_some() && a.fd == b.fd;
             if same_tap || same_fd {
-                return Err(format!(
-                    "{} is given twice; each network device needs a TAP of its own",
-                    a.name()
-                ));
+                return Err(NetError::Twice(a.name()));
             }
         }
     }
@@ -224,18 +256,16 @@ pub fn check_distinct(nets: &[NetConfig]) -> Result<(), String> {
 
 /// Linux's rules for an interface name: 1 to 15 bytes, no slash, no white space, not `.`
 /// or `..`.
-fn check_ifname(name: &str) -> Result<(), String> {
+fn check_ifname(name: &str) -> Result<(), NetError> {
     if name.is_empty() || name.len() > 15 {
-        return Err(format!("tap={name:?}: an interface name is 1 to 15 bytes"));
+        return Err(NetError::IfnameLength(name.into()));
     }
     if name == "."
         || name == ".."
         || name.contains(['/', ':'])
         || name.contains(char::is_whitespace)
     {
-        return Err(format!(
-            "tap={name:?}: an interface name has no '/', ':' or white space and is not . or .."
-        ));
+        return Err(NetError::IfnameChars(name.into()));
     }
     Ok(())
 }
@@ -254,7 +284,7 @@ impl FromStr for NetConfig {
             queue_size: spec.value("queue_size")?.unwrap_or(DEFAULT_QUEUE_SIZE),
             rate: spec.value("rate")?,
         };
-        c.check().map_err(|why| spec.error(why))?;
+        c.check().map_err(|why| spec.error(why.to_string()))?;
         Ok(c)
     }
 }
@@ -373,9 +403,13 @@ mod tests {
     fn two_devices_on_one_tap_are_refused() {
         let n = |t: &str| t.parse::<NetConfig>().unwrap();
         assert!(check_distinct(&[n("tap=a"), n("tap=b"), n("fd=5"), n("fd=6")]).is_ok());
-        let e = check_distinct(&[n("tap=a"), n("fd=5"), n("tap=a")]).unwrap_err();
+        let e = check_distinct(&[n("tap=a"), n("fd=5"), n("tap=a")])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--net tap=a is given twice"), "{e}");
-        let e = check_distinct(&[n("fd=5"), n("fd=5")]).unwrap_err();
+        let e = check_distinct(&[n("fd=5"), n("fd=5")])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--net fd=5 is given twice"), "{e}");
     }
 
@@ -401,6 +435,10 @@ mod tests {
         let text = serde_json::to_string(&only_packets).unwrap();
         assert!(text.contains("\"rate\":\"/20\""), "{text}");
         let n: NetConfig = serde_json::from_str(r#"{"ip": "10.0.0.1"}"#).unwrap();
-        assert!(n.check().unwrap_err().contains("tap=NAME or fd=N"));
+        assert!(n
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("tap=NAME or fd=N"));
     }
 }

@@ -71,10 +71,16 @@ pub enum ControlError {
     Ended,
     #[error(transparent)]
     Pause(#[from] PauseError),
-    #[error("{0}")]
-    Kvm(String),
-    #[error("{0}")]
-    Vcpu(String),
+    #[error(transparent)]
+    Kvm(#[from] crate::vstate::vm::VmError),
+    #[error(transparent)]
+    Unsynced(#[from] crate::pmem::SyncError),
+    #[error("vCPU {0} was not created here")]
+    NoSuchVcpu(u8),
+    #[error("vCPU {0} does not run here")]
+    VcpuNotRunning(u8),
+    #[error("vCPU {0} already runs here")]
+    VcpuRunning(u8),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
     #[error(transparent)]
@@ -150,7 +156,7 @@ impl VmHandle {
             }
             (Err(e), _) => {
                 sh.gate.resume();
-                Err(ControlError::Kvm(e.to_string()))
+                Err(e.into())
             }
             (_, Err(e)) => {
                 sh.gate.resume();

@@ -64,7 +64,11 @@ impl VmHandle {
                 errors.push(format!("a virtio device's flush failed: {e}"));
             }
         }
-        errors.extend(crate::pmem::sync_regions(&self.shared.pmem));
+        errors.extend(
+            crate::pmem::sync_regions(&self.shared.pmem)
+                .iter()
+                .map(ToString::to_string),
+        );
         match errors.is_empty() {
             true => Ok(()),
             false => Err(StorageError(errors)),
@@ -137,9 +141,8 @@ impl VmHandle {
         }
         let state = self.capture_locked()?;
         // Memory storage is referenced, so its pages must be in the files now.
-        let unsynced = crate::pmem::sync_regions(&sh.pmem);
-        if let Some(e) = unsynced.first() {
-            return Err(ControlError::Kvm(e.clone()));
+        if let Some(e) = crate::pmem::sync_regions(&sh.pmem).into_iter().next() {
+            return Err(e.into());
         }
         let mem_path = dir.join(snapshot::MEMORY_FILE);
         let ram = snapshot::write_ram(&sh.ram, &mem_path).map_err(io(&mem_path))?;

@@ -11,7 +11,7 @@ impl VmHandle {
             .vcpu_ids
             .iter()
             .position(|&v| v == id)
-            .ok_or_else(|| ControlError::Vcpu(format!("vCPU {id} was not created here")))
+            .ok_or(ControlError::NoSuchVcpu(id))
     }
 
     /// Takes vCPU `id` out of this process's run, for another share of the VM to run it: the
@@ -22,7 +22,7 @@ impl VmHandle {
         let sh = &self.shared;
         let index = self.vcpu_index(id)?;
         if sh.gate.is_standby(index) {
-            return Err(ControlError::Vcpu(format!("vCPU {id} does not run here")));
+            return Err(ControlError::VcpuNotRunning(id));
         }
         // Asked of KVM before the pause, so its failure leaves the VM running.
         let msr_list = sh.parts.msr_list()?;
@@ -56,7 +56,7 @@ impl VmHandle {
         let id = state.id;
         let index = self.vcpu_index(id)?;
         if !sh.gate.is_standby(index) {
-            return Err(ControlError::Vcpu(format!("vCPU {id} already runs here")));
+            return Err(ControlError::VcpuRunning(id));
         }
         sh.gate
             .on_vcpu(index, &sh.control, move |v| v.restore(&state))?

@@ -22,9 +22,7 @@ impl Persist for Mutex<Serial> {
     }
 
     fn restore(&self, s: &SerialSnapshot) -> Result<(), PersistError> {
-        lock(self)
-            .restore(s)
-            .map_err(|why| PersistError::Device(why.to_string()))
+        Ok(lock(self).restore(s)?)
     }
 }
 
@@ -40,9 +38,7 @@ impl Persist for Mutex<MmioTransport> {
     }
 
     fn restore(&self, s: &TransportState) -> Result<(), PersistError> {
-        lock(self)
-            .restore(s)
-            .map_err(|why| PersistError::Device(why.to_string()))
+        Ok(lock(self).restore(s)?)
     }
 }
 
@@ -65,10 +61,9 @@ impl Persist for [Arc<Mutex<MmioTransport>>] {
             });
         }
         for (index, (t, s)) in self.iter().zip(states).enumerate() {
-            t.restore(s).map_err(|e| PersistError::Transport {
-                index,
-                why: e.to_string(),
-            })?;
+            lock(t)
+                .restore(s)
+                .map_err(|source| PersistError::Transport { index, source })?;
         }
         Ok(())
     }

@@ -52,11 +52,17 @@ pub enum PersistError {
     /// The VM is not paused, so there is no clock of the pause to save.
     #[error("the VM is not paused")]
     NotPaused,
-    /// A device refused its saved state; the message is the device's own.
-    #[error("{0}")]
-    Device(String),
-    #[error("virtio device {index}: {why}")]
-    Transport { index: usize, why: String },
+    /// The serial port refused its saved state; the message is the device's own.
+    #[error(transparent)]
+    Serial(#[from] devices::legacy::SerialRestoreError),
+    /// A virtio transport refused its saved state; the message is the device's own.
+    #[error(transparent)]
+    Device(#[from] devices::virtio::RestoreError),
+    #[error("virtio device {index}: {source}")]
+    Transport {
+        index: usize,
+        source: devices::virtio::RestoreError,
+    },
     #[error("the snapshot has {saved} virtio devices, this VM {here}")]
     TransportCount { saved: usize, here: usize },
     #[error(

@@ -29,8 +29,8 @@ mod regions;
 mod spec;
 
 pub use guard::log_this_write;
-pub use place::{check_layout, host_phys_bits, place, PMEM_ALIGN};
-pub use regions::{check_slots, sync_regions, PmemRegion, PmemRegions};
+pub use place::{check_layout, host_phys_bits, place, Occupant, PlaceError, PMEM_ALIGN};
+pub use regions::{check_slots, sync_regions, PmemRegion, PmemRegions, SyncError};
 pub use spec::{Advertise, PmemConfig, PMEM_SYNTAX};
 
 use crate::config::ConfigError;
@@ -47,6 +47,8 @@ pub enum PmemError {
     File { file: PathBuf, why: String },
     #[error("--pmem: {0}")]
     Layout(String),
+    #[error("--pmem: {0}")]
+    Place(#[from] Box<PlaceError>),
 }
 
 fn file_err(file: &Path, why: impl Into<String>) -> PmemError {

@@ -217,7 +217,7 @@ impl PmemRegions {
     ) -> Result<PmemRegions, PmemError> {
         let files = Self::open_files(configs, disks)?;
         let sizes: Vec<u64> = files.spans().iter().map(|s| s.0).collect();
-        let addrs = place(ram_size, &sizes, phys_bits).map_err(PmemError::Layout)?;
+        let addrs = place(ram_size, &sizes, phys_bits).map_err(Box::new)?;
         files.map(&addrs)
     }
 
@@ -311,21 +311,30 @@ impl PmemRegions {
     }
 
     /// Makes every writable region durable; one message per region that failed.
-    pub fn sync(&self) -> Vec<String> {
+    pub fn sync(&self) -> Vec<SyncError> {
         sync_regions(&self.regions)
     }
 }
 
-/// Makes every writable region of `regions` durable; one message per region that failed.
-pub fn sync_regions(regions: &[PmemRegion]) -> Vec<String> {
+/// A region whose writes may not be in its file.
+#[derive(Debug, thiserror::Error)]
+#[error("--pmem file={}: msync failed: {source}", file.display())]
+pub struct SyncError {
+    pub file: std::path::PathBuf,
+    pub source: std::io::Error,
+}
+
+/// Makes every writable region of `regions` durable; one error per region that failed.
+pub fn sync_regions(regions: &[PmemRegion]) -> Vec<SyncError> {
     {
         regions
             .iter()
             .filter(|r| !r.config.readonly)
             .filter_map(|r| {
-                r.sync()
-                    .err()
-                    .map(|e| format!("--pmem file={}: msync failed: {e}", r.config.file.display()))
+                r.sync().err().map(|source| SyncError {
+                    file: r.config.file.clone(),
+                    source,
+                })
             })
             .collect()
     }

@@ -148,7 +148,7 @@ impl Vm {
 
     /// Syncs the memory-storage regions; returns one message per region that failed.
     pub(crate) fn sync_pmem(&self) -> Vec<String> {
-        self.pmem.sync()
+        self.pmem.sync().iter().map(ToString::to_string).collect()
     }
 
     /// Interrupts raised by all devices so far.

@@ -124,7 +124,7 @@ pub struct VirtioSlot {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LayoutError {
     #[error("--pmem: {0}")]
-    Pmem(String),
+    Pmem(#[from] Box<crate::pmem::PlaceError>),
     #[error("too many virtio devices ({count}): interrupt lines {VIRTIO_IRQ_BASE} to {MAX_IRQ} hold {max}")]
     TooManyDevices { count: usize, max: usize },
 }
@@ -159,7 +159,7 @@ impl GuestLayout {
         phys_bits: u8,
     ) -> Result<Self, LayoutError> {
         let sizes: Vec<u64> = pmem.iter().map(|p| p.0).collect();
-        let addrs = crate::pmem::place(ram_size, &sizes, phys_bits).map_err(LayoutError::Pmem)?;
+        let addrs = crate::pmem::place(ram_size, &sizes, phys_bits).map_err(Box::new)?;
         let max = (MAX_IRQ - VIRTIO_IRQ_BASE + 1) as usize;
         if virtio_devices > max {
             return Err(LayoutError::TooManyDevices {
