@@ -906,7 +906,7 @@ fn musubi_migrated(
     let mut cmd = musubi_source(c, exe, elf, dir);
     cmd.arg("--api-socket")
         .arg(&socket)
-        .env("MUSUBI_LOG", "warn,musubi::migrate=info")
+        .env("MUSUBI_LOG", "warn,musubi_migration::vm=info")
         .env("NO_COLOR", "1");
     let src = start(cmd, "musubi (source)", dir, "src")?;
     let console = dir.join("src.console");
