@@ -1,8 +1,8 @@
 //! The JSON that crosses process boundaries, typed once: `musubi run --report` and
 //! `--metrics` files and the API's `vm.counters` answer. The VMM builds these values and
-//! every reader (`musubi remote`, the benchmarks, the tests) reads them back through the
-//! same structs, so a renamed or reshaped field is a compile error on both sides instead
-//! of a `null` one side reads.
+//! its readers (the multi-node launcher, the benchmarks, the tests) read them back through
+//! the same structs, so a renamed or reshaped field is a compile error on both sides
+//! instead of a `null` one side reads.
 //!
 //! Field names and shapes are those the files have always had; users and scripts read
 //! them, so a change here is a change of the file format.

@@ -107,7 +107,7 @@ impl RunningVm {
 
     /// The exit accounting so far.
     pub fn metrics(&self) -> musubi_types::Metrics {
-        self.shared.metrics()
+        self.shared.read_metrics()
     }
 
     /// Waits until the VM ends (the guest, a crash, [`VmHandle::stop`], or the timeout),
@@ -193,7 +193,7 @@ impl RunningVm {
                 _ => Outcome::VmmError(why),
             };
         }
-        let metrics = self.shared.metrics();
+        let metrics = self.shared.read_metrics();
         let first_run = self.first_run.get().copied();
         let report = RunReport {
             metrics,

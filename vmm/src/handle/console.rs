@@ -36,7 +36,7 @@ fn backend_name(b: crate::vstate::memory::RamBackend) -> String {
 }
 
 impl Shared {
-    pub(crate) fn metrics(&self) -> Metrics {
+    pub(crate) fn read_metrics(&self) -> Metrics {
         let names = |t| self.names.name(t);
         let (per_vcpu, all) = detailed(&self.metrics, &names);
         let notify_exits: u64 = all
@@ -87,7 +87,7 @@ impl Shared {
 impl VmHandle {
     /// The exit accounting so far, as `--metrics` writes it.
     pub fn metrics(&self) -> Metrics {
-        self.shared.metrics()
+        self.shared.read_metrics()
     }
 
     /// Device counters as Cloud Hypervisor's `vm.counters` gives them: device name to
