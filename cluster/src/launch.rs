@@ -67,9 +67,8 @@ pub struct Launched {
     /// Node 0's report with `exit_code` set to [`Launched::exit_code`] and every node's
     /// report (`null` for one that wrote none) under `nodes`.
     pub report: serde_json::Value,
-    /// Every node's metrics (`null` for one that wrote none); `None` unless metrics were
-    /// asked for.
-    pub metrics: Option<musubi_types::ClusterMetrics>,
+    /// `{"nodes": [...]}`, every node's metrics; `None` unless metrics were asked for.
+    pub metrics: Option<serde_json::Value>,
 }
 
 /// Why no VM ran. Whatever was set up has been removed again by the time this is returned.
@@ -242,12 +241,13 @@ impl Launch<'_> {
         }
         // A node that ended because it lost a peer names that peer in its report.
         let lost_by = |k: u16| -> Option<u16> {
-            let report: musubi_types::RunReport =
+            let report: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(report_of(k)).ok()?).ok()?;
-            match report.outcome {
-                musubi_types::Outcome::NodeLost { node, .. } => Some(node),
-                _ => None,
-            }
+            let outcome = &report["outcome"];
+            (outcome["kind"] == "node_lost")
+                .then(|| outcome["node"].as_u64())
+                .flatten()
+                .and_then(|n| u16::try_from(n).ok())
         };
         let statuses = supervise(&mut children, &mut signals, &lost_by);
         let code = statuses
@@ -269,10 +269,9 @@ impl Launch<'_> {
         }
         report["exit_code"] = serde_json::json!(code);
         report["nodes"] = serde_json::Value::Array(nodes);
-        let metrics = self.metrics.then(|| musubi_types::ClusterMetrics {
-            nodes: (0..n)
-                .map(|k| serde_json::from_value(read(metrics_of(k))).ok())
-                .collect(),
+        let metrics = self.metrics.then(|| {
+            let nodes: Vec<serde_json::Value> = (0..n).map(|k| read(metrics_of(k))).collect();
+            serde_json::json!({ "nodes": nodes })
         });
         Ok(Launched {
             exit_code: code,

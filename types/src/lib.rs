@@ -1,6 +1,6 @@
 //! The JSON that crosses process boundaries, typed once: `musubi run --report` and
 //! `--metrics` files and the API's `vm.counters` answer. The VMM builds these values and
-//! its readers (the multi-node launcher, the benchmarks, the tests) read them back through
+//! its readers (the benchmarks, the tests) read them back through
 //! the same structs, so a renamed or reshaped field is a compile error on both sides
 //! instead of a `null` one side reads.
 //!
