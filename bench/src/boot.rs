@@ -14,6 +14,7 @@ use super::report::{cell, median_min, mib, ms, Csv, Table};
 use super::stats::{max, ratio, Summary};
 use super::watch::{observe, observe_to_marker, time_to_marker, Observed, Watch};
 use super::{plot, BenchArgs, Harness};
+use musubi_types::RunReport;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -604,9 +605,9 @@ fn run_musubi(exe: &Path, elf: &Path, dir: &Path) -> Result<Sample, String> {
     let hello = time_to_marker(&o, 0, MUSUBI_LINES)?;
     let text = std::fs::read_to_string(&report)
         .map_err(|e| format!("musubi wrote no --report file {}: {e}", report.display()))?;
-    let r: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| format!("--report {}: not JSON: {e}", report.display()))?;
-    let first = r["first_run_monotonic_ns"].as_u64().ok_or_else(|| {
+    let r: RunReport = serde_json::from_str(&text)
+        .map_err(|e| format!("--report {}: not a report: {e}", report.display()))?;
+    let first = r.first_run_monotonic_ns.ok_or_else(|| {
         format!(
             "--report {} has no first_run_monotonic_ns: {text}",
             report.display()
@@ -617,13 +618,13 @@ fn run_musubi(exe: &Path, elf: &Path, dir: &Path) -> Result<Sample, String> {
         spawn_ns: o.spawn_ns,
         to_first_run_ns: None,
         report_first_run_ns: Some(first.saturating_sub(o.spawn_ns)),
-        setup_ns: r["to_first_run_ns"].as_u64(),
+        setup_ns: r.to_first_run_ns,
         to_hello_ns: hello,
         to_exit_ns: o.end_ns - o.spawn_ns,
         max_overhead: o.max_overhead,
         max_private_overhead: o.max_private_overhead,
         mem_samples: o.samples,
-        exits: r["total_exits"].as_u64(),
+        exits: Some(r.total_exits),
         status: Some(0),
     })
 }

@@ -8,7 +8,7 @@
 mod make;
 
 use super::driver::{Columns, Outputs, Runs, Verdicts};
-use super::guest_run::{in_vm, native, WorkloadRun};
+use super::guest_run::{in_vm, native, VmFigure, WorkloadRun, DOORBELL_EXITS, IRQ_IRQFD, IRQ_USER};
 use super::report::{Csv, Figure, Table};
 use super::stats::median;
 use super::{plot, Harness};
@@ -179,10 +179,11 @@ fn plan(ws: &[Workload]) -> Vec<Config> {
 /// `composite.csv`'s columns, one row per run.
 fn columns<'c>(ws: &'c [Workload]) -> Columns<'c, (usize, &'c Config, &'c WorkloadRun)> {
     type R<'a> = (usize, &'a Config, &'a WorkloadRun);
-    let metric = |a: &'static str, b: &'static str| {
+    let metric = |figure: VmFigure| {
         move |x: &R| {
-            x.2.metrics[a][b]
-                .as_u64()
+            x.2.metrics
+                .as_ref()
+                .and_then(figure)
                 .map(|v| v.to_string())
                 .unwrap_or_default()
         }
@@ -201,14 +202,14 @@ fn columns<'c>(ws: &'c [Workload]) -> Columns<'c, (usize, &'c Config, &'c Worklo
         .col("total_exits", |x| {
             x.2.total_exits().map(|v| v.to_string()).unwrap_or_default()
         })
-        .col("doorbell_exits", metric("notifications", "mmio_exit"))
+        .col("doorbell_exits", metric(DOORBELL_EXITS))
         .col("vmm_ns_per_exit", |x| {
             x.2.vmm_ns_per_exit()
                 .map(|v| format!("{v:.0}"))
                 .unwrap_or_default()
         })
-        .col("irq_user", metric("interrupts", "user"))
-        .col("irq_irqfd", metric("interrupts", "irqfd"))
+        .col("irq_user", metric(IRQ_USER))
+        .col("irq_irqfd", metric(IRQ_IRQFD))
 }
 
 /// The runs' medians per workload and place, and per operation.
@@ -263,9 +264,14 @@ impl Measures<'_> {
     /// The table, a chart panel per workload, and the small reads' verdicts.
     fn table(&self) -> (Table, Vec<plot::Panel>, Verdicts) {
         let exits = |r: &WorkloadRun| r.total_exits().map(|v| v as f64);
-        let doorbells = |r: &WorkloadRun| r.metrics["notifications"]["mmio_exit"].as_f64();
+        let doorbells = |r: &WorkloadRun| {
+            r.metrics
+                .as_ref()
+                .and_then(DOORBELL_EXITS)
+                .map(|v| v as f64)
+        };
         let injections =
-            |r: &WorkloadRun| Some(r.metrics["interrupts"]["user"].as_f64().unwrap_or(0.0));
+            |r: &WorkloadRun| Some(r.metrics.as_ref().and_then(IRQ_USER).unwrap_or(0) as f64);
         let vmm_ns = |w, at| self.med(w, at, false, &|r| r.vmm_ns_per_exit());
         let mut t = Table::new(&[
             "workload",

@@ -4,6 +4,7 @@
 
 use crate::probe;
 use crate::watch::tail;
+use musubi_types::Metrics;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -12,8 +13,8 @@ use vmm::config::{DiskConfig, ExitsMode, SerialMode, VmConfig};
 /// One workload run's result line and, for VM runs, the VMM's accounting.
 pub struct WorkloadRun {
     pub result: Value,
-    /// `--metrics` JSON of the VM run; `Value::Null` for native runs.
-    pub metrics: Value,
+    /// The VM run's `--metrics`; `None` for native runs.
+    pub metrics: Option<Metrics>,
 }
 
 impl WorkloadRun {
@@ -23,21 +24,29 @@ impl WorkloadRun {
     }
 
     pub fn total_exits(&self) -> Option<u64> {
-        self.metrics["total_exits"].as_u64()
+        self.metrics.as_ref().map(|m| m.total_exits)
     }
 
     /// Mean VMM time per exit over the whole run, in ns.
     pub fn vmm_ns_per_exit(&self) -> Option<f64> {
-        let exits = self.metrics["exits"].as_array()?;
-        let (n, t) = exits.iter().fold((0u64, 0u64), |(n, t), e| {
-            (
-                n + e["count"].as_u64().unwrap_or(0),
-                t + e["vmm_ns"].as_u64().unwrap_or(0),
-            )
-        });
+        let exits = &self.metrics.as_ref()?.exits;
+        let (n, t) = exits
+            .iter()
+            .fold((0u64, 0u64), |(n, t), e| (n + e.count, t + e.vmm_ns));
         (n > 0).then(|| t as f64 / n as f64)
     }
 }
+
+/// A figure of a VM run's `--metrics`, for the tables' columns; `None` where the run has
+/// none (an interrupt path it never took).
+pub type VmFigure = fn(&Metrics) -> Option<u64>;
+
+/// Doorbells the guest rang with an exit (queue-notify writes the VMM trapped).
+pub const DOORBELL_EXITS: VmFigure = |m| Some(m.notifications.mmio_exit);
+/// Interrupts the VMM injected itself (the user exit path).
+pub const IRQ_USER: VmFigure = |m| m.interrupts.user;
+/// Interrupts raised through irqfds (the kernel exit path).
+pub const IRQ_IRQFD: VmFigure = |m| m.interrupts.irqfd;
 
 /// Runs `task` (one probe task, e.g. `port-ping=1000`) in the probe guest.
 pub fn in_vm(task: &str, exits: ExitsMode, disk: Option<&Path>) -> Result<WorkloadRun, String> {
@@ -98,7 +107,7 @@ pub fn probe_in_process(
         .ok_or_else(|| format!("{label}: no result line; console:\n{}", tail(&console, 15)))?;
     Ok(WorkloadRun {
         result: line,
-        metrics: report.metrics,
+        metrics: Some(report.metrics),
     })
 }
 
@@ -142,6 +151,6 @@ pub fn native(task: &str, disk: Option<&Path>) -> Result<WorkloadRun, String> {
     }
     Ok(WorkloadRun {
         result,
-        metrics: Value::Null,
+        metrics: None,
     })
 }

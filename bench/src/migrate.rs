@@ -29,6 +29,7 @@ use super::qemu::{Outcome, Standing};
 use super::report::{cell, median_min, ms, Csv, Figure, Table};
 use super::stats::{ratio, Summary};
 use super::{plot, BenchArgs, Harness};
+use musubi_types::RunReport;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -949,21 +950,18 @@ fn musubi_migrated(
             one_line(&before, 300)
         ));
     }
-    let report: serde_json::Value = std::fs::read_to_string(dir.join("src.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
-    if report["outcome"]["kind"] != "migrated" {
+    let read_report = |name: &str| -> Option<RunReport> {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
+    };
+    let report = read_report("src.json");
+    if report.as_ref().map(|r| r.outcome.kind()) != Some("migrated") {
         return Err(format!(
-            "the source's report does not say migrated: {report}"
+            "the source's report does not say migrated: {}",
+            report.map_or_else(|| "null".into(), |r| r.to_string())
         ));
     }
-    let dst_report: serde_json::Value = std::fs::read_to_string(dir.join("dst.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
-    let report_downtime_ns = dst_report["first_run_monotonic_ns"]
-        .as_u64()
+    let report_downtime_ns = read_report("dst.json")
+        .and_then(|r| r.first_run_monotonic_ns)
         .zip(pause)
         .map(|(f, p)| f.saturating_sub(p));
     let log = std::fs::read_to_string(&src.stderr).unwrap_or_default();

@@ -16,6 +16,7 @@ use super::report::{cell, Csv, Figure, Table};
 use super::stats::{max, ratio, Summary};
 use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
 use super::{plot, BenchArgs, Harness};
+use musubi_types::Metrics;
 use serde_json::Value;
 use std::fs::File;
 use std::io::Read;
@@ -784,17 +785,16 @@ fn boot(c: &Vmm, ns: &Netns, task: &str, name: &str) -> Boot {
 fn vmm_counts(path: &Path) -> Result<VmmCounts, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("musubi's --metrics {}: {e}", path.display()))?;
-    let m: Value = serde_json::from_str(&text)
+    let m: Metrics = serde_json::from_str(&text)
         .map_err(|e| format!("musubi's --metrics {}: {e}", path.display()))?;
-    let n = |v: &Value| {
-        v.as_f64()
-            .ok_or_else(|| format!("--metrics lacks a count: {m}"))
-    };
-    let net = &m["net"][0];
+    let net = m
+        .net
+        .first()
+        .ok_or_else(|| format!("--metrics lacks a count: {m}"))?;
     Ok(VmmCounts {
-        exits: n(&m["total_exits"])?,
-        doorbell_exits: n(&m["notifications"]["mmio_exit"])?,
-        packets: n(&net["rx_packets"])? + n(&net["tx_packets"])?,
+        exits: m.total_exits as f64,
+        doorbell_exits: m.notifications.mmio_exit as f64,
+        packets: (net.rx_packets + net.tx_packets) as f64,
     })
 }
 

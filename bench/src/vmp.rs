@@ -15,7 +15,7 @@ use super::watch::{observe, tail, Observed, Watch};
 use super::{plot, Harness};
 use crate::probe;
 use dsm::table3::{measure_ordered, ManagerAt};
-use serde_json::Value;
+use musubi_types::{ClusterMetrics, Coherence, Metrics};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -1218,13 +1218,13 @@ fn run_one(
     };
     let text =
         std::fs::read_to_string(&metrics).map_err(|e| format!("{}: {e}", metrics.display()))?;
-    let m: Value =
+    let m: ClusterMetrics =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", metrics.display()))?;
-    let nodes = m["nodes"]
-        .as_array()
-        .ok_or("--metrics has no nodes")?
+    let none = Metrics::default();
+    let nodes = m
+        .nodes
         .iter()
-        .map(node_figures)
+        .map(|n| node_figures(n.as_ref().unwrap_or(&none)))
         .collect::<Vec<_>>();
     if nodes.len() != c.nodes as usize {
         return Err(format!(
@@ -1259,59 +1259,43 @@ fn run_one(
     })
 }
 
-fn node_figures(m: &Value) -> NodeFigures {
-    let node = &m["node"];
-    let co = &node["coherence"];
-    let f = &co["faults"];
-    let u = |v: &Value| v.as_u64().unwrap_or(0);
-    let buckets = f["latency_log2_ns"]
-        .as_array()
-        .map(|a| a.iter().map(u).collect())
-        .unwrap_or_else(|| vec![0; 64]);
-    let by_range: BTreeMap<u64, u64> = f["by_range"]
-        .as_object()
-        .map(|o| {
-            o.iter()
-                .filter_map(|(k, v)| Some((k.parse().ok()?, u(v))))
-                .collect()
-        })
-        .unwrap_or_default();
-    let range_bytes = u(&f["range_bytes"]).max(1);
-    let kernel_faults = by_range
+fn node_figures(m: &Metrics) -> NodeFigures {
+    let node = m.node.as_ref();
+    let co = node.and_then(|n| n.coherence.as_ref());
+    let buckets = co.map_or_else(|| vec![0; 64], |c| c.faults.latency_log2_ns.clone());
+    let absent = Coherence::default();
+    let co = co.unwrap_or(&absent);
+    let f = &co.faults;
+    let range_bytes = f.range_bytes.max(1);
+    let kernel_faults = f
+        .by_range
         .iter()
         .filter(|(start, _)| **start < 2 << 20 && *start + range_bytes <= 2 << 20)
         .map(|(_, n)| n)
         .sum();
-    let hot = f["hot_pages"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|p| {
-            let symbol = p["symbol"].as_str().unwrap_or("").to_string();
-            (u(&p["gpa"]), u(&p["faults"]), symbol)
-        })
+    let hot = f
+        .hot_pages
+        .iter()
+        .map(|p| (p.gpa, p.faults, p.symbol.clone().unwrap_or_default()))
         .collect();
-    let sent = &co["sent"];
-    let (mut exits, mut vmm_ns) = (0u64, 0.0);
-    for v in m["vcpus"].as_array().into_iter().flatten() {
-        for e in v["exits"].as_array().into_iter().flatten() {
-            exits += u(&e["count"]);
-            vmm_ns += u(&e["vmm_ns"]) as f64;
-        }
-    }
+    let (exits, vmm_ns) = m
+        .vcpus
+        .iter()
+        .flat_map(|v| &v.exits)
+        .fold((0u64, 0.0), |(n, t), e| (n + e.count, t + e.vmm_ns as f64));
     NodeFigures {
-        id: u(&node["id"]) as u16,
-        faults: u(&f["count"]),
-        fetches: REQUESTS.iter().map(|k| u(&sent[*k])).sum(),
-        messages: COHERENCE.iter().map(|k| u(&sent[*k])).sum(),
+        id: node.map_or(0, |n| n.id),
+        faults: f.count,
+        fetches: co.sent_of(&REQUESTS),
+        messages: co.sent_of(&COHERENCE),
         buckets,
-        by_range,
+        by_range: f.by_range.clone(),
         range_bytes,
         kernel_faults,
         hot,
         exits,
         vmm_ns,
-        protocol_errors: u(&co["protocol_errors"]),
+        protocol_errors: co.protocol_errors,
     }
 }
 

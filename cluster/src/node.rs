@@ -209,8 +209,9 @@ pub struct RunningNode {
 pub struct NodeReport {
     pub node: u16,
     pub report: RunReport,
-    /// The coherence counters (faults, messages), as in `--metrics`.
-    pub coherence: serde_json::Value,
+    /// The coherence counters (faults, messages), as in `--metrics`; `None` if the
+    /// coherence layer failed.
+    pub coherence: Option<musubi_types::Coherence>,
     /// Why the coherence layer failed, if it did.
     pub coherence_error: Option<String>,
     /// Some of this node's threads could not be stopped (they wait on pages a lost node
@@ -340,22 +341,16 @@ impl Node {
         let (protocol, ordering) = (cluster.protocol, cluster.ordering);
         let symbols = Arc::new(KernelSymbols::new(config.kernel.clone()));
         let named = Arc::clone(&symbols);
-        vm.set_extra_metrics(Arc::new(move || {
-            let stats = weak
-                .upgrade()
-                .map(|c| named.coherence_json(&c.stats()))
-                .unwrap_or_default();
-            serde_json::json!({
-                "node": {
-                    "id": id,
-                    "nodes": nodes,
-                    "protocol": protocol.name(),
-                    "ordering": ordering.name(),
-                    "forwarded_exits": counters.forwarded.load(Ordering::Relaxed),
-                    "ipis_local": counters.ipis_local.load(Ordering::Relaxed),
-                    "ipis_remote": counters.ipis_remote.load(Ordering::Relaxed),
-                    "coherence": stats,
-                }
+        vm.set_extra_metrics(Arc::new(move |m: &mut musubi_types::Metrics| {
+            m.node = Some(musubi_types::NodeMetrics {
+                id,
+                nodes,
+                protocol: protocol.name().to_string(),
+                ordering: ordering.name().to_string(),
+                forwarded_exits: counters.forwarded.load(Ordering::Relaxed),
+                ipis_local: counters.ipis_local.load(Ordering::Relaxed),
+                ipis_remote: counters.ipis_remote.load(Ordering::Relaxed),
+                coherence: weak.upgrade().map(|c| named.coherence(&c.stats())),
             })
         }));
         let ctx = ControlContext {
@@ -498,8 +493,8 @@ impl RunningNode {
             Err(shared) => Ok(shared.stats()),
         };
         let (coherence, coherence_error) = match coherence {
-            Ok(stats) => (self.symbols.coherence_json(&stats), None),
-            Err(e) => (serde_json::Value::Null, Some(e.to_string())),
+            Ok(stats) => (Some(self.symbols.coherence(&stats)), None),
+            Err(e) => (None, Some(e.to_string())),
         };
         NodeReport {
             node: self.id,

@@ -25,10 +25,10 @@ impl KernelSymbols {
         }
     }
 
-    /// `stats` as JSON, each of its `hot_pages` with what lies there (`symbol`) when the
-    /// kernel is an ELF file with symbols that can still be read.
-    pub(crate) fn coherence_json(&self, stats: &dsm_host::NodeStats) -> serde_json::Value {
-        let mut json = serde_json::to_value(stats).unwrap_or_default();
+    /// `stats` as `--metrics` gives them, each of its `hot_pages` with what lies there
+    /// (`symbol`) when the kernel is an ELF file with symbols that can still be read.
+    pub(crate) fn coherence(&self, stats: &dsm_host::NodeStats) -> musubi_types::Coherence {
+        let mut coherence = stats.to_metrics();
         // Through a cache that copies what it reads: the object crate reads headers in
         // place and refuses them where they are not aligned, as in the image the binary
         // carries; a vmlinux file is read only where its symbols are.
@@ -40,18 +40,12 @@ impl KernelSymbols {
                 GuestSymbols::from_elf(&ReadCache::new(std::io::Cursor::new(&data[..])))
             }
         });
-        let pages = json
-            .pointer_mut("/faults/hot_pages")
-            .and_then(|p| p.as_array_mut());
-        if let (Some(symbols), Some(pages)) = (symbols, pages) {
-            for page in pages {
-                let name = page["gpa"].as_u64().and_then(|gpa| symbols.page(gpa));
-                if let (Some(name), Some(page)) = (name, page.as_object_mut()) {
-                    page.insert("symbol".into(), name.into());
-                }
+        if let Some(symbols) = symbols {
+            for page in &mut coherence.faults.hot_pages {
+                page.symbol = symbols.page(page.gpa);
             }
         }
-        json
+        coherence
     }
 }
 

@@ -30,13 +30,13 @@ pub struct DemandStats {
 }
 
 impl DemandStats {
-    /// `{"faults": .., "pages_read": .., "zero_pages": ..}` for the run's metrics.
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "faults": self.faults.load(Ordering::Relaxed),
-            "pages_read": self.pages_read.load(Ordering::Relaxed),
-            "zero_pages": self.zero_pages.load(Ordering::Relaxed),
-        })
+    /// The run's `demand_paging` metrics.
+    pub fn to_metrics(&self) -> musubi_types::DemandPaging {
+        musubi_types::DemandPaging {
+            faults: self.faults.load(Ordering::Relaxed),
+            pages_read: self.pages_read.load(Ordering::Relaxed),
+            zero_pages: self.zero_pages.load(Ordering::Relaxed),
+        }
     }
 }
 

@@ -166,4 +166,71 @@ impl NodeStats {
     pub(crate) fn count(map: &mut BTreeMap<String, u64>, name: &str) {
         *map.entry(name.to_string()).or_default() += 1;
     }
+
+    /// The node's `coherence` section of `--metrics`, the [`HOT_PAGES`] hottest pages
+    /// listed (their symbols are the caller's to add).
+    pub fn to_metrics(&self) -> musubi_types::Coherence {
+        let f = &self.faults;
+        musubi_types::Coherence {
+            node: self.node,
+            faults: musubi_types::FaultStats {
+                count: f.count,
+                missing: f.missing,
+                write_protect: f.write_protect,
+                reads: f.reads,
+                writes: f.writes,
+                resolved: f.resolved,
+                latency_log2_ns: f.latency_log2_ns.clone(),
+                range_bytes: f.range_bytes,
+                by_range: f.by_range.clone(),
+                hot_pages: hottest(&f.by_page, HOT_PAGES)
+                    .into_iter()
+                    .map(|p| musubi_types::HotPage {
+                        gpa: p.gpa,
+                        faults: p.faults,
+                        reads: p.reads,
+                        writes: p.writes,
+                        symbol: None,
+                    })
+                    .collect(),
+            },
+            sent: self.sent.clone(),
+            received: self.received.clone(),
+            control_received: self.control_received,
+            protocol_errors: self.protocol_errors,
+            last_protocol_error: self.last_protocol_error.clone(),
+            installs: self.installs,
+            overdue_faults: self.overdue_faults,
+            polling: musubi_types::PollStats {
+                answered: self.polling.answered,
+                slept: self.polling.slept,
+                polled_ns: self.polling.polled_ns,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_metrics_section_is_the_stats_own_json() {
+        let mut s = NodeStats::new(1, 1 << 20);
+        s.faults.count = 3;
+        s.faults.by_range.insert(2 << 20, 3);
+        s.faults.latency_log2_ns[12] = 3;
+        for (gpa, reads, writes) in [(0x1000, 1, 0), (0x2000, 0, 2)] {
+            s.faults.by_page.insert(gpa, PageFaults { reads, writes });
+        }
+        NodeStats::count(&mut s.sent, "fetch");
+        s.last_protocol_error = Some("bad page".into());
+        s.polling.slept = 4;
+        for stats in [s, NodeStats::default()] {
+            assert_eq!(
+                serde_json::to_value(stats.to_metrics()).unwrap(),
+                serde_json::to_value(&stats).unwrap()
+            );
+        }
+    }
 }

@@ -282,17 +282,16 @@ impl PostCopyRam {
         self.held.load(Ordering::Acquire)
     }
 
-    /// `{"faults", "asked", "installed", "precopied", "data_pages", "all_held"}` for the
-    /// run's metrics.
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "faults": self.stats.faults.load(Ordering::Relaxed),
-            "asked": self.stats.asked.load(Ordering::Relaxed),
-            "installed": self.stats.installed.load(Ordering::Relaxed),
-            "precopied": self.stats.precopied.load(Ordering::Relaxed),
-            "data_pages": Some(self.data_pages.load(Ordering::Relaxed)).filter(|&n| n != NOT_LISTED),
-            "all_held": self.all_held(),
-        })
+    /// The run's `migration` metrics.
+    pub fn to_metrics(&self) -> musubi_types::MigrationPaging {
+        musubi_types::MigrationPaging {
+            faults: self.stats.faults.load(Ordering::Relaxed),
+            asked: self.stats.asked.load(Ordering::Relaxed),
+            installed: self.stats.installed.load(Ordering::Relaxed),
+            precopied: self.stats.precopied.load(Ordering::Relaxed),
+            data_pages: self.listed(),
+            all_held: self.all_held(),
+        }
     }
 
     /// Called once with the reason when the VM cannot go on. A failure that came before is

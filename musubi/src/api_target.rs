@@ -56,7 +56,7 @@ impl VmControl for ApiTarget {
     }
 
     fn counters(&self) -> serde_json::Value {
-        self.vm.counters()
+        serde_json::to_value(self.vm.counters()).unwrap_or_default()
     }
 
     fn pause(&self) -> Result<(), ActionError> {

@@ -2,7 +2,7 @@
 //! turned into the cluster crate's calls, with their errors printed.
 
 use crate::cli::{FileConfig, RunFlags, VmArgs};
-use crate::run::{report_json, stop_signals, write_json, SignalWatch};
+use crate::run::{stop_signals, write_json, SignalWatch};
 use clap::Args;
 use musubi_cluster::{
     parse_duration, rank_from_launcher, ClusterFile, Launch, LaunchError, Node, NodeFiles,
@@ -134,10 +134,10 @@ pub fn node(
         write_json(p, "--metrics", &report.metrics);
     }
     if let Some(p) = &run.report {
-        let mut j = report_json(report);
-        j["node"] = serde_json::json!(id);
-        j["coherence"] = done.coherence.clone();
-        write_json(p, "--report", &j);
+        let mut r = report.to_report();
+        r.node = Some(id);
+        r.coherence = Some(done.coherence.clone());
+        write_json(p, "--report", &r);
     }
     match &report.outcome {
         vmm::Outcome::GuestCrash(m) => musubi_cluster::say!("musubi: node {id}: guest crashed: {m}"),

@@ -98,23 +98,19 @@ fn demo() -> Result<(), String> {
         report.interrupts
     );
     println!("  top exits (reason, port or device, count, mean VMM time per exit):");
-    for e in report.metrics["exits"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .take(6)
-    {
+    for e in report.metrics.exits.iter().take(6) {
         println!(
             "    {:<12} {:<26} {:>8}  {:>7.1} us",
-            e["reason"].as_str().unwrap_or(""),
-            e["detail"].as_str().unwrap_or("-"),
-            e["count"],
-            e["mean_vmm_ns"].as_u64().unwrap_or(0) as f64 / 1e3
+            e.reason,
+            e.detail.as_deref().unwrap_or("-"),
+            e.count,
+            e.mean_vmm_ns as f64 / 1e3
         );
     }
+    let doorbells = &report.metrics.notifications;
     println!(
         "  doorbells: {} through ioeventfd, {} as MMIO exits",
-        report.metrics["notifications"]["ioeventfd"], report.metrics["notifications"]["mmio_exit"]
+        doorbells.ioeventfd, doorbells.mmio_exit
     );
     if !pattern_ok || guest_crc != host_crc || host_crc != expected_crc {
         return Err("the disk contents do not match what the guest wrote".into());

@@ -26,7 +26,7 @@ impl VmControl for NodeApi {
     }
 
     fn counters(&self) -> serde_json::Value {
-        self.vm.counters()
+        serde_json::to_value(self.vm.counters()).unwrap_or_default()
     }
 
     fn pause(&self) -> Result<(), ActionError> {

@@ -87,9 +87,9 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
             control.finish(vmm::Outcome::VmmError(why))
         }));
         let d = d.clone();
-        built.set_extra_metrics(std::sync::Arc::new(
-            move || serde_json::json!({ "demand_paging": d.stats().to_json() }),
-        ));
+        built.set_extra_metrics(std::sync::Arc::new(move |m: &mut musubi_types::Metrics| {
+            m.demand_paging = Some(d.stats().to_metrics())
+        }));
     }
     // The console takes stdin only when the guest's console is on stdout. The terminal goes
     // raw before the guest runs, so no early keystroke is echoed or held for a whole line;
@@ -164,7 +164,7 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         write_json(p, "--metrics", &report.metrics);
     }
     if let Some(p) = &run.report {
-        write_json(p, "--report", &report_json(&report));
+        write_json(p, "--report", &report.to_report());
     }
     match &report.outcome {
         vmm::Outcome::GuestCrash(m) => eprintln!("musubi: guest crashed: {m}"),
@@ -267,24 +267,14 @@ impl SignalWatch {
     }
 }
 
-/// Replaces `path` whole, so a reader never sees half a file.
-pub fn write_json(path: &Path, flag: &str, value: &serde_json::Value) {
+/// Replaces `path` whole, so a reader never sees half a file. Written through a
+/// `serde_json::Value`, so the keys stay in the alphabetical order the files have always had.
+pub fn write_json(path: &Path, flag: &str, value: &impl serde::Serialize) {
     let tmp = path.with_extension("tmp");
-    let text = serde_json::to_string_pretty(value).unwrap_or_default();
+    let text = serde_json::to_value(value)
+        .and_then(|v| serde_json::to_string_pretty(&v))
+        .unwrap_or_default();
     if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
         eprintln!("musubi: {flag} {}: {e}", path.display());
     }
-}
-
-pub fn report_json(r: &vmm::RunReport) -> serde_json::Value {
-    serde_json::json!({
-        "outcome": r.outcome,
-        "exit_code": r.outcome.exit_code(),
-        "exits": r.exits,
-        "total_exits": r.total_exits,
-        "interrupts": r.interrupts,
-        "to_first_run_ns": r.to_first_run.map(|d| d.as_nanos() as u64),
-        "first_run_monotonic_ns": r.first_run_monotonic_ns,
-        "wall_ns": r.wall.as_nanos() as u64,
-    })
 }

@@ -3,6 +3,7 @@
 
 mod common;
 use common::*;
+use musubi_types::{Outcome, RunReport};
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -152,15 +153,15 @@ fn echo_result(output: &str) -> Value {
         .unwrap_or_else(|| panic!("no console-echo result in:\n{output}"))
 }
 
-fn outcome(report: &std::path::Path) -> Value {
+fn outcome(report: &std::path::Path) -> Outcome {
     let text = std::fs::read_to_string(report).unwrap();
-    serde_json::from_str::<Value>(&text).unwrap()["outcome"].clone()
+    serde_json::from_str::<RunReport>(&text).unwrap().outcome
 }
 
 /// Runs the probe guest's `tasks` on a terminal, waits for the `console-echo` prompt, then
 /// does `act`; returns the status, the terminal output and the report's outcome. Checks
 /// that the terminal was raw meanwhile and is as it was afterwards.
-fn on_a_terminal(tasks: &str, act: impl FnOnce(&mut OnTerminal)) -> (Option<i32>, String, Value) {
+fn on_a_terminal(tasks: &str, act: impl FnOnce(&mut OnTerminal)) -> (Option<i32>, String, Outcome) {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let mut t = OnTerminal::start(&args(tasks, &report));
@@ -183,7 +184,7 @@ fn on_a_terminal(tasks: &str, act: impl FnOnce(&mut OnTerminal)) -> (Option<i32>
 }
 
 /// What `musubi` did when `input` was typed once the guest's `console-echo` task waited.
-fn type_at_the_prompt(input: &[u8]) -> (Option<i32>, String, Value) {
+fn type_at_the_prompt(input: &[u8]) -> (Option<i32>, String, Outcome) {
     on_a_terminal("console-echo", |t| t.type_in(input))
 }
 
@@ -191,7 +192,7 @@ fn type_at_the_prompt(input: &[u8]) -> (Option<i32>, String, Value) {
 fn a_line_typed_on_a_terminal_reaches_the_guest_and_the_terminal_is_restored() {
     let (code, output, outcome) = type_at_the_prompt(b"hello musubi\r");
     assert_eq!(code, Some(0), "{output}");
-    assert_eq!(outcome["kind"], "guest_exit", "{output}");
+    assert_eq!(outcome.kind(), "guest_exit", "{output}");
     let r = echo_result(&output);
     assert_eq!(r["ok"], true, "{output}");
     assert_eq!(r["line"], "hello musubi", "{output}");
@@ -206,7 +207,7 @@ fn ctrl_a_x_on_a_terminal_quits_with_status_0() {
     // Ctrl-A Ctrl-A is a literal Ctrl-A for the guest; Ctrl-A x is for the VMM.
     let (code, output, outcome) = type_at_the_prompt(b"ab\x01\x01\x01x");
     assert_eq!(code, Some(0), "{output}");
-    assert_eq!(outcome["kind"], "console_quit", "{output}");
+    assert_eq!(outcome.kind(), "console_quit", "{output}");
     assert!(output.contains("Ctrl-A x"), "{output}");
     assert!(
         !output.contains("{\"probe\":\"console-echo\""),
@@ -228,7 +229,7 @@ fn piped_input_reaches_the_guest_and_its_end_leaves_the_vm_running() {
     assert!(e["rx_interrupts"].as_u64().unwrap() > 0, "{}", r.explain());
     // The task after it ran: the end of stdin did not stop the VM.
     r.result("hello");
-    assert_eq!(outcome(&report)["kind"], "guest_exit");
+    assert_eq!(outcome(&report).kind(), "guest_exit");
 }
 
 #[test]
@@ -251,7 +252,7 @@ fn sigterm_restores_the_terminal() {
         unsafe { libc::kill(t.child.id() as libc::pid_t, libc::SIGTERM) };
     });
     assert_eq!(code, Some(128 + libc::SIGTERM), "{output}");
-    assert_eq!(outcome["kind"], "signal", "{output}");
+    assert_eq!(outcome.kind(), "signal", "{output}");
 }
 
 #[test]
@@ -259,5 +260,5 @@ fn a_guest_crash_restores_the_terminal() {
     let (code, output, outcome) =
         on_a_terminal("console-echo=60,triple-fault", |t| t.type_in(b"\r"));
     assert_eq!(code, Some(125), "{output}");
-    assert_eq!(outcome["kind"], "guest_crash", "{output}");
+    assert_eq!(outcome.kind(), "guest_crash", "{output}");
 }

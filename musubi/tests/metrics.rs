@@ -3,6 +3,7 @@
 
 mod common;
 use common::*;
+use musubi_types::Metrics;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -66,9 +67,8 @@ fn sigusr1_writes_metrics_while_the_vm_runs() {
         let Ok(text) = std::fs::read_to_string(&metrics) else {
             continue;
         };
-        let m: serde_json::Value =
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
-        if m["total_exits"].as_u64().unwrap() > 0 {
+        let m: Metrics = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        if m.total_exits > 0 {
             break m;
         }
     };
@@ -76,16 +76,15 @@ fn sigusr1_writes_metrics_while_the_vm_runs() {
         child.try_wait().unwrap().is_none(),
         "SIGUSR1 stopped the VM"
     );
-    assert_eq!(m["exits_mode"], "kernel");
+    assert_eq!(m.exits_mode, "kernel");
 
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(128 + libc::SIGTERM));
-    let end: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+    let end: Metrics = serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
     assert!(
-        end["total_exits"].as_u64() >= m["total_exits"].as_u64(),
+        end.total_exits >= m.total_exits,
         "final metrics went backwards"
     );
 }

@@ -7,6 +7,7 @@
 
 mod common;
 use common::*;
+use musubi_types::{Metrics, Outcome, RunReport};
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -130,11 +131,13 @@ fn assert_migrated_away(s: Source, port: u16) {
     let run = s.vm.finish(LIMIT);
     let console = read_text(&s.serial);
     assert_eq!(run.code, Some(0), "source: {}\n{console}", run.explain());
-    let report: Value = serde_json::from_str(&read_text(&s.report)).unwrap();
-    assert_eq!(report["outcome"]["kind"], "migrated", "{report}");
+    let report: RunReport = serde_json::from_str(&read_text(&s.report)).unwrap();
+    assert_eq!(report.outcome.kind(), "migrated", "{report}");
     assert_eq!(
-        report["outcome"]["to"],
-        format!("tcp:127.0.0.1:{port}"),
+        report.outcome,
+        Outcome::Migrated {
+            to: format!("tcp:127.0.0.1:{port}")
+        },
         "{report}"
     );
     assert!(
@@ -171,7 +174,7 @@ fn moved_mid_task(seed: u8, tasks: &str, flags: &[&str]) -> String {
 
 /// As [`moved_mid_task`], with `send` added to `remote send-migration`; also returns the
 /// destination's `--metrics`.
-fn moved_mid_task_with(seed: u8, tasks: &str, flags: &[&str], send: &[&str]) -> (String, Value) {
+fn moved_mid_task_with(seed: u8, tasks: &str, flags: &[&str], send: &[&str]) -> (String, Metrics) {
     let dir = tempfile::tempdir().unwrap();
     let key = secret(dir.path(), "secret", seed);
     let port = free_port();
@@ -200,7 +203,7 @@ fn moved_mid_task_with(seed: u8, tasks: &str, flags: &[&str], send: &[&str]) -> 
     assert_migrated_away(src, port);
     dest_guard.defuse();
     let text = finished_destination(dest, &dest_serial);
-    let metrics: Value = serde_json::from_str(&read_text(&dest_metrics)).unwrap();
+    let metrics: Metrics = serde_json::from_str(&read_text(&dest_metrics)).unwrap();
     (text, metrics)
 }
 
@@ -281,8 +284,8 @@ fn a_vm_migrated_twice_ends_its_task_on_the_third_process() {
     b_guard.defuse();
     let b_run = b.finish(LIMIT);
     assert_eq!(b_run.code, Some(0), "B: {}", b_run.explain());
-    let report: Value = serde_json::from_str(&read_text(&b_report)).unwrap();
-    assert_eq!(report["outcome"]["kind"], "migrated", "{report}");
+    let report: RunReport = serde_json::from_str(&read_text(&b_report)).unwrap();
+    assert_eq!(report.outcome.kind(), "migrated", "{report}");
     assert!(!read_text(&b_serial).contains(DONE), "B ended the tasks");
 
     c_guard.defuse();
@@ -560,16 +563,16 @@ fn mem_check_pre_copied_reads_back_every_byte_and_no_page_follows_the_switch() {
         ],
     );
     assert_mem_check(&text);
-    let m = &metrics["migration"];
-    assert!(
-        u(&m["precopied"]) > 0,
-        "no page came before the switch: {m}"
-    );
+    let m = metrics
+        .migration
+        .unwrap_or_else(|| panic!("no migration section: {metrics}"));
+    assert!(m.precopied > 0, "no page came before the switch: {m}");
     assert_eq!(
-        m["data_pages"], 0,
+        m.data_pages,
+        Some(0),
         "a page was listed to follow the switch: {m}"
     );
-    assert_eq!(m["all_held"], true, "{m}");
+    assert!(m.all_held, "{m}");
 }
 
 #[test]
@@ -581,7 +584,10 @@ fn fib_pre_copied_with_the_default_downtime_ends_as_an_uninterrupted_run() {
         &["--mode", "precopy"],
     );
     assert_fib(&text);
-    assert!(u(&metrics["migration"]["precopied"]) > 0, "{metrics}");
+    assert!(
+        metrics.migration.is_some_and(|m| m.precopied > 0),
+        "{metrics}"
+    );
 }
 
 #[test]
@@ -668,8 +674,8 @@ fn caught_after_the_switch(seed: u8) -> AfterSwitch {
         std::thread::sleep(Duration::from_millis(50));
         let listed = std::fs::read_to_string(&dest_metrics)
             .ok()
-            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-            .and_then(|m| m["migration"]["data_pages"].as_u64());
+            .and_then(|t| serde_json::from_str::<Metrics>(&t).ok())
+            .and_then(|m| m.migration?.data_pages);
         if let Some(n) = listed {
             assert!(n >= 4096, "16 MiB were filled, but {n} pages are listed");
             break;
@@ -709,8 +715,8 @@ fn a_destination_killed_after_the_switch_ends_the_source_naming_the_pages_never_
         "{}",
         run.explain()
     );
-    let report: Value = serde_json::from_str(&read_text(&a.src.report)).unwrap();
-    assert_eq!(report["outcome"]["kind"], "vmm_error", "{report}");
+    let report: RunReport = serde_json::from_str(&read_text(&a.src.report)).unwrap();
+    assert_eq!(report.outcome.kind(), "vmm_error", "{report}");
     let _ = a.dest.finish(LIMIT);
 }
 
@@ -734,8 +740,12 @@ fn a_source_frozen_after_the_switch_ends_the_destination_naming_the_pages_that_n
         "{}",
         run.explain()
     );
-    let metrics: Value = serde_json::from_str(&read_text(&a.dest_metrics)).unwrap();
-    assert_eq!(metrics["migration"]["all_held"], false, "{metrics}");
+    let metrics: Metrics = serde_json::from_str(&read_text(&a.dest_metrics)).unwrap();
+    assert_eq!(
+        metrics.migration.map(|m| m.all_held),
+        Some(false),
+        "{metrics}"
+    );
     src_guard.defuse();
     let _ = a.src.vm.finish(LIMIT);
     let sent = a.send.join().unwrap();
@@ -881,9 +891,15 @@ impl NetnsMove {
         let run = self.src.vm.finish(LIMIT);
         let console = read_text(&self.src.serial);
         assert_eq!(run.code, Some(0), "source: {}\n{console}", run.explain());
-        let report: Value = serde_json::from_str(&read_text(&self.src.report)).unwrap();
-        assert_eq!(report["outcome"]["kind"], "migrated", "{report}");
-        assert_eq!(report["outcome"]["to"], self.url, "{report}");
+        let report: RunReport = serde_json::from_str(&read_text(&self.src.report)).unwrap();
+        assert_eq!(report.outcome.kind(), "migrated", "{report}");
+        assert_eq!(
+            report.outcome,
+            Outcome::Migrated {
+                to: self.url.clone()
+            },
+            "{report}"
+        );
         assert!(
             !console.contains(DONE),
             "the source ran its tasks to the end, so the move was not mid-task:\n{console}"

@@ -6,6 +6,7 @@
 mod common;
 use common::netns::Netns;
 use common::*;
+use musubi_types::Metrics;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,7 +71,7 @@ fn udp_echo(ns: &Netns, port: u16, answered: Arc<AtomicU64>) -> std::thread::Joi
     })
 }
 
-fn metrics_in(path: &std::path::Path) -> serde_json::Value {
+fn metrics_in(path: &std::path::Path) -> Metrics {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
@@ -93,11 +94,8 @@ fn udp_echo_runs(exits: &str) {
     let answered = echo.join().unwrap();
     assert!(answered >= 200, "the echo answered {answered} of 200");
     let metrics = metrics_in(metrics.path());
-    let net = &metrics["net"][0];
-    assert!(
-        net["tx_packets"].as_u64().unwrap() >= 200 && net["rx_packets"].as_u64().unwrap() >= 200,
-        "{metrics}"
-    );
+    let net = &metrics.net[0];
+    assert!(net.tx_packets >= 200 && net.rx_packets >= 200, "{metrics}");
     assert!(!ns.has_link("tap0"), "the TAP musubi made went with it");
 }
 
@@ -264,9 +262,9 @@ fn a_tap_that_vanishes_mid_run_costs_packets_not_the_vmm() {
     // The guest's task runs out of time (status 7, a network task that could not finish)
     // and the guest ends the VM: the VMM neither crashed (125, 126) nor hung.
     assert_eq!(run.code, Some(7), "{}", run.explain());
-    let net = &metrics_in(metrics.path())["net"][0];
+    let net = &metrics_in(metrics.path()).net[0];
     assert!(
-        net["tx_drops"].as_u64().unwrap() > 0,
+        net.tx_drops > 0,
         "sends to a TAP that is gone are drops: {net}"
     );
 }

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{musubi, probe_args, run_probe, start_command, wait_with_limit, Run};
+use musubi_types::{ClusterMetrics, Coherence, HotPage, Metrics};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -193,9 +194,10 @@ fn remote(sock: &Path, args: &[&str]) -> Run {
 fn coherence_faults(metrics: &Path) -> u64 {
     let text =
         std::fs::read_to_string(metrics).unwrap_or_else(|e| panic!("{}: {e}", metrics.display()));
-    let m: serde_json::Value = serde_json::from_str(&text).unwrap();
-    m["node"]["coherence"]["faults"]["count"]
-        .as_u64()
+    let m: Metrics = serde_json::from_str(&text).unwrap();
+    m.node
+        .and_then(|n| n.coherence)
+        .map(|c| c.faults.count)
         .unwrap_or_else(|| panic!("no fault count in {text}"))
 }
 
@@ -645,13 +647,13 @@ fn a_shared_counter_is_exact_under_both_protocols() {
 
 /// The nodes' `polling` figures from a `--metrics` file of `run --nodes`, summed.
 fn polling(metrics: &Path) -> (u64, u64) {
-    let m: serde_json::Value =
+    let m: ClusterMetrics =
         serde_json::from_str(&std::fs::read_to_string(metrics).unwrap()).unwrap();
     let mut sum = (0, 0);
-    for n in m["nodes"].as_array().expect("one entry per node") {
-        let p = &n["node"]["coherence"]["polling"];
-        sum.0 += p["answered"].as_u64().expect("polling.answered");
-        sum.1 += p["slept"].as_u64().expect("polling.slept");
+    for n in &m.nodes {
+        let p = coherence_of(n).polling;
+        sum.0 += p.answered;
+        sum.1 += p.slept;
     }
     sum
 }
@@ -675,24 +677,30 @@ fn a_shared_counter_is_exact_whether_nodes_poll_for_answers_or_sleep() {
 
 /// Each node's faults below 2 MiB (the probe kernel's image and data) and its hottest pages,
 /// from a `--metrics` file of `run --nodes`.
-fn kernel_faults(metrics: &Path) -> Vec<(u64, Vec<serde_json::Value>)> {
-    let m: serde_json::Value =
+fn kernel_faults(metrics: &Path) -> Vec<(u64, Vec<HotPage>)> {
+    let m: ClusterMetrics =
         serde_json::from_str(&std::fs::read_to_string(metrics).unwrap()).unwrap();
-    let nodes = m["nodes"].as_array().expect("one entry per node");
-    nodes
+    m.nodes
         .iter()
         .map(|n| {
-            let f = &n["node"]["coherence"]["faults"];
-            let below: u64 = f["by_range"]
-                .as_object()
-                .expect("faults.by_range")
+            let f = coherence_of(n).faults;
+            let below: u64 = f
+                .by_range
                 .iter()
-                .filter(|(start, _)| start.parse::<u64>().unwrap() < 2 << 20)
-                .map(|(_, v)| v.as_u64().unwrap())
+                .filter(|(start, _)| **start < 2 << 20)
+                .map(|(_, v)| v)
                 .sum();
-            (below, f["hot_pages"].as_array().expect("hot_pages").clone())
+            (below, f.hot_pages)
         })
         .collect()
+}
+
+/// A node's coherence counters from the launcher's `--metrics`.
+fn coherence_of(node: &Option<Metrics>) -> Coherence {
+    node.as_ref()
+        .and_then(|m| m.node.as_ref())
+        .and_then(|n| n.coherence.clone())
+        .expect("every node's metrics have its coherence counters")
 }
 
 /// Paper 004's Fig. 6 rests on this: a CPU-bound task on every node fetches almost no page of
@@ -718,8 +726,8 @@ fn fib_on_four_nodes_leaves_the_kernel_pages_shared() {
         );
         let named = hot
             .iter()
-            .filter(|p| (1 << 20..2 << 20).contains(&p["gpa"].as_u64().unwrap()))
-            .all(|p| p["symbol"].as_str().is_some_and(|s| !s.is_empty()));
+            .filter(|p| (1 << 20..2 << 20).contains(&p.gpa))
+            .all(|p| p.symbol.as_deref().is_some_and(|s| !s.is_empty()));
         assert!(named, "node {k}: a kernel page without a name: {hot:?}");
     }
 }

@@ -2,6 +2,7 @@
 
 mod common;
 use common::*;
+use musubi_types::Metrics;
 use std::io::Write;
 
 /// RAM the guest's E820 map reports: everything but the MP table KiB and the legacy hole.
@@ -173,7 +174,7 @@ fn hostile_virtio_driver_does_not_crash_or_hang_the_vmm() {
 }
 
 /// Reads the `--metrics` file of a probe-guest run of `tasks` with one disk.
-fn metrics_of(mode: &str, tasks: &str) -> serde_json::Value {
+fn metrics_of(mode: &str, tasks: &str) -> Metrics {
     let dir = tempfile::tempdir().unwrap();
     let img = temp_image(dir.path(), "m.img", 1 << 20);
     let disk = format!("path={}", img.display());
@@ -201,44 +202,36 @@ fn kernel_mode_takes_no_doorbell_exits_and_user_mode_takes_them_all() {
     // paths (irqfd, KVM_IRQ_LINE from user space) are exercised.
     const TASKS: &str = "blk-crc probe.virtio_poll_us=0";
     let k = metrics_of("kernel", TASKS);
-    assert_eq!(k["exits_mode"], "kernel");
-    assert_eq!(k["notifications"]["mmio_exit"], 0, "{k:#}");
-    assert!(
-        k["notifications"]["ioeventfd"].as_u64().unwrap() > 0,
-        "{k:#}"
-    );
-    assert!(k["interrupts"]["irqfd"].as_u64().unwrap() > 0, "{k:#}");
-    assert!(k["interrupts"].get("user").is_none(), "{k:#}");
-    let notify_exits = k["exits"]
-        .as_array()
-        .unwrap()
+    assert_eq!(k.exits_mode, "kernel");
+    assert_eq!(k.notifications.mmio_exit, 0, "{k:#}");
+    assert!(k.notifications.ioeventfd > 0, "{k:#}");
+    assert!(k.interrupts.irqfd.unwrap() > 0, "{k:#}");
+    assert!(k.interrupts.user.is_none(), "{k:#}");
+    let notify_exits = k
+        .exits
         .iter()
         .filter(|e| {
-            e["detail"]
-                .as_str()
+            e.detail
+                .as_deref()
                 .is_some_and(|d| d.ends_with(":queue_notify"))
         })
         .count();
     assert_eq!(notify_exits, 0, "{k:#}");
 
     let u = metrics_of("user", TASKS);
-    assert_eq!(u["exits_mode"], "user");
-    assert_eq!(u["notifications"]["ioeventfd"], 0, "{u:#}");
-    assert!(
-        u["notifications"]["mmio_exit"].as_u64().unwrap() > 0,
-        "{u:#}"
-    );
-    assert!(u["interrupts"]["user"].as_u64().unwrap() > 0, "{u:#}");
-    assert!(u["interrupts"].get("irqfd").is_none(), "{u:#}");
+    assert_eq!(u.exits_mode, "user");
+    assert_eq!(u.notifications.ioeventfd, 0, "{u:#}");
+    assert!(u.notifications.mmio_exit > 0, "{u:#}");
+    assert!(u.interrupts.user.unwrap() > 0, "{u:#}");
+    assert!(u.interrupts.irqfd.is_none(), "{u:#}");
     // Every per-vCPU line adds up to the VM total.
-    let total: u64 = u["vcpus"]
-        .as_array()
-        .unwrap()
+    let total: u64 = u
+        .vcpus
         .iter()
-        .flat_map(|v| v["exits"].as_array().unwrap().iter())
-        .map(|e| e["count"].as_u64().unwrap())
+        .flat_map(|v| v.exits.iter())
+        .map(|e| e.count)
         .sum();
-    assert_eq!(total, u["total_exits"].as_u64().unwrap());
+    assert_eq!(total, u.total_exits);
 }
 
 /// `probe.page_cache=` caps the guest's page cache below the file, as paper 000's 256 MB

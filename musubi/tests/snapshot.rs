@@ -5,6 +5,7 @@
 
 mod common;
 use common::*;
+use musubi_types::Metrics;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -172,15 +173,17 @@ fn a_restore_with_pages_read_on_demand_ends_as_an_uninterrupted_run_and_counts_t
     );
     let text = restored_console(&r, &serial);
     assert_eq!(fib_fields(&result_in(&text, "fib")), want, "{text}");
-    let m: Value = serde_json::from_str(&read_text(&metrics)).unwrap();
-    assert_eq!(m["memory"]["backend"], "ondemand", "{m}");
-    let paging = &m["demand_paging"];
+    let m: Metrics = serde_json::from_str(&read_text(&metrics)).unwrap();
+    assert_eq!(m.memory.backend, "ondemand", "{m}");
+    let paging = m
+        .demand_paging
+        .unwrap_or_else(|| panic!("no demand_paging section: {m}"));
     // The guest's code, stack and page tables at least came from the file, and every fault
     // was served either from the file or as a hole.
-    assert!(u(&paging["pages_read"]) > 0, "{paging}");
+    assert!(paging.pages_read > 0, "{paging}");
     assert_eq!(
-        u(&paging["faults"]),
-        u(&paging["pages_read"]) + u(&paging["zero_pages"]),
+        paging.faults,
+        paging.pages_read + paging.zero_pages,
         "{paging}"
     );
 }

@@ -5,7 +5,7 @@
 //! Each vCPU writes only its own table, without a lock, and a snapshot can be read from any
 //! thread at any time: an exit costs a few plain stores, not a mutex and a map lookup.
 
-use serde::Serialize;
+pub use musubi_types::{ExitDetail, ExitSummary};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -236,14 +236,6 @@ impl VcpuMetrics {
     }
 }
 
-/// A snapshot of one reason's figures, summed over vCPUs.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct ExitSummary {
-    pub reason: &'static str,
-    pub count: u64,
-    pub vmm_ns: u64,
-}
-
 /// Sums the per-vCPU counters by reason kind, largest count first.
 pub fn summarize(vcpus: &[Arc<VcpuMetrics>]) -> Vec<ExitSummary> {
     let mut by_kind: BTreeMap<&'static str, (u64, u64)> = BTreeMap::new();
@@ -257,26 +249,13 @@ pub fn summarize(vcpus: &[Arc<VcpuMetrics>]) -> Vec<ExitSummary> {
     let mut out: Vec<ExitSummary> = by_kind
         .into_iter()
         .map(|(reason, (count, vmm_ns))| ExitSummary {
-            reason,
+            reason: reason.to_string(),
             count,
             vmm_ns,
         })
         .collect();
     out.sort_by_key(|s| std::cmp::Reverse(s.count));
     out
-}
-
-/// One line of the detailed accounting.
-#[derive(Clone, Debug, Serialize)]
-pub struct ExitDetail {
-    pub reason: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub detail: Option<String>,
-    pub count: u64,
-    pub vmm_ns: u64,
-    pub mean_vmm_ns: u64,
-    /// Non-empty log2 buckets as (upper bound in ns, count).
-    pub histogram_ns: Vec<(u64, u64)>,
 }
 
 fn detail_lines(
@@ -286,7 +265,7 @@ fn detail_lines(
     let mut out: Vec<ExitDetail> = stats
         .iter()
         .map(|(r, s)| ExitDetail {
-            reason: r.kind(),
+            reason: r.kind().to_string(),
             detail: r.detail(names),
             count: s.count,
             vmm_ns: s.vmm_ns,
@@ -345,7 +324,7 @@ mod tests {
         assert_eq!(
             s[0],
             ExitSummary {
-                reason: "io_out",
+                reason: "io_out".into(),
                 count: 3,
                 vmm_ns: 16
             }

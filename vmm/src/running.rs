@@ -26,7 +26,7 @@ pub struct RunReport {
     pub interrupts: u64,
     pub serial: Vec<u8>,
     /// The full exit accounting (per vCPU, per port and device register, histograms).
-    pub metrics: serde_json::Value,
+    pub metrics: musubi_types::Metrics,
     /// Queue notifications that reached the VMM's I/O thread through ioeventfds.
     pub ioeventfd_notifications: u64,
     /// From the start of the build to the BSP's first KVM_RUN.
@@ -35,6 +35,52 @@ pub struct RunReport {
     /// can measure from its own spawn of the VMM.
     pub first_run_monotonic_ns: Option<u64>,
     pub wall: Duration,
+}
+
+/// The outcome as `--report` writes it; the same JSON as [`Outcome`]'s own `Serialize`.
+impl From<&Outcome> for musubi_types::Outcome {
+    fn from(o: &Outcome) -> Self {
+        use musubi_types::Outcome as Report;
+        match o {
+            Outcome::GuestStatus(status) => Report::GuestExit { status: *status },
+            Outcome::Shutdown => Report::Shutdown,
+            Outcome::GuestCrash(m) => Report::GuestCrash { message: m.clone() },
+            Outcome::VmmError(e) => Report::VmmError {
+                message: e.to_string(),
+            },
+            Outcome::Signal(signal) => Report::Signal { signal: *signal },
+            Outcome::ConsoleQuit => Report::ConsoleQuit,
+            Outcome::Peer { node, code } => Report::Peer {
+                node: *node,
+                status: *code,
+            },
+            Outcome::NodeLost { node, pages, why } => Report::NodeLost {
+                node: *node,
+                pages: *pages,
+                message: why.clone(),
+            },
+            Outcome::Migrated { to } => Report::Migrated { to: to.clone() },
+        }
+    }
+}
+
+impl RunReport {
+    /// The `--report` file: outcome, exit status, exits by reason and timings.
+    pub fn to_report(&self) -> musubi_types::RunReport {
+        musubi_types::RunReport {
+            outcome: (&self.outcome).into(),
+            exit_code: self.outcome.exit_code(),
+            exits: self.exits.clone(),
+            total_exits: self.total_exits,
+            interrupts: self.interrupts,
+            to_first_run_ns: self.to_first_run.map(|d| d.as_nanos() as u64),
+            first_run_monotonic_ns: self.first_run_monotonic_ns,
+            wall_ns: self.wall.as_nanos() as u64,
+            node: None,
+            coherence: None,
+            nodes: None,
+        }
+    }
 }
 
 /// A VM whose vCPUs run.
@@ -60,8 +106,8 @@ impl RunningVm {
     }
 
     /// The exit accounting so far.
-    pub fn metrics(&self) -> serde_json::Value {
-        self.shared.metrics_json()
+    pub fn metrics(&self) -> musubi_types::Metrics {
+        self.shared.read_metrics()
     }
 
     /// Waits until the VM ends (the guest, a crash, [`VmHandle::stop`], or the timeout),
@@ -147,7 +193,7 @@ impl RunningVm {
                 _ => Outcome::VmmError(why),
             };
         }
-        let metrics = self.shared.metrics_json();
+        let metrics = self.shared.read_metrics();
         let first_run = self.first_run.get().copied();
         let report = RunReport {
             metrics,
@@ -199,4 +245,38 @@ fn stop_vcpus(handles: Vec<std::thread::JoinHandle<()>>, ids: &[u8]) -> Vec<u8> 
 /// Builds, starts and waits for the VM described by `config`.
 pub fn run_vm(config: &VmConfig, opts: &RunOptions) -> Result<RunReport, BuildError> {
     Ok(Vm::build(config, opts)?.start()?.wait())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reports_outcome_is_the_outcomes_own_json() {
+        for o in [
+            Outcome::GuestStatus(3),
+            Outcome::Shutdown,
+            Outcome::GuestCrash("triple fault".into()),
+            Outcome::VmmError("KVM_RUN: EFAULT".into()),
+            Outcome::Signal(15),
+            Outcome::ConsoleQuit,
+            Outcome::Peer { node: 1, code: 3 },
+            Outcome::NodeLost {
+                node: 2,
+                pages: 10,
+                why: "link down".into(),
+            },
+            Outcome::Migrated {
+                to: "tcp:127.0.0.1:4000".into(),
+            },
+        ] {
+            let typed = musubi_types::Outcome::from(&o);
+            assert_eq!(
+                serde_json::to_value(&typed).unwrap(),
+                serde_json::to_value(&o).unwrap(),
+                "{o:?}"
+            );
+            assert_eq!(typed.kind(), o.kind());
+        }
+    }
 }

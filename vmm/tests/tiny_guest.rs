@@ -77,19 +77,13 @@ fn every_port_write_is_one_exit_at_that_port_in_both_modes() {
         cfg.exits = mode;
         let r = run_vm(&cfg, &opts()).expect("VM runs (needs /dev/kvm)");
         assert_eq!(r.outcome, Outcome::GuestStatus(0));
-        let exits = r.metrics["exits"].as_array().unwrap();
-        let port80 = exits
-            .iter()
-            .find(|e| e["reason"] == "io_out" && e["detail"] == "0x80")
+        let port80 = r
+            .metrics
+            .exit("io_out", "0x80")
             .unwrap_or_else(|| panic!("no port 0x80 exits in {:#}", r.metrics));
-        assert_eq!(port80["count"], N as u64, "{mode}");
-        assert_eq!(r.metrics["exits_mode"], mode.to_string());
-        let hist: u64 = port80["histogram_ns"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|b| b[1].as_u64().unwrap())
-            .sum();
+        assert_eq!(port80.count, N as u64, "{mode}");
+        assert_eq!(r.metrics.exits_mode, mode.to_string());
+        let hist: u64 = port80.histogram_ns.iter().map(|b| b.1).sum();
         assert_eq!(hist, N as u64, "every exit lands in one histogram bucket");
     }
 }
@@ -128,12 +122,11 @@ fn an_idle_guest_is_left_running_until_stopped() {
     });
     let r = running.wait();
     let metrics = stopper.join().unwrap();
-    let kicks: u64 = metrics["exits"]
-        .as_array()
-        .unwrap()
+    let kicks: u64 = metrics
+        .exits
         .iter()
-        .filter(|e| e["reason"] == "interrupted")
-        .map(|e| e["count"].as_u64().unwrap())
+        .filter(|e| e.reason == "interrupted")
+        .map(|e| e.count)
         .sum();
     assert!(kicks >= 2, "both idle vCPUs were asked: {metrics:#}");
     assert_eq!(
@@ -152,7 +145,7 @@ fn stopping_a_spinning_guest_ends_every_vcpu() {
         .expect("VM starts");
     // Wait until the guest has written its byte, so the vCPU is in its loop.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while running.metrics()["total_exits"].as_u64() == Some(0) {
+    while running.metrics().total_exits == 0 {
         assert!(std::time::Instant::now() < deadline, "the guest never ran");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }

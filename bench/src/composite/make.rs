@@ -13,7 +13,7 @@
 
 use super::Where;
 use crate::driver::{Columns, Outputs, Runs, Verdicts};
-use crate::guest_run::{in_vm, WorkloadRun};
+use crate::guest_run::{in_vm, VmFigure, WorkloadRun, DOORBELL_EXITS, IRQ_IRQFD, IRQ_USER};
 use crate::report::{cell, Figure, Table};
 use crate::stats::{median, ratio};
 use crate::{plot, Harness};
@@ -227,19 +227,19 @@ const CONSOLE_PORTS: std::ops::RangeInclusive<u64> = 0x3f8..=0x3ff;
 /// A VM run's exits but the console's: the result line's length varies with its figures
 /// (one exit per byte), which would otherwise leak into exits per file.
 fn build_exits(r: &WorkloadRun) -> Option<u64> {
-    let exits = r.metrics["exits"].as_array()?;
+    let exits = &r.metrics.as_ref()?.exits;
     Some(
         exits
             .iter()
             .filter(|e| {
-                let port = e["detail"]
-                    .as_str()
+                let port = e
+                    .detail
+                    .as_deref()
                     .and_then(|d| d.strip_prefix("0x"))
                     .and_then(|h| u64::from_str_radix(h, 16).ok());
-                !(e["reason"].as_str().is_some_and(|r| r.starts_with("io_"))
-                    && port.is_some_and(|p| CONSOLE_PORTS.contains(&p)))
+                !(e.reason.starts_with("io_") && port.is_some_and(|p| CONSOLE_PORTS.contains(&p)))
             })
-            .map(|e| e["count"].as_u64().unwrap_or(0))
+            .map(|e| e.count)
             .sum(),
     )
 }
@@ -349,8 +349,15 @@ const K: Where = Where::Vm(ExitsMode::Kernel);
 /// `composite-make.csv`'s columns, one row per build.
 fn columns<'c>() -> Columns<'c, (usize, &'c Config, &'c Run)> {
     type R<'a> = (usize, &'a Config, &'a Run);
-    let metric = |a: &'static str, b: &'static str| {
-        move |x: &R| cell(x.2.vm.as_ref().and_then(|v| v.metrics[a][b].as_u64()))
+    let metric = |figure: VmFigure| {
+        move |x: &R| {
+            cell(
+                x.2.vm
+                    .as_ref()
+                    .and_then(|v| v.metrics.as_ref())
+                    .and_then(figure),
+            )
+        }
     };
     let counter = |k: &'static str| move |x: &R| cell(x.2.counters[k].as_u64());
     Columns::new()
@@ -370,9 +377,9 @@ fn columns<'c>() -> Columns<'c, (usize, &'c Config, &'c Run)> {
         .col("exits_but_console", |x| {
             cell(x.2.vm.as_ref().and_then(build_exits))
         })
-        .col("doorbell_exits", metric("notifications", "mmio_exit"))
-        .col("irq_user", metric("interrupts", "user"))
-        .col("irq_irqfd", metric("interrupts", "irqfd"))
+        .col("doorbell_exits", metric(DOORBELL_EXITS))
+        .col("irq_user", metric(IRQ_USER))
+        .col("irq_irqfd", metric(IRQ_IRQFD))
         .col("virtio_requests", counter("virtio_requests"))
         .col("kernel_copy_bytes", counter("kernel_copy_bytes"))
         .col("page_faults", counter("page_faults"))
@@ -382,10 +389,10 @@ fn columns<'c>() -> Columns<'c, (usize, &'c Config, &'c Run)> {
 /// A figure of a build, where it has one.
 type Metric<'f> = &'f dyn Fn(&Run) -> Option<f64>;
 
-fn vm_metric(a: &'static str, b: &'static str) -> impl Fn(&Run) -> Option<f64> {
+fn vm_metric(figure: VmFigure) -> impl Fn(&Run) -> Option<f64> {
     move |r: &Run| -> Option<f64> {
         r.vm.as_ref()
-            .map(|v| v.metrics[a][b].as_f64().unwrap_or(0.0))
+            .map(|v| v.metrics.as_ref().and_then(figure).unwrap_or(0) as f64)
     }
 }
 
@@ -470,20 +477,18 @@ impl Measures<'_> {
     /// where the vCPU thread serves the request before it returns to the guest.
     fn service_ns(&self) -> Option<f64> {
         self.med(U, &|r: &Run| {
-            let (n, t) = r.vm.as_ref()?.metrics["exits"]
-                .as_array()?
-                .iter()
-                .filter(|e| {
-                    e["detail"]
-                        .as_str()
-                        .is_some_and(|d| d.ends_with("queue_notify"))
-                })
-                .fold((0, 0), |(n, t), e| {
-                    (
-                        n + e["count"].as_u64().unwrap_or(0),
-                        t + e["vmm_ns"].as_u64().unwrap_or(0),
-                    )
-                });
+            let (n, t) =
+                r.vm.as_ref()?
+                    .metrics
+                    .as_ref()?
+                    .exits
+                    .iter()
+                    .filter(|e| {
+                        e.detail
+                            .as_deref()
+                            .is_some_and(|d| d.ends_with("queue_notify"))
+                    })
+                    .fold((0, 0), |(n, t), e| (n + e.count, t + e.vmm_ns));
             (n > 0).then(|| t as f64 / n as f64)
         })
     }
@@ -554,8 +559,8 @@ impl Measures<'_> {
                 pct(in_sys),
                 secs(self.med(at, &|r: &Run| Some(r.build.compile_ns as f64))),
                 f2(exits_file),
-                f2(self.per_file(at, &vm_metric("notifications", "mmio_exit"))),
-                f2(self.per_file(at, &vm_metric("interrupts", "user"))),
+                f2(self.per_file(at, &vm_metric(DOORBELL_EXITS))),
+                f2(self.per_file(at, &vm_metric(IRQ_USER))),
                 f2(self.counter(at, "virtio_requests")),
                 f2(self.counter(at, "kernel_copy_bytes").map(|v| v / 1024.0)),
                 pct(emulation),
@@ -630,7 +635,7 @@ impl Measures<'_> {
             source: "paper 002 Table 1 (20.4 s / 15.5 s)".into(),
             met: r2(tu, tk).map(|r| r >= paper_uk),
         });
-        let dbk = self.per_file(K, &vm_metric("notifications", "mmio_exit"));
+        let dbk = self.per_file(K, &vm_metric(DOORBELL_EXITS));
         v.push(Figure {
             what: "make: doorbell exits per file, kernel path".into(),
             ours: f2(dbk),

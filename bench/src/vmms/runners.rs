@@ -6,6 +6,7 @@ use crate::guest_run::probe_in_process;
 use crate::probe;
 use crate::qemu::{self, Qemu};
 use crate::watch::{observe, tail, time_to_marker, Watch};
+use musubi_types::Metrics;
 use serde_json::Value;
 use std::path::Path;
 use std::time::Duration;
@@ -29,7 +30,7 @@ pub(super) struct Sample {
 }
 
 impl Sample {
-    fn of(result: &Value, metrics: &Value) -> Result<Sample, String> {
+    fn of(result: &Value, metrics: Option<&Metrics>) -> Result<Sample, String> {
         if result["ok"] == false {
             return Err(format!("the guest reported a failure: {result}"));
         }
@@ -42,14 +43,9 @@ impl Sample {
             page_faults: result["page_faults"].as_f64(),
             virtio_requests: result["virtio_requests"].as_f64(),
             interrupts: result["interrupts"].as_f64(),
-            exits: metrics["total_exits"].as_f64(),
-            doorbells: match (
-                metrics["notifications"]["ioeventfd"].as_f64(),
-                metrics["notifications"]["mmio_exit"].as_f64(),
-            ) {
-                (Some(a), Some(b)) => Some(a + b),
-                _ => None,
-            },
+            exits: metrics.map(|m| m.total_exits as f64),
+            doorbells: metrics
+                .map(|m| (m.notifications.ioeventfd + m.notifications.mmio_exit) as f64),
         })
     }
 }
@@ -106,7 +102,7 @@ pub(super) fn musubi_run(
 ) -> Result<Sample, String> {
     let config = vm_config(plan, storage, file, task);
     let run = probe_in_process(&config, plan.timeout, task, "storage-io")?;
-    Sample::of(&run.result, &run.metrics)
+    Sample::of(&run.result, run.metrics.as_ref())
 }
 
 /// The same task under QEMU (microvm, virtio-blk over virtio-mmio, host page cache on).
@@ -133,5 +129,5 @@ pub(super) fn qemu_run(q: &Qemu, plan: &Plan, file: &Path, task: &str) -> Result
     let results = probe::results(o.stdout.as_bytes());
     let r = probe::result(&results, "storage-io")
         .ok_or_else(|| format!("a storage-io line that is not JSON: {}", tail(&o.stdout, 3)))?;
-    Sample::of(r, &Value::Null)
+    Sample::of(r, None)
 }

@@ -265,8 +265,8 @@ pub fn received_vm(r: Received) -> vmm::Vm {
         control.finish(vmm::Outcome::VmmError(why))
     }));
     let ram = r.ram.clone();
-    vm.set_extra_metrics(Arc::new(
-        move || serde_json::json!({ "migration": ram.to_json() }),
-    ));
+    vm.set_extra_metrics(Arc::new(move |m: &mut musubi_types::Metrics| {
+        m.migration = Some(ram.to_metrics())
+    }));
     vm
 }

@@ -3,28 +3,40 @@
 
 use super::{Shared, VmHandle};
 use crate::metrics::detailed;
+use musubi_types::{
+    BlockCounters, Counters, DeviceCounters, Interrupts, MemoryUse, Metrics, NetCounters,
+    Notifications, VcpuCounters, VcpuExits,
+};
 use std::sync::atomic::Ordering;
 
 /// A network device's counters, as `--metrics` and `vm.counters` give them.
-fn net_json(t: &devices::virtio::MmioTransport) -> serde_json::Value {
+fn net_counters(t: &devices::virtio::MmioTransport) -> NetCounters {
     let c = t.net_counters().unwrap_or_default();
-    serde_json::json!({
-        "rx_packets": c.rx_packets,
-        "rx_bytes": c.rx_bytes,
-        "rx_drops": c.rx_drops,
-        "rx_notifications": c.rx_notifications,
-        "rx_throttled": c.rx_throttled,
-        "tx_packets": c.tx_packets,
-        "tx_bytes": c.tx_bytes,
-        "tx_drops": c.tx_drops,
-        "tx_notifications": c.tx_notifications,
-        "tx_throttled": c.tx_throttled,
-        "interrupts": t.stats().interrupts,
-    })
+    NetCounters {
+        rx_packets: c.rx_packets,
+        rx_bytes: c.rx_bytes,
+        rx_drops: c.rx_drops,
+        rx_notifications: c.rx_notifications,
+        rx_throttled: c.rx_throttled,
+        tx_packets: c.tx_packets,
+        tx_bytes: c.tx_bytes,
+        tx_drops: c.tx_drops,
+        tx_notifications: c.tx_notifications,
+        tx_throttled: c.tx_throttled,
+        interrupts: t.stats().interrupts,
+    }
+}
+
+/// The backend's name as it serialises (`anonymous`, `ondemand`, ...).
+fn backend_name(b: crate::vstate::memory::RamBackend) -> String {
+    match serde_json::to_value(b) {
+        Ok(serde_json::Value::String(name)) => name,
+        _ => String::new(),
+    }
 }
 
 impl Shared {
-    pub(crate) fn metrics_json(&self) -> serde_json::Value {
+    pub(crate) fn read_metrics(&self) -> Metrics {
         let names = |t| self.names.name(t);
         let (per_vcpu, all) = detailed(&self.metrics, &names);
         let notify_exits: u64 = all
@@ -36,54 +48,66 @@ impl Shared {
             })
             .map(|d| d.count)
             .sum();
-        let mut irq_paths = serde_json::Map::new();
+        let mut interrupts = Interrupts::default();
         for irq in &self.irqs {
-            let e = irq_paths.entry(irq.path()).or_insert(serde_json::json!(0));
-            *e = serde_json::json!(e.as_u64().unwrap_or(0) + irq.count());
+            interrupts.add(irq.path(), irq.count());
         }
-        let mut json = serde_json::json!({
-            "exits_mode": self.exits.to_string(),
-            "total_exits": all.iter().map(|d| d.count).sum::<u64>(),
-            "exits": all,
-            "vcpus": per_vcpu.into_iter().zip(&self.vcpu_ids).map(|(e, id)| serde_json::json!({"id": id, "exits": e})).collect::<Vec<_>>(),
-            "notifications": {
-                "mmio_exit": notify_exits,
-                "ioeventfd": self.ioeventfd_served.load(Ordering::Relaxed),
+        let mut metrics = Metrics {
+            exits_mode: self.exits.to_string(),
+            total_exits: all.iter().map(|d| d.count).sum(),
+            exits: all,
+            vcpus: per_vcpu
+                .into_iter()
+                .zip(&self.vcpu_ids)
+                .map(|(exits, &id)| VcpuExits { id, exits })
+                .collect(),
+            notifications: Notifications {
+                mmio_exit: notify_exits,
+                ioeventfd: self.ioeventfd_served.load(Ordering::Relaxed),
             },
-            "interrupts": irq_paths,
-            "net": self.nets.iter().map(|t| net_json(&t.lock().unwrap_or_else(|e| e.into_inner()))).collect::<Vec<_>>(),
-            "memory": {
-                "backend": self.ram.backend(),
-                "vcpu_threads": self.ram.vcpu_threads(),
+            interrupts,
+            net: self
+                .nets
+                .iter()
+                .map(|t| net_counters(&t.lock().unwrap_or_else(|e| e.into_inner())))
+                .collect(),
+            memory: MemoryUse {
+                backend: backend_name(self.ram.backend()),
+                vcpu_threads: self.ram.vcpu_threads(),
             },
-        });
-        if let (Some(extra), Some(obj)) = (&self.extra_metrics, json.as_object_mut()) {
-            if let serde_json::Value::Object(more) = extra() {
-                obj.extend(more);
-            }
+            ..Metrics::default()
+        };
+        if let Some(extra) = &self.extra_metrics {
+            extra(&mut metrics);
         }
-        json
+        metrics
     }
 }
 
 impl VmHandle {
     /// The exit accounting so far, as `--metrics` writes it.
-    pub fn metrics(&self) -> serde_json::Value {
-        self.shared.metrics_json()
+    pub fn metrics(&self) -> Metrics {
+        self.shared.read_metrics()
     }
 
     /// Device counters as Cloud Hypervisor's `vm.counters` gives them: device name to
     /// counter name to value, with the vCPUs' exits as one more "device".
-    pub fn counters(&self) -> serde_json::Value {
-        let mut out = serde_json::Map::new();
-        let total: u64 = self.shared.metrics.iter().map(|m| m.total()).sum();
-        out.insert("vcpus".into(), serde_json::json!({ "exits": total }));
+    pub fn counters(&self) -> Counters {
+        let mut out = Counters {
+            vcpus: VcpuCounters {
+                exits: self.shared.metrics.iter().map(|m| m.total()).sum(),
+            },
+            devices: Default::default(),
+        };
         let (mut blk, mut other, mut net) = (0u32, 0u32, 0u32);
         for t in &self.shared.parts.devices().transports {
             let t = t.lock().unwrap_or_else(|e| e.into_inner());
             let s = t.stats();
             if t.net_counters().is_some() {
-                out.insert(format!("virtio-net{net}"), net_json(&t));
+                out.devices.insert(
+                    format!("virtio-net{net}"),
+                    DeviceCounters::Net(net_counters(&t)),
+                );
                 net += 1;
                 continue;
             }
@@ -97,19 +121,19 @@ impl VmHandle {
                     format!("virtio-pmem{}", other - 1)
                 }
             };
-            out.insert(
+            out.devices.insert(
                 name,
-                serde_json::json!({
-                    "requests": s.requests,
-                    "read_bytes": s.bytes_read,
-                    "write_bytes": s.bytes_written,
-                    "flushes": s.flushes,
-                    "errors": s.errors,
-                    "interrupts": s.interrupts,
+                DeviceCounters::Block(BlockCounters {
+                    requests: s.requests,
+                    read_bytes: s.bytes_read,
+                    write_bytes: s.bytes_written,
+                    flushes: s.flushes,
+                    errors: s.errors,
+                    interrupts: s.interrupts,
                 }),
             );
         }
-        serde_json::Value::Object(out)
+        out
     }
 
     /// Types `bytes` into COM1 as if they came down the serial line, raising its receive

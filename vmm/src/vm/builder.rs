@@ -65,8 +65,9 @@ pub struct RunOptions {
     pub seccomp: SeccompMode,
 }
 
-/// A source of more `--metrics` entries, called whenever the metrics are read.
-pub type ExtraMetrics = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+/// Fills the `--metrics` sections the VM's embedder counts (demand paging, migration, a
+/// node's coherence), called whenever the metrics are read.
+pub type ExtraMetrics = Arc<dyn Fn(&mut musubi_types::Metrics) + Send + Sync>;
 
 /// Builds a VM, or the share of one that this process runs. A whole VM on this host is
 /// [`Vm::build`]; the builder is for the VMs that are not made in one piece from their

@@ -73,8 +73,9 @@ impl Vm {
         self.bus = bus;
     }
 
-    /// Adds `extra()`'s object to the metrics whenever they are read (a node's coherence
-    /// counters). Set after the build, as the counters usually live in the device bus.
+    /// Lets `extra` fill its sections of the metrics whenever they are read (a node's
+    /// coherence counters). Set after the build, as the counters usually live in the
+    /// device bus.
     pub fn set_extra_metrics(&mut self, extra: ExtraMetrics) {
         self.extra_metrics = Some(extra);
     }

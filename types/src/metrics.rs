@@ -1,0 +1,246 @@
+//! `musubi run --metrics` (and SIGUSR1's rewrite of it): the exit accounting per vCPU and
+//! per port or device register, doorbells, interrupt paths, network counters, and the
+//! sections a VM's memory back-end adds (demand paging, migration, a node's coherence).
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// One VM's (or one node's) metrics.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Metrics {
+    /// `kernel` or `user`: which path vCPU exits and doorbells take.
+    pub exits_mode: String,
+    pub total_exits: u64,
+    /// Every vCPU's exits by reason and detail, largest count first.
+    pub exits: Vec<ExitDetail>,
+    pub vcpus: Vec<VcpuExits>,
+    pub notifications: Notifications,
+    pub interrupts: Interrupts,
+    /// One entry per network device.
+    pub net: Vec<NetCounters>,
+    pub memory: MemoryUse,
+    /// Guest RAM restored on demand (`--restore-memory ondemand`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub demand_paging: Option<DemandPaging>,
+    /// Guest RAM still arriving from a migration's source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<MigrationPaging>,
+    /// This node of a multi-node VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<NodeMetrics>,
+}
+
+impl Metrics {
+    /// The exits of `reason` (`io_out`, `mmio_write`, ...) whose detail is `detail` (a port
+    /// such as `0x3f8`, or `virtio-blk0:queue_notify`).
+    pub fn exit(&self, reason: &str, detail: &str) -> Option<&ExitDetail> {
+        self.exits
+            .iter()
+            .find(|e| e.reason == reason && e.detail.as_deref() == Some(detail))
+    }
+}
+
+/// The metrics of a VM over several nodes: each node's, node 0 first; `None` for a node
+/// that wrote none.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterMetrics {
+    pub nodes: Vec<Option<Metrics>>,
+}
+
+/// One line of the exit accounting.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitDetail {
+    pub reason: String,
+    /// The port (`0x3f8`) or device register (`virtio-blk0:queue_notify`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    pub count: u64,
+    pub vmm_ns: u64,
+    pub mean_vmm_ns: u64,
+    /// Non-empty log2 buckets as (upper bound in ns, count).
+    pub histogram_ns: Vec<(u64, u64)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VcpuExits {
+    pub id: u8,
+    pub exits: Vec<ExitDetail>,
+}
+
+/// Interrupts raised, by the path they took; a path no device took is left out.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Interrupts {
+    /// Through an irqfd, by KVM (the kernel exit path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub irqfd: Option<u64>,
+    /// Injected by the VMM itself (the user exit path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<u64>,
+    /// Paths this crate does not know by name.
+    #[serde(flatten)]
+    pub other: BTreeMap<String, u64>,
+}
+
+impl Interrupts {
+    /// Counts `n` more interrupts on `path`.
+    pub fn add(&mut self, path: &str, n: u64) {
+        let slot = match path {
+            "irqfd" => self.irqfd.get_or_insert(0),
+            "user" => self.user.get_or_insert(0),
+            _ => self.other.entry(path.to_string()).or_insert(0),
+        };
+        *slot += n;
+    }
+}
+
+/// Queue notifications (doorbells), by how they reached the VMM.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Notifications {
+    /// Trapped writes to a queue-notify register.
+    pub mmio_exit: u64,
+    /// Served by the I/O thread through an ioeventfd, without an exit.
+    pub ioeventfd: u64,
+}
+
+/// A network device's counters, in `--metrics` and `vm.counters` alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetCounters {
+    pub rx_packets: u64,
+    pub rx_bytes: u64,
+    pub rx_drops: u64,
+    pub rx_notifications: u64,
+    pub rx_throttled: u64,
+    pub tx_packets: u64,
+    pub tx_bytes: u64,
+    pub tx_drops: u64,
+    pub tx_notifications: u64,
+    pub tx_throttled: u64,
+    pub interrupts: u64,
+}
+
+/// What keeps guest RAM.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryUse {
+    /// `anonymous`, `coherent`, `snapshot`, `ondemand`, ...
+    pub backend: String,
+    /// Each vCPU's thread id, once it has run.
+    pub vcpu_threads: Vec<Option<i32>>,
+}
+
+/// The fault-serving thread of RAM restored on demand.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DemandPaging {
+    pub faults: u64,
+    /// Pages read from the memory file.
+    pub pages_read: u64,
+    /// Pages installed as zeros (holes of the file).
+    pub zero_pages: u64,
+}
+
+/// The pages of a VM received by migration.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationPaging {
+    pub faults: u64,
+    pub asked: u64,
+    pub installed: u64,
+    pub precopied: u64,
+    /// How many pages the source listed as holding data; `null` before it has.
+    pub data_pages: Option<u64>,
+    /// Every listed page is here: the source is no longer needed.
+    pub all_held: bool,
+}
+
+/// A node of a multi-node VM.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeMetrics {
+    pub id: u16,
+    pub nodes: u16,
+    pub protocol: String,
+    pub ordering: String,
+    pub forwarded_exits: u64,
+    pub ipis_local: u64,
+    pub ipis_remote: u64,
+    /// `null` once the coherence layer is gone.
+    pub coherence: Option<Coherence>,
+}
+
+/// Everything one node's coherence thread counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Coherence {
+    pub node: u16,
+    pub faults: FaultStats,
+    /// Protocol messages sent, by name (`fetch`, `inv`, `page`, ...).
+    pub sent: BTreeMap<String, u64>,
+    pub received: BTreeMap<String, u64>,
+    /// Control messages (exits, interrupts, stop, heartbeat) received and handed on.
+    pub control_received: u64,
+    /// Messages the node refused (a misbehaving peer).
+    pub protocol_errors: u64,
+    pub last_protocol_error: Option<String>,
+    /// Pages whose bytes were installed from a peer.
+    pub installs: u64,
+    /// Faults that waited more than a few seconds (each a protocol bug).
+    pub overdue_faults: u64,
+    pub polling: PollStats,
+}
+
+impl Coherence {
+    /// Messages sent under any of `names`.
+    pub fn sent_of(&self, names: &[&str]) -> u64 {
+        names.iter().filter_map(|n| self.sent.get(*n)).sum()
+    }
+}
+
+/// The guest's page faults on one node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FaultStats {
+    pub count: u64,
+    pub missing: u64,
+    pub write_protect: u64,
+    pub reads: u64,
+    pub writes: u64,
+    /// Faults whose thread has been woken.
+    pub resolved: u64,
+    /// `latency_log2_ns[i]` counts resolutions that took `2^i ..= 2^(i+1)-1` ns.
+    pub latency_log2_ns: Vec<u64>,
+    /// Size of a guest-physical range in `by_range` (a power of two).
+    pub range_bytes: u64,
+    /// Faults by guest-physical range, keyed by the range's first address.
+    pub by_range: BTreeMap<u64, u64>,
+    /// The pages with the most faults, most first.
+    pub hot_pages: Vec<HotPage>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HotPage {
+    /// Guest-physical address of the page.
+    pub gpa: u64,
+    pub faults: u64,
+    pub reads: u64,
+    pub writes: u64,
+    /// What the kernel keeps in the page, where its symbols say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub symbol: Option<String>,
+}
+
+/// The coherence thread's waits while a fault of its node was outstanding.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PollStats {
+    /// Something came while the thread polled.
+    pub answered: u64,
+    /// Nothing came within the window: the thread slept.
+    pub slept: u64,
+    pub polled_ns: u64,
+}
+
+display_json!(
+    Metrics,
+    ClusterMetrics,
+    MigrationPaging,
+    DemandPaging,
+    NodeMetrics,
+    Coherence,
+    FaultStats,
+    PollStats,
+    NetCounters
+);
