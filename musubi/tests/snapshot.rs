@@ -86,16 +86,21 @@ fn snapshot_mid_task(dir: &Path, tasks: &str, started: &str, flags: &[&str]) -> 
     Snapped { snap, before }
 }
 
-/// `musubi run --restore SNAP --serial file=SERIAL FLAGS...`.
+/// `musubi run --restore SNAP --serial file=SERIAL FLAGS...`, bounded to 200 s.
 fn restore_args(snap: &Path, serial: &Path, flags: &[&str]) -> Vec<String> {
+    let mut args = restore_without_timeout(snap, serial, &["--timeout", "200"]);
+    args.extend(flags.iter().map(|f| f.to_string()));
+    args
+}
+
+/// `musubi run --restore SNAP --serial file=SERIAL FLAGS...`.
+fn restore_without_timeout(snap: &Path, serial: &Path, flags: &[&str]) -> Vec<String> {
     let mut args = vec![
         "run".to_string(),
         "--restore".into(),
         snap.display().to_string(),
         "--serial".into(),
         format!("file={}", serial.display()),
-        "--timeout".into(),
-        "200".into(),
     ];
     args.extend(flags.iter().map(|f| f.to_string()));
     args
@@ -491,14 +496,7 @@ fn restore_with_kernel_or_config_is_refused_by_the_command_line() {
     ];
     for (flag, extra) in cases {
         let serial = dir.path().join("out");
-        let mut args = vec![
-            "run".to_string(),
-            "--restore".into(),
-            snap.display().to_string(),
-            "--serial".into(),
-            format!("file={}", serial.display()),
-        ];
-        args.extend(extra.iter().map(|a| a.to_string()));
+        let args = restore_without_timeout(&snap, &serial, extra);
         let r = run_with_limit(&args, LIMIT);
         // clap's usage errors end with status 2.
         assert_eq!(r.code, Some(2), "{flag} with --restore: {}", r.explain());
