@@ -37,7 +37,11 @@ pub trait VmControl: Send + Sync {
         Err(ActionError::internal("this VMM does not migrate VMs"))
     }
     fn shutdown_vm(&self) -> Result<(), ActionError>;
-    fn shutdown_vmm(&self) -> Result<(), ActionError>;
+    /// A VMM runs one VM and ends when it does, so by default shutting the VMM down is
+    /// shutting its VM down.
+    fn shutdown_vmm(&self) -> Result<(), ActionError> {
+        self.shutdown_vm()
+    }
     /// Moves vCPU `vcpu` to node `node` of a VM over several hosts while the VM runs (`Ok`
     /// once it runs there); its pages follow it as it touches them.
     fn move_vcpu(&self, vcpu: u8, node: u16) -> Result<(), ActionError> {

@@ -229,8 +229,9 @@ fn bind(path: &Path) -> Result<UnixListener, ApiError> {
     Ok(UnixListener::from(sock))
 }
 
-/// The uid of the process at the other end of `stream`.
-fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+/// Who is at the other end of `stream` (its pid, uid and gid, as the kernel recorded them
+/// when it connected): the API server and a partition's supervisor admit clients by it.
+pub fn peer_credentials(stream: &UnixStream) -> std::io::Result<libc::ucred> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -250,7 +251,7 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
     if r < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok(cred)
 }
 
 /// One client: reading its request, then writing its answer.
@@ -412,7 +413,7 @@ fn accept(listener: &UnixListener, conns: &mut Vec<Conn>, uid: libc::uid_t) {
                 return;
             }
         };
-        match peer_uid(&stream) {
+        match peer_credentials(&stream).map(|c| c.uid) {
             Ok(peer) if peer == uid || peer == 0 => {}
             Ok(peer) => {
                 tracing::warn!("API: refused a client of uid {peer} (serving uid {uid} and root)");

@@ -711,20 +711,6 @@ fn free_port() -> Result<u16, String> {
         .map_err(|e| format!("cannot find a free loopback port: {e}"))
 }
 
-/// Whether a socket listens on 127.0.0.1:`port`, from /proc/net/tcp (no connection made,
-/// so the destination sees no stranger).
-fn listening(port: u16) -> bool {
-    let want = format!("0100007F:{port:04X}");
-    std::fs::read_to_string("/proc/net/tcp")
-        .unwrap_or_default()
-        .lines()
-        .skip(1)
-        .any(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            f.len() > 3 && f[1] == want && f[3] == "0A"
-        })
-}
-
 /// The task's result lines on `consoles` (the source's before the move, the destination's
 /// after): the sum of their `ns`, or why there are not all of them or one failed.
 fn task_result(consoles: &[&Path], work: Work) -> Result<u64, String> {
@@ -900,7 +886,7 @@ fn musubi_migrated(
         .args(["--timeout", VM_TIMEOUT_S]);
     let dst = start(cmd, "musubi (destination)", dir, "dst")?;
     wait_until(&dst, "a listening socket", LISTEN_TIMEOUT, || {
-        listening(port)
+        testkit::tcp::listening_on_loopback(port)
     })?;
 
     let socket = dir.join("api.sock");

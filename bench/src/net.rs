@@ -887,7 +887,7 @@ impl Netns {
                  root (CAP_NET_ADMIN and CAP_SYS_ADMIN); running as euid {euid}"
             ));
         }
-        ip(&["-V"]).map_err(|e| format!("{e} (Debian: apt-get install iproute2)"))?;
+        ip(&["-V"])?;
         let name = format!("musubi-bench-{}", std::process::id());
         ip(&["netns", "add", &name])?;
         // Owned from here: a failure below still deletes it, and so does a signal.
@@ -1008,18 +1008,7 @@ impl<T> Server<T> {
 
 /// Runs `ip ARGS`, or says what it printed when it fails.
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run iproute2's `ip`: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "`ip {}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    testkit::netns::try_ip(args)
+        .map(drop)
+        .map_err(|e| e.to_string())
 }

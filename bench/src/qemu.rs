@@ -318,7 +318,7 @@ mod tests {
 
     /// A stand-in for QEMU: a shell script with `body`.
     fn script(dir: &Path, body: &str) -> PathBuf {
-        vmm::testing::shell_script(&dir.join("fake-qemu"), body)
+        testkit::shell_script(&dir.join("fake-qemu"), body)
     }
 
     #[test]

@@ -96,18 +96,8 @@ fn bench_all_writes_a_page_with_every_experiment_and_its_charts() {
         .skip(1)
         .map(|s| &s[..s.find('"').unwrap()])
         .collect();
-    for e in [
-        "boot",
-        "composite",
-        "seq",
-        "mint",
-        "vmms",
-        "vmp",
-        "snapshot",
-        "migrate",
-        "net",
-        "door",
-    ] {
+    // Every experiment but dsm-table, which is a table only, has a chart.
+    for e in EXPERIMENTS.iter().filter(|e| **e != "dsm-table") {
         assert!(
             images.contains(&format!("{e}.svg").as_str()),
             "{e}.svg is not on the page: {images:?}"
@@ -133,9 +123,16 @@ fn assert_qemu_installed() {
 
 /// Checks that `experiment`'s report has `heading`, and returns its CSV.
 fn bench_csv(experiment: &str, heading: &str) -> CsvFile {
-    let (r, out) = quick(experiment);
+    let (r, _, t) = quick_csv(experiment);
     assert!(r.stdout.contains(heading), "{}", r.explain());
-    CsvFile::read(&out.path().join(format!("{experiment}.csv")))
+    t
+}
+
+/// [`quick`], with the experiment's CSV (`EXPERIMENT.csv`).
+fn quick_csv(experiment: &str) -> (Run, &'static tempfile::TempDir, CsvFile) {
+    let (r, out) = quick(experiment);
+    let t = CsvFile::read(&out.path().join(format!("{experiment}.csv")));
+    (r, out, t)
 }
 
 #[test]
@@ -248,10 +245,7 @@ fn composite_builds_the_make_workload_natively_and_on_both_exit_paths() {
 /// the slowest run against one node, and the shared counter's runs).
 #[test]
 fn vmp_runs_fib_on_one_and_two_nodes_with_both_protocols() {
-    assert!(
-        Path::new("/dev/kvm").exists(),
-        "this test boots VMs and needs /dev/kvm, which this machine lacks"
-    );
+    assert_kvm();
     let t = bench_csv("vmp", "Parallel fib over 1..");
     let (r, out) = quick("vmp");
     for heading in [
@@ -341,10 +335,7 @@ fn seq_computes_the_same_results_natively_and_in_the_vm() {
 /// this host, QEMU reported unavailable in its own words; either way the bench succeeds.
 #[test]
 fn bench_boot_quick_writes_csv_and_svg() {
-    assert!(
-        Path::new("/dev/kvm").exists(),
-        "this test boots VMs and needs /dev/kvm, which this machine lacks"
-    );
+    assert_kvm();
     assert_qemu_installed();
     let (r, out) = quick("boot");
     let (stdout, explain) = (&r.stdout, r.explain());
@@ -399,13 +390,9 @@ fn bench_boot_quick_writes_csv_and_svg() {
 /// a writable cgroupfs (root); without them it fails, and so does this test.
 #[test]
 fn bench_mint_quick_covers_all_seven_configurations() {
-    assert!(
-        Path::new("/dev/kvm").exists(),
-        "this test boots VMs and needs /dev/kvm, which this machine lacks"
-    );
-    let (r, out) = quick("mint");
+    assert_kvm();
+    let (r, out, t) = quick_csv("mint");
     let (stdout, explain) = (&r.stdout, r.explain());
-    let t = CsvFile::read(&out.path().join("mint.csv"));
     let (csv, rows) = (&t.text, &t.rows);
     let (config, workload, ns) = (t.col("config"), t.col("workload"), t.col("ns"));
     for c in 1..=7 {
@@ -440,8 +427,7 @@ fn bench_mint_quick_covers_all_seven_configurations() {
 #[test]
 fn quick_vmms_bench_covers_every_case_and_vmms_uses_no_virtio() {
     assert_qemu_installed();
-    let (r, out) = quick("vmms");
-    let t = CsvFile::read(&out.path().join("vmms.csv"));
+    let (r, out, t) = quick_csv("vmms");
     assert!(out.path().join("vmms.svg").exists(), "no vmms.svg");
     let col = |name: &str| t.col(name);
     let (exp, storage, fs, op, path, warm, requests) = (
@@ -555,15 +541,17 @@ fn quick_vmms_bench_covers_every_case_and_vmms_uses_no_virtio() {
 /// memory file is as long as RAM and sparse (the guest touched a few MiB).
 #[test]
 fn bench_snapshot_quick_saves_and_restores_musubi_at_both_sizes() {
-    assert!(
-        Path::new("/dev/kvm").exists(),
-        "this test boots VMs and needs /dev/kvm, which this machine lacks"
+    assert_kvm();
+    let (r, out, t) = quick_csv("snapshot");
+    let (hv, mem, unavailable) = (
+        t.col("hypervisor"),
+        t.col("memory_mib"),
+        t.col("unavailable"),
     );
-    let (r, out) = quick("snapshot");
-    let t = CsvFile::read(&out.path().join("snapshot.csv"));
-    let c = |name: &str| t.col(name);
-    let (hv, mem, unavailable) = (c("hypervisor"), c("memory_mib"), c("unavailable"));
-    let (len, allocated) = (c("memory_file_bytes"), c("memory_file_allocated_bytes"));
+    let (len, allocated) = (
+        t.col("memory_file_bytes"),
+        t.col("memory_file_allocated_bytes"),
+    );
     for mib in [128u64, 256] {
         let rows: Vec<_> = t
             .rows
@@ -610,20 +598,15 @@ fn bench_snapshot_quick_saves_and_restores_musubi_at_both_sizes() {
 /// measured, beside an unmigrated run of each.
 #[test]
 fn bench_migrate_quick_moves_musubi_idle_and_writing_at_both_sizes() {
-    assert!(
-        Path::new("/dev/kvm").exists(),
-        "this test boots VMs and needs /dev/kvm, which this machine lacks"
-    );
-    let (r, out) = quick("migrate");
-    let t = CsvFile::read(&out.path().join("migrate.csv"));
-    let c = |name: &str| t.col(name);
+    assert_kvm();
+    let (r, out, t) = quick_csv("migrate");
     let (hv, mem, task, migrated, mode, unavailable) = (
-        c("hypervisor"),
-        c("memory_mib"),
-        c("task"),
-        c("migrated"),
-        c("mode"),
-        c("unavailable"),
+        t.col("hypervisor"),
+        t.col("memory_mib"),
+        t.col("task"),
+        t.col("migrated"),
+        t.col("mode"),
+        t.col("unavailable"),
     );
     for mib in [128u64, 256] {
         for work in ["idle", "write"] {
@@ -655,7 +638,7 @@ fn bench_migrate_quick_moves_musubi_idle_and_writing_at_both_sizes() {
                     cols.push("data_pages");
                 }
                 t.assert_positive(row, &cols);
-                let n = |col: &str| -> u64 { row[c(col)].parse().expect(col) };
+                let n = |col: &str| -> u64 { row[t.col(col)].parse().expect(col) };
                 if how == "post-copy" {
                     assert!(
                         n("pages_asked") + n("pages_pushed") >= n("data_pages"),
@@ -690,10 +673,7 @@ fn bench_migrate_quick_moves_musubi_idle_and_writing_at_both_sizes() {
 /// per packet, and the chart is written; the namespace it made is gone afterwards.
 #[test]
 fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
-    assert!(
-        Path::new("/dev/kvm").exists(),
-        "this test boots VMs and needs /dev/kvm, which this machine lacks"
-    );
+    assert_kvm();
     let out = tempfile::tempdir().unwrap();
     let args = ["net", "--quick", "--out", out.path().to_str().unwrap()];
     let r = run_with_limit(&args, Duration::from_secs(600));
@@ -761,10 +741,7 @@ fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
 /// and node 0 logged a refusal for each stranger and none without one.
 #[test]
 fn bench_door_quick_starts_the_vm_past_every_kind_of_stranger() {
-    assert!(
-        Path::new("/dev/kvm").exists(),
-        "this test boots VMs and needs /dev/kvm, which this machine lacks"
-    );
+    assert_kvm();
     let (r, out) = quick("door");
     assert!(r.stdout.contains("refusals logged"), "{}", r.explain());
     let t = CsvFile::read(&out.path().join("door.csv"));

@@ -94,9 +94,4 @@ impl VmControl for ApiTarget {
         self.vm.stop(vmm::Outcome::Shutdown);
         Ok(())
     }
-
-    fn shutdown_vmm(&self) -> Result<(), ActionError> {
-        self.vm.stop(vmm::Outcome::Shutdown);
-        Ok(())
-    }
 }

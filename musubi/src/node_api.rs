@@ -50,11 +50,6 @@ impl VmControl for NodeApi {
         Ok(())
     }
 
-    fn shutdown_vmm(&self) -> Result<(), ActionError> {
-        self.vm.stop(vmm::Outcome::Shutdown);
-        Ok(())
-    }
-
     fn move_vcpu(&self, vcpu: u8, node: u16) -> Result<(), ActionError> {
         self.mover
             .move_vcpu(vcpu, node)

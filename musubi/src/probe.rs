@@ -1,6 +1,5 @@
 //! The bundled probe guest: its ELF image and the result lines it prints.
 
-use serde_json::Value;
 use std::path::PathBuf;
 use vmm::config::KernelImage;
 
@@ -34,37 +33,12 @@ pub fn materialize() -> std::io::Result<PathBuf> {
     Ok(path)
 }
 
-/// The probe guest's result lines (`{"probe": ...}`) in `console` output, in order.
-pub fn results(console: &[u8]) -> Vec<Value> {
-    String::from_utf8_lossy(console)
-        .lines()
-        .filter_map(|l| {
-            let l = l.trim();
-            if !l.starts_with("{\"probe\"") {
-                return None;
-            }
-            serde_json::from_str(l).ok()
-        })
-        .collect()
-}
-
-/// The first result of task `task`.
-pub fn result<'a>(results: &'a [Value], task: &str) -> Option<&'a Value> {
-    results.iter().find(|v| v["probe"] == task)
-}
+/// Result lines are read by the one parser the binary, the benchmarks and their tests share.
+pub use probe_lines::{result, results};
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn result_lines_are_picked_out_of_console_text() {
-        let out = b"booting\r\n{\"probe\":\"hello\",\"cpus\":2}\r\nnoise {\"probe\":1}\n{\"probe\":\"blk-crc\",\"disks\":[]}\n";
-        let r = results(out);
-        assert_eq!(r.len(), 2);
-        assert_eq!(result(&r, "hello").unwrap()["cpus"], 2);
-        assert!(result(&r, "exit").is_none());
-    }
 
     #[test]
     fn bundled_image_is_an_elf() {

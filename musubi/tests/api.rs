@@ -38,7 +38,7 @@ fn pause_and_resume_while_a_task_runs() {
         &["--memory", "128M", "--disk", &disk],
     );
     let guard = KillOnPanic::new(&vm);
-    wait_for_text(&mut vm, &serial, HELLO, LIMIT);
+    vm.wait_for_text(&serial, HELLO, LIMIT);
 
     let info = remote_json(&socket, &["info"]);
     assert_eq!(info["state"], "Running", "{info}");
@@ -144,7 +144,7 @@ fn the_socket_answers_bad_requests_and_serves_past_a_silent_client() {
     // A task far longer than this test: the VM is shut down through the API at the end.
     let mut vm = start_probe_with_api("hello,fib=60", &socket, &serial, &["--memory", "128M"]);
     let guard = KillOnPanic::new(&vm);
-    wait_for_text(&mut vm, &serial, HELLO, LIMIT);
+    vm.wait_for_text(&serial, HELLO, LIMIT);
 
     let meta = std::fs::metadata(&socket).unwrap();
     assert!(meta.file_type().is_socket(), "{meta:?}");

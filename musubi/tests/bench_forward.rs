@@ -46,7 +46,7 @@ fn arguments_help_included_and_the_exit_status_pass_through_to_musubi_bench() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (dir, exe) = lone_musubi();
     let record = dir.path().join("args");
-    vmm::testing::shell_script(
+    testkit::shell_script(
         &dir.path().join("musubi-bench"),
         &format!("printf '%s\\n' \"$@\" > {}\nexit 7", record.display()),
     );

@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Every wait of these tests ends by then: a VM that never boots fails, not hangs.
 const LIMIT: Duration = Duration::from_secs(240);
@@ -51,10 +51,7 @@ fn settings(t: &libc::termios) -> (u32, u32, u32, u32, Vec<u8>) {
 
 impl OnTerminal {
     fn start(args: &[String]) -> OnTerminal {
-        assert!(
-            std::path::Path::new("/dev/kvm").exists(),
-            "these tests need /dev/kvm, which this machine lacks"
-        );
+        common::assert_kvm();
         let (mut m, mut s) = (0, 0);
         // SAFETY: openpty writes the two descriptors; no name or settings are asked for.
         let r = unsafe {
@@ -107,15 +104,11 @@ impl OnTerminal {
     }
 
     fn wait_for_output(&self, needle: &str) {
-        let start = Instant::now();
-        while !self.text().contains(needle) {
-            assert!(
-                start.elapsed() < LIMIT,
-                "no {needle:?} within {LIMIT:?}; output:\n{}",
-                self.text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        assert!(
+            wait_until(LIMIT, || self.text().contains(needle)),
+            "no {needle:?} within {LIMIT:?}; output:\n{}",
+            self.text()
+        );
     }
 
     fn type_in(&mut self, bytes: &[u8]) {

@@ -9,10 +9,7 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn sigusr1_writes_metrics_while_the_vm_runs() {
-    assert!(
-        std::path::Path::new("/dev/kvm").exists(),
-        "this test needs /dev/kvm, which this machine lacks"
-    );
+    common::assert_kvm();
     let dir = tempfile::tempdir().unwrap();
     let metrics = dir.path().join("m.json");
     let mut child = musubi()

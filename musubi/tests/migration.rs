@@ -43,37 +43,6 @@ fn free_port() -> u16 {
     l.local_addr().unwrap().port()
 }
 
-/// Waits until `vm` listens on `port`; fails if it ends first or after [`LIMIT`].
-fn wait_listening(vm: &mut Started, port: u16) {
-    let start = Instant::now();
-    while !listening_on_loopback(port) {
-        if let Some(s) = vm.child.try_wait().unwrap() {
-            panic!("the destination ended ({s}) before it listened on port {port}");
-        }
-        assert!(
-            start.elapsed() < LIMIT,
-            "nothing listens on port {port} after {LIMIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Waits until `path` exists (an API socket a VM creates once it runs).
-fn wait_for_file(vm: &mut Started, path: &Path) {
-    let start = Instant::now();
-    while !path.exists() {
-        if let Some(s) = vm.child.try_wait().unwrap() {
-            panic!("the VM ended ({s}) before it made {}", path.display());
-        }
-        assert!(
-            start.elapsed() < LIMIT,
-            "no {} after {LIMIT:?}",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// `musubi run --receive-migration tcp:127.0.0.1:PORT`, its console in `serial`, listening
 /// once this returns.
 fn start_destination(port: u16, secret: &Path, serial: &Path, flags: &[&str]) -> Started {
@@ -92,7 +61,11 @@ fn start_destination(port: u16, secret: &Path, serial: &Path, flags: &[&str]) ->
     ];
     args.extend_from_slice(flags);
     let mut vm = start_command(musubi(), &args, None);
-    wait_listening(&mut vm, port);
+    vm.wait_for(
+        LIMIT,
+        || listening_on_loopback(port).then_some(()),
+        || format!("a socket listening on port {port}"),
+    );
     vm
 }
 
@@ -116,7 +89,7 @@ fn start_source(dir: &Path, name: &str, tasks: &str, flags: &[&str]) -> Source {
     let mut all = vec!["--report", report.to_str().unwrap()];
     all.extend_from_slice(flags);
     let mut vm = start_probe_with_api(tasks, &socket, &serial, &all);
-    wait_for_text(&mut vm, &serial, HELLO, LIMIT);
+    vm.wait_for_text(&serial, HELLO, LIMIT);
     Source {
         vm,
         socket,
@@ -267,7 +240,7 @@ fn a_vm_migrated_twice_ends_its_task_on_the_third_process() {
 
     // B serves its API once its VM runs; it refuses to move the VM on while pages are
     // still coming from A, and says so: ask again until it has them all.
-    wait_for_file(&mut b, &b_socket);
+    b.wait_for_file(&b_socket, LIMIT);
     let start = Instant::now();
     loop {
         let r = send_migration(&b_socket, port_c, &key);
@@ -666,7 +639,7 @@ fn caught_after_the_switch(seed: u8) -> AfterSwitch {
     };
     // The destination serves its API once its VM runs; SIGUSR1 then writes its metrics,
     // which count the pages with data once the source has listed them.
-    wait_for_file(&mut dest, &dest_socket);
+    dest.wait_for_file(&dest_socket, LIMIT);
     let start = Instant::now();
     loop {
         // SAFETY: a signal to a child this test started and has not reaped.
@@ -782,13 +755,8 @@ impl NetnsPair {
 
     /// `musubi` run inside namespace `k`.
     fn musubi(&self, k: usize) -> std::process::Command {
-        self.nets[k].musubi()
+        self.nets[k].command(MUSUBI)
     }
-}
-
-/// Whether process `pid` has a socket listening on `addr:port`, in its network namespace.
-fn listening_in(pid: u32, addr: std::net::Ipv4Addr, port: u16) -> bool {
-    listening_at(&format!("/proc/{pid}/net/tcp"), addr, port)
 }
 
 /// A source VM in namespace 0 and a destination waiting for it in namespace 1 (listening
@@ -829,17 +797,12 @@ impl NetnsMove {
         dest_args.extend_from_slice(dest_flags);
         let mut dest = start_command(nets.musubi(1), &dest_args, None);
         let dest_guard = KillOnPanic::new(&dest);
-        let start = Instant::now();
-        while !listening_in(dest.child.id(), addr, port) {
-            if let Some(s) = dest.child.try_wait().unwrap() {
-                panic!("the destination ended ({s}) before it listened on {url}");
-            }
-            assert!(
-                start.elapsed() < LIMIT,
-                "nothing listens on {url} after {LIMIT:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let pid = dest.child.id();
+        dest.wait_for(
+            LIMIT,
+            || listening_in(pid, addr, port).then_some(()),
+            || format!("a socket listening on {url}"),
+        );
 
         let socket = dir.path().join("src.sock");
         let serial = dir.path().join("src.out");
@@ -857,13 +820,9 @@ impl NetnsMove {
         ];
         flags.extend_from_slice(src_flags);
         let args = probe_args(tasks, &flags);
-        let mut vm = start_command(
-            nets.musubi(0),
-            &args.iter().map(String::as_str).collect::<Vec<_>>(),
-            None,
-        );
+        let mut vm = start_command(nets.musubi(0), &args, None);
         let src_guard = KillOnPanic::new(&vm);
-        wait_for_text(&mut vm, &serial, HELLO, LIMIT);
+        vm.wait_for_text(&serial, HELLO, LIMIT);
         src_guard.defuse();
         dest_guard.defuse();
         NetnsMove {

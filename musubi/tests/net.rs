@@ -36,7 +36,7 @@ fn run_in(ns: &Netns, tasks: &str, exits: &str, extra: &[&str]) -> Started {
         "tap=tap0,ip=10.0.0.1,mask=255.255.255.0",
     ];
     args.extend_from_slice(extra);
-    start_command(ns.musubi(), &args, None)
+    start_command(ns.command(MUSUBI), &args, None)
 }
 
 /// A UDP echo server in `ns` that answers until the guest has been quiet for 5 s after
@@ -281,7 +281,7 @@ fn a_snapshot_restores_the_network_device_with_its_mac() {
     let serial_arg = format!("file={}", serial.display());
     let cmdline = format!("probe.ip={GUEST}/24 probe.tasks=http-serve=8080,n=2");
     let vm = start_command(
-        ns.musubi(),
+        ns.command(MUSUBI),
         &[
             "run",
             "--kernel",
@@ -317,7 +317,7 @@ fn a_snapshot_restores_the_network_device_with_its_mac() {
     let serial2 = dir.path().join("out2");
     let serial2_arg = format!("file={}", serial2.display());
     let restored = start_command(
-        ns.musubi(),
+        ns.command(MUSUBI),
         &[
             "run",
             "--restore",

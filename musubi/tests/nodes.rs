@@ -3,7 +3,11 @@
 
 mod common;
 
-use common::{musubi, probe_args, run_probe, start_command, wait_with_limit, Run};
+use common::netns::{ip, try_ip};
+use common::{
+    assert_kvm, musubi, probe_args, read_text, run_probe, start_command, wait_until,
+    wait_with_limit, Run,
+};
 use musubi_types::{ClusterMetrics, Coherence, HotPage, Metrics};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -326,18 +330,17 @@ fn a_frozen_node_is_killed_by_the_launcher_once_another_node_declares_it_lost() 
     assert_kvm();
     let mut launcher = start_nodes(3, "spin=0", &[]);
     let guard = common::KillOnPanic::new(&launcher);
-    let start = Instant::now();
-    let pids = loop {
-        let p = node_pids(launcher.child.id());
-        if p.len() == 3 {
-            break p;
-        }
-        if let Some(s) = launcher.child.try_wait().unwrap() {
-            panic!("the launcher ended ({s}) before it had started its nodes");
-        }
-        assert!(start.elapsed() < RUN_LIMIT, "the launcher started {p:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let launcher_pid = launcher.child.id();
+    let pids = launcher.wait_for(
+        RUN_LIMIT,
+        || Some(node_pids(launcher_pid)).filter(|p| p.len() == 3),
+        || {
+            format!(
+                "three nodes, of which it started {:?}",
+                node_pids(launcher_pid)
+            )
+        },
+    );
     // Let the nodes link up and the guest run, then freeze node 2 (it never exits).
     std::thread::sleep(Duration::from_millis(1500));
     let frozen = pids.iter().find(|(k, _)| *k == 2).unwrap().1;
@@ -360,27 +363,13 @@ fn a_frozen_node_is_killed_by_the_launcher_once_another_node_declares_it_lost() 
     );
 }
 
-fn assert_kvm() {
-    assert!(
-        Path::new("/dev/kvm").exists(),
-        "these tests need /dev/kvm, which this machine lacks"
-    );
-}
-
-/// Waits (bounded) until `path` has at least `min` bytes.
+/// Waits (bounded) until `path` contains `what`.
 fn wait_for_output(path: &Path, what: &str, limit: Duration) {
-    let t0 = Instant::now();
-    while std::fs::read_to_string(path)
-        .map(|s| !s.contains(what))
-        .unwrap_or(true)
-    {
-        assert!(
-            t0.elapsed() < limit,
-            "{} never printed {what:?}",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert!(
+        wait_until(limit, || read_text(path).contains(what)),
+        "{} never printed {what:?}",
+        path.display()
+    );
 }
 
 #[test]
@@ -781,21 +770,6 @@ fn a_vcpu_on_another_node_prints_and_reads_the_disk() {
     );
 }
 
-/// iproute2's `ip`, which `--netns` drives and these tests read the host's state with.
-fn ip(args: &[&str]) -> String {
-    let out = std::process::Command::new("ip")
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "these tests need iproute2's `ip` ({e}); install it (Debian: apt-get install \
-                 iproute2; .ci/run does)"
-            )
-        });
-    assert!(out.status.success(), "ip {args:?}: {out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// The namespaces and links the `--netns` run of launcher `pid` left on this host: every
 /// name it makes carries its pid.
 fn leftovers(pid: u32) -> Vec<String> {
@@ -820,11 +794,7 @@ fn start_nodes(nodes: u16, tasks: &str, flags: &[&str]) -> common::Started {
     let mut all = vec!["--nodes", &n, "--cpus", &n, "--memory", "64M"];
     all.extend_from_slice(flags);
     let args = probe_args(tasks, &all);
-    start_command(
-        musubi(),
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        None,
-    )
+    start_command(musubi(), &args, None)
 }
 
 const RUN_LIMIT: Duration = Duration::from_secs(240);
@@ -849,10 +819,7 @@ fn sigterm_to_the_launcher_of_a_netns_run_leaves_nothing_behind() {
     // Both node processes are inside their namespaces (`ip netns pids` fails while a
     // namespace does not exist yet).
     let inside = |k: u16| {
-        std::process::Command::new("ip")
-            .args(["netns", "pids", &format!("musubi-{pid}-n{k}")])
-            .output()
-            .is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+        try_ip(&["netns", "pids", &format!("musubi-{pid}-n{k}")]).is_ok_and(|o| !o.is_empty())
     };
     while !(inside(0) && inside(1)) {
         if t0.elapsed() > Duration::from_secs(60) || started.child.try_wait().unwrap().is_some() {
@@ -880,14 +847,11 @@ fn a_node_whose_link_is_cut_is_lost_and_the_run_ends_with_123_leaving_nothing() 
     let mut started = start_nodes(3, "spin=0", &["--netns"]);
     let guard = common::KillOnPanic::new(&started);
     let pid = started.child.id();
-    let t0 = Instant::now();
-    while node_pids(pid).len() < 3 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60) && started.child.try_wait().unwrap().is_none(),
-            "the launcher did not start its three nodes"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    started.wait_for(
+        Duration::from_secs(60),
+        || (node_pids(pid).len() >= 3).then_some(()),
+        || "the launcher's three nodes".into(),
+    );
     std::thread::sleep(Duration::from_millis(1500));
     // Node 2's end of its veth pair, inside its namespace: every process lives on.
     ip(&[
@@ -939,11 +903,7 @@ fn a_failed_ip_command_half_way_through_set_up_is_named_and_undone() {
     let mut cmd = musubi();
     cmd.env("PATH", path);
     let args = probe_args("hello", &["--nodes", "2", "--cpus", "2", "--netns"]);
-    let started = start_command(
-        cmd,
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        None,
-    );
+    let started = start_command(cmd, &args, None);
     let pid = started.child.id();
     let r = started.finish(RUN_LIMIT);
     assert_eq!(r.code, Some(1), "{}", r.explain());
@@ -960,8 +920,7 @@ fn a_failed_ip_command_half_way_through_set_up_is_named_and_undone() {
 
 /// Runs `cmd` (musubi, or a program that runs it) with `args`, bounded like every run here.
 fn run_with(cmd: std::process::Command, args: &[String]) -> Run {
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    common::run_command(cmd, &args, None, RUN_LIMIT)
+    common::run_command(cmd, args, None, RUN_LIMIT)
 }
 
 #[test]

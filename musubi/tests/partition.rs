@@ -32,10 +32,7 @@ struct Env {
 
 impl Env {
     fn new() -> Env {
-        assert!(
-            Path::new("/dev/kvm").exists(),
-            "partition tests need /dev/kvm, which this machine lacks"
-        );
+        common::assert_kvm();
         check_cgroups_writable();
         Env {
             dir: tempfile::tempdir().unwrap(),
@@ -45,6 +42,19 @@ impl Env {
                 SEQ.fetch_add(1, Ordering::SeqCst)
             ),
         }
+    }
+
+    /// Partitions `a`, owning a disk of `bytes` bytes, and `b`, with none: the disk's
+    /// path is returned.
+    fn with_owned_disk(bytes: usize) -> (Env, PathBuf) {
+        let env = Env::new();
+        let owned = common::temp_image(env.state(), "owned.img", bytes);
+        let o = owned.to_str().unwrap();
+        env.ok(&[
+            "create", "a", "--cpus", "0", "--memory", "512M", "--disk", o,
+        ]);
+        env.ok(&["create", "b", "--cpus", "1", "--memory", "512M"]);
+        (env, owned)
     }
 
     fn state(&self) -> &Path {
@@ -429,14 +439,9 @@ fn conflicting_requests_are_refused_naming_the_partitions_involved() {
 
 #[test]
 fn a_disk_of_another_partition_is_refused_however_the_vm_names_it() {
-    let env = Env::new();
     // 2 MiB, so it would also be a valid --pmem region.
-    let owned = common::temp_image(env.state(), "owned.img", 2 << 20);
+    let (env, owned) = Env::with_owned_disk(2 << 20);
     let o = owned.to_str().unwrap();
-    env.ok(&[
-        "create", "a", "--cpus", "0", "--memory", "512M", "--disk", o,
-    ]);
-    env.ok(&["create", "b", "--cpus", "1", "--memory", "512M"]);
     let config = env.state().join("vm.json");
     std::fs::write(
         &config,
@@ -767,7 +772,7 @@ impl Env {
     fn pm_in(&self, cwd: &Path, args: &[&str]) -> Run {
         let mut cmd = self.command(args);
         cmd.current_dir(cwd);
-        common::run_command(cmd, &[], None, LIMIT)
+        common::run_command(cmd, &[] as &[&str], None, LIMIT)
     }
 
     /// Waits until the console of `vm` shows `text` while it runs.
@@ -979,13 +984,8 @@ fn a_vm_snapshotted_in_its_partition_restores_there_as_an_uninterrupted_run() {
 
 #[test]
 fn a_snapshot_whose_disk_belongs_to_another_partition_is_not_restored_there() {
-    let env = Env::new();
-    let owned = common::temp_image(env.state(), "owned.img", 1 << 20);
+    let (env, owned) = Env::with_owned_disk(1 << 20);
     let o = owned.to_str().unwrap();
-    env.ok(&[
-        "create", "a", "--cpus", "0", "--memory", "512M", "--disk", o,
-    ]);
-    env.ok(&["create", "b", "--cpus", "1", "--memory", "512M"]);
     let path = format!("path={o}");
     let args = probe_run(
         &format!("hello,spin={HOLD_SPIN}"),
@@ -1115,13 +1115,8 @@ fn a_vm_migrated_from_one_partition_to_another_ends_its_task_in_the_second() {
 
 #[test]
 fn a_migrating_vm_whose_disk_belongs_to_another_partition_is_refused_on_arrival() {
-    let env = Env::new();
-    let owned = common::temp_image(env.state(), "owned.img", 1 << 20);
+    let (env, owned) = Env::with_owned_disk(1 << 20);
     let o = owned.to_str().unwrap();
-    env.ok(&[
-        "create", "a", "--cpus", "0", "--memory", "512M", "--disk", o,
-    ]);
-    env.ok(&["create", "b", "--cpus", "1", "--memory", "512M"]);
     let (key, url) = env.wait_for_migration("b", 22);
     // The source runs in partition a, which owns the disk.
     let path = format!("path={o}");

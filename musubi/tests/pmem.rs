@@ -11,7 +11,7 @@ use common::*;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vmm::testing::{pvh_elf, Code};
 
 const MIB: u64 = 1 << 20;
@@ -176,20 +176,6 @@ fn start_spinning(region: &Region, seed: u8) -> std::process::Child {
     child
 }
 
-fn wait_with_limit(child: &mut std::process::Child) -> std::process::ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        if start.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            panic!("musubi did not stop");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 #[test]
 fn guest_stores_reach_the_file_on_sigterm() {
     use std::os::unix::process::ExitStatusExt;
@@ -197,7 +183,7 @@ fn guest_stores_reach_the_file_on_sigterm() {
     let mut child = start_spinning(&region, 31);
     // SAFETY: plain kill(2) on our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let st = wait_with_limit(&mut child);
+    let st = wait_with_limit(&mut child, Duration::from_secs(30), "musubi");
     assert_eq!(st.code(), Some(128 + libc::SIGTERM), "{st:?}");
     assert_eq!(st.signal(), None);
     region.assert_written(31);
@@ -209,7 +195,7 @@ fn guest_stores_reach_the_file_on_sigkill() {
     let region = Region::new(4 * MIB);
     let mut child = start_spinning(&region, 41);
     child.kill().unwrap();
-    let st = wait_with_limit(&mut child);
+    let st = wait_with_limit(&mut child, Duration::from_secs(30), "musubi");
     assert_eq!(st.signal(), Some(libc::SIGKILL), "{st:?}");
     // No teardown ran: the stores are in the file's page cache, which the host writes back.
     region.assert_written(41);

@@ -17,7 +17,7 @@ fn smp_run(tasks: &str, cpus: u32, flags: &[&str]) -> Run {
     let mut all = vec!["--cpus", cpus.as_str(), "--memory", "128M"];
     all.extend_from_slice(flags);
     let args = probe_args(&tasks, &all);
-    run_with_limit(&args.iter().map(String::as_str).collect::<Vec<_>>(), LIMIT)
+    run_with_limit(&args, LIMIT)
 }
 
 fn u(v: &Value) -> u64 {

@@ -64,7 +64,7 @@ fn snapshot_mid_task(dir: &Path, tasks: &str, started: &str, flags: &[&str]) -> 
     let snap = dir.join("snap");
     let mut vm = start_probe_with_api(tasks, &socket, &serial, flags);
     let guard = KillOnPanic::new(&vm);
-    wait_for_text(&mut vm, &serial, started, LIMIT);
+    vm.wait_for_text(&serial, started, LIMIT);
     std::thread::sleep(INTO_TASK);
     let answer = remote(&socket, &["snapshot", snap.to_str().unwrap()]);
     assert_eq!(answer.code, Some(0), "snapshot: {}", answer.explain());
@@ -87,16 +87,21 @@ fn snapshot_mid_task(dir: &Path, tasks: &str, started: &str, flags: &[&str]) -> 
     Snapped { snap, before }
 }
 
-/// `musubi run --restore SNAP --serial file=SERIAL FLAGS...`.
+/// `musubi run --restore SNAP --serial file=SERIAL FLAGS...`, bounded to 200 s.
 fn restore_args(snap: &Path, serial: &Path, flags: &[&str]) -> Vec<String> {
+    let mut args = restore_without_timeout(snap, serial, &["--timeout", "200"]);
+    args.extend(flags.iter().map(|f| f.to_string()));
+    args
+}
+
+/// `musubi run --restore SNAP --serial file=SERIAL FLAGS...`.
+fn restore_without_timeout(snap: &Path, serial: &Path, flags: &[&str]) -> Vec<String> {
     let mut args = vec![
         "run".to_string(),
         "--restore".into(),
         snap.display().to_string(),
         "--serial".into(),
         format!("file={}", serial.display()),
-        "--timeout".into(),
-        "200".into(),
     ];
     args.extend(flags.iter().map(|f| f.to_string()));
     args
@@ -104,13 +109,13 @@ fn restore_args(snap: &Path, serial: &Path, flags: &[&str]) -> Vec<String> {
 
 fn restore(snap: &Path, serial: &Path, flags: &[&str]) -> Run {
     let args = restore_args(snap, serial, flags);
-    run_with_limit(&args.iter().map(String::as_str).collect::<Vec<_>>(), LIMIT)
+    run_with_limit(&args, LIMIT)
 }
 
 /// The probe guest's run with `tasks` and `flags`, from boot to end, its console on stdout.
 fn uninterrupted(tasks: &str, flags: &[&str]) -> Run {
     let args = probe_args(tasks, flags);
-    let r = run_with_limit(&args.iter().map(String::as_str).collect::<Vec<_>>(), LIMIT);
+    let r = run_with_limit(&args, LIMIT);
     assert_eq!(r.code, Some(0), "uninterrupted run: {}", r.explain());
     r
 }
@@ -286,11 +291,7 @@ fn one_snapshot_restores_twice_into_independent_vms() {
         .iter()
         .map(|serial| {
             let args = restore_args(&s.snap, serial, &[]);
-            start_command(
-                musubi(),
-                &args.iter().map(String::as_str).collect::<Vec<_>>(),
-                None,
-            )
+            start_command(musubi(), &args, None)
         })
         .collect();
     let runs: Vec<Run> = vms.into_iter().map(|vm| vm.finish(LIMIT)).collect();
@@ -353,6 +354,22 @@ impl Fixture {
     fn serial(&self, name: &str) -> PathBuf {
         self.dir.path().join(format!("{name}.out"))
     }
+
+    /// A copy of the snapshot as `name` with its state file changed by `edit`; returns that
+    /// state file.
+    fn copy_with_state(&self, name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
+        let state = self.copy(name).join("state");
+        let mut bytes = std::fs::read(&state).unwrap();
+        edit(&mut bytes);
+        std::fs::write(&state, &bytes).unwrap();
+        state
+    }
+
+    /// Restores the copy `name` without flags and checks it is refused naming each of
+    /// `names` (see [`assert_refused`]).
+    fn assert_copy_refused(&self, name: &str, names: &[&str]) {
+        assert_refused(&self.dir.path().join(name), &self.serial(name), &[], names);
+    }
 }
 
 /// Restores `snap` with `flags` and checks it is refused: status 1, every one of `names` in
@@ -384,18 +401,11 @@ const HEADER_LEN: usize = 32;
 #[test]
 fn restore_refuses_a_state_file_of_another_format_version() {
     let fx = fixture();
-    let snap = fx.copy("version");
-    let state = snap.join("state");
-    let mut bytes = std::fs::read(&state).unwrap();
-    let version = u32::from_le_bytes(bytes[16..20].try_into().unwrap());
-    bytes[16..20].copy_from_slice(&(version + 1).to_le_bytes());
-    std::fs::write(&state, &bytes).unwrap();
-    assert_refused(
-        &snap,
-        &fx.serial("version"),
-        &[],
-        &[state.to_str().unwrap(), "format version"],
-    );
+    let state = fx.copy_with_state("version", |bytes| {
+        let version = u32::from_le_bytes(bytes[16..20].try_into().unwrap());
+        bytes[16..20].copy_from_slice(&(version + 1).to_le_bytes());
+    });
+    fx.assert_copy_refused("version", &[state.to_str().unwrap(), "format version"]);
 }
 
 #[test]
@@ -410,17 +420,8 @@ fn restore_refuses_a_corrupted_state_file() {
         .enumerate()
     {
         let name = format!("corrupt{i}");
-        let snap = fx.copy(&name);
-        let state = snap.join("state");
-        let mut bytes = std::fs::read(&state).unwrap();
-        bytes[at] ^= 0x20;
-        std::fs::write(&state, &bytes).unwrap();
-        assert_refused(
-            &snap,
-            &fx.serial(&name),
-            &[],
-            &[state.to_str().unwrap(), "corrupted: checksum"],
-        );
+        let state = fx.copy_with_state(&name, |bytes| bytes[at] ^= 0x20);
+        fx.assert_copy_refused(&name, &[state.to_str().unwrap(), "corrupted: checksum"]);
     }
 }
 
@@ -435,10 +436,8 @@ fn restore_refuses_a_memory_file_shorter_than_the_ram() {
     let f = std::fs::File::create(&memory).unwrap();
     f.set_len(len - 4096).unwrap();
     drop(f);
-    assert_refused(
-        &snap,
-        &fx.serial("short"),
-        &[],
+    fx.assert_copy_refused(
+        "short",
         &[memory.to_str().unwrap(), "shorter than the snapshot's"],
     );
 }
@@ -500,15 +499,8 @@ fn restore_with_kernel_or_config_is_refused_by_the_command_line() {
     ];
     for (flag, extra) in cases {
         let serial = dir.path().join("out");
-        let mut args = vec![
-            "run".to_string(),
-            "--restore".into(),
-            snap.display().to_string(),
-            "--serial".into(),
-            format!("file={}", serial.display()),
-        ];
-        args.extend(extra.iter().map(|a| a.to_string()));
-        let r = run_with_limit(&args.iter().map(String::as_str).collect::<Vec<_>>(), LIMIT);
+        let args = restore_without_timeout(&snap, &serial, extra);
+        let r = run_with_limit(&args, LIMIT);
         // clap's usage errors end with status 2.
         assert_eq!(r.code, Some(2), "{flag} with --restore: {}", r.explain());
         assert!(

@@ -283,25 +283,7 @@ pub fn run(store: &Store, name: &str, program: &Path) -> Result<(), Error> {
 /// Root and the partition's owner may drive a supervisor; anyone else could have it read
 /// any file it can read (as a disk) or create files where it can write (as a console log).
 fn peer_allowed(stream: &UnixStream, owner: u32) -> Result<(), PeerError> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED fills a ucred of the size given, on a socket this process owns.
-    let r = unsafe {
-        libc::getsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(stream),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            &mut cred as *mut libc::ucred as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(PeerError::Credentials(std::io::Error::last_os_error()));
-    }
+    let cred = musubi_api::server::peer_credentials(stream).map_err(PeerError::Credentials)?;
     check_peer(cred.uid, cred.pid, owner)
 }
 

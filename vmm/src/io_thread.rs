@@ -283,12 +283,10 @@ mod tests {
         )
     }
 
-    #[test]
-    fn doorbells_are_served_until_stopped() {
-        let control = Arc::new(RunControl::default());
-        let counting = Arc::new(Counting(AtomicU64::new(0)));
-        let (n, ring) = doorbell(counting.clone());
-        let mut t = IoThread::start(
+    /// An I/O thread serving one doorbell with `server`, and the doorbell's ringing end.
+    fn serving(server: Arc<dyn QueueServer>, control: &Arc<RunControl>) -> (IoThread, EventFd) {
+        let (n, ring) = doorbell(server);
+        let t = IoThread::start(
             vec![n],
             Vec::new(),
             control.clone(),
@@ -296,6 +294,14 @@ mod tests {
             Arc::new(PauseGate::new(0, true)),
         )
         .unwrap();
+        (t, ring)
+    }
+
+    #[test]
+    fn doorbells_are_served_until_stopped() {
+        let control = Arc::new(RunControl::default());
+        let counting = Arc::new(Counting(AtomicU64::new(0)));
+        let (mut t, ring) = serving(counting.clone(), &control);
         ring.write(1).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while counting.0.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
@@ -310,15 +316,7 @@ mod tests {
     #[test]
     fn a_failed_io_thread_ends_the_vm_with_a_vmm_error() {
         let control = Arc::new(RunControl::default());
-        let (n, ring) = doorbell(Arc::new(Broken));
-        let _t = IoThread::start(
-            vec![n],
-            Vec::new(),
-            control.clone(),
-            SeccompMode::Off,
-            Arc::new(PauseGate::new(0, true)),
-        )
-        .unwrap();
+        let (_t, ring) = serving(Arc::new(Broken), &control);
         ring.write(1).unwrap();
         let outcome = control.wait(Duration::from_millis(5), || None);
         let Outcome::VmmError(m) = &outcome else {

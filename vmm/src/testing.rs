@@ -170,28 +170,3 @@ pub fn tiny_opts(capture_serial: bool) -> crate::RunOptions {
         seccomp: crate::seccomp::SeccompMode::Enforce,
     }
 }
-
-/// Writes an executable shell script with `body` at `path` and returns once it can be run.
-/// Until then running it may fail with ETXTBSY: a process that another test forked while the
-/// file was open for writing holds a copy of that descriptor until its own exec closes it. So
-/// the script is run here (it exits at once when its first argument is `--ready`) until it
-/// starts; after that nobody can hold it open for writing any more.
-pub fn shell_script(path: &std::path::Path, body: &str) -> std::path::PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::write(
-        path,
-        format!("#!/bin/sh\n[ \"$1\" = --ready ] && exit 0\n{body}\n"),
-    )
-    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    for _ in 0..500 {
-        match std::process::Command::new(path).arg("--ready").status() {
-            Ok(s) if s.success() => return path.to_path_buf(),
-            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
-                std::thread::sleep(std::time::Duration::from_millis(10))
-            }
-            other => panic!("{}: {other:?}", path.display()),
-        }
-    }
-    panic!("{}: still busy after 5 s", path.display())
-}

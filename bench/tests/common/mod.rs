@@ -7,7 +7,9 @@ use std::time::Duration;
 
 // Each test binary uses some of these.
 #[allow(unused_imports)]
-pub use testkit::{run_command, start_command, wait_with_limit, Run, Started};
+pub use testkit::{
+    assert_kvm, fake_vmm, run_command, start_command, wait_with_limit, Run, Started,
+};
 
 /// `musubi-bench`, after checking that the `musubi` binary it runs VMs with is beside it
 /// (`cargo test --workspace` builds both into one directory; `-p musubi-bench` alone does not).
@@ -23,16 +25,10 @@ pub fn musubi() -> Command {
     Command::new(bench)
 }
 
-/// Runs `musubi` with `args`, killing it after `limit` so a hung VM fails the test
+/// Runs `musubi-bench` with `args`, killing it after `limit` so a hung VM fails the test
 /// instead of hanging the suite.
 pub fn run_with_limit(args: &[&str], limit: Duration) -> Run {
-    run_with_stdin(args, None, limit)
-}
-
-/// As [`run_with_limit`], with `input` written to a pipe on stdin, which is then closed
-/// (stdin is empty without it).
-pub fn run_with_stdin(args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
-    run_command(musubi(), args, input, limit)
+    run_command(musubi(), args, None, limit)
 }
 
 /// Runs `musubi-bench EXPERIMENT --quick` (what `musubi bench` runs) into a fresh output directory within `limit`
@@ -125,11 +121,6 @@ fn split_csv_line(line: &str) -> Vec<String> {
 /// what a benchmark does when its peer fails (`--qemu` points at it).
 pub fn fake_qemu(dir: &Path, body: &str) -> PathBuf {
     fake_vmm(dir, "qemu-system-x86_64", body)
-}
-
-/// A stand-in for the peer VMM `name` in `dir`: a shell script with `body`.
-pub fn fake_vmm(dir: &Path, name: &str, body: &str) -> PathBuf {
-    vmm::testing::shell_script(&dir.join(name), body)
 }
 
 /// The boot benchmark's CSV, split by hypervisor.

@@ -11,15 +11,22 @@ use crate::wire::Message;
 
 type R = Result<(), super::ProtocolError>;
 
-/// A fetch or finish must reach the page's manager from the node it names as requester.
-fn check_request(n: &Node, from: NodeId, msg: &Message, page: PageNo, requester: NodeId) -> R {
+/// A fetch or finish must reach the page's manager from the node it names as requester;
+/// the manager's record of the page, once it has.
+fn managed_request<'a>(
+    n: &'a mut Node,
+    from: NodeId,
+    msg: &Message,
+    page: PageNo,
+    requester: NodeId,
+) -> Result<&'a mut Managed, super::ProtocolError> {
     if n.manager(page) != n.id {
         return Err(unexpected(from, msg, "this node does not manage the page"));
     }
     if requester != from {
         return Err(unexpected(from, msg, "requester is not the sender"));
     }
-    Ok(())
+    Ok(n.managed(page))
 }
 
 pub(super) fn on_message(n: &mut Node, from: NodeId, msg: Message, out: &mut Vec<Action>) -> R {
@@ -29,8 +36,7 @@ pub(super) fn on_message(n: &mut Node, from: NodeId, msg: Message, out: &mut Vec
             access,
             requester,
         } => {
-            check_request(n, from, &msg, page, requester)?;
-            let m = n.managed(page);
+            let m = managed_request(n, from, &msg, page, requester)?;
             if m.queue.iter().any(|q| q.0 == requester) {
                 return Err(unexpected(
                     from,
@@ -81,8 +87,7 @@ pub(super) fn on_message(n: &mut Node, from: NodeId, msg: Message, out: &mut Vec
             access,
             requester,
         } => {
-            check_request(n, from, &msg, page, requester)?;
-            let m = n.managed(page);
+            let m = managed_request(n, from, &msg, page, requester)?;
             if m.busy != Some((requester, access)) {
                 return Err(unexpected(
                     from,

@@ -1,35 +1,42 @@
 //! Shared helpers for tests that run the `musubi` binary.
 #![allow(dead_code)]
 
-pub mod netns;
-
 use serde_json::Value;
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 // Each test binary uses some of these.
 #[allow(unused_imports)]
-pub use testkit::{run_command, start_command, wait_with_limit, Run, Started};
+pub use testkit::tcp::{listening_at, listening_in, listening_on_loopback};
+#[allow(unused_imports)]
+pub use testkit::{
+    assert_kvm, fake_vmm, netns, read_text, result_in, results_in, run_command, start_command,
+    wait_until, wait_with_limit, Run, Started,
+};
+
+/// The `musubi` binary under test.
+pub const MUSUBI: &str = env!("CARGO_BIN_EXE_musubi");
 
 pub fn musubi() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_musubi"))
+    Command::new(MUSUBI)
 }
 
 /// Runs `musubi` with `args`, killing it after `limit` so a hung VM fails the test
 /// instead of hanging the suite.
-pub fn run_with_limit(args: &[&str], limit: Duration) -> Run {
+pub fn run_with_limit<S: AsRef<OsStr>>(args: &[S], limit: Duration) -> Run {
     run_with_stdin(args, None, limit)
 }
 
 /// As [`run_with_limit`], with `input` written to a pipe on stdin, which is then closed
 /// (stdin is empty without it).
-pub fn run_with_stdin(args: &[&str], input: Option<&[u8]>, limit: Duration) -> Run {
+pub fn run_with_stdin<S: AsRef<OsStr>>(args: &[S], input: Option<&[u8]>, limit: Duration) -> Run {
     run_command(musubi(), args, input, limit)
 }
 
-pub fn run(args: &[&str]) -> Run {
+pub fn run<S: AsRef<OsStr>>(args: &[S]) -> Run {
     run_with_limit(args, Duration::from_secs(240))
 }
 
@@ -37,7 +44,7 @@ pub fn run(args: &[&str]) -> Run {
 /// `musubi run`; the VM itself gives up after 200 s.
 pub fn run_probe(tasks: &str, flags: &[&str]) -> Run {
     let args = probe_args(tasks, flags);
-    run(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    run(&args)
 }
 
 /// The `musubi run` arguments of [`run_probe`].
@@ -113,64 +120,6 @@ pub fn linux_kernel(name: &str) -> PathBuf {
     path
 }
 
-/// A stand-in for the peer VMM `name` in `dir`: a shell script with `body`.
-pub fn fake_vmm(dir: &Path, name: &str, body: &str) -> PathBuf {
-    vmm::testing::shell_script(&dir.join(name), body)
-}
-
-/// The probe guest's result lines in `text` (a serial file's contents).
-pub fn results_in(text: &str) -> Vec<Value> {
-    text.lines()
-        .filter(|l| l.trim_start().starts_with("{\"probe\""))
-        .map(|l| {
-            serde_json::from_str(l.trim()).unwrap_or_else(|e| panic!("bad result line {l:?}: {e}"))
-        })
-        .collect()
-}
-
-/// The `task` result line in `text`, failing the test (with `text`) if there is none.
-pub fn result_in(text: &str, task: &str) -> Value {
-    results_in(text)
-        .into_iter()
-        .find(|v| v["probe"] == task)
-        .unwrap_or_else(|| panic!("no {task} result in the serial output:\n{text}"))
-}
-
-/// The text of `path`, empty if it does not exist (yet).
-pub fn read_text(path: &Path) -> String {
-    std::fs::read(path)
-        .map(|b| String::from_utf8_lossy(&b).into_owned())
-        .unwrap_or_default()
-}
-
-/// Waits until the file `path` (a VM's `--serial file=`) contains `needle` and returns
-/// its text; fails the test if `vm` ends first or after `limit`.
-pub fn wait_for_text(vm: &mut Started, path: &Path, needle: &str, limit: Duration) -> String {
-    let start = Instant::now();
-    loop {
-        let text = read_text(path);
-        if text.contains(needle) {
-            return text;
-        }
-        if let Some(s) = vm.child.try_wait().unwrap() {
-            panic!(
-                "{} ended ({s}) before {} showed {needle:?}:\n{text}",
-                vm.what,
-                path.display()
-            );
-        }
-        if start.elapsed() > limit {
-            // SAFETY: kill(2) on our own child, not yet reaped.
-            unsafe { libc::kill(vm.child.id() as libc::pid_t, libc::SIGTERM) };
-            panic!(
-                "{} showed no {needle:?} within {limit:?}:\n{text}",
-                path.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// `musubi remote --api-socket SOCKET ARGS...`, bounded to a minute.
 pub fn remote(socket: &Path, args: &[&str]) -> Run {
     let socket = socket.to_str().unwrap();
@@ -216,11 +165,7 @@ pub fn start_probe_with_api(tasks: &str, socket: &Path, serial: &Path, flags: &[
     ];
     all.extend_from_slice(flags);
     let args = probe_args(tasks, &all);
-    start_command(
-        musubi(),
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        None,
-    )
+    start_command(musubi(), &args, None)
 }
 
 /// `fib(n)`, the value the probe guest's `fib=N` task reports.
@@ -254,26 +199,6 @@ impl Drop for KillOnPanic {
             unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
         }
     }
-}
-
-/// Whether a socket listens on `addr:port` (IPv4) in the network namespace of the
-/// `/proc/.../net/tcp` table at `table`: read from the kernel, so no connection is made and
-/// a migration's destination sees no stranger.
-pub fn listening_at(table: &str, addr: std::net::Ipv4Addr, port: u16) -> bool {
-    let want = format!("{:08X}:{port:04X}", u32::from_le_bytes(addr.octets()));
-    std::fs::read_to_string(table)
-        .unwrap_or_default()
-        .lines()
-        .skip(1)
-        .any(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            f.len() > 3 && f[1] == want && f[3] == "0A"
-        })
-}
-
-/// Whether a socket of this network namespace listens on 127.0.0.1:`port`.
-pub fn listening_on_loopback(port: u16) -> bool {
-    listening_at("/proc/net/tcp", std::net::Ipv4Addr::LOCALHOST, port)
 }
 
 /// A `shared-counter` result of `cpus` CPUs each counting `per_cpu`: both ways of counting

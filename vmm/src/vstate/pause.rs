@@ -119,11 +119,7 @@ impl PauseGate {
             if done(&s) {
                 break;
             }
-            s = self
-                .changed
-                .wait_timeout(s, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            s = self.wait_changed(s, Duration::from_millis(100));
         }
         s.parked -= 1;
     }
@@ -161,6 +157,20 @@ impl PauseGate {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits, the state unlocked, until another thread changes it or `at_most` has passed:
+    /// the callers look again at what the condition variable does not announce (the VM's
+    /// end, a vCPU still to kick).
+    fn wait_changed<'a>(
+        &self,
+        s: std::sync::MutexGuard<'a, State>,
+        at_most: Duration,
+    ) -> std::sync::MutexGuard<'a, State> {
+        self.changed
+            .wait_timeout(s, at_most)
+            .unwrap_or_else(|e| e.into_inner())
+            .0
     }
 
     /// Whether a pause is asked for: checked by a vCPU after every exit.
@@ -218,11 +228,7 @@ impl PauseGate {
                 s = self.lock();
                 continue;
             }
-            s = self
-                .changed
-                .wait_timeout(s, Duration::from_millis(10))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            s = self.wait_changed(s, Duration::from_millis(10));
         }
         Ok(())
     }
@@ -247,11 +253,7 @@ impl PauseGate {
         s.parked += 1;
         self.changed.notify_all();
         while s.paused && !control.is_finished() {
-            s = self
-                .changed
-                .wait_timeout(s, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            s = self.wait_changed(s, Duration::from_millis(100));
         }
         s.parked -= 1;
     }

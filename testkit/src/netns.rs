@@ -1,26 +1,53 @@
 //! Network namespaces a test makes for itself: traffic of network tests goes only to
 //! addresses inside them, and nothing is added to the host's own namespace. Dropping one
-//! (also while a test panics) deletes it, and with it every interface inside.
+//! (also while a test panics) deletes it, and with it every interface inside. iproute2's
+//! `ip` does the work, as a program.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 
-/// Runs `ip ARGS`, panicking with what it printed when it fails.
-pub fn ip(args: &[&str]) {
+/// Why an `ip` command did not do its work; names the command.
+#[derive(Debug, thiserror::Error)]
+pub enum IpError {
+    #[error("cannot run iproute2's `ip` for `{command}` ({source}); install it (Debian: apt-get install iproute2)")]
+    Run {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed ({status}): {said}")]
+    Failed {
+        command: String,
+        status: ExitStatus,
+        /// What it printed on stderr, trimmed.
+        said: String,
+    },
+}
+
+/// Runs `ip ARGS` and returns what it printed on stdout.
+pub fn try_ip(args: &[&str]) -> Result<String, IpError> {
+    let command = format!("ip {}", args.join(" "));
     let out = Command::new("ip")
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run iproute2's `ip` ({e}): the network tests need it (Debian: iproute2)")
+        .map_err(|source| IpError::Run {
+            command: command.clone(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(IpError::Failed {
+            command,
+            status: out.status,
+            said: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         });
-    assert!(
-        out.status.success(),
-        "`ip {}` failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// [`try_ip`], failing the test when it fails.
+pub fn ip(args: &[&str]) -> String {
+    try_ip(args).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// One namespace, loopback up.
@@ -55,11 +82,6 @@ impl Netns {
         cmd
     }
 
-    /// `musubi` run inside the namespace.
-    pub fn musubi(&self) -> Command {
-        self.command(env!("CARGO_BIN_EXE_musubi"))
-    }
-
     /// Runs `f` on a thread of its own that has entered the namespace, so the sockets it
     /// opens are the namespace's; the test's other threads stay in the host's.
     pub fn spawn<T: Send + 'static>(
@@ -79,20 +101,31 @@ impl Netns {
 
     /// Whether the namespace has an interface named `name`.
     pub fn has_link(&self, name: &str) -> bool {
-        Command::new("ip")
-            .args(["-n", &self.name, "link", "show", name])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
+        try_ip(&["-n", &self.name, "link", "show", name]).is_ok()
     }
 }
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "delete", &self.name])
-            .stderr(Stdio::null())
-            .status();
+        let _ = try_ip(&["netns", "delete", &self.name]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failing_ip_command_is_named_with_what_it_printed() {
+        let e = try_ip(&["link", "show", "dev", "no-such-device-here"]).unwrap_err();
+        let shown = e.to_string();
+        assert!(
+            shown.contains("`ip link show dev no-such-device-here`"),
+            "{shown}"
+        );
+        let IpError::Failed { said, .. } = &e else {
+            panic!("`ip` did not run: {shown}")
+        };
+        assert!(!said.is_empty(), "{shown}");
     }
 }
