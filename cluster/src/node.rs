@@ -350,7 +350,7 @@ impl Node {
                 forwarded_exits: counters.forwarded.load(Ordering::Relaxed),
                 ipis_local: counters.ipis_local.load(Ordering::Relaxed),
                 ipis_remote: counters.ipis_remote.load(Ordering::Relaxed),
-                coherence: weak.upgrade().map(|c| named.coherence(&c.stats())),
+                coherence: weak.upgrade().map(|c| named.coherence(c.stats())),
             })
         }));
         let ctx = ControlContext {
@@ -493,7 +493,7 @@ impl RunningNode {
             Err(shared) => Ok(shared.stats()),
         };
         let (coherence, coherence_error) = match coherence {
-            Ok(stats) => (Some(self.symbols.coherence(&stats)), None),
+            Ok(stats) => (Some(self.symbols.coherence(stats)), None),
             Err(e) => (None, Some(e.to_string())),
         };
         NodeReport {

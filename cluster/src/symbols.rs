@@ -25,10 +25,9 @@ impl KernelSymbols {
         }
     }
 
-    /// `stats` as `--metrics` gives them, each of its `hot_pages` with what lies there
+    /// `coherence` as `--metrics` gives it, each of its `hot_pages` with what lies there
     /// (`symbol`) when the kernel is an ELF file with symbols that can still be read.
-    pub(crate) fn coherence(&self, stats: &dsm_host::NodeStats) -> musubi_types::Coherence {
-        let mut coherence = stats.to_metrics();
+    pub(crate) fn coherence(&self, mut coherence: dsm_host::NodeStats) -> musubi_types::Coherence {
         // Through a cache that copies what it reads: the object crate reads headers in
         // place and refuses them where they are not aligned, as in the image the binary
         // carries; a vmlinux file is read only where its symbols are.

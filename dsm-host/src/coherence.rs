@@ -10,7 +10,7 @@ use crate::backend::Backend;
 use crate::envelope::Envelope;
 use crate::memory::{Memory, MemoryError};
 use crate::poll_window::{self, PollWindow, Waited};
-use crate::stats::NodeStats;
+use crate::stats::{self, NodeStats, Tally};
 use crate::transport::{Inbound, Inbox, InboxSender, PeerReader, Transport, TransportError};
 use dsm::{Action, ConfigError, Event, Message, Node, NodeId, PageNo, PageOp, VcpuId};
 use std::cmp::Reverse;
@@ -134,7 +134,7 @@ impl Waiting {
 pub struct CoherenceHandle {
     node: NodeId,
     inbox: InboxSender,
-    stats: Arc<Mutex<NodeStats>>,
+    stats: Arc<Mutex<Tally>>,
     thread: Option<JoinHandle<Outcome>>,
 }
 
@@ -145,7 +145,7 @@ impl CoherenceHandle {
         let placement = Arc::clone(&s.node.placement);
         let nodes = s.node.nodes;
         let node = Node::new(s.node)?;
-        let stats = Arc::new(Mutex::new(NodeStats::new(me.0, s.range_bytes)));
+        let stats = Arc::new(Mutex::new(Tally::new(me.0, s.range_bytes)));
         let (sender, inbox) = s.inbox;
         let mut worker = Worker {
             me,
@@ -184,7 +184,7 @@ impl CoherenceHandle {
 
     /// Counters so far.
     pub fn stats(&self) -> NodeStats {
-        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).stats()
     }
 
     /// Has the thread send `env` to `to`, in order with its protocol messages.
@@ -267,7 +267,7 @@ struct Worker {
     /// they end too is no loss.
     ending: bool,
     events: Option<mpsc::Sender<NodeEvent>>,
-    stats: Arc<Mutex<NodeStats>>,
+    stats: Arc<Mutex<Tally>>,
     /// Faults not yet resumed, by the id given to the protocol as the "vCPU". Each fault gets
     /// a fresh id: a thread woken early (a wake covers every thread on the page) faults again
     /// and must not look like the same stop twice.
@@ -288,7 +288,7 @@ impl Worker {
         }
     }
 
-    fn stats(&self) -> std::sync::MutexGuard<'_, NodeStats> {
+    fn stats(&self) -> std::sync::MutexGuard<'_, Tally> {
         self.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -313,6 +313,7 @@ impl Worker {
             self.stats
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
+                .counts
                 .overdue_faults += 1;
         }
     }
@@ -385,15 +386,15 @@ impl Worker {
                 let mut s = self.stats();
                 let polled = match waited {
                     Waited::Polled { after } => {
-                        s.polling.answered += 1;
+                        s.counts.polling.answered += 1;
                         after
                     }
                     Waited::Slept { .. } => {
-                        s.polling.slept += 1;
+                        s.counts.polling.slept += 1;
                         window
                     }
                 };
-                s.polling.polled_ns += polled.as_nanos() as u64;
+                s.counts.polling.polled_ns += polled.as_nanos() as u64;
             }
             while self.lost.is_none() {
                 let Some(f) = mem.read_fault().map_err(|e| self.mem_err(e))? else {
@@ -401,7 +402,7 @@ impl Worker {
                 };
                 tracing::trace!(node = %self.me, page = f.page, addr = f.addr, thread = f.thread,
                     kind = ?f.kind, access = %f.access, "fault");
-                self.stats().faults.record_fault(&f);
+                self.stats().record_fault(&f);
                 let id = self.next_id;
                 self.next_id = self.next_id.wrapping_add(1);
                 self.waiting.insert(id, Waiting::new(&f));
@@ -491,7 +492,7 @@ impl Worker {
                 from,
                 env: Envelope::Dsm(msg),
             } => {
-                NodeStats::count(&mut self.stats().received, msg.name());
+                stats::count(&mut self.stats().counts.received, msg.name());
                 if self.lost.is_none() {
                     self.feed(Event::Message { from, msg })?;
                 }
@@ -500,7 +501,7 @@ impl Worker {
                 from,
                 env: Envelope::Stop { code },
             } => {
-                self.stats().control_received += 1;
+                self.stats().counts.control_received += 1;
                 let s = self.peers.entry(from).or_insert(PeerState::Up);
                 if matches!(*s, PeerState::Up | PeerState::SendFailed) {
                     *s = PeerState::Stopped;
@@ -522,7 +523,7 @@ impl Worker {
                 from,
                 env: Envelope::Lost { node, why },
             } => {
-                self.stats().control_received += 1;
+                self.stats().counts.control_received += 1;
                 // A peer saying it lost this very node is one whose link to it broke; its
                 // own close, read next, is what this node reports.
                 if NodeId(node) != self.me {
@@ -530,7 +531,7 @@ impl Worker {
                 }
             }
             Inbound::Frame { from, env } => {
-                self.stats().control_received += 1;
+                self.stats().counts.control_received += 1;
                 self.event(NodeEvent::Control(from, env));
             }
         }
@@ -628,7 +629,7 @@ impl Worker {
                 })
             }
         }
-        NodeStats::count(&mut self.stats().sent, name);
+        stats::count(&mut self.stats().counts.sent, name);
         Ok(())
     }
 
@@ -645,8 +646,8 @@ impl Worker {
                 // Refused and unchanged: a misbehaving peer, not a reason to stop serving.
                 tracing::warn!(node = %self.me, error = %e, "coherence event refused");
                 let mut s = self.stats();
-                s.protocol_errors += 1;
-                s.last_protocol_error = Some(e.to_string());
+                s.counts.protocol_errors += 1;
+                s.counts.last_protocol_error = Some(e.to_string());
                 continue;
             }
             for action in out.drain(..) {
@@ -662,7 +663,7 @@ impl Worker {
                         let install = matches!(op, PageOp::Install { .. });
                         self.backend.apply(page, &op).map_err(|e| self.mem_err(e))?;
                         if install {
-                            self.stats().installs += 1;
+                            self.stats().counts.installs += 1;
                             queue.push_back(Event::PageInstalled { page });
                         }
                     }
@@ -670,7 +671,7 @@ impl Worker {
                     Action::Resume { vcpu, page } => {
                         // Counted before the wake, so whoever sees the thread go on sees it.
                         if let Some(w) = self.waiting.remove(&vcpu) {
-                            self.stats().faults.record_resolved(w.since.elapsed());
+                            self.stats().record_resolved(w.since.elapsed());
                         }
                         self.backend.resume(page).map_err(|e| self.mem_err(e))?;
                     }

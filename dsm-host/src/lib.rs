@@ -33,7 +33,7 @@ pub use link::{
 };
 pub use memory::{Fault, FaultKind, Memory, MemoryError};
 pub use poll_window::DEFAULT_POLL_WINDOW;
-pub use stats::{hottest, FaultStats, HotPage, NodeStats, PageFaults, HOT_PAGES};
+pub use stats::{hottest, NodeStats, PageFaults, HOT_PAGES};
 pub use transport::{
     Inbound, Inbox, InboxSender, Liveness, PeerReader, TcpConfig, TcpTransport, Transport,
     TransportError, DEFAULT_HEARTBEAT, DEFAULT_LOSS_TIMEOUT,

@@ -174,12 +174,13 @@ pub struct Coherence {
     pub received: BTreeMap<String, u64>,
     /// Control messages (exits, interrupts, stop, heartbeat) received and handed on.
     pub control_received: u64,
-    /// Messages the node refused (a misbehaving peer).
+    /// Messages the node refused (a misbehaving peer); the node stayed as it was.
     pub protocol_errors: u64,
     pub last_protocol_error: Option<String>,
     /// Pages whose bytes were installed from a peer.
     pub installs: u64,
-    /// Faults that waited more than a few seconds (each a protocol bug).
+    /// Faults reported for waiting more than a few seconds: each is a protocol bug, told on
+    /// stderr with the node's view of the page.
     pub overdue_faults: u64,
     pub polling: PollStats,
 }
@@ -189,9 +190,18 @@ impl Coherence {
     pub fn sent_of(&self, names: &[&str]) -> u64 {
         names.iter().filter_map(|n| self.sent.get(*n)).sum()
     }
+
+    pub fn total_sent(&self) -> u64 {
+        self.sent.values().sum()
+    }
+
+    pub fn total_received(&self) -> u64 {
+        self.received.values().sum()
+    }
 }
 
-/// The guest's page faults on one node.
+/// The guest's page faults on one node. Latency runs from reading the fault to waking the
+/// thread.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FaultStats {
     pub count: u64,
@@ -230,6 +240,7 @@ pub struct PollStats {
     pub answered: u64,
     /// Nothing came within the window: the thread slept.
     pub slept: u64,
+    /// Time spent in those waits before something came or the thread went to sleep.
     pub polled_ns: u64,
 }
 
