@@ -102,19 +102,32 @@ pub struct Notifications {
     pub ioeventfd: u64,
 }
 
-/// A network device's counters, in `--metrics` and `vm.counters` alike.
+/// A network device's counters, in `--metrics` and `vm.counters` alike. Plain numbers so
+/// the device can copy them out under a lock.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetCounters {
+    /// Frames put in guest receive buffers.
     pub rx_packets: u64,
+    /// Their bytes, virtio-net header excluded.
     pub rx_bytes: u64,
+    /// Frames from the backend that never reached the guest (too short, or no usable
+    /// buffers for them), plus malformed receive chains returned unused.
     pub rx_drops: u64,
+    /// Receive queue doorbells.
     pub rx_notifications: u64,
+    /// Times the receive rate limiter held a frame back.
     pub rx_throttled: u64,
+    /// Frames the guest sent that the backend took.
     pub tx_packets: u64,
+    /// Their bytes, virtio-net header excluded.
     pub tx_bytes: u64,
+    /// Transmit chains dropped as malformed or refused by the backend.
     pub tx_drops: u64,
+    /// Transmit queue doorbells.
     pub tx_notifications: u64,
+    /// Times the transmit rate limiter held a frame back.
     pub tx_throttled: u64,
+    /// Interrupts the device's transport raised, for either queue or the configuration.
     pub interrupts: u64,
 }
 

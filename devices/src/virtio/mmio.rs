@@ -381,9 +381,12 @@ impl MmioTransport {
         self.device.flush()
     }
 
-    /// Per-direction counters if the device is a network device.
+    /// Per-direction counters if the device is a network device, with the interrupts this
+    /// transport raised.
     pub fn net_counters(&self) -> Option<NetCounters> {
-        self.device.net_counters()
+        let mut c = self.device.net_counters()?;
+        c.interrupts = self.interrupts;
+        Some(c)
     }
 
     /// Device counters plus the interrupts this transport raised.

@@ -31,6 +31,9 @@ use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+/// The device's counters; `interrupts` is the transport's to fill.
+pub use musubi_types::NetCounters;
+
 /// Longest frame (after the virtio-net header) either way: a 64 KiB GSO frame plus its
 /// Ethernet and VLAN headers, as Linux's virtio-net driver sizes its big receive buffers.
 pub const MAX_FRAME_LEN: usize = 65_562;
@@ -89,32 +92,6 @@ impl NetBackend for Tap {
     fn set_offload(&mut self, flags: u32) -> io::Result<()> {
         Tap::set_offload(self, flags).map_err(io::Error::other)
     }
-}
-
-/// Device counters, per direction. Plain numbers so they can be copied out under a lock.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NetCounters {
-    /// Frames put in guest receive buffers.
-    pub rx_packets: u64,
-    /// Their bytes, virtio-net header excluded.
-    pub rx_bytes: u64,
-    /// Frames from the backend that never reached the guest (too short, or no usable
-    /// buffers for them), plus malformed receive chains returned unused.
-    pub rx_drops: u64,
-    /// Receive queue doorbells.
-    pub rx_notifications: u64,
-    /// Times the receive rate limiter held a frame back.
-    pub rx_throttled: u64,
-    /// Frames the guest sent that the backend took.
-    pub tx_packets: u64,
-    /// Their bytes, virtio-net header excluded.
-    pub tx_bytes: u64,
-    /// Transmit chains dropped as malformed or refused by the backend.
-    pub tx_drops: u64,
-    /// Transmit queue doorbells.
-    pub tx_notifications: u64,
-    /// Times the transmit rate limiter held a frame back.
-    pub tx_throttled: u64,
 }
 
 /// What the VMM knows about a `--net`.

@@ -11,20 +11,10 @@ use std::sync::atomic::Ordering;
 
 /// A network device's counters, as `--metrics` and `vm.counters` give them.
 fn net_counters(t: &devices::virtio::MmioTransport) -> NetCounters {
-    let c = t.net_counters().unwrap_or_default();
-    NetCounters {
-        rx_packets: c.rx_packets,
-        rx_bytes: c.rx_bytes,
-        rx_drops: c.rx_drops,
-        rx_notifications: c.rx_notifications,
-        rx_throttled: c.rx_throttled,
-        tx_packets: c.tx_packets,
-        tx_bytes: c.tx_bytes,
-        tx_drops: c.tx_drops,
-        tx_notifications: c.tx_notifications,
-        tx_throttled: c.tx_throttled,
+    t.net_counters().unwrap_or(NetCounters {
         interrupts: t.stats().interrupts,
-    }
+        ..NetCounters::default()
+    })
 }
 
 /// The backend's name as it serialises (`anonymous`, `ondemand`, ...).
