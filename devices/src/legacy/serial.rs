@@ -6,6 +6,7 @@ use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
 use vm_device::bus::{PioAddress, PioAddressOffset};
 use vm_device::MutDevicePio;
+pub use vm_superio::serial::SerialState;
 
 pub const COM1_BASE: u16 = 0x3f8;
 pub const COM1_LEN: u16 = 8;
@@ -58,58 +59,41 @@ pub struct Serial {
 #[error("serial port: {0:?}")]
 pub struct SerialRestoreError(#[source] vm_superio::serial::Error<io::Error>);
 
-/// The UART's registers and receive FIFO, as saved in a snapshot (vm-superio's
-/// `SerialState`, which has no serde of its own).
+/// The UART's registers and receive FIFO, as saved in a snapshot: vm-superio's
+/// `SerialState`, which has no serde of its own, written field by field as [`StateFields`]
+/// lists them.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct SerialSnapshot {
-    pub baud_divisor_low: u8,
-    pub baud_divisor_high: u8,
-    pub interrupt_enable: u8,
-    pub interrupt_identification: u8,
-    pub line_control: u8,
-    pub line_status: u8,
-    pub modem_control: u8,
-    pub modem_status: u8,
-    pub scratch: u8,
-    pub in_buffer: Vec<u8>,
+#[serde(transparent)]
+pub struct SerialSnapshot(#[serde(with = "StateFields")] pub SerialState);
+
+/// `SerialState`'s fields for serde; the snapshot's JSON names them so.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(remote = "SerialState", rename = "SerialSnapshot")]
+struct StateFields {
+    baud_divisor_low: u8,
+    baud_divisor_high: u8,
+    interrupt_enable: u8,
+    interrupt_identification: u8,
+    line_control: u8,
+    line_status: u8,
+    modem_control: u8,
+    modem_status: u8,
+    scratch: u8,
+    in_buffer: Vec<u8>,
 }
 
 impl Serial {
     /// The UART's state for a snapshot.
     pub fn state(&self) -> SerialSnapshot {
-        let s = self.inner.state();
-        SerialSnapshot {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer,
-        }
+        SerialSnapshot(self.inner.state())
     }
 
     /// Rebuilds the UART from a saved state, keeping this one's interrupt line and output.
     pub fn restore(&mut self, s: &SerialSnapshot) -> Result<(), SerialRestoreError> {
-        let state = vm_superio::serial::SerialState {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer.clone(),
-        };
         let trigger = SuperioTrigger(self.inner.interrupt_evt().0.clone());
         let out = std::mem::replace(self.inner.writer_mut(), SerialOutput::new(None, None));
         self.inner =
-            vm_superio::Serial::from_state(&state, trigger, vm_superio::serial::NoEvents, out)
+            vm_superio::Serial::from_state(&s.0, trigger, vm_superio::serial::NoEvents, out)
                 .map_err(SerialRestoreError)?;
         Ok(())
     }
@@ -175,6 +159,37 @@ mod tests {
             s.pio_write(PioAddress(COM1_BASE), 0, &[*b]);
         }
         assert_eq!(&*cap.lock().unwrap(), b"hi\n");
+    }
+
+    #[test]
+    fn a_snapshot_is_the_registers_by_name_and_restores() {
+        let irq = Arc::new(CountingIrq::default());
+        let mut s = Serial::new(irq.clone(), SerialOutput::new(None, None));
+        s.pio_write(PioAddress(COM1_BASE), 7, &[0x5a]);
+        assert_eq!(s.enqueue_input(b"ab"), 2);
+        let snap = s.state();
+        let json = serde_json::to_value(&snap).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "baud_divisor_low": 12,
+                "baud_divisor_high": 0,
+                "interrupt_enable": 0,
+                "interrupt_identification": 1,
+                "line_control": 3,
+                "line_status": 0x61,
+                "modem_control": 8,
+                "modem_status": 0xb0,
+                "scratch": 0x5a,
+                "in_buffer": [b'a', b'b'],
+            })
+        );
+        let read: SerialSnapshot = serde_json::from_value(json).unwrap();
+        assert_eq!(read, snap);
+        let mut t = Serial::new(irq, SerialOutput::new(None, None));
+        t.restore(&read).unwrap();
+        assert_eq!(t.state(), snap);
+        assert_eq!(read_reg(&mut t, 7), 0x5a);
     }
 
     fn read_reg(s: &mut Serial, offset: u16) -> u8 {

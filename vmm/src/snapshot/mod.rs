@@ -479,7 +479,7 @@ impl Snapshot {
 mod tests {
     use super::*;
     use crate::persist::KvmVmState;
-    use devices::legacy::SerialSnapshot;
+    use devices::legacy::{SerialSnapshot, SerialState};
 
     fn state() -> VmState {
         VmState {
@@ -493,7 +493,7 @@ mod tests {
                 pit: Default::default(),
                 clock: Default::default(),
             },
-            serial: SerialSnapshot {
+            serial: SerialSnapshot(SerialState {
                 baud_divisor_low: 12,
                 baud_divisor_high: 0,
                 interrupt_enable: 0,
@@ -504,7 +504,7 @@ mod tests {
                 modem_status: 0,
                 scratch: 0,
                 in_buffer: vec![],
-            },
+            }),
             transports: vec![],
             paused: false,
         }
