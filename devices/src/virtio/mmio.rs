@@ -659,46 +659,60 @@ impl MmioTransport {
     }
 }
 
-impl MutDeviceMmio for MmioTransport {
-    fn mmio_read(&mut self, _base: MmioAddress, offset: MmioAddressOffset, data: &mut [u8]) {
-        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
-            data.fill(0);
-            if offset < MMIO_SIZE {
-                self.device
-                    .read_config(offset - u64::from(VIRTIO_MMIO_CONFIG), data);
-            }
-            return;
+/// Where an access to the transport's window lands.
+enum Target {
+    /// The device's configuration space, this far into it.
+    Config(u64),
+    /// A 32-bit transport register.
+    Register(u32),
+    /// Past the window, or a register access that is not 32-bit aligned: ignored, and
+    /// read as zeros.
+    Nothing,
+}
+
+impl Target {
+    /// Where an access of `len` bytes at `offset` lands; `what` (`read`, `write`) names it
+    /// in the log line of a misaligned one.
+    fn of(offset: MmioAddressOffset, len: usize, what: &str) -> Target {
+        let config = u64::from(VIRTIO_MMIO_CONFIG);
+        if offset >= config {
+            return if offset < MMIO_SIZE {
+                Target::Config(offset - config)
+            } else {
+                Target::Nothing
+            };
         }
-        if data.len() != 4 || !offset.is_multiple_of(4) {
+        if len != 4 || !offset.is_multiple_of(4) {
             debug!(
                 offset,
-                len = data.len(),
-                "virtio-mmio register read that is not 32-bit aligned"
+                len, "virtio-mmio register {what} that is not 32-bit aligned"
             );
-            data.fill(0);
-            return;
+            return Target::Nothing;
         }
-        let v = self.read_reg(offset as u32);
-        data.copy_from_slice(&v.to_le_bytes());
+        Target::Register(offset as u32)
+    }
+}
+
+impl MutDeviceMmio for MmioTransport {
+    fn mmio_read(&mut self, _base: MmioAddress, offset: MmioAddressOffset, data: &mut [u8]) {
+        match Target::of(offset, data.len(), "read") {
+            Target::Config(at) => {
+                data.fill(0);
+                self.device.read_config(at, data);
+            }
+            Target::Register(reg) => data.copy_from_slice(&self.read_reg(reg).to_le_bytes()),
+            Target::Nothing => data.fill(0),
+        }
     }
 
     fn mmio_write(&mut self, _base: MmioAddress, offset: MmioAddressOffset, data: &[u8]) {
-        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
-            if offset < MMIO_SIZE {
-                self.device
-                    .write_config(offset - u64::from(VIRTIO_MMIO_CONFIG), data);
-            }
-            return;
+        match Target::of(offset, data.len(), "write") {
+            Target::Config(at) => self.device.write_config(at, data),
+            Target::Register(reg) => self.write_reg(
+                reg,
+                u32::from_le_bytes([data[0], data[1], data[2], data[3]]),
+            ),
+            Target::Nothing => {}
         }
-        if data.len() != 4 || !offset.is_multiple_of(4) {
-            debug!(
-                offset,
-                len = data.len(),
-                "virtio-mmio register write that is not 32-bit aligned"
-            );
-            return;
-        }
-        let v = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
-        self.write_reg(offset as u32, v);
     }
 }
