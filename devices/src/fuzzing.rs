@@ -462,14 +462,34 @@ fn queue_size(s: &mut Script) -> u32 {
     }
 }
 
-/// Plays the script against the device, checking every notification.
-fn play(d: &mut Driver, s: &mut Script) -> Result<(), Finding> {
+/// Plays the script's actions until it (or [`MAX_ACTIONS`]) runs out. Actions 0 to 2 (a
+/// register or guest memory) and 5 (a doorbell) are every device's; `device` plays 3, 4
+/// and 6 to 9.
+fn each_action(
+    d: &mut Driver,
+    s: &mut Script,
+    mut device: impl FnMut(&mut Driver, &mut Script, u8) -> Result<(), Finding>,
+) -> Result<(), Finding> {
     for _ in 0..MAX_ACTIONS {
         if s.0.is_empty() {
             break;
         }
         match s.byte() % 10 {
             op @ 0..=2 => register_or_memory(d, s, op)?,
+            5 => {
+                let index = u32::from(s.byte() % 2);
+                notify(d, index)?;
+            }
+            op => device(d, s, op)?,
+        }
+    }
+    Ok(())
+}
+
+/// Plays the script against the device, checking every notification.
+fn play(d: &mut Driver, s: &mut Script) -> Result<(), Finding> {
+    each_action(d, s, |d, s, op| {
+        match op {
             3 => {
                 let table = if s.byte() & 1 == 0 { RING } else { INDIRECT };
                 let index = u64::from(s.byte() % 32);
@@ -483,10 +503,6 @@ fn play(d: &mut Driver, s: &mut Script) -> Result<(), Finding> {
                     s.u16()
                 };
                 d.publish(head);
-            }
-            5 => {
-                let index = u32::from(s.byte() % 2);
-                notify(d, index)?;
             }
             6 => {
                 let ty = match s.byte() % 6 {
@@ -527,8 +543,8 @@ fn play(d: &mut Driver, s: &mut Script) -> Result<(), Finding> {
                 }
             }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Plays the script against a virtio-net device; `rings` are receive and transmit.
@@ -539,12 +555,8 @@ fn play_net(
     s: &mut Script,
 ) -> Result<(), Finding> {
     let [rx, tx] = rings;
-    for _ in 0..MAX_ACTIONS {
-        if s.0.is_empty() {
-            break;
-        }
-        match s.byte() % 10 {
-            op @ 0..=2 => register_or_memory(d, s, op)?,
+    each_action(d, s, |d, s, op| {
+        match op {
             3 => {
                 let table = match s.byte() % 3 {
                     0 => rx.desc(),
@@ -567,10 +579,6 @@ fn play_net(
                     s.u16()
                 };
                 d.publish_on(ring, head);
-            }
-            5 => {
-                let index = u32::from(s.byte() % 2);
-                notify(d, index)?;
             }
             6 => {
                 // The host end sends a frame (the socket may refuse it when full), and the
@@ -635,8 +643,8 @@ fn play_net(
                 }
             },
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// After a reset, a frame sent by the guest reaches the host end and a frame from the host
