@@ -341,15 +341,20 @@ pub enum PostError {
     Busy,
 }
 
-fn post(
-    cpu: usize,
-    kernel: bool,
-    worker: bool,
-    entry: u64,
-    rsp: u64,
-    a: [u64; 3],
-    deadline: u64,
-) -> Result<(), PostError> {
+/// What an AP runs from its mailbox: `entry` on stack `rsp` with arguments `a`, ended by
+/// its tick once the TSC passes `deadline` (0: never). A `worker` runs beside the BSP's
+/// task (see `on_worker`).
+#[derive(Clone, Copy, Debug)]
+pub struct Job {
+    pub entry: u64,
+    pub rsp: u64,
+    pub a: [u64; 3],
+    pub deadline: u64,
+    pub worker: bool,
+}
+
+/// Hands `job` to AP `cpu`, to run at CPL0 if `kernel`, else at CPL3.
+fn post(cpu: usize, kernel: bool, job: Job) -> Result<(), PostError> {
     if cpu == 0 || node_of(cpu).is_none() {
         return Err(PostError::NoCpu);
     }
@@ -359,30 +364,21 @@ fn post(
         return Err(PostError::Busy);
     }
     mb.kernel.store(kernel, Ordering::Relaxed);
-    mb.worker.store(worker, Ordering::Relaxed);
-    mb.entry.store(entry, Ordering::Relaxed);
-    mb.rsp.store(rsp, Ordering::Relaxed);
-    mb.a0.store(a[0], Ordering::Relaxed);
-    mb.a1.store(a[1], Ordering::Relaxed);
-    mb.a2.store(a[2], Ordering::Relaxed);
-    mb.deadline.store(deadline, Ordering::Relaxed);
+    mb.worker.store(job.worker, Ordering::Relaxed);
+    mb.entry.store(job.entry, Ordering::Relaxed);
+    mb.rsp.store(job.rsp, Ordering::Relaxed);
+    mb.a0.store(job.a[0], Ordering::Relaxed);
+    mb.a1.store(job.a[1], Ordering::Relaxed);
+    mb.a2.store(job.a[2], Ordering::Relaxed);
+    mb.deadline.store(job.deadline, Ordering::Relaxed);
     mb.state.store(POSTED, Ordering::SeqCst);
     apic::send_ipi(CPU_APIC[cpu].load(Ordering::Relaxed), WAKE_IPI);
     Ok(())
 }
 
-/// Has AP `cpu` enter `entry` at CPL3 on stack `rsp` with arguments `a` (see
-/// `user::enter`), ended by its tick once the TSC passes `deadline` (0: never). A `worker`
-/// runs beside the BSP's task (see `on_worker`).
-pub fn post_user(
-    cpu: usize,
-    worker: bool,
-    entry: u64,
-    rsp: u64,
-    a: [u64; 3],
-    deadline: u64,
-) -> Result<(), PostError> {
-    post(cpu, false, worker, entry, rsp, a, deadline)
+/// Has AP `cpu` run `job` at CPL3 (see `user::enter`).
+pub fn post_user(cpu: usize, job: Job) -> Result<(), PostError> {
+    post(cpu, false, job)
 }
 
 /// True if this CPU runs a worker of a multi-CPU task: other CPUs run user code and system
@@ -395,7 +391,14 @@ pub fn on_worker() -> bool {
 
 /// Has AP `cpu` run `f(arg)` at CPL0.
 pub fn post_kernel(cpu: usize, f: KernelJob, arg: u64) -> Result<(), PostError> {
-    post(cpu, true, false, f as usize as u64, 0, [arg, 0, 0], 0)
+    let job = Job {
+        entry: f as usize as u64,
+        rsp: 0,
+        a: [arg, 0, 0],
+        deadline: 0,
+        worker: false,
+    };
+    post(cpu, true, job)
 }
 
 /// Waits until CPU `cpu` finishes its job or the TSC passes `until` (0: no limit); returns

@@ -236,7 +236,14 @@ fn run_inner(cpu: usize, entry: UserEntry, param: u64, timeout_s: u64, reserved:
         virtio::net::close();
         return outcome(0, code);
     }
-    if smp::post_user(cpu, false, entry, top - 8, args, deadline).is_err() {
+    let job = smp::Job {
+        entry,
+        rsp: top - 8,
+        a: args,
+        deadline,
+        worker: false,
+    };
+    if smp::post_user(cpu, job).is_err() {
         return Outcome::NoCpu;
     }
     let until = match deadline {
@@ -327,12 +334,17 @@ fn cpu_start(cpu: usize, entry: u64, stack_top: u64, arg: u64) -> Result<u64, Er
     if entry < lo || entry >= hi || !in_arena(rsp, 8) {
         return Err(Error::BadArgument);
     }
-    smp::post_user(cpu, true, entry, rsp, [arg, cpu as u64, 0], deadline(0))
-        .map(|_| 0)
-        .map_err(|e| match e {
-            smp::PostError::NoCpu => Error::NoSuchCpu,
-            smp::PostError::Busy => Error::Busy,
-        })
+    let job = smp::Job {
+        entry,
+        rsp,
+        a: [arg, cpu as u64, 0],
+        deadline: deadline(0),
+        worker: true,
+    };
+    smp::post_user(cpu, job).map(|_| 0).map_err(|e| match e {
+        smp::PostError::NoCpu => Error::NoSuchCpu,
+        smp::PostError::Busy => Error::Busy,
+    })
 }
 
 /// `cpu_wait`: the BSP's task waits for AP `cpu`'s entry to end.
