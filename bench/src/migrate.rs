@@ -26,7 +26,7 @@ use super::driver::{
 use super::kvm_trace::{KvmRunTrace, KVM_GET_CLOCK};
 use super::peers::{self, Kind, Micro};
 use super::qemu::{Outcome, Standing};
-use super::report::{cell, median_min, ms, Csv, Figure, Table};
+use super::report::{cell, median_min, ms, ram_size, ram_sizes, Csv, Figure, Table};
 use super::stats::{ratio, Summary};
 use super::{plot, BenchArgs, Harness};
 use musubi_types::RunReport;
@@ -137,7 +137,7 @@ impl Config {
         format!(
             "{} {} {}{}",
             self.vmm_name(),
-            size_text(self.mib),
+            ram_size(self.mib),
             self.work.name(),
             match (self.migrated, self.precopy) {
                 (false, _) => " unmigrated",
@@ -155,14 +155,6 @@ impl Config {
             (_, true, true) => "pre-copy",
             (_, true, false) => "post-copy",
         }
-    }
-}
-
-fn size_text(mib: u64) -> String {
-    if mib >= 1024 && mib.is_multiple_of(1024) {
-        format!("{} GiB", mib / 1024)
-    } else {
-        format!("{mib} MiB")
     }
 }
 
@@ -269,11 +261,7 @@ impl std::ops::Deref for Measured {
 fn print_plan(sizes: &[u64], reps: usize, trace: &KvmRunTrace) {
     println!(
         "migrate: live migration on loopback, post-copy and pre-copy, probe guest, 1 vCPU, {};",
-        sizes
-            .iter()
-            .map(|m| size_text(*m))
-            .collect::<Vec<_>>()
-            .join(", ")
+        ram_sizes(sizes)
     );
     println!(
         "  tasks: idle = hello then {IDLE_TIMERS}x timer (200 ms each on the LAPIC timer); write = hello,mem-check=MIB,iters=R"
@@ -492,7 +480,7 @@ fn print_table(f: &Found) {
         if s.n == 0 {
             t.row([
                 c.vmm_name().to_string(),
-                size_text(c.mib),
+                ram_size(c.mib),
                 c.work.short(c.mib),
                 c.mode().into(),
                 "unavailable (below)".into(),
@@ -515,7 +503,7 @@ fn table_row(c: &Config, s: &Sums, base: Option<Summary>) -> [String; 12] {
     let na = || "n/a".to_string();
     [
         c.vmm_name().to_string(),
-        size_text(c.mib),
+        ram_size(c.mib),
         c.work.short(c.mib),
         c.mode().into(),
         median_min(s.downtime, ms),
@@ -572,7 +560,7 @@ fn verdicts(f: &Found, sizes: &[u64], listed: &[&str]) -> Verdicts {
                 .find("musubi", mib, work, true, false)
                 .and_then(|s| s.downtime);
             v.push(Figure {
-                what: format!("musubi downtime, {}, {}", size_text(mib), work.short(mib)),
+                what: format!("musubi downtime, {}, {}", ram_size(mib), work.short(mib)),
                 ours: m
                     .map(|x| format!("{} ms", ms(x.median)))
                     .unwrap_or_else(|| "n/a".into()),
@@ -588,7 +576,7 @@ fn verdicts(f: &Found, sizes: &[u64], listed: &[&str]) -> Verdicts {
                 v.push(Figure {
                     what: format!(
                         "downtime, musubi / cloud-hypervisor, {}, {}",
-                        size_text(mib),
+                        ram_size(mib),
                         work.name()
                     ),
                     ours: r
@@ -620,7 +608,7 @@ fn verdicts(f: &Found, sizes: &[u64], listed: &[&str]) -> Verdicts {
                 v.push(Figure {
                     what: format!(
                         "{what}, pre-copy / post-copy, {}, {}",
-                        size_text(mib),
+                        ram_size(mib),
                         work.name()
                     ),
                     ours: r

@@ -120,6 +120,24 @@ pub fn mib(bytes: f64) -> String {
     format!("{:.2}", bytes / (1u64 << 20) as f64)
 }
 
+/// A guest's RAM, given in MiB: whole GiB where it is, else MiB.
+pub fn ram_size(mib: u64) -> String {
+    if mib >= 1024 && mib.is_multiple_of(1024) {
+        format!("{} GiB", mib / 1024)
+    } else {
+        format!("{mib} MiB")
+    }
+}
+
+/// The RAM sizes an experiment runs, for its plan line.
+pub fn ram_sizes(sizes: &[u64]) -> String {
+    sizes
+        .iter()
+        .map(|&m| ram_size(m))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// `median / min` of a metric, or `n/a`.
 pub fn median_min(s: Option<crate::stats::Summary>, unit: impl Fn(f64) -> String) -> String {
     match s {
@@ -186,6 +204,14 @@ pub fn cell<T: ToString>(v: Option<T>) -> String {
 mod tests {
     use super::*;
     use crate::stats::Summary;
+
+    #[test]
+    fn ram_is_in_gib_where_it_is_whole() {
+        assert_eq!(
+            ram_sizes(&[128, 1024, 1536, 4096]),
+            "128 MiB, 1 GiB, 1536 MiB, 4 GiB"
+        );
+    }
 
     #[test]
     fn table_aligns_columns() {

@@ -20,7 +20,7 @@ use super::driver::{
 use super::kvm_trace::KvmRunTrace;
 use super::peers::{self, Kind, Micro};
 use super::qemu::{Outcome, Standing};
-use super::report::{cell, median_min, mib, ms, Csv, Table};
+use super::report::{cell, median_min, mib, ms, ram_size, ram_sizes, Csv, Table};
 use super::stats::{max, ratio, Summary};
 use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Observed, Watch};
 use super::{plot, BenchArgs, Harness};
@@ -61,15 +61,7 @@ impl Config {
     }
 
     fn name(&self) -> String {
-        format!("{} {}", self.vmm_name(), size_text(self.mib))
-    }
-}
-
-fn size_text(mib: u64) -> String {
-    if mib >= 1024 && mib.is_multiple_of(1024) {
-        format!("{} GiB", mib / 1024)
-    } else {
-        format!("{mib} MiB")
+        format!("{} {}", self.vmm_name(), ram_size(self.mib))
     }
 }
 
@@ -114,11 +106,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let tasks = format!("probe.tasks=hello,spin={SPIN}");
     println!(
         "snapshot: probe guest ({tasks}), 1 vCPU, {}; snapshotted after hello, inside spin;",
-        sizes
-            .iter()
-            .map(|m| size_text(*m))
-            .collect::<Vec<_>>()
-            .join(", ")
+        ram_sizes(sizes)
     );
     println!("  {reps} run(s) per hypervisor and size, interleaved");
     println!(
@@ -160,8 +148,8 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     if h.quick {
         println!(
             "(--quick: {} and {} only; the goal is stated for 4 GiB against 128 MiB)",
-            size_text(sizes[0]),
-            size_text(sizes[sizes.len() - 1])
+            ram_size(sizes[0]),
+            ram_size(sizes[sizes.len() - 1])
         );
     }
     println!();
@@ -222,7 +210,7 @@ fn warm_up(configs: &[Config], vmms: usize, trace: &KvmRunTrace) -> Result<Vec<S
             }
             Vmm::Peer(_) => {
                 if let Err(e) = one_run(c, trace) {
-                    let why = format!("warm-up run ({}) failed: {}", size_text(c.mib), e);
+                    let why = format!("warm-up run ({}) failed: {}", ram_size(c.mib), e);
                     for (d, st) in configs.iter().zip(standing.iter_mut()) {
                         if d.vmm_name() == c.vmm_name() {
                             st.unavailable = Some(why.clone());
@@ -311,14 +299,14 @@ fn print_table(configs: &[Config], sums: &[Sums]) {
         if s.n == 0 {
             t.row([
                 c.vmm_name().to_string(),
-                size_text(c.mib),
+                ram_size(c.mib),
                 "unavailable (below)".into(),
             ]);
             continue;
         }
         t.row([
             c.vmm_name().to_string(),
-            size_text(c.mib),
+            ram_size(c.mib),
             s.pause.map(|p| ms(p.median)).unwrap_or_else(|| "-".into()),
             median_min(s.snapshot, ms),
             match (s.mem_allocated, s.mem_len) {
@@ -388,13 +376,13 @@ fn verdicts(f: &Found, sizes: &[u64]) -> Verdicts {
         fig(
             format!(
                 "restore to 1st KVM_RUN, musubi / firecracker, {}",
-                size_text(mib)
+                ram_size(mib)
             ),
             r(|s| s.first_run),
             GOAL_RESTORE_VS_FC,
         );
         fig(
-            format!("snapshot time, musubi / firecracker, {}", size_text(mib)),
+            format!("snapshot time, musubi / firecracker, {}", ram_size(mib)),
             r(|s| s.snapshot),
             GOAL_SNAPSHOT_VS_FC,
         );
@@ -406,7 +394,7 @@ fn verdicts(f: &Found, sizes: &[u64]) -> Verdicts {
             .zip(f.find("musubi", small).and_then(g))
             .and_then(|(a, b)| ratio(a.median, b.median))
     };
-    let sizes_text = format!("{} / {}", size_text(large), size_text(small));
+    let sizes_text = format!("{} / {}", ram_size(large), ram_size(small));
     fig(
         format!("musubi restore to 1st KVM_RUN, {sizes_text}"),
         flat(|s| s.first_run),
