@@ -7,6 +7,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use testkit::SlowClients;
 
 /// Generous: a bound so no test hangs, never a timing assertion.
 const BOUND: Duration = Duration::from_secs(30);
@@ -381,114 +382,12 @@ fn a_peer_of_another_uid_is_refused() {
     assert_eq!(f.call("GET", "vmm.ping", None).0, 200);
 }
 
-/// Clients that each send a request one byte a second and never finish it: at most
-/// `MAX_BYTES` bytes each, so they end by themselves, and all are closed when this is
-/// dropped, whichever way the test ends.
-struct SlowClients {
-    clients: Arc<Mutex<Vec<UnixStream>>>,
-    /// How many bytes each open client has sent.
-    sent: Arc<std::sync::atomic::AtomicUsize>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl SlowClients {
-    const MAX_BYTES: usize = 10;
-    const REQUEST: &'static [u8] = b"GET /api/v1/vmm.ping HTTP/1.1\r\nHost: x\r\n\r\n";
-
-    /// Connects `count` clients to `path` and returns once each has sent its first byte.
-    fn start(path: &Path, count: usize) -> Self {
-        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-        let clients = Arc::new(Mutex::new(Vec::with_capacity(count)));
-        let sent = Arc::new(AtomicUsize::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let thread = {
-            let (clients, sent, stop, path) = (
-                clients.clone(),
-                sent.clone(),
-                stop.clone(),
-                path.to_path_buf(),
-            );
-            std::thread::spawn(move || {
-                for _ in 0..count {
-                    let s = UnixStream::connect(&path).unwrap();
-                    s.set_nonblocking(true).unwrap();
-                    clients.lock().unwrap().push(s);
-                }
-                for n in 1..=Self::MAX_BYTES {
-                    // A client the server closed fails to write (EPIPE) and is left out.
-                    clients.lock().unwrap().retain(|mut s| {
-                        std::io::Write::write(&mut s, &Self::REQUEST[n - 1..n]).is_ok()
-                    });
-                    sent.store(n, Ordering::SeqCst);
-                    if n == 1 {
-                        let _ = ready_tx.send(());
-                    }
-                    for _ in 0..10 {
-                        if stop.load(Ordering::SeqCst) {
-                            return;
-                        }
-                        std::thread::sleep(Duration::from_millis(100));
-                    }
-                }
-            })
-        };
-        let mut me = SlowClients {
-            clients,
-            sent,
-            stop,
-            thread: Some(thread),
-        };
-        if ready_rx.recv_timeout(BOUND).is_err() {
-            me.close();
-            panic!("the {count} slow clients did not connect and send a byte in {BOUND:?}");
-        }
-        me
-    }
-
-    fn bytes_sent(&self) -> usize {
-        self.sent.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// How many of the clients the server still holds: nothing to read and not closed.
-    fn held(&self) -> usize {
-        let mut b = [0u8; 1];
-        self.clients
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|s| {
-                let mut s: &UnixStream = s;
-                matches!(s.read(&mut b), Err(e) if e.kind() == ErrorKind::WouldBlock)
-            })
-            .count()
-    }
-
-    fn close(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        self.clients
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
-    }
-}
-
-impl Drop for SlowClients {
-    fn drop(&mut self) {
-        self.close();
-    }
-}
-
 /// 40 clients sending a byte a second do not hold up a ping: it is answered before any of
 /// them has sent its third byte, while some of them are still connected.
 #[test]
 fn forty_slow_clients_do_not_hold_up_a_ping() {
     let f = Fixture::new();
-    let slow = SlowClients::start(&f.path, 40);
+    let slow = SlowClients::start(&f.path, 40, BOUND);
     let started = std::time::Instant::now();
     let (status, body) = f.call("GET", "vmm.ping", None);
     let (sent, held) = (slow.bytes_sent(), slow.held());
