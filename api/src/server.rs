@@ -14,11 +14,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Clients served at once; the listener is not polled while this many are open, so further
-/// ones wait in the kernel's backlog.
-const MAX_CONNECTIONS: usize = 16;
-/// How long a client has from connecting to a complete request (and, once answered, to
-/// take the answer): one that says nothing is closed after this.
+/// Clients held at once, which bounds the memory the API thread keeps for them. The
+/// listener is polled all the same: a client past the limit takes the place of the one held
+/// longest, so slow clients cannot keep a prompt one waiting in the kernel's backlog.
+pub const MAX_CONNECTIONS: usize = 16;
+/// How long a client has from being accepted (at once, as it connects, unless an action is
+/// running) to a complete request (and, once answered, to take the answer): one that says
+/// nothing, or too little, is closed after this.
 pub const DEADLINE: Duration = Duration::from_secs(5);
 
 /// What the API thread's filter may fail with: whatever the caller's filter reports.
@@ -264,12 +266,23 @@ struct Conn {
     deadline: Instant,
 }
 
+#[derive(Debug, PartialEq, Eq)]
 enum Progress {
     Open,
     Done,
 }
 
 impl Conn {
+    fn new(stream: UnixStream) -> Self {
+        Conn {
+            stream,
+            read: Vec::new(),
+            answer: None,
+            continue_sent: false,
+            deadline: Instant::now() + DEADLINE,
+        }
+    }
+
     fn on_readable(&mut self, vm: &dyn VmControl, ping: &PingInfo) -> Progress {
         let mut chunk = [0u8; 4096];
         loop {
@@ -341,12 +354,7 @@ fn serve(
     let mut conns: Vec<Conn> = Vec::new();
     loop {
         let mut fds = vec![pollfd(stop.as_raw_fd(), libc::POLLIN)];
-        // Past the limit the listener is left alone: new clients wait in the backlog.
-        let listening = conns.len() < MAX_CONNECTIONS;
-        fds.push(pollfd(
-            if listening { listener.as_raw_fd() } else { -1 },
-            libc::POLLIN,
-        ));
+        fds.push(pollfd(listener.as_raw_fd(), libc::POLLIN));
         for c in &conns {
             let events = if c.answer.is_some() {
                 libc::POLLOUT
@@ -394,15 +402,26 @@ fn serve(
             }
         }
         conns = keep;
-        if listening && fds[1].revents != 0 {
-            accept(listener, &mut conns, uid);
+        if fds[1].revents != 0 {
+            accept(listener, &mut conns, uid, vm, ping);
         }
     }
 }
 
-/// Takes the waiting clients, up to the limit, refusing any but this process's user and root.
-fn accept(listener: &UnixListener, conns: &mut Vec<Conn>, uid: libc::uid_t) {
-    while conns.len() < MAX_CONNECTIONS {
+/// Takes the waiting clients, refusing any but this process's user and root. A request
+/// already sent is answered at once. At the limit the client held longest (one still
+/// sending its request before one taking its answer) is closed to make room: it has had
+/// the most time, and a client that sends its request as it connects is served however
+/// many slow ones there are. At most a full set is taken per turn, so a stream of
+/// connections cannot starve the clients held.
+fn accept(
+    listener: &UnixListener,
+    conns: &mut Vec<Conn>,
+    uid: libc::uid_t,
+    vm: &dyn VmControl,
+    ping: &PingInfo,
+) {
+    for _ in 0..MAX_CONNECTIONS {
         let stream = match listener.accept() {
             Ok((s, _)) => s,
             Err(e) if e.kind() == ErrorKind::WouldBlock => return,
@@ -427,12 +446,26 @@ fn accept(listener: &UnixListener, conns: &mut Vec<Conn>, uid: libc::uid_t) {
         if stream.set_nonblocking(true).is_err() {
             continue;
         }
-        conns.push(Conn {
-            stream,
-            read: Vec::new(),
-            answer: None,
-            continue_sent: false,
-            deadline: Instant::now() + DEADLINE,
-        });
+        let mut conn = Conn::new(stream);
+        if conn.on_readable(vm, ping) == Progress::Done {
+            continue;
+        }
+        if conns.len() >= MAX_CONNECTIONS {
+            make_room(conns);
+        }
+        conns.push(conn);
+    }
+}
+
+/// Closes the client held longest, preferring one still sending its request.
+fn make_room(conns: &mut Vec<Conn>) {
+    let oldest = conns
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, c)| (c.answer.is_some(), c.deadline))
+        .map(|(i, _)| i);
+    if let Some(i) = oldest {
+        conns.swap_remove(i);
+        tracing::debug!("API: closed the client held longest to take a new one");
     }
 }

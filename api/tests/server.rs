@@ -7,6 +7,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use testkit::SlowClients;
 
 /// Generous: a bound so no test hangs, never a timing assertion.
 const BOUND: Duration = Duration::from_secs(30);
@@ -378,5 +379,62 @@ fn a_peer_of_another_uid_is_refused() {
         code, 0,
         "the other user's client: 1 = answered, 1x = setup failed"
     );
+    assert_eq!(f.call("GET", "vmm.ping", None).0, 200);
+}
+
+/// 40 clients sending a byte a second do not hold up a ping: it is answered before any of
+/// them has sent its third byte, while some of them are still connected.
+#[test]
+fn forty_slow_clients_do_not_hold_up_a_ping() {
+    let f = Fixture::new();
+    let slow = SlowClients::start(&f.path, 40, BOUND);
+    let started = std::time::Instant::now();
+    let (status, body) = f.call("GET", "vmm.ping", None);
+    let (sent, held) = (slow.bytes_sent(), slow.held());
+    eprintln!(
+        "ping answered {status} in {:?}, the slow clients had sent {sent} bytes each, {held} still held",
+        started.elapsed()
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        sent < 3,
+        "the ping waited for the slow clients' byte {sent}"
+    );
+    assert!(
+        held > 0,
+        "the ping was answered only once the slow clients were closed"
+    );
+    // Sending keeps none of them past its deadline: all are closed before they are through.
+    let waited = std::time::Instant::now();
+    while slow.held() > 0 && waited.elapsed() < BOUND {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let sent = slow.bytes_sent();
+    assert_eq!(slow.held(), 0, "slow clients still held after {BOUND:?}");
+    assert!(
+        sent < SlowClients::MAX_BYTES,
+        "the slow clients were held until they sent all {sent} bytes"
+    );
+}
+
+/// Past the limit a new client takes the place of the one held longest, which is closed;
+/// the others stay.
+#[test]
+fn a_client_past_the_limit_closes_the_one_held_longest() {
+    use musubi_api::server::MAX_CONNECTIONS;
+    let f = Fixture::new();
+    let silent: Vec<UnixStream> = (0..=MAX_CONNECTIONS)
+        .map(|_| UnixStream::connect(&f.path).unwrap())
+        .collect();
+    let mut b = [0u8; 1];
+    silent[0].set_read_timeout(Some(BOUND)).unwrap();
+    assert_eq!((&silent[0]).read(&mut b).unwrap(), 0, "the first is closed");
+    for (i, mut s) in silent.iter().enumerate().skip(1) {
+        s.set_nonblocking(true).unwrap();
+        match s.read(&mut b) {
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            other => panic!("client {i} is no longer held: {other:?}"),
+        }
+    }
     assert_eq!(f.call("GET", "vmm.ping", None).0, 200);
 }

@@ -226,3 +226,55 @@ fn remote_to_a_missing_socket_names_it() {
         );
     }
 }
+
+/// 40 clients sending a byte a second hold up no other client of a running VM's API (the
+/// API thread under its seccomp filter): a ping is answered before any of them has sent its
+/// third byte, while some are still connected, and each is closed before it is through.
+#[test]
+fn forty_slow_clients_do_not_hold_up_a_ping() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("api.sock");
+    let serial = dir.path().join("console.out");
+    let mut vm = start_probe_with_api("hello,fib=60", &socket, &serial, &["--memory", "128M"]);
+    let guard = KillOnPanic::new(&vm);
+    vm.wait_for_text(&serial, HELLO, LIMIT);
+
+    let mut slow = testkit::SlowClients::start(&socket, 40, Duration::from_secs(30));
+    let asked = std::time::Instant::now();
+    let (status, body) = exchange(&socket, &request("GET", "/api/v1/vmm.ping", b""));
+    let (sent, held) = (slow.bytes_sent(), slow.held());
+    eprintln!(
+        "ping answered {status} in {:?}: the slow clients had sent {sent} bytes each, {held} held",
+        asked.elapsed()
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        sent < 3,
+        "the ping waited for the slow clients' byte {sent}"
+    );
+    assert!(
+        held > 0,
+        "the ping was answered only once the slow clients were closed"
+    );
+    let waited = std::time::Instant::now();
+    while slow.held() > 0 && waited.elapsed() < LIMIT {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let sent = slow.bytes_sent();
+    assert_eq!(slow.held(), 0, "slow clients still held after {LIMIT:?}");
+    assert!(
+        sent < testkit::SlowClients::MAX_BYTES,
+        "the slow clients were held until they sent all {sent} bytes"
+    );
+    slow.close();
+
+    let down = remote(&socket, &["shutdown"]);
+    assert_eq!(down.code, Some(0), "{}", down.explain());
+    guard.defuse();
+    let run = vm.finish(LIMIT);
+    assert!(
+        !run.stderr.contains("filter does not allow"),
+        "{}",
+        run.explain()
+    );
+}

@@ -1,17 +1,19 @@
 //! What the tests of several crates share: running a program under test with its time
 //! bounded and always reaped (`process`), waiting for what it prints or opens (`wait`), the
 //! probe guest's result lines (`probe`), stand-ins for the programs it runs (`fake`),
-//! network namespaces of a test's own (`netns`) and the kernel's table of TCP sockets
-//! (`tcp`).
+//! network namespaces of a test's own (`netns`), the kernel's table of TCP sockets
+//! (`tcp`) and slow-loris clients of a UNIX socket (`slow`).
 
 mod fake;
 pub mod netns;
 mod probe;
 mod process;
+mod slow;
 pub mod tcp;
 mod wait;
 
 pub use fake::{fake_vmm, shell_script};
 pub use probe::{result_in, results_in};
 pub use process::{assert_kvm, run_command, start_command, wait_with_limit, Run, Started};
+pub use slow::SlowClients;
 pub use wait::{read_text, wait_until};
