@@ -7,7 +7,6 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use testkit::SlowClients;
 
 /// Generous: a bound so no test hangs, never a timing assertion.
 const BOUND: Duration = Duration::from_secs(30);
@@ -387,34 +386,9 @@ fn a_peer_of_another_uid_is_refused() {
 #[test]
 fn forty_slow_clients_do_not_hold_up_a_ping() {
     let f = Fixture::new();
-    let slow = SlowClients::start(&f.path, 40, BOUND);
-    let started = std::time::Instant::now();
-    let (status, body) = f.call("GET", "vmm.ping", None);
-    let (sent, held) = (slow.bytes_sent(), slow.held());
-    eprintln!(
-        "ping answered {status} in {:?}, the slow clients had sent {sent} bytes each, {held} still held",
-        started.elapsed()
-    );
-    assert_eq!(status, 200, "{body}");
-    assert!(
-        sent < 3,
-        "the ping waited for the slow clients' byte {sent}"
-    );
-    assert!(
-        held > 0,
-        "the ping was answered only once the slow clients were closed"
-    );
-    // Sending keeps none of them past its deadline: all are closed before they are through.
-    let waited = std::time::Instant::now();
-    while slow.held() > 0 && waited.elapsed() < BOUND {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let sent = slow.bytes_sent();
-    assert_eq!(slow.held(), 0, "slow clients still held after {BOUND:?}");
-    assert!(
-        sent < SlowClients::MAX_BYTES,
-        "the slow clients were held until they sent all {sent} bytes"
-    );
+    testkit::assert_served_past_slow_clients(&f.path, 40, BOUND, || {
+        f.call("GET", "vmm.ping", None)
+    });
 }
 
 /// Past the limit a new client takes the place of the one held longest, which is closed;

@@ -15,5 +15,5 @@ mod wait;
 pub use fake::{fake_vmm, shell_script};
 pub use probe::{result_in, results_in};
 pub use process::{assert_kvm, run_command, start_command, wait_with_limit, Run, Started};
-pub use slow::SlowClients;
+pub use slow::{assert_served_past_slow_clients, SlowClients};
 pub use wait::{read_text, wait_until};

@@ -127,3 +127,43 @@ impl Drop for SlowClients {
         self.close();
     }
 }
+
+/// Holds `count` slow clients on `socket` while `ask` puts a request to the same server,
+/// and checks what a server that no client can hold up must show: `ask` was answered 200
+/// before any slow client sent its third byte, while some were still connected, and every
+/// slow client was closed within `bound`, before it was through its request.
+pub fn assert_served_past_slow_clients(
+    socket: &Path,
+    count: usize,
+    bound: Duration,
+    ask: impl FnOnce() -> (u16, String),
+) {
+    let mut slow = SlowClients::start(socket, count, bound);
+    let asked = std::time::Instant::now();
+    let (status, body) = ask();
+    let (sent, held) = (slow.bytes_sent(), slow.held());
+    eprintln!(
+        "answered {status} in {:?}: the slow clients had sent {sent} bytes each, {held} held",
+        asked.elapsed()
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        sent < 3,
+        "the request waited for the slow clients' byte {sent}"
+    );
+    assert!(
+        held > 0,
+        "the request was answered only once the slow clients were closed"
+    );
+    let waited = std::time::Instant::now();
+    while slow.held() > 0 && waited.elapsed() < bound {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let sent = slow.bytes_sent();
+    assert_eq!(slow.held(), 0, "slow clients still held after {bound:?}");
+    assert!(
+        sent < SlowClients::MAX_BYTES,
+        "the slow clients were held until they sent all {sent} bytes"
+    );
+    slow.close();
+}
