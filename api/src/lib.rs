@@ -21,9 +21,34 @@ pub const API_ROOT: &str = "/api/v1";
 /// at a time, so an implementation only has to be safe against the VM's own threads.
 pub trait VmControl: Send + Sync {
     /// `{"config": {...}, "state": "Running"|"Paused", ...}`, answered to GET vm.info.
-    fn info(&self) -> serde_json::Value;
+    fn info(&self) -> Result<serde_json::Value, ActionError>;
     /// Answered to GET vm.counters: device name to counter name to value, as CH's.
-    fn counters(&self) -> serde_json::Value;
+    fn counters(&self) -> Result<serde_json::Value, ActionError>;
+    /// Creates the VM from Cloud Hypervisor's VmConfig JSON (`body`, not yet parsed). A VMM
+    /// started with its VM has one already.
+    fn create(&self, body: &[u8]) -> Result<(), ActionError> {
+        let _ = body;
+        Err(ActionError::wrong_state(
+            "this VMM runs the VM it was started with; `musubi vmm --api-socket PATH` \
+             waits for vm.create",
+        ))
+    }
+    /// Boots the created VM, or boots it afresh after a shutdown.
+    fn boot(&self) -> Result<(), ActionError> {
+        Err(ActionError::wrong_state("the VM is already booted"))
+    }
+    /// Restarts the VM from its kernel with the same configuration.
+    fn reboot(&self) -> Result<(), ActionError> {
+        Err(ActionError::wrong_state(
+            "this VMM ends with the VM it was started with; it does not reboot it",
+        ))
+    }
+    /// Shuts the VM down if it runs and forgets its configuration.
+    fn delete(&self) -> Result<(), ActionError> {
+        Err(ActionError::wrong_state(
+            "this VMM ends with the VM it was started with; use vm.shutdown or vmm.shutdown",
+        ))
+    }
     fn pause(&self) -> Result<(), ActionError>;
     fn resume(&self) -> Result<(), ActionError>;
     /// Writes a snapshot into `dir` (an absolute path, from a `file://` destination_url).
@@ -90,6 +115,30 @@ pub struct ActionError {
 }
 
 impl ActionError {
+    /// A call made before any VM is created (CH's 404).
+    pub fn not_created(message: impl Into<String>) -> Self {
+        ActionError {
+            status: 404,
+            message: message.into(),
+        }
+    }
+
+    /// A call the VM's state does not allow (CH's 405), such as pausing a VM not booted.
+    pub fn wrong_state(message: impl Into<String>) -> Self {
+        ActionError {
+            status: 405,
+            message: message.into(),
+        }
+    }
+
+    /// A request body that is refused (400): a VmConfig Musubi cannot honour.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ActionError {
+            status: 400,
+            message: message.into(),
+        }
+    }
+
     /// A failure CH reports as an internal error (500).
     pub fn internal(message: impl Into<String>) -> Self {
         ActionError {

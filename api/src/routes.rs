@@ -40,6 +40,14 @@ fn action(result: Result<(), ActionError>, context: &str, ok_status: u16) -> Res
     }
 }
 
+/// A query's answer: its JSON, or CH's messages as for an action.
+fn answer(result: Result<serde_json::Value, ActionError>, context: &str) -> Response {
+    match result {
+        Ok(v) => Response::json(200, v.to_string()),
+        Err(e) => Response::error(e.status, &["Error from API", context, &e.message]),
+    }
+}
+
 /// Answers `req`, calling `vm` for whatever the path asks.
 pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
     let Some(endpoint) = req
@@ -64,8 +72,17 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
             })
             .to_string(),
         ),
-        "vm.info" if get => Response::json(200, vm.info().to_string()),
-        "vm.counters" if get => Response::json(200, vm.counters().to_string()),
+        "vm.info" if get => answer(vm.info(), "The VM information could not be retrieved"),
+        "vm.counters" if get => answer(vm.counters(), "The VM counters could not be retrieved"),
+        "vm.create" if put && !req.body.is_empty() => {
+            action(vm.create(&req.body), "The VM could not be created", 204)
+        }
+        "vm.create" if put => {
+            bad_request("vm.create needs Cloud Hypervisor's VmConfig as its body")
+        }
+        "vm.boot" if bodiless_put => action(vm.boot(), "The VM could not boot", 204),
+        "vm.reboot" if bodiless_put => action(vm.reboot(), "The VM could not reboot", 204),
+        "vm.delete" if bodiless_put => action(vm.delete(), "The VM could not be deleted", 204),
         "vm.pause" if bodiless_put => action(vm.pause(), "The VM could not be paused", 204),
         "vm.resume" if bodiless_put => action(vm.resume(), "The VM could not resume", 204),
         "vm.shutdown" if bodiless_put => action(vm.shutdown_vm(), "The VM could not shutdown", 204),
@@ -88,7 +105,8 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
             Err(r) => r,
         },
         "vmm.ping" | "vm.info" | "vm.counters" | "vm.pause" | "vm.resume" | "vm.shutdown"
-        | "vmm.shutdown" | "vm.snapshot" | "vm.send-migration" | "vm.move-vcpu" => wrong_method(),
+        | "vmm.shutdown" | "vm.snapshot" | "vm.send-migration" | "vm.move-vcpu" | "vm.create"
+        | "vm.boot" | "vm.reboot" | "vm.delete" => wrong_method(),
         _ => Response::error(404, &["Not Found"]),
     }
 }

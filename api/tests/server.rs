@@ -46,13 +46,13 @@ impl MockVm {
 }
 
 impl VmControl for MockVm {
-    fn info(&self) -> serde_json::Value {
+    fn info(&self) -> Result<serde_json::Value, ActionError> {
         self.record("info".into());
-        serde_json::json!({"config": {"cpus": {"boot_vcpus": 2}}, "state": self.state()})
+        Ok(serde_json::json!({"config": {"cpus": {"boot_vcpus": 2}}, "state": self.state()}))
     }
-    fn counters(&self) -> serde_json::Value {
+    fn counters(&self) -> Result<serde_json::Value, ActionError> {
         self.record("counters".into());
-        serde_json::json!({"_disk0": {"read_ops": 3}})
+        Ok(serde_json::json!({"_disk0": {"read_ops": 3}}))
     }
     fn pause(&self) -> Result<(), ActionError> {
         self.record("pause".into());

@@ -51,12 +51,12 @@ pub fn info_json(vm: &vmm::VmHandle) -> serde_json::Value {
 }
 
 impl VmControl for ApiTarget {
-    fn info(&self) -> serde_json::Value {
-        info_json(&self.vm)
+    fn info(&self) -> Result<serde_json::Value, ActionError> {
+        Ok(info_json(&self.vm))
     }
 
-    fn counters(&self) -> serde_json::Value {
-        serde_json::to_value(self.vm.counters()).unwrap_or_default()
+    fn counters(&self) -> Result<serde_json::Value, ActionError> {
+        Ok(serde_json::to_value(self.vm.counters()).unwrap_or_default())
     }
 
     fn pause(&self) -> Result<(), ActionError> {

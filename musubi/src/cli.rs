@@ -263,6 +263,11 @@ impl VmArgs {
             Some(p) => {
                 let text = std::fs::read_to_string(p)
                     .map_err(|e| format!("--config {}: {e}", p.display()))?;
+                if let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) {
+                    if vmm::config::ch::is_ch_config(&value) {
+                        return self.over_ch_config(p, &value);
+                    }
+                }
                 // The error names the field (`pmem[0].size`) as well as the line and column.
                 let json = &mut serde_json::Deserializer::from_str(&text);
                 serde_path_to_error::deserialize::<_, FileConfig>(json).map_err(|e| {
@@ -336,6 +341,54 @@ impl VmArgs {
             exits,
             net,
         })
+    }
+}
+
+impl VmArgs {
+    /// The VM of a Cloud Hypervisor VmConfig file (`path`, read as `value`), with the flags
+    /// given on the command line over it.
+    fn over_ch_config(
+        &self,
+        path: &std::path::Path,
+        value: &serde_json::Value,
+    ) -> Result<VmConfig, String> {
+        let mut c = vmm::config::ch::from_value(value)
+            .map_err(|e| {
+                format!(
+                    "--config {}: Cloud Hypervisor VmConfig: {e}",
+                    path.display()
+                )
+            })?
+            .config;
+        if self.kernel.is_some() || self.initrd.is_some() {
+            return Err(format!(
+                "--config {}: the kernel and initramfs of a Cloud Hypervisor VmConfig come \
+                 from its payload; leave out --kernel and --initrd",
+                path.display()
+            ));
+        }
+        if let Some(cmdline) = &self.cmdline {
+            c.cmdline = cmdline.clone();
+        }
+        if let Some(n) = self.cpus {
+            c.cpus = config::check_cpus(n).map_err(|e| e.to_string())?;
+        }
+        if let Some(m) = self.memory {
+            config::check_memory("--memory", &m.to_string(), m.bytes())
+                .map_err(|e| e.to_string())?;
+            c.memory = m.bytes();
+        }
+        c.disks = flags_or_file(&self.disk, c.disks);
+        c.pmem = flags_or_file(&self.pmem, c.pmem);
+        c.net = flags_or_file(&self.net, c.net);
+        config::net::check_distinct(&c.net).map_err(|e| e.to_string())?;
+        if let Some(s) = &self.serial {
+            c.serial = s.clone();
+        }
+        if let Some(e) = self.exits {
+            c.exits = e;
+        }
+        Ok(c)
     }
 }
 
@@ -418,7 +471,7 @@ mod tests {
     fn run(line: &[&str]) -> Result<crate::RunCmd, clap::Error> {
         let argv = ["musubi", "run"].iter().chain(line);
         match crate::Cli::try_parse_from(argv)?.command {
-            crate::Command::Run(r) => Ok(r),
+            Some(crate::Command::Run(r)) => Ok(r),
             _ => unreachable!("not a run"),
         }
     }

@@ -13,6 +13,7 @@ mod probe;
 mod remote;
 mod run;
 mod value;
+mod waiting;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -35,9 +36,13 @@ static ALLOC: dlmalloc::GlobalDlmalloc = dlmalloc::GlobalDlmalloc;
     version,
     about = "A KVM hypervisor: storage as memory, kernel or user exit paths, host partitions"
 )]
+#[command(args_conflicts_with_subcommands = true, arg_required_else_help = true)]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    /// With no command: `musubi vmm --api-socket PATH`, as Cloud Hypervisor starts.
+    #[arg(long, value_name = "PATH")]
+    api_socket: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -77,6 +82,18 @@ enum Command {
         /// `musubi remote --api-socket PATH` is its client.
         #[arg(long, value_name = "PATH")]
         api_socket: Option<std::path::PathBuf>,
+    },
+    /// Start with no VM and serve the control API on this UNIX socket (created mode 0600),
+    /// with Cloud Hypervisor's life cycle: vm.create (its VmConfig JSON, Musubi's own
+    /// settings under "musubi"), vm.boot, vm.pause, vm.resume, vm.shutdown, vm.reboot,
+    /// vm.delete, vm.info, vm.counters, vm.snapshot; vmm.shutdown ends the process. A guest
+    /// that ends on its own leaves the VMM waiting, its VM in state Shutdown.
+    Vmm {
+        #[arg(long, value_name = "PATH")]
+        api_socket: std::path::PathBuf,
+        /// System-call filters of each VM's threads and of the API thread, as for run.
+        #[arg(long, value_name = "true|false|log", default_value = "true")]
+        seccomp: vmm::seccomp::SeccompMode,
     },
     /// Boot the bundled probe guest on 2 vCPUs with a temporary disk, run hello, blk-fill
     /// and blk-crc, check the disk on the host, and summarize.
@@ -177,7 +194,15 @@ fn main() -> ExitCode {
             .init(),
     }
     let cli = parse(args);
-    match cli.command {
+    let command = match (cli.command, cli.api_socket) {
+        (Some(c), _) => c,
+        (None, Some(api_socket)) => Command::Vmm {
+            api_socket,
+            seccomp: vmm::seccomp::SeccompMode::default(),
+        },
+        (None, None) => return fail("give a command or --api-socket PATH (see --help)".into()),
+    };
+    match command {
         Command::Run(RunCmd {
             vm,
             run,
@@ -204,6 +229,10 @@ fn main() -> ExitCode {
         Command::Run(RunCmd {
             vm, run, control, ..
         }) => run::run(&vm, &run, &control),
+        Command::Vmm {
+            api_socket,
+            seccomp,
+        } => waiting::run(&api_socket, seccomp),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
         Command::Partition(args) => partition_cli::run(args),
@@ -227,7 +256,8 @@ fn main() -> ExitCode {
 fn parse(args: Vec<std::ffi::OsString>) -> Cli {
     match parse_run(&args) {
         Some(cmd) => Cli {
-            command: Command::Run(cmd),
+            command: Some(Command::Run(cmd)),
+            api_socket: None,
         },
         None => Cli::parse_from(args),
     }
@@ -272,7 +302,8 @@ mod tests {
             let fast = parse_run(&argv(line)).unwrap_or_else(|| panic!("{line}: not taken"));
             let whole = match Cli::try_parse_from(argv(line)) {
                 Ok(Cli {
-                    command: Command::Run(c),
+                    command: Some(Command::Run(c)),
+                    ..
                 }) => c,
                 Ok(_) => panic!("{line}: not a run"),
                 Err(e) => panic!("{line}: {e}"),

@@ -19,14 +19,14 @@ fn refused(what: &str) -> ActionError {
 }
 
 impl VmControl for NodeApi {
-    fn info(&self) -> serde_json::Value {
+    fn info(&self) -> Result<serde_json::Value, ActionError> {
         let mut info = crate::api_target::info_json(&self.vm);
         info["vcpu_nodes"] = serde_json::json!(self.mover.vcpu_nodes());
-        info
+        Ok(info)
     }
 
-    fn counters(&self) -> serde_json::Value {
-        serde_json::to_value(self.vm.counters()).unwrap_or_default()
+    fn counters(&self) -> Result<serde_json::Value, ActionError> {
+        Ok(serde_json::to_value(self.vm.counters()).unwrap_or_default())
     }
 
     fn pause(&self) -> Result<(), ActionError> {

@@ -276,14 +276,16 @@ fn storage_files(args: &[String]) -> ExitCode {
     let argv = ["musubi", "run"].map(String::from).into_iter();
     let vm = match crate::Cli::try_parse_from(argv.chain(args.iter().cloned())) {
         Ok(crate::Cli {
-            command: crate::Command::Run(crate::RunCmd { control, .. }),
+            command: Some(crate::Command::Run(crate::RunCmd { control, .. })),
+            ..
         }) if control.receive_migration.is_some() => {
             // Known only when the VM arrives: the supervisor hands the VM the other
             // partitions' files (`--foreign-storage`) and it refuses them then.
             Ok(None)
         }
         Ok(crate::Cli {
-            command: crate::Command::Run(crate::RunCmd { vm, control, .. }),
+            command: Some(crate::Command::Run(crate::RunCmd { vm, control, .. })),
+            ..
         }) => match &control.restore {
             Some(dir) => crate::run::open_snapshot(dir, &vm).map(|(_, config)| Some(config)),
             None => vm.to_config().map(Some),

@@ -229,11 +229,11 @@ mod tests {
     }
 
     impl VmControl for Recorder {
-        fn info(&self) -> serde_json::Value {
-            serde_json::json!({"config": {}, "state": "Running"})
+        fn info(&self) -> Result<serde_json::Value, ActionError> {
+            Ok(serde_json::json!({"config": {}, "state": "Running"}))
         }
-        fn counters(&self) -> serde_json::Value {
-            serde_json::json!({})
+        fn counters(&self) -> Result<serde_json::Value, ActionError> {
+            Ok(serde_json::json!({}))
         }
         fn pause(&self) -> Result<(), ActionError> {
             self.note("pause".into())

@@ -1,0 +1,371 @@
+//! `musubi vmm`: a VMM that starts with no VM and takes Cloud Hypervisor's life cycle
+//! through its API: vm.create, vm.boot, vm.pause/resume, vm.shutdown, vm.reboot, vm.delete,
+//! and vmm.shutdown to end the process.
+//!
+//! The API thread only forwards each call to this process's main thread and waits for its
+//! answer: building a VM opens files, maps memory and starts threads, which the API
+//! thread's system-call filter does not allow. The main thread keeps no filter of its own
+//! for the same reason; the vCPU and I/O threads of every VM get theirs as under `run`.
+
+use musubi_api::{ActionError, VmControl};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::mpsc;
+use std::sync::Mutex;
+use vmm::config::ch::ChVm;
+
+/// What the main thread is asked to do.
+enum Call {
+    Create(Vec<u8>),
+    Boot,
+    Reboot,
+    Pause,
+    Resume,
+    Shutdown,
+    Delete,
+    Info,
+    Counters,
+    Snapshot(PathBuf),
+    ShutdownVmm,
+}
+
+enum Msg {
+    Api(Call, mpsc::Sender<Result<Value, ActionError>>),
+    /// The VM booted as `generation` ended (on its own, or stopped).
+    Ended(u64),
+    Signal(i32),
+}
+
+/// The API's side: every call goes to the main thread.
+struct Forward(Mutex<mpsc::Sender<Msg>>);
+
+impl Forward {
+    fn call(&self, call: Call) -> Result<Value, ActionError> {
+        let (tx, rx) = mpsc::channel();
+        let sent = self
+            .0
+            .lock()
+            .map_err(|_| ActionError::internal("the VMM's main thread is gone"))?
+            .send(Msg::Api(call, tx));
+        if sent.is_err() {
+            return Err(ActionError::internal("the VMM is shutting down"));
+        }
+        rx.recv()
+            .unwrap_or_else(|_| Err(ActionError::internal("the VMM is shutting down")))
+    }
+
+    fn act(&self, call: Call) -> Result<(), ActionError> {
+        self.call(call).map(drop)
+    }
+}
+
+impl VmControl for Forward {
+    fn info(&self) -> Result<Value, ActionError> {
+        self.call(Call::Info)
+    }
+    fn counters(&self) -> Result<Value, ActionError> {
+        self.call(Call::Counters)
+    }
+    fn create(&self, body: &[u8]) -> Result<(), ActionError> {
+        self.act(Call::Create(body.to_vec()))
+    }
+    fn boot(&self) -> Result<(), ActionError> {
+        self.act(Call::Boot)
+    }
+    fn reboot(&self) -> Result<(), ActionError> {
+        self.act(Call::Reboot)
+    }
+    fn delete(&self) -> Result<(), ActionError> {
+        self.act(Call::Delete)
+    }
+    fn pause(&self) -> Result<(), ActionError> {
+        self.act(Call::Pause)
+    }
+    fn resume(&self) -> Result<(), ActionError> {
+        self.act(Call::Resume)
+    }
+    fn snapshot(&self, dir: &std::path::Path) -> Result<(), ActionError> {
+        self.act(Call::Snapshot(dir.to_path_buf()))
+    }
+    fn shutdown_vm(&self) -> Result<(), ActionError> {
+        self.act(Call::Shutdown)
+    }
+    fn shutdown_vmm(&self) -> Result<(), ActionError> {
+        self.act(Call::ShutdownVmm)
+    }
+}
+
+/// A booted VM and the thread that waits for its end.
+struct Booted {
+    handle: vmm::VmHandle,
+    waiter: std::thread::JoinHandle<vmm::RunReport>,
+    generation: u64,
+}
+
+/// Where the VM is in Cloud Hypervisor's life cycle; Paused is a Running VM's handle's.
+enum State {
+    Empty,
+    Created(Box<ChVm>),
+    Running(Box<ChVm>, Booted),
+    /// The VM is gone, its configuration kept; `why` is how it ended.
+    Shutdown(Box<ChVm>, Value),
+}
+
+struct Vmm {
+    state: State,
+    opts: vmm::RunOptions,
+    tx: mpsc::Sender<Msg>,
+    generation: u64,
+}
+
+const NOT_CREATED: &str = "no VM is created (vm.create first)";
+
+impl Vmm {
+    fn boot(&mut self, vm: &ChVm) -> Result<Booted, ActionError> {
+        let running = vmm::VmBuilder::new(&vm.config)
+            .options(self.opts.clone())
+            .build()
+            .and_then(|b| b.start())
+            .map_err(|e| ActionError::internal(e.to_string()))?;
+        self.generation += 1;
+        let generation = self.generation;
+        let handle = running.handle();
+        let tx = self.tx.clone();
+        let waiter = std::thread::Builder::new()
+            .name("vm-wait".into())
+            .spawn(move || {
+                let report = running.wait();
+                let _ = tx.send(Msg::Ended(generation));
+                report
+            })
+            .map_err(|e| ActionError::internal(format!("cannot start the VM's thread: {e}")))?;
+        Ok(Booted {
+            handle,
+            waiter,
+            generation,
+        })
+    }
+
+    /// Stops a running VM (if it has not ended already) and waits until it is gone.
+    fn stop(booted: Booted, why: vmm::Outcome) -> Value {
+        booted.handle.stop(why);
+        match booted.waiter.join() {
+            Ok(report) => ended(&report),
+            Err(_) => json!({"vmm_error": "the VM's thread panicked"}),
+        }
+    }
+
+    fn handle(&mut self, call: Call) -> Result<Value, ActionError> {
+        let state = std::mem::replace(&mut self.state, State::Empty);
+        let (state, result) = self.transition(state, call);
+        self.state = state;
+        result
+    }
+
+    fn transition(&mut self, state: State, call: Call) -> (State, Result<Value, ActionError>) {
+        let done = Ok(Value::Null);
+        match (state, call) {
+            (State::Empty, Call::Create(body)) => match vmm::config::ch::parse(&body) {
+                Ok(vm) => (State::Created(Box::new(vm)), done),
+                Err(e) => (State::Empty, Err(ActionError::bad_request(e.to_string()))),
+            },
+            (s, Call::Create(_)) => (
+                s,
+                Err(ActionError::wrong_state(
+                    "a VM is already created (vm.delete it first)",
+                )),
+            ),
+            (State::Empty, Call::Delete) => (State::Empty, done),
+            (State::Running(_, b), Call::Delete) => {
+                Self::stop(b, vmm::Outcome::Shutdown);
+                (State::Empty, done)
+            }
+            (_, Call::Delete) => (State::Empty, done),
+            (State::Empty, Call::ShutdownVmm) => (State::Empty, done),
+            (State::Running(vm, b), Call::ShutdownVmm) => {
+                let why = Self::stop(b, vmm::Outcome::Shutdown);
+                (State::Shutdown(vm, why), done)
+            }
+            (s, Call::ShutdownVmm) => (s, done),
+            (State::Empty, _) => (State::Empty, Err(ActionError::not_created(NOT_CREATED))),
+            (State::Created(vm) | State::Shutdown(vm, _), Call::Boot) => match self.boot(&vm) {
+                Ok(b) => (State::Running(vm, b), done),
+                Err(e) => (State::Created(vm), Err(e)),
+            },
+            (State::Running(vm, b), Call::Reboot) => {
+                Self::stop(b, vmm::Outcome::Shutdown);
+                match self.boot(&vm) {
+                    Ok(b) => (State::Running(vm, b), done),
+                    Err(e) => {
+                        let why = json!({"vmm_error": e.message.clone()});
+                        (State::Shutdown(vm, why), Err(e))
+                    }
+                }
+            }
+            (State::Running(vm, b), Call::Shutdown) => {
+                let why = Self::stop(b, vmm::Outcome::Shutdown);
+                (State::Shutdown(vm, why), done)
+            }
+            (state, Call::Info) => {
+                let info = info(&state);
+                (state, Ok(info))
+            }
+            (State::Running(vm, b), call) => {
+                let r = match call {
+                    Call::Pause => b.handle.pause().map(|_| Value::Null),
+                    Call::Resume => b.handle.resume().map(|_| Value::Null),
+                    Call::Snapshot(dir) => b.handle.snapshot(&dir).map(|_| Value::Null),
+                    Call::Counters => {
+                        Ok(serde_json::to_value(b.handle.counters()).unwrap_or_default())
+                    }
+                    Call::Boot => {
+                        return (
+                            State::Running(vm, b),
+                            Err(ActionError::wrong_state("the VM is already booted")),
+                        )
+                    }
+                    _ => Ok(Value::Null),
+                };
+                (
+                    State::Running(vm, b),
+                    r.map_err(|e| ActionError::internal(e.to_string())),
+                )
+            }
+            (s, call) => {
+                let name = match &s {
+                    State::Created(_) => "Created",
+                    _ => "Shutdown",
+                };
+                let what = match call {
+                    Call::Pause => "paused",
+                    Call::Resume => "resumed",
+                    Call::Shutdown => "shut down",
+                    Call::Reboot => "rebooted",
+                    Call::Snapshot(_) => "snapshotted",
+                    _ => "asked for its counters",
+                };
+                let e = ActionError::wrong_state(format!(
+                    "the VM is {name}, not booted: it cannot be {what} (vm.boot first)"
+                ));
+                (s, Err(e))
+            }
+        }
+    }
+
+    /// The VM booted as `generation` ended by itself: the VMM stays, in state Shutdown.
+    fn ended(&mut self, generation: u64) {
+        let state = std::mem::replace(&mut self.state, State::Empty);
+        self.state = match state {
+            State::Running(vm, b) if b.generation == generation => {
+                let why = match b.waiter.join() {
+                    Ok(report) => ended(&report),
+                    Err(_) => json!({"vmm_error": "the VM's thread panicked"}),
+                };
+                tracing::info!("the VM ended: {why}");
+                State::Shutdown(vm, why)
+            }
+            other => other,
+        };
+    }
+}
+
+/// How a VM ended, as `vm.info` reports it: the outcome as `--report` writes it.
+fn ended(report: &vmm::RunReport) -> Value {
+    serde_json::to_value(musubi_types::Outcome::from(&report.outcome)).unwrap_or_default()
+}
+
+/// Cloud Hypervisor's VmInfo for `state`, with how a shut-down VM ended under `musubi`.
+fn info(state: &State) -> Value {
+    let (vm, name, why) = match state {
+        State::Empty => return Value::Null,
+        State::Created(vm) => (vm, "Created", None),
+        State::Running(vm, b) if b.handle.is_paused() => (vm, "Paused", None),
+        State::Running(vm, _) => (vm, "Running", None),
+        State::Shutdown(vm, why) => (vm, "Shutdown", Some(why)),
+    };
+    let mut device_tree = serde_json::Map::new();
+    for kind in ["disks", "net", "pmem"] {
+        for d in vm.info[kind].as_array().into_iter().flatten() {
+            let id = d["id"].clone();
+            if let Some(key) = id.as_str() {
+                device_tree.insert(
+                    key.to_string(),
+                    json!({"id": id, "resources": [], "children": [], "pci_bdf": null}),
+                );
+            }
+        }
+    }
+    let mut info = json!({
+        "config": vm.info,
+        "state": name,
+        "memory_actual_size": vm.config.memory,
+        "device_tree": device_tree,
+    });
+    if let Some(why) = why {
+        info[vmm::config::ch::EXTENSION] = json!({ "ended": why });
+    }
+    info
+}
+
+/// Serves the API on `socket` until vmm.shutdown or a stop signal.
+pub fn run(socket: &std::path::Path, seccomp: vmm::seccomp::SeccompMode) -> ExitCode {
+    let signals = match crate::run::stop_signals() {
+        Ok(s) => s,
+        Err(e) => return crate::fail(e),
+    };
+    let (tx, rx) = mpsc::channel();
+    let forward = std::sync::Arc::new(Forward(Mutex::new(tx.clone())));
+    let filter =
+        move || vmm::seccomp::apply(vmm::seccomp::ThreadKind::Api, seccomp).map_err(Into::into);
+    let server = match musubi_api::ApiServer::start(socket, forward, filter) {
+        Ok(s) => s,
+        Err(e) => return crate::fail(format!("--api-socket: {e}")),
+    };
+    let mut signals = signals;
+    let signal_handle = signals.handle();
+    let signal_tx = tx.clone();
+    let signal_thread = std::thread::spawn(move || {
+        for s in signals.forever() {
+            if s != signal_hook::consts::SIGUSR1 && signal_tx.send(Msg::Signal(s)).is_err() {
+                return;
+            }
+        }
+    });
+    let mut vmm = Vmm {
+        state: State::Empty,
+        opts: vmm::RunOptions {
+            capture_serial: false,
+            timeout: None,
+            seccomp,
+        },
+        tx,
+        generation: 0,
+    };
+    let mut code = ExitCode::SUCCESS;
+    while let Ok(msg) = rx.recv() {
+        match msg {
+            Msg::Api(Call::ShutdownVmm, reply) => {
+                let r = vmm.handle(Call::ShutdownVmm);
+                let _ = reply.send(r);
+                break;
+            }
+            Msg::Api(call, reply) => {
+                let _ = reply.send(vmm.handle(call));
+            }
+            Msg::Ended(generation) => vmm.ended(generation),
+            Msg::Signal(s) => {
+                if let State::Running(_, b) = std::mem::replace(&mut vmm.state, State::Empty) {
+                    Vmm::stop(b, vmm::Outcome::Signal(s));
+                }
+                eprintln!("musubi: stopped by signal {s}");
+                code = ExitCode::from(128u8.wrapping_add(s as u8));
+                break;
+            }
+        }
+    }
+    server.stop();
+    signal_handle.close();
+    let _ = signal_thread.join();
+    code
+}

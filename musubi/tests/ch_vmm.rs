@@ -1,0 +1,248 @@
+//! `musubi vmm`, a VMM that waits for its VM, driven by Cloud Hypervisor's own client
+//! (`ch-remote`): its life cycle from a VmConfig file, and its refusals with their status
+//! codes and messages.
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Every call and guest here ends in seconds; a hung one fails the test after this.
+const LIMIT: Duration = Duration::from_secs(60);
+const HELLO: &str = "{\"probe\":\"hello\"";
+
+/// Cloud Hypervisor's client: `MUSUBI_CH_REMOTE`, else the workspace's shared anchor.
+fn ch_remote() -> PathBuf {
+    let path = std::env::var_os("MUSUBI_CH_REMOTE").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/anchors/ch-remote"),
+        PathBuf::from,
+    );
+    assert!(
+        path.is_file(),
+        "ch-remote is missing at {} (set MUSUBI_CH_REMOTE to Cloud Hypervisor's ch-remote)",
+        path.display()
+    );
+    path
+}
+
+/// `ch-remote --api-socket SOCKET ARGS...`, bounded.
+fn ch(socket: &Path, args: &[&str]) -> Run {
+    let mut all = vec!["--api-socket", socket.to_str().unwrap()];
+    all.extend_from_slice(args);
+    run_command(std::process::Command::new(ch_remote()), &all, None, LIMIT)
+}
+
+/// As [`ch`], requiring success.
+fn ch_ok(socket: &Path, args: &[&str]) -> String {
+    let r = ch(socket, args);
+    assert_eq!(r.code, Some(0), "ch-remote {args:?}: {}", r.explain());
+    r.stdout
+}
+
+fn info(socket: &Path) -> Value {
+    let out = ch_ok(socket, &["info"]);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("info is not JSON ({e}): {out}"))
+}
+
+/// The status and body of one raw API call.
+fn call(socket: &Path, method: &str, endpoint: &str, body: Option<&str>) -> (u16, String) {
+    musubi_api::request_with_timeout(socket, method, &format!("/api/v1/{endpoint}"), body, LIMIT)
+        .unwrap_or_else(|e| panic!("{method} {endpoint}: {e}"))
+}
+
+/// Writes a VmConfig booting the probe guest with `tasks`, its console into `serial`.
+fn vm_config(dir: &Path, name: &str, tasks: &str, serial: &Path) -> PathBuf {
+    let probe = run_with_limit(&["guest", "path"], LIMIT);
+    assert_eq!(probe.code, Some(0), "guest path: {}", probe.explain());
+    let config = serde_json::json!({
+        "payload": {"kernel": probe.stdout.trim(), "cmdline": format!("probe.tasks={tasks}")},
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 128u64 << 20, "shared": false, "hugepages": false},
+        "serial": {"mode": "File", "file": serial},
+        "console": {"mode": "Off"},
+        "musubi": {"exits": "kernel"},
+    });
+    let path = dir.join(name);
+    std::fs::write(&path, config.to_string()).unwrap();
+    path
+}
+
+fn start_vmm(socket: &Path) -> Started {
+    let mut vmm = start_command(
+        musubi(),
+        &["vmm", "--api-socket", socket.to_str().unwrap()],
+        None,
+    );
+    vmm.wait_for_file(socket, LIMIT);
+    vmm
+}
+
+fn wait_for_state(socket: &Path, state: &str) -> Value {
+    let mut last = Value::Null;
+    let reached = wait_until(LIMIT, || {
+        last = info(socket);
+        last["state"] == state
+    });
+    assert!(reached, "the VM never reached {state}: {last}");
+    last
+}
+
+#[test]
+fn a_waiting_vmm_takes_cloud_hypervisors_life_cycle_from_ch_remote() {
+    ch_remote();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("api.sock");
+    let serial = dir.path().join("console.out");
+    // A task far longer than the test: the VM is shut down through the API.
+    let long = vm_config(dir.path(), "long.json", "hello,fib=60", &serial);
+    let mut vmm = start_vmm(&socket);
+
+    ch_ok(&socket, &["ping"]);
+    ch_ok(&socket, &["create", long.to_str().unwrap()]);
+    let created = info(&socket);
+    assert_eq!(created["state"], "Created", "{created}");
+    assert_eq!(created["config"]["cpus"]["boot_vcpus"], 1, "{created}");
+    assert_eq!(
+        created["config"]["memory"]["size"],
+        128u64 << 20,
+        "{created}"
+    );
+    assert_eq!(created["memory_actual_size"], 128u64 << 20, "{created}");
+    assert!(
+        created["config"]["payload"]["kernel"]
+            .as_str()
+            .is_some_and(|k| k.ends_with(".elf")),
+        "{created}"
+    );
+    assert!(created["device_tree"].is_object(), "{created}");
+
+    ch_ok(&socket, &["boot"]);
+    vmm.wait_for_text(&serial, HELLO, LIMIT);
+    assert_eq!(info(&socket)["state"], "Running");
+    ch_ok(&socket, &["pause"]);
+    assert_eq!(info(&socket)["state"], "Paused");
+    ch_ok(&socket, &["resume"]);
+    assert_eq!(info(&socket)["state"], "Running");
+    ch_ok(&socket, &["shutdown"]);
+    let down = info(&socket);
+    assert_eq!(down["state"], "Shutdown", "{down}");
+    assert_eq!(down["config"]["payload"], created["config"]["payload"]);
+
+    // Booted afresh from the kept config: the guest says hello again (each boot opens the
+    // console file anew, so it is removed first).
+    std::fs::remove_file(&serial).unwrap();
+    ch_ok(&socket, &["boot"]);
+    vmm.wait_for_text(&serial, HELLO, LIMIT);
+    assert_eq!(info(&socket)["state"], "Running");
+    std::fs::remove_file(&serial).unwrap();
+    ch_ok(&socket, &["reboot"]);
+    vmm.wait_for_text(&serial, HELLO, LIMIT);
+    assert_eq!(info(&socket)["state"], "Running");
+    ch_ok(&socket, &["delete"]);
+    let (status, body) = call(&socket, "GET", "vm.info", None);
+    assert_eq!(status, 404, "info after delete: {body}");
+
+    // A guest that ends on its own leaves the VMM waiting, the VM in Shutdown.
+    let short = vm_config(dir.path(), "short.json", "hello", &serial);
+    ch_ok(&socket, &["create", short.to_str().unwrap()]);
+    ch_ok(&socket, &["boot"]);
+    let ended = wait_for_state(&socket, "Shutdown");
+    assert_eq!(
+        ended["musubi"]["ended"],
+        serde_json::json!({"kind": "guest_exit", "status": 0}),
+        "{ended}"
+    );
+    ch_ok(&socket, &["shutdown-vmm"]);
+    let run = vmm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert!(!socket.exists(), "the API socket is left behind");
+}
+
+#[test]
+fn wrong_states_and_configs_musubi_cannot_honour_are_refused_with_cloud_hypervisors_codes() {
+    ch_remote();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("api.sock");
+    let serial = dir.path().join("console.out");
+    let vmm = start_vmm(&socket);
+
+    // Nothing created yet: 404, saying so; ch-remote fails with the message.
+    for endpoint in ["vm.boot", "vm.pause", "vm.shutdown", "vm.reboot"] {
+        let (status, body) = call(&socket, "PUT", endpoint, None);
+        assert_eq!(status, 404, "{endpoint}: {body}");
+        assert!(body.contains("no VM is created"), "{endpoint}: {body}");
+    }
+    let r = ch(&socket, &["boot"]);
+    assert_ne!(r.code, Some(0), "boot without create: {}", r.explain());
+    assert!(r.stderr.contains("no VM is created"), "{}", r.explain());
+
+    let config = vm_config(dir.path(), "vm.json", "hello,fib=60", &serial);
+    let text = std::fs::read_to_string(&config).unwrap();
+    let mut base: Value = serde_json::from_str(&text).unwrap();
+    for (field, value, says) in [
+        (
+            "memory",
+            serde_json::json!({"size": 134217728, "hugepages": true}),
+            "memory.hugepages true: not supported by Musubi",
+        ),
+        (
+            "disks",
+            serde_json::json!([{"path": config, "vhost_user": true}]),
+            "disks[0].vhost_user true: not supported by Musubi",
+        ),
+        (
+            "net",
+            serde_json::json!([{"tap": "tap0", "num_queues": 4}]),
+            "net[0].num_queues 4: not supported by Musubi",
+        ),
+        ("colour", serde_json::json!("red"), "colour: unknown field"),
+        (
+            "vsock",
+            serde_json::json!({"cid": 3, "socket": "/tmp/v.sock"}),
+            "vsock: virtio-vsock is not implemented in Musubi yet",
+        ),
+        (
+            "rng",
+            serde_json::json!({"src": "/dev/urandom"}),
+            "rng: virtio-rng is not implemented in Musubi yet",
+        ),
+    ] {
+        let mut bad = base.clone();
+        bad[field] = value;
+        let (status, body) = call(&socket, "PUT", "vm.create", Some(&bad.to_string()));
+        assert_eq!(status, 400, "{field}: {body}");
+        assert!(body.contains(says), "{field}: {body}");
+    }
+    let bad = dir.path().join("bad.json");
+    base["memory"]["hugepages"] = serde_json::json!(true);
+    std::fs::write(&bad, base.to_string()).unwrap();
+    let r = ch(&socket, &["create", bad.to_str().unwrap()]);
+    assert_ne!(r.code, Some(0), "create with hugepages: {}", r.explain());
+    assert!(
+        r.stderr.contains("memory.hugepages true"),
+        "{}",
+        r.explain()
+    );
+    let (status, _) = call(&socket, "GET", "vm.info", None);
+    assert_eq!(status, 404, "a refused create created a VM");
+
+    ch_ok(&socket, &["create", config.to_str().unwrap()]);
+    let (status, body) = call(&socket, "PUT", "vm.create", Some(&text));
+    assert_eq!(status, 405, "second create: {body}");
+    assert!(body.contains("a VM is already created"), "{body}");
+    for endpoint in ["vm.pause", "vm.resume", "vm.shutdown", "vm.reboot"] {
+        let (status, body) = call(&socket, "PUT", endpoint, None);
+        assert_eq!(status, 405, "{endpoint} before boot: {body}");
+        assert!(body.contains("the VM is Created, not booted"), "{body}");
+    }
+    ch_ok(&socket, &["boot"]);
+    let (status, body) = call(&socket, "PUT", "vm.boot", None);
+    assert_eq!(status, 405, "boot twice: {body}");
+    assert!(body.contains("already booted"), "{body}");
+    let (status, body) = call(&socket, "PUT", "vm.create", None);
+    assert_eq!(status, 400, "create without a body: {body}");
+    ch_ok(&socket, &["shutdown-vmm"]);
+    let run = vmm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+}

@@ -1,0 +1,863 @@
+//! Cloud Hypervisor's VmConfig (the JSON body of its `vm.create`) read into a [`VmConfig`]:
+//! every field Musubi honours is taken, every field at Cloud Hypervisor's default is
+//! accepted, and anything else is refused naming the field and the value, so a client never
+//! gets a VM that behaves otherwise than it asked. Musubi's own settings live under the
+//! extension key `"musubi"`, which Cloud Hypervisor's clients leave alone.
+
+use super::{check_cpus, check_memory, DiskConfig, ExitsMode, KernelImage, SerialMode, VmConfig};
+use crate::config::net::{MacAddr, NetConfig};
+use crate::pmem::{Advertise, PmemConfig};
+use devices::virtio::block::CacheMode;
+use serde_json::{json, Map, Value};
+use std::path::PathBuf;
+
+/// The extension key for Musubi's own settings.
+pub const EXTENSION: &str = "musubi";
+
+/// Why a Cloud Hypervisor VmConfig is refused; each names the field (`disks[0].vhost_user`)
+/// and, where there is one, the value.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ChConfigError {
+    #[error("{0}: not JSON: {1}")]
+    Json(&'static str, String),
+    #[error(
+        "{0}: unknown field (not in Cloud Hypervisor's VmConfig; Musubi's own settings go \
+         under \"{EXTENSION}\")"
+    )]
+    Unknown(String),
+    #[error("{field}: missing (Cloud Hypervisor's VmConfig needs it here)")]
+    Missing { field: String },
+    #[error("{field} {value}: expected {expected}")]
+    Type {
+        field: String,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("{field} {value}: not supported by Musubi: {why}")]
+    Unsupported {
+        field: String,
+        value: String,
+        why: &'static str,
+    },
+    #[error("{field}: {what} is not implemented in Musubi yet; leave it out of the config")]
+    NotYet { field: String, what: &'static str },
+    #[error("{field} {id:?}: the id is used twice")]
+    DuplicateId { field: String, id: String },
+    #[error("{0}")]
+    Config(#[from] super::ConfigError),
+    #[error("{0}: {1}")]
+    Net(String, #[source] crate::config::net::NetError),
+}
+
+type Result<T> = std::result::Result<T, ChConfigError>;
+
+/// A Cloud Hypervisor VmConfig as Musubi runs it: the VM to build, and the config as
+/// `vm.info` shows it (defaults filled in, ids given).
+#[derive(Clone, Debug)]
+pub struct ChVm {
+    pub config: VmConfig,
+    pub info: Value,
+}
+
+/// Whether a JSON config is Cloud Hypervisor's (it has a `payload`) rather than Musubi's
+/// own form.
+pub fn is_ch_config(value: &Value) -> bool {
+    value.get("payload").is_some()
+}
+
+/// Reads Cloud Hypervisor's VmConfig from `text`.
+pub fn parse(text: &[u8]) -> Result<ChVm> {
+    let value: Value =
+        serde_json::from_slice(text).map_err(|e| ChConfigError::Json("VmConfig", e.to_string()))?;
+    from_value(&value)
+}
+
+/// Reads Cloud Hypervisor's VmConfig from parsed JSON.
+pub fn from_value(value: &Value) -> Result<ChVm> {
+    let mut top = Obj::new("", value)?;
+    let payload = top.object("payload")?;
+    let Some(payload) = payload else {
+        return Err(ChConfigError::Missing {
+            field: "payload".into(),
+        });
+    };
+    let mut p = Obj::new("payload", payload)?;
+    let kernel = p.path("kernel")?.ok_or(ChConfigError::Missing {
+        field: "payload.kernel".into(),
+    })?;
+    let cmdline = p.string("cmdline")?;
+    let initrd = p.path("initramfs")?;
+    for key in ["firmware", "igvm", "host_data"] {
+        p.default_only(key, &[Value::Null], "Musubi boots a kernel directly")?;
+    }
+    if !kernel.is_file() {
+        return Err(ChConfigError::Type {
+            field: "payload.kernel".into(),
+            value: format!("{:?}", kernel.display().to_string()),
+            expected: "a kernel file that exists",
+        });
+    }
+    if let Some(i) = &initrd {
+        if !i.is_file() {
+            return Err(ChConfigError::Type {
+                field: "payload.initramfs".into(),
+                value: format!("{:?}", i.display().to_string()),
+                expected: "an initramfs file that exists",
+            });
+        }
+    }
+    let payload_info = p.finish()?;
+
+    let (cpus, cpus_info) = cpus(top.object("cpus")?)?;
+    let (memory, memory_info) = memory(top.object("memory")?)?;
+    let mut ids = Vec::new();
+    let mut disks = Vec::new();
+    let mut disks_info = Vec::new();
+    for (i, d) in top.array("disks")?.iter().enumerate() {
+        let (disk, info) = disk(i, d, &mut ids)?;
+        disks.push(disk);
+        disks_info.push(info);
+    }
+    let mut nets = Vec::new();
+    let mut nets_info = Vec::new();
+    for (i, n) in top.array("net")?.iter().enumerate() {
+        let (net, info) = net(i, n, &mut ids)?;
+        nets.push(net);
+        nets_info.push(info);
+    }
+    let mut pmems = Vec::new();
+    let mut pmems_info = Vec::new();
+    for (i, p) in top.array("pmem")?.iter().enumerate() {
+        let (pmem, info) = pmem(i, p, &mut ids)?;
+        pmems.push(pmem);
+        pmems_info.push(info);
+    }
+    let (serial, serial_info) = serial(top.object("serial")?)?;
+    let console_info = console(top.object("console")?)?;
+    for (key, what) in [("vsock", "virtio-vsock"), ("rng", "virtio-rng")] {
+        if top.take(key).is_some_and(|v| !v.is_null()) {
+            return Err(ChConfigError::NotYet {
+                field: key.into(),
+                what,
+            });
+        }
+    }
+    for (key, defaults) in [
+        ("balloon", vec![Value::Null]),
+        ("fs", vec![Value::Null, json!([])]),
+        ("devices", vec![Value::Null, json!([])]),
+        ("user_devices", vec![Value::Null, json!([])]),
+        ("vdpa", vec![Value::Null, json!([])]),
+        ("numa", vec![Value::Null, json!([])]),
+        ("sgx_epc", vec![Value::Null, json!([])]),
+        ("rate_limit_groups", vec![Value::Null, json!([])]),
+        ("tpm", vec![Value::Null]),
+        ("platform", vec![Value::Null]),
+        ("landlock_rules", vec![Value::Null, json!([])]),
+        ("iommu", vec![json!(false)]),
+        ("watchdog", vec![json!(false)]),
+        ("pvpanic", vec![json!(false)]),
+        ("landlock_enable", vec![json!(false)]),
+        (
+            "debug_console",
+            vec![
+                Value::Null,
+                json!({"mode": "Off"}),
+                json!({"mode": "Off", "iobase": 233}),
+            ],
+        ),
+    ] {
+        top.default_only(key, &defaults, "Musubi has no such device or feature")?;
+    }
+    let (exits, advertise, ext_info) = extension(top.object(EXTENSION)?, pmems.len())?;
+    for (p, a) in pmems.iter_mut().zip(advertise) {
+        p.advertise = a;
+    }
+    top.finish()?;
+
+    let config = VmConfig {
+        kernel: KernelImage::File(kernel),
+        cmdline: cmdline.unwrap_or_default(),
+        initrd,
+        cpus,
+        memory,
+        disks,
+        pmem: pmems,
+        serial,
+        exits,
+        net: nets,
+    };
+    let info = json!({
+        "payload": payload_info,
+        "cpus": cpus_info,
+        "memory": memory_info,
+        "disks": disks_info,
+        "net": nets_info,
+        "pmem": pmems_info,
+        "serial": serial_info,
+        "console": console_info,
+        "iommu": false,
+        "watchdog": false,
+        "pvpanic": false,
+        EXTENSION: ext_info,
+    });
+    Ok(ChVm { config, info })
+}
+
+fn cpus(v: Option<&Value>) -> Result<(u8, Value)> {
+    let empty = json!({});
+    let mut c = Obj::new("cpus", v.unwrap_or(&empty))?;
+    let boot = c.u64("boot_vcpus")?.unwrap_or(1);
+    let n = check_cpus(boot).map_err(|_| ChConfigError::Type {
+        field: "cpus.boot_vcpus".into(),
+        value: boot.to_string(),
+        expected: "1 to 37 (what the MP table holds)",
+    })?;
+    let max = c.u64("max_vcpus")?.unwrap_or(boot);
+    if max != boot {
+        return Err(ChConfigError::Unsupported {
+            field: "cpus.max_vcpus".into(),
+            value: max.to_string(),
+            why: "Musubi has no CPU hot-plug; give max_vcpus = boot_vcpus",
+        });
+    }
+    const WHY: &str = "Musubi gives the guest its host's CPU model and a flat topology";
+    c.default_only("topology", &[Value::Null], WHY)?;
+    c.default_only(
+        "kvm_hyperv",
+        &[json!(false)],
+        "Musubi has no Hyper-V enlightenments",
+    )?;
+    c.default_only("max_phys_bits", &[json!(46)], WHY)?;
+    c.default_only(
+        "affinity",
+        &[Value::Null, json!([])],
+        "Musubi does not pin vCPUs",
+    )?;
+    c.default_only("features", &[json!({}), json!({"amx": false})], WHY)?;
+    c.default_only("nested", &[json!(true)], WHY)?;
+    let mut info = c.finish()?;
+    info.insert("boot_vcpus".into(), json!(boot));
+    info.insert("max_vcpus".into(), json!(boot));
+    info.insert("kvm_hyperv".into(), json!(false));
+    info.insert("max_phys_bits".into(), json!(46));
+    Ok((n, Value::Object(info)))
+}
+
+/// Cloud Hypervisor's default guest RAM.
+const CH_DEFAULT_MEMORY: u64 = 512 << 20;
+
+fn memory(v: Option<&Value>) -> Result<(u64, Value)> {
+    let empty = json!({});
+    let mut m = Obj::new("memory", v.unwrap_or(&empty))?;
+    let size = m.u64("size")?.unwrap_or(CH_DEFAULT_MEMORY);
+    check_memory("memory.size", &size.to_string(), size)?;
+    const RAM: &str = "Musubi backs guest RAM with private anonymous memory";
+    m.default_only("shared", &[json!(false)], RAM)?;
+    m.default_only("hugepages", &[json!(false)], RAM)?;
+    m.default_only("hugepage_size", &[Value::Null], RAM)?;
+    m.default_only("mergeable", &[json!(false)], RAM)?;
+    m.default_only("prefault", &[json!(false)], RAM)?;
+    m.default_only("thp", &[json!(true)], RAM)?;
+    m.default_only("zones", &[Value::Null, json!([])], RAM)?;
+    const HOTPLUG: &str = "Musubi has no memory hot-plug";
+    m.default_only("hotplug_method", &[json!("Acpi")], HOTPLUG)?;
+    m.default_only("hotplug_size", &[Value::Null, json!(0)], HOTPLUG)?;
+    m.default_only("hotplugged_size", &[Value::Null, json!(0)], HOTPLUG)?;
+    let mut info = m.finish()?;
+    for (k, v) in [
+        ("size", json!(size)),
+        ("mergeable", json!(false)),
+        ("shared", json!(false)),
+        ("hugepages", json!(false)),
+        ("prefault", json!(false)),
+        ("thp", json!(true)),
+        ("hotplug_method", json!("Acpi")),
+    ] {
+        info.insert(k.into(), v);
+    }
+    Ok((size, Value::Object(info)))
+}
+
+/// The id a device is known by: the one given, or Cloud Hypervisor's `_<kind>N`; refused
+/// when another device has it.
+fn device_id(o: &mut Obj, kind: &str, index: usize, ids: &mut Vec<String>) -> Result<String> {
+    let id = o.string("id")?.unwrap_or_else(|| format!("_{kind}{index}"));
+    if ids.contains(&id) {
+        return Err(ChConfigError::DuplicateId {
+            field: format!("{}.id", o.path),
+            id,
+        });
+    }
+    ids.push(id.clone());
+    Ok(id)
+}
+
+const VIRTIO_MMIO: &str = "Musubi's devices are virtio-mmio, with no IOMMU or PCI segments";
+
+fn disk(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(DiskConfig, Value)> {
+    let mut d = Obj::new(&format!("disks[{i}]"), v)?;
+    let path = d.path("path")?.ok_or_else(|| ChConfigError::Missing {
+        field: format!("disks[{i}].path"),
+    })?;
+    super::check_storage_file("disks[].path", &path)?;
+    let readonly = d.bool("readonly")?.unwrap_or(false);
+    let direct = d.bool("direct")?.unwrap_or(false);
+    d.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
+    d.default_only("pci_segment", &[json!(0)], VIRTIO_MMIO)?;
+    d.default_only(
+        "num_queues",
+        &[json!(1)],
+        "Musubi's virtio-blk has one queue",
+    )?;
+    d.default_only(
+        "queue_size",
+        &[json!(128)],
+        "Musubi's virtio-blk queue size is fixed",
+    )?;
+    const VHOST: &str = "Musubi serves its disks itself (no vhost-user)";
+    d.default_only("vhost_user", &[json!(false)], VHOST)?;
+    d.default_only("vhost_socket", &[Value::Null], VHOST)?;
+    const LIMIT: &str = "Musubi's disks have no rate limiter";
+    d.default_only("rate_limiter_config", &[Value::Null], LIMIT)?;
+    d.default_only("rate_limit_group", &[Value::Null], LIMIT)?;
+    d.default_only(
+        "serial",
+        &[Value::Null],
+        "Musubi's disks have no serial number",
+    )?;
+    d.default_only(
+        "queue_affinity",
+        &[Value::Null],
+        "Musubi does not pin queues",
+    )?;
+    const IO: &str = "Musubi's disk I/O path is its own";
+    d.default_only("disable_io_uring", &[json!(false)], IO)?;
+    d.default_only("disable_aio", &[json!(false)], IO)?;
+    d.default_only("sparse", &[json!(true)], IO)?;
+    let id = device_id(&mut d, "disk", i, ids)?;
+    let mut info = d.finish()?;
+    for (k, v) in [
+        ("path", json!(path)),
+        ("readonly", json!(readonly)),
+        ("direct", json!(direct)),
+        ("iommu", json!(false)),
+        ("num_queues", json!(1)),
+        ("queue_size", json!(128)),
+        ("vhost_user", json!(false)),
+        ("id", json!(id)),
+        ("pci_segment", json!(0)),
+    ] {
+        info.insert(k.into(), v);
+    }
+    let cache = if direct {
+        CacheMode::None
+    } else {
+        CacheMode::Writeback
+    };
+    Ok((
+        DiskConfig {
+            path,
+            readonly,
+            cache,
+        },
+        Value::Object(info),
+    ))
+}
+
+fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)> {
+    let field = format!("net[{i}]");
+    let mut n = Obj::new(&field, v)?;
+    let tap = n.string("tap")?;
+    let addr = |n: &mut Obj, key: &str| -> Result<Option<std::net::Ipv4Addr>> {
+        match n.string(key)? {
+            None => Ok(None),
+            Some(s) => s.parse().map(Some).map_err(|_| ChConfigError::Type {
+                field: format!("{field}.{key}"),
+                value: format!("{s:?}"),
+                expected: "an IPv4 address",
+            }),
+        }
+    };
+    let ip = addr(&mut n, "ip")?;
+    let mask = addr(&mut n, "mask")?;
+    let mac = match n.string("mac")? {
+        None => None,
+        Some(s) => Some(s.parse::<MacAddr>().map_err(|_| ChConfigError::Type {
+            field: format!("{field}.mac"),
+            value: format!("{s:?}"),
+            expected: "a MAC address (12:34:56:78:9a:bc)",
+        })?),
+    };
+    let fd = match n.take("fds") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(fds)) if fds.len() == 1 && fds[0].as_i64().is_some() => {
+            Some(fds[0].as_i64().unwrap_or_default() as i32)
+        }
+        Some(other) => {
+            return Err(ChConfigError::Unsupported {
+                field: format!("{field}.fds"),
+                value: other.to_string(),
+                why: "Musubi takes one TAP descriptor per device (one queue pair)",
+            })
+        }
+    };
+    let queue_size = n.u64("queue_size")?.unwrap_or(256);
+    let queue_size = u16::try_from(queue_size).map_err(|_| ChConfigError::Type {
+        field: format!("{field}.queue_size"),
+        value: queue_size.to_string(),
+        expected: "a power of two up to 256",
+    })?;
+    n.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
+    n.default_only("pci_segment", &[json!(0)], VIRTIO_MMIO)?;
+    n.default_only(
+        "num_queues",
+        &[json!(2)],
+        "Musubi's virtio-net has one queue pair (num_queues 2)",
+    )?;
+    const VHOST: &str = "Musubi serves its network devices itself (no vhost-user)";
+    n.default_only("vhost_user", &[json!(false)], VHOST)?;
+    n.default_only("vhost_socket", &[Value::Null], VHOST)?;
+    n.default_only("vhost_mode", &[json!("Client")], VHOST)?;
+    n.default_only(
+        "host_mac",
+        &[Value::Null],
+        "Musubi leaves the TAP's MAC alone",
+    )?;
+    n.default_only("mtu", &[Value::Null], "Musubi leaves the TAP's MTU alone")?;
+    n.default_only(
+        "rate_limiter_config",
+        &[Value::Null],
+        "give Musubi's rate limit as --net rate= instead",
+    )?;
+    const OFFLOAD: &str = "Musubi offers the guest its offloads as the TAP allows";
+    for key in ["offload_tso", "offload_ufo", "offload_csum"] {
+        n.default_only(key, &[json!(true)], OFFLOAD)?;
+    }
+    let id = device_id(&mut n, "net", i, ids)?;
+    let config = NetConfig {
+        tap,
+        fd,
+        ip,
+        mask,
+        mac,
+        queue_size,
+        rate: None,
+    };
+    config.check().map_err(|e| ChConfigError::Net(field, e))?;
+    let mut info = n.finish()?;
+    for (k, val) in [
+        ("tap", json!(config.tap)),
+        ("ip", json!(config.ip)),
+        ("mask", json!(config.mask)),
+        ("mac", json!(config.mac)),
+        ("iommu", json!(false)),
+        ("num_queues", json!(2)),
+        ("queue_size", json!(queue_size)),
+        ("vhost_user", json!(false)),
+        ("vhost_mode", json!("Client")),
+        ("id", json!(id)),
+        ("pci_segment", json!(0)),
+    ] {
+        info.insert(k.into(), val);
+    }
+    Ok((config, Value::Object(info)))
+}
+
+fn pmem(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(PmemConfig, Value)> {
+    let mut p = Obj::new(&format!("pmem[{i}]"), v)?;
+    let file = p.path("file")?.ok_or_else(|| ChConfigError::Missing {
+        field: format!("pmem[{i}].file"),
+    })?;
+    let size = p.u64("size")?;
+    p.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
+    p.default_only("pci_segment", &[json!(0)], VIRTIO_MMIO)?;
+    p.default_only(
+        "discard_writes",
+        &[json!(false)],
+        "Musubi's memory storage keeps the guest's writes",
+    )?;
+    let id = device_id(&mut p, "pmem", i, ids)?;
+    let mut info = p.finish()?;
+    for (k, val) in [
+        ("file", json!(file)),
+        ("size", json!(size)),
+        ("iommu", json!(false)),
+        ("discard_writes", json!(false)),
+        ("id", json!(id)),
+        ("pci_segment", json!(0)),
+    ] {
+        info.insert(k.into(), val);
+    }
+    Ok((
+        PmemConfig {
+            file,
+            size,
+            readonly: false,
+            advertise: Advertise::default(),
+        },
+        Value::Object(info),
+    ))
+}
+
+fn serial(v: Option<&Value>) -> Result<(SerialMode, Value)> {
+    let default = json!({"mode": "Null"});
+    let mut s = Obj::new("serial", v.unwrap_or(&default))?;
+    let mode = s.string("mode")?.unwrap_or_else(|| "Null".into());
+    let file = s.path("file")?;
+    s.default_only(
+        "socket",
+        &[Value::Null],
+        "Musubi's serial goes to a file or stdout",
+    )?;
+    s.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
+    let serial = match (mode.as_str(), &file) {
+        ("Off" | "Null", _) => SerialMode::Off,
+        ("Tty", _) => SerialMode::Stdio,
+        ("File", Some(f)) => SerialMode::File(f.clone()),
+        ("File", None) => {
+            return Err(ChConfigError::Missing {
+                field: "serial.file".into(),
+            })
+        }
+        _ => {
+            return Err(ChConfigError::Unsupported {
+                field: "serial.mode".into(),
+                value: format!("{mode:?}"),
+                why: "Musubi's serial is Off, Null, Tty or File",
+            })
+        }
+    };
+    let mut info = s.finish()?;
+    info.insert("mode".into(), json!(mode));
+    info.insert("file".into(), json!(file));
+    info.insert("iommu".into(), json!(false));
+    Ok((serial, Value::Object(info)))
+}
+
+/// Musubi has no virtio-console: the console is accepted when absent or off.
+fn console(v: Option<&Value>) -> Result<Value> {
+    let Some(v) = v else {
+        return Ok(json!({"mode": "Off", "file": null, "iommu": false}));
+    };
+    let mut c = Obj::new("console", v)?;
+    let mode = c.string("mode")?.unwrap_or_else(|| "Tty".into());
+    if mode != "Off" && mode != "Null" {
+        return Err(ChConfigError::Unsupported {
+            field: "console.mode".into(),
+            value: format!("{mode:?}"),
+            why: "Musubi has no virtio-console; use serial (COM1, ttyS0)",
+        });
+    }
+    c.default_only("file", &[Value::Null], "the console is off")?;
+    c.default_only("socket", &[Value::Null], "the console is off")?;
+    c.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
+    let mut info = c.finish()?;
+    info.insert("mode".into(), json!(mode));
+    info.insert("iommu".into(), json!(false));
+    Ok(Value::Object(info))
+}
+
+/// `"musubi": {"exits": "kernel"|"user", "pmem": [{"advertise": "e820"|"virtio"}, ..]}`:
+/// the pmem entries go with the config's `pmem` in order.
+fn extension(v: Option<&Value>, pmems: usize) -> Result<(ExitsMode, Vec<Advertise>, Value)> {
+    let empty = json!({});
+    let mut m = Obj::new(EXTENSION, v.unwrap_or(&empty))?;
+    let exits = match m.string("exits")? {
+        None => ExitsMode::default(),
+        Some(s) => s.parse().map_err(|_| ChConfigError::Type {
+            field: format!("{EXTENSION}.exits"),
+            value: format!("{s:?}"),
+            expected: "\"kernel\" or \"user\"",
+        })?,
+    };
+    let list = m.array("pmem")?;
+    if list.len() > pmems {
+        return Err(ChConfigError::Type {
+            field: format!("{EXTENSION}.pmem"),
+            value: format!("{} entries", list.len()),
+            expected: "at most one entry per entry of pmem",
+        });
+    }
+    let mut advertise = Vec::new();
+    for (i, e) in list.iter().enumerate() {
+        let mut o = Obj::new(&format!("{EXTENSION}.pmem[{i}]"), e)?;
+        let a = match o.string("advertise")? {
+            None => Advertise::default(),
+            Some(s) => s.parse().map_err(|_| ChConfigError::Type {
+                field: format!("{EXTENSION}.pmem[{i}].advertise"),
+                value: format!("{s:?}"),
+                expected: "\"e820\" or \"virtio\"",
+            })?,
+        };
+        o.finish()?;
+        advertise.push(a);
+    }
+    m.finish()?;
+    let info = json!({
+        "exits": exits.to_string(),
+        "pmem": advertise.iter().map(|a| json!({"advertise": a.to_string()})).collect::<Vec<_>>(),
+    });
+    Ok((exits, advertise, info))
+}
+
+/// One JSON object being read: every key taken is remembered, and [`Obj::finish`] refuses
+/// the ones nobody took, so no field is ignored unseen.
+struct Obj<'a> {
+    path: String,
+    map: &'a Map<String, Value>,
+    taken: Vec<String>,
+}
+
+impl<'a> Obj<'a> {
+    fn new(path: &str, v: &'a Value) -> Result<Obj<'a>> {
+        match v {
+            Value::Object(map) => Ok(Obj {
+                path: path.to_string(),
+                map,
+                taken: Vec::new(),
+            }),
+            other => Err(ChConfigError::Type {
+                field: if path.is_empty() {
+                    "VmConfig".into()
+                } else {
+                    path.into()
+                },
+                value: other.to_string(),
+                expected: "an object",
+            }),
+        }
+    }
+
+    fn field(&self, key: &str) -> String {
+        if self.path.is_empty() {
+            key.to_string()
+        } else {
+            format!("{}.{key}", self.path)
+        }
+    }
+
+    fn take(&mut self, key: &str) -> Option<&'a Value> {
+        self.taken.push(key.to_string());
+        self.map.get(key)
+    }
+
+    fn typed<T>(
+        &mut self,
+        key: &str,
+        expected: &'static str,
+        get: impl Fn(&'a Value) -> Option<T>,
+    ) -> Result<Option<T>> {
+        match self.take(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => get(v).map(Some).ok_or_else(|| ChConfigError::Type {
+                field: self.field(key),
+                value: v.to_string(),
+                expected,
+            }),
+        }
+    }
+
+    fn string(&mut self, key: &str) -> Result<Option<String>> {
+        self.typed(key, "a string", |v| v.as_str().map(String::from))
+    }
+
+    fn path(&mut self, key: &str) -> Result<Option<PathBuf>> {
+        self.typed(key, "a non-empty path", |v| {
+            v.as_str().filter(|s| !s.is_empty()).map(PathBuf::from)
+        })
+    }
+
+    fn u64(&mut self, key: &str) -> Result<Option<u64>> {
+        self.typed(key, "a whole number", Value::as_u64)
+    }
+
+    fn bool(&mut self, key: &str) -> Result<Option<bool>> {
+        self.typed(key, "true or false", Value::as_bool)
+    }
+
+    fn object(&mut self, key: &str) -> Result<Option<&'a Value>> {
+        self.typed(key, "an object", |v| v.is_object().then_some(v))
+    }
+
+    fn array(&mut self, key: &str) -> Result<&'a [Value]> {
+        Ok(self
+            .typed(key, "an array", |v| v.as_array().map(Vec::as_slice))?
+            .unwrap_or(&[]))
+    }
+
+    /// Accepts `key` only absent or at one of `defaults` (the first is Cloud Hypervisor's
+    /// own); any other value is refused with `why`.
+    fn default_only(&mut self, key: &str, defaults: &[Value], why: &'static str) -> Result<()> {
+        match self.take(key) {
+            None => Ok(()),
+            Some(v) if defaults.contains(v) => Ok(()),
+            Some(v) => Err(ChConfigError::Unsupported {
+                field: self.field(key),
+                value: v.to_string(),
+                why,
+            }),
+        }
+    }
+
+    /// The keys given and taken, as given, to be overwritten with the values used; an
+    /// error for the first key not taken.
+    fn finish(self) -> Result<Map<String, Value>> {
+        if let Some(key) = self.map.keys().find(|k| !self.taken.contains(k)) {
+            return Err(ChConfigError::Unknown(self.field(key)));
+        }
+        Ok(self
+            .map
+            .iter()
+            .filter(|(_, v)| !v.is_null())
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel() -> (tempfile::TempDir, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let k = dir.path().join("vmlinux");
+        std::fs::write(&k, b"not really a kernel").unwrap();
+        let s = k.display().to_string();
+        (dir, s)
+    }
+
+    fn parsed(kernel: &str, extra: &str) -> Result<ChVm> {
+        parse(format!(r#"{{"payload": {{"kernel": "{kernel}"}}{extra}}}"#).as_bytes())
+    }
+
+    #[test]
+    fn a_minimal_config_takes_cloud_hypervisors_defaults() {
+        let (_d, k) = kernel();
+        let vm = parsed(&k, "").unwrap();
+        assert_eq!(vm.config.cpus, 1);
+        assert_eq!(vm.config.memory, 512 << 20);
+        assert_eq!(vm.config.serial, SerialMode::Off);
+        assert_eq!(vm.info["cpus"]["boot_vcpus"], 1);
+        assert_eq!(vm.info["memory"]["size"], 512u64 << 20);
+        assert_eq!(vm.info["serial"]["mode"], "Null");
+        assert_eq!(vm.info["payload"]["kernel"], k.as_str());
+    }
+
+    #[test]
+    fn devices_get_cloud_hypervisors_ids_and_defaults_are_accepted() {
+        let (d, k) = kernel();
+        let img = d.path().join("a.img");
+        std::fs::write(&img, vec![0; 4096]).unwrap();
+        let img = img.display();
+        let vm = parsed(
+            &k,
+            &format!(
+                r#", "cpus": {{"boot_vcpus": 2, "max_vcpus": 2}},
+                "memory": {{"size": 134217728, "shared": false, "hugepages": false}},
+                "disks": [{{"path": "{img}", "iommu": false, "num_queues": 1,
+                    "queue_size": 128, "vhost_user": false, "pci_segment": 0, "direct": true}},
+                    {{"path": "{img}", "id": "mine", "readonly": true}}],
+                "net": [{{"tap": "tap7", "num_queues": 2, "queue_size": 256, "iommu": false,
+                    "mac": "12:34:56:78:9a:bc"}}],
+                "serial": {{"mode": "Tty"}}, "console": {{"mode": "Off"}},
+                "musubi": {{"exits": "user"}}"#
+            ),
+        )
+        .unwrap();
+        assert_eq!(vm.config.cpus, 2);
+        assert_eq!(vm.config.memory, 128 << 20);
+        assert_eq!(vm.config.disks[0].cache, CacheMode::None);
+        assert!(vm.config.disks[1].readonly);
+        assert_eq!(vm.config.serial, SerialMode::Stdio);
+        assert_eq!(vm.config.exits, ExitsMode::User);
+        assert_eq!(vm.config.net[0].tap.as_deref(), Some("tap7"));
+        assert_eq!(vm.info["disks"][0]["id"], "_disk0");
+        assert_eq!(vm.info["disks"][1]["id"], "mine");
+        assert_eq!(vm.info["net"][0]["id"], "_net0");
+        assert_eq!(vm.info["net"][0]["mac"], "12:34:56:78:9a:bc");
+    }
+
+    #[test]
+    fn what_musubi_cannot_honour_is_refused_naming_field_and_value() {
+        let (d, k) = kernel();
+        let img = d.path().join("a.img");
+        std::fs::write(&img, vec![0; 4096]).unwrap();
+        let img = img.display();
+        for (extra, says) in [
+            (
+                r#", "memory": {"size": 134217728, "hugepages": true}"#.to_string(),
+                "memory.hugepages true: not supported by Musubi",
+            ),
+            (
+                format!(r#", "disks": [{{"path": "{img}", "vhost_user": true}}]"#),
+                "disks[0].vhost_user true: not supported",
+            ),
+            (
+                format!(r#", "disks": [{{"path": "{img}", "num_queues": 2}}]"#),
+                "disks[0].num_queues 2",
+            ),
+            (
+                r#", "net": [{"tap": "t0", "num_queues": 4}]"#.into(),
+                "net[0].num_queues 4",
+            ),
+            (
+                r#", "net": [{"tap": "t0", "iommu": true}]"#.into(),
+                "net[0].iommu true",
+            ),
+            (
+                r#", "cpus": {"boot_vcpus": 1, "max_vcpus": 4}"#.into(),
+                "cpus.max_vcpus 4: not supported by Musubi: Musubi has no CPU hot-plug",
+            ),
+            (r#", "colour": "red""#.into(), "colour: unknown field"),
+            (
+                r#", "memory": {"size": 134217728, "colour": 1}"#.into(),
+                "memory.colour: unknown field",
+            ),
+            (
+                r#", "vsock": {"cid": 3, "socket": "/tmp/v"}"#.into(),
+                "vsock: virtio-vsock is not implemented in Musubi yet",
+            ),
+            (
+                r#", "rng": {"src": "/dev/urandom"}"#.into(),
+                "rng: virtio-rng is not implemented",
+            ),
+            (
+                r#", "console": {"mode": "Tty"}"#.into(),
+                "console.mode \"Tty\": not supported",
+            ),
+            (
+                r#", "serial": {"mode": "Pty"}"#.into(),
+                "serial.mode \"Pty\"",
+            ),
+            (
+                format!(
+                    r#", "disks": [{{"path": "{img}", "id": "x"}}, {{"path": "{img}", "id": "x"}}]"#
+                ),
+                "disks[1].id \"x\": the id is used twice",
+            ),
+            (
+                r#", "cpus": {"boot_vcpus": "two"}"#.into(),
+                "cpus.boot_vcpus \"two\": expected a whole number",
+            ),
+            (r#", "balloon": {"size": 1}"#.into(), "balloon {\"size\":1}"),
+            (
+                r#", "musubi": {"exits": "maybe"}"#.into(),
+                "musubi.exits \"maybe\"",
+            ),
+        ] {
+            let e = parsed(&k, &extra).unwrap_err().to_string();
+            assert!(e.contains(says), "{extra}: {e}");
+        }
+        let e = parse(br#"{"cpus": {}}"#).unwrap_err().to_string();
+        assert!(e.contains("payload: missing"), "{e}");
+        let e = parsed("/no/such/kernel", "").unwrap_err().to_string();
+        assert!(e.contains("payload.kernel \"/no/such/kernel\""), "{e}");
+    }
+
+    #[test]
+    fn only_a_config_with_a_payload_is_cloud_hypervisors() {
+        assert!(is_ch_config(&json!({"payload": {"kernel": "k"}})));
+        assert!(!is_ch_config(&json!({"kernel": "probe", "cpus": 2})));
+    }
+}
