@@ -264,7 +264,7 @@ impl VmArgs {
                 let text = std::fs::read_to_string(p)
                     .map_err(|e| format!("--config {}: {e}", p.display()))?;
                 if let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) {
-                    if vmm::config::ch::is_ch_config(&value) {
+                    if crate::ch_config::is_ch_config(&value) {
                         return self.over_ch_config(p, &value);
                     }
                 }
@@ -352,7 +352,7 @@ impl VmArgs {
         path: &std::path::Path,
         value: &serde_json::Value,
     ) -> Result<VmConfig, String> {
-        let mut c = vmm::config::ch::from_value(value)
+        let mut c = crate::ch_config::from_value(value)
             .map_err(|e| {
                 format!(
                     "--config {}: Cloud Hypervisor VmConfig: {e}",

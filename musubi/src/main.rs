@@ -2,6 +2,7 @@
 
 mod api_target;
 mod bench;
+mod ch_config;
 mod cli;
 mod cluster_cli;
 mod console;

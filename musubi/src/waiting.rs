@@ -7,13 +7,13 @@
 //! thread's system-call filter does not allow. The main thread keeps no filter of its own
 //! for the same reason; the vCPU and I/O threads of every VM get theirs as under `run`.
 
+use crate::ch_config::ChVm;
 use musubi_api::{ActionError, VmControl};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::mpsc;
 use std::sync::Mutex;
-use vmm::config::ch::ChVm;
 
 /// What the main thread is asked to do.
 enum Call {
@@ -166,7 +166,7 @@ impl Vmm {
     fn transition(&mut self, state: State, call: Call) -> (State, Result<Value, ActionError>) {
         let done = Ok(Value::Null);
         match (state, call) {
-            (State::Empty, Call::Create(body)) => match vmm::config::ch::parse(&body) {
+            (State::Empty, Call::Create(body)) => match crate::ch_config::parse(&body) {
                 Ok(vm) => (State::Created(Box::new(vm)), done),
                 Err(e) => (State::Empty, Err(ActionError::bad_request(e.to_string()))),
             },
@@ -303,7 +303,7 @@ fn info(state: &State) -> Value {
         "device_tree": device_tree,
     });
     if let Some(why) = why {
-        info[vmm::config::ch::EXTENSION] = json!({ "ended": why });
+        info[crate::ch_config::EXTENSION] = json!({ "ended": why });
     }
     info
 }

@@ -1,6 +1,5 @@
 //! What a user asks a VM to be: parsed from flags and JSON, validated before any KVM call.
 
-pub mod ch;
 pub mod net;
 pub mod spec;
 

@@ -4,12 +4,14 @@
 //! gets a VM that behaves otherwise than it asked. Musubi's own settings live under the
 //! extension key `"musubi"`, which Cloud Hypervisor's clients leave alone.
 
-use super::{check_cpus, check_memory, DiskConfig, ExitsMode, KernelImage, SerialMode, VmConfig};
-use crate::config::net::{MacAddr, NetConfig};
-use crate::pmem::{Advertise, PmemConfig};
-use devices::virtio::block::CacheMode;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
+use vmm::config::net::{MacAddr, NetConfig};
+use vmm::config::CacheMode;
+use vmm::config::{
+    check_cpus, check_memory, DiskConfig, ExitsMode, KernelImage, SerialMode, VmConfig,
+};
+use vmm::pmem::{Advertise, PmemConfig};
 
 /// The extension key for Musubi's own settings.
 pub const EXTENSION: &str = "musubi";
@@ -44,9 +46,9 @@ pub enum ChConfigError {
     #[error("{field} {id:?}: the id is used twice")]
     DuplicateId { field: String, id: String },
     #[error("{0}")]
-    Config(#[from] super::ConfigError),
+    Config(#[from] vmm::config::ConfigError),
     #[error("{0}: {1}")]
-    Net(String, #[source] crate::config::net::NetError),
+    Net(String, #[source] vmm::config::net::NetError),
 }
 
 type Result<T> = std::result::Result<T, ChConfigError>;
@@ -300,7 +302,7 @@ fn disk(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(DiskConfig, Value
     let path = d.path("path")?.ok_or_else(|| ChConfigError::Missing {
         field: format!("disks[{i}].path"),
     })?;
-    super::check_storage_file("disks[].path", &path)?;
+    vmm::config::check_storage_file("disks[].path", &path)?;
     let readonly = d.bool("readonly")?.unwrap_or(false);
     let direct = d.bool("direct")?.unwrap_or(false);
     d.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
