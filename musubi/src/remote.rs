@@ -34,6 +34,21 @@ enum RemoteCommand {
     },
     /// End the VM and the musubi process serving it (PUT vmm.shutdown).
     Shutdown,
+    /// Create a VM from Cloud Hypervisor's VmConfig JSON in FILE, on a waiting `musubi vmm`
+    /// (PUT vm.create); it stays Created until `boot`.
+    Create {
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
+    /// Boot the created VM, or boot afresh one that was shut down (PUT vm.boot).
+    Boot,
+    /// Restart the running VM from its config (PUT vm.reboot).
+    Reboot,
+    /// Stop the VM if it runs and forget it; the VMM waits for the next `create`
+    /// (PUT vm.delete).
+    Delete,
+    /// End the VMM process, and its VM if any (PUT vmm.shutdown), as ch-remote spells it.
+    ShutdownVmm,
     /// Move vCPU N of a VM over several hosts to node K while it runs (PUT vm.move-vcpu, on
     /// the I/O node's socket, `node --api-socket`); exits 0 once it runs there. Its pages
     /// follow it as it touches them.
@@ -81,7 +96,11 @@ fn request_of(
         RemoteCommand::Counters => ("GET", "vm.counters", None),
         RemoteCommand::Pause => ("PUT", "vm.pause", None),
         RemoteCommand::Resume => ("PUT", "vm.resume", None),
-        RemoteCommand::Shutdown => ("PUT", "vmm.shutdown", None),
+        RemoteCommand::Shutdown | RemoteCommand::ShutdownVmm => ("PUT", "vmm.shutdown", None),
+        RemoteCommand::Create { file } => ("PUT", "vm.create", Some(create_body(file)?)),
+        RemoteCommand::Boot => ("PUT", "vm.boot", None),
+        RemoteCommand::Reboot => ("PUT", "vm.reboot", None),
+        RemoteCommand::Delete => ("PUT", "vm.delete", None),
         RemoteCommand::MoveVcpu { vcpu, node } => (
             "PUT",
             "vm.move-vcpu",
@@ -137,6 +156,16 @@ fn snapshot_body(dir: &Path) -> Result<String, String> {
         .to_str()
         .ok_or_else(|| format!("snapshot directory {}: not UTF-8", abs.display()))?;
     Ok(serde_json::json!({ "destination_url": format!("file://{abs}") }).to_string())
+}
+
+/// The VmConfig file's text, checked to be JSON here so that a wrong path or a stray file is
+/// named on this side rather than coming back as the VMM's anonymous "bad body".
+fn create_body(file: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| format!("VmConfig file {}: {e}", file.display()))?;
+    serde_json::from_str::<serde_json::Value>(&text)
+        .map_err(|e| format!("VmConfig file {}: not JSON: {e}", file.display()))?;
+    Ok(text)
 }
 
 /// `--push-limit`'s bytes per second: a size, at least one page.
@@ -250,6 +279,18 @@ mod tests {
         fn shutdown_vmm(&self) -> Result<(), ActionError> {
             self.note("shutdown_vmm".into())
         }
+        fn create(&self, body: &[u8]) -> Result<(), ActionError> {
+            self.note(format!("create {}", String::from_utf8_lossy(body)))
+        }
+        fn boot(&self) -> Result<(), ActionError> {
+            self.note("boot".into())
+        }
+        fn reboot(&self) -> Result<(), ActionError> {
+            self.note("reboot".into())
+        }
+        fn delete(&self) -> Result<(), ActionError> {
+            self.note("delete".into())
+        }
     }
 
     fn args(socket: &Path, command: RemoteCommand) -> RemoteArgs {
@@ -283,6 +324,53 @@ mod tests {
                 "pause".into(),
                 format!("snapshot {}", cwd.join("rel/snap").display()),
                 "shutdown_vmm".into(),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_life_cycle_verbs_reach_the_vmm_and_a_bad_config_file_never_leaves() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("api.sock");
+        let vm = Arc::new(Recorder::default());
+        let _server = ApiServer::start(&socket, vm.clone(), || Ok(())).unwrap();
+        let config = dir.path().join("vm.json");
+        std::fs::write(&config, r#"{"cpus": {"boot_vcpus": 1}}"#).unwrap();
+        let create = |file: &Path| {
+            call(&args(
+                &socket,
+                RemoteCommand::Create {
+                    file: file.to_path_buf(),
+                },
+            ))
+        };
+        create(&config).unwrap();
+        for command in [
+            RemoteCommand::Boot,
+            RemoteCommand::Reboot,
+            RemoteCommand::Delete,
+            RemoteCommand::ShutdownVmm,
+        ] {
+            call(&args(&socket, command)).unwrap();
+        }
+        let missing = dir.path().join("missing.json");
+        let e = create(&missing).unwrap_err();
+        assert!(e.contains(&missing.display().to_string()), "{e}");
+        let text = dir.path().join("text.json");
+        std::fs::write(&text, "cpus=1").unwrap();
+        let e = create(&text).unwrap_err();
+        assert!(
+            e.contains(&text.display().to_string()) && e.contains("not JSON"),
+            "{e}"
+        );
+        assert_eq!(
+            *vm.calls.lock().unwrap(),
+            [
+                r#"create {"cpus": {"boot_vcpus": 1}}"#,
+                "boot",
+                "reboot",
+                "delete",
+                "shutdown_vmm"
             ]
         );
     }
