@@ -438,6 +438,22 @@ fn disk(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(DiskConfig, Value
     d.default_only("disable_io_uring", &[json!(false)], IO)?;
     d.default_only("disable_aio", &[json!(false)], IO)?;
     d.default_only("sparse", &[json!(true)], IO)?;
+    d.default_only(
+        "image_type",
+        &[json!("Unknown"), json!("Raw")],
+        "Musubi's disks are raw images",
+    )?;
+    d.default_only(
+        "backing_files",
+        &[json!(false)],
+        "Musubi's disks are raw images, with no backing files",
+    )?;
+    d.default_only(
+        "lock_granularity",
+        &[json!("ByteRange")],
+        "Musubi's disk image locking is its own",
+    )?;
+    d.default_only("pci_device_id", &[Value::Null], VIRTIO_MMIO)?;
     let id = device_id(&mut d, "disk", i, ids)?;
     let mut info = d.finish()?;
     for (k, v) in [
@@ -513,6 +529,7 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
     })?;
     n.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
     n.default_only("pci_segment", &[json!(0)], VIRTIO_MMIO)?;
+    n.default_only("pci_device_id", &[Value::Null], VIRTIO_MMIO)?;
     n.default_only(
         "num_queues",
         &[json!(2)],
@@ -575,6 +592,7 @@ fn pmem(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(PmemConfig, Value
     let size = p.u64("size")?;
     p.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
     p.default_only("pci_segment", &[json!(0)], VIRTIO_MMIO)?;
+    p.default_only("pci_device_id", &[Value::Null], VIRTIO_MMIO)?;
     p.default_only(
         "discard_writes",
         &[json!(false)],
@@ -1002,6 +1020,16 @@ mod tests {
         let (vm, id) = vm.add_device(DeviceKind::Pmem, pmem.as_bytes()).unwrap();
         assert_eq!((id.as_str(), vm.config.pmem.len()), ("_pmem0", 1));
 
+        // ch-remote add-disk fills in Cloud Hypervisor's defaults.
+        let filled = r#", "pci_segment": 0, "readonly": false, "direct": false,
+            "num_queues": 1, "queue_size": 128, "vhost_user": false, "disable_io_uring": false,
+            "disable_aio": false, "backing_files": false, "sparse": true,
+            "image_type": "Unknown", "lock_granularity": "ByteRange""#;
+        let (vm, id) = vm
+            .add_device(DeviceKind::Disk, disk(filled).as_bytes())
+            .unwrap();
+        assert_eq!(id, "_disk3");
+        let vm = vm.remove_device("_disk3").unwrap();
         let vm = vm.remove_device("_disk0").unwrap();
         assert_eq!(vm.config.disks.len(), 2);
         assert_eq!(vm.info["disks"][0]["id"], "_disk1");
