@@ -67,6 +67,18 @@ pub trait VmControl: Send + Sync {
     fn shutdown_vmm(&self) -> Result<(), ActionError> {
         self.shutdown_vm()
     }
+    /// Adds a device of `kind` (Cloud Hypervisor's DiskConfig, NetConfig or PmemConfig JSON
+    /// in `body`, not yet parsed) to a VM not running, for its next boot. A VMM started
+    /// with its VM has it running already, and its virtio-mmio devices cannot be hot-plugged.
+    fn add_device(&self, kind: DeviceKind, body: &[u8]) -> Result<(), ActionError> {
+        let _ = (kind, body);
+        Err(ActionError::internal(NO_HOTPLUG))
+    }
+    /// Removes the device with this id from a VM not running, for its next boot.
+    fn remove_device(&self, id: &str) -> Result<(), ActionError> {
+        let _ = id;
+        Err(ActionError::internal(NO_HOTPLUG))
+    }
     /// Moves vCPU `vcpu` to node `node` of a VM over several hosts while the VM runs (`Ok`
     /// once it runs there); its pages follow it as it touches them.
     fn move_vcpu(&self, vcpu: u8, node: u16) -> Result<(), ActionError> {
@@ -74,6 +86,28 @@ pub trait VmControl: Send + Sync {
         Err(ActionError::internal(
             "this VM runs on one host: it has no other node to move a vCPU to",
         ))
+    }
+}
+
+/// Why a running VM takes no device, worded so a user knows what to do instead.
+pub const NO_HOTPLUG: &str = "virtio-mmio has no hot-plug: add devices before vm.boot";
+
+/// What a `vm.add-*` call adds, by its path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Disk,
+    Net,
+    Pmem,
+}
+
+impl DeviceKind {
+    /// The device's name in Cloud Hypervisor's messages ("The disk could not be added").
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Disk => "disk",
+            DeviceKind::Net => "network device",
+            DeviceKind::Pmem => "pmem device",
+        }
     }
 }
 

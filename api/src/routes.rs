@@ -2,7 +2,7 @@
 //! Hypervisor would give.
 
 use crate::http::{Request, Response};
-use crate::{ActionError, VmControl, API_ROOT};
+use crate::{ActionError, DeviceKind, VmControl, API_ROOT};
 use std::path::PathBuf;
 
 /// What the server itself answers to GET vmm.ping.
@@ -98,6 +98,28 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
             Ok(m) => action(vm.send_migration(&m), "The VM could not be migrated", 204),
             Err(r) => r,
         },
+        // Cold-plugged devices: CH answers a cold add with 204 and no body (its 200 with a
+        // PciDeviceInfo is for a hot-plug, which virtio-mmio has not).
+        "vm.add-disk" | "vm.add-net" | "vm.add-pmem" if put && !req.body.is_empty() => {
+            let kind = match endpoint {
+                "vm.add-disk" => DeviceKind::Disk,
+                "vm.add-net" => DeviceKind::Net,
+                _ => DeviceKind::Pmem,
+            };
+            let context = format!("The {} could not be added to the VM", kind.name());
+            action(vm.add_device(kind, &req.body), &context, 204)
+        }
+        "vm.add-disk" | "vm.add-net" | "vm.add-pmem" if put => bad_request(&format!(
+            "{endpoint} needs Cloud Hypervisor's device config as its body"
+        )),
+        "vm.remove-device" if put => match device_id(&req.body) {
+            Ok(id) => action(
+                vm.remove_device(&id),
+                "The device could not be removed from the VM",
+                204,
+            ),
+            Err(r) => r,
+        },
         "vm.move-vcpu" if put => match move_target(&req.body) {
             Ok((vcpu, node)) => {
                 action(vm.move_vcpu(vcpu, node), "The vCPU could not be moved", 204)
@@ -106,8 +128,24 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         },
         "vmm.ping" | "vm.info" | "vm.counters" | "vm.pause" | "vm.resume" | "vm.shutdown"
         | "vmm.shutdown" | "vm.snapshot" | "vm.send-migration" | "vm.move-vcpu" | "vm.create"
-        | "vm.boot" | "vm.reboot" | "vm.delete" => wrong_method(),
+        | "vm.boot" | "vm.reboot" | "vm.delete" | "vm.add-disk" | "vm.add-net" | "vm.add-pmem"
+        | "vm.remove-device" => wrong_method(),
         _ => Response::error(404, &["Not Found"]),
+    }
+}
+
+/// The id a vm.remove-device body names: `{"id": "_disk0"}`.
+fn device_id(body: &[u8]) -> Result<String, Response> {
+    let v: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| bad_request(&format!("vm.remove-device body is not JSON: {e}")))?;
+    match v.get("id") {
+        Some(serde_json::Value::String(id)) if !id.is_empty() => Ok(id.clone()),
+        Some(other) => Err(bad_request(&format!(
+            "vm.remove-device id {other}: expected a device id string"
+        ))),
+        None => Err(bad_request(
+            "vm.remove-device needs {\"id\": ...}: the id of the device to remove",
+        )),
     }
 }
 
@@ -340,6 +378,21 @@ mod tests {
         ] {
             let e = format!("{:?}", parsed(&format!("{{{base}{extra}}}")).unwrap_err());
             assert!(e.contains("400") && e.contains(names), "{extra}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_removal_names_one_device_id() {
+        let m = |b: &str| device_id(b.as_bytes()).map_err(|r| format!("{r:?}"));
+        assert_eq!(m(r#"{"id": "_disk0"}"#), Ok("_disk0".to_string()));
+        for (bad, says) in [
+            ("", "not JSON"),
+            ("{}", "vm.remove-device needs"),
+            (r#"{"id": 3}"#, "id 3: expected a device id string"),
+            (r#"{"id": ""}"#, "expected a device id string"),
+        ] {
+            let e = m(bad).expect_err(bad);
+            assert!(e.contains("400") && e.contains(says), "{bad}: {e}");
         }
     }
 }

@@ -4,6 +4,7 @@
 //! gets a VM that behaves otherwise than it asked. Musubi's own settings live under the
 //! extension key `"musubi"`, which Cloud Hypervisor's clients leave alone.
 
+use musubi_api::DeviceKind;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use vmm::config::net::{MacAddr, NetConfig};
@@ -45,6 +46,10 @@ pub enum ChConfigError {
     NotYet { field: String, what: &'static str },
     #[error("{field} {id:?}: the id is used twice")]
     DuplicateId { field: String, id: String },
+    #[error("id {0:?}: a device of this VM has it already; give another id or vm.remove-device it first")]
+    TakenId(String),
+    #[error("id {0:?}: no disk, net or pmem device of this VM has it (vm.info lists them)")]
+    UnknownId(String),
     #[error("{0}")]
     Config(#[from] vmm::config::ConfigError),
     #[error("{0}: {1}")]
@@ -59,6 +64,102 @@ type Result<T> = std::result::Result<T, ChConfigError>;
 pub struct ChVm {
     pub config: VmConfig,
     pub info: Value,
+}
+
+/// The arrays of a VmConfig that hold cold-pluggable devices, with Cloud Hypervisor's id
+/// prefixes.
+const DEVICE_LISTS: [(&str, &str); 3] = [("disks", "disk"), ("net", "net"), ("pmem", "pmem")];
+
+impl ChVm {
+    /// This VM with one more device of `kind` (Cloud Hypervisor's DiskConfig, NetConfig or
+    /// PmemConfig JSON in `body`), read by the same rules as the config's own devices, and
+    /// the id it got: the one given, or `_disk2` and so on after the config's own.
+    pub fn add_device(&self, kind: DeviceKind, body: &[u8]) -> Result<(ChVm, String)> {
+        let (list, prefix) = match kind {
+            DeviceKind::Disk => DEVICE_LISTS[0],
+            DeviceKind::Net => DEVICE_LISTS[1],
+            DeviceKind::Pmem => DEVICE_LISTS[2],
+        };
+        let mut device: Value = serde_json::from_slice(body)
+            .map_err(|e| ChConfigError::Json(list_name(list), e.to_string()))?;
+        let Value::Object(fields) = &mut device else {
+            return Err(ChConfigError::Type {
+                field: list.into(),
+                value: device.to_string(),
+                expected: "an object",
+            });
+        };
+        let taken = self.ids();
+        let id = match fields.get("id") {
+            None | Some(Value::Null) => {
+                let count = self.info[list].as_array().map_or(0, Vec::len);
+                (count..)
+                    .map(|n| format!("_{prefix}{n}"))
+                    .find(|id| !taken.contains(id))
+                    .unwrap_or_default()
+            }
+            Some(Value::String(id)) if taken.contains(id) => {
+                return Err(ChConfigError::TakenId(id.clone()))
+            }
+            Some(Value::String(id)) => id.clone(),
+            Some(other) => {
+                return Err(ChConfigError::Type {
+                    field: format!("{list}.id"),
+                    value: other.to_string(),
+                    expected: "a string",
+                })
+            }
+        };
+        fields.insert("id".into(), json!(id));
+        let mut info = self.info.clone();
+        match info[list].as_array_mut() {
+            Some(devices) => devices.push(device),
+            None => info[list] = json!([device]),
+        }
+        Ok((from_value(&info)?, id))
+    }
+
+    /// This VM without the device with this id.
+    pub fn remove_device(&self, id: &str) -> Result<ChVm> {
+        let mut info = self.info.clone();
+        for (list, _) in DEVICE_LISTS {
+            let Some(devices) = info[list].as_array_mut() else {
+                continue;
+            };
+            let Some(at) = devices.iter().position(|d| d["id"] == id) else {
+                continue;
+            };
+            devices.remove(at);
+            // Musubi's pmem settings go with the config's pmem by position.
+            if list == "pmem" {
+                if let Some(ext) = info[EXTENSION]["pmem"].as_array_mut() {
+                    if at < ext.len() {
+                        ext.remove(at);
+                    }
+                }
+            }
+            return from_value(&info);
+        }
+        Err(ChConfigError::UnknownId(id.to_string()))
+    }
+
+    /// Every device id of this VM.
+    fn ids(&self) -> Vec<String> {
+        DEVICE_LISTS
+            .iter()
+            .flat_map(|(list, _)| self.info[*list].as_array().into_iter().flatten())
+            .filter_map(|d| d["id"].as_str().map(String::from))
+            .collect()
+    }
+}
+
+/// Cloud Hypervisor's name for the body of a `vm.add-*` call.
+fn list_name(list: &str) -> &'static str {
+    match list {
+        "disks" => "DiskConfig",
+        "net" => "NetConfig",
+        _ => "PmemConfig",
+    }
 }
 
 /// Whether a JSON config is Cloud Hypervisor's (it has a `payload`) rather than Musubi's
@@ -337,6 +438,22 @@ fn disk(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(DiskConfig, Value
     d.default_only("disable_io_uring", &[json!(false)], IO)?;
     d.default_only("disable_aio", &[json!(false)], IO)?;
     d.default_only("sparse", &[json!(true)], IO)?;
+    d.default_only(
+        "image_type",
+        &[json!("Unknown"), json!("Raw")],
+        "Musubi's disks are raw images",
+    )?;
+    d.default_only(
+        "backing_files",
+        &[json!(false)],
+        "Musubi's disks are raw images, with no backing files",
+    )?;
+    d.default_only(
+        "lock_granularity",
+        &[json!("ByteRange")],
+        "Musubi's disk image locking is its own",
+    )?;
+    d.default_only("pci_device_id", &[Value::Null], VIRTIO_MMIO)?;
     let id = device_id(&mut d, "disk", i, ids)?;
     let mut info = d.finish()?;
     for (k, v) in [
@@ -412,6 +529,7 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
     })?;
     n.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
     n.default_only("pci_segment", &[json!(0)], VIRTIO_MMIO)?;
+    n.default_only("pci_device_id", &[Value::Null], VIRTIO_MMIO)?;
     n.default_only(
         "num_queues",
         &[json!(2)],
@@ -474,6 +592,7 @@ fn pmem(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(PmemConfig, Value
     let size = p.u64("size")?;
     p.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
     p.default_only("pci_segment", &[json!(0)], VIRTIO_MMIO)?;
+    p.default_only("pci_device_id", &[Value::Null], VIRTIO_MMIO)?;
     p.default_only(
         "discard_writes",
         &[json!(false)],
@@ -556,6 +675,7 @@ fn console(v: Option<&Value>) -> Result<Value> {
     c.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
     let mut info = c.finish()?;
     info.insert("mode".into(), json!(mode));
+    info.insert("file".into(), Value::Null);
     info.insert("iommu".into(), json!(false));
     Ok(Value::Object(info))
 }
@@ -861,5 +981,68 @@ mod tests {
     fn only_a_config_with_a_payload_is_cloud_hypervisors() {
         assert!(is_ch_config(&json!({"payload": {"kernel": "k"}})));
         assert!(!is_ch_config(&json!({"kernel": "probe", "cpus": 2})));
+    }
+
+    #[test]
+    fn cold_plugged_devices_follow_the_configs_own_rules_and_ids() {
+        let (d, k) = kernel();
+        let img = d.path().join("a.img");
+        std::fs::write(&img, vec![0; 4096]).unwrap();
+        let img = img.display().to_string();
+        let vm = parsed(&k, &format!(r#", "disks": [{{"path": "{img}"}}]"#)).unwrap();
+        // The config round-trips: what vm.info shows is read back unchanged.
+        assert_eq!(from_value(&vm.info).unwrap().info, vm.info);
+        let disk = |extra: &str| format!(r#"{{"path": "{img}"{extra}}}"#);
+        let (vm, id) = vm
+            .add_device(DeviceKind::Disk, disk(", \"iommu\": false").as_bytes())
+            .unwrap();
+        assert_eq!(id, "_disk1");
+        assert_eq!(vm.config.disks.len(), 2);
+        assert_eq!(vm.info["disks"][1]["id"], "_disk1");
+        let (vm, id) = vm
+            .add_device(DeviceKind::Disk, disk(r#", "id": "data""#).as_bytes())
+            .unwrap();
+        assert_eq!(id, "data");
+        let e = vm
+            .add_device(DeviceKind::Disk, disk(r#", "id": "_disk0""#).as_bytes())
+            .unwrap_err();
+        assert_eq!(e, ChConfigError::TakenId("_disk0".into()));
+        let e = vm
+            .add_device(DeviceKind::Disk, disk(r#", "vhost_user": true"#).as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("disks[3].vhost_user true: not supported"), "{e}");
+        let (vm, id) = vm
+            .add_device(DeviceKind::Net, br#"{"tap": "tap3", "num_queues": 2}"#)
+            .unwrap();
+        assert_eq!((id.as_str(), vm.config.net.len()), ("_net0", 1));
+        let pmem = format!(r#"{{"file": "{img}"}}"#);
+        let (vm, id) = vm.add_device(DeviceKind::Pmem, pmem.as_bytes()).unwrap();
+        assert_eq!((id.as_str(), vm.config.pmem.len()), ("_pmem0", 1));
+
+        // ch-remote add-disk fills in Cloud Hypervisor's defaults.
+        let filled = r#", "pci_segment": 0, "readonly": false, "direct": false,
+            "num_queues": 1, "queue_size": 128, "vhost_user": false, "disable_io_uring": false,
+            "disable_aio": false, "backing_files": false, "sparse": true,
+            "image_type": "Unknown", "lock_granularity": "ByteRange""#;
+        let (vm, id) = vm
+            .add_device(DeviceKind::Disk, disk(filled).as_bytes())
+            .unwrap();
+        assert_eq!(id, "_disk3");
+        let vm = vm.remove_device("_disk3").unwrap();
+        let vm = vm.remove_device("_disk0").unwrap();
+        assert_eq!(vm.config.disks.len(), 2);
+        assert_eq!(vm.info["disks"][0]["id"], "_disk1");
+        // The next id skips the one a remaining disk has.
+        let (vm, id) = vm
+            .add_device(DeviceKind::Disk, disk("").as_bytes())
+            .unwrap();
+        assert_eq!(id, "_disk2");
+        let vm = vm.remove_device("_pmem0").unwrap();
+        assert!(vm.config.pmem.is_empty());
+        assert_eq!(
+            vm.remove_device("_pmem0").unwrap_err(),
+            ChConfigError::UnknownId("_pmem0".into())
+        );
     }
 }

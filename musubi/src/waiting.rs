@@ -8,7 +8,7 @@
 //! for the same reason; the vCPU and I/O threads of every VM get theirs as under `run`.
 
 use crate::ch_config::ChVm;
-use musubi_api::{ActionError, VmControl};
+use musubi_api::{ActionError, DeviceKind, VmControl};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +27,8 @@ enum Call {
     Info,
     Counters,
     Snapshot(PathBuf),
+    AddDevice(DeviceKind, Vec<u8>),
+    RemoveDevice(String),
     ShutdownVmm,
 }
 
@@ -93,6 +95,12 @@ impl VmControl for Forward {
     }
     fn shutdown_vmm(&self) -> Result<(), ActionError> {
         self.act(Call::ShutdownVmm)
+    }
+    fn add_device(&self, kind: DeviceKind, body: &[u8]) -> Result<(), ActionError> {
+        self.act(Call::AddDevice(kind, body.to_vec()))
+    }
+    fn remove_device(&self, id: &str) -> Result<(), ActionError> {
+        self.act(Call::RemoveDevice(id.to_string()))
     }
 }
 
@@ -207,6 +215,24 @@ impl Vmm {
                 let why = Self::stop(b, vmm::Outcome::Shutdown);
                 (State::Shutdown(vm, why), done)
             }
+            // Devices change only the config the next boot builds from: virtio-mmio devices
+            // are found by the guest's kernel at boot, never later.
+            (State::Created(vm), call @ (Call::AddDevice(..) | Call::RemoveDevice(_))) => {
+                match reconfigure(&vm, call) {
+                    Ok(new) => (State::Created(Box::new(new)), done),
+                    Err(e) => (State::Created(vm), Err(e)),
+                }
+            }
+            (State::Shutdown(vm, why), call @ (Call::AddDevice(..) | Call::RemoveDevice(_))) => {
+                match reconfigure(&vm, call) {
+                    Ok(new) => (State::Shutdown(Box::new(new), why), done),
+                    Err(e) => (State::Shutdown(vm, why), Err(e)),
+                }
+            }
+            (State::Running(vm, b), Call::AddDevice(..) | Call::RemoveDevice(_)) => (
+                State::Running(vm, b),
+                Err(ActionError::internal(musubi_api::NO_HOTPLUG)),
+            ),
             (state, Call::Info) => {
                 let info = info(&state);
                 (state, Ok(info))
@@ -268,6 +294,20 @@ impl Vmm {
             other => other,
         };
     }
+}
+
+/// `vm`'s config with a device added or removed; a refused device is a bad request (400),
+/// a duplicate id among them.
+fn reconfigure(vm: &ChVm, call: Call) -> Result<ChVm, ActionError> {
+    let changed = match call {
+        Call::AddDevice(kind, body) => vm.add_device(kind, &body).map(|(vm, id)| {
+            tracing::info!("cold-plugged {} {id}", kind.name());
+            vm
+        }),
+        Call::RemoveDevice(id) => vm.remove_device(&id),
+        _ => return Err(ActionError::internal("not a device change")),
+    };
+    changed.map_err(|e| ActionError::bad_request(e.to_string()))
 }
 
 /// How a VM ended, as `vm.info` reports it: the outcome as `--report` writes it.

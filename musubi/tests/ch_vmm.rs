@@ -246,3 +246,122 @@ fn wrong_states_and_configs_musubi_cannot_honour_are_refused_with_cloud_hypervis
     let run = vmm.finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
 }
+
+#[test]
+fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after() {
+    ch_remote();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("api.sock");
+    let serial = dir.path().join("console.out");
+    // The guest fills the disk it finds, so the file shows the disk was in the booted VM.
+    let config = vm_config(dir.path(), "fill.json", "hello,blk-fill=5", &serial);
+    let size = 1 << 20;
+    let img = temp_image(dir.path(), "cold.img", size);
+    let spare = temp_image(dir.path(), "spare.img", 4096);
+    let vmm = start_vmm(&socket);
+
+    let disk = format!("path={}", img.display());
+    let (status, body) = call(&socket, "PUT", "vm.add-disk", Some("{}"));
+    assert_eq!(status, 404, "add-disk without a VM: {body}");
+    assert!(body.contains("no VM is created"), "{body}");
+
+    ch_ok(&socket, &["create", config.to_str().unwrap()]);
+    ch_ok(&socket, &["add-disk", &disk]);
+    ch_ok(
+        &socket,
+        &["add-disk", &format!("path={},id=spare", spare.display())],
+    );
+    let created = info(&socket);
+    let disks = &created["config"]["disks"];
+    assert_eq!(disks[0]["id"], "_disk0", "{created}");
+    assert_eq!(disks[0]["path"], img.to_str().unwrap(), "{created}");
+    assert_eq!(disks[1]["id"], "spare", "{created}");
+    assert!(created["device_tree"]["spare"].is_object(), "{created}");
+
+    // A duplicate id: 400, naming it; ch-remote fails with the message.
+    let dup = format!("path={},id=spare", spare.display());
+    let r = ch(&socket, &["add-disk", &dup]);
+    assert_ne!(r.code, Some(0), "duplicate id: {}", r.explain());
+    assert!(
+        r.stderr
+            .contains("id \"spare\": a device of this VM has it already"),
+        "{}",
+        r.explain()
+    );
+    let body = format!(r#"{{"path": "{}", "id": "spare"}}"#, spare.display());
+    let (status, text) = call(&socket, "PUT", "vm.add-disk", Some(&body));
+    assert_eq!(status, 400, "duplicate id: {text}");
+    // Fields are read as in vm.create's config.
+    let body = format!(r#"{{"path": "{}", "vhost_user": true}}"#, spare.display());
+    let (status, text) = call(&socket, "PUT", "vm.add-disk", Some(&body));
+    assert_eq!(status, 400, "vhost_user disk: {text}");
+    assert!(
+        text.contains("disks[2].vhost_user true: not supported by Musubi"),
+        "{text}"
+    );
+
+    ch_ok(&socket, &["remove-device", "spare"]);
+    let (status, text) = call(
+        &socket,
+        "PUT",
+        "vm.remove-device",
+        Some(r#"{"id": "spare"}"#),
+    );
+    assert_eq!(status, 400, "removing a removed device: {text}");
+    assert!(text.contains("no disk, net or pmem device"), "{text}");
+    let created = info(&socket);
+    assert_eq!(
+        created["config"]["disks"].as_array().map(Vec::len),
+        Some(1),
+        "{created}"
+    );
+
+    ch_ok(&socket, &["boot"]);
+    let ended = wait_for_state(&socket, "Shutdown");
+    assert_eq!(
+        ended["musubi"]["ended"],
+        serde_json::json!({"kind": "guest_exit", "status": 0}),
+        "{ended}"
+    );
+    let data = std::fs::read(&img).unwrap();
+    for off in [0, 511, 4096, size - 1] {
+        assert_eq!(
+            data[off],
+            fill_byte(off as u64, 5),
+            "byte {off} of the cold-plugged disk"
+        );
+    }
+
+    // Running: no device comes or goes, and the answer says what to do instead.
+    let long = vm_config(dir.path(), "long.json", "hello,fib=60", &serial);
+    ch_ok(&socket, &["delete"]);
+    ch_ok(&socket, &["create", long.to_str().unwrap()]);
+    ch_ok(&socket, &["boot"]);
+    let r = ch(&socket, &["add-disk", &disk]);
+    assert_ne!(r.code, Some(0), "add-disk after boot: {}", r.explain());
+    assert!(
+        r.stderr
+            .contains("virtio-mmio has no hot-plug: add devices before vm.boot"),
+        "{}",
+        r.explain()
+    );
+    for (endpoint, body) in [
+        (
+            "vm.add-disk",
+            format!(r#"{{"path": "{}"}}"#, spare.display()),
+        ),
+        ("vm.add-net", r#"{"tap": "tap0"}"#.to_string()),
+        (
+            "vm.add-pmem",
+            format!(r#"{{"file": "{}"}}"#, spare.display()),
+        ),
+        ("vm.remove-device", r#"{"id": "_disk0"}"#.to_string()),
+    ] {
+        let (status, text) = call(&socket, "PUT", endpoint, Some(&body));
+        assert_eq!(status, 500, "{endpoint} after boot: {text}");
+        assert!(text.contains("virtio-mmio has no hot-plug"), "{text}");
+    }
+    ch_ok(&socket, &["shutdown-vmm"]);
+    let run = vmm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+}
