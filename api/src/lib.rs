@@ -166,6 +166,14 @@ impl ActionError {
     }
 
     /// A request body that is refused (400): a VmConfig Musubi cannot honour.
+    /// A name already taken (a device id twice): Cloud Hypervisor's clients read 409 so.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        ActionError {
+            status: 409,
+            message: message.into(),
+        }
+    }
+
     pub fn bad_request(message: impl Into<String>) -> Self {
         ActionError {
             status: 400,

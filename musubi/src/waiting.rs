@@ -296,8 +296,8 @@ impl Vmm {
     }
 }
 
-/// `vm`'s config with a device added or removed; a refused device is a bad request (400),
-/// a duplicate id among them.
+/// `vm`'s config with a device added or removed; an id another device has is a conflict
+/// (409), any other refused device a bad request (400).
 fn reconfigure(vm: &ChVm, call: Call) -> Result<ChVm, ActionError> {
     let changed = match call {
         Call::AddDevice(kind, body) => vm.add_device(kind, &body).map(|(vm, id)| {
@@ -307,7 +307,10 @@ fn reconfigure(vm: &ChVm, call: Call) -> Result<ChVm, ActionError> {
         Call::RemoveDevice(id) => vm.remove_device(&id),
         _ => return Err(ActionError::internal("not a device change")),
     };
-    changed.map_err(|e| ActionError::bad_request(e.to_string()))
+    changed.map_err(|e| match e {
+        crate::ch_config::ChConfigError::TakenId(_) => ActionError::conflict(e.to_string()),
+        e => ActionError::bad_request(e.to_string()),
+    })
 }
 
 /// How a VM ended, as `vm.info` reports it: the outcome as `--report` writes it.

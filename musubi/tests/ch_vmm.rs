@@ -278,7 +278,7 @@ fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after()
     assert_eq!(disks[1]["id"], "spare", "{created}");
     assert!(created["device_tree"]["spare"].is_object(), "{created}");
 
-    // A duplicate id: 400, naming it; ch-remote fails with the message.
+    // A duplicate id: 409, naming it; ch-remote fails with the message.
     let dup = format!("path={},id=spare", spare.display());
     let r = ch(&socket, &["add-disk", &dup]);
     assert_ne!(r.code, Some(0), "duplicate id: {}", r.explain());
@@ -290,7 +290,7 @@ fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after()
     );
     let body = format!(r#"{{"path": "{}", "id": "spare"}}"#, spare.display());
     let (status, text) = call(&socket, "PUT", "vm.add-disk", Some(&body));
-    assert_eq!(status, 400, "duplicate id: {text}");
+    assert_eq!(status, 409, "duplicate id: {text}");
     // Fields are read as in vm.create's config.
     let body = format!(r#"{{"path": "{}", "vhost_user": true}}"#, spare.display());
     let (status, text) = call(&socket, "PUT", "vm.add-disk", Some(&body));
