@@ -26,6 +26,35 @@ fn ch_remote() -> PathBuf {
     path
 }
 
+/// Boots the created VM and waits for its guest to end on its own (status 0), which
+/// leaves the VMM waiting with the VM in Shutdown.
+fn boot_until_the_guest_exits(socket: &Path) {
+    ch_ok(socket, &["boot"]);
+    let ended = wait_for_state(socket, "Shutdown");
+    assert_eq!(
+        ended["musubi"]["ended"],
+        serde_json::json!({"kind": "guest_exit", "status": 0}),
+        "{ended}"
+    );
+}
+
+/// ch-remote ARGS... failing, its message holding `says`.
+fn ch_refused(socket: &Path, args: &[&str], says: &str) {
+    let r = ch(socket, args);
+    assert_ne!(r.code, Some(0), "{args:?}: {}", r.explain());
+    assert!(
+        r.stderr.contains(says),
+        "{args:?}: {says:?}: {}",
+        r.explain()
+    );
+}
+
+/// A waiting VMM's directory, once ch-remote is known to be there to drive it.
+fn vmm_dir() -> VmmDir {
+    ch_remote();
+    VmmDir::new()
+}
+
 /// `ch-remote --api-socket SOCKET ARGS...`, bounded.
 fn ch(socket: &Path, args: &[&str]) -> Run {
     let mut all = vec!["--api-socket", socket.to_str().unwrap()];
@@ -51,33 +80,6 @@ fn call(socket: &Path, method: &str, endpoint: &str, body: Option<&str>) -> (u16
         .unwrap_or_else(|e| panic!("{method} {endpoint}: {e}"))
 }
 
-/// Writes a VmConfig booting the probe guest with `tasks`, its console into `serial`.
-fn vm_config(dir: &Path, name: &str, tasks: &str, serial: &Path) -> PathBuf {
-    let probe = run_with_limit(&["guest", "path"], LIMIT);
-    assert_eq!(probe.code, Some(0), "guest path: {}", probe.explain());
-    let config = serde_json::json!({
-        "payload": {"kernel": probe.stdout.trim(), "cmdline": format!("probe.tasks={tasks}")},
-        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
-        "memory": {"size": 128u64 << 20, "shared": false, "hugepages": false},
-        "serial": {"mode": "File", "file": serial},
-        "console": {"mode": "Off"},
-        "musubi": {"exits": "kernel"},
-    });
-    let path = dir.join(name);
-    std::fs::write(&path, config.to_string()).unwrap();
-    path
-}
-
-fn start_vmm(socket: &Path) -> Started {
-    let mut vmm = start_command(
-        musubi(),
-        &["vmm", "--api-socket", socket.to_str().unwrap()],
-        None,
-    );
-    vmm.wait_for_file(socket, LIMIT);
-    vmm
-}
-
 fn wait_for_state(socket: &Path, state: &str) -> Value {
     let mut last = Value::Null;
     let reached = wait_until(LIMIT, || {
@@ -90,13 +92,11 @@ fn wait_for_state(socket: &Path, state: &str) -> Value {
 
 #[test]
 fn a_waiting_vmm_takes_cloud_hypervisors_life_cycle_from_ch_remote() {
-    ch_remote();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("api.sock");
-    let serial = dir.path().join("console.out");
+    let d = vmm_dir();
+    let (socket, serial) = (d.socket.clone(), d.serial.clone());
     // A task far longer than the test: the VM is shut down through the API.
-    let long = vm_config(dir.path(), "long.json", "hello,fib=60", &serial);
-    let mut vmm = start_vmm(&socket);
+    let long = d.ch_vm_config("long.json", "hello,fib=60", LIMIT);
+    let mut vmm = d.start_vmm(LIMIT);
 
     ch_ok(&socket, &["ping"]);
     ch_ok(&socket, &["create", long.to_str().unwrap()]);
@@ -144,15 +144,9 @@ fn a_waiting_vmm_takes_cloud_hypervisors_life_cycle_from_ch_remote() {
     assert_eq!(status, 404, "info after delete: {body}");
 
     // A guest that ends on its own leaves the VMM waiting, the VM in Shutdown.
-    let short = vm_config(dir.path(), "short.json", "hello", &serial);
+    let short = d.ch_vm_config("short.json", "hello", LIMIT);
     ch_ok(&socket, &["create", short.to_str().unwrap()]);
-    ch_ok(&socket, &["boot"]);
-    let ended = wait_for_state(&socket, "Shutdown");
-    assert_eq!(
-        ended["musubi"]["ended"],
-        serde_json::json!({"kind": "guest_exit", "status": 0}),
-        "{ended}"
-    );
+    boot_until_the_guest_exits(&socket);
     ch_ok(&socket, &["shutdown-vmm"]);
     let run = vmm.finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
@@ -161,11 +155,9 @@ fn a_waiting_vmm_takes_cloud_hypervisors_life_cycle_from_ch_remote() {
 
 #[test]
 fn wrong_states_and_configs_musubi_cannot_honour_are_refused_with_cloud_hypervisors_codes() {
-    ch_remote();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("api.sock");
-    let serial = dir.path().join("console.out");
-    let vmm = start_vmm(&socket);
+    let d = vmm_dir();
+    let (dir, socket) = (d.dir.path(), d.socket.clone());
+    let vmm = d.start_vmm(LIMIT);
 
     // Nothing created yet: 404, saying so; ch-remote fails with the message.
     for endpoint in ["vm.boot", "vm.pause", "vm.shutdown", "vm.reboot"] {
@@ -177,7 +169,7 @@ fn wrong_states_and_configs_musubi_cannot_honour_are_refused_with_cloud_hypervis
     assert_ne!(r.code, Some(0), "boot without create: {}", r.explain());
     assert!(r.stderr.contains("no VM is created"), "{}", r.explain());
 
-    let config = vm_config(dir.path(), "vm.json", "hello,fib=60", &serial);
+    let config = d.ch_vm_config("vm.json", "hello,fib=60", LIMIT);
     let text = std::fs::read_to_string(&config).unwrap();
     let mut base: Value = serde_json::from_str(&text).unwrap();
     for (field, value, says) in [
@@ -214,7 +206,7 @@ fn wrong_states_and_configs_musubi_cannot_honour_are_refused_with_cloud_hypervis
         assert_eq!(status, 400, "{field}: {body}");
         assert!(body.contains(says), "{field}: {body}");
     }
-    let bad = dir.path().join("bad.json");
+    let bad = dir.join("bad.json");
     base["memory"]["hugepages"] = serde_json::json!(true);
     std::fs::write(&bad, base.to_string()).unwrap();
     let r = ch(&socket, &["create", bad.to_str().unwrap()]);
@@ -249,16 +241,14 @@ fn wrong_states_and_configs_musubi_cannot_honour_are_refused_with_cloud_hypervis
 
 #[test]
 fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after() {
-    ch_remote();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("api.sock");
-    let serial = dir.path().join("console.out");
+    let d = vmm_dir();
+    let (dir, socket) = (d.dir.path(), d.socket.clone());
     // The guest fills the disk it finds, so the file shows the disk was in the booted VM.
-    let config = vm_config(dir.path(), "fill.json", "hello,blk-fill=5", &serial);
+    let config = d.ch_vm_config("fill.json", "hello,blk-fill=5", LIMIT);
     let size = 1 << 20;
-    let img = temp_image(dir.path(), "cold.img", size);
-    let spare = temp_image(dir.path(), "spare.img", 4096);
-    let vmm = start_vmm(&socket);
+    let img = temp_image(dir, "cold.img", size);
+    let spare = temp_image(dir, "spare.img", 4096);
+    let vmm = d.start_vmm(LIMIT);
 
     let disk = format!("path={}", img.display());
     let (status, body) = call(&socket, "PUT", "vm.add-disk", Some("{}"));
@@ -280,13 +270,10 @@ fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after()
 
     // A duplicate id: 409, naming it; ch-remote fails with the message.
     let dup = format!("path={},id=spare", spare.display());
-    let r = ch(&socket, &["add-disk", &dup]);
-    assert_ne!(r.code, Some(0), "duplicate id: {}", r.explain());
-    assert!(
-        r.stderr
-            .contains("id \"spare\": a device of this VM has it already"),
-        "{}",
-        r.explain()
+    ch_refused(
+        &socket,
+        &["add-disk", &dup],
+        "id \"spare\": a device of this VM has it already",
     );
     let body = format!(r#"{{"path": "{}", "id": "spare"}}"#, spare.display());
     let (status, text) = call(&socket, "PUT", "vm.add-disk", Some(&body));
@@ -316,13 +303,7 @@ fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after()
         "{created}"
     );
 
-    ch_ok(&socket, &["boot"]);
-    let ended = wait_for_state(&socket, "Shutdown");
-    assert_eq!(
-        ended["musubi"]["ended"],
-        serde_json::json!({"kind": "guest_exit", "status": 0}),
-        "{ended}"
-    );
+    boot_until_the_guest_exits(&socket);
     let data = std::fs::read(&img).unwrap();
     for off in [0, 511, 4096, size - 1] {
         assert_eq!(
@@ -333,17 +314,14 @@ fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after()
     }
 
     // Running: no device comes or goes, and the answer says what to do instead.
-    let long = vm_config(dir.path(), "long.json", "hello,fib=60", &serial);
+    let long = d.ch_vm_config("long.json", "hello,fib=60", LIMIT);
     ch_ok(&socket, &["delete"]);
     ch_ok(&socket, &["create", long.to_str().unwrap()]);
     ch_ok(&socket, &["boot"]);
-    let r = ch(&socket, &["add-disk", &disk]);
-    assert_ne!(r.code, Some(0), "add-disk after boot: {}", r.explain());
-    assert!(
-        r.stderr
-            .contains("virtio-mmio has no hot-plug: add devices before vm.boot"),
-        "{}",
-        r.explain()
+    ch_refused(
+        &socket,
+        &["add-disk", &disk],
+        "virtio-mmio has no hot-plug: add devices before vm.boot",
     );
     for (endpoint, body) in [
         (

@@ -5,29 +5,12 @@
 mod common;
 use common::*;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 /// Every call and guest here ends in seconds; a hung one fails the test after this.
 const LIMIT: Duration = Duration::from_secs(60);
 const HELLO: &str = "{\"probe\":\"hello\"";
-
-/// Writes a VmConfig booting the probe guest with `tasks`, its console into `serial`.
-fn vm_config(dir: &Path, name: &str, tasks: &str, serial: &Path) -> PathBuf {
-    let probe = run_with_limit(&["guest", "path"], LIMIT);
-    assert_eq!(probe.code, Some(0), "guest path: {}", probe.explain());
-    let config = serde_json::json!({
-        "payload": {"kernel": probe.stdout.trim(), "cmdline": format!("probe.tasks={tasks}")},
-        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
-        "memory": {"size": 128u64 << 20, "shared": false, "hugepages": false},
-        "serial": {"mode": "File", "file": serial},
-        "console": {"mode": "Off"},
-        "musubi": {"exits": "kernel"},
-    });
-    let path = dir.join(name);
-    std::fs::write(&path, config.to_string()).unwrap();
-    path
-}
 
 /// `musubi remote ARGS...` failing, its message holding every one of `says`.
 fn refused(socket: &Path, args: &[&str], says: &[&str]) {
@@ -48,26 +31,20 @@ fn state(socket: &Path) -> Value {
 
 #[test]
 fn musubi_remote_drives_a_waiting_vmms_life_cycle_and_names_a_bad_config_file() {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("api.sock");
-    let serial = dir.path().join("console.out");
+    let d = VmmDir::new();
+    let (dir, socket, serial) = (d.dir.path(), d.socket.clone(), d.serial.clone());
     // A task far longer than the test: the VM is ended through the API.
-    let config = vm_config(dir.path(), "vm.json", "hello,fib=60", &serial);
-    let mut vmm = start_command(
-        musubi(),
-        &["vmm", "--api-socket", socket.to_str().unwrap()],
-        None,
-    );
-    vmm.wait_for_file(&socket, LIMIT);
+    let config = d.ch_vm_config("vm.json", "hello,fib=60", LIMIT);
+    let mut vmm = d.start_vmm(LIMIT);
 
     // Files the client cannot send are refused before any request, naming the file.
-    let missing = dir.path().join("missing.json");
+    let missing = dir.join("missing.json");
     refused(
         &socket,
         &["create", missing.to_str().unwrap()],
         &[missing.to_str().unwrap()],
     );
-    let text = dir.path().join("text.json");
+    let text = dir.join("text.json");
     std::fs::write(&text, "cpus=1\n").unwrap();
     refused(
         &socket,

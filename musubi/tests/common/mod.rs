@@ -211,3 +211,52 @@ pub fn assert_counter_exact(c: &Value, cpus: u64, per_cpu: u64, context: &str) {
     assert_eq!(c["xadd"].as_u64(), Some(expected), "{context}");
     assert_eq!(c["exact"], true, "{context}");
 }
+
+/// A waiting VMM's working directory: its API socket and the console file a VmConfig from
+/// [`ch_vm_config`] writes to, both inside it.
+pub struct VmmDir {
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub serial: PathBuf,
+}
+
+impl VmmDir {
+    pub fn new() -> VmmDir {
+        let dir = tempfile::tempdir().unwrap();
+        let (socket, serial) = (dir.path().join("api.sock"), dir.path().join("console.out"));
+        VmmDir {
+            dir,
+            socket,
+            serial,
+        }
+    }
+
+    /// Writes a Cloud Hypervisor VmConfig named `name` booting the probe guest with
+    /// `tasks` (1 vCPU, 128 MiB), its console into this directory's console file.
+    pub fn ch_vm_config(&self, name: &str, tasks: &str, limit: Duration) -> PathBuf {
+        let probe = run_with_limit(&["guest", "path"], limit);
+        assert_eq!(probe.code, Some(0), "guest path: {}", probe.explain());
+        let config = serde_json::json!({
+            "payload": {"kernel": probe.stdout.trim(), "cmdline": format!("probe.tasks={tasks}")},
+            "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+            "memory": {"size": 128u64 << 20, "shared": false, "hugepages": false},
+            "serial": {"mode": "File", "file": self.serial},
+            "console": {"mode": "Off"},
+            "musubi": {"exits": "kernel"},
+        });
+        let path = self.dir.path().join(name);
+        std::fs::write(&path, config.to_string()).unwrap();
+        path
+    }
+
+    /// `musubi vmm` serving this directory's socket, once the socket is there.
+    pub fn start_vmm(&self, limit: Duration) -> Started {
+        let mut vmm = start_command(
+            musubi(),
+            &["vmm", "--api-socket", self.socket.to_str().unwrap()],
+            None,
+        );
+        vmm.wait_for_file(&self.socket, limit);
+        vmm
+    }
+}
