@@ -61,6 +61,21 @@ pub trait VmControl: Send + Sync {
         let _ = req;
         Err(ActionError::internal("this VMM does not migrate VMs"))
     }
+    /// Puts back the VM saved in a snapshot, in a VMM that has none (Cloud Hypervisor's
+    /// vm.restore). A VMM started with its VM has one already.
+    fn restore(&self, req: &Restore) -> Result<(), ActionError> {
+        let _ = req;
+        Err(ActionError::wrong_state(
+            "this VMM runs the VM it was started with; restore into `musubi vmm              --api-socket PATH`, or start `musubi run --restore DIR`",
+        ))
+    }
+    /// Waits for a VM sent by another VMM and runs it, in a VMM that has none.
+    fn receive_migration(&self, req: &ReceiveMigration) -> Result<(), ActionError> {
+        let _ = req;
+        Err(ActionError::wrong_state(
+            "this VMM runs the VM it was started with; receive into `musubi vmm              --api-socket PATH`, or start `musubi run --receive-migration URL`",
+        ))
+    }
     fn shutdown_vm(&self) -> Result<(), ActionError>;
     /// A VMM runs one VM and ends when it does, so by default shutting the VMM down is
     /// shutting its VM down.
@@ -112,17 +127,41 @@ impl DeviceKind {
 }
 
 /// A `vm.send-migration` request: `{"destination_url": "tcp:HOST:PORT", "secret_file":
-/// "/PATH"}`, with `"mode": "precopy"` and optionally `"downtime_ms"` and `"max_rounds"`
-/// for a pre-copy, or `"push_limit"` (bytes per second, at least 4096) for the default
-/// post-copy.
+/// "/PATH"}`, with `"mode": "precopy"` (or Cloud Hypervisor's `"memory_mode": "Precopy"`)
+/// and optionally `"downtime_ms"` and `"max_rounds"` for a pre-copy, or `"push_limit"`
+/// (bytes per second, at least 4096) for the default post-copy.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SendMigration {
     pub url: String,
-    pub secret_file: std::path::PathBuf,
+    /// `None` when the body names none (Cloud Hypervisor's clients cannot): the VMM's own
+    /// `--secret-file` is used then.
+    pub secret_file: Option<std::path::PathBuf>,
     /// `None` for post-copy.
     pub precopy: Option<PreCopy>,
     /// Post-copy: most bytes per second the background push may send (`push_limit`).
     pub push_limit: Option<u64>,
+}
+
+/// A `vm.restore` request, Cloud Hypervisor's RestoreConfig: `{"source_url":
+/// "file:///DIR"}` with `prefault`, `memory_restore_mode` and `resume`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Restore {
+    pub dir: std::path::PathBuf,
+    /// Read the whole memory file in before the VM runs (`"prefault": true`).
+    pub prefault: bool,
+    /// Fill RAM page by page at first touch through userfaultfd (`"memory_restore_mode":
+    /// "OnDemand"`) rather than map the memory file.
+    pub on_demand: bool,
+    /// Run the VM at once (`"resume": true`); otherwise it waits paused for vm.resume.
+    pub resume: bool,
+}
+
+/// A `vm.receive-migration` request: `{"receiver_url": "tcp:HOST:PORT"}`, with the secret
+/// file as in [`SendMigration`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReceiveMigration {
+    pub url: String,
+    pub secret_file: Option<std::path::PathBuf>,
 }
 
 /// A pre-copy's bounds.

@@ -3,6 +3,7 @@
 
 use crate::http::{Request, Response};
 use crate::{ActionError, DeviceKind, VmControl, API_ROOT};
+use serde_json::{json, Value};
 use std::path::PathBuf;
 
 /// What the server itself answers to GET vmm.ping.
@@ -120,16 +121,44 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
             ),
             Err(r) => r,
         },
+        "vm.restore" if put => match restore_config(&req.body) {
+            Ok(r) => action(vm.restore(&r), "The VM could not be restored", 204),
+            Err(r) => r,
+        },
+        "vm.receive-migration" if put => match receive_config(&req.body) {
+            Ok(r) => action(
+                vm.receive_migration(&r),
+                "The VM migration could not be received",
+                204,
+            ),
+            Err(r) => r,
+        },
         "vm.move-vcpu" if put => match move_target(&req.body) {
             Ok((vcpu, node)) => {
                 action(vm.move_vcpu(vcpu, node), "The vCPU could not be moved", 204)
             }
             Err(r) => r,
         },
-        "vmm.ping" | "vm.info" | "vm.counters" | "vm.pause" | "vm.resume" | "vm.shutdown"
-        | "vmm.shutdown" | "vm.snapshot" | "vm.send-migration" | "vm.move-vcpu" | "vm.create"
-        | "vm.boot" | "vm.reboot" | "vm.delete" | "vm.add-disk" | "vm.add-net" | "vm.add-pmem"
-        | "vm.remove-device" => wrong_method(),
+        "vmm.ping"
+        | "vm.info"
+        | "vm.counters"
+        | "vm.pause"
+        | "vm.resume"
+        | "vm.shutdown"
+        | "vmm.shutdown"
+        | "vm.snapshot"
+        | "vm.send-migration"
+        | "vm.move-vcpu"
+        | "vm.create"
+        | "vm.boot"
+        | "vm.reboot"
+        | "vm.delete"
+        | "vm.add-disk"
+        | "vm.add-net"
+        | "vm.add-pmem"
+        | "vm.remove-device"
+        | "vm.restore"
+        | "vm.receive-migration" => wrong_method(),
         _ => Response::error(404, &["Not Found"]),
     }
 }
@@ -239,12 +268,42 @@ fn migration_target(body: &[u8]) -> Result<crate::SendMigration, Response> {
             "destination_url {url:?}: a VM migrates to tcp:HOST:PORT, no other scheme"
         )));
     }
-    let secret = field("secret_file")?;
-    if !secret.starts_with('/') {
-        return Err(bad_request(&format!(
-            "secret_file {secret:?}: give an absolute path (the VMM runs in another directory)"
-        )));
-    }
+    let secret_file = secret_file(&value)?;
+    ch_defaults(
+        &value,
+        &[
+            (
+                "local",
+                &[json!(false)],
+                "Musubi migrates over TCP, never by handing over memory",
+            ),
+            (
+                "preserve_source",
+                &[json!(false)],
+                "the source's VM ends once the destination runs it",
+            ),
+            (
+                "connections",
+                &[json!(1)],
+                "a migration is one authenticated connection",
+            ),
+            (
+                "tls_dir",
+                &[Value::Null],
+                "the secret file authenticates a migration, not TLS",
+            ),
+            (
+                "timeout_s",
+                &[json!(3600)],
+                "Musubi's migration has no overall timeout",
+            ),
+            (
+                "timeout_strategy",
+                &[json!("Cancel")],
+                "Musubi's migration has no overall timeout",
+            ),
+        ],
+    )?;
     let number = |name: &str, min: u64, max: u64| match value.get(name) {
         None => Ok(None),
         Some(v) => match v.as_u64().filter(|n| (min..=max).contains(n)) {
@@ -257,12 +316,30 @@ fn migration_target(body: &[u8]) -> Result<crate::SendMigration, Response> {
     let downtime_ms = number("downtime_ms", 0, 3_600_000)?;
     let max_rounds = number("max_rounds", 1, 1000)?;
     let push_limit = number("push_limit", 4096, u64::MAX)?;
-    let precopy = match value.get("mode").map(|m| m.as_str()) {
-        None | Some(Some("postcopy")) => {
-            if let Some(name) = ["downtime_ms", "max_rounds"]
-                .into_iter()
-                .find(|n| value.get(*n).is_some())
-            {
+    // Musubi's "mode", or Cloud Hypervisor's "memory_mode", whose clients always send a
+    // downtime_ms (300) even for a post-copy, which then has no use for it.
+    let (mode, from_ch) = match (value.get("mode"), value.get("memory_mode")) {
+        (None, None) => ("postcopy".to_string(), false),
+        (Some(m), None) => (m.as_str().unwrap_or("?").to_string(), false),
+        (None, Some(m)) => (m.as_str().unwrap_or("?").to_ascii_lowercase(), true),
+        (Some(m), Some(c)) => {
+            return Err(bad_request(&format!(
+                "mode {m} and memory_mode {c}: give one of them"
+            )))
+        }
+    };
+    let precopy = match mode.as_str() {
+        "postcopy" => {
+            let stray = if from_ch {
+                max_rounds.map(|_| "max_rounds").or(downtime_ms
+                    .filter(|&d| d != crate::PreCopy::DEFAULT_DOWNTIME_MS)
+                    .map(|_| "downtime_ms"))
+            } else {
+                ["downtime_ms", "max_rounds"]
+                    .into_iter()
+                    .find(|n| value.get(*n).is_some())
+            };
+            if let Some(name) = stray {
                 return Err(bad_request(&format!(
                     "{name} bounds a pre-copy; give \"mode\": \"precopy\" with it (a \
                      post-copy switches at once)"
@@ -270,29 +347,234 @@ fn migration_target(body: &[u8]) -> Result<crate::SendMigration, Response> {
             }
             None
         }
-        Some(Some("precopy")) if push_limit.is_some() => {
+        "precopy" if push_limit.is_some() => {
             return Err(bad_request(
                 "push_limit bounds a post-copy's background push; a pre-copy pushes nothing \
                  after the switch",
             ))
         }
-        Some(Some("precopy")) => Some(crate::PreCopy {
+        "precopy" => Some(crate::PreCopy {
             downtime_ms: downtime_ms.unwrap_or(crate::PreCopy::DEFAULT_DOWNTIME_MS),
             max_rounds: max_rounds.map_or(crate::PreCopy::DEFAULT_MAX_ROUNDS, |n| n as u32),
         }),
-        Some(_) => {
+        _ => {
+            let (name, given) = if from_ch {
+                ("memory_mode", &value["memory_mode"])
+            } else {
+                ("mode", &value["mode"])
+            };
             return Err(bad_request(&format!(
-                "mode {}: expected \"postcopy\" or \"precopy\"",
-                value["mode"]
-            )))
+                "{name} {given}: expected \"postcopy\" or \"precopy\""
+            )));
         }
     };
     Ok(crate::SendMigration {
         url,
-        secret_file: PathBuf::from(secret),
+        secret_file,
         precopy,
         push_limit,
     })
+}
+
+/// The secret file a migration body names, at its top level or under Musubi's extension
+/// key `"musubi"`; `None` when it names none.
+fn secret_file(value: &Value) -> Result<Option<PathBuf>, Response> {
+    let given = value
+        .get("secret_file")
+        .or_else(|| value.get("musubi").and_then(|m| m.get("secret_file")));
+    match given {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.starts_with('/') => Ok(Some(PathBuf::from(s))),
+        Some(other) => Err(bad_request(&format!(
+            "secret_file {other}: give an absolute path (the VMM runs in another directory)"
+        ))),
+    }
+}
+
+/// Refuses a Cloud Hypervisor field Musubi cannot honour unless it is absent or at a value
+/// given (its default), naming the field, the value and why.
+fn ch_defaults(value: &Value, fields: &[(&str, &[Value], &str)]) -> Result<(), Response> {
+    for (name, defaults, why) in fields {
+        if let Some(v) = value.get(*name) {
+            if !defaults.contains(v) {
+                return Err(bad_request(&format!(
+                    "{name} {v}: not supported by Musubi: {why}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A JSON body, or CH's 400 for one that is not.
+fn json_body(body: &[u8], shape: &str) -> Result<Value, Response> {
+    if body.is_empty() {
+        return Err(bad_request(shape));
+    }
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| Response::error(400, &["Failed to deserialize JSON", &e.to_string()]))?;
+    if !value.is_object() {
+        return Err(bad_request(shape));
+    }
+    Ok(value)
+}
+
+/// The fields Cloud Hypervisor sends for devices Musubi has not (VFIO, NUMA zones) and
+/// that ch-remote fills in at their defaults.
+const NO_VFIO: &str = "Musubi has no VFIO devices or NUMA memory zones";
+
+/// A vm.restore body: Cloud Hypervisor's RestoreConfig (see [`crate::Restore`]).
+fn restore_config(body: &[u8]) -> Result<crate::Restore, Response> {
+    const SHAPE: &str = "vm.restore needs a JSON body {\"source_url\": \"file:///DIR\"}";
+    let value = json_body(body, SHAPE)?;
+    let url = match value.get("source_url") {
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => {
+            return Err(bad_request(&format!(
+                "source_url {other}: expected a string"
+            )))
+        }
+        None => {
+            return Err(Response::error(
+                400,
+                &[
+                    "Failed to deserialize JSON",
+                    "missing field `source_url`",
+                    SHAPE,
+                ],
+            ))
+        }
+    };
+    let dir = match url.strip_prefix("file://") {
+        Some(dir) if dir.starts_with('/') => PathBuf::from(dir),
+        _ => {
+            return Err(bad_request(&format!(
+                "source_url {url:?}: a snapshot is read from file:///DIR (an absolute \
+                 directory), no other scheme"
+            )))
+        }
+    };
+    let flag = |name: &str| match value.get(name) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(bad_request(&format!(
+            "{name} {other}: expected true or false"
+        ))),
+    };
+    let on_demand = match value.get("memory_restore_mode") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(m)) if m.eq_ignore_ascii_case("copy") => false,
+        Some(Value::String(m)) if m.eq_ignore_ascii_case("ondemand") => true,
+        Some(other) => {
+            return Err(bad_request(&format!(
+                "memory_restore_mode {other}: expected \"Copy\" or \"OnDemand\""
+            )))
+        }
+    };
+    ch_defaults(
+        &value,
+        &[
+            (
+                "net_fds",
+                &[Value::Null],
+                "a restored VM reopens the TAPs its snapshot names",
+            ),
+            ("vfio_fds", &[Value::Null], NO_VFIO),
+            ("iommufd_fd", &[Value::Null], NO_VFIO),
+            ("zone_updates", &[Value::Null, json!([])], NO_VFIO),
+        ],
+    )?;
+    known_fields(
+        &value,
+        &[
+            "source_url",
+            "prefault",
+            "memory_restore_mode",
+            "resume",
+            "net_fds",
+            "vfio_fds",
+            "iommufd_fd",
+            "zone_updates",
+        ],
+    )?;
+    Ok(crate::Restore {
+        dir,
+        prefault: flag("prefault")?,
+        on_demand,
+        resume: flag("resume")?,
+    })
+}
+
+/// A vm.receive-migration body: `{"receiver_url": "tcp:HOST:PORT"}` and the secret file
+/// (see [`crate::ReceiveMigration`]).
+fn receive_config(body: &[u8]) -> Result<crate::ReceiveMigration, Response> {
+    const SHAPE: &str =
+        "vm.receive-migration needs a JSON body {\"receiver_url\": \"tcp:HOST:PORT\"}";
+    let value = json_body(body, SHAPE)?;
+    let url = match value.get("receiver_url") {
+        Some(Value::String(s)) if s.starts_with("tcp:") => s.clone(),
+        Some(other) => {
+            return Err(bad_request(&format!(
+                "receiver_url {other}: a VM is received on tcp:HOST:PORT, no other scheme"
+            )))
+        }
+        None => {
+            return Err(Response::error(
+                400,
+                &[
+                    "Failed to deserialize JSON",
+                    "missing field `receiver_url`",
+                    SHAPE,
+                ],
+            ))
+        }
+    };
+    ch_defaults(
+        &value,
+        &[
+            (
+                "tls_dir",
+                &[Value::Null],
+                "the secret file authenticates a migration, not TLS",
+            ),
+            (
+                "memory_mode",
+                &[Value::Null, json!("Precopy"), json!("Postcopy")],
+                "the sender chooses pre-copy or post-copy",
+            ),
+            ("vfio_fds", &[Value::Null], NO_VFIO),
+            ("iommufd_fd", &[Value::Null], NO_VFIO),
+            ("zone_updates", &[Value::Null, json!([])], NO_VFIO),
+        ],
+    )?;
+    known_fields(
+        &value,
+        &[
+            "receiver_url",
+            "secret_file",
+            "musubi",
+            "tls_dir",
+            "memory_mode",
+            "vfio_fds",
+            "iommufd_fd",
+            "zone_updates",
+        ],
+    )?;
+    Ok(crate::ReceiveMigration {
+        url,
+        secret_file: secret_file(&value)?,
+    })
+}
+
+/// Refuses a field nobody reads, so nothing asked for is silently dropped.
+fn known_fields(value: &Value, known: &[&str]) -> Result<(), Response> {
+    let unknown = value
+        .as_object()
+        .and_then(|o| o.keys().find(|k| !known.contains(&k.as_str())));
+    match unknown {
+        Some(k) => Err(bad_request(&format!("{k}: unknown field"))),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -334,7 +616,7 @@ mod tests {
         let base = r#""destination_url": "tcp:127.0.0.1:6000", "secret_file": "/s""#;
         let post = parsed(&format!("{{{base}}}")).unwrap();
         assert_eq!(post.url, "tcp:127.0.0.1:6000");
-        assert_eq!(post.secret_file, PathBuf::from("/s"));
+        assert_eq!(post.secret_file, Some(PathBuf::from("/s")));
         assert_eq!((post.precopy, post.push_limit), (None, None));
         let limited = parsed(&format!(r#"{{{base}, "push_limit": 65536}}"#)).unwrap();
         assert_eq!(limited.push_limit, Some(65536));
@@ -379,6 +661,99 @@ mod tests {
             let e = format!("{:?}", parsed(&format!("{{{base}{extra}}}")).unwrap_err());
             assert!(e.contains("400") && e.contains(names), "{extra}: {e}");
         }
+    }
+
+    /// The bodies Cloud Hypervisor's own ch-remote sends (captured from it).
+    const CH_SEND: &str = r#"{"destination_url":"tcp:127.0.0.1:6000","local":false,"preserve_source":false,"downtime_ms":300,"timeout_s":3600,"timeout_strategy":"Cancel","connections":1,"tls_dir":null,"memory_mode":"Precopy"}"#;
+    const CH_RESTORE: &str = r#"{"source_url":"file:///tmp/snap","prefault":true,"memory_restore_mode":"Copy","net_fds":null,"vfio_fds":null,"iommufd_fd":null,"resume":false,"zone_updates":[]}"#;
+    const CH_RECEIVE: &str = r#"{"receiver_url":"tcp:127.0.0.1:6000","tls_dir":null,"memory_mode":"Precopy","vfio_fds":null,"iommufd_fd":null,"zone_updates":[]}"#;
+
+    #[test]
+    fn cloud_hypervisors_migration_bodies_are_read_and_what_musubi_cannot_do_is_refused() {
+        let pre = parsed(CH_SEND).unwrap();
+        assert_eq!(pre.secret_file, None);
+        assert_eq!(
+            pre.precopy,
+            Some(PreCopy {
+                downtime_ms: 300,
+                max_rounds: 10
+            })
+        );
+        let post = parsed(&CH_SEND.replace("Precopy", "Postcopy")).unwrap();
+        assert_eq!(post.precopy, None);
+        for (from, to, says) in [
+            (
+                r#""local":false"#,
+                r#""local":true"#,
+                "local true: not supported",
+            ),
+            (r#""connections":1"#, r#""connections":4"#, "connections 4"),
+            (r#""tls_dir":null"#, r#""tls_dir":"/t""#, "tls_dir"),
+            (r#""Precopy""#, r#""Fast""#, "Fast"),
+        ] {
+            let e = format!("{:?}", parsed(&CH_SEND.replace(from, to)).unwrap_err());
+            assert!(e.contains("400") && e.contains(says), "{to}: {e}");
+        }
+        let r = receive_config(CH_RECEIVE.as_bytes()).unwrap();
+        assert_eq!(
+            (r.url.as_str(), r.secret_file),
+            ("tcp:127.0.0.1:6000", None)
+        );
+        let with_secret = CH_RECEIVE.replace('{', r#"{"musubi":{"secret_file":"/s"},"#);
+        let r = receive_config(with_secret.as_bytes()).unwrap();
+        assert_eq!(r.secret_file, Some(PathBuf::from("/s")));
+        for (from, to, says) in [
+            ("tcp:127", "unix:/x:127", "no other scheme"),
+            (r#""tls_dir":null"#, r#""tls_dir":"/t""#, "tls_dir"),
+            (
+                "\"zone_updates\":[]",
+                "\"zone_updates\":[1]",
+                "zone_updates [1]",
+            ),
+            (
+                r#""memory_mode""#,
+                r#""speed":1,"memory_mode""#,
+                "speed: unknown field",
+            ),
+        ] {
+            let e = format!(
+                "{:?}",
+                receive_config(CH_RECEIVE.replace(from, to).as_bytes())
+            );
+            assert!(e.contains("400") && e.contains(says), "{to}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_restore_takes_cloud_hypervisors_restore_config() {
+        let r = restore_config(CH_RESTORE.as_bytes()).unwrap();
+        assert_eq!(r.dir, PathBuf::from("/tmp/snap"));
+        assert!(r.prefault && !r.on_demand && !r.resume, "{r:?}");
+        let lazy = CH_RESTORE
+            .replace("\"Copy\"", "\"OnDemand\"")
+            .replace("\"resume\":false", "\"resume\":true");
+        let r = restore_config(lazy.as_bytes()).unwrap();
+        assert!(r.on_demand && r.resume, "{r:?}");
+        for (from, to, says) in [
+            ("file:///tmp", "tcp://h/tmp", "tcp://h/tmp/snap"),
+            ("file:///tmp", "file://tmp", "absolute"),
+            (
+                "\"net_fds\":null",
+                "\"net_fds\":[\"n@3\"]",
+                "reopens the TAPs",
+            ),
+            ("\"Copy\"", "\"Lazy\"", "Lazy"),
+            ("\"prefault\":true", "\"prefault\":1", "prefault 1"),
+            ("\"resume\"", "\"resumed\"", "resumed: unknown field"),
+        ] {
+            let e = format!(
+                "{:?}",
+                restore_config(CH_RESTORE.replace(from, to).as_bytes())
+            );
+            assert!(e.contains("400") && e.contains(says), "{to}: {e}");
+        }
+        let e = format!("{:?}", restore_config(b"{}"));
+        assert!(e.contains("missing field `source_url`"), "{e}");
     }
 
     #[test]

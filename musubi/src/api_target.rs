@@ -8,6 +8,9 @@ pub struct ApiTarget {
     pub vm: vmm::VmHandle,
     /// Moves the VM elsewhere (vm.send-migration); `None` if its thread could not start.
     pub migrator: Option<musubi_migration::vm::Migrator>,
+    /// `--secret-file`: the secret of a migration whose request names none.
+    pub secret_file: Option<std::path::PathBuf>,
+    pub described: Described,
 }
 
 fn refused(e: vmm::ControlError) -> ActionError {
@@ -33,8 +36,29 @@ pub fn serve(
     }
 }
 
+/// A running VM's VmConfig as `vm.info` shows it, worked out once on the thread that
+/// starts the API: reading a config checks it against the host, which the API thread's
+/// filter does not let it do.
+pub enum Described {
+    Ch(Box<crate::ch_config::ChVm>),
+    /// A saved setting no VmConfig can hold: Musubi's own form, so nothing is hidden.
+    Own(serde_json::Value, u64),
+}
+
+impl Described {
+    pub fn of(vm: &vmm::VmHandle) -> Described {
+        match vm.config().to_vm_config() {
+            Ok(config) => Described::Ch(Box::new(crate::ch_config::ChVm::from_config(config))),
+            Err(_) => Described::Own(
+                serde_json::to_value(vm.config()).unwrap_or_default(),
+                vm.config().memory,
+            ),
+        }
+    }
+}
+
 /// What `vm.info` answers for `vm`: its configuration and state, as Cloud Hypervisor's.
-pub fn info_json(vm: &vmm::VmHandle) -> serde_json::Value {
+pub fn info_json(vm: &vmm::VmHandle, described: &Described) -> serde_json::Value {
     let state = if vm.has_ended() {
         "Shutdown"
     } else if vm.is_paused() {
@@ -42,17 +66,19 @@ pub fn info_json(vm: &vmm::VmHandle) -> serde_json::Value {
     } else {
         "Running"
     };
-    let config = vm.config();
-    serde_json::json!({
-        "config": config,
-        "state": state,
-        "memory_actual_size": config.memory,
-    })
+    match described {
+        Described::Ch(ch) => ch.vm_info(state),
+        Described::Own(config, memory) => serde_json::json!({
+            "config": config,
+            "state": state,
+            "memory_actual_size": memory,
+        }),
+    }
 }
 
 impl VmControl for ApiTarget {
     fn info(&self) -> Result<serde_json::Value, ActionError> {
-        Ok(info_json(&self.vm))
+        Ok(info_json(&self.vm, &self.described))
     }
 
     fn counters(&self) -> Result<serde_json::Value, ActionError> {
@@ -82,7 +108,10 @@ impl VmControl for ApiTarget {
     fn send_migration(&self, req: &musubi_api::SendMigration) -> Result<(), ActionError> {
         match &self.migrator {
             Some(m) => m
-                .send(&crate::migrate::send_request(req))
+                .send(&crate::migrate::send_request(
+                    req,
+                    self.secret_file.as_deref(),
+                )?)
                 .map_err(|e| ActionError::internal(e.to_string())),
             None => Err(ActionError::internal(
                 "this VMM cannot send its VM: its migrator thread did not start",

@@ -177,6 +177,96 @@ pub fn parse(text: &[u8]) -> Result<ChVm> {
 
 /// Reads Cloud Hypervisor's VmConfig from parsed JSON.
 pub fn from_value(value: &Value) -> Result<ChVm> {
+    read(value, true)
+}
+
+/// Cloud Hypervisor's VmConfig for a VM Musubi built from elsewhere (a snapshot, a
+/// migration, `musubi run`'s flags), as a client would have written it.
+pub fn describe(config: &VmConfig) -> Value {
+    let (mode, file) = match &config.serial {
+        SerialMode::Off => ("Off", None),
+        SerialMode::Stdio => ("Tty", None),
+        SerialMode::File(f) => ("File", Some(f)),
+    };
+    json!({
+        "payload": {
+            "kernel": config.kernel.name(),
+            "cmdline": config.cmdline,
+            "initramfs": config.initrd,
+        },
+        "cpus": {"boot_vcpus": config.cpus},
+        "memory": {"size": config.memory},
+        "disks": config.disks.iter().map(disk_json).collect::<Vec<_>>(),
+        "net": config.net.iter().map(net_json).collect::<Vec<_>>(),
+        "pmem": config.pmem.iter().map(pmem_json).collect::<Vec<_>>(),
+        "serial": {"mode": mode, "file": file},
+        EXTENSION: {
+            "exits": config.exits.to_string(),
+            "pmem": config.pmem.iter().map(|p| json!({"advertise": p.advertise.to_string()}))
+                .collect::<Vec<_>>(),
+        },
+    })
+}
+
+/// Cloud Hypervisor's DiskConfig for a disk given as `--disk` gives it.
+pub fn disk_json(d: &DiskConfig) -> Value {
+    json!({"path": d.path, "readonly": d.readonly, "direct": d.cache == CacheMode::None})
+}
+
+/// Cloud Hypervisor's NetConfig for a network device given as `--net` gives it (its rate
+/// limit has no place there).
+pub fn net_json(n: &NetConfig) -> Value {
+    json!({
+        "tap": n.tap, "ip": n.ip, "mask": n.mask, "mac": n.mac,
+        "fds": n.fd.map(|fd| vec![fd]), "queue_size": n.queue_size,
+    })
+}
+
+/// Cloud Hypervisor's PmemConfig for memory storage given as `--pmem` gives it (how it is
+/// advertised goes under the VmConfig's extension key, which a device body has not).
+pub fn pmem_json(p: &PmemConfig) -> Value {
+    json!({"file": p.file, "size": p.size})
+}
+
+impl ChVm {
+    /// A VM Musubi built from elsewhere (a snapshot, a migration), with the VmConfig
+    /// `vm.info` shows for it. The config is kept as it is (a kernel the binary carries, a
+    /// TAP descriptor); where no VmConfig can say it, `vm.info` shows the plain description.
+    pub fn from_config(config: VmConfig) -> ChVm {
+        let described = describe(&config);
+        let info = read(&described, false).map_or(described, |vm| vm.info);
+        ChVm { config, info }
+    }
+}
+
+impl ChVm {
+    /// Cloud Hypervisor's VmInfo for this VM in `state` (Created, Running, Paused,
+    /// Shutdown): its config, RAM, and a device tree with an entry per device id.
+    pub fn vm_info(&self, state: &str) -> Value {
+        let mut device_tree = Map::new();
+        for (list, _) in DEVICE_LISTS {
+            for d in self.info[list].as_array().into_iter().flatten() {
+                if let Some(id) = d["id"].as_str() {
+                    device_tree.insert(
+                        id.to_string(),
+                        json!({"id": id, "resources": [], "children": [], "pci_bdf": null}),
+                    );
+                }
+            }
+        }
+        json!({
+            "config": self.info,
+            "state": state,
+            "memory_actual_size": self.config.memory,
+            "device_tree": device_tree,
+        })
+    }
+}
+
+/// Reads a VmConfig; `check_files` asks that the kernel, initramfs and disk files exist.
+/// They need not for a VM built already (a snapshot's or a migration's, which loads no
+/// kernel), whose description may be read on a thread whose filter allows no file calls.
+fn read(value: &Value, check_files: bool) -> Result<ChVm> {
     let mut top = Obj::new("", value)?;
     let payload = top.object("payload")?;
     let Some(payload) = payload else {
@@ -193,14 +283,14 @@ pub fn from_value(value: &Value) -> Result<ChVm> {
     for key in ["firmware", "igvm", "host_data"] {
         p.default_only(key, &[Value::Null], "Musubi boots a kernel directly")?;
     }
-    if !kernel.is_file() {
+    if check_files && !kernel.is_file() {
         return Err(ChConfigError::Type {
             field: "payload.kernel".into(),
             value: format!("{:?}", kernel.display().to_string()),
             expected: "a kernel file that exists",
         });
     }
-    if let Some(i) = &initrd {
+    if let Some(i) = initrd.as_ref().filter(|_| check_files) {
         if !i.is_file() {
             return Err(ChConfigError::Type {
                 field: "payload.initramfs".into(),
@@ -217,7 +307,7 @@ pub fn from_value(value: &Value) -> Result<ChVm> {
     let mut disks = Vec::new();
     let mut disks_info = Vec::new();
     for (i, d) in top.array("disks")?.iter().enumerate() {
-        let (disk, info) = disk(i, d, &mut ids)?;
+        let (disk, info) = disk(i, d, &mut ids, check_files)?;
         disks.push(disk);
         disks_info.push(info);
     }
@@ -398,12 +488,19 @@ fn device_id(o: &mut Obj, kind: &str, index: usize, ids: &mut Vec<String>) -> Re
 
 const VIRTIO_MMIO: &str = "Musubi's devices are virtio-mmio, with no IOMMU or PCI segments";
 
-fn disk(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(DiskConfig, Value)> {
+fn disk(
+    i: usize,
+    v: &Value,
+    ids: &mut Vec<String>,
+    check_file: bool,
+) -> Result<(DiskConfig, Value)> {
     let mut d = Obj::new(&format!("disks[{i}]"), v)?;
     let path = d.path("path")?.ok_or_else(|| ChConfigError::Missing {
         field: format!("disks[{i}].path"),
     })?;
-    vmm::config::check_storage_file("disks[].path", &path)?;
+    if check_file {
+        vmm::config::check_storage_file("disks[].path", &path)?;
+    }
     let readonly = d.bool("readonly")?.unwrap_or(false);
     let direct = d.bool("direct")?.unwrap_or(false);
     d.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;

@@ -116,13 +116,14 @@ pub struct ControlFlags {
     #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "cmdline", "initrd", "config", "nodes"])]
     pub restore: Option<PathBuf>,
     /// How a restored VM's RAM is filled: `mapped` maps the snapshot's memory file
-    /// copy-on-write (the kernel reads a page when the guest first touches it); `ondemand`
+    /// copy-on-write (the kernel reads a page when the guest first touches it); `prefault`
+    /// maps it so and reads every page in before the VM runs; `ondemand`
     /// gives the guest empty memory and a thread of the VMM reads each page from the file
     /// at its first touch, through userfaultfd (needs root or vm.unprivileged_userfaultfd=1),
     /// so the file is only read, never mapped, and the pages read are counted.
     #[arg(
         long,
-        value_name = "mapped|ondemand",
+        value_name = "mapped|prefault|ondemand",
         default_value = "mapped",
         requires = "restore"
     )]
@@ -141,8 +142,9 @@ pub struct ControlFlags {
     )]
     pub receive_migration: Option<MigrationUrl>,
     /// The migration's shared secret: a file of at least 16 bytes, mode 0600, the same on
-    /// both ends.
-    #[arg(long, value_name = "FILE", requires = "receive_migration")]
+    /// both ends. Needed by --receive-migration; with --api-socket, a vm.send-migration
+    /// whose body names no secret file (Cloud Hypervisor's clients cannot) uses this one.
+    #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
     /// A storage file another partition owns, as PARTITION:PATH (repeatable): an arriving VM
     /// that uses one is refused. Set by a partition's supervisor for a VM that waits for a
@@ -173,6 +175,7 @@ pub struct ControlFlags {
 pub enum RestoreMemory {
     #[default]
     Mapped,
+    Prefault,
     Ondemand,
 }
 

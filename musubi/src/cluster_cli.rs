@@ -122,6 +122,7 @@ pub fn node(
         let target = std::sync::Arc::new(crate::node_api::NodeApi {
             vm: running.handle(),
             mover: running.mover(),
+            described: crate::api_target::Described::of(&running.handle()),
         });
         crate::api_target::serve(path, target, run.seccomp, &running.handle())
     });

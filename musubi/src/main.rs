@@ -87,7 +87,8 @@ enum Command {
     /// Start with no VM and serve the control API on this UNIX socket (created mode 0600),
     /// with Cloud Hypervisor's life cycle: vm.create (its VmConfig JSON, Musubi's own
     /// settings under "musubi"), vm.boot, vm.pause, vm.resume, vm.shutdown, vm.reboot,
-    /// vm.delete, vm.info, vm.counters, vm.snapshot; vmm.shutdown ends the process. A guest
+    /// vm.delete, vm.info, vm.counters, vm.snapshot, vm.restore, vm.send-migration,
+    /// vm.receive-migration and the cold-plug calls; vmm.shutdown ends the process. A guest
     /// that ends on its own leaves the VMM waiting, its VM in state Shutdown.
     Vmm {
         #[arg(long, value_name = "PATH")]
@@ -95,6 +96,11 @@ enum Command {
         /// System-call filters of each VM's threads and of the API thread, as for run.
         #[arg(long, value_name = "true|false|log", default_value = "true")]
         seccomp: vmm::seccomp::SeccompMode,
+        /// The shared secret (a file of at least 16 bytes, mode 0600, the same on both ends)
+        /// of a vm.send-migration or vm.receive-migration whose body names none: Cloud
+        /// Hypervisor's clients cannot name one.
+        #[arg(long, value_name = "FILE")]
+        secret_file: Option<std::path::PathBuf>,
     },
     /// Boot the bundled probe guest on 2 vCPUs with a temporary disk, run hello, blk-fill
     /// and blk-crc, check the disk on the host, and summarize.
@@ -200,6 +206,7 @@ fn main() -> ExitCode {
         (None, Some(api_socket)) => Command::Vmm {
             api_socket,
             seccomp: vmm::seccomp::SeccompMode::default(),
+            secret_file: None,
         },
         (None, None) => return fail("give a command or --api-socket PATH (see --help)".into()),
     };
@@ -233,7 +240,8 @@ fn main() -> ExitCode {
         Command::Vmm {
             api_socket,
             seccomp,
-        } => waiting::run(&api_socket, seccomp),
+            secret_file,
+        } => waiting::run(&api_socket, seccomp, secret_file),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
         Command::Partition(args) => partition_cli::run(args),

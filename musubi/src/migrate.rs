@@ -11,7 +11,7 @@ use musubi_migration::vm::{Received, Receiving, SendRequest};
 use musubi_migration::Mode;
 use signal_hook::iterator::Signals;
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 /// A `tcp:HOST:PORT` migration URL (`run --receive-migration`, `remote send-migration`),
@@ -126,11 +126,15 @@ pub fn receive(
     })
 }
 
-/// What `PUT vm.send-migration` asks for, as the migrator takes it.
-pub fn send_request(req: &musubi_api::SendMigration) -> SendRequest {
-    SendRequest {
+/// What `PUT vm.send-migration` asks for, as the migrator takes it; `default_secret` is the
+/// VMM's `--secret-file`, for a body that names none.
+pub fn send_request(
+    req: &musubi_api::SendMigration,
+    default_secret: Option<&Path>,
+) -> Result<SendRequest, musubi_api::ActionError> {
+    Ok(SendRequest {
         url: req.url.clone(),
-        secret_file: req.secret_file.clone(),
+        secret_file: secret(req.secret_file.as_deref(), default_secret)?,
         push_limit: req.push_limit,
         mode: match req.precopy {
             Some(p) => Mode::PreCopy {
@@ -139,5 +143,22 @@ pub fn send_request(req: &musubi_api::SendMigration) -> SendRequest {
             },
             None => Mode::PostCopy,
         },
-    }
+    })
+}
+
+/// The secret file a migration through the API uses: the one its body names, else the
+/// VMM's own `--secret-file`.
+pub fn secret(
+    given: Option<&Path>,
+    default_secret: Option<&Path>,
+) -> Result<PathBuf, musubi_api::ActionError> {
+    given
+        .or(default_secret)
+        .map(Path::to_path_buf)
+        .ok_or_else(|| {
+            musubi_api::ActionError::bad_request(
+                "no secret file: name one in the body (\"secret_file\", or under \"musubi\"), \
+             or start the VMM with --secret-file FILE",
+            )
+        })
 }

@@ -9,6 +9,7 @@ use musubi_api::{ActionError, VmControl};
 pub struct NodeApi {
     pub vm: vmm::VmHandle,
     pub mover: musubi_cluster::Mover,
+    pub described: crate::api_target::Described,
 }
 
 fn refused(what: &str) -> ActionError {
@@ -20,7 +21,7 @@ fn refused(what: &str) -> ActionError {
 
 impl VmControl for NodeApi {
     fn info(&self) -> Result<serde_json::Value, ActionError> {
-        let mut info = crate::api_target::info_json(&self.vm);
+        let mut info = crate::api_target::info_json(&self.vm, &self.described);
         info["vcpu_nodes"] = serde_json::json!(self.mover.vcpu_nodes());
         Ok(info)
     }

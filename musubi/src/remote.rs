@@ -32,7 +32,8 @@ enum RemoteCommand {
         #[arg(value_name = "DIR")]
         dir: PathBuf,
     },
-    /// End the VM and the musubi process serving it (PUT vmm.shutdown).
+    /// Shut the VM down (PUT vm.shutdown): under `run` the process ends with it; a waiting
+    /// `musubi vmm` keeps its config, and `boot` boots it afresh.
     Shutdown,
     /// Create a VM from Cloud Hypervisor's VmConfig JSON in FILE, on a waiting `musubi vmm`
     /// (PUT vm.create); it stays Created until `boot`.
@@ -49,6 +50,61 @@ enum RemoteCommand {
     Delete,
     /// End the VMM process, and its VM if any (PUT vmm.shutdown), as ch-remote spells it.
     ShutdownVmm,
+    /// Add a disk to a VM not running, for its next boot (PUT vm.add-disk with Cloud
+    /// Hypervisor's DiskConfig).
+    AddDisk {
+        #[arg(value_name = "path=FILE[,readonly=on|off][,cache=writeback|none]", value_parser = from_str::<vmm::config::DiskConfig>())]
+        disk: vmm::config::DiskConfig,
+        /// The device's id; without it the VMM gives one (`_disk1`, ...).
+        #[arg(long, value_name = "ID")]
+        id: Option<String>,
+    },
+    /// Add a network device to a VM not running (PUT vm.add-net with Cloud Hypervisor's
+    /// NetConfig); the spec is `run --net`'s.
+    AddNet {
+        #[arg(value_name = "tap=NAME[,ip=ADDR,mask=MASK][,mac=MAC]", value_parser = from_str::<vmm::config::net::NetConfig>())]
+        net: vmm::config::net::NetConfig,
+        #[arg(long, value_name = "ID")]
+        id: Option<String>,
+    },
+    /// Add memory storage to a VM not running (PUT vm.add-pmem with Cloud Hypervisor's
+    /// PmemConfig); the spec is `run --pmem`'s without `advertise`.
+    AddPmem {
+        #[arg(value_name = "file=PATH[,size=SIZE]", value_parser = from_str::<vmm::pmem::PmemConfig>())]
+        pmem: vmm::pmem::PmemConfig,
+        #[arg(long, value_name = "ID")]
+        id: Option<String>,
+    },
+    /// Remove the device with this id from a VM not running (PUT vm.remove-device).
+    RemoveDevice {
+        #[arg(value_name = "ID")]
+        id: String,
+    },
+    /// Put back the VM a snapshot in DIR holds, in a waiting `musubi vmm` (PUT vm.restore);
+    /// it waits paused for `resume` unless --resume is given.
+    Restore {
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+        /// Read the whole memory file in before the VM runs.
+        #[arg(long, conflicts_with = "on_demand")]
+        prefault: bool,
+        /// Fill RAM page by page at the guest's first touch, through userfaultfd.
+        #[arg(long)]
+        on_demand: bool,
+        /// Run the VM at once.
+        #[arg(long)]
+        resume: bool,
+    },
+    /// Make a waiting `musubi vmm` wait on tcp:HOST:PORT for a VM another VMM sends (PUT
+    /// vm.receive-migration); exits 0 once the VM runs there.
+    ReceiveMigration {
+        #[arg(value_name = "tcp:HOST:PORT", value_parser = from_str::<MigrationUrl>())]
+        url: MigrationUrl,
+        /// The shared secret, the same file as the sender's; without it the VMM's own
+        /// --secret-file.
+        #[arg(long, value_name = "FILE")]
+        secret_file: Option<PathBuf>,
+    },
     /// Move vCPU N of a VM over several hosts to node K while it runs (PUT vm.move-vcpu, on
     /// the I/O node's socket, `node --api-socket`); exits 0 once it runs there. Its pages
     /// follow it as it touches them.
@@ -64,9 +120,10 @@ enum RemoteCommand {
     SendMigration {
         #[arg(value_name = "tcp:HOST:PORT", value_parser = from_str::<MigrationUrl>())]
         url: MigrationUrl,
-        /// The shared secret, the same file as the destination's --secret-file.
+        /// The shared secret, the same file as the destination's --secret-file; without it
+        /// the VMM's own --secret-file.
         #[arg(long, value_name = "FILE")]
-        secret_file: PathBuf,
+        secret_file: Option<PathBuf>,
         /// postcopy: switch at once and let the pages follow (the pause holds no page).
         /// precopy: copy the pages while the VM runs, in rounds, and pause once what is left
         /// fits --downtime-ms (nothing follows the switch).
@@ -96,7 +153,52 @@ fn request_of(
         RemoteCommand::Counters => ("GET", "vm.counters", None),
         RemoteCommand::Pause => ("PUT", "vm.pause", None),
         RemoteCommand::Resume => ("PUT", "vm.resume", None),
-        RemoteCommand::Shutdown | RemoteCommand::ShutdownVmm => ("PUT", "vmm.shutdown", None),
+        RemoteCommand::Shutdown => ("PUT", "vm.shutdown", None),
+        RemoteCommand::ShutdownVmm => ("PUT", "vmm.shutdown", None),
+        RemoteCommand::AddDisk { disk, id } => (
+            "PUT",
+            "vm.add-disk",
+            Some(with_id(crate::ch_config::disk_json(disk), id)),
+        ),
+        RemoteCommand::AddNet { net, id } => (
+            "PUT",
+            "vm.add-net",
+            Some(with_id(crate::ch_config::net_json(net), id)),
+        ),
+        RemoteCommand::AddPmem { pmem, id } => (
+            "PUT",
+            "vm.add-pmem",
+            Some(with_id(crate::ch_config::pmem_json(pmem), id)),
+        ),
+        RemoteCommand::RemoveDevice { id } => (
+            "PUT",
+            "vm.remove-device",
+            Some(serde_json::json!({ "id": id }).to_string()),
+        ),
+        RemoteCommand::Restore {
+            dir,
+            prefault,
+            on_demand,
+            resume,
+        } => {
+            let mut body: serde_json::Value = serde_json::from_str(&snapshot_body(dir)?)
+                .map_err(|e| format!("snapshot directory {}: {e}", dir.display()))?;
+            body["source_url"] = body["destination_url"].take();
+            if let Some(o) = body.as_object_mut() {
+                o.remove("destination_url");
+            }
+            body["prefault"] = (*prefault).into();
+            body["memory_restore_mode"] = if *on_demand { "OnDemand" } else { "Copy" }.into();
+            body["resume"] = (*resume).into();
+            ("PUT", "vm.restore", Some(body.to_string()))
+        }
+        RemoteCommand::ReceiveMigration { url, secret_file } => {
+            let mut body = serde_json::json!({ "receiver_url": url.as_str() });
+            if let Some(f) = secret_file {
+                body["secret_file"] = absolute_secret(f)?.into();
+            }
+            ("PUT", "vm.receive-migration", Some(body.to_string()))
+        }
         RemoteCommand::Create { file } => ("PUT", "vm.create", Some(create_body(file)?)),
         RemoteCommand::Boot => ("PUT", "vm.boot", None),
         RemoteCommand::Reboot => ("PUT", "vm.reboot", None),
@@ -115,7 +217,7 @@ fn request_of(
             max_rounds,
             push_limit,
         } => {
-            let mut body = migration_body(url, secret_file)?;
+            let mut body = migration_body(url, secret_file.as_deref())?;
             match mode {
                 MigrationMode::Postcopy => {
                     if downtime_ms.is_some() || max_rounds.is_some() {
@@ -186,14 +288,34 @@ pub enum MigrationMode {
     Precopy,
 }
 
-/// `{"destination_url": URL, "secret_file": "/abs/path"}`.
-fn migration_body(url: &MigrationUrl, secret_file: &Path) -> Result<serde_json::Value, String> {
+/// `{"destination_url": URL, "secret_file": "/abs/path"}`, without the secret file when
+/// none is given (the VMM uses its own).
+fn migration_body(
+    url: &MigrationUrl,
+    secret_file: Option<&Path>,
+) -> Result<serde_json::Value, String> {
+    let mut body = serde_json::json!({ "destination_url": url.as_str() });
+    if let Some(f) = secret_file {
+        body["secret_file"] = absolute_secret(f)?.into();
+    }
+    Ok(body)
+}
+
+/// `--secret-file` made absolute: the VMM runs in another working directory.
+fn absolute_secret(secret_file: &Path) -> Result<String, String> {
     let abs = std::path::absolute(secret_file)
         .map_err(|e| format!("--secret-file {}: {e}", secret_file.display()))?;
-    let abs = abs
-        .to_str()
-        .ok_or_else(|| format!("--secret-file {}: not UTF-8", abs.display()))?;
-    Ok(serde_json::json!({ "destination_url": url.as_str(), "secret_file": abs }))
+    abs.to_str()
+        .map(String::from)
+        .ok_or_else(|| format!("--secret-file {}: not UTF-8", abs.display()))
+}
+
+/// A device body with the id asked for, if one was.
+fn with_id(mut device: serde_json::Value, id: &Option<String>) -> String {
+    if let Some(id) = id {
+        device["id"] = id.as_str().into();
+    }
+    device.to_string()
 }
 
 /// The answer's body to print on success, or the message for a refusal.
@@ -291,6 +413,75 @@ mod tests {
         fn delete(&self) -> Result<(), ActionError> {
             self.note("delete".into())
         }
+        fn add_device(&self, kind: musubi_api::DeviceKind, body: &[u8]) -> Result<(), ActionError> {
+            let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+            self.note(format!("add {kind:?} {body}"))
+        }
+        fn remove_device(&self, id: &str) -> Result<(), ActionError> {
+            self.note(format!("remove {id}"))
+        }
+        fn restore(&self, r: &musubi_api::Restore) -> Result<(), ActionError> {
+            self.note(format!("restore {r:?}"))
+        }
+        fn receive_migration(&self, r: &musubi_api::ReceiveMigration) -> Result<(), ActionError> {
+            self.note(format!("receive {r:?}"))
+        }
+    }
+
+    #[test]
+    fn device_restore_and_migration_verbs_send_cloud_hypervisors_bodies() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("api.sock");
+        let vm = Arc::new(Recorder::default());
+        let _server = ApiServer::start(&socket, vm.clone(), || Ok(())).unwrap();
+        let disk = RemoteCommand::AddDisk {
+            disk: "path=/d.img,cache=none".parse().unwrap(),
+            id: Some("data".into()),
+        };
+        call(&args(&socket, disk)).unwrap();
+        let net = RemoteCommand::AddNet {
+            net: "tap=t0".parse().unwrap(),
+            id: None,
+        };
+        call(&args(&socket, net)).unwrap();
+        let remove = RemoteCommand::RemoveDevice { id: "data".into() };
+        call(&args(&socket, remove)).unwrap();
+        let restore = RemoteCommand::Restore {
+            dir: PathBuf::from("/s"),
+            prefault: true,
+            on_demand: false,
+            resume: true,
+        };
+        call(&args(&socket, restore)).unwrap();
+        let receive = RemoteCommand::ReceiveMigration {
+            url: "tcp:127.0.0.1:7000".parse().unwrap(),
+            secret_file: None,
+        };
+        call(&args(&socket, receive)).unwrap();
+        let calls = vm.calls.lock().unwrap();
+        assert_eq!(calls.len(), 5, "{calls:?}");
+        assert!(
+            calls[0].starts_with("add Disk")
+                && calls[0].contains(r#""direct":true"#)
+                && calls[0].contains(r#""id":"data""#)
+                && calls[0].contains(r#""path":"/d.img""#),
+            "{}",
+            calls[0]
+        );
+        assert!(
+            calls[1].starts_with("add Net") && calls[1].contains(r#""tap":"t0""#),
+            "{}",
+            calls[1]
+        );
+        assert_eq!(calls[2], "remove data");
+        assert_eq!(
+            calls[3],
+            r#"restore Restore { dir: "/s", prefault: true, on_demand: false, resume: true }"#
+        );
+        assert_eq!(
+            calls[4],
+            r#"receive ReceiveMigration { url: "tcp:127.0.0.1:7000", secret_file: None }"#
+        );
     }
 
     fn args(socket: &Path, command: RemoteCommand) -> RemoteArgs {
@@ -316,6 +507,7 @@ mod tests {
         };
         call(&args(&socket, snap)).unwrap();
         call(&args(&socket, RemoteCommand::Shutdown)).unwrap();
+        call(&args(&socket, RemoteCommand::ShutdownVmm)).unwrap();
         let cwd = std::env::current_dir().unwrap();
         assert_eq!(
             *vm.calls.lock().unwrap(),
@@ -323,6 +515,7 @@ mod tests {
                 "pause".to_string(),
                 "pause".into(),
                 format!("snapshot {}", cwd.join("rel/snap").display()),
+                "shutdown_vm".into(),
                 "shutdown_vmm".into(),
             ]
         );

@@ -56,41 +56,17 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
             Err(e) => return fail(e),
         },
     };
-    let builder = vmm::VmBuilder::new(&config).options(opts);
-    let mut demand = None;
-    let builder = match snapshot {
-        Some((snap, _)) if control.restore_memory == cli::RestoreMemory::Ondemand => {
-            let ram = match on_demand_ram(&snap) {
-                Ok(r) => r,
-                Err(e) => return fail(e),
-            };
-            demand = Some(ram.0.clone());
-            let owner = ram.0.clone();
-            builder
-                .guest_ram(vmm::GuestRamSource::External(ram.1))
-                .on_stopped(move || owner.release())
-                .restore(snap)
-        }
-        Some((snap, _)) => builder.restore(snap),
-        None => builder,
-    };
-    let mut built = match received.take() {
-        Some(r) => musubi_migration::vm::received_vm(r),
-        None => match builder.build() {
+    let built = match (received.take(), snapshot) {
+        (Some(r), _) => musubi_migration::vm::received_vm(r),
+        (None, Some((snap, _))) => match restored_vm(&config, snap, opts, control.restore_memory) {
+            Ok(vm) => vm,
+            Err(e) => return fail(e),
+        },
+        (None, None) => match vmm::VmBuilder::new(&config).options(opts).build() {
             Ok(vm) => vm,
             Err(e) => return fail(e.to_string()),
         },
     };
-    if let Some(d) = &demand {
-        let control = built.run_control();
-        d.on_failure(Box::new(move |why| {
-            control.finish(vmm::Outcome::VmmError(why))
-        }));
-        let d = d.clone();
-        built.set_extra_metrics(std::sync::Arc::new(move |m: &mut musubi_types::Metrics| {
-            m.demand_paging = Some(d.stats().to_metrics())
-        }));
-    }
     // The console takes stdin only when the guest's console is on stdout. The terminal goes
     // raw before the guest runs, so no early keystroke is echoed or held for a whole line;
     // the guard restores it on every way out of this function.
@@ -132,6 +108,8 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
             let target = std::sync::Arc::new(ApiTarget {
                 vm: running.handle(),
                 migrator,
+                secret_file: control.secret_file.clone(),
+                described: crate::api_target::Described::of(&running.handle()),
             });
             crate::api_target::serve(path, target, run.seccomp, &running.handle())
         }
@@ -210,6 +188,40 @@ pub(crate) fn open_snapshot(
         ));
     }
     Ok((snap, config))
+}
+
+/// Builds the VM `snap` saved (`config` is its own), its RAM filled as `memory` says, not
+/// started.
+pub(crate) fn restored_vm(
+    config: &vmm::config::VmConfig,
+    snap: vmm::snapshot::Snapshot,
+    opts: vmm::RunOptions,
+    memory: cli::RestoreMemory,
+) -> Result<vmm::Vm, String> {
+    let builder = vmm::VmBuilder::new(config).options(opts);
+    if memory != cli::RestoreMemory::Ondemand {
+        return builder
+            .prefault(memory == cli::RestoreMemory::Prefault)
+            .restore(snap)
+            .build()
+            .map_err(|e| e.to_string());
+    }
+    let (demand, ext) = on_demand_ram(&snap)?;
+    let owner = demand.clone();
+    let mut built = builder
+        .guest_ram(vmm::GuestRamSource::External(ext))
+        .on_stopped(move || owner.release())
+        .restore(snap)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let control = built.run_control();
+    demand.on_failure(Box::new(move |why| {
+        control.finish(vmm::Outcome::VmmError(why))
+    }));
+    built.set_extra_metrics(std::sync::Arc::new(move |m: &mut musubi_types::Metrics| {
+        m.demand_paging = Some(demand.stats().to_metrics())
+    }));
+    Ok(built)
 }
 
 /// Guest RAM for `--restore-memory ondemand`: empty memory whose pages a thread reads from

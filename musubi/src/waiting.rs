@@ -1,6 +1,7 @@
 //! `musubi vmm`: a VMM that starts with no VM and takes Cloud Hypervisor's life cycle
 //! through its API: vm.create, vm.boot, vm.pause/resume, vm.shutdown, vm.reboot, vm.delete,
-//! and vmm.shutdown to end the process.
+//! vm.restore, vm.receive-migration and vm.send-migration, and vmm.shutdown to end the
+//! process.
 //!
 //! The API thread only forwards each call to this process's main thread and waits for its
 //! answer: building a VM opens files, maps memory and starts threads, which the API
@@ -8,12 +9,15 @@
 //! for the same reason; the vCPU and I/O threads of every VM get theirs as under `run`.
 
 use crate::ch_config::ChVm;
+use crate::cli::RestoreMemory;
 use musubi_api::{ActionError, DeviceKind, VmControl};
+use musubi_migration::vm::{Migrator, Receiving};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// What the main thread is asked to do.
 enum Call {
@@ -29,6 +33,9 @@ enum Call {
     Snapshot(PathBuf),
     AddDevice(DeviceKind, Vec<u8>),
     RemoveDevice(String),
+    Restore(musubi_api::Restore),
+    Receive(musubi_api::ReceiveMigration),
+    Send(musubi_api::SendMigration),
     ShutdownVmm,
 }
 
@@ -102,13 +109,24 @@ impl VmControl for Forward {
     fn remove_device(&self, id: &str) -> Result<(), ActionError> {
         self.act(Call::RemoveDevice(id.to_string()))
     }
+    fn restore(&self, req: &musubi_api::Restore) -> Result<(), ActionError> {
+        self.act(Call::Restore(req.clone()))
+    }
+    fn receive_migration(&self, req: &musubi_api::ReceiveMigration) -> Result<(), ActionError> {
+        self.act(Call::Receive(req.clone()))
+    }
+    fn send_migration(&self, req: &musubi_api::SendMigration) -> Result<(), ActionError> {
+        self.act(Call::Send(req.clone()))
+    }
 }
 
-/// A booted VM and the thread that waits for its end.
+/// A running VM, the thread that waits for its end, and the thread that can move it.
 struct Booted {
     handle: vmm::VmHandle,
     waiter: std::thread::JoinHandle<vmm::RunReport>,
     generation: u64,
+    /// `None` if its thread could not start: the VM runs, but cannot be migrated.
+    migrator: Option<Migrator>,
 }
 
 /// Where the VM is in Cloud Hypervisor's life cycle; Paused is a Running VM's handle's.
@@ -125,17 +143,111 @@ struct Vmm {
     opts: vmm::RunOptions,
     tx: mpsc::Sender<Msg>,
     generation: u64,
+    /// `--secret-file`: the secret of a migration whose request names none.
+    secret_file: Option<PathBuf>,
+    /// The last stop signal, for a wait (a migration's) that cannot read the channel.
+    signal: Arc<AtomicI32>,
 }
 
 const NOT_CREATED: &str = "no VM is created (vm.create first)";
 
 impl Vmm {
     fn boot(&mut self, vm: &ChVm) -> Result<Booted, ActionError> {
-        let running = vmm::VmBuilder::new(&vm.config)
+        let built = vmm::VmBuilder::new(&vm.config)
             .options(self.opts.clone())
             .build()
-            .and_then(|b| b.start())
             .map_err(|e| ActionError::internal(e.to_string()))?;
+        self.start(built, None)
+    }
+
+    /// Puts back the VM a snapshot holds, paused unless the request asks it to resume, as
+    /// Cloud Hypervisor leaves a restored VM.
+    fn restore(&mut self, req: &musubi_api::Restore) -> Result<(ChVm, Booted), ActionError> {
+        if req.prefault && req.on_demand {
+            return Err(ActionError::bad_request(
+                "prefault reads the whole memory file before the VM runs, memory_restore_mode \
+                 OnDemand reads each page at its first touch: ask for one of them",
+            ));
+        }
+        let fail = |e: String| {
+            ActionError::internal(format!("source_url file://{}: {e}", req.dir.display()))
+        };
+        let snap = vmm::snapshot::Snapshot::open(&req.dir).map_err(|e| fail(e.to_string()))?;
+        snap.config.check_files().map_err(|e| fail(e.to_string()))?;
+        let config = snap
+            .config
+            .to_vm_config()
+            .map_err(|e| fail(e.to_string()))?;
+        let memory = match (req.on_demand, req.prefault) {
+            (true, _) => RestoreMemory::Ondemand,
+            (false, true) => RestoreMemory::Prefault,
+            (false, false) => RestoreMemory::Mapped,
+        };
+        let mut built =
+            crate::run::restored_vm(&config, snap, self.opts.clone(), memory).map_err(fail)?;
+        if !req.resume {
+            built.hold_paused();
+        }
+        let booted = self.start(built, None)?;
+        if req.resume && booted.handle.is_paused() {
+            if let Err(e) = booted.handle.resume() {
+                let why = e.to_string();
+                Self::stop(booted, vmm::Outcome::VmmError(why.clone()));
+                return Err(ActionError::internal(why));
+            }
+        }
+        Ok((ChVm::from_config(config), booted))
+    }
+
+    /// Waits for one VM sent by another VMM and runs it; its pages follow (post-copy) or
+    /// came first (pre-copy), as the sender chose.
+    fn receive(
+        &mut self,
+        req: &musubi_api::ReceiveMigration,
+    ) -> Result<(ChVm, Booted), ActionError> {
+        let secret =
+            crate::migrate::secret(req.secret_file.as_deref(), self.secret_file.as_deref())?;
+        let signal = self.signal.clone();
+        let mut stop = || match signal.load(Ordering::Relaxed) {
+            0 => None,
+            s => Some(format!(
+                "stopped by signal {s} while waiting for a migration"
+            )),
+        };
+        let mut log = |m: &str| tracing::info!("{m}");
+        let received = musubi_migration::vm::receive(
+            Receiving {
+                url: &req.url,
+                secret_file: &secret,
+                given: Default::default(),
+                foreign_storage: &[],
+                foreign_taps: &[],
+                opts: self.opts.clone(),
+            },
+            &mut stop,
+            &mut log,
+        )
+        .map_err(|e| ActionError::internal(e.to_string()))?;
+        let config = received.config.clone();
+        let incoming = Some(received.ram.clone());
+        let built = musubi_migration::vm::received_vm(received);
+        let booted = self.start(built, incoming)?;
+        Ok((ChVm::from_config(config), booted))
+    }
+
+    /// Runs a built VM, with a thread that tells the main thread when it ends and one that
+    /// can send it elsewhere.
+    fn start(
+        &mut self,
+        built: vmm::Vm,
+        incoming: Option<Arc<musubi_migration::destination::PostCopyRam>>,
+    ) -> Result<Booted, ActionError> {
+        let running = built
+            .start()
+            .map_err(|e| ActionError::internal(e.to_string()))?;
+        let migrator = Migrator::start(running.handle(), incoming)
+            .map_err(|e| tracing::warn!("cannot start the migrator thread: {e}"))
+            .ok();
         self.generation += 1;
         let generation = self.generation;
         let handle = running.handle();
@@ -152,6 +264,7 @@ impl Vmm {
             handle,
             waiter,
             generation,
+            migrator,
         })
     }
 
@@ -178,7 +291,18 @@ impl Vmm {
                 Ok(vm) => (State::Created(Box::new(vm)), done),
                 Err(e) => (State::Empty, Err(ActionError::bad_request(e.to_string()))),
             },
-            (s, Call::Create(_)) => (
+            (State::Empty, call @ (Call::Restore(_) | Call::Receive(_))) => {
+                let made = match &call {
+                    Call::Restore(r) => self.restore(r),
+                    Call::Receive(r) => self.receive(r),
+                    _ => Err(ActionError::internal("not a restore or a migration")),
+                };
+                match made {
+                    Ok((vm, b)) => (State::Running(Box::new(vm), b), done),
+                    Err(e) => (State::Empty, Err(e)),
+                }
+            }
+            (s, Call::Create(_) | Call::Restore(_) | Call::Receive(_)) => (
                 s,
                 Err(ActionError::wrong_state(
                     "a VM is already created (vm.delete it first)",
@@ -238,25 +362,23 @@ impl Vmm {
                 (state, Ok(info))
             }
             (State::Running(vm, b), call) => {
+                let refused = |e: vmm::ControlError| ActionError::internal(e.to_string());
                 let r = match call {
-                    Call::Pause => b.handle.pause().map(|_| Value::Null),
-                    Call::Resume => b.handle.resume().map(|_| Value::Null),
-                    Call::Snapshot(dir) => b.handle.snapshot(&dir).map(|_| Value::Null),
+                    Call::Pause => b.handle.pause().map(|_| Value::Null).map_err(refused),
+                    Call::Resume => b.handle.resume().map(|_| Value::Null).map_err(refused),
+                    Call::Snapshot(dir) => b
+                        .handle
+                        .snapshot(&dir)
+                        .map(|_| Value::Null)
+                        .map_err(refused),
                     Call::Counters => {
                         Ok(serde_json::to_value(b.handle.counters()).unwrap_or_default())
                     }
-                    Call::Boot => {
-                        return (
-                            State::Running(vm, b),
-                            Err(ActionError::wrong_state("the VM is already booted")),
-                        )
-                    }
+                    Call::Send(req) => self.send(&b, &req).map(|_| Value::Null),
+                    Call::Boot => Err(ActionError::wrong_state("the VM is already booted")),
                     _ => Ok(Value::Null),
                 };
-                (
-                    State::Running(vm, b),
-                    r.map_err(|e| ActionError::internal(e.to_string())),
-                )
+                (State::Running(vm, b), r)
             }
             (s, call) => {
                 let name = match &s {
@@ -269,6 +391,7 @@ impl Vmm {
                     Call::Shutdown => "shut down",
                     Call::Reboot => "rebooted",
                     Call::Snapshot(_) => "snapshotted",
+                    Call::Send(_) => "migrated",
                     _ => "asked for its counters",
                 };
                 let e = ActionError::wrong_state(format!(
@@ -277,6 +400,19 @@ impl Vmm {
                 (s, Err(e))
             }
         }
+    }
+
+    /// Moves the running VM to the VMM waiting at the request's URL. The VM ends here once
+    /// it runs there, which the main thread hears as for any end.
+    fn send(&self, b: &Booted, req: &musubi_api::SendMigration) -> Result<(), ActionError> {
+        let Some(m) = &b.migrator else {
+            return Err(ActionError::internal(
+                "this VM cannot be migrated: its migrator thread did not start",
+            ));
+        };
+        let req = crate::migrate::send_request(req, self.secret_file.as_deref())?;
+        m.send(&req)
+            .map_err(|e| ActionError::internal(e.to_string()))
     }
 
     /// The VM booted as `generation` ended by itself: the VMM stays, in state Shutdown.
@@ -327,24 +463,7 @@ fn info(state: &State) -> Value {
         State::Running(vm, _) => (vm, "Running", None),
         State::Shutdown(vm, why) => (vm, "Shutdown", Some(why)),
     };
-    let mut device_tree = serde_json::Map::new();
-    for kind in ["disks", "net", "pmem"] {
-        for d in vm.info[kind].as_array().into_iter().flatten() {
-            let id = d["id"].clone();
-            if let Some(key) = id.as_str() {
-                device_tree.insert(
-                    key.to_string(),
-                    json!({"id": id, "resources": [], "children": [], "pci_bdf": null}),
-                );
-            }
-        }
-    }
-    let mut info = json!({
-        "config": vm.info,
-        "state": name,
-        "memory_actual_size": vm.config.memory,
-        "device_tree": device_tree,
-    });
+    let mut info = vm.vm_info(name);
     if let Some(why) = why {
         info[crate::ch_config::EXTENSION] = json!({ "ended": why });
     }
@@ -352,7 +471,11 @@ fn info(state: &State) -> Value {
 }
 
 /// Serves the API on `socket` until vmm.shutdown or a stop signal.
-pub fn run(socket: &std::path::Path, seccomp: vmm::seccomp::SeccompMode) -> ExitCode {
+pub fn run(
+    socket: &std::path::Path,
+    seccomp: vmm::seccomp::SeccompMode,
+    secret_file: Option<PathBuf>,
+) -> ExitCode {
     let signals = match crate::run::stop_signals() {
         Ok(s) => s,
         Err(e) => return crate::fail(e),
@@ -368,9 +491,15 @@ pub fn run(socket: &std::path::Path, seccomp: vmm::seccomp::SeccompMode) -> Exit
     let mut signals = signals;
     let signal_handle = signals.handle();
     let signal_tx = tx.clone();
+    let signal = Arc::new(AtomicI32::new(0));
+    let last_signal = signal.clone();
     let signal_thread = std::thread::spawn(move || {
         for s in signals.forever() {
-            if s != signal_hook::consts::SIGUSR1 && signal_tx.send(Msg::Signal(s)).is_err() {
+            if s == signal_hook::consts::SIGUSR1 {
+                continue;
+            }
+            last_signal.store(s, Ordering::Relaxed);
+            if signal_tx.send(Msg::Signal(s)).is_err() {
                 return;
             }
         }
@@ -384,6 +513,8 @@ pub fn run(socket: &std::path::Path, seccomp: vmm::seccomp::SeccompMode) -> Exit
         },
         tx,
         generation: 0,
+        secret_file,
+        signal,
     };
     let mut code = ExitCode::SUCCESS;
     while let Ok(msg) = rx.recv() {

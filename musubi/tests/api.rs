@@ -42,7 +42,15 @@ fn pause_and_resume_while_a_task_runs() {
 
     let info = remote_json(&socket, &["info"]);
     assert_eq!(info["state"], "Running", "{info}");
-    assert!(info["config"].is_object(), "{info}");
+    // Cloud Hypervisor's VmInfo, whoever started the VM.
+    assert_eq!(info["config"]["memory"]["size"], 128u64 << 20, "{info}");
+    assert_eq!(
+        info["config"]["disks"][0]["path"],
+        img.to_str().unwrap(),
+        "{info}"
+    );
+    assert_eq!(info["config"]["disks"][0]["id"], "_disk0", "{info}");
+    assert!(info["device_tree"]["_disk0"].is_object(), "{info}");
     remote_json(&socket, &["pause"]);
     let info = remote_json(&socket, &["info"]);
     assert_eq!(info["state"], "Paused", "{info}");

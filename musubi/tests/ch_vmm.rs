@@ -343,3 +343,132 @@ fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after()
     let run = vmm.finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
 }
+
+/// `fib=FIB_N` takes a few seconds, so a snapshot or a migration asked for right after
+/// `hello` happens in the middle of it.
+const FIB_N: u64 = 44;
+
+/// The console a restored or received VM opened anew ends its `fib` with the right value
+/// and its tasks with status 0, and has no hello (the guest went on, it did not boot
+/// afresh).
+fn assert_fib_ended_without_a_new_boot(text: &str) {
+    let fib = result_in(text, "fib");
+    assert_eq!(fib["result"], fib_value(FIB_N), "{text}");
+    assert!(text.contains("probe: done, exit status 0"), "{text}");
+    assert!(!text.contains(HELLO), "booted again:\n{text}");
+}
+
+#[test]
+fn a_snapshot_taken_through_ch_remote_restores_into_another_waiting_vmm() {
+    let (a, b) = (vmm_dir(), vmm_dir());
+    let config = a.ch_vm_config("fib.json", &format!("hello,fib={FIB_N}"), LIMIT);
+    let snap = a.dir.path().join("snap");
+    let snap_url = format!("source_url=file://{}", snap.display());
+    let mut first = a.start_vmm(LIMIT);
+    ch_ok(&a.socket, &["create", config.to_str().unwrap()]);
+    ch_ok(&a.socket, &["boot"]);
+    first.wait_for_text(&a.serial, HELLO, LIMIT);
+    ch_ok(&a.socket, &["pause"]);
+    ch_ok(
+        &a.socket,
+        &["snapshot", &format!("file://{}", snap.display())],
+    );
+    ch_ok(&a.socket, &["shutdown-vmm"]);
+    let run = first.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    let before = read_text(&a.serial);
+    // The pause may cut a line short, so the console is searched, not parsed.
+    assert!(
+        !before.contains("{\"probe\":\"fib\""),
+        "fib had ended before the snapshot:\n{before}"
+    );
+
+    let second = b.start_vmm(LIMIT);
+    ch_ok(&b.socket, &["restore", &snap_url]);
+    let restored = info(&b.socket);
+    assert_eq!(restored["state"], "Paused", "{restored}");
+    assert_eq!(restored["config"]["cpus"]["boot_vcpus"], 1, "{restored}");
+    assert_eq!(restored["memory_actual_size"], 128u64 << 20, "{restored}");
+    ch_refused(
+        &b.socket,
+        &["restore", &snap_url],
+        "a VM is already created",
+    );
+    ch_ok(&b.socket, &["resume"]);
+    let ended = wait_for_state(&b.socket, "Shutdown");
+    assert_eq!(
+        ended["musubi"]["ended"],
+        serde_json::json!({"kind": "guest_exit", "status": 0}),
+        "{ended}"
+    );
+    assert_fib_ended_without_a_new_boot(&read_text(&a.serial));
+    ch_ok(&b.socket, &["delete"]);
+    // A snapshot that is not there is named, and the VMM waits on.
+    ch_refused(
+        &b.socket,
+        &["restore", "source_url=file:///nonexistent/snap"],
+        "/nonexistent/snap",
+    );
+    ch_ok(&b.socket, &["shutdown-vmm"]);
+    let run = second.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+}
+
+#[test]
+fn a_vm_moves_between_waiting_vmms_with_ch_remotes_send_and_receive_migration() {
+    let (a, b) = (vmm_dir(), vmm_dir());
+    let secret = secret_file(a.dir.path(), "secret", 0x33);
+    let flags = ["--secret-file", secret.to_str().unwrap()];
+    let config = a.ch_vm_config("fib.json", &format!("hello,fib={FIB_N}"), LIMIT);
+    let mut source = a.start_vmm_with(&flags, LIMIT);
+    let destination = b.start_vmm_with(&flags, LIMIT);
+    let port = free_port();
+    let url = format!("tcp:127.0.0.1:{port}");
+
+    ch_ok(&a.socket, &["create", config.to_str().unwrap()]);
+    ch_ok(&a.socket, &["boot"]);
+    source.wait_for_text(&a.serial, HELLO, LIMIT);
+    // ch-remote's receive-migration returns once the VM runs there, so it waits on a thread.
+    let receiver = {
+        let (socket, url) = (b.socket.clone(), url.clone());
+        std::thread::spawn(move || {
+            ch(
+                &socket,
+                &["receive-migration", &format!("receiver_url={url}")],
+            )
+        })
+    };
+    assert!(
+        wait_until(LIMIT, || listening_on_loopback(port)),
+        "the destination never listened on {url}"
+    );
+    // ch-remote asks for a pre-copy (its default).
+    ch_ok(
+        &a.socket,
+        &["send-migration", &format!("destination_url={url}")],
+    );
+    let received = receiver.join().unwrap();
+    assert_eq!(
+        received.code,
+        Some(0),
+        "receive-migration: {}",
+        received.explain()
+    );
+    let gone = wait_for_state(&a.socket, "Shutdown");
+    assert_eq!(gone["musubi"]["ended"]["kind"], "migrated", "{gone}");
+
+    let ended = wait_for_state(&b.socket, "Shutdown");
+    assert_eq!(
+        ended["musubi"]["ended"],
+        serde_json::json!({"kind": "guest_exit", "status": 0}),
+        "{ended}"
+    );
+    assert_eq!(ended["config"]["memory"]["size"], 128u64 << 20, "{ended}");
+    assert_fib_ended_without_a_new_boot(&read_text(&a.serial));
+    ch_ok(&a.socket, &["shutdown-vmm"]);
+    ch_ok(&b.socket, &["shutdown-vmm"]);
+    for vmm in [source, destination] {
+        let run = vmm.finish(LIMIT);
+        assert_eq!(run.code, Some(0), "{}", run.explain());
+    }
+}

@@ -10,7 +10,6 @@ use common::*;
 use musubi_types::{Metrics, Outcome, RunReport};
 use serde_json::Value;
 use std::io::{Read, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -27,20 +26,6 @@ const DONE: &str = "probe: done, exit status 0";
 
 fn u(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
-}
-
-/// A secret file, mode 0600.
-fn secret(dir: &Path, name: &str, byte: u8) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, [byte; 32]).unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-    p
-}
-
-/// A loopback port nothing listens on (the kernel's pick of a free one).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
 }
 
 /// `musubi run --receive-migration tcp:127.0.0.1:PORT`, its console in `serial`, listening
@@ -149,7 +134,7 @@ fn moved_mid_task(seed: u8, tasks: &str, flags: &[&str]) -> String {
 /// destination's `--metrics`.
 fn moved_mid_task_with(seed: u8, tasks: &str, flags: &[&str], send: &[&str]) -> (String, Metrics) {
     let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", seed);
+    let key = secret_file(dir.path(), "secret", seed);
     let port = free_port();
     let dest_serial = dir.path().join("dest.out");
     let dest_metrics = dir.path().join("dest-metrics.json");
@@ -208,7 +193,7 @@ fn shared_counter_on_two_vcpus_is_exact_after_migration() {
 #[test]
 fn a_vm_migrated_twice_ends_its_task_on_the_third_process() {
     let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", 3);
+    let key = secret_file(dir.path(), "secret", 3);
     let (port_b, port_c) = (free_port(), free_port());
     assert_ne!(port_b, port_c);
     let b_serial = dir.path().join("b.out");
@@ -284,7 +269,7 @@ fn assert_finished_at_source(s: Source) {
 #[test]
 fn nobody_listening_is_named_and_the_vm_runs_on_at_the_source() {
     let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", 5);
+    let key = secret_file(dir.path(), "secret", 5);
     let port = free_port();
     let src = start_source(dir.path(), "src", "hello,fib=40", &["--memory", MEMORY]);
     let guard = KillOnPanic::new(&src.vm);
@@ -302,7 +287,7 @@ fn nobody_listening_is_named_and_the_vm_runs_on_at_the_source() {
 #[test]
 fn strangers_at_the_destination_are_refused_and_do_not_hold_up_the_migration() {
     let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", 9);
+    let key = secret_file(dir.path(), "secret", 9);
     let port = free_port();
     let dest_serial = dir.path().join("dest.out");
     let dest = start_destination(port, &key, &dest_serial, &[]);
@@ -339,8 +324,8 @@ fn strangers_at_the_destination_are_refused_and_do_not_hold_up_the_migration() {
 #[test]
 fn a_wrong_secret_is_refused_and_the_destination_keeps_waiting() {
     let dir = tempfile::tempdir().unwrap();
-    let right = secret(dir.path(), "right", 1);
-    let wrong = secret(dir.path(), "wrong", 2);
+    let right = secret_file(dir.path(), "right", 1);
+    let wrong = secret_file(dir.path(), "wrong", 2);
     let port = free_port();
     let dest_serial = dir.path().join("dest.out");
     let mut dest = start_destination(port, &right, &dest_serial, &[]);
@@ -453,7 +438,7 @@ fn first_difference(a: &Path, b: &Path) -> Option<(u64, usize)> {
 #[test]
 fn a_paused_vm_arrives_paused_with_guest_ram_the_same_byte_for_byte() {
     let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", 0x5a);
+    let key = secret_file(dir.path(), "secret", 0x5a);
     let port = free_port();
     let dest_serial = dir.path().join("dest.out");
     let dest_sock = dir.path().join("dest.sock");
@@ -566,7 +551,7 @@ fn fib_pre_copied_with_the_default_downtime_ends_as_an_uninterrupted_run() {
 #[test]
 fn pre_copy_bounds_without_the_pre_copy_mode_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", 14);
+    let key = secret_file(dir.path(), "secret", 14);
     let socket = dir.path().join("none.sock");
     for (args, says) in [
         (vec!["--downtime-ms", "5"], "--mode precopy"),
@@ -601,7 +586,7 @@ struct AfterSwitch {
 
 fn caught_after_the_switch(seed: u8) -> AfterSwitch {
     let dir = tempfile::tempdir().unwrap();
-    let key = secret(dir.path(), "secret", seed);
+    let key = secret_file(dir.path(), "secret", seed);
     let port = free_port();
     let dest_socket = dir.path().join("dest.sock");
     let dest_metrics = dir.path().join("dest.json");
@@ -776,7 +761,7 @@ impl NetnsMove {
     fn start(tag: &str, tasks: &str, src_flags: &[&str], dest_flags: &[&str]) -> NetnsMove {
         let dir = tempfile::tempdir().unwrap();
         let nets = NetnsPair::new(tag);
-        let key = secret(dir.path(), "secret", 13);
+        let key = secret_file(dir.path(), "secret", 13);
         let port = 4470;
         let addr: std::net::Ipv4Addr = NetnsPair::ADDRS[1].parse().unwrap();
         let url = format!("tcp:{addr}:{port}");

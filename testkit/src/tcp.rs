@@ -10,6 +10,23 @@ pub fn listening_at(table: &str, addr: Ipv4Addr, port: u16) -> bool {
     std::fs::read_to_string(table).is_ok_and(|text| table_lists_listener(&text, addr, port))
 }
 
+/// A loopback port nothing listens on now (the kernel's pick of a free one), for a program
+/// under test to listen on.
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0");
+    l.local_addr().expect("a bound socket's address").port()
+}
+
+/// A migration's secret file `dir/name` of 32 bytes `byte`, mode 0600 as Musubi asks.
+pub fn secret_file(dir: &std::path::Path, name: &str, byte: u8) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, [byte; 32]).expect("writing a secret file");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600))
+        .expect("making a secret file 0600");
+    p
+}
+
 /// Whether a socket of this process's network namespace listens on 127.0.0.1:`port`.
 pub fn listening_on_loopback(port: u16) -> bool {
     listening_at("/proc/net/tcp", Ipv4Addr::LOCALHOST, port)

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 // Each test binary uses some of these.
 #[allow(unused_imports)]
-pub use testkit::tcp::{listening_at, listening_in, listening_on_loopback};
+pub use testkit::tcp::{free_port, listening_at, listening_in, listening_on_loopback, secret_file};
 #[allow(unused_imports)]
 pub use testkit::{
     assert_kvm, fake_vmm, netns, read_text, result_in, results_in, run_command, start_command,
@@ -251,11 +251,14 @@ impl VmmDir {
 
     /// `musubi vmm` serving this directory's socket, once the socket is there.
     pub fn start_vmm(&self, limit: Duration) -> Started {
-        let mut vmm = start_command(
-            musubi(),
-            &["vmm", "--api-socket", self.socket.to_str().unwrap()],
-            None,
-        );
+        self.start_vmm_with(&[], limit)
+    }
+
+    /// As [`VmmDir::start_vmm`], with more flags of `musubi vmm`.
+    pub fn start_vmm_with(&self, flags: &[&str], limit: Duration) -> Started {
+        let mut args = vec!["vmm", "--api-socket", self.socket.to_str().unwrap()];
+        args.extend_from_slice(flags);
+        let mut vmm = start_command(musubi(), &args, None);
         vmm.wait_for_file(&self.socket, limit);
         vmm
     }

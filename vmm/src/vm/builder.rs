@@ -94,6 +94,7 @@ pub struct VmBuilder<'a> {
     restore: Option<crate::snapshot::Snapshot>,
     /// Build everything but the state, which [`Vm::apply_state`] puts in later.
     later: bool,
+    prefault: bool,
 }
 
 /// Where guest RAM comes from.
@@ -166,6 +167,7 @@ impl<'a> VmBuilder<'a> {
             extra_metrics: None,
             restore: None,
             later: false,
+            prefault: false,
         }
     }
 
@@ -185,6 +187,13 @@ impl<'a> VmBuilder<'a> {
     /// state, so a snapshot and a migration put a VM back the one same way.
     pub fn restore(mut self, snapshot: crate::snapshot::Snapshot) -> Self {
         self.restore = Some(snapshot);
+        self
+    }
+
+    /// Reads a restored VM's whole memory file in while building, so its first run takes
+    /// no page faults for it (Cloud Hypervisor's `prefault`).
+    pub fn prefault(mut self, prefault: bool) -> Self {
+        self.prefault = prefault;
         self
     }
 
@@ -326,7 +335,7 @@ impl Vm {
         let later = share.later || snapshot.is_some();
         let ram = Arc::new(match share.ram {
             GuestRamSource::Anonymous => match &snapshot {
-                Some(snap) => GuestRam::from_file(&layout, snap.memory.clone())?,
+                Some(snap) => GuestRam::from_file(&layout, snap.memory.clone(), share.prefault)?,
                 None => GuestRam::new(&layout, RamBackend::Anonymous)?,
             },
             // SAFETY: `ExternalRam::new`'s contract: the owner keeps the mapping while it

@@ -115,6 +115,12 @@ impl Vm {
         Ok(())
     }
 
+    /// Makes the VM start paused whatever its state says, to wait for a resume (Cloud
+    /// Hypervisor's restore leaves a VM so).
+    pub fn hold_paused(&mut self) {
+        self.start_paused = true;
+    }
+
     /// Whether the VM will start paused: the state it was given says its owner had paused it.
     pub fn starts_paused(&self) -> bool {
         self.start_paused

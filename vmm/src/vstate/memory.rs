@@ -133,7 +133,14 @@ impl GuestRam {
 
     /// The layout's RAM ranges mapped copy-on-write from `file`, which holds them one after
     /// the other (a snapshot's memory file). The caller has checked the file is long enough.
-    pub fn from_file(layout: &GuestLayout, file: Arc<std::fs::File>) -> Result<Self, MemoryError> {
+    /// `prefault` reads every page in now (`MAP_POPULATE`) instead of at the guest's first
+    /// touch.
+    pub fn from_file(
+        layout: &GuestLayout,
+        file: Arc<std::fs::File>,
+        prefault: bool,
+    ) -> Result<Self, MemoryError> {
+        let populate = if prefault { libc::MAP_POPULATE } else { 0 };
         let mut regions = Vec::with_capacity(layout.ram.len());
         let mut offset = 0u64;
         for r in &layout.ram {
@@ -141,7 +148,7 @@ impl GuestRam {
                 std::fs::File::try_clone(&file).map_err(|e| MemoryError::Shared(e.to_string()))?;
             let region = vm_memory::mmap::MmapRegionBuilder::new(r.len as usize)
                 .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE | populate)
                 .with_file_offset(vm_memory::FileOffset::new(fd, offset))
                 .build()
                 .map_err(|e| MemoryError::Shared(format!("mapping the memory file: {e}")))?;
