@@ -82,7 +82,11 @@ impl VmControl for ApiTarget {
     }
 
     fn counters(&self) -> Result<serde_json::Value, ActionError> {
-        Ok(serde_json::to_value(self.vm.counters()).unwrap_or_default())
+        let counters = match &self.described {
+            Described::Ch(ch) => ch.keyed_by_id(self.vm.counters()),
+            Described::Own(..) => self.vm.counters(),
+        };
+        Ok(serde_json::to_value(counters).unwrap_or_default())
     }
 
     fn pause(&self) -> Result<(), ActionError> {

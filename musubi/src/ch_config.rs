@@ -5,6 +5,7 @@
 //! extension key `"musubi"`, which Cloud Hypervisor's clients leave alone.
 
 use musubi_api::DeviceKind;
+use musubi_types::Counters;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use vmm::config::net::{MacAddr, NetConfig};
@@ -260,6 +261,23 @@ impl ChVm {
             "memory_actual_size": self.config.memory,
             "device_tree": device_tree,
         })
+    }
+}
+
+impl ChVm {
+    /// `vm.counters` keyed as Cloud Hypervisor keys them, by device id (`_disk0`, or the id
+    /// the config gave) instead of Musubi's device names (`virtio-blk0`); counters of
+    /// anything without an id keep their names.
+    pub fn keyed_by_id(&self, mut counters: Counters) -> Counters {
+        for (list, name) in [("disks", "virtio-blk"), ("net", "virtio-net")] {
+            for (i, d) in self.info[list].as_array().into_iter().flatten().enumerate() {
+                let id = d["id"].as_str();
+                if let (Some(id), Some(c)) = (id, counters.devices.remove(&format!("{name}{i}"))) {
+                    counters.devices.insert(id.to_string(), c);
+                }
+            }
+        }
+        counters
     }
 }
 

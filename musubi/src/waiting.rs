@@ -371,9 +371,8 @@ impl Vmm {
                         .snapshot(&dir)
                         .map(|_| Value::Null)
                         .map_err(refused),
-                    Call::Counters => {
-                        Ok(serde_json::to_value(b.handle.counters()).unwrap_or_default())
-                    }
+                    Call::Counters => Ok(serde_json::to_value(vm.keyed_by_id(b.handle.counters()))
+                        .unwrap_or_default()),
                     Call::Send(req) => self.send(&b, &req).map(|_| Value::Null),
                     Call::Boot => Err(ActionError::wrong_state("the VM is already booted")),
                     _ => Ok(Value::Null),

@@ -61,10 +61,7 @@ fn pause_and_resume_while_a_task_runs() {
     let second = counters(remote_json(&socket, &["counters"]));
     // The vCPUs' exits are there, or the answer would not read as `Counters`.
     assert!(
-        matches!(
-            first.devices.get("virtio-blk0"),
-            Some(DeviceCounters::Block(_))
-        ),
+        matches!(first.devices.get("_disk0"), Some(DeviceCounters::Block(_))),
         "counters: {first}"
     );
     assert_eq!(first, second, "the counters moved while the VM was paused");

@@ -317,7 +317,15 @@ fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after()
     let long = d.ch_vm_config("long.json", "hello,fib=60", LIMIT);
     ch_ok(&socket, &["delete"]);
     ch_ok(&socket, &["create", long.to_str().unwrap()]);
+    ch_ok(
+        &socket,
+        &["add-disk", &format!("path={},id=data", spare.display())],
+    );
     ch_ok(&socket, &["boot"]);
+    // Counters are keyed by device id, as Cloud Hypervisor keys them.
+    let out = ch_ok(&socket, &["counters"]);
+    let counters: Value = serde_json::from_str(&out).unwrap();
+    assert!(counters["data"].is_object(), "{counters}");
     ch_refused(
         &socket,
         &["add-disk", &disk],

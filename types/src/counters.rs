@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {
     pub vcpus: VcpuCounters,
-    /// `virtio-blk0`, `virtio-net0`, `virtio-pmem0`, ...
+    /// Musubi's device names (`virtio-blk0`, `virtio-net0`, `virtio-pmem0`, ...); the API
+    /// keys disks and network devices by their ids in the VmConfig (`_disk0`), as Cloud
+    /// Hypervisor does.
     #[serde(flatten)]
     pub devices: BTreeMap<String, DeviceCounters>,
 }
