@@ -382,6 +382,11 @@ impl VmArgs {
             c.memory = m.bytes();
         }
         c.disks = flags_or_file(&self.disk, c.disks);
+        // The file's disks were checked as it was read; the flags' are checked here, as
+        // without a file.
+        for d in &self.disk {
+            config::check_storage_file("--disk path=", &d.path).map_err(|e| e.to_string())?;
+        }
         c.pmem = flags_or_file(&self.pmem, c.pmem);
         c.net = flags_or_file(&self.net, c.net);
         config::net::check_distinct(&c.net).map_err(|e| e.to_string())?;
@@ -506,6 +511,29 @@ mod tests {
         assert_eq!(given.memory, Some(3 << 29));
         assert_eq!(given.disks.unwrap().len(), 1);
         assert_eq!(given.exits, Some(ExitsMode::User));
+    }
+
+    #[test]
+    fn a_disk_flag_over_a_cloud_hypervisor_file_is_checked_as_without_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("vmlinux");
+        std::fs::write(&kernel, b"k").unwrap();
+        let file = dir.path().join("vm.json");
+        let vm = serde_json::json!({"payload": {"kernel": kernel}});
+        std::fs::write(&file, vm.to_string()).unwrap();
+        let missing = dir.path().join("missing.img");
+        let r = run(&[
+            "--config",
+            file.to_str().unwrap(),
+            "--disk",
+            &format!("path={}", missing.display()),
+        ])
+        .unwrap();
+        let e = r.vm.to_config().unwrap_err();
+        assert!(
+            e.contains("--disk path=") && e.contains("missing.img"),
+            "{e}"
+        );
     }
 
     #[test]
