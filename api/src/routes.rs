@@ -159,8 +159,37 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         | "vm.remove-device"
         | "vm.restore"
         | "vm.receive-migration" => wrong_method(),
-        _ => Response::error(404, &["Not Found"]),
+        other => match unsupported(other) {
+            Some(why) => Response::error(
+                500,
+                &[
+                    "Error from API",
+                    &format!("{other} is not supported by Musubi"),
+                    why,
+                ],
+            ),
+            None => Response::error(404, &["Not Found"]),
+        },
     }
+}
+
+/// Cloud Hypervisor's paths that Musubi answers with the reason it has no such thing, so a
+/// client learns why rather than reading a bare 404.
+fn unsupported(endpoint: &str) -> Option<&'static str> {
+    Some(match endpoint {
+        "vm.resize" | "vm.resize-zone" => "Musubi has no CPU or memory hot-plug",
+        "vm.resize-disk" => {
+            "virtio-mmio has no hot-plug, so a disk keeps its size while the VM runs"
+        }
+        "vm.add-device" | "vm.add-user-device" | "vm.add-vdpa" => {
+            "Musubi passes no host devices through (no VFIO, vfio-user or vDPA)"
+        }
+        "vm.add-fs" | "vm.add-generic-vhost-user" => "Musubi has no vhost-user devices",
+        "vm.balloon-stats" => "Musubi has no virtio-balloon",
+        "vm.coredump" => "Musubi writes snapshots (vm.snapshot), not guest core dumps",
+        "vm.nmi" => "Musubi does not inject NMIs",
+        _ => return None,
+    })
 }
 
 /// The id a vm.remove-device body names: `{"id": "_disk0"}`.

@@ -200,6 +200,20 @@ fn unknown_paths_are_404_and_wrong_methods_400() {
     assert_eq!((status, body.as_str()), (404, r#"["Not Found"]"#));
     let (status, body) = request_with_timeout(&f.path, "GET", "/other", None, BOUND).unwrap();
     assert_eq!((status, body.as_str()), (404, r#"["Not Found"]"#));
+    // Cloud Hypervisor's paths that Musubi has no use for say why.
+    for (endpoint, why) in [
+        ("vm.resize", "no CPU or memory hot-plug"),
+        ("vm.add-fs", "no vhost-user devices"),
+        ("vm.nmi", "does not inject NMIs"),
+    ] {
+        let (status, body) = f.call("PUT", endpoint, Some("{}"));
+        assert_eq!(status, 500, "{endpoint}: {body}");
+        assert!(
+            body.contains(&format!("{endpoint} is not supported by Musubi")) && body.contains(why),
+            "{endpoint}: {body}"
+        );
+    }
+    assert_eq!(f.vm.calls().len(), 0, "a refused path reached the VM");
     for (method, endpoint) in [
         ("PUT", "vmm.ping"),
         ("POST", "vm.info"),

@@ -356,6 +356,9 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
     for (key, defaults) in [
         ("balloon", vec![Value::Null]),
         ("fs", vec![Value::Null, json!([])]),
+        ("generic_vhost_user", vec![Value::Null, json!([])]),
+        ("pci_segments", vec![Value::Null, json!([])]),
+        ("rtc", vec![Value::Null]),
         ("devices", vec![Value::Null, json!([])]),
         ("user_devices", vec![Value::Null, json!([])]),
         ("vdpa", vec![Value::Null, json!([])]),
@@ -447,6 +450,11 @@ fn cpus(v: Option<&Value>) -> Result<(u8, Value)> {
     )?;
     c.default_only("features", &[json!({}), json!({"amx": false})], WHY)?;
     c.default_only("nested", &[json!(true)], WHY)?;
+    c.default_only(
+        "core_scheduling",
+        &[json!("Vm")],
+        "Musubi leaves vCPU scheduling to the host",
+    )?;
     let mut info = c.finish()?;
     info.insert("boot_vcpus".into(), json!(boot));
     info.insert("max_vcpus".into(), json!(boot));
@@ -470,6 +478,7 @@ fn memory(v: Option<&Value>) -> Result<(u64, Value)> {
     m.default_only("mergeable", &[json!(false)], RAM)?;
     m.default_only("prefault", &[json!(false)], RAM)?;
     m.default_only("thp", &[json!(true)], RAM)?;
+    m.default_only("reserve", &[json!(false)], RAM)?;
     m.default_only("zones", &[Value::Null, json!([])], RAM)?;
     const HOTPLUG: &str = "Musubi has no memory hot-plug";
     m.default_only("hotplug_method", &[json!("Acpi")], HOTPLUG)?;
