@@ -221,7 +221,10 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
             .and_then(virtio::parse_num)
         {
             Some(n @ 1..=RNG_MAX_BYTES) => run_user("rng", 0, utasks::rng, n),
-            _ => bad_argument(task, "rng=BYTES needs 1 to 1G bytes (K, M, G suffixes allowed)"),
+            _ => bad_argument(
+                task,
+                "rng=BYTES needs 1 to 1G bytes (K, M, G suffixes allowed)",
+            ),
         },
         (b"spin", a) => match num(a) {
             Some(n) => run_user("spin", cpu, utasks::spin, n),

@@ -507,5 +507,9 @@ pub extern "C" fn rng(buf: u64, buf_len: u64, bytes: u64) -> ! {
         ulib::cycles_to_ns(cycles, hz)
     );
     l.send();
-    ulib::exit(if error.is_none() { 0 } else { STATUS_RNG_FAILED })
+    ulib::exit(if error.is_none() {
+        0
+    } else {
+        STATUS_RNG_FAILED
+    })
 }
