@@ -11,6 +11,7 @@
 //! too; an access outside guest memory shows as a vm-memory error (or, under the fuzzer's
 //! address sanitizer, as a crash). Each entry point returns the first broken rule.
 
+use crate::net::rate_limiter::{ManualClock, RateLimit, RateLimiter, TokenBucketConfig};
 use crate::net::tap::VNET_HDR_LEN;
 use crate::virtio::block::{Block, BlockConfig, CacheMode, SECTOR_SIZE};
 use crate::virtio::driver::{
@@ -19,6 +20,7 @@ use crate::virtio::driver::{
 use crate::virtio::mmio::{MMIO_MAGIC, MMIO_SIZE, MMIO_VERSION};
 use crate::virtio::net::{Net, MAX_FRAME_LEN};
 use crate::virtio::pmem::{Pmem, VIRTIO_PMEM_RESP_OK};
+use crate::virtio::rng::Rng as VirtioRng;
 use crate::GuestMemoryMmap;
 use dsm::rng::Rng;
 use virtio_bindings::virtio_blk::*;
@@ -94,6 +96,8 @@ pub enum Finding {
     BackendFull(#[source] std::io::Error),
     #[error("a frame from the host end after reset never reached the guest")]
     FrameLost,
+    #[error("a 16-byte read after reset got {got:?} bytes, not {want}")]
+    RngRead { got: Option<u32>, want: u32 },
     #[error("queue {index}: {served} used entries for {available} available chains")]
     TooManyUsed {
         index: u32,
@@ -161,6 +165,79 @@ pub fn virtio_pmem(data: &[u8]) -> Result<(), Finding> {
     d.bring_up(u32::from(QSIZE));
     play(&mut d, &mut script)?;
     pmem_alive(&mut d, fail_flush)
+}
+
+/// virtio-rng requests on a live queue: chains of any shape, direct and indirect, with the
+/// device unlimited or (first byte's bit 0) limited to a rate from the second byte, on a
+/// clock the script moves; action 6 moves it and fires the limiter's timer. After a reset,
+/// a read is served.
+pub fn virtio_rng(data: &[u8]) -> Result<(), Finding> {
+    let mut script = Script(data);
+    let limited = script.byte() & 1 == 1;
+    let rate = 1 + u64::from(script.byte()) * 64;
+    let clock = ManualClock::default();
+    let limiter = if limited {
+        let limit = RateLimit {
+            bandwidth: Some(TokenBucketConfig {
+                size: rate,
+                refill_time_ms: 1000,
+                one_time_burst: 0,
+            }),
+            ops: None,
+        };
+        Some(RateLimiter::with_clock(&limit, Box::new(clock.clone()))?)
+    } else {
+        None
+    };
+    let source = Box::new(|buf: &mut [u8]| {
+        buf.fill(0xa5);
+        Ok(())
+    });
+    let rng = VirtioRng::with_parts(source, limiter, limited.then_some(rate));
+    let mut d = Driver::new_in(rng, memory());
+    d.bring_up(u32::from(QSIZE));
+    each_action(&mut d, &mut script, |d, s, op| {
+        if op != 6 {
+            return one_queue_action(d, s, op);
+        }
+        clock.advance(std::time::Duration::from_millis(u64::from(s.u16())));
+        checked(d, &[0], |d| d.t.process_event(0))
+    })?;
+    finish(&mut d)?;
+    d.restart();
+    clock.advance(std::time::Duration::from_secs(2));
+    let want = if limited { rate.min(16) as u32 } else { 16 };
+    d.submit(&[(DATA, 16, VRING_DESC_F_WRITE as u16)]);
+    match d.used_idx() == d.used_seen {
+        true => Err(Finding::RngRead { got: None, want }),
+        false => match d.next_used() {
+            (0, got) if got == want => Ok(()),
+            (_, got) => Err(Finding::RngRead {
+                got: Some(got),
+                want,
+            }),
+        },
+    }
+}
+
+/// Valid scripts for the smoke test: a read into one buffer, into three, and (limited to
+/// 65 bytes a second) two reads with the clock moved between them.
+pub fn virtio_rng_samples() -> Vec<Vec<u8>> {
+    // After the mode and rate bytes, action 7: a chain of 1 + N parts, each an address (base
+    // 1 is DATA, then an offset), a length (kind 0: one byte), flags (2: writable) and a
+    // next index (ignored: the chain is linked in order).
+    let part = |off: u8, len: u8| vec![1, off, 0, len, 2, 0];
+    let one = [vec![0, 0, 7, 0], part(0, 64)].concat();
+    let three = [vec![0, 0, 7, 2], part(0, 8), part(16, 8), part(32, 200)].concat();
+    let paced = [
+        vec![1, 1, 7, 0],
+        part(0, 100),
+        vec![7, 0],
+        part(0, 100),
+        vec![6, 0xe8, 0x03],
+    ]
+    .concat();
+    vec![one, three, paced]
 }
 
 /// virtio-net from both ends: the guest posts receive buffers and frames to send in chains
@@ -486,65 +563,74 @@ fn each_action(
     Ok(())
 }
 
-/// Plays the script against the device, checking every notification.
+/// Plays the script against the device, checking every notification; action 6 writes a
+/// virtio-blk request header.
 fn play(d: &mut Driver, s: &mut Script) -> Result<(), Finding> {
     each_action(d, s, |d, s, op| {
-        match op {
-            3 => {
-                let table = if s.byte() & 1 == 0 { RING } else { INDIRECT };
-                let index = u64::from(s.byte() % 32);
-                let desc = descriptor(s);
-                d.write_table(table + 16 * index, &[desc]);
-            }
-            4 => {
-                let head = if s.byte() < 0xf0 {
-                    u16::from(s.byte() % 32)
-                } else {
-                    s.u16()
-                };
-                d.publish(head);
-            }
-            6 => {
-                let ty = match s.byte() % 6 {
-                    0 => VIRTIO_BLK_T_IN,
-                    1 => VIRTIO_BLK_T_OUT,
-                    2 => VIRTIO_BLK_T_FLUSH,
-                    3 => VIRTIO_BLK_T_GET_ID,
-                    _ => s.u32(),
-                };
-                let sector = match s.byte() % 4 {
-                    0 => u64::from(s.byte()) % (DISK_SECTORS + 2),
-                    1 => DISK_SECTORS - u64::from(s.byte() % 4),
-                    2 => u64::MAX / SECTOR_SIZE + u64::from(s.byte() % 3),
-                    _ => s.u64(),
-                };
-                d.header(ty, sector);
-            }
-            7 => {
-                // A chain of up to four parts, linked as a driver links them, then notified.
-                let descs = chain_parts(s);
-                d.chain(&descs);
-                notify(d, 0)?;
-            }
-            8 => {
-                // Reset and bring the device up again with whatever the script asks for.
-                let drop_bits = if s.byte() & 1 == 0 { 0 } else { s.u64() };
-                let size = queue_size(s);
-                d.negotiate(drop_bits);
-                d.setup_queue(size);
-                d.driver_ok();
-                d.avail_idx = 0;
-            }
-            _ => {
-                if s.byte() & 1 == 0 {
-                    d.set_avail_idx(s.u16());
-                } else {
-                    d.set_avail_flags(s.u16());
-                }
-            }
+        if op != 6 {
+            return one_queue_action(d, s, op);
         }
+        let ty = match s.byte() % 6 {
+            0 => VIRTIO_BLK_T_IN,
+            1 => VIRTIO_BLK_T_OUT,
+            2 => VIRTIO_BLK_T_FLUSH,
+            3 => VIRTIO_BLK_T_GET_ID,
+            _ => s.u32(),
+        };
+        let sector = match s.byte() % 4 {
+            0 => u64::from(s.byte()) % (DISK_SECTORS + 2),
+            1 => DISK_SECTORS - u64::from(s.byte() % 4),
+            2 => u64::MAX / SECTOR_SIZE + u64::from(s.byte() % 3),
+            _ => s.u64(),
+        };
+        d.header(ty, sector);
         Ok(())
     })
+}
+
+/// Actions 3, 4 and 7 to 9 of a device with one queue on the driver's own rings: a
+/// descriptor written, a head published, a chain posted and notified, the device reset and
+/// brought up again, the avail index or flags overwritten.
+fn one_queue_action(d: &mut Driver, s: &mut Script, op: u8) -> Result<(), Finding> {
+    match op {
+        3 => {
+            let table = if s.byte() & 1 == 0 { RING } else { INDIRECT };
+            let index = u64::from(s.byte() % 32);
+            let desc = descriptor(s);
+            d.write_table(table + 16 * index, &[desc]);
+        }
+        4 => {
+            let head = if s.byte() < 0xf0 {
+                u16::from(s.byte() % 32)
+            } else {
+                s.u16()
+            };
+            d.publish(head);
+        }
+        7 => {
+            // A chain of up to four parts, linked as a driver links them, then notified.
+            let descs = chain_parts(s);
+            d.chain(&descs);
+            notify(d, 0)?;
+        }
+        8 => {
+            // Reset and bring the device up again with whatever the script asks for.
+            let drop_bits = if s.byte() & 1 == 0 { 0 } else { s.u64() };
+            let size = queue_size(s);
+            d.negotiate(drop_bits);
+            d.setup_queue(size);
+            d.driver_ok();
+            d.avail_idx = 0;
+        }
+        _ => {
+            if s.byte() & 1 == 0 {
+                d.set_avail_idx(s.u16());
+            } else {
+                d.set_avail_flags(s.u16());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Plays the script against a virtio-net device; `rings` are receive and transmit.

@@ -55,3 +55,14 @@ fn virtio_pmem_survives_hostile_requests() {
     let flush = [&[0][..], PMEM_FLUSH].concat();
     smoke("virtio_pmem", fuzzing::virtio_pmem, &[flush], 0x93E3, 3000);
 }
+
+#[test]
+fn virtio_rng_survives_hostile_requests() {
+    smoke(
+        "virtio_rng",
+        fuzzing::virtio_rng,
+        &fuzzing::virtio_rng_samples(),
+        0x4E6D,
+        3000,
+    );
+}

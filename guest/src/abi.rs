@@ -51,6 +51,11 @@ pub const SYS_NET_OPEN: u64 = 26;
 /// `NET_WAIT_TX`), an interrupt arrives or the time passes. Returns 1 if a ring moved.
 pub const SYS_NET_WAIT: u64 = 27;
 pub const NET_WAIT_TX: u64 = 1 << 32;
+/// `rng_read(buf, len)`: up to `len` (at most 64 KiB) random bytes from the virtio-rng
+/// device into the task's buffer; returns how many the device wrote.
+pub const SYS_RNG_READ: u64 = 28;
+/// The most `rng_read` asks the device for at once: what Musubi's device fills per request.
+pub const RNG_MAX_REQUEST: u64 = 64 << 10;
 
 pub const CPU_FAULTED: u64 = 0x100;
 pub const CPU_TIMED_OUT: u64 = 0x200;
@@ -203,4 +208,7 @@ pub const STATUS_CONSOLE_TIMEOUT: u8 = 5;
 pub const STATUS_WRONG_RESULT: u8 = 6;
 /// A network task failed: no device, no reply, the connection broke or time ran out.
 pub const STATUS_NET_FAILED: u8 = 7;
+/// The `rng` task failed: no usable virtio-rng device, or a request failed or kept coming
+/// back empty.
+pub const STATUS_RNG_FAILED: u8 = 8;
 pub const STATUS_KERNEL_FAULT: u8 = 101;

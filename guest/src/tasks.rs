@@ -216,6 +216,16 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
             None => bad_argument(task, "blk-fill=SEED needs a decimal seed"),
         },
         (b"fault", None) => run_user("fault", cpu, utasks::fault, 0),
+        (b"rng", a) => match a
+            .and_then(|a| core::str::from_utf8(a).ok())
+            .and_then(virtio::parse_num)
+        {
+            Some(n @ 1..=RNG_MAX_BYTES) => run_user("rng", 0, utasks::rng, n),
+            _ => bad_argument(
+                task,
+                "rng=BYTES needs 1 to 1G bytes (K, M, G suffixes allowed)",
+            ),
+        },
         (b"spin", a) => match num(a) {
             Some(n) => run_user("spin", cpu, utasks::spin, n),
             None => bad_argument(task, "spin=N needs a decimal iteration count"),
@@ -238,6 +248,9 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         }
     }
 }
+
+/// The most bytes one `rng` task reads.
+const RNG_MAX_BYTES: u64 = 1 << 30;
 
 /// Rounds of `mem-check` without `iters=`.
 const MEM_CHECK_ROUNDS: u64 = 8;

@@ -185,6 +185,12 @@ impl fmt::Display for JsonBytes<'_> {
 /// CRC-32 lives in the shared workload crate (the native program uses the same code).
 pub use workloads::crc32_update;
 
+/// Up to `len` (at most 64 KiB) random bytes from the virtio-rng device at `buf`; how many
+/// came.
+pub fn rng_read(buf: u64, len: u64) -> Result<u64, Error> {
+    decode(syscall(abi::SYS_RNG_READ, buf, len, 0, 0))
+}
+
 pub fn getpid() -> u64 {
     syscall(abi::SYS_GETPID, 0, 0, 0, 0)
 }

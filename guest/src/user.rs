@@ -455,6 +455,13 @@ pub fn syscall(f: &mut TrapFrame) {
         abi::SYS_CPU_WAIT => cpu_wait(a0 as usize),
         abi::SYS_NET_OPEN => virtio::net::open(a0),
         abi::SYS_NET_WAIT => virtio::net::wait(a0, a1),
+        abi::SYS_RNG_READ => {
+            if in_arena(a0, a1) {
+                virtio::rng_read(a0, a1)
+            } else {
+                Err(Error::BadArgument)
+            }
+        }
         _ => Err(Error::NoSuchCall),
     };
     f.rax = match result {

@@ -4,7 +4,7 @@
 
 use core::fmt::Write;
 
-use crate::abi::STATUS_BLK_FAILED;
+use crate::abi::{RNG_MAX_REQUEST, STATUS_BLK_FAILED, STATUS_RNG_FAILED};
 use crate::ulib::{self, JsonBytes, Line};
 
 /// Bytes per block request: large requests keep the number of exits (and CPL0 work) small.
@@ -438,5 +438,78 @@ pub extern "C" fn mem_check(buf: u64, buf_len: u64, param: u64) -> ! {
         0
     } else {
         crate::abi::STATUS_WRONG_RESULT
+    })
+}
+
+/// Empty answers in a row after which the `rng` task gives up on the device.
+const RNG_EMPTY_LIMIT: u32 = 16;
+
+/// Reads `bytes` random bytes from the virtio-rng device in requests of up to 64 KiB, counts
+/// them in a histogram as they come, and reports the histogram's Shannon entropy (bits per
+/// byte, fixed point: no floating point in the guest) with its smallest and largest bin.
+pub extern "C" fn rng(buf: u64, buf_len: u64, bytes: u64) -> ! {
+    let hz = ulib::tsc_hz();
+    let step = RNG_MAX_REQUEST.min(buf_len);
+    let mut hist = [0u64; 256];
+    let (mut got, mut requests, mut empty) = (0u64, 0u64, 0u32);
+    let mut error = None;
+    let t0 = ulib::rdtsc();
+    while got < bytes {
+        match ulib::rng_read(buf, step.min(bytes - got)) {
+            Ok(0) => {
+                requests += 1;
+                empty += 1;
+                if empty == RNG_EMPTY_LIMIT {
+                    error = Some("the device kept answering with no bytes");
+                    break;
+                }
+            }
+            Ok(n) => {
+                requests += 1;
+                empty = 0;
+                // SAFETY: the first `n <= step <= buf_len` bytes of this task's arena, just
+                // written by the device; nothing else refers to them.
+                let data = unsafe { core::slice::from_raw_parts(buf as *const u8, n as usize) };
+                for &b in data {
+                    hist[usize::from(b)] += 1;
+                }
+                got += n;
+            }
+            Err(e) => {
+                error = Some(e.name());
+                break;
+            }
+        }
+    }
+    let cycles = ulib::rdtsc() - t0;
+    let entropy = workloads::entropy::shannon_fixed(&hist);
+    let (min, max) = hist
+        .iter()
+        .fold((u64::MAX, 0), |(lo, hi), &c| (lo.min(c), hi.max(c)));
+    let mut l = Line::new();
+    let _ = write!(
+        l,
+        "{{\"probe\":\"rng\",\"bytes\":{},\"requests\":{},\"entropy_bits_per_byte\":{},\"min_count\":{},\"max_count\":{},\"ok\":{},",
+        got,
+        requests,
+        workloads::entropy::Fixed4(entropy),
+        min,
+        max,
+        error.is_none()
+    );
+    if let Some(e) = error {
+        let _ = write!(l, "\"error\":\"{}\",", e);
+    }
+    let _ = writeln!(
+        l,
+        "\"cycles\":{},\"ns\":{}}}",
+        cycles,
+        ulib::cycles_to_ns(cycles, hz)
+    );
+    l.send();
+    ulib::exit(if error.is_none() {
+        0
+    } else {
+        STATUS_RNG_FAILED
     })
 }

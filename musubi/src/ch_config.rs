@@ -400,6 +400,7 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
         serial,
         exits,
         net: nets,
+        rng: None,
     };
     let info = json!({
         "payload": payload_info,

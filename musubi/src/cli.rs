@@ -8,6 +8,7 @@ use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Duration;
 use vmm::config::net::NetConfig;
+use vmm::config::rng::{RngConfig, RNG_SYNTAX};
 use vmm::config::{self, DiskConfig, ExitsMode, KernelImage, SerialMode, Size, VmConfig};
 use vmm::pmem::PmemConfig;
 
@@ -51,6 +52,16 @@ pub struct VmArgs {
     /// second deep). The MAC is made up (locally administered) when not given.
     #[arg(long, value_name = config::net::NET_SYNTAX, value_parser = from_str::<NetConfig>())]
     pub net: Vec<NetConfig>,
+    /// A virtio-rng device fed from the host's getrandom(2); bytes_per_sec= caps the bytes
+    /// the guest gets a second (a token bucket a second deep). `--rng` alone: no cap.
+    #[arg(
+        long,
+        value_name = RNG_SYNTAX,
+        num_args = 0..=1,
+        default_missing_value = "",
+        value_parser = from_str::<RngConfig>()
+    )]
+    pub rng: Option<RngConfig>,
     /// Where the guest's COM1 goes. Default stdio.
     #[arg(long, value_name = "stdio|off|file=PATH", value_parser = from_str::<SerialMode>())]
     pub serial: Option<SerialMode>,
@@ -60,7 +71,7 @@ pub struct VmArgs {
     #[arg(long, value_name = "kernel|user", value_parser = from_str::<ExitsMode>())]
     pub exits: Option<ExitsMode>,
     /// JSON file with the same fields (kernel, cmdline, initrd, cpus, memory, disks,
-    /// pmem, net, serial, exits); flags given on the command line override it.
+    /// pmem, net, rng, serial, exits); flags given on the command line override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 }
@@ -246,6 +257,7 @@ pub struct FileConfig {
     pmem: Vec<PmemConfig>,
     #[serde(default)]
     net: Vec<NetConfig>,
+    rng: Option<RngConfig>,
     serial: Option<SerialMode>,
     exits: Option<ExitsMode>,
 }
@@ -327,6 +339,10 @@ impl VmArgs {
                 .map_err(|why| format!("net[{i}] ({}): {why}", n.name()))?;
         }
         config::net::check_distinct(&net).map_err(|e| e.to_string())?;
+        let rng = self.rng.or(file.rng);
+        if rng.is_some_and(|r| r.bytes_per_sec == Some(0)) {
+            return Err("rng (config): bytes_per_sec=0 would never serve a byte".into());
+        }
         let exits = self.exits.or(file.exits).unwrap_or_default();
         let serial = self.serial.clone().or(file.serial).unwrap_or_default();
         if let Some(p) = self.initrd.as_ref().or(file.initrd.as_ref()) {
@@ -343,6 +359,7 @@ impl VmArgs {
             serial,
             exits,
             net,
+            rng,
         })
     }
 }
@@ -390,6 +407,9 @@ impl VmArgs {
         c.pmem = flags_or_file(&self.pmem, c.pmem);
         c.net = flags_or_file(&self.net, c.net);
         config::net::check_distinct(&c.net).map_err(|e| e.to_string())?;
+        if let Some(r) = self.rng {
+            c.rng = Some(r);
+        }
         if let Some(s) = &self.serial {
             c.serial = s.clone();
         }
@@ -445,6 +465,7 @@ impl VmArgs {
         for n in &self.net {
             put("--net", Some(n.to_string()));
         }
+        put("--rng", self.rng.map(|r| r.to_string()));
         put("--serial", self.serial.as_ref().map(|s| s.to_string()));
         put("--exits", self.exits.map(|e| e.to_string()));
         put(
@@ -564,6 +585,14 @@ mod tests {
                 "--net \"tap=t,fd=4\": tap= and fd=",
             ),
             (
+                vec!["--rng", "bytes_per_sec=lots"],
+                "--rng \"bytes_per_sec=lots\": bytes_per_sec=\"lots\" is not a positive whole number",
+            ),
+            (
+                vec!["--rng=bytes_per_sec=0"],
+                "--rng \"bytes_per_sec=0\": bytes_per_sec=0 would never serve a byte",
+            ),
+            (
                 vec!["--timeout", "0"],
                 "--timeout 0: expected a positive number of seconds",
             ),
@@ -602,6 +631,27 @@ mod tests {
     }
 
     #[test]
+    fn rng_takes_an_optional_limit() {
+        assert_eq!(run(&[]).unwrap().vm.rng, None);
+        assert_eq!(run(&["--rng"]).unwrap().vm.rng, Some(RngConfig::default()));
+        let r = run(&["--rng", "--exits", "user"]).unwrap().vm;
+        assert_eq!(r.rng, Some(RngConfig::default()));
+        assert_eq!(r.exits, Some(ExitsMode::User));
+        let r = run(&["--rng=bytes_per_sec=512"]).unwrap().vm.rng.unwrap();
+        assert_eq!(r.bytes_per_sec, Some(512));
+        let args = run(&["--rng"]).unwrap().vm.to_args();
+        assert_eq!(args, ["--rng", ""]);
+        let back = run(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(back.vm.rng, Some(RngConfig::default()));
+        let c = run(&["--kernel", "probe", "--rng"])
+            .unwrap()
+            .vm
+            .to_config()
+            .unwrap();
+        assert_eq!(c.rng, Some(RngConfig::default()));
+    }
+
+    #[test]
     fn to_args_gives_a_command_line_that_reads_back_the_same() {
         let line = [
             "--kernel",
@@ -620,6 +670,8 @@ mod tests {
             "file=p.img,size=4M,advertise=virtio",
             "--net",
             "tap=t0,ip=10.0.0.1,mask=255.255.255.0,rate=1048576/100",
+            "--rng",
+            "bytes_per_sec=4096",
             "--serial",
             "off",
             "--exits",

@@ -194,6 +194,29 @@ fn a_restore_with_pages_read_on_demand_ends_as_an_uninterrupted_run_and_counts_t
 }
 
 /// CRC-32 of the first `len` bytes a `blk-fill=seed` writes.
+#[test]
+fn a_rate_limited_rng_read_snapshotted_mid_task_ends_after_restore() {
+    // 16 KiB at 4 KiB a second takes three seconds: the snapshot finds a request held back
+    // on the ring, which the restored device (a fresh bucket) must still serve.
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--memory", MEMORY, "--rng", "bytes_per_sec=4096"];
+    let s = snapshot_mid_task(dir.path(), "hello,rng=16K", HELLO, &flags);
+    s.assert_mid_task("rng");
+    let saved: Value =
+        serde_json::from_str(&std::fs::read_to_string(s.snap.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["rng"]["bytes_per_sec"], 4096, "{saved}");
+    let serial = dir.path().join("restored.out");
+    let r = restore(&s.snap, &serial, &[]);
+    let text = restored_console(&r, &serial);
+    let v = result_in(&text, "rng");
+    assert_eq!(
+        (&v["ok"], &v["bytes"]),
+        (&true.into(), &16384.into()),
+        "{text}"
+    );
+}
+
 fn fill_crc(len: usize, seed: u64) -> u32 {
     let mut h = crc32fast::Hasher::new();
     let mut chunk = vec![0u8; 1 << 20];

@@ -1,16 +1,16 @@
 //! `vm.counters` (`musubi remote counters`): device name to counter name to value, with
 //! the vCPUs' exits as one more "device", as Cloud Hypervisor answers it.
 
-use crate::metrics::NetCounters;
+use crate::metrics::{NetCounters, RngCounters};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {
     pub vcpus: VcpuCounters,
-    /// Musubi's device names (`virtio-blk0`, `virtio-net0`, `virtio-pmem0`, ...); the API
-    /// keys disks and network devices by their ids in the VmConfig (`_disk0`), as Cloud
-    /// Hypervisor does.
+    /// Musubi's device names (`virtio-blk0`, `virtio-net0`, `virtio-pmem0`, `virtio-rng0`,
+    /// ...); the API keys disks and network devices by their ids in the VmConfig (`_disk0`),
+    /// as Cloud Hypervisor does.
     #[serde(flatten)]
     pub devices: BTreeMap<String, DeviceCounters>,
 }
@@ -21,12 +21,15 @@ pub struct VcpuCounters {
     pub exits: u64,
 }
 
-/// A device's counters: a network device's packets, or a block or pmem device's requests.
+/// A device's counters: a network device's packets, a block or pmem device's requests, or
+/// the entropy device's bytes. Untagged: each variant has fields the others lack, so a
+/// reader tells them apart by shape.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum DeviceCounters {
     Net(NetCounters),
     Block(BlockCounters),
+    Rng(RngCounters),
 }
 
 impl DeviceCounters {
@@ -35,6 +38,7 @@ impl DeviceCounters {
         match self {
             DeviceCounters::Net(n) => n.interrupts,
             DeviceCounters::Block(b) => b.interrupts,
+            DeviceCounters::Rng(r) => r.interrupts,
         }
     }
 }

@@ -18,6 +18,9 @@ pub struct Metrics {
     pub interrupts: Interrupts,
     /// One entry per network device.
     pub net: Vec<NetCounters>,
+    /// The entropy device (`--rng`), when the VM has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rng: Option<RngCounters>,
     pub memory: MemoryUse,
     /// Guest RAM restored on demand (`--restore-memory ondemand`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -128,6 +131,23 @@ pub struct NetCounters {
     /// Times the transmit rate limiter held a frame back.
     pub tx_throttled: u64,
     /// Interrupts the device's transport raised, for either queue or the configuration.
+    pub interrupts: u64,
+}
+
+/// The entropy device's counters, in `--metrics` and `vm.counters` alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngCounters {
+    /// Chains completed, whatever their length (malformed ones with 0 bytes).
+    pub requests: u64,
+    /// Random bytes put in guest buffers.
+    pub bytes: u64,
+    /// Times the rate limiter (`bytes_per_sec=`) held a request back until its bucket
+    /// refilled.
+    pub throttled: u64,
+    /// Chains completed with no bytes because they were malformed: a device-readable
+    /// buffer, one outside guest memory, a broken or over-long chain.
+    pub errors: u64,
+    /// Interrupts the device's transport raised.
     pub interrupts: u64,
 }
 
@@ -266,5 +286,6 @@ display_json!(
     Coherence,
     FaultStats,
     PollStats,
-    NetCounters
+    NetCounters,
+    RngCounters
 );

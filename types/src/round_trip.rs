@@ -43,6 +43,10 @@ fn a_running_vms_counters() {
         c.devices.get("virtio-net0"),
         Some(crate::DeviceCounters::Net(_))
     ));
+    assert!(matches!(
+        c.devices.get("virtio-rng0"),
+        Some(crate::DeviceCounters::Rng(r)) if r.bytes == 65536
+    ));
 }
 
 #[test]

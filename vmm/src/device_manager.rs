@@ -37,6 +37,8 @@ pub enum DeviceError {
     },
     #[error(transparent)]
     Net(#[from] crate::net::NetError),
+    #[error("--rng: {0}")]
+    Rng(#[from] devices::virtio::RngError),
     #[error("too many devices: IRQ {0} is past the last IOAPIC pin {MAX_IRQ}")]
     OutOfIrqs(u32),
     #[error("cannot create an interrupt eventfd: {0}")]
@@ -128,8 +130,8 @@ pub struct Devices {
     pub mmio_names: Arc<MmioNames>,
     pub serial: Arc<Mutex<Serial>>,
     pub disks: Vec<Arc<Mutex<MmioTransport>>>,
-    /// Every virtio transport (the disks, then memory-storage devices), in creation order:
-    /// the order a snapshot saves them in.
+    /// Every virtio transport (the disks, network and memory-storage devices, then the
+    /// entropy device), in creation order: the order a snapshot saves them in.
     pub transports: Vec<Arc<Mutex<MmioTransport>>>,
     /// The image behind each entry of `disks`, for messages.
     pub disk_paths: Vec<std::path::PathBuf>,
@@ -367,6 +369,11 @@ pub fn create_devices(
     all.extend(nets.iter().cloned());
     for (name, device) in extra.virtio {
         all.push(w.add_virtio(&name, device)?);
+    }
+    // Last, so the slots of the devices before it are where they were without it.
+    if let Some(r) = &config.rng {
+        let device = devices::virtio::Rng::new(r.bytes_per_sec)?;
+        all.push(w.add_virtio("virtio-rng0", Box::new(device))?);
     }
     for (base, size, name, device) in extra.mmio {
         w.io.register_mmio(

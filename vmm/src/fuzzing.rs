@@ -2,6 +2,7 @@
 //! a file can feed the VMM: a hostile kernel image and the JSON configuration's parts.
 //! Each takes arbitrary bytes and returns the first broken rule; none may panic.
 
+use crate::config::rng::RngConfig;
 use crate::config::{parse_size, ConfigError, DiskConfig, ExitsMode, KernelImage, SerialMode};
 use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::pmem::PmemConfig;
@@ -85,7 +86,7 @@ pub fn kernel_image(data: &[u8]) -> Result<(), Finding> {
 }
 
 /// Parses `data` as each part of the JSON configuration (a disk, a pmem region, the serial
-/// and exits modes) and, as UTF-8 text, as the matching flag specs and a size. Refusals must
+/// and exits modes, the entropy device) and, as UTF-8 text, as the matching flag specs and a size. Refusals must
 /// name the flag; what parses must read back the same through its own syntax.
 pub fn config(data: &[u8]) -> Result<(), Finding> {
     if let Ok(disk) = serde_json::from_slice::<DiskConfig>(data) {
@@ -120,6 +121,12 @@ pub fn config(data: &[u8]) -> Result<(), Finding> {
     if let Ok(serial) = serde_json::from_slice::<SerialMode>(data) {
         same_again(&serial, serial.to_string().parse())?;
     }
+    if let Ok(rng) = serde_json::from_slice::<RngConfig>(data) {
+        // JSON may carry a zero rate, which the device refuses when it is built.
+        if rng.bytes_per_sec != Some(0) {
+            same_again(&rng, rng.to_string().parse())?;
+        }
+    }
     if let Ok(exits) = serde_json::from_slice::<ExitsMode>(data) {
         same_again(&exits, exits.to_string().parse())?;
     }
@@ -143,6 +150,11 @@ pub fn config(data: &[u8]) -> Result<(), Finding> {
     }
     if let Ok(serial) = text.parse::<SerialMode>() {
         same_again(&serial, serial.to_string().parse())?;
+    }
+    match text.parse::<RngConfig>() {
+        Ok(rng) => same_again(&rng, rng.to_string().parse())?,
+        Err(e) if !e.to_string().contains("--rng") => return Err(unnamed(e)),
+        Err(_) => {}
     }
     match parse_size("--memory", text) {
         Ok(n) => {

@@ -261,6 +261,24 @@ mod tests {
     }
 
     #[test]
+    fn the_threads_that_serve_virtio_rng_may_call_getrandom() {
+        // Its doorbell is served on the I/O thread (kernel exits) or a vCPU thread (user
+        // exits); its limiter's timer on the I/O thread.
+        for kind in [ThreadKind::Io, ThreadKind::Vcpu] {
+            let t = std::thread::spawn(move || {
+                apply(kind, SeccompMode::Enforce).unwrap();
+                let mut buf = [0u8; 64];
+                // SAFETY: getrandom(2) writes at most `buf.len()` bytes into `buf`, which
+                // lives for the call.
+                let r = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+                (r, std::io::Error::last_os_error().raw_os_error())
+            });
+            let (r, errno) = t.join().unwrap();
+            assert_eq!(r, 64, "{kind:?}: errno {errno:?}");
+        }
+    }
+
+    #[test]
     fn a_refused_call_fails_with_eperm_and_is_named() {
         // A thread of its own: filters cannot be removed once installed.
         let t = std::thread::spawn(|| {

@@ -42,6 +42,8 @@ fn configuration_parts_parse_or_name_their_flag() {
         r#""user""#,
         "path=a.img,readonly=on,cache=writeback",
         "file=pm.img,size=2M,advertise=e820",
+        r#"{"bytes_per_sec": 4096}"#,
+        "bytes_per_sec=65536",
         "256M",
         "1T",
     ]

@@ -9,6 +9,7 @@
 
 pub mod compile;
 pub mod crc32;
+pub mod entropy;
 pub mod fill;
 pub mod json;
 pub mod kernels;

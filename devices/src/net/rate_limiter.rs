@@ -218,6 +218,15 @@ impl RateLimiter {
         }
     }
 
+    /// Arms the timer to fire at once, so the owner looks again at work that may be waiting
+    /// without anything else to bring it back (a device restored with a request its
+    /// predecessor held back still on the ring).
+    pub fn wake_soon(&mut self) {
+        if let Err(e) = self.timer.reset(MIN_WAIT, None) {
+            tracing::warn!("rate limiter timer: {e}");
+        }
+    }
+
     /// Whether a refused transfer is waiting for the timer.
     pub fn is_blocked(&self) -> bool {
         self.blocked

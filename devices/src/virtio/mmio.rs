@@ -5,7 +5,7 @@
 //! That way a half-written or nonsensical configuration never reaches the ring code, and a
 //! bad one is refused in one place (the device then reports NEEDS_RESET).
 
-use super::{NetCounters, VirtioDevice, VirtioStats};
+use super::{NetCounters, RngCounters, VirtioDevice, VirtioStats};
 use crate::GuestMemoryMmap;
 use crate::Irq;
 use std::io;
@@ -385,6 +385,13 @@ impl MmioTransport {
     /// transport raised.
     pub fn net_counters(&self) -> Option<NetCounters> {
         let mut c = self.device.net_counters()?;
+        c.interrupts = self.interrupts;
+        Some(c)
+    }
+
+    /// The entropy device's counters, with the interrupts this transport raised.
+    pub fn rng_counters(&self) -> Option<RngCounters> {
+        let mut c = self.device.rng_counters()?;
         c.interrupts = self.interrupts;
         Some(c)
     }

@@ -9,11 +9,13 @@ pub mod block;
 pub mod mmio;
 pub mod net;
 pub mod pmem;
+pub mod rng;
 
 pub use block::{Block, BlockConfig, BlockError, CacheMode};
 pub use mmio::{MmioTransport, QueueLayoutError, RestoreError, TransportState};
 pub use net::{Net, NetBackend, NetConfig, NetCounters, NetError};
 pub use pmem::Pmem;
+pub use rng::{Rng, RngCounters, RngError};
 
 use crate::GuestMemoryMmap;
 use std::io;
@@ -136,6 +138,11 @@ pub trait VirtioDevice {
         None
     }
 
+    /// Counters of the entropy device; `None` for every other kind.
+    fn rng_counters(&self) -> Option<RngCounters> {
+        None
+    }
+
     /// Descriptors besides the queue doorbells that the owner must watch for readability
     /// (a backend with data, a timer), for devices whose work does not all start with the
     /// guest. `process_event(i)` is called when the `i`-th becomes readable. The list is
@@ -218,6 +225,57 @@ pub fn serve_available(
             })?;
     }
     Ok(pending as usize)
+}
+
+pub(crate) fn corrupt(queue: u16, what: &'static str, source: virtio_queue::Error) -> QueueCorrupt {
+    QueueCorrupt::Ring {
+        queue,
+        what,
+        source,
+    }
+}
+
+/// The ring's available index and how many chains past `next_avail` it offers; more than the
+/// ring holds means the driver broke the ring. For devices that may leave chains on the ring
+/// (a full backend, a rate limiter), which [`serve_available`] cannot.
+pub(crate) fn available(
+    index: u16,
+    q: &Queue,
+    mem: &GuestMemoryMmap,
+) -> Result<(u16, u16), QueueCorrupt> {
+    let avail = q
+        .avail_idx(mem, Ordering::Acquire)
+        .map_err(|e| corrupt(index, "reading avail index", e))?;
+    let pending = (avail - Wrapping(q.next_avail())).0;
+    if pending > q.size() {
+        return Err(QueueCorrupt::AvailAhead {
+            queue: index,
+            avail: avail.0,
+            pending,
+            next_avail: q.next_avail(),
+            size: q.size(),
+        });
+    }
+    Ok((avail.0, pending))
+}
+
+/// The next available chain; call only when `available` says there is one.
+pub(crate) fn pop<'a>(
+    index: u16,
+    q: &mut Queue,
+    mem: &'a GuestMemoryMmap,
+) -> Result<DescriptorChain<&'a GuestMemoryMmap>, QueueCorrupt> {
+    let chain = q
+        .pop_descriptor_chain(mem)
+        .ok_or(QueueCorrupt::Unreadable { queue: index })?;
+    if chain.head_index() >= q.size() {
+        return Err(QueueCorrupt::HeadOutside {
+            queue: index,
+            head: chain.head_index(),
+            size: q.size(),
+        });
+    }
+    Ok(chain)
 }
 
 /// Copies the part of a device's config space at `offset` into `data`; bytes past its end

@@ -14,12 +14,14 @@
 //! posts no receive buffers the device leaves frames in the backend, which then stays
 //! readable.
 
-use super::{read_config_bytes, QueueCorrupt, VirtioDevice, VirtioStats, QUEUE_MAX_SIZE};
+use super::{
+    available, corrupt, pop, read_config_bytes, QueueCorrupt, VirtioDevice, VirtioStats,
+    QUEUE_MAX_SIZE,
+};
 use crate::net::rate_limiter::{RateLimit, RateLimiter};
 use crate::net::tap::{offload_flags, Tap, TapError, VNET_HDR_LEN};
 use crate::GuestMemoryMmap;
 use std::io::{self, IoSlice};
-use std::num::Wrapping;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{fence, Ordering};
 use tracing::{debug, warn};
@@ -537,52 +539,6 @@ impl Net {
         self.counters.rx_drops += 1;
         Delivery::Dropped
     }
-}
-
-fn corrupt(queue: u16, what: &'static str, source: virtio_queue::Error) -> QueueCorrupt {
-    QueueCorrupt::Ring {
-        queue,
-        what,
-        source,
-    }
-}
-
-/// The ring's available index and how many chains past `next_avail` it offers; more than the
-/// ring holds means the driver broke the ring.
-fn available(index: u16, q: &Queue, mem: &GuestMemoryMmap) -> Result<(u16, u16), QueueCorrupt> {
-    let avail = q
-        .avail_idx(mem, Ordering::Acquire)
-        .map_err(|e| corrupt(index, "reading avail index", e))?;
-    let pending = (avail - Wrapping(q.next_avail())).0;
-    if pending > q.size() {
-        return Err(QueueCorrupt::AvailAhead {
-            queue: index,
-            avail: avail.0,
-            pending,
-            next_avail: q.next_avail(),
-            size: q.size(),
-        });
-    }
-    Ok((avail.0, pending))
-}
-
-/// The next available chain; call only when `available` says there is one.
-fn pop<'a>(
-    index: u16,
-    q: &mut Queue,
-    mem: &'a GuestMemoryMmap,
-) -> Result<DescriptorChain<&'a GuestMemoryMmap>, QueueCorrupt> {
-    let chain = q
-        .pop_descriptor_chain(mem)
-        .ok_or(QueueCorrupt::Unreadable { queue: index })?;
-    if chain.head_index() >= q.size() {
-        return Err(QueueCorrupt::HeadOutside {
-            queue: index,
-            head: chain.head_index(),
-            size: q.size(),
-        });
-    }
-    Ok(chain)
 }
 
 /// Without EVENT_IDX, sets or clears `VRING_USED_F_NO_NOTIFY` in the used ring's flags

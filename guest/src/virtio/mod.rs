@@ -1,32 +1,38 @@
 //! Finds the virtio-mmio devices named on the command line and keeps the table of them.
 //!
 //! Block devices (id 2) are disks 0, 1, ... in command-line order, device slots
-//! `0..MAX_DISKS`; virtio-pmem devices (id 27) take slots `MAX_DISKS..MAX_DEVS` (their
-//! regions are announced by `pmem.rs`). A device's interrupt vector is `VECTOR_BASE + slot`.
+//! `0..MAX_DISKS`; virtio-pmem devices (id 27) take the next `MAX_PMEM_DEVS` slots (their
+//! regions are announced by `pmem.rs`); the first virtio-rng device (id 4) the last one,
+//! `RNG_SLOT`. A device's interrupt vector is `VECTOR_BASE + slot`.
 //! The first virtio-net device (id 1) is kept apart (`net.rs`): user tasks drive it.
 
 mod block;
 mod hostile;
 pub mod net;
 mod pmem;
+mod rng;
 mod transport;
 
-use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 pub use block::{capacity, flush, get_id, read_only, rw, ID_LEN};
 pub use hostile::hostile;
 pub use pmem::{pmem_flush, pmem_region};
+pub use rng::rng_read;
 
 use crate::arch::{mmio_read32, mmio_write32};
 use crate::bootinfo::BootInfo;
 use crate::global::Global;
 use crate::{apic, kprintln};
-use transport::{Device, Reg, NO_DEVICE};
+use transport::{Device, Kind, Reg, NO_DEVICE};
 
 pub const MAX_DISKS: usize = 8;
 pub const MAX_PMEM_DEVS: usize = 4;
-pub const MAX_DEVS: usize = MAX_DISKS + MAX_PMEM_DEVS;
+/// The one virtio-rng device's slot.
+pub const RNG_SLOT: usize = MAX_DISKS + MAX_PMEM_DEVS;
+pub const MAX_DEVS: usize = RNG_SLOT + 1;
 const ID_BLK: u32 = 2;
+const ID_RNG: u32 = 4;
 const ID_PMEM: u32 = 27;
 const ID_NET: u32 = 1;
 pub const VECTOR_BASE: u64 = 0x30;
@@ -36,6 +42,8 @@ pub const NET_VECTOR: u64 = VECTOR_BASE + MAX_DEVS as u64;
 static DEVICES: Global<[Device; MAX_DEVS]> = Global::new([NO_DEVICE; MAX_DEVS]);
 static NDISKS: AtomicU32 = AtomicU32::new(0);
 static NPMEM: AtomicU32 = AtomicU32::new(0);
+/// Whether `RNG_SLOT` holds a device.
+static HAS_RNG: AtomicBool = AtomicBool::new(false);
 /// MMIO bases for the interrupt handler, which must not touch `DEVICES`.
 static BASES: [AtomicU64; MAX_DEVS] = [const { AtomicU64::new(0) }; MAX_DEVS];
 static IRQS: [AtomicU32; MAX_DEVS] = [const { AtomicU32::new(0) }; MAX_DEVS];
@@ -126,7 +134,8 @@ pub fn probe_all(info: &BootInfo, bsp: u32) {
             ID_PMEM if pmem_count() < MAX_PMEM_DEVS => {
                 MAX_DISKS + NPMEM.fetch_add(1, Ordering::Relaxed) as usize
             }
-            ID_BLK | ID_PMEM => {
+            ID_RNG if !HAS_RNG.swap(true, Ordering::Relaxed) => RNG_SLOT,
+            ID_BLK | ID_PMEM | ID_RNG => {
                 kprintln!(
                     "probe: too many virtio devices of type {}, {:#x} ignored",
                     id,
@@ -151,13 +160,30 @@ pub fn probe_all(info: &BootInfo, bsp: u32) {
                 continue;
             }
         };
+        let kind = match id {
+            ID_PMEM => Kind::Pmem,
+            ID_RNG => Kind::Rng,
+            _ => Kind::Blk,
+        };
         let d = device(slot);
-        *d = Device::new(base, irq, id == ID_PMEM, slot);
+        *d = Device::new(base, irq, kind, slot);
         BASES[slot].store(base, Ordering::Relaxed);
         if irq < pins {
             apic::ioapic_route(irq, (VECTOR_BASE + slot as u64) as u8, bsp);
         }
-        if d.pmem {
+        if d.kind == Kind::Rng {
+            match d.init() {
+                Ok(()) => kprintln!(
+                    "probe: virtio-rng at {:#x} irq {}, queue {}",
+                    base,
+                    d.irq,
+                    d.qsize
+                ),
+                Err(e) => kprintln!("probe: virtio-rng at {:#x} failed: {}", base, e),
+            }
+            continue;
+        }
+        if d.kind == Kind::Pmem {
             let j = slot - MAX_DISKS;
             match d.init() {
                 Ok(()) => kprintln!(

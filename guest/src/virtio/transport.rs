@@ -7,7 +7,7 @@
 use core::mem::{align_of, size_of};
 use core::sync::atomic::{compiler_fence, AtomicU64, Ordering};
 
-use super::{block, pmem, REQUESTS};
+use super::{block, pmem, rng, REQUESTS};
 use crate::abi::Error;
 use crate::arch::{mmio_read32, mmio_write32};
 use crate::global::Global;
@@ -127,11 +127,19 @@ pub(super) struct Desc {
     pub next: u16,
 }
 
+/// The device types this transport drives; each picks its features and configuration.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Blk,
+    Pmem,
+    Rng,
+}
+
 /// One virtio-mmio device and its queue 0; the fields a device type does not use stay zero.
 #[derive(Clone, Copy)]
 pub(super) struct Device {
     base: u64,
-    pub pmem: bool,
+    pub kind: Kind,
     /// virtio-pmem: the region (config `start`, `size`).
     pub region: (u64, u64),
     pub irq: u32,
@@ -152,7 +160,7 @@ pub(super) struct Device {
 
 pub(super) const NO_DEVICE: Device = Device {
     base: 0,
-    pmem: false,
+    kind: Kind::Blk,
     region: (0, 0),
     irq: 0,
     mem: 0,
@@ -169,12 +177,12 @@ pub(super) const NO_DEVICE: Device = Device {
 
 impl Device {
     /// A device found at `base`, with queue memory slot `slot`; not yet initialised.
-    pub fn new(base: u64, irq: u32, pmem: bool, slot: usize) -> Device {
+    pub fn new(base: u64, irq: u32, kind: Kind, slot: usize) -> Device {
         assert!(slot < super::MAX_DEVS);
         Device {
             base,
             irq,
-            pmem,
+            kind,
             mem: QMEM.addr() + slot as u64 * QMEM_BYTES,
             ..NO_DEVICE
         }
@@ -264,10 +272,10 @@ impl Device {
         if offered & F_VERSION_1 == 0 {
             return Err("device does not offer VIRTIO_F_VERSION_1");
         }
-        let wanted = if self.pmem {
-            pmem::FEATURES
-        } else {
-            block::FEATURES
+        let wanted = match self.kind {
+            Kind::Blk => block::FEATURES,
+            Kind::Pmem => pmem::FEATURES,
+            Kind::Rng => rng::FEATURES,
         };
         self.features = offered & wanted;
         self.w32(Reg::DriverFeaturesSel, 0);
@@ -304,10 +312,11 @@ impl Device {
         self.w64(Reg::QueueAvail, self.qmem_addr(OFF_AVAIL));
         self.w64(Reg::QueueUsed, self.qmem_addr(OFF_USED));
         self.w32(Reg::QueueReady, 1);
-        if self.pmem {
-            self.read_pmem_config();
-        } else {
-            self.read_blk_config();
+        match self.kind {
+            Kind::Blk => self.read_blk_config(),
+            Kind::Pmem => self.read_pmem_config(),
+            // virtio-rng has no configuration.
+            Kind::Rng => {}
         }
         self.w32(Reg::Status, S_ACK | S_DRIVER | S_FEATURES_OK | S_DRIVER_OK);
         self.ready = true;
@@ -355,6 +364,12 @@ impl Device {
 
     pub fn used_idx(&self) -> u16 {
         self.qmem_read(OFF_USED + 2)
+    }
+
+    /// The length the device reported for the last used entry taken (`used_seen - 1`).
+    pub fn last_used_len(&self) -> u32 {
+        let slot = self.used_seen.wrapping_sub(1) % self.qsize;
+        self.qmem_read(OFF_USED + 4 + slot as u64 * 8 + 4)
     }
 
     /// Takes every used entry the device has produced; returns how many.

@@ -1,6 +1,7 @@
 //! What a user asks a VM to be: parsed from flags and JSON, validated before any KVM call.
 
 pub mod net;
+pub mod rng;
 pub mod spec;
 
 pub use devices::virtio::block::CacheMode;
@@ -237,6 +238,8 @@ pub struct VmConfig {
     pub exits: ExitsMode,
     /// Network devices (`--net`), after the disks in the virtio slots.
     pub net: Vec<net::NetConfig>,
+    /// The entropy device (`--rng`), in the last virtio slot.
+    pub rng: Option<rng::RngConfig>,
 }
 
 /// One host file a VM uses as storage, named as the user names it.
@@ -419,6 +422,7 @@ mod tests {
             ],
             pmem: vec!["file=p.img".parse().unwrap()],
             net: Vec::new(),
+            rng: None,
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
         };

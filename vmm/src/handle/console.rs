@@ -61,6 +61,12 @@ impl Shared {
                 .iter()
                 .map(|t| net_counters(&t.lock().unwrap_or_else(|e| e.into_inner())))
                 .collect(),
+            rng: self
+                .parts
+                .devices()
+                .transports
+                .iter()
+                .find_map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).rng_counters()),
             memory: MemoryUse {
                 backend: backend_name(self.ram.backend()),
                 vcpu_threads: self.ram.vcpu_threads(),
@@ -89,10 +95,16 @@ impl VmHandle {
             },
             devices: Default::default(),
         };
-        let (mut blk, mut other, mut net) = (0u32, 0u32, 0u32);
+        let (mut blk, mut other, mut net, mut rng) = (0u32, 0u32, 0u32, 0u32);
         for t in &self.shared.parts.devices().transports {
             let t = t.lock().unwrap_or_else(|e| e.into_inner());
             let s = t.stats();
+            if let Some(c) = t.rng_counters() {
+                out.devices
+                    .insert(format!("virtio-rng{rng}"), DeviceCounters::Rng(c));
+                rng += 1;
+                continue;
+            }
             if t.net_counters().is_some() {
                 out.devices.insert(
                     format!("virtio-net{net}"),

@@ -114,6 +114,10 @@ pub struct SavedConfig {
     /// had none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net: Vec<crate::config::net::NetConfig>,
+    /// The entropy device, built again on restore (it keeps no state of its own). Absent in
+    /// snapshots of VMs that had none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rng: Option<crate::config::rng::RngConfig>,
 }
 
 /// The VM flags given on the command line, parsed, each `None` when not given: what a
@@ -169,6 +173,7 @@ impl SavedConfig {
             },
             exits: config.exits,
             net: config.net.clone(),
+            rng: config.rng,
         }
     }
 
@@ -221,6 +226,7 @@ impl SavedConfig {
             serial: self.serial.clone(),
             exits: self.exits,
             net: self.net.clone(),
+            rng: self.rng,
         })
     }
 
@@ -568,6 +574,7 @@ mod tests {
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
             net: vec![],
+            rng: None,
         };
         saved
             .check_given(Some(2), Some(256 << 20), None, None)

@@ -303,7 +303,10 @@ impl Vm {
             config.memory,
             config.cpus,
             &pmem_files.spans(),
-            config.disks.len() + config.net.len() + pmem_files.virtio_devices(),
+            config.disks.len()
+                + config.net.len()
+                + pmem_files.virtio_devices()
+                + usize::from(config.rng.is_some()),
             host_phys_bits(),
         )?;
         let addrs: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
@@ -398,6 +401,7 @@ impl Vm {
                 disks: Vec::new(),
                 pmem: Vec::new(),
                 net: Vec::new(),
+                rng: None,
                 serial: crate::config::SerialMode::Off,
                 ..config.clone()
             };
