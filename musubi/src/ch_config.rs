@@ -9,6 +9,7 @@ use musubi_types::Counters;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use vmm::config::net::{MacAddr, NetConfig};
+use vmm::config::rng::RngConfig;
 use vmm::config::CacheMode;
 use vmm::config::{
     check_cpus, check_memory, DiskConfig, ExitsMode, KernelImage, SerialMode, VmConfig,
@@ -201,10 +202,13 @@ pub fn describe(config: &VmConfig) -> Value {
         "net": config.net.iter().map(net_json).collect::<Vec<_>>(),
         "pmem": config.pmem.iter().map(pmem_json).collect::<Vec<_>>(),
         "serial": {"mode": mode, "file": file},
+        "rng": config.rng.map(|_| json!({"src": "/dev/urandom"})),
         EXTENSION: {
             "exits": config.exits.to_string(),
             "pmem": config.pmem.iter().map(|p| json!({"advertise": p.advertise.to_string()}))
                 .collect::<Vec<_>>(),
+            "rng": config.rng.and_then(|r| r.bytes_per_sec)
+                .map(|n| json!({"bytes_per_sec": n})),
         },
     })
 }
@@ -345,7 +349,8 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
     }
     let (serial, serial_info) = serial(top.object("serial")?)?;
     let console_info = console(top.object("console")?)?;
-    for (key, what) in [("vsock", "virtio-vsock"), ("rng", "virtio-rng")] {
+    let rng_info = rng(top.object("rng")?)?;
+    for (key, what) in [("vsock", "virtio-vsock")] {
         if top.take(key).is_some_and(|v| !v.is_null()) {
             return Err(ChConfigError::NotYet {
                 field: key.into(),
@@ -383,7 +388,18 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
     ] {
         top.default_only(key, &defaults, "Musubi has no such device or feature")?;
     }
-    let (exits, advertise, ext_info) = extension(top.object(EXTENSION)?, pmems.len())?;
+    let ext = extension(top.object(EXTENSION)?, pmems.len())?;
+    let (exits, advertise, ext_info) = (ext.exits, ext.advertise, ext.info);
+    // Musubi's rate limit goes with Cloud Hypervisor's device; alone it asks for nothing.
+    let rng = match (&rng_info, ext.rng_bytes_per_sec) {
+        (Some(_), bytes_per_sec) => Some(RngConfig { bytes_per_sec }),
+        (None, None) => None,
+        (None, Some(_)) => {
+            return Err(ChConfigError::Missing {
+                field: "rng (musubi.rng limits the rate of the VmConfig's rng device)".into(),
+            })
+        }
+    };
     for (p, a) in pmems.iter_mut().zip(advertise) {
         p.advertise = a;
     }
@@ -400,7 +416,7 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
         serial,
         exits,
         net: nets,
-        rng: None,
+        rng,
     };
     let info = json!({
         "payload": payload_info,
@@ -411,6 +427,7 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
         "pmem": pmems_info,
         "serial": serial_info,
         "console": console_info,
+        "rng": rng_info,
         "iommu": false,
         "watchdog": false,
         "pvpanic": false,
@@ -807,7 +824,37 @@ fn console(v: Option<&Value>) -> Result<Value> {
 
 /// `"musubi": {"exits": "kernel"|"user", "pmem": [{"advertise": "e820"|"virtio"}, ..]}`:
 /// the pmem entries go with the config's `pmem` in order.
-fn extension(v: Option<&Value>, pmems: usize) -> Result<(ExitsMode, Vec<Advertise>, Value)> {
+/// Musubi's own settings, read from the extension key.
+struct Extension {
+    exits: ExitsMode,
+    advertise: Vec<Advertise>,
+    rng_bytes_per_sec: Option<u64>,
+    info: Value,
+}
+
+/// Cloud Hypervisor's `rng: {"src": ...}`: Musubi feeds its virtio-rng from getrandom(2),
+/// the kernel's own pool, which is what both of the kernel's devices read.
+fn rng(v: Option<&Value>) -> Result<Option<Value>> {
+    let Some(v) = v else {
+        return Ok(None);
+    };
+    let mut r = Obj::new("rng", v)?;
+    let src = r.string("src")?.unwrap_or_else(|| "/dev/urandom".into());
+    if src != "/dev/urandom" && src != "/dev/random" {
+        return Err(ChConfigError::Unsupported {
+            field: "rng.src".into(),
+            value: format!("{src:?}"),
+            why: "Musubi feeds virtio-rng from getrandom(2), the kernel's pool; give /dev/urandom",
+        });
+    }
+    r.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
+    let mut info = r.finish()?;
+    info.insert("src".into(), json!(src));
+    info.insert("iommu".into(), json!(false));
+    Ok(Some(Value::Object(info)))
+}
+
+fn extension(v: Option<&Value>, pmems: usize) -> Result<Extension> {
     let empty = json!({});
     let mut m = Obj::new(EXTENSION, v.unwrap_or(&empty))?;
     let exits = match m.string("exits")? {
@@ -840,12 +887,31 @@ fn extension(v: Option<&Value>, pmems: usize) -> Result<(ExitsMode, Vec<Advertis
         o.finish()?;
         advertise.push(a);
     }
+    let rng_bytes_per_sec = match m.object("rng")? {
+        None => None,
+        Some(r) => {
+            let mut o = Obj::new(&format!("{EXTENSION}.rng"), r)?;
+            let n = o.u64("bytes_per_sec")?.filter(|&n| n > 0);
+            o.finish()?;
+            Some(n.ok_or_else(|| ChConfigError::Missing {
+                field: format!("{EXTENSION}.rng.bytes_per_sec (a positive whole number)"),
+            })?)
+        }
+    };
     m.finish()?;
-    let info = json!({
+    let mut info = json!({
         "exits": exits.to_string(),
         "pmem": advertise.iter().map(|a| json!({"advertise": a.to_string()})).collect::<Vec<_>>(),
     });
-    Ok((exits, advertise, info))
+    if let Some(n) = rng_bytes_per_sec {
+        info["rng"] = json!({ "bytes_per_sec": n });
+    }
+    Ok(Extension {
+        exits,
+        advertise,
+        rng_bytes_per_sec,
+        info,
+    })
 }
 
 /// One JSON object being read: every key taken is remembered, and [`Obj::finish`] refuses
@@ -979,6 +1045,24 @@ mod tests {
     }
 
     #[test]
+    fn an_rng_is_fed_from_getrandom_with_musubis_rate_under_the_extension_key() {
+        let (_d, k) = kernel();
+        assert_eq!(parsed(&k, "").unwrap().config.rng, None);
+        let vm = parsed(&k, r#", "rng": {"src": "/dev/urandom", "iommu": false}"#).unwrap();
+        assert_eq!(vm.config.rng, Some(RngConfig::default()));
+        assert_eq!(vm.info["rng"]["src"], "/dev/urandom");
+        let limited = r#", "rng": {}, "musubi": {"rng": {"bytes_per_sec": 4096}}"#;
+        let vm = parsed(&k, limited).unwrap();
+        let want = RngConfig {
+            bytes_per_sec: Some(4096),
+        };
+        assert_eq!(vm.config.rng, Some(want));
+        // What vm.info shows reads back as the same VM.
+        assert_eq!(from_value(&vm.info).unwrap().config.rng, Some(want));
+        assert_eq!(ChVm::from_config(vm.config).info["rng"], vm.info["rng"]);
+    }
+
+    #[test]
     fn a_minimal_config_takes_cloud_hypervisors_defaults() {
         let (_d, k) = kernel();
         let vm = parsed(&k, "").unwrap();
@@ -1066,8 +1150,12 @@ mod tests {
                 "vsock: virtio-vsock is not implemented in Musubi yet",
             ),
             (
-                r#", "rng": {"src": "/dev/urandom"}"#.into(),
-                "rng: virtio-rng is not implemented",
+                r#", "rng": {"src": "/dev/hwrng"}"#.into(),
+                "rng.src \"/dev/hwrng\": not supported by Musubi",
+            ),
+            (
+                r#", "musubi": {"rng": {"bytes_per_sec": 100}}"#.into(),
+                "rng (musubi.rng limits the rate of the VmConfig's rng device): missing",
             ),
             (
                 r#", "console": {"mode": "Tty"}"#.into(),

@@ -196,8 +196,8 @@ fn wrong_states_and_configs_musubi_cannot_honour_are_refused_with_cloud_hypervis
         ),
         (
             "rng",
-            serde_json::json!({"src": "/dev/urandom"}),
-            "rng: virtio-rng is not implemented in Musubi yet",
+            serde_json::json!({"src": "/dev/hwrng"}),
+            "Musubi feeds virtio-rng from getrandom(2)",
         ),
     ] {
         let mut bad = base.clone();
@@ -479,4 +479,26 @@ fn a_vm_moves_between_waiting_vmms_with_ch_remotes_send_and_receive_migration() 
         let run = vmm.finish(LIMIT);
         assert_eq!(run.code, Some(0), "{}", run.explain());
     }
+}
+
+#[test]
+fn an_rng_in_a_cloud_hypervisor_config_feeds_the_guest_from_getrandom() {
+    let d = vmm_dir();
+    let path = d.ch_vm_config("rng.json", "rng=65536", LIMIT);
+    let mut config: Value = serde_json::from_str(&read_text(&path)).unwrap();
+    config["rng"] = serde_json::json!({"src": "/dev/urandom"});
+    std::fs::write(&path, config.to_string()).unwrap();
+    let vmm = d.start_vmm(LIMIT);
+    ch_ok(&d.socket, &["create", path.to_str().unwrap()]);
+    assert_eq!(info(&d.socket)["config"]["rng"]["src"], "/dev/urandom");
+    boot_until_the_guest_exits(&d.socket);
+    let rng = result_in(&read_text(&d.serial), "rng");
+    assert_eq!(
+        (&rng["ok"], &rng["bytes"]),
+        (&Value::Bool(true), &Value::from(65536)),
+        "{rng}"
+    );
+    ch_ok(&d.socket, &["shutdown-vmm"]);
+    let run = vmm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
 }
