@@ -65,6 +65,8 @@ struct Cycle {
     /// Just before `create` is spawned to the VMM's first KVM_RUN (from the trace);
     /// `None` when the trace holds none of this process.
     to_first_run_ns: Option<u64>,
+    /// The same from just before `boot` is spawned: the VMM's boot with one client start.
+    boot_to_first_run_ns: Option<u64>,
     shutdown_ns: u64,
     delete_ns: u64,
     /// Just before `shutdown` is spawned to the process found idle.
@@ -185,7 +187,8 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
 const NOTES: &str = "\
 create + boot: from just before `ch-remote create` is spawned to the VMM's first KVM_RUN
   (tracepoint, clock mono); both calls' own times are beside it, each spawn to exit, so
-  ch-remote's start-up (twice) is in every VMM's figure alike.
+  ch-remote's start-up (twice) is in every VMM's figure alike. boot to KVM_RUN: the same
+  from just before `ch-remote boot` is spawned (one client start and the VMM's boot).
 shutdown + delete: from just before `ch-remote shutdown` is spawned until both calls
   returned and the process is idle: its main thread sleeping (/proc/PID/stat) with no more
   threads than it had waiting for its first VM (/proc/PID/task). threads: waiting / the
@@ -386,12 +389,10 @@ impl Rig<'_> {
         self.trace.clear()?;
         let t0 = monotonic_ns();
         let create_ns = self.ch.call(socket, &["create", &config])?;
+        let tb = monotonic_ns();
         let boot_ns = self.ch.call(socket, &["boot"])?;
         vm.wait_for_line(&self.files.console, IDLE_LINE, LIMIT)?;
-        let to_first_run_ns = self
-            .trace
-            .first_run_ns(pid)?
-            .map(|at| at.saturating_sub(t0));
+        let first_run = self.trace.first_run_ns(pid)?;
         let t1 = monotonic_ns();
         let shutdown_ns = self.ch.call(socket, &["shutdown"])?;
         let delete_ns = self.ch.call(socket, &["delete"])?;
@@ -400,7 +401,8 @@ impl Rig<'_> {
         Ok(Cycle {
             create_ns,
             boot_ns,
-            to_first_run_ns,
+            to_first_run_ns: first_run.map(|at| at.saturating_sub(t0)),
+            boot_to_first_run_ns: first_run.map(|at| at.saturating_sub(tb)),
             shutdown_ns,
             delete_ns,
             to_idle_ns: idle_at.saturating_sub(t1),
@@ -501,6 +503,9 @@ fn csv(runs: &ApiRuns, missing: &[(String, String)]) -> Csv {
         .measured("to_first_kvm_run_ms", |c| {
             cell(c.to_first_run_ns.map(|n| ms(n as f64)))
         })
+        .measured("boot_to_first_kvm_run_ms", |c| {
+            cell(c.boot_to_first_run_ns.map(|n| ms(n as f64)))
+        })
         .measured("shutdown_ms", move |c| msf(c.shutdown_ns))
         .measured("delete_ms", move |c| msf(c.delete_ns))
         .measured("to_idle_ms", move |c| msf(c.to_idle_ns))
@@ -552,6 +557,7 @@ fn csv(runs: &ApiRuns, missing: &[(String, String)]) -> Csv {
 /// One VMM's figures over all its measured processes.
 struct Sums {
     first_run: Option<Summary>,
+    boot_first_run: Option<Summary>,
     create: Option<Summary>,
     boot: Option<Summary>,
     to_idle: Option<Summary>,
@@ -586,6 +592,7 @@ impl Sums {
         let last = |p: &Process| p.cycles.last().map(|c| c.rss as f64);
         Sums {
             first_run: over(&|c| c.to_first_run_ns),
+            boot_first_run: over(&|c| c.boot_to_first_run_ns),
             create: over(&|c| Some(c.create_ns)),
             boot: over(&|c| Some(c.boot_ns)),
             to_idle: over(&|c| Some(c.to_idle_ns)),
@@ -612,6 +619,7 @@ fn print_table(configs: &[Vmm], sums: &[Sums], cycles: usize) {
         ">create+boot to KVM_RUN ms (med / min)",
         ">create ms",
         ">boot ms",
+        ">boot to KVM_RUN ms",
         ">shutdown+delete to idle ms (med / min)",
         ">shutdown ms",
         ">delete ms",
@@ -633,6 +641,7 @@ fn print_table(configs: &[Vmm], sums: &[Sums], cycles: usize) {
             median_min(s.first_run, ms),
             med(s.create),
             med(s.boot),
+            med(s.boot_first_run),
             median_min(s.to_idle, ms),
             med(s.shutdown),
             med(s.delete),
@@ -675,6 +684,7 @@ fn print_table(configs: &[Vmm], sums: &[Sums], cycles: usize) {
             both(m.first_run, p.first_run),
             medr(m.create, p.create),
             medr(m.boot, p.boot),
+            medr(m.boot_first_run, p.boot_first_run),
             both(m.to_idle, p.to_idle),
             medr(m.shutdown, p.shutdown),
             medr(m.delete, p.delete),
