@@ -81,7 +81,10 @@ fn run_one(exe: &Path, name: &'static str, args: &BenchArgs) -> Outcome {
     if args.quick {
         cmd.arg("--quick");
     }
-    if matches!(name, "boot" | "vmms" | "snapshot" | "migrate" | "net") {
+    if matches!(
+        name,
+        "boot" | "vmms" | "snapshot" | "migrate" | "net" | "api"
+    ) {
         if let Some(c) = &args.compare {
             cmd.args(["--compare", c]);
         }
@@ -94,6 +97,9 @@ fn run_one(exe: &Path, name: &'static str, args: &BenchArgs) -> Outcome {
     }
     if let (Some(n), "vmp") = (args.nodes, name) {
         cmd.args(["--nodes", &n.to_string()]);
+    }
+    if let (Some(p), "api") = (&args.ch_remote, name) {
+        cmd.arg("--ch-remote").arg(p);
     }
     let (start, started) = (Instant::now(), SystemTime::now());
     let outcome = |stdout: String, stderr: String, error: Option<String>| Outcome {

@@ -9,6 +9,7 @@
 //! and outside observation of a hypervisor process ([`watch`]).
 
 mod all;
+mod api;
 mod apivm;
 mod boot;
 mod composite;
@@ -62,9 +63,10 @@ pub struct BenchArgs {
     /// the guest's slowdown, 256 MiB to 4 GiB), net (virtio-net over a TAP in a network
     /// namespace of its own: UDP request/response rate and latency, TCP stream throughput,
     /// exits and interrupts per packet; needs root), door (a stranger at a linking node's
-    /// port: time from its connection to a running VM, per kind of stranger), or all (every
-    /// one, and a page
-    /// `index.html` in --out that shows them together).
+    /// port: time from its connection to a running VM, per kind of stranger), api (a VM's
+    /// life cycle through the API by Cloud Hypervisor's `ch-remote`: create and boot to
+    /// first KVM_RUN, shutdown and delete to an idle VMM, its memory over the cycles), or
+    /// all (every one, and a page `index.html` in --out that shows them together).
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -74,10 +76,10 @@ pub struct BenchArgs {
     pub out: PathBuf,
     /// Also run the same guest under other hypervisors in the same run, a comma-separated
     /// list of qemu, firecracker, cloud-hypervisor (boot takes all three, vmms qemu, snapshot
-    /// firecracker and cloud-hypervisor, migrate cloud-hypervisor, net qemu and firecracker;
-    /// without it boot and vmms compare with QEMU whenever it is installed, net with QEMU and
-    /// Firecracker whenever they are). A listed peer that is missing
-    /// or fails is reported unavailable; Musubi's own figures are written whatever it does.
+    /// firecracker and cloud-hypervisor, migrate and api cloud-hypervisor, net qemu and
+    /// firecracker; without it boot and vmms compare with QEMU whenever it is installed, net
+    /// with QEMU and Firecracker whenever they are). A listed peer that is missing or fails
+    /// is reported unavailable; Musubi's own figures are written whatever it does.
     #[arg(long, value_name = "LIST")]
     pub compare: Option<String>,
     /// The QEMU executable to compare with, instead of qemu-system-x86_64 on PATH; implies
@@ -95,6 +97,11 @@ pub struct BenchArgs {
     /// in its own network namespace).
     #[arg(long, value_name = "DURATION", default_value = "100us", value_parser = musubi_cluster::parse_duration)]
     pub link_delay: std::time::Duration,
+    /// Cloud Hypervisor's client that api drives every VMM with, instead of
+    /// $MUSUBI_CH_REMOTE, `ch-remote` on PATH or the shared peers' folder beside the
+    /// workspace (`../shared/anchors/ch-remote`).
+    #[arg(long, value_name = "PATH")]
+    pub ch_remote: Option<PathBuf>,
 }
 
 const EXPERIMENTS: &[&str] = &[
@@ -109,6 +116,7 @@ const EXPERIMENTS: &[&str] = &[
     "migrate",
     "net",
     "door",
+    "api",
 ];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
@@ -125,6 +133,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "migrate" => Harness::new(args).and_then(|h| migrate::run(&h, args)),
         "net" => Harness::new(args).and_then(|h| net::run(&h, args)),
         "door" => Harness::new(args).and_then(|h| door::run(&h, args)),
+        "api" => Harness::new(args).and_then(|h| api::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}, all",

@@ -313,6 +313,7 @@ mod tests {
             qemu,
             nodes: None,
             link_delay: std::time::Duration::from_micros(100),
+            ch_remote: None,
         }
     }
 

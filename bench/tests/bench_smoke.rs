@@ -14,7 +14,7 @@ use std::time::Duration;
 /// Every experiment's quick limit together, with room for a loaded CI machine.
 const ALL_LIMIT: Duration = Duration::from_secs(1800);
 
-const EXPERIMENTS: [&str; 11] = [
+const EXPERIMENTS: [&str; 12] = [
     "boot",
     "composite",
     "seq",
@@ -26,6 +26,7 @@ const EXPERIMENTS: [&str; 11] = [
     "migrate",
     "net",
     "door",
+    "api",
 ];
 
 /// The one `musubi bench all --quick` run, made by whichever test asks first. A run that
@@ -767,4 +768,56 @@ fn bench_door_quick_starts_the_vm_past_every_kind_of_stranger() {
         let n: u64 = row[refusals].parse().unwrap();
         assert_eq!(n == 0, name == "none", "{row:?}");
     }
+}
+
+/// `musubi bench api --quick` without peers: one waiting Musubi takes three cycles of
+/// create, boot, shutdown and delete from Cloud Hypervisor's `ch-remote`, each timed to its
+/// first KVM_RUN and back to an idle process with no vCPU thread and no guest RAM left.
+#[test]
+fn bench_api_quick_cycles_a_waiting_musubi_through_ch_remote() {
+    assert_kvm();
+    let (r, out, t) = quick_csv("api");
+    let (hv, cycle, unavailable) = (t.col("hypervisor"), t.col("cycle"), t.col("unavailable"));
+    let (waiting, after, guest) = (
+        t.col("waiting_threads"),
+        t.col("threads_after_delete"),
+        t.col("guest_mappings_after_delete"),
+    );
+    // Without --compare no peer runs.
+    assert!(t.rows.iter().all(|row| row[hv] == "musubi"), "{}", t.text);
+    let cycles: Vec<&str> = t.rows.iter().map(|row| row[cycle].as_str()).collect();
+    assert_eq!(cycles, ["1", "2", "3"], "{}", t.text);
+    for row in &t.rows {
+        assert!(row[unavailable].is_empty(), "{row:?}");
+        t.assert_positive(
+            row,
+            &[
+                "create_ms",
+                "boot_ms",
+                "to_first_kvm_run_ms",
+                "shutdown_ms",
+                "delete_ms",
+                "to_idle_ms",
+                "rss_after_delete_mib",
+            ],
+        );
+        let (w, a): (u64, u64) = (row[waiting].parse().unwrap(), row[after].parse().unwrap());
+        assert!(a <= w, "threads left after delete: {row:?}");
+        assert_eq!(
+            row[guest], "0",
+            "guest RAM still mapped after delete: {row:?}"
+        );
+    }
+    let svg = std::fs::read_to_string(out.path().join("api.svg")).expect("api.svg");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("musubi after delete 3"),
+        "{svg}"
+    );
+    assert!(
+        r.stdout
+            .contains("Musubi's time to first KVM_RUN / Cloud Hypervisor's")
+            && (r.stdout.contains("MET") || r.stdout.contains("MISSED")),
+        "{}",
+        r.explain()
+    );
 }

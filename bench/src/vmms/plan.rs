@@ -343,6 +343,7 @@ mod tests {
             qemu: None,
             nodes: None,
             link_delay: std::time::Duration::from_micros(100),
+            ch_remote: None,
         };
         let e = Plan::new(&h, &args).err().unwrap();
         assert!(
