@@ -426,13 +426,16 @@ impl Net {
 
     /// Reads the next frame from the backend into `rx_buf`; false if there is none now.
     fn read_frame(&mut self) -> bool {
-        // Runts are dropped and the next frame read; bounded like everything else.
+        // Runts are dropped and the next frame read; bounded like everything else. An empty
+        // read is a runt too, not the end: a datagram backend hands one over and still holds
+        // the frames behind it, which no edge would report again.
+        let mut empty = 0;
         for _ in 0..64 {
             match self.backend.read_frame(&mut self.rx_buf) {
-                Ok(0) => return false,
                 Ok(n) if n <= VNET_HDR_LEN => {
                     debug!(len = n, "virtio-net: frame from the backend without data");
                     self.counters.rx_drops += 1;
+                    empty += usize::from(n == 0);
                 }
                 Ok(n) => {
                     self.rx_len = n;
@@ -446,8 +449,11 @@ impl Net {
                 }
             }
         }
-        // More may be queued, and an edge-triggered watch would not say so again.
-        self.yield_with_work_left();
+        // More may be queued, and an edge-triggered watch would not say so again; a backend
+        // that reads nothing but empty frames is at its end, and is not polled forever.
+        if empty < 64 {
+            self.yield_with_work_left();
+        }
         false
     }
 

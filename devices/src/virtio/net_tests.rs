@@ -356,6 +356,22 @@ fn receive_without_mergeable_buffers_uses_one_chain() {
 }
 
 #[test]
+fn an_empty_frame_from_the_backend_is_dropped_and_the_frames_behind_it_still_come() {
+    let mut s = setup(0);
+    s.post_rx(0, &[2000, 2000]);
+    // A datagram backend hands over an empty frame and still holds the next; the watch is
+    // edge-triggered, so nothing would wake the device for it again.
+    s.inject(&[]);
+    s.inject(&[0u8; 4]);
+    let f = frame(100, 3);
+    s.inject(&f);
+    s.d.t.process_event(BACKEND);
+    assert_eq!(s.d.next_used_on(&mut s.rx), Some((0, f.len() as u32)));
+    let c = s.counters();
+    assert_eq!((c.rx_packets, c.rx_drops), (1, 2), "{c:?}");
+}
+
+#[test]
 fn receive_with_mergeable_buffers_spreads_a_frame_over_chains() {
     let mut s = setup(0);
     s.post_rx(0, &[100, 100, 100, 100]);
