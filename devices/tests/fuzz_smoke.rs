@@ -55,3 +55,14 @@ fn virtio_pmem_survives_hostile_requests() {
     let flush = [&[0][..], PMEM_FLUSH].concat();
     smoke("virtio_pmem", fuzzing::virtio_pmem, &[flush], 0x93E3, 3000);
 }
+
+#[test]
+fn virtio_vsock_survives_hostile_guests_and_host_programs() {
+    smoke(
+        "virtio_vsock",
+        fuzzing::virtio_vsock,
+        &fuzzing::virtio_vsock_samples(),
+        0x750C,
+        1000,
+    );
+}

@@ -539,7 +539,7 @@ impl Net {
     }
 }
 
-fn corrupt(queue: u16, what: &'static str, source: virtio_queue::Error) -> QueueCorrupt {
+pub(crate) fn corrupt(queue: u16, what: &'static str, source: virtio_queue::Error) -> QueueCorrupt {
     QueueCorrupt::Ring {
         queue,
         what,
@@ -549,7 +549,11 @@ fn corrupt(queue: u16, what: &'static str, source: virtio_queue::Error) -> Queue
 
 /// The ring's available index and how many chains past `next_avail` it offers; more than the
 /// ring holds means the driver broke the ring.
-fn available(index: u16, q: &Queue, mem: &GuestMemoryMmap) -> Result<(u16, u16), QueueCorrupt> {
+pub(crate) fn available(
+    index: u16,
+    q: &Queue,
+    mem: &GuestMemoryMmap,
+) -> Result<(u16, u16), QueueCorrupt> {
     let avail = q
         .avail_idx(mem, Ordering::Acquire)
         .map_err(|e| corrupt(index, "reading avail index", e))?;
@@ -567,7 +571,7 @@ fn available(index: u16, q: &Queue, mem: &GuestMemoryMmap) -> Result<(u16, u16),
 }
 
 /// The next available chain; call only when `available` says there is one.
-fn pop<'a>(
+pub(crate) fn pop<'a>(
     index: u16,
     q: &mut Queue,
     mem: &'a GuestMemoryMmap,
@@ -612,7 +616,7 @@ fn kick_on_next(q: &Queue, mem: &GuestMemoryMmap, avail: u16) {
 /// The guest buffers of a chain, all of which must go one way (device-writable for
 /// receive, device-readable for transmit), with their total length. Every descriptor is
 /// checked to lie in guest memory; an empty one, a broken or over-long chain is refused.
-fn buffers(
+pub(crate) fn buffers(
     chain: DescriptorChain<&GuestMemoryMmap>,
     mem: &GuestMemoryMmap,
     writable: bool,
