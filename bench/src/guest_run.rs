@@ -69,6 +69,7 @@ pub fn in_vm(task: &str, exits: ExitsMode, disk: Option<&Path>) -> Result<Worklo
         exits,
         pmem: Vec::new(),
         net: Vec::new(),
+        vsock: None,
     };
     let name = task.split('=').next().unwrap_or(task);
     probe_in_process(

@@ -210,6 +210,7 @@ mod tests {
             disks: Vec::new(),
             pmem: Vec::new(),
             net: Vec::new(),
+            vsock: None,
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
         }

@@ -289,6 +289,7 @@ pub fn from_value(value: &Value) -> Result<ChVm> {
         serial,
         exits,
         net: nets,
+        vsock: None,
     };
     let info = json!({
         "payload": payload_info,

@@ -8,6 +8,7 @@ use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Duration;
 use vmm::config::net::NetConfig;
+use vmm::config::vsock::VsockConfig;
 use vmm::config::{self, DiskConfig, ExitsMode, KernelImage, SerialMode, Size, VmConfig};
 use vmm::pmem::PmemConfig;
 
@@ -51,6 +52,14 @@ pub struct VmArgs {
     /// second deep). The MAC is made up (locally administered) when not given.
     #[arg(long, value_name = config::net::NET_SYNTAX, value_parser = from_str::<NetConfig>())]
     pub net: Vec<NetConfig>,
+    /// A virtio-vsock device whose host side is a UNIX socket at PATH (Firecracker's and
+    /// Cloud Hypervisor's hybrid vsock): a host program connects there and writes
+    /// `CONNECT <port>\n` to reach the guest's listener on that port (answered
+    /// `OK <hostport>\n`); a guest connecting to host port P reaches the UNIX listener at
+    /// `PATH_P`. cid is the guest's context id, 3 or more. The socket file is removed
+    /// when the VM ends.
+    #[arg(long, value_name = config::vsock::VSOCK_SYNTAX, value_parser = from_str::<VsockConfig>())]
+    pub vsock: Option<VsockConfig>,
     /// Where the guest's COM1 goes. Default stdio.
     #[arg(long, value_name = "stdio|off|file=PATH", value_parser = from_str::<SerialMode>())]
     pub serial: Option<SerialMode>,
@@ -59,7 +68,7 @@ pub struct VmArgs {
     /// thread, every interrupt injected from user space). Default kernel.
     #[arg(long, value_name = "kernel|user", value_parser = from_str::<ExitsMode>())]
     pub exits: Option<ExitsMode>,
-    /// JSON file with the same fields (kernel, cmdline, initrd, cpus, memory, disks,
+    /// JSON file with the same fields (kernel, cmdline, initrd, cpus, memory, disks, vsock,
     /// pmem, net, serial, exits); flags given on the command line override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -243,6 +252,8 @@ pub struct FileConfig {
     pmem: Vec<PmemConfig>,
     #[serde(default)]
     net: Vec<NetConfig>,
+    #[serde(default, deserialize_with = "config::vsock::from_flag_or_object")]
+    vsock: Option<VsockConfig>,
     serial: Option<SerialMode>,
     exits: Option<ExitsMode>,
 }
@@ -324,6 +335,10 @@ impl VmArgs {
                 .map_err(|why| format!("net[{i}] ({}): {why}", n.name()))?;
         }
         config::net::check_distinct(&net).map_err(|e| e.to_string())?;
+        let vsock = self.vsock.clone().or(file.vsock);
+        if let Some(v) = &vsock {
+            v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
+        }
         let exits = self.exits.or(file.exits).unwrap_or_default();
         let serial = self.serial.clone().or(file.serial).unwrap_or_default();
         if let Some(p) = self.initrd.as_ref().or(file.initrd.as_ref()) {
@@ -340,6 +355,7 @@ impl VmArgs {
             serial,
             exits,
             net,
+            vsock,
         })
     }
 }
@@ -382,6 +398,10 @@ impl VmArgs {
         c.pmem = flags_or_file(&self.pmem, c.pmem);
         c.net = flags_or_file(&self.net, c.net);
         config::net::check_distinct(&c.net).map_err(|e| e.to_string())?;
+        if let Some(v) = &self.vsock {
+            v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
+            c.vsock = Some(v.clone());
+        }
         if let Some(s) = &self.serial {
             c.serial = s.clone();
         }
@@ -437,6 +457,7 @@ impl VmArgs {
         for n in &self.net {
             put("--net", Some(n.to_string()));
         }
+        put("--vsock", self.vsock.as_ref().map(|v| v.to_string()));
         put("--serial", self.serial.as_ref().map(|s| s.to_string()));
         put("--exits", self.exits.map(|e| e.to_string()));
         put(

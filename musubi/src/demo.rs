@@ -47,6 +47,7 @@ fn demo() -> Result<(), String> {
         }],
         pmem: vec![],
         net: vec![],
+        vsock: None,
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     };

@@ -65,8 +65,10 @@ const BASE: &[i64] = &[
     libc::SYS_fstat,
     libc::SYS_statx,
     libc::SYS_newfstatat,
-    // musl's spellings of the same: `stat` for metadata, `tkill` for pthread_kill.
+    // musl's spellings of the same: `stat` (and `lstat`, for a vsock device's check that
+    // its socket file is still its own) for metadata, `tkill` for pthread_kill.
     libc::SYS_stat,
+    libc::SYS_lstat,
     libc::SYS_tgkill,
     libc::SYS_tkill,
 ];
@@ -182,6 +184,23 @@ fn net_device_ioctls() -> Result<Vec<SeccompRule>, BackendError> {
     )?])?])
 }
 
+/// `socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)` and nothing else: the
+/// vsock device connecting a guest to a host program's listener at `PATH_P`. Any other
+/// socket, a blocking one included, stays refused on the I/O thread.
+fn vsock_socket() -> Result<Vec<SeccompRule>, BackendError> {
+    let ty = (libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC) as u64;
+    Ok(vec![SeccompRule::new(vec![
+        SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::Eq,
+            libc::AF_UNIX as u64,
+        )?,
+        SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, ty)?,
+        SeccompCondition::new(2, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, 0)?,
+    ])?])
+}
+
 /// The filter for `kind`; a call outside it traps (the VMM's SIGSYS handler makes it fail
 /// with EPERM), or with `log` is allowed and logged by the kernel.
 pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
@@ -210,6 +229,19 @@ pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
         rules.insert(libc::SYS_readv, vec![]);
         rules.insert(libc::SYS_epoll_wait, vec![]);
         rules.insert(libc::SYS_epoll_pwait, vec![]);
+        // A vsock device reads and writes its connections' streams wherever a queue is
+        // served, and on a guest's RST or a reset shuts one down and drops it from its
+        // epoll set.
+        rules.insert(libc::SYS_shutdown, vec![]);
+        rules.insert(libc::SYS_epoll_ctl, vec![]);
+    }
+    if kind == Kind::Io {
+        // A vsock device takes host programs on its listener and connects guests to host
+        // listeners only where its events are served (musl's `accept` besides `accept4`).
+        rules.insert(libc::SYS_accept4, vec![]);
+        rules.insert(libc::SYS_accept, vec![]);
+        rules.insert(libc::SYS_socket, vsock_socket()?);
+        rules.insert(libc::SYS_connect, vec![]);
     }
     let mismatch = if log {
         SeccompAction::Log

@@ -157,6 +157,7 @@ pub fn tiny_config(code: &[u8], cpus: u8) -> crate::config::VmConfig {
         disks: vec![],
         pmem: vec![],
         net: vec![],
+        vsock: None,
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     }

@@ -88,6 +88,7 @@ fn vm_config(plan: &Plan, storage: Storage, file: &Path, task: &str) -> VmConfig
         disks,
         pmem,
         net: Vec::new(),
+        vsock: None,
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     }

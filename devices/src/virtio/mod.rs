@@ -15,7 +15,7 @@ pub use block::{Block, BlockConfig, BlockError, CacheMode};
 pub use mmio::{MmioTransport, QueueLayoutError, RestoreError, TransportState};
 pub use net::{Net, NetBackend, NetConfig, NetCounters, NetError};
 pub use pmem::Pmem;
-pub use vsock::{Vsock, VsockError};
+pub use vsock::{SocketFile, Vsock, VsockError};
 
 use crate::GuestMemoryMmap;
 use std::io;

@@ -2,6 +2,7 @@
 
 pub mod net;
 pub mod spec;
+pub mod vsock;
 
 pub use devices::virtio::block::CacheMode;
 pub use host_resources::{host_memory_bytes, Size, SizeError, SIZE_SYNTAX};
@@ -237,6 +238,8 @@ pub struct VmConfig {
     pub exits: ExitsMode,
     /// Network devices (`--net`), after the disks in the virtio slots.
     pub net: Vec<net::NetConfig>,
+    /// The vsock device (`--vsock`), after the network devices.
+    pub vsock: Option<vsock::VsockConfig>,
 }
 
 /// One host file a VM uses as storage, named as the user names it.
@@ -419,6 +422,7 @@ mod tests {
             ],
             pmem: vec!["file=p.img".parse().unwrap()],
             net: Vec::new(),
+            vsock: None,
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
         };

@@ -114,6 +114,10 @@ pub struct SavedConfig {
     /// had none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net: Vec<crate::config::net::NetConfig>,
+    /// The vsock device, listening at the same path again on restore (its connections
+    /// are not kept: the guest is told with a transport reset). Absent when there was none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock: Option<crate::config::vsock::VsockConfig>,
 }
 
 /// The VM flags given on the command line, parsed, each `None` when not given: what a
@@ -169,6 +173,13 @@ impl SavedConfig {
             },
             exits: config.exits,
             net: config.net.clone(),
+            vsock: config
+                .vsock
+                .as_ref()
+                .map(|v| crate::config::vsock::VsockConfig {
+                    cid: v.cid,
+                    socket: abs(&v.socket),
+                }),
         }
     }
 
@@ -221,6 +232,7 @@ impl SavedConfig {
             serial: self.serial.clone(),
             exits: self.exits,
             net: self.net.clone(),
+            vsock: self.vsock.clone(),
         })
     }
 
@@ -568,6 +580,7 @@ mod tests {
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
             net: vec![],
+            vsock: None,
         };
         saved
             .check_given(Some(2), Some(256 << 20), None, None)

@@ -294,7 +294,10 @@ impl Vm {
             config.memory,
             config.cpus,
             &pmem_files.spans(),
-            config.disks.len() + config.net.len() + pmem_files.virtio_devices(),
+            config.disks.len()
+                + config.net.len()
+                + usize::from(config.vsock.is_some())
+                + pmem_files.virtio_devices(),
             host_phys_bits(),
         )?;
         let addrs: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
@@ -389,6 +392,7 @@ impl Vm {
                 disks: Vec::new(),
                 pmem: Vec::new(),
                 net: Vec::new(),
+                vsock: None,
                 serial: crate::config::SerialMode::Off,
                 ..config.clone()
             };

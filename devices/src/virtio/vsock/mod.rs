@@ -13,7 +13,7 @@ pub mod packet;
 #[cfg(test)]
 mod tests;
 
-pub use muxer::{Muxer, VsockError, MAX_CONNS};
+pub use muxer::{Muxer, SocketFile, VsockError, MAX_CONNS};
 
 use super::net::{available, buffers, corrupt, pop};
 use super::{read_config_bytes, QueueCorrupt, VirtioDevice, VirtioStats};
@@ -66,6 +66,11 @@ impl Vsock {
 
     pub fn socket(&self) -> &Path {
         self.muxer.path()
+    }
+
+    /// The listener's file, for the VMM to remove when the VM ends.
+    pub fn socket_file(&self) -> SocketFile {
+        self.muxer.socket_file()
     }
 
     pub fn connections(&self) -> usize {

@@ -54,6 +54,41 @@ pub enum VsockError {
 /// (host-side port, guest port).
 type Key = (u32, u32);
 
+/// The listener's socket file, removed with the device, but only while it is still the file
+/// this device made: a later VM may have taken the path since.
+#[derive(Clone, Debug)]
+pub struct SocketFile {
+    path: PathBuf,
+    /// (device, inode) of the file as bound.
+    id: Option<(u64, u64)>,
+}
+
+impl SocketFile {
+    fn of(path: &Path) -> SocketFile {
+        use std::os::unix::fs::MetadataExt;
+        SocketFile {
+            path: path.to_path_buf(),
+            id: std::fs::symlink_metadata(path)
+                .ok()
+                .map(|m| (m.dev(), m.ino())),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn remove(&self) {
+        use std::os::unix::fs::MetadataExt;
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) if Some((m.dev(), m.ino())) == self.id => {
+                let _ = std::fs::remove_file(&self.path);
+            }
+            _ => {}
+        }
+    }
+}
+
 struct Client {
     stream: UnixStream,
     line: Vec<u8>,
@@ -67,6 +102,11 @@ enum Entry {
 pub struct Muxer {
     cid: u64,
     path: PathBuf,
+    file: SocketFile,
+    /// Guest REQUESTs for host ports, connected on the next pass: the connecting is done
+    /// where the device's events are served, never on a vCPU thread (whose system-call
+    /// filter has no `socket` or `connect`).
+    connects: VecDeque<Header>,
     listener: UnixListener,
     epoll: Epoll,
     resume: EventFd,
@@ -171,6 +211,8 @@ impl Muxer {
         Ok(Muxer {
             cid,
             path: path.to_path_buf(),
+            file: SocketFile::of(path),
+            connects: VecDeque::new(),
             listener,
             epoll,
             resume,
@@ -191,6 +233,10 @@ impl Muxer {
         &self.path
     }
 
+    pub fn socket_file(&self) -> SocketFile {
+        self.file.clone()
+    }
+
     /// The one descriptor the owner watches: readable when any socket has news.
     pub fn fd(&self) -> RawFd {
         self.epoll.as_raw_fd()
@@ -208,7 +254,7 @@ impl Muxer {
     }
 
     pub fn has_rx_work(&self) -> bool {
-        !self.rsts.is_empty() || !self.work.is_empty()
+        !self.rsts.is_empty() || !self.work.is_empty() || !self.connects.is_empty()
     }
 
     /// Drops every connection (the driver reset the device or the VM moved): host programs
@@ -219,6 +265,7 @@ impl Muxer {
         }
         self.work.clear();
         self.rsts.clear();
+        self.connects.clear();
     }
 
     fn watch(&mut self, fd: RawFd, entry: Entry) -> io::Result<u64> {
@@ -293,6 +340,9 @@ impl Muxer {
 
     /// Serves what the sockets reported since the last pass.
     pub fn handle_events(&mut self) {
+        while let Some(h) = self.connects.pop_front() {
+            self.guest_connect(&h);
+        }
         let mut events = [EpollEvent::default(); EVENTS_PER_PASS];
         for _ in 0..8 {
             let n = match self.epoll.wait(0, &mut events) {
@@ -498,7 +548,10 @@ impl Muxer {
         let key = (h.dst_port, h.src_port);
         let Some((c, _)) = self.conns.get_mut(&key) else {
             match h.op {
-                OP_REQUEST => self.guest_connect(h),
+                OP_REQUEST if self.connects.len() < MAX_CONNS => {
+                    self.connects.push_back(*h);
+                    self.kick();
+                }
                 OP_RST => {}
                 _ => self.rst_for(h),
             }
@@ -552,6 +605,11 @@ impl Muxer {
     }
 
     fn guest_connect(&mut self, h: &Header) {
+        if self.conns.contains_key(&(h.dst_port, h.src_port)) {
+            // A second REQUEST for a connection made meanwhile.
+            self.reset_conn((h.dst_port, h.src_port), "REQUEST for a live connection");
+            return;
+        }
         if self.conns.len() >= MAX_CONNS {
             debug!("vsock: connection limit reached; guest REQUEST refused");
             self.rst_for(h);
@@ -669,7 +727,7 @@ impl Muxer {
 impl Drop for Muxer {
     /// The socket file goes with the VM, so the next VM can listen at the same path.
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        self.file.remove();
     }
 }
 
