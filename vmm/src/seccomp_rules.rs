@@ -201,6 +201,15 @@ fn vsock_socket() -> Result<Vec<SeccompRule>, BackendError> {
     ])?])
 }
 
+fn fcntl_getfd() -> Result<Vec<SeccompRule>, BackendError> {
+    Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
+        1,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        libc::F_GETFD as u64,
+    )?])?])
+}
+
 /// The filter for `kind`; a call outside it traps (the VMM's SIGSYS handler makes it fail
 /// with EPERM), or with `log` is allowed and logged by the kernel.
 pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
@@ -230,10 +239,15 @@ pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
         rules.insert(libc::SYS_epoll_wait, vec![]);
         rules.insert(libc::SYS_epoll_pwait, vec![]);
         // A vsock device reads and writes its connections' streams wherever a queue is
-        // served, and on a guest's RST or a reset shuts one down and drops it from its
-        // epoll set.
+        // served (std's socket reads and writes are `recvfrom` and `sendto`), and on a
+        // guest's RST or a reset shuts one down and drops it from its epoll set.
+        rules.insert(libc::SYS_recvfrom, vec![]);
+        rules.insert(libc::SYS_sendto, vec![]);
         rules.insert(libc::SYS_shutdown, vec![]);
         rules.insert(libc::SYS_epoll_ctl, vec![]);
+        // Closing those sockets: std's debug builds first check the descriptor is open
+        // with F_GETFD, and nothing else of fcntl.
+        rules.insert(libc::SYS_fcntl, fcntl_getfd()?);
     }
     if kind == Kind::Io {
         // A vsock device takes host programs on its listener and connects guests to host
