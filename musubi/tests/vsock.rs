@@ -251,3 +251,70 @@ fn bad_vsock_values_are_refused_naming_the_flag_and_the_value() {
         );
     }
 }
+
+/// Connects to guest port `port` through the socket at `socket` once it exists.
+fn connect_at(socket: &Path, port: u32) -> (UnixStream, String) {
+    let mut s = UnixStream::connect(socket).expect("the vsock socket takes clients");
+    s.set_read_timeout(Some(LIMIT)).unwrap();
+    s.write_all(format!("CONNECT {port}\n").as_bytes()).unwrap();
+    (s.try_clone().unwrap(), read_line(&mut s))
+}
+
+#[test]
+fn a_restored_vm_tells_the_guest_its_connections_are_gone_and_takes_new_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (api, serial) = (dir.path().join("api.sock"), dir.path().join("original.out"));
+    let socket = dir.path().join("v.sock");
+    let snap = dir.path().join("snap");
+    let vsock = format!("cid=3,socket={}", socket.display());
+    let mut vm = start_probe_with_api(
+        &format!("vsock-echo={PORT}"),
+        &api,
+        &serial,
+        &["--memory", "128M", "--vsock", &vsock],
+    );
+    let guard = KillOnPanic::new(&vm);
+    vm.wait_for_text(&serial, "vsock-echo: cid 3 listening", LIMIT);
+    // A connection is open when the VM is saved.
+    let (mut old, line) = connect_at(&socket, PORT);
+    assert!(line.starts_with("OK "), "{line:?}");
+    let data = pattern(3000);
+    assert!(echo_round_trip(&mut old, &data) == data, "the echo differs");
+    let answer = remote(&api, &["snapshot", snap.to_str().unwrap()]);
+    assert_eq!(answer.code, Some(0), "snapshot: {}", answer.explain());
+    let down = remote(&api, &["shutdown"]);
+    assert_eq!(down.code, Some(0), "shutdown: {}", down.explain());
+    guard.defuse();
+    vm.finish(LIMIT);
+    assert!(!socket.exists(), "the original's socket file outlived it");
+    assert!(closed(&mut old), "the original's connection outlived it");
+
+    let restored = dir.path().join("restored.out");
+    let args = [
+        "run".to_string(),
+        "--restore".into(),
+        snap.display().to_string(),
+        "--serial".into(),
+        format!("file={}", restored.display()),
+        "--timeout".into(),
+        "200".into(),
+    ];
+    let mut vm = start_command(musubi(), &args, None);
+    vm.wait_for_file(&socket, LIMIT);
+    let (mut s, line) = connect_at(&socket, PORT);
+    assert!(line.starts_with("OK "), "{line:?}");
+    assert!(echo_round_trip(&mut s, &data) == data, "the echo differs");
+    drop(s);
+    let run = vm.finish(LIMIT);
+    let console = read_text(&restored);
+    assert_eq!(run.code, Some(0), "{}\n{console}", run.explain());
+    assert!(
+        !socket.exists(),
+        "the restored VM's socket file outlived it"
+    );
+    let r = result_in(&console, "vsock-echo");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["resets"], 1, "no transport reset reached the guest: {r}");
+    assert_eq!(r["lost_to_resets"], 1, "{r}");
+    assert_eq!(r["connections"], 1, "{r}");
+}

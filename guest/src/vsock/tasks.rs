@@ -118,9 +118,18 @@ pub extern "C" fn vsock_echo(buf: u64, len: u64, param: u64) -> ! {
     );
     l.send();
     let t0 = ulib::rdtsc();
-    let (mut done, mut bytes, mut refused) = (0u64, 0u64, 0u64);
+    let (mut done, mut bytes, mut refused, mut lost) = (0u64, 0u64, 0u64, 0u64);
+    let mut resets_seen = 0;
     while done < p.count {
         while let Some(pkt) = dev.recv() {
+            if dev.resets != resets_seen {
+                // The VM moved: the device dropped every connection, so do we (5.10.6.6).
+                resets_seen = dev.resets;
+                for c in conns.iter_mut().flatten().filter(|c| c.live) {
+                    c.live = false;
+                    lost += 1;
+                }
+            }
             let h = pkt.hdr;
             let slot = conns
                 .iter_mut()
@@ -210,7 +219,7 @@ pub extern "C" fn vsock_echo(buf: u64, len: u64, param: u64) -> ! {
     let mut l = Line::new();
     let _ = writeln!(
         l,
-        "{{\"probe\":\"{}\",\"ok\":true,\"cid\":{},\"port\":{},\"connections\":{},\"bytes\":{},\"refused\":{},\"resets\":{},\"us\":{}}}",
+        "{{\"probe\":\"{}\",\"ok\":true,\"cid\":{},\"port\":{},\"connections\":{},\"bytes\":{},\"refused\":{},\"resets\":{},\"lost_to_resets\":{},\"us\":{}}}",
         NAME,
         dev.cid,
         p.port,
@@ -218,6 +227,7 @@ pub extern "C" fn vsock_echo(buf: u64, len: u64, param: u64) -> ! {
         bytes,
         refused,
         dev.resets,
+        lost,
         dev.us_since(t0)
     );
     l.send();
@@ -282,6 +292,9 @@ pub extern "C" fn vsock_send(buf: u64, len: u64, param: u64) -> ! {
         }
         if closed {
             break (!shut).then_some("connection reset");
+        }
+        if dev.resets > 0 {
+            break Some("transport reset: the VM moved and the connection is gone");
         }
         if established && !shut {
             let in_flight = (sent as u32).wrapping_sub(peer_fwd);

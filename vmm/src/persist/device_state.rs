@@ -67,9 +67,11 @@ impl Persist for [Arc<Mutex<MmioTransport>>] {
             });
         }
         for (index, (t, s)) in self.iter().zip(states).enumerate() {
-            lock(t)
-                .restore(s)
+            let mut t = lock(t);
+            t.restore(s)
                 .map_err(|source| PersistError::Transport { index, source })?;
+            // As for one transport: the device is told it moved.
+            t.transport_reset();
         }
         Ok(())
     }
