@@ -54,6 +54,8 @@ pub struct Conn {
     pub host_readable: bool,
     /// In the device's list of connections with packets for the guest.
     pub queued: bool,
+    /// When a host program's CONNECT stops waiting for the guest's RESPONSE.
+    pub deadline: Option<std::time::Instant>,
     tx_buf: VecDeque<u8>,
     /// Guest bytes passed to the host, ever.
     fwd_cnt: Wrapping<u32>,
@@ -76,6 +78,7 @@ impl Conn {
             prefix: Vec::new(),
             host_readable: false,
             queued: false,
+            deadline: None,
             tx_buf: VecDeque::new(),
             fwd_cnt: Wrapping(0),
             fwd_told: Wrapping(0),

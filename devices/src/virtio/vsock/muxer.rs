@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use tracing::debug;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::timerfd::TimerFd;
 
 /// Connections at once, either way. A further host program is refused (closed) and a
 /// further guest REQUEST reset.
@@ -36,8 +37,13 @@ const EVENTS_PER_PASS: usize = 64;
 /// guest listeners and host listeners use.
 const FIRST_LOCAL_PORT: u32 = 1 << 30;
 
+/// How long a host program's CONNECT waits for the guest's RESPONSE before the device gives
+/// up on it (RST to the guest, the client closed), as Firecracker does.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 const LISTENER: u64 = 0;
 const RESUME: u64 = 1;
+const TIMER: u64 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum VsockError {
@@ -110,6 +116,8 @@ pub struct Muxer {
     listener: UnixListener,
     epoll: Epoll,
     resume: EventFd,
+    /// Fires at the earliest CONNECT that waits for the guest's answer.
+    timer: TimerFd,
     entries: HashMap<u64, Entry>,
     conns: HashMap<Key, (Conn, u64)>,
     /// Connections with something for the guest, each at most once (`Conn::queued`).
@@ -196,9 +204,15 @@ impl Muxer {
             .map_err(socket_err(path, "non-blocking listener"))?;
         let epoll = Epoll::new().map_err(socket_err(path, "epoll"))?;
         let resume = EventFd::new(EFD_NONBLOCK).map_err(socket_err(path, "eventfd"))?;
+        let timer = TimerFd::new().map_err(|e| VsockError::Socket {
+            path: path.to_path_buf(),
+            what: "timerfd",
+            source: e.into(),
+        })?;
         for (fd, token) in [
             (listener.as_raw_fd(), LISTENER),
             (resume.as_raw_fd(), RESUME),
+            (timer.as_raw_fd(), TIMER),
         ] {
             epoll
                 .ctl(
@@ -216,11 +230,12 @@ impl Muxer {
             listener,
             epoll,
             resume,
+            timer,
             entries: HashMap::new(),
             conns: HashMap::new(),
             work: VecDeque::new(),
             rsts: VecDeque::new(),
-            next_token: RESUME + 1,
+            next_token: TIMER + 1,
             next_port: FIRST_LOCAL_PORT,
         })
     }
@@ -360,6 +375,7 @@ impl Muxer {
                     RESUME => {
                         let _ = self.resume.read();
                     }
+                    TIMER => self.expire_connects(),
                     token => self.socket_event(token, set),
                 }
             }
@@ -509,14 +525,55 @@ impl Muxer {
         let mut c = Conn::new(client.stream, local, port, State::Connecting);
         c.prefix = client.line[end + 1..].to_vec();
         c.owed.request = true;
+        c.deadline = Some(std::time::Instant::now() + CONNECT_TIMEOUT);
         let key = (local, port);
         self.entries.insert(token, Entry::Conn(key));
         self.conns.insert(key, (c, token));
         self.queue(key);
+        self.arm_timer();
         // Bytes past the line may have been all there was; say so on the next read.
         if let Some((c, _)) = self.conns.get_mut(&key) {
             c.host_readable = true;
         }
+    }
+
+    /// Sets the timer for the earliest CONNECT still waiting for the guest.
+    fn arm_timer(&mut self) {
+        let now = std::time::Instant::now();
+        let next = self
+            .conns
+            .values()
+            .filter(|(c, _)| c.state == State::Connecting && !c.owed.rst)
+            .filter_map(|(c, _)| c.deadline)
+            .min();
+        let result = match next {
+            Some(d) => self.timer.reset(
+                d.saturating_duration_since(now)
+                    .max(std::time::Duration::from_millis(1)),
+                None,
+            ),
+            None => self.timer.clear(),
+        };
+        if let Err(e) = result {
+            debug!("vsock: connect timer: {e}");
+        }
+    }
+
+    /// Gives up on the CONNECTs the guest has not answered in time.
+    fn expire_connects(&mut self) {
+        let now = std::time::Instant::now();
+        let late: Vec<Key> = self
+            .conns
+            .iter()
+            .filter(|(_, (c, _))| {
+                c.state == State::Connecting && !c.owed.rst && c.deadline.is_some_and(|d| d <= now)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for key in late {
+            self.reset_conn(key, "the guest did not answer a CONNECT in time");
+        }
+        self.arm_timer();
     }
 
     fn free_local_port(&mut self, peer: u32) -> Option<u32> {

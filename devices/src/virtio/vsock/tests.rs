@@ -386,3 +386,18 @@ fn transport_reset_event_reaches_the_driver() {
     let mut rest = Vec::new();
     assert_eq!(c.read_to_end(&mut rest).unwrap(), 0);
 }
+
+#[test]
+fn a_connect_the_guest_never_answers_is_given_up() {
+    let mut g = Guest::new();
+    g.post_rx(8);
+    let mut c = client(&g);
+    c.write_all(b"CONNECT 52\n").unwrap();
+    let (h, _) = g.expect();
+    assert_eq!(h.op, OP_REQUEST);
+    std::thread::sleep(muxer::CONNECT_TIMEOUT + Duration::from_millis(100));
+    let (r, _) = g.expect();
+    assert_eq!((r.op, r.src_port, r.dst_port), (OP_RST, h.src_port, 52));
+    assert!(closed(&mut c));
+    assert_eq!(g.d.t.stats().errors, 0);
+}
