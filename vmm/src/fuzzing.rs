@@ -85,7 +85,8 @@ pub fn kernel_image(data: &[u8]) -> Result<(), Finding> {
 }
 
 /// Parses `data` as each part of the JSON configuration (a disk, a pmem region, the serial
-/// and exits modes) and, as UTF-8 text, as the matching flag specs and a size. Refusals must
+/// and exits modes) and, as UTF-8 text, as the matching flag specs (and `--vsock`'s) and a
+/// size. Refusals must
 /// name the flag; what parses must read back the same through its own syntax.
 pub fn config(data: &[u8]) -> Result<(), Finding> {
     if let Ok(disk) = serde_json::from_slice::<DiskConfig>(data) {
@@ -143,6 +144,14 @@ pub fn config(data: &[u8]) -> Result<(), Finding> {
     }
     if let Ok(serial) = text.parse::<SerialMode>() {
         same_again(&serial, serial.to_string().parse())?;
+    }
+    match text.parse::<crate::config::vsock::VsockConfig>() {
+        // Printed back as a spec, it reads the same (a path with a separator aside).
+        Ok(v) if !v.socket.to_string_lossy().contains([',', '=']) => {
+            same_again(&v, v.to_string().parse())?;
+        }
+        Err(e) if !e.to_string().contains("--vsock") => return Err(unnamed(e)),
+        _ => {}
     }
     match parse_size("--memory", text) {
         Ok(n) => {

@@ -42,6 +42,7 @@ fn configuration_parts_parse_or_name_their_flag() {
         r#""user""#,
         "path=a.img,readonly=on,cache=writeback",
         "file=pm.img,size=2M,advertise=e820",
+        "cid=3,socket=/tmp/v.sock",
         "256M",
         "1T",
     ]
