@@ -158,6 +158,10 @@ const API: &[i64] = &[
     // Pausing and resuming kick the vCPU threads; vmm.shutdown signals the process.
     libc::SYS_kill,
     libc::SYS_tgkill,
+    // A snapshot serves the doorbells nobody read yet, and a vsock device may then reset a
+    // connection: shut its socket down and drop it from the device's epoll set.
+    libc::SYS_shutdown,
+    libc::SYS_epoll_ctl,
 ];
 
 /// A vCPU or I/O thread needs no ioctl outside KVM's type.
