@@ -70,6 +70,7 @@ pub fn in_vm(task: &str, exits: ExitsMode, disk: Option<&Path>) -> Result<Worklo
         pmem: Vec::new(),
         net: Vec::new(),
         rng: None,
+        vsock: None,
     };
     let name = task.split('=').next().unwrap_or(task);
     probe_in_process(

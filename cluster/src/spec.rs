@@ -211,6 +211,7 @@ mod tests {
             pmem: Vec::new(),
             net: Vec::new(),
             rng: None,
+            vsock: None,
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
         }

@@ -98,6 +98,10 @@ pub enum Finding {
     FrameLost,
     #[error("a 16-byte read after reset got {got:?} bytes, not {want}")]
     RngRead { got: Option<u32>, want: u32 },
+    #[error(transparent)]
+    Vsock(#[from] crate::virtio::vsock::VsockError),
+    #[error("a host program's CONNECT after reset never reached the guest")]
+    VsockRequestLost,
     #[error("queue {index}: {served} used entries for {available} available chains")]
     TooManyUsed {
         index: u32,
@@ -263,6 +267,47 @@ pub fn virtio_net(data: &[u8]) -> Result<(), Finding> {
     play_net(&mut d, [&mut rx, &mut tx], &peer, &mut script)?;
     finish(&mut d)?;
     net_alive(&mut d, &peer)
+}
+
+/// virtio-vsock from both ends: the guest posts receive buffers and packets of any header
+/// (cids, ops, lengths) in chains of any shape, host programs connect to the device's
+/// socket and send CONNECT lines, garbage or data, and the device's event fires at any
+/// time. Every notification and event is checked on the receive and transmit queues; at
+/// the end, after a reset, a host program's CONNECT must reach the guest as a REQUEST.
+pub fn virtio_vsock(data: &[u8]) -> Result<(), Finding> {
+    let mut script = Script(data);
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("v.sock");
+    let vsock = crate::virtio::vsock::Vsock::new(VSOCK_CID, &path)?;
+    let mut d = Driver::new_in(vsock, memory());
+    let (mut rx, mut tx, _ev) = d.vsock_up();
+    let mut clients = Vec::new();
+    play_vsock(&mut d, [&mut rx, &mut tx], &path, &mut clients, &mut script)?;
+    finish(&mut d)?;
+    drop(clients);
+    vsock_alive(&mut d, &path)
+}
+
+/// Valid scripts for the smoke test: a host program's CONNECT answered by the guest, then
+/// data each way; a guest REQUEST to a port nobody listens on.
+pub fn virtio_vsock_samples() -> Vec<Vec<u8>> {
+    let post_rx = |k: u8| vec![7, 0, k, 0, 1, k, 0, 0, 2, 0];
+    // Action 6, kind 0: a client connects and sends `CONNECT 52`; kind 2: data.
+    let connect = vec![6, 0, 6, 2, 9, 0];
+    // Action 8: a guest packet: op, ports, length.
+    let packet = |op: u8, src: u8, dst: u8, len: u8| vec![8, op, src, dst, len];
+    let answered = [
+        post_rx(0),
+        post_rx(1),
+        post_rx(2),
+        connect,
+        packet(2, 52, 0, 0),
+        vec![6, 2, 0],
+        packet(5, 52, 0, 10),
+    ]
+    .concat();
+    let refused = [post_rx(0), packet(1, 9, 77, 0), vec![9, 0]].concat();
+    vec![answered, refused]
 }
 
 /// Valid scripts for the smoke test: a frame sent, a frame received into one buffer, and a
@@ -731,6 +776,170 @@ fn play_net(
         }
         Ok(())
     })
+}
+
+const VSOCK_CID: u64 = 3;
+
+/// Plays a vsock script. Host programs' streams are kept in `clients` (a few at most), so
+/// the device sees them open, write and close at the script's pace.
+fn play_vsock(
+    d: &mut Driver,
+    rings: [&mut Ring; 2],
+    path: &std::path::Path,
+    clients: &mut Vec<std::os::unix::net::UnixStream>,
+    s: &mut Script,
+) -> Result<(), Finding> {
+    use crate::virtio::vsock::packet::{Header, HDR_LEN, HOST_CID, TYPE_STREAM};
+    use std::io::{Read, Write};
+    let [rx, tx] = rings;
+    each_action(d, s, |d, s, op| {
+        match op {
+            3 => {
+                let table = if s.byte() & 1 == 0 {
+                    rx.desc()
+                } else {
+                    tx.desc()
+                };
+                let index = u64::from(s.byte() % 32);
+                let desc = descriptor(s);
+                d.write_table(table + 16 * index, &[desc]);
+            }
+            4 => {
+                let ring = if s.byte() & 1 == 0 {
+                    &mut *rx
+                } else {
+                    &mut *tx
+                };
+                let head = u16::from(s.byte() % 32);
+                d.publish_on(ring, head);
+            }
+            6 => {
+                match s.byte() % 4 {
+                    0 if clients.len() < 8 => {
+                        if let Ok(mut c) = std::os::unix::net::UnixStream::connect(path) {
+                            let _ = c.set_nonblocking(true);
+                            let line = match s.byte() % 4 {
+                                0 => format!("CONNECT {}\n", s.byte()),
+                                1 => format!("CONNECT {}\n", s.u32()),
+                                2 => String::from("HELLO\n"),
+                                _ => String::from_utf8_lossy(&s.take::<8>()).into_owned(),
+                            };
+                            let _ = c.write_all(line.as_bytes());
+                            clients.push(c);
+                        }
+                    }
+                    1 if !clients.is_empty() => {
+                        let i = usize::from(s.byte()) % clients.len();
+                        clients.remove(i);
+                    }
+                    _ if !clients.is_empty() => {
+                        let i = usize::from(s.byte()) % clients.len();
+                        let n = usize::from(s.byte()) * 64;
+                        let _ = clients[i].write(&vec![0xa5; n]);
+                        let mut buf = [0u8; 4096];
+                        let _ = clients[i].read(&mut buf);
+                    }
+                    _ => {}
+                }
+                checked(d, &[0, 1], |d| d.t.process_event(0))?;
+            }
+            7 => {
+                let ring = if s.byte() & 1 == 0 {
+                    &mut *rx
+                } else {
+                    &mut *tx
+                };
+                let queue = if ring.base == RING { 0 } else { 1 };
+                let first = u16::from(s.byte() % 28);
+                let descs = chain_parts(s);
+                d.chain_on(ring, first, &descs);
+                notify(d, queue)?;
+            }
+            8 => {
+                // A guest packet, mostly well addressed, its payload where the chain says.
+                let mut h = Header {
+                    src_cid: VSOCK_CID,
+                    dst_cid: HOST_CID,
+                    op: u16::from(s.byte() % 9),
+                    src_port: u32::from(s.byte()),
+                    dst_port: u32::from(s.byte()),
+                    type_: TYPE_STREAM,
+                    buf_alloc: 1 << 16,
+                    ..Header::default()
+                };
+                let len = match s.byte() {
+                    b if b < 0xf0 => u32::from(b) * 16,
+                    _ => s.u32(),
+                };
+                h.len = len;
+                if h.dst_port == 0 {
+                    // The host side's port of the newest connection, to hit a live one.
+                    h.dst_port = 1 << 30;
+                }
+                match s.byte() % 8 {
+                    0 => h.src_cid = s.u64(),
+                    1 => h.type_ = s.u16(),
+                    2 => h.fwd_cnt = s.u32(),
+                    _ => {}
+                }
+                d.mem.write_slice(&h.encode(), GuestAddress(HDR))?;
+                let first = u16::from(s.byte() % 28);
+                d.chain_on(
+                    tx,
+                    first,
+                    &[(HDR, HDR_LEN as u32, 0), (DATA, len.min(1 << 20), 0)],
+                );
+                notify(d, 1)?;
+            }
+            _ => match s.byte() % 3 {
+                0 => checked(d, &[0, 1], |d| d.t.process_event(0))?,
+                1 => {
+                    let size = queue_size(s);
+                    d.negotiate(0);
+                    d.setup_queue_on(0, rx, size);
+                    d.setup_queue_on(1, tx, size);
+                    d.driver_ok();
+                    for ring in [&mut *rx, &mut *tx] {
+                        ring.avail_idx = 0;
+                        ring.used_seen = 0;
+                    }
+                }
+                _ => {
+                    let ring = if s.byte() & 1 == 0 { &*rx } else { &*tx };
+                    let _ = d.mem.write_obj(s.u16(), GuestAddress(ring.avail() + 2));
+                }
+            },
+        }
+        Ok(())
+    })
+}
+
+/// After a reset, a host program's CONNECT reaches a posted receive buffer as a REQUEST.
+fn vsock_alive(d: &mut Driver, path: &std::path::Path) -> Result<(), Finding> {
+    use crate::virtio::vsock::packet::{Header, HDR_LEN, OP_REQUEST};
+    use std::io::Write;
+    let (mut rx, _tx, _ev) = d.vsock_up();
+    let base = 0x50_0000u64;
+    for k in 0..QSIZE {
+        let addr = base + 0x1000 * u64::from(k);
+        d.chain_on(&mut rx, k, &[(addr, 0x1000, VRING_DESC_F_WRITE as u16)]);
+    }
+    d.notify_queue(0);
+    let mut c = std::os::unix::net::UnixStream::connect(path)?;
+    c.write_all(b"CONNECT 1000\n")?;
+    for _ in 0..4 {
+        d.t.process_event(0);
+    }
+    while let Some((id, len)) = d.next_used_on(&mut rx) {
+        let addr = base + 0x1000 * u64::from(id);
+        if len as usize >= HDR_LEN {
+            let h = Header::parse(&d.guest_bytes(addr, HDR_LEN).try_into().unwrap());
+            if h.op == OP_REQUEST && h.dst_port == 1000 {
+                return Ok(());
+            }
+        }
+    }
+    Err(Finding::VsockRequestLost)
 }
 
 /// After a reset, a frame sent by the guest reaches the host end and a frame from the host

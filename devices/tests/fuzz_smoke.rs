@@ -66,3 +66,14 @@ fn virtio_rng_survives_hostile_requests() {
         3000,
     );
 }
+
+#[test]
+fn virtio_vsock_survives_hostile_guests_and_host_programs() {
+    smoke(
+        "virtio_vsock",
+        fuzzing::virtio_vsock,
+        &fuzzing::virtio_vsock_samples(),
+        0x750C,
+        1000,
+    );
+}

@@ -42,14 +42,17 @@ pub const SYS_CPU_START: u64 = 24;
 /// `cpu_wait(cpu)`, from the BSP only: waits (bounded by the caller's deadline) for AP
 /// `cpu`'s entry to end; returns its exit status, `CPU_FAULTED | vector` or `CPU_TIMED_OUT`.
 pub const SYS_CPU_WAIT: u64 = 25;
-/// `net_open(block)`: resets the virtio-net device, sets its two queues up on the rings the
-/// task named in its `NetOpen` block, brings it to DRIVER_OK and maps its register page
-/// for the task; fills in the rest of the block. The task drives the queues itself.
+/// `net_open(block, kind)`: resets the virtio-net (`DEV_NET`) or virtio-vsock
+/// (`DEV_VSOCK`) device, sets its queues (two; three for vsock) up on the rings the task
+/// named in its `NetOpen` block, brings it to DRIVER_OK and maps its register page for the
+/// task; fills in the rest of the block. The task drives the queues itself.
 pub const SYS_NET_OPEN: u64 = 26;
-/// `net_wait(timeout_us, seen)`: halts until the device's used rings move past `seen`
+/// `net_wait(timeout_us, seen, kind)`: halts until the device's used rings move past `seen`
 /// (receive used index in bits 0..16; the transmit one in bits 16..32, looked at only with
 /// `NET_WAIT_TX`), an interrupt arrives or the time passes. Returns 1 if a ring moved.
 pub const SYS_NET_WAIT: u64 = 27;
+pub const DEV_NET: u64 = 0;
+pub const DEV_VSOCK: u64 = 1;
 pub const NET_WAIT_TX: u64 = 1 << 32;
 /// `rng_read(buf, len)`: up to `len` (at most 64 KiB) random bytes from the virtio-rng
 /// device into the task's buffer; returns how many the device wrote.
@@ -77,6 +80,8 @@ pub const STAT_VIRTIO_REQUESTS: u64 = 2;
 pub const STAT_INTERRUPTS: u64 = 3;
 /// Interrupts from the virtio-net device (not part of `STAT_INTERRUPTS`).
 pub const STAT_NET_INTERRUPTS: u64 = 4;
+/// Interrupts from the virtio-vsock device.
+pub const STAT_VSOCK_INTERRUPTS: u64 = 5;
 
 /// Bytes of one virtio-net queue in the `NetOpen::rings` area: descriptor table, avail
 /// ring and used ring, a page each (room for `NET_MAX_QUEUE` entries).
@@ -85,6 +90,8 @@ pub const NET_AVAIL_OFF: u64 = 4096;
 pub const NET_USED_OFF: u64 = 8192;
 /// Queue 0 (receive) and queue 1 (transmit).
 pub const NET_RING_BYTES: u64 = 2 * NET_QUEUE_BYTES;
+/// virtio-vsock's receive, transmit and event queues.
+pub const VSOCK_RING_BYTES: u64 = 3 * NET_QUEUE_BYTES;
 pub const NET_MAX_QUEUE: u32 = 256;
 /// The longest `net_wait`: the task looks at its own deadline at least this often.
 pub const NET_MAX_WAIT_US: u64 = 1_000_000;
@@ -101,8 +108,9 @@ pub struct NetOpen {
     pub queue_size: u32,
     /// Negotiated feature bits.
     pub features: u64,
-    /// From the device's configuration if it offers VIRTIO_NET_F_MAC, else a fixed
-    /// locally administered address; 2 bytes of padding.
+    /// virtio-net: from the device's configuration if it offers VIRTIO_NET_F_MAC, else a
+    /// fixed locally administered address; 2 bytes of padding. virtio-vsock: the guest's
+    /// cid (le64).
     pub mac: [u8; 8],
     /// The QueueNotify register, mapped for the task (uncached).
     pub notify: u64,

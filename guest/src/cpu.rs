@@ -273,7 +273,11 @@ extern "C" fn trap_dispatch(f: &mut TrapFrame) {
             apic::eoi();
         }
         virtio::NET_VECTOR => {
-            virtio::net::irq();
+            virtio::net::irq(crate::abi::DEV_NET as usize);
+            apic::eoi();
+        }
+        virtio::VSOCK_VECTOR => {
+            virtio::net::irq(crate::abi::DEV_VSOCK as usize);
             apic::eoi();
         }
         SPURIOUS_VECTOR => {}

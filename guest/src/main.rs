@@ -29,6 +29,7 @@ mod ulib;
 mod user;
 mod utasks;
 mod virtio;
+mod vsock;
 mod wtasks;
 
 use core::fmt::Write;

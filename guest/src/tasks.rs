@@ -8,7 +8,7 @@ use crate::bootinfo::{self, BootInfo};
 use crate::ulib::JsonBytes;
 use crate::user::{self, Outcome, UserEntry};
 use crate::{
-    apic, console, cpu, kprint, kprintln, mtasks, net, smp, timer, utasks, virtio, wtasks,
+    apic, console, cpu, kprint, kprintln, mtasks, net, smp, timer, utasks, virtio, vsock, wtasks,
 };
 
 /// Shows command-line bytes (which may be anything) safely inside a JSON string.
@@ -29,9 +29,9 @@ pub struct Opts {
     pub iters: Option<u64>,
     /// `cpu=K`: run the task's user code on CPU K.
     pub cpu: Option<u64>,
-    /// `n=N`: rounds (`udp-echo`) or requests (`http-serve`).
+    /// `n=N`: rounds (`udp-echo`), requests (`http-serve`) or connections (`vsock-echo`).
     pub n: Option<u64>,
-    /// `bytes=N` (`K`/`M`/`G` suffixes): how much `tcp-send` sends.
+    /// `bytes=N` (`K`/`M`/`G` suffixes): how much `tcp-send` or `vsock-send` sends.
     pub bytes: Option<u64>,
 }
 
@@ -139,11 +139,14 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
     if opts.iters.is_some() && name != b"litmus" && name != b"mem-check" {
         return bad_argument(task, "iters=N applies to litmus and mem-check only");
     }
-    if opts.n.is_some() && name != b"udp-echo" && name != b"http-serve" {
-        return bad_argument(task, "n=N applies to udp-echo and http-serve only");
+    if opts.n.is_some() && !matches!(name, b"udp-echo" | b"http-serve" | b"vsock-echo") {
+        return bad_argument(
+            task,
+            "n=N applies to udp-echo, http-serve and vsock-echo only",
+        );
     }
-    if opts.bytes.is_some() && name != b"tcp-send" {
-        return bad_argument(task, "bytes=N applies to tcp-send only");
+    if opts.bytes.is_some() && name != b"tcp-send" && name != b"vsock-send" {
+        return bad_argument(task, "bytes=N applies to tcp-send and vsock-send only");
     }
     if let (b"fib", Some(p)) = (name, opts.procs) {
         return match num(arg) {
@@ -203,6 +206,7 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         }
         (b"mem-check", a) => mem_check(task, num(a), opts.iters),
         (b"udp-echo" | b"tcp-send" | b"http-serve", a) => net_task(task, name, a, opts),
+        (b"vsock-echo" | b"vsock-send", a) => vsock_task(task, name, a, opts),
         (b"timer", None) => timer_task(),
         (b"console-echo", a) => match a.map_or(Some(console::DEFAULT_WAIT_S), |a| num(Some(a))) {
             Some(secs) if secs > 0 => console::echo_task(secs),
@@ -375,6 +379,32 @@ fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts) -> u8 {
             ("http-serve", net::http_serve)
         }
     };
+    finish(label, 0, user::run_task(0, entry, &p, timeout()))
+}
+
+/// `vsock-echo=PORT[,n=N]`, `vsock-send=PORT[,bytes=N]`: runs the task at CPL3
+/// (`vsock::*`).
+fn vsock_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts) -> u8 {
+    let port = arg
+        .and_then(|a| core::str::from_utf8(a).ok())
+        .and_then(|a| a.parse::<u32>().ok());
+    let (label, entry, count): (&str, UserEntry, _) = if name == b"vsock-echo" {
+        ("vsock-echo", vsock::vsock_echo, opts.n.unwrap_or(1))
+    } else {
+        let bytes = opts.bytes.unwrap_or(NET_DEFAULT_BYTES);
+        ("vsock-send", vsock::vsock_send, bytes)
+    };
+    let (Some(port), 1..) = (port, count) else {
+        return bad_argument(
+            task,
+            if name == b"vsock-echo" {
+                "vsock-echo=PORT[,n=N] needs a port and N > 0"
+            } else {
+                "vsock-send=PORT[,bytes=N] needs a port and N > 0"
+            },
+        );
+    };
+    let p = vsock::Params { port, count };
     finish(label, 0, user::run_task(0, entry, &p, timeout()))
 }
 

@@ -301,14 +301,38 @@ pub fn cpu_wait(cpu: usize) -> Result<u64, Error> {
 /// (see `abi::NetOpen`).
 pub fn net_open(block: &mut abi::NetOpen) -> Result<(), Error> {
     let at = block as *mut abi::NetOpen as u64;
-    decode(syscall(abi::SYS_NET_OPEN, at, 0, 0, 0)).map(|_| ())
+    decode(syscall(abi::SYS_NET_OPEN, at, abi::DEV_NET, 0, 0)).map(|_| ())
 }
 
 /// Halts until the receive used ring moves past `seen_rx` (and, if given, the transmit one
 /// past `seen_tx`), an interrupt comes or `timeout_us` passes; true if a ring moved.
 pub fn net_wait(timeout_us: u64, seen_rx: u16, seen_tx: Option<u16>) -> bool {
     let tx = seen_tx.map_or(0, |t| (t as u64) << 16 | abi::NET_WAIT_TX);
-    syscall(abi::SYS_NET_WAIT, timeout_us, seen_rx as u64 | tx, 0, 0) == 1
+    syscall(
+        abi::SYS_NET_WAIT,
+        timeout_us,
+        seen_rx as u64 | tx,
+        abi::DEV_NET,
+        0,
+    ) == 1
+}
+
+/// As [`net_open`], for the virtio-vsock device (three queues; `block.mac` is the cid).
+pub fn vsock_open(block: &mut abi::NetOpen) -> Result<(), Error> {
+    let at = block as *mut abi::NetOpen as u64;
+    decode(syscall(abi::SYS_NET_OPEN, at, abi::DEV_VSOCK, 0, 0)).map(|_| ())
+}
+
+/// As [`net_wait`], for the virtio-vsock device.
+pub fn vsock_wait(timeout_us: u64, seen_rx: u16, seen_tx: Option<u16>) -> bool {
+    let tx = seen_tx.map_or(0, |t| (t as u64) << 16 | abi::NET_WAIT_TX);
+    syscall(
+        abi::SYS_NET_WAIT,
+        timeout_us,
+        seen_rx as u64 | tx,
+        abi::DEV_VSOCK,
+        0,
+    ) == 1
 }
 
 /// Interrupts the virtio-net device has raised since boot.

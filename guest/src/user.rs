@@ -232,7 +232,7 @@ fn run_inner(cpu: usize, entry: UserEntry, param: u64, timeout_s: u64, reserved:
     let entry = entry as usize as u64;
     if cpu == 0 {
         let code = enter(0, entry, top - 8, args, deadline);
-        // A network task leaves the device writing into the arena: stop it.
+        // A network or vsock task leaves its device writing into the arena: stop it.
         virtio::net::close();
         return outcome(0, code);
     }
@@ -443,7 +443,8 @@ pub fn syscall(f: &mut TrapFrame) {
             abi::STAT_PAGE_FAULTS => Ok(mm::PAGE_FAULTS.load(Ordering::Relaxed)),
             abi::STAT_VIRTIO_REQUESTS => Ok(virtio::REQUESTS.load(Ordering::Relaxed)),
             abi::STAT_INTERRUPTS => Ok(virtio::total_irqs()),
-            abi::STAT_NET_INTERRUPTS => Ok(virtio::net::irq_count()),
+            abi::STAT_NET_INTERRUPTS => Ok(virtio::net::irq_count(abi::DEV_NET as usize)),
+            abi::STAT_VSOCK_INTERRUPTS => Ok(virtio::net::irq_count(abi::DEV_VSOCK as usize)),
             _ => Err(Error::BadArgument),
         },
         abi::SYS_ANON_MAP => mm::map_window(mm::Which::Anon, a0).ok_or(Error::NoMemory),
@@ -453,8 +454,8 @@ pub fn syscall(f: &mut TrapFrame) {
             .ok_or(Error::NoSuchCpu),
         abi::SYS_CPU_START => cpu_start(a0 as usize, a1, a2, a3),
         abi::SYS_CPU_WAIT => cpu_wait(a0 as usize),
-        abi::SYS_NET_OPEN => virtio::net::open(a0),
-        abi::SYS_NET_WAIT => virtio::net::wait(a0, a1),
+        abi::SYS_NET_OPEN => virtio::net::open(a1, a0),
+        abi::SYS_NET_WAIT => virtio::net::wait(a0, a1, a2),
         abi::SYS_RNG_READ => {
             if in_arena(a0, a1) {
                 virtio::rng_read(a0, a1)

@@ -417,6 +417,7 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
         exits,
         net: nets,
         rng,
+        vsock: None,
     };
     let info = json!({
         "payload": payload_info,

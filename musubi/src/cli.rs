@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use vmm::config::net::NetConfig;
 use vmm::config::rng::{RngConfig, RNG_SYNTAX};
+use vmm::config::vsock::VsockConfig;
 use vmm::config::{self, DiskConfig, ExitsMode, KernelImage, SerialMode, Size, VmConfig};
 use vmm::pmem::PmemConfig;
 
@@ -62,6 +63,14 @@ pub struct VmArgs {
         value_parser = from_str::<RngConfig>()
     )]
     pub rng: Option<RngConfig>,
+    /// A virtio-vsock device whose host side is a UNIX socket at PATH (Firecracker's and
+    /// Cloud Hypervisor's hybrid vsock): a host program connects there and writes
+    /// `CONNECT <port>\n` to reach the guest's listener on that port (answered
+    /// `OK <hostport>\n`); a guest connecting to host port P reaches the UNIX listener at
+    /// `PATH_P`. cid is the guest's context id, 3 or more. The socket file is removed
+    /// when the VM ends.
+    #[arg(long, value_name = config::vsock::VSOCK_SYNTAX, value_parser = from_str::<VsockConfig>())]
+    pub vsock: Option<VsockConfig>,
     /// Where the guest's COM1 goes. Default stdio.
     #[arg(long, value_name = "stdio|off|file=PATH", value_parser = from_str::<SerialMode>())]
     pub serial: Option<SerialMode>,
@@ -71,7 +80,7 @@ pub struct VmArgs {
     #[arg(long, value_name = "kernel|user", value_parser = from_str::<ExitsMode>())]
     pub exits: Option<ExitsMode>,
     /// JSON file with the same fields (kernel, cmdline, initrd, cpus, memory, disks,
-    /// pmem, net, rng, serial, exits); flags given on the command line override it.
+    /// pmem, net, rng, vsock, serial, exits); flags given on the command line override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 }
@@ -258,6 +267,8 @@ pub struct FileConfig {
     #[serde(default)]
     net: Vec<NetConfig>,
     rng: Option<RngConfig>,
+    #[serde(default, deserialize_with = "config::vsock::from_flag_or_object")]
+    vsock: Option<VsockConfig>,
     serial: Option<SerialMode>,
     exits: Option<ExitsMode>,
 }
@@ -343,6 +354,10 @@ impl VmArgs {
         if rng.is_some_and(|r| r.bytes_per_sec == Some(0)) {
             return Err("rng (config): bytes_per_sec=0 would never serve a byte".into());
         }
+        let vsock = self.vsock.clone().or(file.vsock);
+        if let Some(v) = &vsock {
+            v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
+        }
         let exits = self.exits.or(file.exits).unwrap_or_default();
         let serial = self.serial.clone().or(file.serial).unwrap_or_default();
         if let Some(p) = self.initrd.as_ref().or(file.initrd.as_ref()) {
@@ -360,6 +375,7 @@ impl VmArgs {
             exits,
             net,
             rng,
+            vsock,
         })
     }
 }
@@ -409,6 +425,10 @@ impl VmArgs {
         config::net::check_distinct(&c.net).map_err(|e| e.to_string())?;
         if let Some(r) = self.rng {
             c.rng = Some(r);
+        }
+        if let Some(v) = &self.vsock {
+            v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
+            c.vsock = Some(v.clone());
         }
         if let Some(s) = &self.serial {
             c.serial = s.clone();
@@ -466,6 +486,7 @@ impl VmArgs {
             put("--net", Some(n.to_string()));
         }
         put("--rng", self.rng.map(|r| r.to_string()));
+        put("--vsock", self.vsock.as_ref().map(|v| v.to_string()));
         put("--serial", self.serial.as_ref().map(|s| s.to_string()));
         put("--exits", self.exits.map(|e| e.to_string()));
         put(

@@ -48,6 +48,7 @@ fn demo() -> Result<(), String> {
         pmem: vec![],
         net: vec![],
         rng: None,
+        vsock: None,
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     };

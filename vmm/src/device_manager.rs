@@ -39,6 +39,12 @@ pub enum DeviceError {
     Net(#[from] crate::net::NetError),
     #[error("--rng: {0}")]
     Rng(#[from] devices::virtio::RngError),
+    #[error("--vsock cid={cid},socket={}: {source}", path.display())]
+    Vsock {
+        cid: u64,
+        path: std::path::PathBuf,
+        source: devices::virtio::VsockError,
+    },
     #[error("too many devices: IRQ {0} is past the last IOAPIC pin {MAX_IRQ}")]
     OutOfIrqs(u32),
     #[error("cannot create an interrupt eventfd: {0}")]
@@ -147,6 +153,9 @@ pub struct Devices {
     /// Each network device's MAC, made up ones included: a snapshot keeps them, since the
     /// guest goes on using the MAC it read.
     pub net_macs: Vec<[u8; 6]>,
+    /// Its listener's file, removed when the VM ends (on the control thread: the device may
+    /// be dropped last on a thread whose filter has no `unlink`).
+    pub vsock_socket: Option<devices::virtio::SocketFile>,
 }
 
 impl Devices {
@@ -171,6 +180,13 @@ impl Devices {
         crate::persist::DeviceSet {
             serial: self.serial.clone(),
             transports: self.transports.clone(),
+        }
+    }
+
+    /// Removes what the devices left in the file system (the vsock listener's socket).
+    pub fn remove_sockets(&self) {
+        if let Some(f) = &self.vsock_socket {
+            f.remove();
         }
     }
 
@@ -367,6 +383,25 @@ pub fn create_devices(
         nets.push(w.add_virtio(&format!("virtio-net{i}"), Box::new(device))?);
     }
     all.extend(nets.iter().cloned());
+    let mut vsock_socket = None;
+    if let Some(v) = &config.vsock {
+        let device =
+            devices::virtio::Vsock::new(v.cid, &v.socket).map_err(|source| DeviceError::Vsock {
+                cid: v.cid,
+                path: v.socket.clone(),
+                source,
+            })?;
+        let file = device.socket_file();
+        let t = match w.add_virtio("virtio-vsock", Box::new(device)) {
+            Ok(t) => t,
+            Err(e) => {
+                file.remove();
+                return Err(e);
+            }
+        };
+        vsock_socket = Some(file);
+        all.push(t);
+    }
     for (name, device) in extra.virtio {
         all.push(w.add_virtio(&name, device)?);
     }
@@ -401,5 +436,6 @@ pub fn create_devices(
         device_events: w.device_events,
         nets,
         net_macs,
+        vsock_socket,
     })
 }

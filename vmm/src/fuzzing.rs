@@ -86,7 +86,8 @@ pub fn kernel_image(data: &[u8]) -> Result<(), Finding> {
 }
 
 /// Parses `data` as each part of the JSON configuration (a disk, a pmem region, the serial
-/// and exits modes, the entropy device) and, as UTF-8 text, as the matching flag specs and a size. Refusals must
+/// and exits modes, the entropy device) and, as UTF-8 text, as the matching flag specs (and
+/// `--vsock`'s) and a size. Refusals must
 /// name the flag; what parses must read back the same through its own syntax.
 pub fn config(data: &[u8]) -> Result<(), Finding> {
     if let Ok(disk) = serde_json::from_slice::<DiskConfig>(data) {
@@ -155,6 +156,14 @@ pub fn config(data: &[u8]) -> Result<(), Finding> {
         Ok(rng) => same_again(&rng, rng.to_string().parse())?,
         Err(e) if !e.to_string().contains("--rng") => return Err(unnamed(e)),
         Err(_) => {}
+    }
+    match text.parse::<crate::config::vsock::VsockConfig>() {
+        // Printed back as a spec, it reads the same (a path with a separator aside).
+        Ok(v) if !v.socket.to_string_lossy().contains([',', '=']) => {
+            same_again(&v, v.to_string().parse())?;
+        }
+        Err(e) if !e.to_string().contains("--vsock") => return Err(unnamed(e)),
+        _ => {}
     }
     match parse_size("--memory", text) {
         Ok(n) => {

@@ -297,4 +297,26 @@ mod tests {
             "{m}"
         );
     }
+
+    #[test]
+    fn the_io_thread_may_make_the_vsock_devices_unix_sockets() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let t = std::thread::spawn(move || {
+            apply(ThreadKind::Io, SeccompMode::Enforce).unwrap();
+            let ty = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+            // SAFETY: creates a descriptor, closed below.
+            let fd = unsafe { libc::socket(libc::AF_UNIX, ty, 0) };
+            let errno = std::io::Error::last_os_error().raw_os_error();
+            if fd >= 0 {
+                // SAFETY: `fd` is the socket just made.
+                unsafe { libc::close(fd) };
+            }
+            (fd >= 0, errno)
+        });
+        let (made, errno) = t.join().unwrap();
+        assert!(made, "errno {errno:?}");
+        drop(listener);
+    }
 }

@@ -65,8 +65,10 @@ const BASE: &[i64] = &[
     libc::SYS_fstat,
     libc::SYS_statx,
     libc::SYS_newfstatat,
-    // musl's spellings of the same: `stat` for metadata, `tkill` for pthread_kill.
+    // musl's spellings of the same: `stat` (and `lstat`, for a vsock device's check that
+    // its socket file is still its own) for metadata, `tkill` for pthread_kill.
     libc::SYS_stat,
+    libc::SYS_lstat,
     libc::SYS_tgkill,
     libc::SYS_tkill,
 ];
@@ -156,6 +158,10 @@ const API: &[i64] = &[
     // Pausing and resuming kick the vCPU threads; vmm.shutdown signals the process.
     libc::SYS_kill,
     libc::SYS_tgkill,
+    // A snapshot serves the doorbells nobody read yet, and a vsock device may then reset a
+    // connection: shut its socket down and drop it from the device's epoll set.
+    libc::SYS_shutdown,
+    libc::SYS_epoll_ctl,
 ];
 
 /// A vCPU or I/O thread needs no ioctl outside KVM's type.
@@ -179,6 +185,32 @@ fn net_device_ioctls() -> Result<Vec<SeccompRule>, BackendError> {
         SeccompCmpArgLen::Dword,
         SeccompCmpOp::Eq,
         TUNSETOFFLOAD,
+    )?])?])
+}
+
+/// `socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)` and nothing else: the
+/// vsock device connecting a guest to a host program's listener at `PATH_P`. Any other
+/// socket, a blocking one included, stays refused on the I/O thread.
+fn vsock_socket() -> Result<Vec<SeccompRule>, BackendError> {
+    let ty = (libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC) as u64;
+    Ok(vec![SeccompRule::new(vec![
+        SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::Eq,
+            libc::AF_UNIX as u64,
+        )?,
+        SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, ty)?,
+        SeccompCondition::new(2, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, 0)?,
+    ])?])
+}
+
+fn fcntl_getfd() -> Result<Vec<SeccompRule>, BackendError> {
+    Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
+        1,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        libc::F_GETFD as u64,
     )?])?])
 }
 
@@ -210,6 +242,24 @@ pub fn program(kind: Kind, log: bool) -> Result<BpfProgram, BackendError> {
         rules.insert(libc::SYS_readv, vec![]);
         rules.insert(libc::SYS_epoll_wait, vec![]);
         rules.insert(libc::SYS_epoll_pwait, vec![]);
+        // A vsock device reads and writes its connections' streams wherever a queue is
+        // served (std's socket reads and writes are `recvfrom` and `sendto`), and on a
+        // guest's RST or a reset shuts one down and drops it from its epoll set.
+        rules.insert(libc::SYS_recvfrom, vec![]);
+        rules.insert(libc::SYS_sendto, vec![]);
+        rules.insert(libc::SYS_shutdown, vec![]);
+        rules.insert(libc::SYS_epoll_ctl, vec![]);
+        // Closing those sockets: std's debug builds first check the descriptor is open
+        // with F_GETFD, and nothing else of fcntl.
+        rules.insert(libc::SYS_fcntl, fcntl_getfd()?);
+    }
+    if kind == Kind::Io {
+        // A vsock device takes host programs on its listener and connects guests to host
+        // listeners only where its events are served (musl's `accept` besides `accept4`).
+        rules.insert(libc::SYS_accept4, vec![]);
+        rules.insert(libc::SYS_accept, vec![]);
+        rules.insert(libc::SYS_socket, vsock_socket()?);
+        rules.insert(libc::SYS_connect, vec![]);
     }
     let mismatch = if log {
         SeccompAction::Log

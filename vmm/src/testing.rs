@@ -158,6 +158,7 @@ pub fn tiny_config(code: &[u8], cpus: u8) -> crate::config::VmConfig {
         pmem: vec![],
         net: vec![],
         rng: None,
+        vsock: None,
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     }

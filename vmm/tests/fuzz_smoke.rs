@@ -44,6 +44,7 @@ fn configuration_parts_parse_or_name_their_flag() {
         "file=pm.img,size=2M,advertise=e820",
         r#"{"bytes_per_sec": 4096}"#,
         "bytes_per_sec=65536",
+        "cid=3,socket=/tmp/v.sock",
         "256M",
         "1T",
     ]

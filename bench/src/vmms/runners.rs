@@ -89,6 +89,7 @@ fn vm_config(plan: &Plan, storage: Storage, file: &Path, task: &str) -> VmConfig
         pmem,
         net: Vec::new(),
         rng: None,
+        vsock: None,
         serial: SerialMode::Off,
         exits: ExitsMode::Kernel,
     }

@@ -507,3 +507,27 @@ impl crate::virtio::NetBackend for SocketBackend {
         Ok(())
     }
 }
+
+/// Where the vsock tests keep the event queue's rings.
+pub const EVENT_RING: u64 = 0xc000;
+
+impl Driver {
+    /// Negotiates, sets up receive (queue 0, the driver's own rings), transmit (queue 1, at
+    /// TX_RING) and event (queue 2, at EVENT_RING) and sets DRIVER_OK: a virtio-vsock
+    /// driver's start.
+    pub fn vsock_up(&mut self) -> (Ring, Ring, Ring) {
+        for at in [RING, TX_RING, EVENT_RING] {
+            self.mem
+                .write_slice(&[0u8; 0x3000], GuestAddress(at))
+                .unwrap();
+        }
+        assert!(self.negotiate(0));
+        let (rx, tx, ev) = (Ring::new(RING), Ring::new(TX_RING), Ring::new(EVENT_RING));
+        self.setup_queue_on(0, &rx, u32::from(QSIZE));
+        self.setup_queue_on(1, &tx, u32::from(QSIZE));
+        self.setup_queue_on(2, &ev, u32::from(QSIZE));
+        self.driver_ok();
+        assert!(!self.needs_reset());
+        (rx, tx, ev)
+    }
+}

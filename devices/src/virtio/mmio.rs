@@ -279,6 +279,12 @@ impl MmioTransport {
         }
     }
 
+    /// See [`VirtioDevice::transport_reset`]; the snapshot and migration paths call it on
+    /// the restored side.
+    pub fn transport_reset(&mut self) {
+        self.device.transport_reset();
+    }
+
     /// The virtio device type behind this transport (2 block, 27 pmem).
     pub fn device_type(&self) -> u32 {
         self.device.device_type()

@@ -10,12 +10,14 @@ pub mod mmio;
 pub mod net;
 pub mod pmem;
 pub mod rng;
+pub mod vsock;
 
 pub use block::{Block, BlockConfig, BlockError, CacheMode};
 pub use mmio::{MmioTransport, QueueLayoutError, RestoreError, TransportState};
 pub use net::{Net, NetBackend, NetConfig, NetCounters, NetError};
 pub use pmem::Pmem;
 pub use rng::{Rng, RngCounters, RngError};
+pub use vsock::{SocketFile, Vsock, VsockError};
 
 use crate::GuestMemoryMmap;
 use std::io;
@@ -113,6 +115,11 @@ pub trait VirtioDevice {
 
     /// Called when the driver resets the device (status 0).
     fn reset(&mut self) {}
+
+    /// The VM was restored from a snapshot or moved to another host: state outside guest
+    /// memory that could not follow it (a vsock device's host connections) is dropped and
+    /// the driver told so. The default has nothing to drop.
+    fn transport_reset(&mut self) {}
 
     /// Serves the chains the driver has made available on `queue` and returns how many were
     /// put on the used ring. An error means the ring itself is unusable.

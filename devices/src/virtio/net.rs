@@ -574,7 +574,7 @@ fn kick_on_next(q: &Queue, mem: &GuestMemoryMmap, avail: u16) {
 /// The guest buffers of a chain, all of which must go one way (device-writable for
 /// receive, device-readable for transmit), with their total length. Every descriptor is
 /// checked to lie in guest memory; an empty one, a broken or over-long chain is refused.
-fn buffers(
+pub(crate) fn buffers(
     chain: DescriptorChain<&GuestMemoryMmap>,
     mem: &GuestMemoryMmap,
     writable: bool,

@@ -29,7 +29,7 @@ const USED_F_NO_NOTIFY: u16 = 1;
 const D_WRITE: u16 = 2;
 
 /// Reads a `T` the device may change at any time.
-fn load<T: Copy>(addr: u64) -> T {
+pub(crate) fn load<T: Copy>(addr: u64) -> T {
     // SAFETY: every caller passes an aligned address inside the ring or buffer memory this
     // task carved from its arena for the device; only integers are read, so any bytes the
     // device left are valid.
@@ -37,23 +37,24 @@ fn load<T: Copy>(addr: u64) -> T {
 }
 
 /// Writes a `T` the device may read at any time.
-fn store<T: Copy>(addr: u64, v: T) {
+pub(crate) fn store<T: Copy>(addr: u64, v: T) {
     // SAFETY: as in `load`: aligned, inside this task's ring or buffer memory, which no Rust
     // reference covers.
     unsafe { core::ptr::write_volatile(addr as *mut T, v) }
 }
 
-/// One split virtqueue in the task's memory (layout: `abi::NET_*_OFF`).
-struct Ring {
-    base: u64,
-    size: u16,
-    queue: u32,
-    notify: u64,
-    avail_idx: u16,
-    used_seen: u16,
+/// One split virtqueue in the task's memory (layout: `abi::NET_*_OFF`); the vsock driver
+/// uses it too.
+pub(crate) struct Ring {
+    pub(crate) base: u64,
+    pub(crate) size: u16,
+    pub(crate) queue: u32,
+    pub(crate) notify: u64,
+    pub(crate) avail_idx: u16,
+    pub(crate) used_seen: u16,
     /// Buffers offered since the last notification.
-    unkicked: u16,
-    kicks: u64,
+    pub(crate) unkicked: u16,
+    pub(crate) kicks: u64,
 }
 
 impl Ring {
@@ -65,7 +66,7 @@ impl Ring {
         self.base + abi::NET_USED_OFF
     }
 
-    fn set_desc(&self, id: u16, addr: u64, len: u32, flags: u16) {
+    pub(crate) fn set_desc(&self, id: u16, addr: u64, len: u32, flags: u16) {
         let d = self.base + id as u64 * 16;
         store(d, addr);
         store(d + 8, len);
@@ -75,7 +76,7 @@ impl Ring {
 
     /// Publishes descriptor `id`. x86 keeps stores in order, so a compiler fence is all
     /// the ordering the descriptor → ring slot → index sequence needs.
-    fn offer(&mut self, id: u16) {
+    pub(crate) fn offer(&mut self, id: u16) {
         store(
             self.avail() + 4 + (self.avail_idx % self.size) as u64 * 2,
             id,
@@ -90,12 +91,12 @@ impl Ring {
         load(self.used() + 2)
     }
 
-    fn pending(&self) -> bool {
+    pub(crate) fn pending(&self) -> bool {
         self.used_idx() != self.used_seen
     }
 
     /// The next used entry: (descriptor, bytes written by the device).
-    fn take(&mut self) -> Option<(u16, u32)> {
+    pub(crate) fn take(&mut self) -> Option<(u16, u32)> {
         if !self.pending() {
             return None;
         }
@@ -111,7 +112,7 @@ impl Ring {
     /// Notifies the device of what was offered since the last call, unless it said it
     /// does not need to be told. The full fence orders the index store before the flag
     /// load (virtio 1.x, 2.7.7.2).
-    fn kick(&mut self) {
+    pub(crate) fn kick(&mut self) {
         if self.unkicked == 0 {
             return;
         }
@@ -123,7 +124,7 @@ impl Ring {
         }
     }
 
-    fn set_interrupts(&self, on: bool) {
+    pub(crate) fn set_interrupts(&self, on: bool) {
         store(self.avail(), if on { 0 } else { AVAIL_F_NO_INTERRUPT });
     }
 }

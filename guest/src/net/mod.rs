@@ -2,7 +2,7 @@
 //! the tasks themselves (`tasks`), all at CPL3. The kernel only opens the device for the
 //! task and halts it while there is nothing to do (`virtio::net`).
 
-mod driver;
+pub(crate) mod driver;
 mod stack;
 mod tasks;
 

@@ -4,7 +4,8 @@
 //! `0..MAX_DISKS`; virtio-pmem devices (id 27) take the next `MAX_PMEM_DEVS` slots (their
 //! regions are announced by `pmem.rs`); the first virtio-rng device (id 4) the last one,
 //! `RNG_SLOT`. A device's interrupt vector is `VECTOR_BASE + slot`.
-//! The first virtio-net device (id 1) is kept apart (`net.rs`): user tasks drive it.
+//! The first virtio-net device (id 1) and the first virtio-vsock device (id 19) are kept
+//! apart (`net.rs`): user tasks drive them.
 
 mod block;
 mod hostile;
@@ -35,9 +36,11 @@ const ID_BLK: u32 = 2;
 const ID_RNG: u32 = 4;
 const ID_PMEM: u32 = 27;
 const ID_NET: u32 = 1;
+const ID_VSOCK: u32 = 19;
 pub const VECTOR_BASE: u64 = 0x30;
 /// The virtio-net device's interrupt vector, after the storage devices' ones.
 pub const NET_VECTOR: u64 = VECTOR_BASE + MAX_DEVS as u64;
+pub const VSOCK_VECTOR: u64 = NET_VECTOR + 1;
 
 static DEVICES: Global<[Device; MAX_DEVS]> = Global::new([NO_DEVICE; MAX_DEVS]);
 static NDISKS: AtomicU32 = AtomicU32::new(0);
@@ -143,14 +146,19 @@ pub fn probe_all(info: &BootInfo, bsp: u32) {
                 );
                 continue;
             }
-            ID_NET => {
-                if net::found(base) {
-                    if irq < pins {
-                        apic::ioapic_route(irq, NET_VECTOR as u8, bsp);
-                    }
-                    kprintln!("probe: virtio-net at {:#x} irq {}", base, irq);
+            ID_NET | ID_VSOCK => {
+                let (kind, vector, what) = if id == ID_NET {
+                    (crate::abi::DEV_NET, NET_VECTOR, "virtio-net")
                 } else {
-                    kprintln!("probe: another virtio-net at {:#x} ignored", base);
+                    (crate::abi::DEV_VSOCK, VSOCK_VECTOR, "virtio-vsock")
+                };
+                if net::found(kind as usize, base) {
+                    if irq < pins {
+                        apic::ioapic_route(irq, vector as u8, bsp);
+                    }
+                    kprintln!("probe: {} at {:#x} irq {}", what, base, irq);
+                } else {
+                    kprintln!("probe: another {} at {:#x} ignored", what, base);
                 }
                 continue;
             }

@@ -1,9 +1,10 @@
-//! The kernel's share of virtio-net: bring the device up on rings that live in the task's
-//! arena, open its register page to the task, and halt until the device has something.
+//! The kernel's share of the devices user tasks drive, virtio-net and virtio-vsock: bring
+//! the device up on rings that live in the task's arena, open its register page to the
+//! task, and halt until the device has something.
 //!
-//! Everything per packet (buffers, descriptors, notifications, the TCP/IP stack) runs at
-//! CPL3 in `crate::net`: kernel-mode code is emulated on the development machines and
-//! would cost more than the packets themselves.
+//! Everything per packet (buffers, descriptors, notifications, the TCP/IP stack, vsock's
+//! connections) runs at CPL3 in `crate::net` and `crate::vsock`: kernel-mode code is
+//! emulated on the development machines and would cost more than the packets themselves.
 
 use core::sync::atomic::{AtomicU64, Ordering};
 
@@ -25,6 +26,8 @@ const F_VERSION_1: u64 = 1 << 32;
 /// Checksum and segmentation offloads are left off: every frame is a plain Ethernet frame
 /// of at most 1514 bytes, which keeps the user-mode driver simple.
 const WANTED: u64 = F_VERSION_1 | F_MAC | F_MRG_RXBUF;
+/// virtio-vsock has no feature bits of its own that the task needs.
+const WANTED_VSOCK: u64 = F_VERSION_1;
 
 /// Used when the device has no MAC of its own (locally administered).
 const DEFAULT_MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x4d, 0x53, 0x42];
@@ -36,39 +39,40 @@ struct Net {
     rings: u64,
 }
 
-static NET: Global<Net> = Global::new(Net { base: 0, rings: 0 });
-/// MMIO base for the interrupt handler, which must not touch `NET`.
-static BASE: AtomicU64 = AtomicU64::new(0);
-static IRQS: AtomicU64 = AtomicU64::new(0);
+/// The devices by kind (`abi::DEV_NET`, `abi::DEV_VSOCK`).
+static NET: Global<[Net; 2]> = Global::new([Net { base: 0, rings: 0 }; 2]);
+/// MMIO bases for the interrupt handler, which must not touch `NET`.
+static BASE: [AtomicU64; 2] = [const { AtomicU64::new(0) }; 2];
+static IRQS: [AtomicU64; 2] = [const { AtomicU64::new(0) }; 2];
 
-fn net() -> &'static mut Net {
+fn net(kind: usize) -> &'static mut Net {
     // SAFETY: touched only on the BSP's kernel path (boot, the running task's system calls
     // and its end), one call at a time; no caller keeps the reference.
-    unsafe { NET.get() }
+    unsafe { &mut NET.get()[kind] }
 }
 
-/// Records the device found at `base` (the first one only).
-pub fn found(base: u64) -> bool {
-    let n = net();
+/// Records the device of `kind` found at `base` (the first one only).
+pub fn found(kind: usize, base: u64) -> bool {
+    let n = net(kind);
     if n.base != 0 {
         return false;
     }
     n.base = base;
-    BASE.store(base, Ordering::Relaxed);
+    BASE[kind].store(base, Ordering::Relaxed);
     true
 }
 
-pub fn irq() {
-    let base = BASE.load(Ordering::Relaxed);
+pub fn irq(kind: usize) {
+    let base = BASE[kind].load(Ordering::Relaxed);
     if base != 0 {
         let s = mmio_read32(Reg::InterruptStatus.at(base));
         mmio_write32(Reg::InterruptAck.at(base), s);
     }
-    IRQS.fetch_add(1, Ordering::Relaxed);
+    IRQS[kind].fetch_add(1, Ordering::Relaxed);
 }
 
-pub fn irq_count() -> u64 {
-    IRQS.load(Ordering::Relaxed)
+pub fn irq_count(kind: usize) -> u64 {
+    IRQS[kind].load(Ordering::Relaxed)
 }
 
 fn r32(base: u64, r: Reg) -> u32 {
@@ -84,9 +88,18 @@ fn w64(base: u64, r: Reg, v: u64) {
     mmio_write32(r.at(base) + 4, (v >> 32) as u32);
 }
 
-/// `SYS_NET_OPEN`: the block at `at` names the rings; the device is reset first, so a
-/// task may open it again.
-pub fn open(at: u64) -> Result<u64, Error> {
+/// `SYS_NET_OPEN`: the block at `at` names the rings; the device of `kind` is reset first,
+/// so a task may open it again.
+pub fn open(kind: u64, at: u64) -> Result<u64, Error> {
+    let kind = match kind {
+        abi::DEV_NET | abi::DEV_VSOCK => kind as usize,
+        _ => return Err(Error::BadArgument),
+    };
+    let (ring_bytes, queues, wanted) = if kind == abi::DEV_VSOCK as usize {
+        (abi::VSOCK_RING_BYTES, 3, WANTED_VSOCK)
+    } else {
+        (abi::NET_RING_BYTES, 2, WANTED)
+    };
     let len = core::mem::size_of::<NetOpen>() as u64;
     if crate::smp::current() != 0 {
         return Err(Error::NoSuchCpu);
@@ -96,16 +109,16 @@ pub fn open(at: u64) -> Result<u64, Error> {
     }
     // SAFETY: checked to lie in the task's arena, aligned; the task is stopped in this call.
     let mut b = unsafe { core::ptr::read_volatile(at as *const NetOpen) };
-    if !b.rings.is_multiple_of(4096) || !user::in_arena(b.rings, abi::NET_RING_BYTES) {
+    if !b.rings.is_multiple_of(4096) || !user::in_arena(b.rings, ring_bytes) {
         return Err(Error::BadArgument);
     }
-    close();
-    let n = net();
+    close_one(kind);
+    let n = net(kind);
     if n.base == 0 {
         return Err(Error::NoDevice);
     }
     let base = n.base;
-    let (features, qsize) = match init(base, b.rings, b.want_queue) {
+    let (features, qsize) = match init(base, b.rings, b.want_queue, queues, wanted) {
         Ok(v) => v,
         Err(()) => {
             w32(base, Reg::Status, r32(base, Reg::Status) | S_FAILED);
@@ -113,7 +126,11 @@ pub fn open(at: u64) -> Result<u64, Error> {
         }
     };
     let mut mac = [0u8; 8];
-    if features & F_MAC != 0 {
+    if kind == abi::DEV_VSOCK as usize {
+        // The guest's cid, a le64 at the start of the configuration.
+        mac[..4].copy_from_slice(&mmio_read32(base + 0x100).to_le_bytes());
+        mac[4..].copy_from_slice(&mmio_read32(base + 0x104).to_le_bytes());
+    } else if features & F_MAC != 0 {
         let lo = mmio_read32(base + 0x100).to_le_bytes();
         let hi = mmio_read32(base + 0x104).to_le_bytes();
         mac[..4].copy_from_slice(&lo);
@@ -138,9 +155,9 @@ pub fn open(at: u64) -> Result<u64, Error> {
     Ok(0)
 }
 
-/// Reset, feature negotiation, queues 0 (receive) and 1 (transmit) at `rings`,
-/// DRIVER_OK (virtio 1.x, 3.1.1). Returns the features and the queue size.
-fn init(base: u64, rings: u64, want: u32) -> Result<(u64, u32), ()> {
+/// Reset, feature negotiation, `queues` queues at `rings` (0 receive, 1 transmit, 2 vsock's
+/// events), DRIVER_OK (virtio 1.x, 3.1.1). Returns the features and the queue size.
+fn init(base: u64, rings: u64, want: u32, queues: u32, wanted: u64) -> Result<(u64, u32), ()> {
     if r32(base, Reg::Version) != 2 {
         return Err(());
     }
@@ -158,7 +175,7 @@ fn init(base: u64, rings: u64, want: u32) -> Result<(u64, u32), ()> {
     if offered & F_VERSION_1 == 0 {
         return Err(());
     }
-    let features = offered & WANTED;
+    let features = offered & wanted;
     w32(base, Reg::DriverFeaturesSel, 0);
     w32(base, Reg::DriverFeatures, features as u32);
     w32(base, Reg::DriverFeaturesSel, 1);
@@ -168,7 +185,7 @@ fn init(base: u64, rings: u64, want: u32) -> Result<(u64, u32), ()> {
         return Err(());
     }
     let mut q = want.clamp(2, abi::NET_MAX_QUEUE);
-    for i in 0..2 {
+    for i in 0..queues {
         w32(base, Reg::QueueSel, i);
         if r32(base, Reg::QueueReady) != 0 {
             return Err(());
@@ -179,7 +196,7 @@ fn init(base: u64, rings: u64, want: u32) -> Result<(u64, u32), ()> {
         return Err(());
     }
     let q = 1 << q.ilog2();
-    for i in 0..2u32 {
+    for i in 0..queues {
         let at = rings + i as u64 * abi::NET_QUEUE_BYTES;
         w32(base, Reg::QueueSel, i);
         w32(base, Reg::QueueNum, q);
@@ -196,10 +213,15 @@ fn init(base: u64, rings: u64, want: u32) -> Result<(u64, u32), ()> {
     Ok((features, q))
 }
 
-/// Stops the device (reset) so that it no longer writes into the arena, which the next
-/// task uses for something else, and takes its register page back from user mode.
+/// Stops the devices (reset) so that they no longer write into the arena, which the next
+/// task uses for something else, and takes their register pages back from user mode.
 pub fn close() {
-    let n = net();
+    close_one(abi::DEV_NET as usize);
+    close_one(abi::DEV_VSOCK as usize);
+}
+
+fn close_one(kind: usize) {
+    let n = net(kind);
     if n.rings == 0 {
         return;
     }
@@ -217,8 +239,12 @@ fn used_idx(rings: u64, queue: u64) -> u16 {
 
 /// `SYS_NET_WAIT`: the used indices are checked with interrupts off right before each
 /// halt, so an interrupt that raced the task's own last look still wakes it.
-pub fn wait(timeout_us: u64, seen: u64) -> Result<u64, Error> {
-    let rings = net().rings;
+pub fn wait(timeout_us: u64, seen: u64, kind: u64) -> Result<u64, Error> {
+    let kind = match kind {
+        abi::DEV_NET | abi::DEV_VSOCK => kind as usize,
+        _ => return Err(Error::BadArgument),
+    };
+    let rings = net(kind).rings;
     if rings == 0 {
         return Err(Error::NoDevice);
     }
@@ -228,11 +254,11 @@ pub fn wait(timeout_us: u64, seen: u64) -> Result<u64, Error> {
     if deadline != 0 {
         end = end.min(deadline);
     }
-    let irqs = irq_count();
+    let irqs = irq_count(kind);
     let moved = || {
         used_idx(rings, 0) != seen as u16
             || (seen & abi::NET_WAIT_TX != 0 && used_idx(rings, 1) != (seen >> 16) as u16)
-            || irq_count() != irqs
+            || irq_count(kind) != irqs
     };
     loop {
         if moved() {

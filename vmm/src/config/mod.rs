@@ -3,6 +3,7 @@
 pub mod net;
 pub mod rng;
 pub mod spec;
+pub mod vsock;
 
 pub use devices::virtio::block::CacheMode;
 pub use host_resources::{host_memory_bytes, Size, SizeError, SIZE_SYNTAX};
@@ -240,6 +241,8 @@ pub struct VmConfig {
     pub net: Vec<net::NetConfig>,
     /// The entropy device (`--rng`), in the last virtio slot.
     pub rng: Option<rng::RngConfig>,
+    /// The vsock device (`--vsock`), after the network devices.
+    pub vsock: Option<vsock::VsockConfig>,
 }
 
 /// One host file a VM uses as storage, named as the user names it.
@@ -423,6 +426,7 @@ mod tests {
             pmem: vec!["file=p.img".parse().unwrap()],
             net: Vec::new(),
             rng: None,
+            vsock: None,
             serial: SerialMode::Off,
             exits: ExitsMode::Kernel,
         };

@@ -37,8 +37,14 @@ impl Persist for Mutex<MmioTransport> {
         Ok(lock(self).state())
     }
 
+    /// The restored device is then told it moved (`transport_reset`): what lived outside
+    /// guest memory and the saved registers, a vsock device's host connections, did not
+    /// come along, and the driver hears so from the device.
     fn restore(&self, s: &TransportState) -> Result<(), PersistError> {
-        Ok(lock(self).restore(s)?)
+        let mut t = lock(self);
+        t.restore(s)?;
+        t.transport_reset();
+        Ok(())
     }
 }
 
@@ -61,9 +67,11 @@ impl Persist for [Arc<Mutex<MmioTransport>>] {
             });
         }
         for (index, (t, s)) in self.iter().zip(states).enumerate() {
-            lock(t)
-                .restore(s)
+            let mut t = lock(t);
+            t.restore(s)
                 .map_err(|source| PersistError::Transport { index, source })?;
+            // As for one transport: the device is told it moved.
+            t.transport_reset();
         }
         Ok(())
     }

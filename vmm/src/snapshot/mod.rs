@@ -118,6 +118,10 @@ pub struct SavedConfig {
     /// snapshots of VMs that had none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rng: Option<crate::config::rng::RngConfig>,
+    /// The vsock device, listening at the same path again on restore (its connections
+    /// are not kept: the guest is told with a transport reset). Absent when there was none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock: Option<crate::config::vsock::VsockConfig>,
 }
 
 /// The VM flags given on the command line, parsed, each `None` when not given: what a
@@ -174,6 +178,13 @@ impl SavedConfig {
             exits: config.exits,
             net: config.net.clone(),
             rng: config.rng,
+            vsock: config
+                .vsock
+                .as_ref()
+                .map(|v| crate::config::vsock::VsockConfig {
+                    cid: v.cid,
+                    socket: abs(&v.socket),
+                }),
         }
     }
 
@@ -227,6 +238,7 @@ impl SavedConfig {
             exits: self.exits,
             net: self.net.clone(),
             rng: self.rng,
+            vsock: self.vsock.clone(),
         })
     }
 
@@ -575,6 +587,7 @@ mod tests {
             exits: ExitsMode::Kernel,
             net: vec![],
             rng: None,
+            vsock: None,
         };
         saved
             .check_given(Some(2), Some(256 << 20), None, None)

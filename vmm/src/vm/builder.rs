@@ -305,6 +305,7 @@ impl Vm {
             &pmem_files.spans(),
             config.disks.len()
                 + config.net.len()
+                + usize::from(config.vsock.is_some())
                 + pmem_files.virtio_devices()
                 + usize::from(config.rng.is_some()),
             host_phys_bits(),
@@ -402,6 +403,7 @@ impl Vm {
                 pmem: Vec::new(),
                 net: Vec::new(),
                 rng: None,
+                vsock: None,
                 serial: crate::config::SerialMode::Off,
                 ..config.clone()
             };

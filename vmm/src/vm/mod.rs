@@ -180,6 +180,7 @@ impl Vm {
             ram,
             ..
         } = self;
+        devices.remove_sockets();
         drop(devices);
         drop(kvm);
         drop(mem);
