@@ -505,9 +505,19 @@ mod tests {
                 scratch: 0,
                 in_buffer: vec![],
             }),
+            pm: Default::default(),
             transports: vec![],
             paused: false,
         }
+    }
+
+    #[test]
+    fn a_state_from_before_the_pm_device_reads_with_a_powered_on_pm() {
+        let mut old = serde_json::to_value(state()).unwrap();
+        old.as_object_mut().unwrap().remove("pm").unwrap();
+        let read: VmState = serde_json::from_value(old).unwrap();
+        assert_eq!(read.pm, devices::legacy::PmState::default());
+        assert_eq!(read.pm.control, devices::legacy::SCI_EN);
     }
 
     #[test]
