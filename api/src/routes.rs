@@ -82,6 +82,11 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         }
         "vm.boot" if bodiless_put => action(vm.boot(), "The VM could not boot", 204),
         "vm.reboot" if bodiless_put => action(vm.reboot(), "The VM could not reboot", 204),
+        "vm.power-button" if bodiless_put => action(
+            vm.power_button(),
+            "The VM could not be powered off by its button",
+            204,
+        ),
         "vm.delete" if bodiless_put => action(vm.delete(), "The VM could not be deleted", 204),
         "vm.pause" if bodiless_put => action(vm.pause(), "The VM could not be paused", 204),
         "vm.resume" if bodiless_put => action(vm.resume(), "The VM could not resume", 204),
@@ -129,7 +134,7 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         "vmm.ping" | "vm.info" | "vm.counters" | "vm.pause" | "vm.resume" | "vm.shutdown"
         | "vmm.shutdown" | "vm.snapshot" | "vm.send-migration" | "vm.move-vcpu" | "vm.create"
         | "vm.boot" | "vm.reboot" | "vm.delete" | "vm.add-disk" | "vm.add-net" | "vm.add-pmem"
-        | "vm.remove-device" => wrong_method(),
+        | "vm.remove-device" | "vm.power-button" => wrong_method(),
         _ => Response::error(404, &["Not Found"]),
     }
 }

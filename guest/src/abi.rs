@@ -203,4 +203,6 @@ pub const STATUS_CONSOLE_TIMEOUT: u8 = 5;
 pub const STATUS_WRONG_RESULT: u8 = 6;
 /// A network task failed: no device, no reply, the connection broke or time ran out.
 pub const STATUS_NET_FAILED: u8 = 7;
+/// `wait-power`: no power button, or no press acted on in time.
+pub const STATUS_POWER_TIMEOUT: u8 = 8;
 pub const STATUS_KERNEL_FAULT: u8 = 101;

@@ -21,6 +21,7 @@ mod mtasks;
 mod net;
 mod paging;
 mod pmem;
+mod power;
 mod serial;
 mod smp;
 mod tasks;
@@ -87,6 +88,7 @@ extern "C" fn kmain(start_info: u32) -> ! {
     );
     virtio::probe_all(info, bsp);
     pmem::init(info);
+    power::init(info);
     let (pool_lo, pool_hi) = mm::pool();
     let (arena, arena_len) = user::arena();
     kprintln!(
@@ -106,6 +108,7 @@ extern "C" fn kmain(start_info: u32) -> ! {
         );
     }
     kprintln!("probe: done, exit status {}", status);
+    power::soft_off_if_asked();
     exit_vm(status)
 }
 

@@ -1,6 +1,6 @@
 //! `musubi vmm`: a VMM that starts with no VM and takes Cloud Hypervisor's life cycle
-//! through its API: vm.create, vm.boot, vm.pause/resume, vm.shutdown, vm.reboot, vm.delete,
-//! and vmm.shutdown to end the process.
+//! through its API: vm.create, vm.boot, vm.pause/resume, vm.shutdown, vm.reboot,
+//! vm.power-button, vm.delete, and vmm.shutdown to end the process.
 //!
 //! The API thread only forwards each call to this process's main thread and waits for its
 //! answer: building a VM opens files, maps memory and starts threads, which the API
@@ -20,6 +20,7 @@ enum Call {
     Create(Vec<u8>),
     Boot,
     Reboot,
+    PowerButton,
     Pause,
     Resume,
     Shutdown,
@@ -80,6 +81,9 @@ impl VmControl for Forward {
     }
     fn delete(&self) -> Result<(), ActionError> {
         self.act(Call::Delete)
+    }
+    fn power_button(&self) -> Result<(), ActionError> {
+        self.act(Call::PowerButton)
     }
     fn pause(&self) -> Result<(), ActionError> {
         self.act(Call::Pause)
@@ -241,6 +245,7 @@ impl Vmm {
                 let r = match call {
                     Call::Pause => b.handle.pause().map(|_| Value::Null),
                     Call::Resume => b.handle.resume().map(|_| Value::Null),
+                    Call::PowerButton => b.handle.power_button().map(|_| Value::Null),
                     Call::Snapshot(dir) => b.handle.snapshot(&dir).map(|_| Value::Null),
                     Call::Counters => {
                         Ok(serde_json::to_value(b.handle.counters()).unwrap_or_default())
@@ -268,6 +273,7 @@ impl Vmm {
                     Call::Resume => "resumed",
                     Call::Shutdown => "shut down",
                     Call::Reboot => "rebooted",
+                    Call::PowerButton => "told of a power button press",
                     Call::Snapshot(_) => "snapshotted",
                     _ => "asked for its counters",
                 };
