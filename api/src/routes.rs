@@ -84,7 +84,7 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         "vm.reboot" if bodiless_put => action(vm.reboot(), "The VM could not reboot", 204),
         "vm.power-button" if bodiless_put => action(
             vm.power_button(),
-            "The VM could not be powered off by its button",
+            "The power button could not be pressed",
             204,
         ),
         "vm.delete" if bodiless_put => action(vm.delete(), "The VM could not be deleted", 204),

@@ -1,6 +1,6 @@
 //! Saving and restoring a VM, part by part: every part that holds guest-visible state (a
-//! vCPU, the in-kernel interrupt controllers and PIT, the KVM clock, the serial port, each
-//! virtio-mmio transport) implements [`Persist`], and a whole VM's state, [`VmState`], is
+//! vCPU, the in-kernel interrupt controllers and PIT, the KVM clock, the serial port, the
+//! ACPI PM1 registers, each virtio-mmio transport) implements [`Persist`], and a whole VM's state, [`VmState`], is
 //! theirs put together. A snapshot directory, a migration and a replica all save and
 //! restore through here; how the state is stored or carried is their own business.
 

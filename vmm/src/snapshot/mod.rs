@@ -5,7 +5,7 @@
 //! - `config.json`: the VM's configuration (CPUs, memory, devices), as [`SavedConfig`];
 //! - `state`: a header (magic, format version, CRC-32 and length of the body) and a JSON
 //!   body, [`VmState`]: every vCPU, the in-kernel interrupt controllers and PIT, the KVM
-//!   clock, the serial port and the virtio transports;
+//!   clock, the serial port, the ACPI PM1 registers and the virtio transports;
 //! - `memory`: guest RAM, its ranges one after the other, written sparse (pages never
 //!   touched are holes), so it can be mapped copy-on-write as it is.
 //!
