@@ -31,6 +31,8 @@ static EVT_PORT: AtomicU32 = AtomicU32::new(0);
 static EVT_LEN: AtomicU32 = AtomicU32::new(0);
 static CNT_PORT: AtomicU32 = AtomicU32::new(0);
 static DSDT: AtomicU64 = AtomicU64::new(0);
+/// The SCI as routed: IRQ in bits 0..16, pin in 16..24, level bit 24, active low bit 25.
+static SCI_ROUTE: AtomicU32 = AtomicU32::new(0);
 static MODE: AtomicU8 = AtomicU8::new(MODE_EXIT);
 static PRESSES: AtomicU64 = AtomicU64::new(0);
 static SCI_INTERRUPTS: AtomicU64 = AtomicU64::new(0);
@@ -133,15 +135,16 @@ pub fn init(info: &BootInfo) {
     EVT_LEN.store(u32::from(f.evt_len), Ordering::Relaxed);
     CNT_PORT.store(u32::from(f.cnt), Ordering::Relaxed);
     DSDT.store(f.dsdt, Ordering::Relaxed);
-    EVT_PORT.store(u32::from(f.evt) + 1, Ordering::Relaxed);
-    kprintln!(
-        "probe: power button: PM1a {:#x}, SCI {} (pin {}, {}, active {})",
-        f.evt,
-        f.sci,
-        pin,
-        if level { "level" } else { "edge" },
-        if active_low { "low" } else { "high" }
+    SCI_ROUTE.store(
+        (f.sci & 0xffff)
+            | (pin & 0xff) << 16
+            | u32::from(level) << 24
+            | u32::from(active_low) << 25,
+        Ordering::Relaxed,
     );
+    // Nothing is printed here: every boot would pay for the line (one exit a byte), and
+    // `wait-power` says it all when asked.
+    EVT_PORT.store(u32::from(f.evt) + 1, Ordering::Relaxed);
 }
 
 /// The SCI: a power-button press is acknowledged (write 1 to clear) and counted.
@@ -179,15 +182,21 @@ pub fn shutdown_requested() -> bool {
 /// `wait-power=SECS`: waits for a press the guest acts on. Under `probe.power=ignore`
 /// each press is noted on the console and the wait goes on.
 pub fn wait_task(secs: u64) -> u8 {
-    if evt_port().is_none() {
+    let Some(evt) = evt_port() else {
         kprintln!(
             "{{\"probe\":\"wait-power\",\"ok\":false,\"error\":\"no ACPI power button: no FADT with a PM1a event block\"}}"
         );
         return STATUS_POWER_TIMEOUT;
-    }
+    };
+    let route = SCI_ROUTE.load(Ordering::Relaxed);
     kprintln!(
-        "probe: wait-power: waiting for the power button ({})",
-        mode_name()
+        "probe: wait-power: waiting for the power button ({}; PM1a {:#x}, SCI {} on pin {}, {}, active {})",
+        mode_name(),
+        evt,
+        route & 0xffff,
+        (route >> 16) & 0xff,
+        if route & 1 << 24 != 0 { "level" } else { "edge" },
+        if route & 1 << 25 != 0 { "low" } else { "high" }
     );
     let start = rdtsc();
     let mut noted = PRESSES.load(Ordering::Relaxed);

@@ -243,3 +243,21 @@ fn a_waiting_vmm_answers_the_button_in_each_state_as_it_answers_a_reboot() {
     let run = vmm.finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
 }
+
+#[test]
+fn with_no_press_wait_power_reports_its_timeout_with_status_8() {
+    let r = run_probe("wait-power=1,hello", &[]);
+    let text = &r.stdout;
+    assert_eq!(r.code, Some(8), "{}", r.explain());
+    let w = result_in(text, "wait-power");
+    assert_eq!(w["ok"], false, "{text}");
+    assert_eq!(w["presses"], 0, "{text}");
+    assert!(
+        w["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("no power-button press acted on within 1 s")),
+        "{text}"
+    );
+    // No press: the tasks after it run.
+    assert_eq!(result_in(text, "hello")["cpus"], 1, "{text}");
+}
