@@ -43,6 +43,13 @@ pub trait VmControl: Send + Sync {
             "this VMM ends with the VM it was started with; it does not reboot it",
         ))
     }
+    /// Presses the VM's ACPI power button: the guest decides whether to shut down (a guest
+    /// that ignores it runs on), so `Ok` means the press was delivered, not that it ended.
+    fn power_button(&self) -> Result<(), ActionError> {
+        Err(ActionError::internal(
+            "this VMM has no power button to press",
+        ))
+    }
     /// Shuts the VM down if it runs and forgets its configuration.
     fn delete(&self) -> Result<(), ActionError> {
         Err(ActionError::wrong_state(

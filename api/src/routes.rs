@@ -83,6 +83,11 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         }
         "vm.boot" if bodiless_put => action(vm.boot(), "The VM could not boot", 204),
         "vm.reboot" if bodiless_put => action(vm.reboot(), "The VM could not reboot", 204),
+        "vm.power-button" if bodiless_put => action(
+            vm.power_button(),
+            "The power button could not be pressed",
+            204,
+        ),
         "vm.delete" if bodiless_put => action(vm.delete(), "The VM could not be deleted", 204),
         "vm.pause" if bodiless_put => action(vm.pause(), "The VM could not be paused", 204),
         "vm.resume" if bodiless_put => action(vm.resume(), "The VM could not resume", 204),
@@ -158,7 +163,8 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         | "vm.add-pmem"
         | "vm.remove-device"
         | "vm.restore"
-        | "vm.receive-migration" => wrong_method(),
+        | "vm.receive-migration"
+        | "vm.power-button" => wrong_method(),
         other => match unsupported(other) {
             Some(why) => Response::error(
                 500,

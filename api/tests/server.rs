@@ -74,6 +74,10 @@ impl VmControl for MockVm {
         self.record("shutdown_vmm".into());
         Ok(())
     }
+    fn power_button(&self) -> Result<(), ActionError> {
+        self.record("power_button".into());
+        Ok(())
+    }
 }
 
 struct Fixture {
@@ -165,6 +169,48 @@ fn shutdowns_answer_as_chs_do() {
     assert_eq!(f.call("PUT", "vm.shutdown", None), (204, String::new()));
     assert_eq!(f.call("PUT", "vmm.shutdown", None), (200, String::new()));
     assert_eq!(f.vm.calls(), ["shutdown_vm", "shutdown_vmm"]);
+}
+
+#[test]
+fn the_power_button_is_a_bodiless_put_answered_204() {
+    let f = Fixture::new();
+    assert_eq!(f.call("PUT", "vm.power-button", None), (204, String::new()));
+    assert_eq!(f.call("GET", "vm.power-button", None).0, 400);
+    assert_eq!(f.call("PUT", "vm.power-button", Some("{}")).0, 400);
+    assert_eq!(f.vm.calls(), ["power_button"]);
+}
+
+/// A VMM that does not implement it refuses, naming what is missing.
+#[test]
+fn a_vm_without_a_power_button_refuses_the_press() {
+    struct NoButton;
+    impl VmControl for NoButton {
+        fn info(&self) -> Result<serde_json::Value, ActionError> {
+            Ok(serde_json::json!({}))
+        }
+        fn counters(&self) -> Result<serde_json::Value, ActionError> {
+            Ok(serde_json::json!({}))
+        }
+        fn pause(&self) -> Result<(), ActionError> {
+            Ok(())
+        }
+        fn resume(&self) -> Result<(), ActionError> {
+            Ok(())
+        }
+        fn snapshot(&self, _: &Path) -> Result<(), ActionError> {
+            Ok(())
+        }
+        fn shutdown_vm(&self) -> Result<(), ActionError> {
+            Ok(())
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("api.sock");
+    let _server = ApiServer::start(&path, Arc::new(NoButton), || Ok(())).unwrap();
+    let (status, body) =
+        request_with_timeout(&path, "PUT", "/api/v1/vm.power-button", None, BOUND).unwrap();
+    assert_eq!(status, 500, "{body}");
+    assert!(body.contains("no power button"), "{body}");
 }
 
 #[test]

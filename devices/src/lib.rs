@@ -29,6 +29,8 @@ pub enum EndRequest {
     Status(u8),
     /// The guest reset the machine (i8042 reset line): treated as a clean shutdown.
     Reset,
+    /// The guest put the machine into S5 (ACPI soft off): a clean shutdown.
+    PowerOff,
 }
 
 /// Receives the guest's request to end the VM; implemented by the VMM's run control.

@@ -219,4 +219,6 @@ pub const STATUS_NET_FAILED: u8 = 7;
 /// The `rng` task failed: no usable virtio-rng device, or a request failed or kept coming
 /// back empty.
 pub const STATUS_RNG_FAILED: u8 = 8;
+/// `wait-power`: no power button, or no press acted on in time.
+pub const STATUS_POWER_TIMEOUT: u8 = 9;
 pub const STATUS_KERNEL_FAULT: u8 = 101;

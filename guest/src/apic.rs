@@ -140,13 +140,20 @@ pub fn pic_disable() {
 
 /// Routes an IOAPIC pin, edge-triggered and active high, to `vector` on `dest`.
 pub fn ioapic_route(pin: u32, vector: u8, dest: u32) {
+    ioapic_route_with(pin, vector, dest, false, false)
+}
+
+/// Routes an IOAPIC pin to `vector` on `dest`, with the trigger mode and polarity the
+/// firmware gives for it (the ACPI SCI is level-triggered).
+pub fn ioapic_route_with(pin: u32, vector: u8, dest: u32, level: bool, active_low: bool) {
     let base = ioapic_base();
     let sel = |reg: u32, v: u32| {
         mmio_write32(base, reg);
         mmio_write32(base + 0x10, v);
     };
+    let flags = (u32::from(active_low) << 13) | (u32::from(level) << 15);
     sel(0x11 + 2 * pin, dest << 24);
-    sel(0x10 + 2 * pin, vector as u32);
+    sel(0x10 + 2 * pin, vector as u32 | flags);
 }
 
 /// Number of redirection entries the IOAPIC has.

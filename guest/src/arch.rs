@@ -20,6 +20,24 @@ pub fn outl(port: u16, v: u32) {
 }
 
 #[inline(always)]
+pub fn outw(port: u16, v: u16) {
+    // SAFETY: as in `outb`.
+    unsafe {
+        asm!("out dx, ax", in("dx") port, in("ax") v, options(nomem, nostack, preserves_flags))
+    }
+}
+
+#[inline(always)]
+pub fn inw(port: u16) -> u16 {
+    let v: u16;
+    // SAFETY: as in `outb`: `in` reads an I/O port and touches no memory.
+    unsafe {
+        asm!("in ax, dx", in("dx") port, out("ax") v, options(nomem, nostack, preserves_flags))
+    }
+    v
+}
+
+#[inline(always)]
 pub fn inb(port: u16) -> u8 {
     let v: u8;
     // SAFETY: as in `outb`: `in` reads an I/O port and touches no memory.

@@ -5,7 +5,7 @@ use core::sync::atomic::{AtomicBool, Ordering};
 use crate::abi::STATUS_KERNEL_FAULT;
 use crate::arch::{cpuid, exit_vm, read_cr2};
 use crate::global::Global;
-use crate::{apic, console, kprintln, smp, timer, ulib, user, virtio};
+use crate::{apic, console, kprintln, power, smp, timer, ulib, user, virtio};
 
 pub const MAX_CPUS: usize = 32;
 
@@ -268,6 +268,7 @@ extern "C" fn trap_dispatch(f: &mut TrapFrame) {
         }
         smp::WAKE_VECTOR => apic::eoi(),
         console::CONSOLE_VECTOR => console::irq(),
+        power::POWER_VECTOR => power::irq(),
         v if (virtio::VECTOR_BASE..virtio::VECTOR_BASE + virtio::MAX_DEVS as u64).contains(&v) => {
             virtio::irq((v - virtio::VECTOR_BASE) as usize);
             apic::eoi();

@@ -21,6 +21,7 @@ mod mtasks;
 mod net;
 mod paging;
 mod pmem;
+mod power;
 mod serial;
 mod smp;
 mod tasks;
@@ -88,6 +89,7 @@ extern "C" fn kmain(start_info: u32) -> ! {
     );
     virtio::probe_all(info, bsp);
     pmem::init(info);
+    power::init(info);
     let (pool_lo, pool_hi) = mm::pool();
     let (arena, arena_len) = user::arena();
     kprintln!(
@@ -107,6 +109,7 @@ extern "C" fn kmain(start_info: u32) -> ! {
         );
     }
     kprintln!("probe: done, exit status {}", status);
+    power::soft_off_if_asked();
     exit_vm(status)
 }
 

@@ -457,19 +457,19 @@ fn checksum_ok(addr: u64, len: usize) -> bool {
     s.iter().fold(0u8, |a, &b| a.wrapping_add(b)) == 0
 }
 
-fn rd8(a: u64) -> u8 {
+pub(crate) fn rd8(a: u64) -> u8 {
     // SAFETY: a firmware-table address (see above).
     unsafe { core::ptr::read_volatile(a as *const u8) }
 }
-fn rd16(a: u64) -> u16 {
+pub(crate) fn rd16(a: u64) -> u16 {
     // SAFETY: a firmware-table address (see above); unaligned reads are allowed.
     unsafe { core::ptr::read_unaligned(a as *const u16) }
 }
-fn rd32(a: u64) -> u32 {
+pub(crate) fn rd32(a: u64) -> u32 {
     // SAFETY: as in `rd16`.
     unsafe { core::ptr::read_unaligned(a as *const u32) }
 }
-fn rd64(a: u64) -> u64 {
+pub(crate) fn rd64(a: u64) -> u64 {
     // SAFETY: as in `rd16`.
     unsafe { core::ptr::read_unaligned(a as *const u64) }
 }
@@ -553,7 +553,9 @@ fn find_rsdp(info: &BootInfo) -> Option<u64> {
     None
 }
 
-fn from_madt(info: &BootInfo) -> Option<Platform> {
+/// The ACPI table with `signature` that the RSDP's XSDT (or RSDT) lists, if it lies below
+/// 4 GiB.
+pub(crate) fn find_acpi_table(info: &BootInfo, signature: &[u8; 4]) -> Option<u64> {
     let rsdp = find_rsdp(info)?;
     let (root, wide) = if rd8(rsdp + 15) >= 2 && rd64(rsdp + 24) != 0 {
         (rd64(rsdp + 24), true)
@@ -566,16 +568,18 @@ fn from_madt(info: &BootInfo) -> Option<Platform> {
     let root_len = rd32(root + 4) as u64;
     let step = if wide { 8 } else { 4 };
     let mut a = root + 36;
-    let mut madt = None;
     while a + step <= root + root_len {
         let t = if wide { rd64(a) } else { rd32(a) as u64 };
-        if t != 0 && t < 0x1_0000_0000 && rd32(t) == u32::from_le_bytes(*b"APIC") {
-            madt = Some(t);
-            break;
+        if t != 0 && t < 0x1_0000_0000 && rd32(t) == u32::from_le_bytes(*signature) {
+            return Some(t);
         }
         a += step;
     }
-    let madt = madt?;
+    None
+}
+
+fn from_madt(info: &BootInfo) -> Option<Platform> {
+    let madt = find_acpi_table(info, b"APIC")?;
     let len = rd32(madt + 4) as u64;
     let mut p = Platform::new(rd32(madt + 36) as u64, "acpi-madt");
     let mut e = madt + 44;

@@ -8,7 +8,8 @@ use crate::bootinfo::{self, BootInfo};
 use crate::ulib::JsonBytes;
 use crate::user::{self, Outcome, UserEntry};
 use crate::{
-    apic, console, cpu, kprint, kprintln, mtasks, net, smp, timer, utasks, virtio, vsock, wtasks,
+    apic, console, cpu, kprint, kprintln, mtasks, net, power, smp, timer, utasks, virtio, vsock,
+    wtasks,
 };
 
 /// Shows command-line bytes (which may be anything) safely inside a JSON string.
@@ -92,6 +93,11 @@ pub fn run_all(info: &BootInfo) -> u8 {
         };
         if status == 0 {
             status = s;
+        }
+        // The guest shuts down on a power-button press: the tasks left are not run.
+        if power::shutdown_requested() {
+            power::report_shutdown();
+            break;
         }
     }
     status
@@ -211,6 +217,10 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         (b"console-echo", a) => match a.map_or(Some(console::DEFAULT_WAIT_S), |a| num(Some(a))) {
             Some(secs) if secs > 0 => console::echo_task(secs),
             _ => bad_argument(task, "console-echo=SECS needs a positive number of seconds"),
+        },
+        (b"wait-power", Some(a)) => match num(Some(a)) {
+            Some(secs) if secs > 0 => power::wait_task(secs),
+            _ => bad_argument(task, "wait-power=SECS needs a positive number of seconds"),
         },
         (b"user-hello", None) => run_user("user-hello", cpu, utasks::user_hello, 0),
         (b"blk-crc", None) => run_user("blk-crc", cpu, utasks::blk_crc, 0),

@@ -123,6 +123,10 @@ impl VmControl for ApiTarget {
         }
     }
 
+    fn power_button(&self) -> Result<(), ActionError> {
+        self.vm.power_button().map(drop).map_err(refused)
+    }
+
     fn shutdown_vm(&self) -> Result<(), ActionError> {
         self.vm.stop(vmm::Outcome::Shutdown);
         Ok(())

@@ -42,6 +42,12 @@ impl VmControl for NodeApi {
         Err(refused("a snapshot"))
     }
 
+    /// The PM device a press reaches is this node's, and only the I/O node's is the
+    /// guest's; refused by name rather than pressed on a copy the guest never reads.
+    fn power_button(&self) -> Result<(), ActionError> {
+        Err(refused("a power button press"))
+    }
+
     fn send_migration(&self, _req: &musubi_api::SendMigration) -> Result<(), ActionError> {
         Err(refused("a migration"))
     }

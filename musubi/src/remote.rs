@@ -45,6 +45,9 @@ enum RemoteCommand {
     Boot,
     /// Restart the running VM from its config (PUT vm.reboot).
     Reboot,
+    /// Press the VM's ACPI power button (PUT vm.power-button): a guest that handles it
+    /// shuts down, one that ignores it runs on.
+    PowerButton,
     /// Stop the VM if it runs and forget it; the VMM waits for the next `create`
     /// (PUT vm.delete).
     Delete,
@@ -202,6 +205,7 @@ fn request_of(
         RemoteCommand::Create { file } => ("PUT", "vm.create", Some(create_body(file)?)),
         RemoteCommand::Boot => ("PUT", "vm.boot", None),
         RemoteCommand::Reboot => ("PUT", "vm.reboot", None),
+        RemoteCommand::PowerButton => ("PUT", "vm.power-button", None),
         RemoteCommand::Delete => ("PUT", "vm.delete", None),
         RemoteCommand::MoveVcpu { vcpu, node } => (
             "PUT",
@@ -413,6 +417,9 @@ mod tests {
         fn delete(&self) -> Result<(), ActionError> {
             self.note("delete".into())
         }
+        fn power_button(&self) -> Result<(), ActionError> {
+            self.note("power_button".into())
+        }
         fn add_device(&self, kind: musubi_api::DeviceKind, body: &[u8]) -> Result<(), ActionError> {
             let body: serde_json::Value = serde_json::from_slice(body).unwrap();
             self.note(format!("add {kind:?} {body}"))
@@ -566,6 +573,23 @@ mod tests {
                 "shutdown_vmm"
             ]
         );
+    }
+
+    #[test]
+    fn power_button_reaches_the_vm_as_a_bodiless_put() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("api.sock");
+        let vm = Arc::new(Recorder::default());
+        let _server = ApiServer::start(&socket, vm.clone(), || Ok(())).unwrap();
+        assert_eq!(
+            request_of(&RemoteCommand::PowerButton).unwrap(),
+            ("PUT", "vm.power-button", None)
+        );
+        assert_eq!(
+            call(&args(&socket, RemoteCommand::PowerButton)).unwrap(),
+            ""
+        );
+        assert_eq!(*vm.calls.lock().unwrap(), ["power_button"]);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `musubi vmm`: a VMM that starts with no VM and takes Cloud Hypervisor's life cycle
-//! through its API: vm.create, vm.boot, vm.pause/resume, vm.shutdown, vm.reboot, vm.delete,
-//! vm.restore, vm.receive-migration and vm.send-migration, and vmm.shutdown to end the
-//! process.
+//! through its API: vm.create, vm.boot, vm.pause/resume, vm.shutdown, vm.reboot,
+//! vm.power-button, vm.delete, vm.restore, vm.receive-migration and vm.send-migration, and
+//! vmm.shutdown to end the process.
 //!
 //! The API thread only forwards each call to this process's main thread and waits for its
 //! answer: building a VM opens files, maps memory and starts threads, which the API
@@ -24,6 +24,7 @@ enum Call {
     Create(Vec<u8>),
     Boot,
     Reboot,
+    PowerButton,
     Pause,
     Resume,
     Shutdown,
@@ -87,6 +88,9 @@ impl VmControl for Forward {
     }
     fn delete(&self) -> Result<(), ActionError> {
         self.act(Call::Delete)
+    }
+    fn power_button(&self) -> Result<(), ActionError> {
+        self.act(Call::PowerButton)
     }
     fn pause(&self) -> Result<(), ActionError> {
         self.act(Call::Pause)
@@ -366,6 +370,11 @@ impl Vmm {
                 let r = match call {
                     Call::Pause => b.handle.pause().map(|_| Value::Null).map_err(refused),
                     Call::Resume => b.handle.resume().map(|_| Value::Null).map_err(refused),
+                    Call::PowerButton => b
+                        .handle
+                        .power_button()
+                        .map(|_| Value::Null)
+                        .map_err(refused),
                     Call::Snapshot(dir) => b
                         .handle
                         .snapshot(&dir)
@@ -389,6 +398,7 @@ impl Vmm {
                     Call::Resume => "resumed",
                     Call::Shutdown => "shut down",
                     Call::Reboot => "rebooted",
+                    Call::PowerButton => "told of a power button press",
                     Call::Snapshot(_) => "snapshotted",
                     Call::Send(_) => "migrated",
                     _ => "asked for its counters",

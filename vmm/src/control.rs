@@ -168,7 +168,7 @@ impl EndSink for RunControl {
     fn request_end(&self, request: EndRequest) {
         self.finish(match request {
             EndRequest::Status(n) => Outcome::GuestStatus(n),
-            EndRequest::Reset => Outcome::Shutdown,
+            EndRequest::Reset | EndRequest::PowerOff => Outcome::Shutdown,
         });
     }
 }

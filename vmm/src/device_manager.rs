@@ -11,8 +11,8 @@ use crate::irq::{IrqLine, UserIrq};
 use crate::metrics::MmioTarget;
 use crate::vstate::vm::{KvmVm, VmError};
 use devices::legacy::{
-    ExitPort, Serial, SerialOutput, COM1_BASE, COM1_IRQ, COM1_LEN, EXIT_PORT, I8042, I8042_BASE,
-    I8042_LEN,
+    ExitPort, Pm, Serial, SerialOutput, COM1_BASE, COM1_IRQ, COM1_LEN, EXIT_PORT, I8042,
+    I8042_BASE, I8042_LEN, PM_BASE, PM_LEN, SCI_IRQ,
 };
 use devices::virtio::block::{Block, BlockConfig};
 use devices::virtio::{MmioTransport, VirtioDevice};
@@ -135,6 +135,8 @@ pub struct Devices {
     pub bus: Arc<LocalBus>,
     pub mmio_names: Arc<MmioNames>,
     pub serial: Arc<Mutex<Serial>>,
+    /// The ACPI PM1 registers: the power button is pressed here.
+    pub pm: Arc<Mutex<Pm>>,
     pub disks: Vec<Arc<Mutex<MmioTransport>>>,
     /// Every virtio transport (the disks, network and memory-storage devices, then the
     /// entropy device), in creation order: the order a snapshot saves them in.
@@ -179,6 +181,7 @@ impl Devices {
     pub fn device_set(&self) -> crate::persist::DeviceSet {
         crate::persist::DeviceSet {
             serial: self.serial.clone(),
+            pm: self.pm.clone(),
             transports: self.transports.clone(),
         }
     }
@@ -359,7 +362,14 @@ pub fn create_devices(
         I8042_LEN,
         Arc::new(Mutex::new(I8042::new(control.clone()))),
     )?;
-    w.pio(EXIT_PORT, 4, Arc::new(Mutex::new(ExitPort::new(control))))?;
+    w.pio(
+        EXIT_PORT,
+        4,
+        Arc::new(Mutex::new(ExitPort::new(control.clone()))),
+    )?;
+    let sci: Arc<dyn Irq> = w.irq_line(SCI_IRQ)?;
+    let pm = Arc::new(Mutex::new(Pm::new(sci, control)));
+    w.pio(PM_BASE, PM_LEN, pm.clone())?;
 
     let mut transports = Vec::new();
     for (i, d) in disks.iter().enumerate() {
@@ -427,6 +437,7 @@ pub fn create_devices(
         }),
         mmio_names: names,
         serial,
+        pm,
         disks: transports,
         transports: all,
         disk_paths: disks.iter().map(|d| d.path.clone()).collect(),

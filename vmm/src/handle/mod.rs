@@ -85,6 +85,8 @@ pub enum ControlError {
     Snapshot(#[from] crate::snapshot::SnapshotError),
     #[error(transparent)]
     Persist(#[from] PersistError),
+    #[error("cannot raise the SCI (IRQ {irq}) for the power button: {source}")]
+    Sci { irq: u32, source: std::io::Error },
 }
 
 impl Shared {
@@ -127,6 +129,29 @@ impl VmHandle {
     /// The configuration the VM was built with, as a snapshot records it.
     pub fn config(&self) -> &crate::snapshot::SavedConfig {
         &self.shared.saved_config
+    }
+
+    /// Presses the ACPI power button. The guest is told through the SCI if it enabled the
+    /// button, and decides itself whether to shut down: a guest that ignores it runs on.
+    /// Returns whether the SCI was raised now (not if the button was not enabled, or a
+    /// press before this one is not acknowledged yet). A paused VM takes the interrupt when
+    /// it resumes.
+    pub fn power_button(&self) -> Result<bool, ControlError> {
+        let sh = &self.shared;
+        if sh.control.is_finished() {
+            return Err(ControlError::Ended);
+        }
+        let pm = &sh.parts.devices().pm;
+        let raised = pm
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .press_power_button()
+            .map_err(|source| ControlError::Sci {
+                irq: devices::legacy::SCI_IRQ,
+                source,
+            })?;
+        tracing::info!(sci_raised = raised, "power button pressed");
+        Ok(raised)
     }
 
     /// Stops every vCPU between two instructions and the I/O thread between two requests,

@@ -1,8 +1,9 @@
-//! The devices' own state: the serial port and each virtio-mmio transport (the queues the
-//! driver set up, its negotiated features and status), whatever device sits behind it.
+//! The devices' own state: the serial port, the ACPI PM1 registers and each virtio-mmio
+//! transport (the queues the driver set up, its negotiated features and status), whatever
+//! device sits behind it.
 
 use super::{Persist, PersistError};
-use devices::legacy::{Serial, SerialSnapshot};
+use devices::legacy::{Pm, PmState, Serial, SerialSnapshot};
 use devices::virtio::{MmioTransport, TransportState};
 use std::sync::{Arc, Mutex};
 
@@ -23,6 +24,22 @@ impl Persist for Mutex<Serial> {
 
     fn restore(&self, s: &SerialSnapshot) -> Result<(), PersistError> {
         Ok(lock(self).restore(s)?)
+    }
+}
+
+impl Persist for Mutex<Pm> {
+    type State = PmState;
+    type SaveArgs = ();
+    type Error = PersistError;
+
+    fn save(&self, _: &()) -> Result<PmState, PersistError> {
+        Ok(lock(self).state())
+    }
+
+    /// Bits the device does not have are dropped, as a guest write would drop them.
+    fn restore(&self, s: &PmState) -> Result<(), PersistError> {
+        lock(self).restore(s);
+        Ok(())
     }
 }
 

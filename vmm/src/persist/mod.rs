@@ -1,6 +1,6 @@
 //! Saving and restoring a VM, part by part: every part that holds guest-visible state (a
-//! vCPU, the in-kernel interrupt controllers and PIT, the KVM clock, the serial port, each
-//! virtio-mmio transport) implements [`Persist`], and a whole VM's state, [`VmState`], is
+//! vCPU, the in-kernel interrupt controllers and PIT, the KVM clock, the serial port, the
+//! ACPI PM1 registers, each virtio-mmio transport) implements [`Persist`], and a whole VM's state, [`VmState`], is
 //! theirs put together. A snapshot directory, a migration and a replica all save and
 //! restore through here; how the state is stored or carried is their own business.
 
@@ -17,7 +17,7 @@ use crate::control::RunControl;
 use crate::vstate::pause::{PauseError, PauseGate};
 use crate::vstate::vcpu::VcpuError;
 use crate::vstate::vm::VmError;
-use devices::legacy::{Serial, SerialSnapshot};
+use devices::legacy::{Pm, PmState, Serial, SerialSnapshot};
 use devices::virtio::{MmioTransport, TransportState};
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -98,6 +98,10 @@ pub struct VmState {
     pub vcpus: Vec<VcpuState>,
     pub vm: KvmVmState,
     pub serial: SerialSnapshot,
+    /// The ACPI PM1 registers (power button). Snapshots written before the device existed
+    /// have none and restore a powered-on machine's.
+    #[serde(default)]
+    pub pm: PmState,
     /// Every virtio transport, in the order the devices were created.
     pub transports: Vec<TransportState>,
     /// The VM's owner had paused it before it was captured (a migration of a paused VM): it
@@ -146,25 +150,31 @@ impl VmState {
     }
 }
 
-/// The devices whose state a VM saves, in a fixed order: the serial port, then every
-/// virtio transport in creation order.
+/// The devices whose state a VM saves, in a fixed order: the serial port, the PM
+/// registers, then every virtio transport in creation order.
 #[derive(Clone)]
 pub(crate) struct DeviceSet {
     pub serial: Arc<Mutex<Serial>>,
+    pub pm: Arc<Mutex<Pm>>,
     pub transports: Vec<Arc<Mutex<MmioTransport>>>,
 }
 
 impl Persist for DeviceSet {
-    type State = (SerialSnapshot, Vec<TransportState>);
+    type State = (SerialSnapshot, PmState, Vec<TransportState>);
     type SaveArgs = ();
     type Error = PersistError;
 
     fn save(&self, _: &()) -> Result<Self::State, PersistError> {
-        Ok((self.serial.save(&())?, self.transports.save(&())?))
+        Ok((
+            self.serial.save(&())?,
+            self.pm.save(&())?,
+            self.transports.save(&())?,
+        ))
     }
 
-    fn restore(&self, (serial, transports): &Self::State) -> Result<(), PersistError> {
+    fn restore(&self, (serial, pm, transports): &Self::State) -> Result<(), PersistError> {
         self.serial.restore(serial)?;
+        self.pm.restore(pm)?;
         self.transports.restore(transports)
     }
 }
@@ -244,13 +254,14 @@ impl VmParts {
             .into_iter()
             .collect::<Result<Vec<_>, _>>()?;
         let vm = InKernel(&self.vm_fd).save(clock)?;
-        let (serial, transports) = self.devices.save(&())?;
+        let (serial, pm, transports) = self.devices.save(&())?;
         Ok(VmState {
             ram: self.ram.clone(),
             pmem: self.pmem.clone(),
             vcpus,
             vm,
             serial,
+            pm,
             transports,
             paused: false,
         })

@@ -5,7 +5,7 @@
 //! - `config.json`: the VM's configuration (CPUs, memory, devices), as [`SavedConfig`];
 //! - `state`: a header (magic, format version, CRC-32 and length of the body) and a JSON
 //!   body, [`VmState`]: every vCPU, the in-kernel interrupt controllers and PIT, the KVM
-//!   clock, the serial port and the virtio transports;
+//!   clock, the serial port, the ACPI PM1 registers and the virtio transports;
 //! - `memory`: guest RAM, its ranges one after the other, written sparse (pages never
 //!   touched are holes), so it can be mapped copy-on-write as it is.
 //!
@@ -523,9 +523,19 @@ mod tests {
                 scratch: 0,
                 in_buffer: vec![],
             }),
+            pm: Default::default(),
             transports: vec![],
             paused: false,
         }
+    }
+
+    #[test]
+    fn a_state_from_before_the_pm_device_reads_with_a_powered_on_pm() {
+        let mut old = serde_json::to_value(state()).unwrap();
+        old.as_object_mut().unwrap().remove("pm").unwrap();
+        let read: VmState = serde_json::from_value(old).unwrap();
+        assert_eq!(read.pm, devices::legacy::PmState::default());
+        assert_eq!(read.pm.control, devices::legacy::SCI_EN);
     }
 
     #[test]

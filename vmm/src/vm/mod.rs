@@ -102,7 +102,7 @@ impl Vm {
         InKernel(self.kvm.fd()).restore(&state.vm)?;
         self.devices
             .device_set()
-            .restore(&(state.serial, state.transports))?;
+            .restore(&(state.serial, state.pm, state.transports))?;
         let mut states: Vec<Option<_>> = vcpus.into_iter().map(Some).collect();
         for v in &self.vcpus {
             if let Some(s) = states.get_mut(v.id as usize).and_then(Option::take) {

@@ -4,8 +4,12 @@
 //! look at the MP table, so without ACPI they see only the boot CPU. These tables give
 //! them the CPUs and the IOAPIC; the MP table stays for guests that read that instead.
 //!
-//! The platform is described as HW-reduced ACPI: there is no PM timer, no SCI and no
-//! fixed-feature hardware to emulate, and an empty DSDT is enough. Everything sits in
+//! The platform is full (not HW-reduced) ACPI for one reason: the power button. Its
+//! fixed-feature form needs only a PM1a event and control block and an SCI, which the PM
+//! device (`devices::legacy::Pm`) serves, where the HW-reduced form would need a Generic
+//! Event Device described in AML. There is still no PM timer, no GPE block and no FACS
+//! (Linux runs without them), and the DSDT holds only `\_S5_`, the sleep type the PM
+//! device takes as "power off". Everything sits in
 //! `0xe0000..0x100000`, the BIOS area that Linux scans for the RSDP when it boots
 //! through the Linux boot protocol without being told the address; the E820 map does
 //! not list that range as RAM, so the guest never reuses it.
@@ -16,7 +20,8 @@ use acpi_tables::madt::{EnabledStatus, IoApic, ProcessorLocalApic};
 use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
-use acpi_tables::Aml;
+use acpi_tables::{aml, Aml};
+use devices::legacy::{PM1A_CNT, PM1A_EVT, PM1_CNT_LEN, PM1_EVT_LEN, SCI_IRQ, SLP_TYP_S5};
 use devices::GuestMemoryMmap;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryError};
 
@@ -42,6 +47,12 @@ const HEADER_LEN: usize = 36;
 const MADT_HEADER_LEN: usize = HEADER_LEN + 8;
 const MADT_LAPIC_ENTRY_LEN: usize = 8;
 const MADT_IOAPIC_ENTRY_LEN: usize = 12;
+/// An interrupt source override: the SCI is level-triggered and active-high, as ACPI asks of
+/// an SCI wired to an IOAPIC and as KVM's IOAPIC sees a raised line.
+const MADT_ISO_ENTRY_LEN: usize = 10;
+const MADT_ISO_TYPE: u8 = 2;
+/// MPS INTI flags: polarity 01 (active high), trigger mode 11 (level).
+const MADT_ISO_LEVEL_HIGH: u16 = 0b1101;
 /// The machine also has dual 8259s; Linux then keeps the legacy IRQs 0-15 identity
 /// mapped to IOAPIC pins, as KVM wires them.
 const MADT_PCAT_COMPAT: u32 = 1 << 0;
@@ -79,8 +90,15 @@ const fn align_up(addr: u64) -> u64 {
 }
 
 const fn madt_len(num_cpus: u8) -> usize {
-    MADT_HEADER_LEN + num_cpus as usize * MADT_LAPIC_ENTRY_LEN + MADT_IOAPIC_ENTRY_LEN
+    MADT_HEADER_LEN
+        + num_cpus as usize * MADT_LAPIC_ENTRY_LEN
+        + MADT_IOAPIC_ENTRY_LEN
+        + MADT_ISO_ENTRY_LEN
 }
+
+/// The DSDT's AML: `Name (_S5_, Package (1) { SLP_TYP_S5 })`, 10 bytes, checked in a test.
+const DSDT_AML_LEN: usize = 10;
+const DSDT_LEN: usize = HEADER_LEN + DSDT_AML_LEN;
 
 /// XSDT entries: the FADT and the MADT (the DSDT is reached through the FADT).
 const XSDT_ENTRIES: usize = 2;
@@ -93,7 +111,7 @@ const fn placement(num_cpus: u8) -> Placement {
     let xsdt = align_up(RSDP_START + rsdp_len);
     let fadt = align_up(xsdt + (HEADER_LEN + XSDT_ENTRIES * 8) as u64);
     let dsdt = align_up(fadt + FADT_LEN as u64);
-    let madt = align_up(dsdt + HEADER_LEN as u64);
+    let madt = align_up(dsdt + DSDT_LEN as u64);
     let end = madt + madt_len(num_cpus) as u64;
     Placement {
         xsdt,
@@ -131,8 +149,10 @@ fn to_bytes(table: &dyn Aml) -> Vec<u8> {
     bytes
 }
 
+/// `\_S5_` is what Linux looks up before it offers ACPI power-off; its value is the
+/// SLP_TYP the PM device ends the VM on.
 fn dsdt() -> Vec<u8> {
-    let table = Sdt::new(
+    let mut table = Sdt::new(
         *b"DSDT",
         HEADER_LEN as u32,
         DSDT_REVISION,
@@ -140,17 +160,40 @@ fn dsdt() -> Vec<u8> {
         OEM_TABLE_ID,
         OEM_REVISION,
     );
+    let s5 = to_bytes(&aml::Name::new(
+        "_S5_".into(),
+        &aml::Package::new(vec![&SLP_TYP_S5]),
+    ));
+    table.append_slice(&s5);
     to_bytes(&table)
+}
+
+/// A fixed-feature register block in system I/O space, for the FADT's 64-bit fields.
+fn io_block(port: u16, len: u8) -> GAS {
+    let size = if len >= 4 {
+        AccessSize::DwordAccess
+    } else {
+        AccessSize::WordAccess
+    };
+    GAS::new(AddressSpace::SystemIo, len * 8, 0, size, port.into())
 }
 
 fn fadt(dsdt_addr: u64) -> Vec<u8> {
     let mut builder = FADTBuilder::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION)
         .dsdt_64(dsdt_addr)
-        .flag(Flags::HwReducedAcpi)
         .flag(Flags::ResetRegSup)
-        // No fixed-feature power or sleep button: a HW-reduced platform has none.
-        .flag(Flags::PwrButton)
+        // PWR_BUTTON clear: the power button is the fixed-feature one of PM1. There is no
+        // sleep button.
         .flag(Flags::SlpButton);
+    // SMI_CMD stays 0: the platform is always in ACPI mode (SCI_EN reads as set), so the
+    // OS has no SMI handshake to make.
+    builder.sci_int = (SCI_IRQ as u16).into();
+    builder.pm1a_evt_blk = u32::from(PM1A_EVT).into();
+    builder.pm1a_cnt_blk = u32::from(PM1A_CNT).into();
+    builder.pm1_evt_len = PM1_EVT_LEN;
+    builder.pm1_cnt_len = PM1_CNT_LEN;
+    builder.x_pm1a_evt_blk = io_block(PM1A_EVT, PM1_EVT_LEN);
+    builder.x_pm1a_cnt_blk = io_block(PM1A_CNT, PM1_CNT_LEN);
     builder.iapc_boot_arch =
         (IAPC_8042 | IAPC_VGA_NOT_PRESENT | IAPC_MSI_NOT_SUPPORTED | IAPC_CMOS_RTC_NOT_PRESENT)
             .into();
@@ -187,6 +230,10 @@ fn madt(num_cpus: u8) -> Vec<u8> {
     }
     // KVM's IOAPIC has its pin n on GSI n, so the GSI base is 0.
     IoApic::new(num_cpus, IOAPIC_START as u32, 0).to_aml_bytes(&mut entries);
+    // Bus 0 (ISA), source IRQ = GSI = the SCI; only the flags differ from the default.
+    entries.extend_from_slice(&[MADT_ISO_TYPE, MADT_ISO_ENTRY_LEN as u8, 0, SCI_IRQ as u8]);
+    entries.extend_from_slice(&SCI_IRQ.to_le_bytes());
+    entries.extend_from_slice(&MADT_ISO_LEVEL_HIGH.to_le_bytes());
     table.append_slice(&entries);
     to_bytes(&table)
 }
@@ -220,6 +267,7 @@ pub fn write_acpi_tables(mem: &GuestMemoryMmap, num_cpus: u8) -> Result<u64, Acp
     let fadt = fadt(at.dsdt);
     let madt = madt(num_cpus);
     debug_assert_eq!(fadt.len(), FADT_LEN);
+    debug_assert_eq!(dsdt.len(), DSDT_LEN);
     debug_assert_eq!(madt.len(), madt_len(num_cpus));
     debug_assert!(at.end <= ACPI_END);
 
@@ -299,6 +347,8 @@ mod tests {
         cpus: Vec<(u8, u8, u32)>,
         /// (id, address, GSI base)
         ioapics: Vec<(u8, u32, u32)>,
+        /// Interrupt source overrides: (bus, source IRQ, GSI, flags)
+        isos: Vec<(u8, u8, u32, u16)>,
     }
 
     fn parse(mem: &GuestMemoryMmap, rsdp_addr: u64) -> Parsed {
@@ -338,6 +388,7 @@ mod tests {
             madt_flags: u32_at(&madt, 40),
             cpus: Vec::new(),
             ioapics: Vec::new(),
+            isos: Vec::new(),
         };
         let mut at = MADT_HEADER_LEN;
         while at < madt.len() {
@@ -349,6 +400,7 @@ mod tests {
                     assert_eq!(e[3], 0, "reserved");
                     parsed.ioapics.push((e[2], u32_at(e, 4), u32_at(e, 8)));
                 }
+                (2, 10) => parsed.isos.push((e[2], e[3], u32_at(e, 4), u16_at(e, 8))),
                 other => panic!("unexpected MADT entry {other:?} at offset {at}"),
             }
             at += len;
@@ -368,6 +420,8 @@ mod tests {
         let expected: Vec<_> = (0..num_cpus).map(|i| (i, i, 1)).collect();
         assert_eq!(p.cpus, expected);
         assert_eq!(p.ioapics, vec![(num_cpus, 0xfec0_0000, 0)]);
+        // The SCI: ISA IRQ 3 on GSI 3, level-triggered, active high.
+        assert_eq!(p.isos, vec![(0, 3, 3, 0b1101)]);
         p
     }
 
@@ -378,11 +432,19 @@ mod tests {
         }
     }
 
+    /// The FADT was HW-reduced with an empty DSDT before the power button; the assertions
+    /// on what did not change are kept as they were.
     #[test]
-    fn fadt_is_hw_reduced_with_an_empty_dsdt() {
+    fn fadt_has_pm1_blocks_and_an_sci_and_the_dsdt_names_s5() {
         let p = check(2);
         let flags = u32_at(&p.fadt, 112);
-        assert_ne!(flags & (1 << 20), 0, "HW_REDUCED_ACPI");
+        assert_eq!(flags & (1 << 20), 0, "not HW_REDUCED_ACPI");
+        assert_eq!(
+            flags & (1 << 4),
+            0,
+            "PWR_BUTTON clear: a fixed-feature power button"
+        );
+        assert_ne!(flags & (1 << 5), 0, "SLP_BUTTON set: no sleep button");
         assert_ne!(flags & (1 << 10), 0, "RESET_REG_SUP");
         let boot_arch = u16_at(&p.fadt, 109);
         assert_eq!(boot_arch, 0b10_1110);
@@ -390,11 +452,35 @@ mod tests {
         assert_eq!(&p.fadt[116..120], &[1, 8, 0, 1]);
         assert_eq!(u64_at(&p.fadt, 120), 0x64);
         assert_eq!(p.fadt[128], 0xfe);
-        // No FACS: a HW-reduced platform may go without one.
+        // No FACS: Linux goes without one (there is no global lock and no S3/S4 wake).
         assert_eq!(u32_at(&p.fadt, 36), 0);
         assert_eq!(u64_at(&p.fadt, 132), 0);
-        // An empty AML body.
-        assert_eq!(p.dsdt.len(), HEADER_LEN);
+        // SCI_INT 3, no SMI_CMD (always in ACPI mode).
+        assert_eq!(u16_at(&p.fadt, 46), 3);
+        assert_eq!(u32_at(&p.fadt, 48), 0);
+        // PM1a event block at 0x600 (4 bytes), control block at 0x604 (2 bytes); no PM1b,
+        // no PM timer, no GPE blocks.
+        assert_eq!(u32_at(&p.fadt, 56), 0x600);
+        assert_eq!(u32_at(&p.fadt, 64), 0x604);
+        assert_eq!((p.fadt[88], p.fadt[89]), (4, 2));
+        for (off, what) in [
+            (60, "PM1b_EVT"),
+            (68, "PM1b_CNT"),
+            (76, "PM_TMR"),
+            (80, "GPE0"),
+        ] {
+            assert_eq!(u32_at(&p.fadt, off), 0, "{what}");
+        }
+        // The 64-bit forms: system I/O, 32 and 16 bits wide.
+        assert_eq!(&p.fadt[148..152], &[1, 32, 0, 3]);
+        assert_eq!(u64_at(&p.fadt, 152), 0x600);
+        assert_eq!(&p.fadt[172..176], &[1, 16, 0, 2]);
+        assert_eq!(u64_at(&p.fadt, 176), 0x604);
+        // Name (_S5_, Package (1) { 5 }): the SLP_TYP the PM device powers off on.
+        assert_eq!(
+            &p.dsdt[HEADER_LEN..],
+            &[0x08, b'_', b'S', b'5', b'_', 0x12, 0x04, 0x01, 0x0a, 0x05]
+        );
     }
 
     #[test]
@@ -406,7 +492,7 @@ mod tests {
             assert!(rsdp_end <= at.xsdt);
             assert!(xsdt_end <= at.fadt);
             assert!(at.fadt + FADT::len() as u64 <= at.dsdt);
-            assert!(at.dsdt + HEADER_LEN as u64 <= at.madt);
+            assert!(at.dsdt + DSDT_LEN as u64 <= at.madt);
             assert_eq!(at.end, at.madt + madt_len(n) as u64);
             assert!(at.end <= ACPI_END);
         }
