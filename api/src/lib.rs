@@ -89,7 +89,7 @@ pub trait VmControl: Send + Sync {
     fn shutdown_vmm(&self) -> Result<(), ActionError> {
         self.shutdown_vm()
     }
-    /// Adds a device of `kind` (Cloud Hypervisor's DiskConfig, NetConfig or PmemConfig JSON
+    /// Adds a device of `kind` (Cloud Hypervisor's DiskConfig, NetConfig, PmemConfig or VsockConfig JSON
     /// in `body`, not yet parsed) to a VM not running, for its next boot. A VMM started
     /// with its VM has it running already, and its virtio-mmio devices cannot be hot-plugged.
     fn add_device(&self, kind: DeviceKind, body: &[u8]) -> Result<(), ActionError> {
@@ -120,6 +120,7 @@ pub enum DeviceKind {
     Disk,
     Net,
     Pmem,
+    Vsock,
 }
 
 impl DeviceKind {
@@ -129,6 +130,7 @@ impl DeviceKind {
             DeviceKind::Disk => "disk",
             DeviceKind::Net => "network device",
             DeviceKind::Pmem => "pmem device",
+            DeviceKind::Vsock => "vsock device",
         }
     }
 }

@@ -106,18 +106,21 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         },
         // Cold-plugged devices: CH answers a cold add with 204 and no body (its 200 with a
         // PciDeviceInfo is for a hot-plug, which virtio-mmio has not).
-        "vm.add-disk" | "vm.add-net" | "vm.add-pmem" if put && !req.body.is_empty() => {
+        "vm.add-disk" | "vm.add-net" | "vm.add-pmem" | "vm.add-vsock"
+            if put && !req.body.is_empty() =>
+        {
             let kind = match endpoint {
                 "vm.add-disk" => DeviceKind::Disk,
                 "vm.add-net" => DeviceKind::Net,
+                "vm.add-vsock" => DeviceKind::Vsock,
                 _ => DeviceKind::Pmem,
             };
             let context = format!("The {} could not be added to the VM", kind.name());
             action(vm.add_device(kind, &req.body), &context, 204)
         }
-        "vm.add-disk" | "vm.add-net" | "vm.add-pmem" if put => bad_request(&format!(
-            "{endpoint} needs Cloud Hypervisor's device config as its body"
-        )),
+        "vm.add-disk" | "vm.add-net" | "vm.add-pmem" | "vm.add-vsock" if put => bad_request(
+            &format!("{endpoint} needs Cloud Hypervisor's device config as its body"),
+        ),
         "vm.remove-device" if put => match device_id(&req.body) {
             Ok(id) => action(
                 vm.remove_device(&id),
@@ -161,6 +164,7 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         | "vm.add-disk"
         | "vm.add-net"
         | "vm.add-pmem"
+        | "vm.add-vsock"
         | "vm.remove-device"
         | "vm.restore"
         | "vm.receive-migration"

@@ -10,6 +10,7 @@ use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use vmm::config::net::{MacAddr, NetConfig};
 use vmm::config::rng::RngConfig;
+use vmm::config::vsock::VsockConfig;
 use vmm::config::CacheMode;
 use vmm::config::{
     check_cpus, check_memory, DiskConfig, ExitsMode, KernelImage, SerialMode, VmConfig,
@@ -44,16 +45,18 @@ pub enum ChConfigError {
         value: String,
         why: &'static str,
     },
-    #[error("{field}: {what} is not implemented in Musubi yet; leave it out of the config")]
-    NotYet { field: String, what: &'static str },
     #[error("{field} {id:?}: the id is used twice")]
     DuplicateId { field: String, id: String },
     #[error("id {0:?}: a device of this VM has it already; give another id or vm.remove-device it first")]
     TakenId(String),
-    #[error("id {0:?}: no disk, net or pmem device of this VM has it (vm.info lists them)")]
+    #[error("id {0:?}: no disk, net, pmem or vsock device of this VM has it (vm.info lists them)")]
     UnknownId(String),
+    #[error("vsock: this VM has a vsock device already ({0:?}); vm.remove-device it first")]
+    SecondVsock(String),
     #[error("{0}")]
     Config(#[from] vmm::config::ConfigError),
+    #[error("vsock: {0}")]
+    Vsock(String),
     #[error("{0}: {1}")]
     Net(String, #[source] vmm::config::net::NetError),
 }
@@ -81,7 +84,13 @@ impl ChVm {
             DeviceKind::Disk => DEVICE_LISTS[0],
             DeviceKind::Net => DEVICE_LISTS[1],
             DeviceKind::Pmem => DEVICE_LISTS[2],
+            DeviceKind::Vsock => ("vsock", "vsock"),
         };
+        if kind == DeviceKind::Vsock {
+            if let Some(id) = self.info["vsock"]["id"].as_str() {
+                return Err(ChConfigError::SecondVsock(id.to_string()));
+            }
+        }
         let mut device: Value = serde_json::from_slice(body)
             .map_err(|e| ChConfigError::Json(list_name(list), e.to_string()))?;
         let Value::Object(fields) = &mut device else {
@@ -115,6 +124,7 @@ impl ChVm {
         fields.insert("id".into(), json!(id));
         let mut info = self.info.clone();
         match info[list].as_array_mut() {
+            _ if kind == DeviceKind::Vsock => info[list] = device,
             Some(devices) => devices.push(device),
             None => info[list] = json!([device]),
         }
@@ -142,6 +152,10 @@ impl ChVm {
             }
             return from_value(&info);
         }
+        if info["vsock"]["id"] == id {
+            info["vsock"] = Value::Null;
+            return from_value(&info);
+        }
         Err(ChConfigError::UnknownId(id.to_string()))
     }
 
@@ -150,6 +164,7 @@ impl ChVm {
         DEVICE_LISTS
             .iter()
             .flat_map(|(list, _)| self.info[*list].as_array().into_iter().flatten())
+            .chain(Some(&self.info["vsock"]))
             .filter_map(|d| d["id"].as_str().map(String::from))
             .collect()
     }
@@ -160,6 +175,7 @@ fn list_name(list: &str) -> &'static str {
     match list {
         "disks" => "DiskConfig",
         "net" => "NetConfig",
+        "vsock" => "VsockConfig",
         _ => "PmemConfig",
     }
 }
@@ -203,6 +219,7 @@ pub fn describe(config: &VmConfig) -> Value {
         "pmem": config.pmem.iter().map(pmem_json).collect::<Vec<_>>(),
         "serial": {"mode": mode, "file": file},
         "rng": config.rng.map(|_| json!({"src": "/dev/urandom"})),
+        "vsock": config.vsock.as_ref().map(|v| json!({"cid": v.cid, "socket": v.socket})),
         EXTENSION: {
             "exits": config.exits.to_string(),
             "pmem": config.pmem.iter().map(|p| json!({"advertise": p.advertise.to_string()}))
@@ -249,14 +266,14 @@ impl ChVm {
     /// Shutdown): its config, RAM, and a device tree with an entry per device id.
     pub fn vm_info(&self, state: &str) -> Value {
         let mut device_tree = Map::new();
-        for (list, _) in DEVICE_LISTS {
-            for d in self.info[list].as_array().into_iter().flatten() {
-                if let Some(id) = d["id"].as_str() {
-                    device_tree.insert(
-                        id.to_string(),
-                        json!({"id": id, "resources": [], "children": [], "pci_bdf": null}),
-                    );
-                }
+        let lists = DEVICE_LISTS.iter().map(|(list, _)| &self.info[*list]);
+        let devices = lists.flat_map(|l| l.as_array().into_iter().flatten());
+        for d in devices.chain(Some(&self.info["vsock"])) {
+            if let Some(id) = d["id"].as_str() {
+                device_tree.insert(
+                    id.to_string(),
+                    json!({"id": id, "resources": [], "children": [], "pci_bdf": null}),
+                );
             }
         }
         json!({
@@ -350,14 +367,13 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
     let (serial, serial_info) = serial(top.object("serial")?)?;
     let console_info = console(top.object("console")?)?;
     let rng_info = rng(top.object("rng")?)?;
-    for (key, what) in [("vsock", "virtio-vsock")] {
-        if top.take(key).is_some_and(|v| !v.is_null()) {
-            return Err(ChConfigError::NotYet {
-                field: key.into(),
-                what,
-            });
+    let (vsock, vsock_info) = match top.object("vsock")? {
+        Some(v) => {
+            let (config, info) = vsock(v, &mut ids, check_files)?;
+            (Some(config), Some(info))
         }
-    }
+        None => (None, None),
+    };
     for (key, defaults) in [
         ("balloon", vec![Value::Null]),
         ("fs", vec![Value::Null, json!([])]),
@@ -417,7 +433,7 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
         exits,
         net: nets,
         rng,
-        vsock: None,
+        vsock,
     };
     let info = json!({
         "payload": payload_info,
@@ -429,6 +445,7 @@ fn read(value: &Value, check_files: bool) -> Result<ChVm> {
         "serial": serial_info,
         "console": console_info,
         "rng": rng_info,
+        "vsock": vsock_info,
         "iommu": false,
         "watchdog": false,
         "pvpanic": false,
@@ -833,6 +850,40 @@ struct Extension {
     info: Value,
 }
 
+/// Cloud Hypervisor's VsockConfig: the guest's cid and the UNIX socket host programs
+/// connect to, which must not exist yet (`check_file`) since Musubi creates it.
+fn vsock(v: &Value, ids: &mut Vec<String>, check_file: bool) -> Result<(VsockConfig, Value)> {
+    let mut o = Obj::new("vsock", v)?;
+    let cid = o.u64("cid")?.ok_or_else(|| ChConfigError::Missing {
+        field: "vsock.cid".into(),
+    })?;
+    let socket = o.path("socket")?.ok_or_else(|| ChConfigError::Missing {
+        field: "vsock.socket".into(),
+    })?;
+    o.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
+    o.default_only("pci_segment", &[json!(0)], VIRTIO_MMIO)?;
+    o.default_only("pci_device_id", &[Value::Null], VIRTIO_MMIO)?;
+    let id = device_id(&mut o, "vsock", 0, ids)?;
+    let config = VsockConfig { cid, socket };
+    let checked = if check_file {
+        config.check().and_then(|_| config.check_free())
+    } else {
+        config.check()
+    };
+    checked.map_err(|e| ChConfigError::Vsock(e.to_string()))?;
+    let mut info = o.finish()?;
+    for (k, val) in [
+        ("cid", json!(cid)),
+        ("socket", json!(config.socket)),
+        ("iommu", json!(false)),
+        ("id", json!(id)),
+        ("pci_segment", json!(0)),
+    ] {
+        info.insert(k.into(), val);
+    }
+    Ok((config, Value::Object(info)))
+}
+
 /// Cloud Hypervisor's `rng: {"src": ...}`: Musubi feeds its virtio-rng from getrandom(2),
 /// the kernel's own pool, which is what both of the kernel's devices read.
 fn rng(v: Option<&Value>) -> Result<Option<Value>> {
@@ -1064,6 +1115,37 @@ mod tests {
     }
 
     #[test]
+    fn a_vsock_is_read_cold_added_once_and_removed_by_its_id() {
+        let (d, k) = kernel();
+        let socket = d.path().join("v.sock");
+        let vm = parsed(&k, "").unwrap();
+        let body = format!(
+            r#"{{"cid": 3, "socket": "{}", "iommu": false}}"#,
+            socket.display()
+        );
+        let (vm, id) = vm.add_device(DeviceKind::Vsock, body.as_bytes()).unwrap();
+        assert_eq!(id, "_vsock0");
+        let want = VsockConfig {
+            cid: 3,
+            socket: socket.clone(),
+        };
+        assert_eq!(vm.config.vsock.as_ref(), Some(&want));
+        assert!(vm.vm_info("Created")["device_tree"]["_vsock0"].is_object());
+        let again = vm
+            .add_device(DeviceKind::Vsock, body.as_bytes())
+            .unwrap_err();
+        assert_eq!(again, ChConfigError::SecondVsock("_vsock0".into()));
+        let vm = vm.remove_device("_vsock0").unwrap();
+        assert_eq!(vm.config.vsock, None);
+        // A path that is taken already is refused at create, naming it.
+        std::fs::write(&socket, b"").unwrap();
+        let e = vm
+            .add_device(DeviceKind::Vsock, body.as_bytes())
+            .unwrap_err();
+        assert!(e.to_string().contains("already exists"), "{e}");
+    }
+
+    #[test]
     fn a_minimal_config_takes_cloud_hypervisors_defaults() {
         let (_d, k) = kernel();
         let vm = parsed(&k, "").unwrap();
@@ -1147,8 +1229,12 @@ mod tests {
                 "memory.colour: unknown field",
             ),
             (
-                r#", "vsock": {"cid": 3, "socket": "/tmp/v"}"#.into(),
-                "vsock: virtio-vsock is not implemented in Musubi yet",
+                r#", "vsock": {"cid": 2, "socket": "/tmp/v"}"#.into(),
+                "vsock: cid 2 is reserved",
+            ),
+            (
+                r#", "vsock": {"socket": "/tmp/v"}"#.into(),
+                "vsock.cid: missing",
             ),
             (
                 r#", "rng": {"src": "/dev/hwrng"}"#.into(),

@@ -78,6 +78,14 @@ enum RemoteCommand {
         #[arg(long, value_name = "ID")]
         id: Option<String>,
     },
+    /// Add a vsock device to a VM not running (PUT vm.add-vsock with Cloud Hypervisor's
+    /// VsockConfig); the spec is `run --vsock`'s.
+    AddVsock {
+        #[arg(value_name = "cid=N,socket=PATH", value_parser = from_str::<vmm::config::vsock::VsockConfig>())]
+        vsock: vmm::config::vsock::VsockConfig,
+        #[arg(long, value_name = "ID")]
+        id: Option<String>,
+    },
     /// Remove the device with this id from a VM not running (PUT vm.remove-device).
     RemoveDevice {
         #[arg(value_name = "ID")]
@@ -172,6 +180,18 @@ fn request_of(
             "PUT",
             "vm.add-pmem",
             Some(with_id(crate::ch_config::pmem_json(pmem), id)),
+        ),
+        RemoteCommand::AddVsock { vsock, id } => (
+            "PUT",
+            "vm.add-vsock",
+            Some(with_id(
+                serde_json::json!({
+                    "cid": vsock.cid,
+                    "socket": std::path::absolute(&vsock.socket)
+                        .map_err(|e| format!("--vsock socket={}: {e}", vsock.socket.display()))?,
+                }),
+                id,
+            )),
         ),
         RemoteCommand::RemoveDevice { id } => (
             "PUT",

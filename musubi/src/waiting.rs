@@ -453,7 +453,8 @@ fn reconfigure(vm: &ChVm, call: Call) -> Result<ChVm, ActionError> {
         _ => return Err(ActionError::internal("not a device change")),
     };
     changed.map_err(|e| match e {
-        crate::ch_config::ChConfigError::TakenId(_) => ActionError::conflict(e.to_string()),
+        crate::ch_config::ChConfigError::TakenId(_)
+        | crate::ch_config::ChConfigError::SecondVsock(_) => ActionError::conflict(e.to_string()),
         e => ActionError::bad_request(e.to_string()),
     })
 }

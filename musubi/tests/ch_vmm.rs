@@ -191,8 +191,8 @@ fn wrong_states_and_configs_musubi_cannot_honour_are_refused_with_cloud_hypervis
         ("colour", serde_json::json!("red"), "colour: unknown field"),
         (
             "vsock",
-            serde_json::json!({"cid": 3, "socket": "/tmp/v.sock"}),
-            "vsock: virtio-vsock is not implemented in Musubi yet",
+            serde_json::json!({"cid": 2, "socket": "/tmp/v.sock"}),
+            "vsock: cid 2 is reserved",
         ),
         (
             "rng",
@@ -295,7 +295,10 @@ fn devices_cold_plugged_before_boot_are_in_the_vm_that_boots_and_refused_after()
         Some(r#"{"id": "spare"}"#),
     );
     assert_eq!(status, 400, "removing a removed device: {text}");
-    assert!(text.contains("no disk, net or pmem device"), "{text}");
+    assert!(
+        text.contains("no disk, net, pmem or vsock device"),
+        "{text}"
+    );
     let created = info(&socket);
     assert_eq!(
         created["config"]["disks"].as_array().map(Vec::len),
@@ -501,4 +504,84 @@ fn an_rng_in_a_cloud_hypervisor_config_feeds_the_guest_from_getrandom() {
     ch_ok(&d.socket, &["shutdown-vmm"]);
     let run = vmm.finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
+}
+
+/// Boots the created VM and talks to its guest's `vsock-echo` on port 52 through the VM's
+/// vsock socket, as a host agent would.
+fn boot_and_echo_over_vsock(vmm: &mut Started, d: &VmmDir, socket: &Path) {
+    // Each boot opens the console file anew.
+    let _ = std::fs::remove_file(&d.serial);
+    ch_ok(&d.socket, &["boot"]);
+    vmm.wait_for_text(&d.serial, "vsock-echo: cid 3 listening", LIMIT);
+    let (mut s, line) = common::vsock::connect_at(socket, 52, LIMIT);
+    assert!(line.starts_with("OK "), "CONNECT 52 answered {line:?}");
+    let data: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
+    let back = common::vsock::echo_round_trip(&mut s, &data);
+    assert!(back == data, "the echo differs");
+}
+
+#[test]
+fn a_stack_built_for_cloud_hypervisor_runs_the_whole_life_cycle_with_ch_remote() {
+    let d = vmm_dir();
+    let dir = d.dir.path();
+    // The echo ends after one connection; fib then runs far longer than the test.
+    let config = d.ch_vm_config("agent.json", "hello,vsock-echo=52,fib=60", LIMIT);
+    let img = temp_image(dir, "data.img", 1 << 20);
+    let vsock = dir.join("v.sock");
+    let snap = dir.join("snap");
+    let mut vmm = d.start_vmm(LIMIT);
+
+    ch_ok(&d.socket, &["create", config.to_str().unwrap()]);
+    ch_ok(&d.socket, &["add-disk", &format!("path={}", img.display())]);
+    ch_ok(
+        &d.socket,
+        &["add-vsock", &format!("cid=3,socket={}", vsock.display())],
+    );
+    // One vsock device a VM: a second is a conflict.
+    let (status, body) = call(
+        &d.socket,
+        "PUT",
+        "vm.add-vsock",
+        Some(r#"{"cid": 4, "socket": "/tmp/other.sock"}"#),
+    );
+    assert_eq!(status, 409, "a second vsock: {body}");
+
+    boot_and_echo_over_vsock(&mut vmm, &d, &vsock);
+    let running = info(&d.socket);
+    assert_eq!(running["state"], "Running", "{running}");
+    assert_eq!(running["config"]["vsock"]["cid"], 3, "{running}");
+    assert_eq!(running["config"]["vsock"]["id"], "_vsock0", "{running}");
+    assert_eq!(running["config"]["disks"][0]["id"], "_disk0", "{running}");
+    for id in ["_disk0", "_vsock0"] {
+        assert!(running["device_tree"][id].is_object(), "{id}: {running}");
+    }
+
+    ch_ok(&d.socket, &["pause"]);
+    assert_eq!(info(&d.socket)["state"], "Paused");
+    ch_ok(
+        &d.socket,
+        &["snapshot", &format!("file://{}", snap.display())],
+    );
+    ch_ok(&d.socket, &["resume"]);
+    assert_eq!(info(&d.socket)["state"], "Running");
+    ch_ok(&d.socket, &["shutdown"]);
+    assert_eq!(info(&d.socket)["state"], "Shutdown");
+    assert!(!vsock.exists(), "the vsock socket outlived its VM");
+
+    // Booted afresh from the kept config: the agent's channel works again.
+    boot_and_echo_over_vsock(&mut vmm, &d, &vsock);
+    ch_ok(&d.socket, &["delete"]);
+    let (status, body) = call(&d.socket, "GET", "vm.info", None);
+    assert_eq!(status, 404, "info after delete: {body}");
+    ch_ok(&d.socket, &["create", config.to_str().unwrap()]);
+    assert_eq!(info(&d.socket)["state"], "Created");
+    ch_ok(&d.socket, &["shutdown-vmm"]);
+    let run = vmm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert!(!d.socket.exists() && !vsock.exists(), "sockets left behind");
+    assert!(
+        snap.join("state").is_file(),
+        "no snapshot in {}",
+        snap.display()
+    );
 }

@@ -3,6 +3,7 @@
 //! `vsock-send` reaching a host listener at `PATH_<port>`, on both exit paths.
 
 mod common;
+use common::vsock::*;
 use common::*;
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -42,10 +43,7 @@ impl Vsock {
     fn connect(&mut self, port: u32) -> (UnixStream, String) {
         self.vm
             .wait_for_text(&self.serial, "vsock-echo: cid 3 listening", LIMIT);
-        let mut s = UnixStream::connect(&self.socket).expect("the vsock socket takes clients");
-        s.set_read_timeout(Some(LIMIT)).unwrap();
-        s.write_all(format!("CONNECT {port}\n").as_bytes()).unwrap();
-        (s.try_clone().unwrap(), read_line(&mut s))
+        connect_at(&self.socket, port, LIMIT)
     }
 
     /// Waits for the VM to end: how it ended, and what the guest printed.
@@ -60,19 +58,6 @@ impl Vsock {
     }
 }
 
-/// One line, byte by byte, so nothing after it is taken from the stream.
-fn read_line(s: &mut UnixStream) -> String {
-    let mut line = Vec::new();
-    let mut b = [0u8; 1];
-    while line.last() != Some(&b'\n') && line.len() < 64 {
-        match s.read(&mut b) {
-            Ok(0) | Err(_) => break,
-            Ok(_) => line.push(b[0]),
-        }
-    }
-    String::from_utf8_lossy(&line).into_owned()
-}
-
 /// Whether the device closed the stream: end of file, or a reset if it closed with bytes
 /// of ours unread.
 fn closed(s: &mut UnixStream) -> bool {
@@ -81,18 +66,6 @@ fn closed(s: &mut UnixStream) -> bool {
         Ok(_) => true,
         Err(e) => e.kind() == ErrorKind::ConnectionReset,
     }
-}
-
-/// Sends `data` on `s` from a thread of its own while this one reads the echo back, so
-/// neither side waits on the other's buffers.
-fn echo_round_trip(s: &mut UnixStream, data: &[u8]) -> Vec<u8> {
-    let mut w = s.try_clone().unwrap();
-    let out = data.to_vec();
-    let writer = std::thread::spawn(move || w.write_all(&out));
-    let mut back = vec![0u8; data.len()];
-    s.read_exact(&mut back).expect("the echo comes back whole");
-    writer.join().unwrap().expect("the guest takes every byte");
-    back
 }
 
 fn pattern(len: usize) -> Vec<u8> {
@@ -252,14 +225,6 @@ fn bad_vsock_values_are_refused_naming_the_flag_and_the_value() {
     }
 }
 
-/// Connects to guest port `port` through the socket at `socket` once it exists.
-fn connect_at(socket: &Path, port: u32) -> (UnixStream, String) {
-    let mut s = UnixStream::connect(socket).expect("the vsock socket takes clients");
-    s.set_read_timeout(Some(LIMIT)).unwrap();
-    s.write_all(format!("CONNECT {port}\n").as_bytes()).unwrap();
-    (s.try_clone().unwrap(), read_line(&mut s))
-}
-
 #[test]
 fn a_restored_vm_tells_the_guest_its_connections_are_gone_and_takes_new_ones() {
     let dir = tempfile::tempdir().unwrap();
@@ -276,7 +241,7 @@ fn a_restored_vm_tells_the_guest_its_connections_are_gone_and_takes_new_ones() {
     let guard = KillOnPanic::new(&vm);
     vm.wait_for_text(&serial, "vsock-echo: cid 3 listening", LIMIT);
     // A connection is open when the VM is saved.
-    let (mut old, line) = connect_at(&socket, PORT);
+    let (mut old, line) = connect_at(&socket, PORT, LIMIT);
     assert!(line.starts_with("OK "), "{line:?}");
     let data = pattern(3000);
     assert!(echo_round_trip(&mut old, &data) == data, "the echo differs");
@@ -301,7 +266,7 @@ fn a_restored_vm_tells_the_guest_its_connections_are_gone_and_takes_new_ones() {
     ];
     let mut vm = start_command(musubi(), &args, None);
     vm.wait_for_file(&socket, LIMIT);
-    let (mut s, line) = connect_at(&socket, PORT);
+    let (mut s, line) = connect_at(&socket, PORT, LIMIT);
     assert!(line.starts_with("OK "), "{line:?}");
     assert!(echo_round_trip(&mut s, &data) == data, "the echo differs");
     drop(s);

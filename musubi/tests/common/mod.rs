@@ -1,6 +1,8 @@
 //! Shared helpers for tests that run the `musubi` binary.
 #![allow(dead_code)]
 
+pub mod vsock;
+
 use serde_json::Value;
 
 use std::ffi::OsStr;
