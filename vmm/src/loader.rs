@@ -70,7 +70,36 @@ pub fn load_kernel(
             })?;
             load_image(mem, path, &mut f)
         }
-        KernelImage::Bytes { data, .. } => load_image(mem, path, &mut Cursor::new(&data[..])),
+        KernelImage::Bytes { data, .. } => {
+            let loaded = load_image(mem, path, &mut Cursor::new(&data[..]));
+            if let std::borrow::Cow::Borrowed(image) = data {
+                release_pages(image);
+            }
+            loaded
+        }
+    }
+}
+
+/// Gives back the pages of an image the binary carries once it is in guest memory: they
+/// are read-only pages of the binary's file, so a later boot that reads them again faults
+/// them back in unchanged, and until then they are not part of this process's memory, as a
+/// kernel read from a file would not be.
+fn release_pages(image: &'static [u8]) {
+    let page = 4096usize;
+    let start = (image.as_ptr() as usize).next_multiple_of(page);
+    let end = (image.as_ptr() as usize + image.len()) & !(page - 1);
+    if end <= start {
+        return;
+    }
+    // SAFETY: [start, end) lies inside `image`, a static slice in a read-only, private,
+    // file-backed mapping of the binary that nothing writes; MADV_DONTNEED only drops the
+    // page-table entries, and the next read maps the file's same bytes again.
+    let r = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+    if r != 0 {
+        tracing::debug!(
+            "releasing the bundled kernel's pages: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
