@@ -129,8 +129,9 @@ pub struct ControlFlags {
     #[arg(long, value_name = "PATH", conflicts_with = "nodes")]
     pub api_socket: Option<PathBuf>,
     /// Restore the VM saved in this snapshot directory instead of booting one. Its
-    /// configuration comes from the snapshot; --cpus, --memory, --disk, --pmem and --exits, when
-    /// given, must match it; --serial may send the console elsewhere. Guest RAM is mapped
+    /// configuration comes from the snapshot; --cpus, --memory, --disk, --pmem, --rng and
+    /// --exits, when given, must match it; --serial may send the console elsewhere, and
+    /// --vsock (of the same cid) may move the vsock's host socket. Guest RAM is mapped
     /// copy-on-write from the snapshot's memory file, so the snapshot is never changed and
     /// can be restored again.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "cmdline", "initrd", "config", "nodes"])]
@@ -150,7 +151,8 @@ pub struct ControlFlags {
     pub restore_memory: RestoreMemory,
     /// Wait on tcp:HOST:PORT for one VM sent by another musubi (`musubi remote
     /// send-migration`, or PUT vm.send-migration) instead of booting one, then run it: its
-    /// configuration comes from the source (--serial may send the console elsewhere), its
+    /// configuration comes from the source (as with --restore, --serial may send the console
+    /// elsewhere and --vsock of the same cid may move the vsock's host socket), its
     /// pages follow after it starts (post-copy). Peers that do not prove --secret-file's
     /// secret, and VMs whose disks this host cannot open, are refused and the wait goes on.
     #[arg(
@@ -285,13 +287,21 @@ impl VmArgs {
     /// The VM from these flags over `base` (a cluster file's `vm` section), with a
     /// `--config` file, if given, in between.
     pub fn to_config_over(&self, base: FileConfig) -> Result<VmConfig, String> {
+        self.to_config_for(base, true)
+    }
+
+    /// As [`VmArgs::to_config_over`], for a process that `holds_devices` or not: one that
+    /// does not (a node of a VM over several hosts other than the I/O node) creates no
+    /// vsock listener, so it does not ask whether the path is free: the I/O node on the
+    /// same host may have taken it already.
+    pub fn to_config_for(&self, base: FileConfig, holds_devices: bool) -> Result<VmConfig, String> {
         let file = match &self.config {
             Some(p) => {
                 let text = std::fs::read_to_string(p)
                     .map_err(|e| format!("--config {}: {e}", p.display()))?;
                 if let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) {
                     if crate::ch_config::is_ch_config(&value) {
-                        return self.over_ch_config(p, &value);
+                        return self.over_ch_config(p, &value, holds_devices);
                     }
                 }
                 // The error names the field (`pmem[0].size`) as well as the line and column.
@@ -355,7 +365,7 @@ impl VmArgs {
             return Err("rng (config): bytes_per_sec=0 would never serve a byte".into());
         }
         let vsock = self.vsock.clone().or(file.vsock);
-        if let Some(v) = &vsock {
+        if let Some(v) = vsock.as_ref().filter(|_| holds_devices) {
             v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
         }
         let exits = self.exits.or(file.exits).unwrap_or_default();
@@ -387,6 +397,7 @@ impl VmArgs {
         &self,
         path: &std::path::Path,
         value: &serde_json::Value,
+        holds_devices: bool,
     ) -> Result<VmConfig, String> {
         let mut c = crate::ch_config::from_value(value)
             .map_err(|e| {
@@ -427,7 +438,9 @@ impl VmArgs {
             c.rng = Some(r);
         }
         if let Some(v) = &self.vsock {
-            v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
+            if holds_devices {
+                v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
+            }
             c.vsock = Some(v.clone());
         }
         if let Some(s) = &self.serial {
@@ -456,6 +469,8 @@ impl VmArgs {
             pmem: given(&self.pmem),
             serial: self.serial.clone(),
             exits: self.exits,
+            rng: self.rng,
+            vsock: self.vsock.clone(),
         })
     }
 

@@ -45,6 +45,8 @@ pub enum DeviceError {
         path: std::path::PathBuf,
         source: devices::virtio::VsockError,
     },
+    #[error("--vsock: {0}")]
+    TakeOver(#[from] devices::virtio::TakeOverError),
     #[error("too many devices: IRQ {0} is past the last IOAPIC pin {MAX_IRQ}")]
     OutOfIrqs(u32),
     #[error("cannot create an interrupt eventfd: {0}")]
@@ -183,6 +185,15 @@ impl Devices {
             serial: self.serial.clone(),
             pm: self.pm.clone(),
             transports: self.transports.clone(),
+        }
+    }
+
+    /// Moves a staged vsock listener onto its path (see [`crate::VmBuilder::staged_sockets`]):
+    /// from here on host programs reach this VM, not the process it came from.
+    pub fn take_over_sockets(&self) -> Result<(), devices::virtio::TakeOverError> {
+        match &self.vsock_socket {
+            Some(f) => f.take_over(),
+            None => Ok(()),
         }
     }
 
@@ -325,6 +336,7 @@ pub fn create_devices(
     capture: Option<Arc<Mutex<Vec<u8>>>>,
     extra: ExtraDevices,
     control: Arc<RunControl>,
+    staged_sockets: bool,
 ) -> Result<Devices, DeviceError> {
     let (serial_mode, disks, mode) = (&config.serial, &config.disks[..], config.exits);
     let mut w = Wiring {
@@ -395,12 +407,16 @@ pub fn create_devices(
     all.extend(nets.iter().cloned());
     let mut vsock_socket = None;
     if let Some(v) = &config.vsock {
-        let device =
-            devices::virtio::Vsock::new(v.cid, &v.socket).map_err(|source| DeviceError::Vsock {
-                cid: v.cid,
-                path: v.socket.clone(),
-                source,
-            })?;
+        let device = if staged_sockets {
+            devices::virtio::Vsock::staged(v.cid, &v.socket)
+        } else {
+            devices::virtio::Vsock::new(v.cid, &v.socket)
+        }
+        .map_err(|source| DeviceError::Vsock {
+            cid: v.cid,
+            path: v.socket.clone(),
+            source,
+        })?;
         let file = device.socket_file();
         let t = match w.add_virtio("virtio-vsock", Box::new(device)) {
             Ok(t) => t,

@@ -69,6 +69,12 @@ enum HostError {
         saved: vmm::config::ExitsMode,
         given: vmm::config::ExitsMode,
     },
+    #[error(
+        "--vsock socket={}: something other than a socket is there; give --vsock \
+         cid=N,socket=OTHER to listen elsewhere",
+        .0.display()
+    )]
+    VsockPath(PathBuf),
     #[error("no configuration came")]
     NoConfig,
     #[error("no VM was built")]
@@ -111,7 +117,7 @@ impl VmHost<'_> {
         let saved: vmm::snapshot::SavedConfig =
             serde_json::from_slice(config).map_err(HostError::Config)?;
         let g = &self.given;
-        saved.check_given(g.cpus, g.memory, g.disks.as_deref(), g.pmem.as_deref())?;
+        saved.check_given_devices(g)?;
         saved.check_files()?;
         let files = saved
             .disks
@@ -151,8 +157,18 @@ impl VmHost<'_> {
                 })?;
         }
         let mut vm = saved.to_vm_config()?;
-        if let Some(serial) = g.serial.clone() {
-            vm.serial = serial;
+        vmm::snapshot::SavedConfig::apply_given(&mut vm, g);
+        // The source may listen there still (a move within one host): the VM's listener
+        // takes that socket's place at the switch. Anything else there stays, and so does
+        // the VM where it is.
+        if let Some(v) = &vm.vsock {
+            use std::os::unix::fs::FileTypeExt;
+            match std::fs::symlink_metadata(&v.socket) {
+                Ok(m) if !m.file_type().is_socket() => {
+                    return Err(HostError::VsockPath(v.socket.clone()))
+                }
+                _ => {}
+            }
         }
         if let Some(exits) = g.exits.filter(|&e| e != vm.exits) {
             return Err(HostError::Exits {
@@ -178,6 +194,7 @@ impl VmHost<'_> {
             .guest_ram(vmm::GuestRamSource::External(ext))
             .on_stopped(move || owner.release())
             .restore_later()
+            .staged_sockets()
             .build()
             .map_err(|e| HostError::Build(Box::new(e)))?;
         self.built = Some(vm);

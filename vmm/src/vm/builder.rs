@@ -95,6 +95,8 @@ pub struct VmBuilder<'a> {
     /// Build everything but the state, which [`Vm::apply_state`] puts in later.
     later: bool,
     prefault: bool,
+    /// Bind host-side sockets beside their paths, taken over at start.
+    staged_sockets: bool,
 }
 
 /// Where guest RAM comes from.
@@ -168,6 +170,7 @@ impl<'a> VmBuilder<'a> {
             restore: None,
             later: false,
             prefault: false,
+            staged_sockets: false,
         }
     }
 
@@ -177,6 +180,15 @@ impl<'a> VmBuilder<'a> {
     /// applying the state, whatever the VM's size.
     pub fn restore_later(mut self) -> Self {
         self.later = true;
+        self
+    }
+
+    /// Binds the vsock device's listener beside its path and moves it onto the path only
+    /// when the VM starts ([`Vm::start`]): a VM migrating within one host is built while
+    /// its source still listens at that path, and must not take it before the switch
+    /// (the migration may yet fail and the VM go on there), nor fail for finding it taken.
+    pub fn staged_sockets(mut self) -> Self {
+        self.staged_sockets = true;
         self
     }
 
@@ -394,6 +406,7 @@ impl Vm {
                 capture.clone(),
                 pmem.devices(),
                 control.clone(),
+                share.staged_sockets,
             )?
         } else {
             // A node without devices still has the legacy set (serial off), never reached:
@@ -415,6 +428,7 @@ impl Vm {
                 None,
                 Default::default(),
                 control.clone(),
+                false,
             )?
         };
         phase("devices");

@@ -18,6 +18,9 @@ impl Vm {
         if self.awaits_state {
             return Err(PersistError::NoStateApplied.into());
         }
+        self.devices
+            .take_over_sockets()
+            .map_err(crate::device_manager::DeviceError::from)?;
         let notifiers = std::mem::take(&mut self.devices.notifiers);
         let device_events = std::mem::take(&mut self.devices.device_events);
         // Device event sources (a TAP) need the thread on either exit path: only doorbells
