@@ -571,6 +571,34 @@ mod tests {
     }
 
     #[test]
+    fn rng_and_vsock_flags_are_given_devices_and_only_a_device_holder_checks_the_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let taken = dir.path().join("v.sock");
+        std::fs::write(&taken, b"").unwrap();
+        let vsock = format!("cid=5,socket={}", taken.display());
+        let line = [
+            "--kernel",
+            "probe",
+            "--rng",
+            "bytes_per_sec=100",
+            "--vsock",
+            vsock.as_str(),
+        ];
+        let r = run(&line).unwrap();
+        let given = r.vm.given_devices().unwrap();
+        assert_eq!(given.rng.unwrap().bytes_per_sec, Some(100));
+        assert_eq!(given.vsock.as_ref().unwrap().cid, 5);
+        assert_eq!(given.vsock.unwrap().socket, taken);
+        // The process that makes the listener refuses a taken path; a node that makes no
+        // devices takes the same VM as it is, its layout counting the vsock all the same.
+        let e = r.vm.to_config_for(FileConfig::default(), true).unwrap_err();
+        assert!(e.contains("--vsock") && e.contains("already exists"), "{e}");
+        let c = r.vm.to_config_for(FileConfig::default(), false).unwrap();
+        assert_eq!(c.vsock.unwrap().cid, 5);
+        assert_eq!(c.rng.unwrap().bytes_per_sec, Some(100));
+    }
+
+    #[test]
     fn a_disk_flag_over_a_cloud_hypervisor_file_is_checked_as_without_one() {
         let dir = tempfile::tempdir().unwrap();
         let kernel = dir.path().join("vmlinux");
