@@ -129,8 +129,8 @@ pub struct ControlFlags {
     #[arg(long, value_name = "PATH", conflicts_with = "nodes")]
     pub api_socket: Option<PathBuf>,
     /// Restore the VM saved in this snapshot directory instead of booting one. Its
-    /// configuration comes from the snapshot; --cpus, --memory, --disk, --pmem, --rng and
-    /// --exits, when given, must match it; --serial may send the console elsewhere, and
+    /// configuration comes from the snapshot; --cpus, --memory, --disk, --pmem, --net,
+    /// --rng and --exits, when given, must match it; --serial may send the console elsewhere, and
     /// --vsock (of the same cid) may move the vsock's host socket. Guest RAM is mapped
     /// copy-on-write from the snapshot's memory file, so the snapshot is never changed and
     /// can be restored again.
@@ -469,6 +469,7 @@ impl VmArgs {
             pmem: given(&self.pmem),
             serial: self.serial.clone(),
             exits: self.exits,
+            net: given(&self.net),
             rng: self.rng,
             vsock: self.vsock.clone(),
         })

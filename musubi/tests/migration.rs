@@ -1020,10 +1020,18 @@ fn a_destinations_vsock_and_rng_flags_are_held_to_the_arriving_vm() {
     src.vm
         .wait_for_text(&src.serial, "vsock-echo: cid 3 listening", LIMIT);
 
-    // Each refusing destination names what differs, and the source's VM runs on.
+    // Each refusing destination names what differs, and the source's VM runs on. A
+    // socket at the path that is not the source's listener is not taken over.
     let other_cid = format!("cid=4,socket={}", elsewhere.display());
     let moved = format!("cid=3,socket={}", elsewhere.display());
+    let squatted = dir.path().join("squat.sock");
+    let _squatter = std::os::unix::net::UnixListener::bind(&squatted).unwrap();
+    let onto_squatter = format!("cid=3,socket={}", squatted.display());
     for (flags, names) in [
+        (
+            vec!["--vsock", onto_squatter.as_str()],
+            vec!["--vsock", "squat.sock", "not the source's listener"],
+        ),
         (
             vec!["--vsock", other_cid.as_str()],
             vec!["--vsock", "cid is 3", "cid=4"],
@@ -1062,6 +1070,7 @@ fn a_destinations_vsock_and_rng_flags_are_held_to_the_arriving_vm() {
         );
     }
 
+    assert!(squatted.exists(), "a refused VM took another socket's path");
     let port = free_port();
     let dest_serial = dir.path().join("dest.out");
     let dest = start_destination(

@@ -70,7 +70,7 @@ enum HostError {
         given: vmm::config::ExitsMode,
     },
     #[error(
-        "--vsock socket={}: something other than a socket is there; give --vsock \
+        "--vsock socket={}: already exists and is not the source's listener; give --vsock \
          cid=N,socket=OTHER to listen elsewhere",
         .0.display()
     )]
@@ -114,8 +114,14 @@ impl Host for VmHost<'_> {
 
 impl VmHost<'_> {
     fn check_config(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, HostError> {
-        let saved: vmm::snapshot::SavedConfig =
+        let mut offered: serde_json::Value =
             serde_json::from_slice(config).map_err(HostError::Config)?;
+        let listener = offered
+            .as_object_mut()
+            .and_then(|o| o.remove(super::VSOCK_LISTENER))
+            .and_then(|id| serde_json::from_value::<(u64, u64)>(id).ok());
+        let saved: vmm::snapshot::SavedConfig =
+            serde_json::from_value(offered).map_err(HostError::Config)?;
         let g = &self.given;
         saved.check_given_devices(g)?;
         saved.check_files()?;
@@ -159,15 +165,14 @@ impl VmHost<'_> {
         let mut vm = saved.to_vm_config()?;
         vmm::snapshot::SavedConfig::apply_given(&mut vm, g);
         // The source may listen there still (a move within one host): the VM's listener
-        // takes that socket's place at the switch. Anything else there stays, and so does
-        // the VM where it is.
+        // takes that socket's place at the switch. Anything else there (another VM's
+        // socket) stays, and so does the VM where it is.
         if let Some(v) = &vm.vsock {
-            use std::os::unix::fs::FileTypeExt;
-            match std::fs::symlink_metadata(&v.socket) {
-                Ok(m) if !m.file_type().is_socket() => {
-                    return Err(HostError::VsockPath(v.socket.clone()))
+            use std::os::unix::fs::MetadataExt;
+            if let Ok(m) = std::fs::symlink_metadata(&v.socket) {
+                if listener != Some((m.dev(), m.ino())) {
+                    return Err(HostError::VsockPath(v.socket.clone()));
                 }
-                _ => {}
             }
         }
         if let Some(exits) = g.exits.filter(|&e| e != vm.exits) {

@@ -139,6 +139,8 @@ pub struct GivenDevices {
     pub pmem: Option<Vec<PmemConfig>>,
     pub serial: Option<SerialMode>,
     pub exits: Option<ExitsMode>,
+    /// Must name the saved TAPs (or descriptors), in order.
+    pub net: Option<Vec<crate::config::net::NetConfig>>,
     /// Must match the saved entropy device: the guest found the device it has.
     pub rng: Option<crate::config::rng::RngConfig>,
     /// Its cid must match the saved one (the guest keeps the cid it read); its socket is
@@ -311,6 +313,32 @@ impl SavedConfig {
     /// migration may change (the console, the vsock's socket) is [`SavedConfig::apply_given`]'s.
     pub fn check_given_devices(&self, g: &GivenDevices) -> Result<(), SnapshotError> {
         self.check_given(g.cpus, g.memory, g.disks.as_deref(), g.pmem.as_deref())?;
+        if let Some(n) = &g.net {
+            let names = |list: &[crate::config::net::NetConfig]| {
+                let v: Vec<String> = list
+                    .iter()
+                    .map(|n| match (&n.tap, n.fd) {
+                        (Some(t), _) => format!("tap={t}"),
+                        (None, Some(fd)) => format!("fd={fd}"),
+                        (None, None) => "a TAP of its own".to_string(),
+                    })
+                    .collect();
+                if v.is_empty() {
+                    "none".to_string()
+                } else {
+                    v.join(", ")
+                }
+            };
+            let (saved, given) = (names(&self.net), names(n));
+            if saved != given {
+                return Err(SnapshotError::Differs {
+                    what: "network device list",
+                    flag: "--net",
+                    saved,
+                    given,
+                });
+            }
+        }
         let rng = |r: Option<crate::config::rng::RngConfig>| match r {
             None => "none".to_string(),
             Some(r) if r.bytes_per_sec.is_none() => "on, uncapped".to_string(),
@@ -780,5 +808,14 @@ mod tests {
         let mut config = saved.to_vm_config().unwrap();
         SavedConfig::apply_given(&mut config, &GivenDevices::default());
         assert_eq!(config.vsock, Some(vsock(3, "/run/a.sock")));
+        let net = GivenDevices {
+            net: Some(vec!["tap=t0".parse().unwrap()]),
+            ..Default::default()
+        };
+        let e = saved.check_given_devices(&net).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "the snapshot's network device list is none, but --net asks for tap=t0"
+        );
     }
 }

@@ -75,6 +75,7 @@ impl Vm {
             nets: self.devices.nets.clone(),
             pmem: self.pmem.regions.clone(),
             saved_config: self.saved_config.clone(),
+            vsock_socket: self.devices.vsock_socket.clone(),
             busy: Mutex::new(()),
             dirty: crate::vstate::dirty::DirtyLog::new(
                 self.kvm.shared_fd(),

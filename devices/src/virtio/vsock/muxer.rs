@@ -118,6 +118,12 @@ impl SocketFile {
         &self.path
     }
 
+    /// (device, inode) of the listener's file as bound: the same after a take-over, so
+    /// another process on this host can tell this listener's file from any other.
+    pub fn id(&self) -> Option<(u64, u64)> {
+        self.bound().id
+    }
+
     /// Where the listener's file is now (beside `path` until taken over).
     pub fn file(&self) -> PathBuf {
         self.bound().file.clone()
