@@ -328,16 +328,29 @@ impl Wiring<'_> {
     }
 }
 
+/// How the devices' host side is set up, beside what the configuration says.
+#[derive(Default)]
+pub struct HostSide {
+    /// Keeps a copy of COM1's output for the report.
+    pub capture: Option<Arc<Mutex<Vec<u8>>>>,
+    /// The vsock listener is bound beside its path until the VM starts (a migration's
+    /// destination, see [`crate::VmBuilder::staged_sockets`]).
+    pub staged_sockets: bool,
+}
+
 pub fn create_devices(
     vm: &KvmVm,
     mem: &GuestMemoryMmap,
     config: &VmConfig,
     layout: &GuestLayout,
-    capture: Option<Arc<Mutex<Vec<u8>>>>,
+    host: HostSide,
     extra: ExtraDevices,
     control: Arc<RunControl>,
-    staged_sockets: bool,
 ) -> Result<Devices, DeviceError> {
+    let HostSide {
+        capture,
+        staged_sockets,
+    } = host;
     let (serial_mode, disks, mode) = (&config.serial, &config.disks[..], config.exits);
     let mut w = Wiring {
         vm,

@@ -12,7 +12,7 @@ use crate::arch::x86_64::{linux, regs};
 use crate::boot_data::{write_boot_data, BootDataError};
 use crate::config::VmConfig;
 use crate::control::RunControl;
-use crate::device_manager::{create_devices, DeviceError};
+use crate::device_manager::{create_devices, DeviceError, HostSide};
 use crate::exit::DeviceBus;
 use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::pmem::{host_phys_bits, PmemError, PmemRegions};
@@ -403,10 +403,12 @@ impl Vm {
                 &mem,
                 config,
                 &layout,
-                capture.clone(),
+                HostSide {
+                    capture: capture.clone(),
+                    staged_sockets: share.staged_sockets,
+                },
                 pmem.devices(),
                 control.clone(),
-                share.staged_sockets,
             )?
         } else {
             // A node without devices still has the legacy set (serial off), never reached:
@@ -425,10 +427,9 @@ impl Vm {
                 &mem,
                 &bare,
                 &layout,
-                None,
+                HostSide::default(),
                 Default::default(),
                 control.clone(),
-                false,
             )?
         };
         phase("devices");
