@@ -838,6 +838,13 @@ fn canonical_parts(
         ("memory", text(config.memory.to_string())),
         ("disks", text(format!("{disks:?}"))),
         ("exits", text(config.exits.to_string())),
+        // Each is a device in the layout every node builds, though only the I/O node makes
+        // it; the guest reads the vsock's cid, the socket is the I/O node's business.
+        ("rng", text(format!("{:?}", config.rng))),
+        (
+            "vsock cid",
+            text(format!("{:?}", config.vsock.as_ref().map(|v| v.cid))),
+        ),
         (
             "cluster (nodes, vCPUs, protocol, ordering)",
             text(cluster.canonical()),

@@ -129,8 +129,9 @@ pub struct ControlFlags {
     #[arg(long, value_name = "PATH", conflicts_with = "nodes")]
     pub api_socket: Option<PathBuf>,
     /// Restore the VM saved in this snapshot directory instead of booting one. Its
-    /// configuration comes from the snapshot; --cpus, --memory, --disk, --pmem and --exits, when
-    /// given, must match it; --serial may send the console elsewhere. Guest RAM is mapped
+    /// configuration comes from the snapshot; --cpus, --memory, --disk, --pmem, --net,
+    /// --rng and --exits, when given, must match it; --serial may send the console elsewhere, and
+    /// --vsock (of the same cid) may move the vsock's host socket. Guest RAM is mapped
     /// copy-on-write from the snapshot's memory file, so the snapshot is never changed and
     /// can be restored again.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "cmdline", "initrd", "config", "nodes"])]
@@ -150,7 +151,8 @@ pub struct ControlFlags {
     pub restore_memory: RestoreMemory,
     /// Wait on tcp:HOST:PORT for one VM sent by another musubi (`musubi remote
     /// send-migration`, or PUT vm.send-migration) instead of booting one, then run it: its
-    /// configuration comes from the source (--serial may send the console elsewhere), its
+    /// configuration comes from the source (as with --restore, --serial may send the console
+    /// elsewhere and --vsock of the same cid may move the vsock's host socket), its
     /// pages follow after it starts (post-copy). Peers that do not prove --secret-file's
     /// secret, and VMs whose disks this host cannot open, are refused and the wait goes on.
     #[arg(
@@ -285,13 +287,21 @@ impl VmArgs {
     /// The VM from these flags over `base` (a cluster file's `vm` section), with a
     /// `--config` file, if given, in between.
     pub fn to_config_over(&self, base: FileConfig) -> Result<VmConfig, String> {
+        self.to_config_for(base, true)
+    }
+
+    /// As [`VmArgs::to_config_over`], for a process that `holds_devices` or not: one that
+    /// does not (a node of a VM over several hosts other than the I/O node) creates no
+    /// vsock listener, so it does not ask whether the path is free: the I/O node on the
+    /// same host may have taken it already.
+    pub fn to_config_for(&self, base: FileConfig, holds_devices: bool) -> Result<VmConfig, String> {
         let file = match &self.config {
             Some(p) => {
                 let text = std::fs::read_to_string(p)
                     .map_err(|e| format!("--config {}: {e}", p.display()))?;
                 if let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) {
                     if crate::ch_config::is_ch_config(&value) {
-                        return self.over_ch_config(p, &value);
+                        return self.over_ch_config(p, &value, holds_devices);
                     }
                 }
                 // The error names the field (`pmem[0].size`) as well as the line and column.
@@ -355,7 +365,7 @@ impl VmArgs {
             return Err("rng (config): bytes_per_sec=0 would never serve a byte".into());
         }
         let vsock = self.vsock.clone().or(file.vsock);
-        if let Some(v) = &vsock {
+        if let Some(v) = vsock.as_ref().filter(|_| holds_devices) {
             v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
         }
         let exits = self.exits.or(file.exits).unwrap_or_default();
@@ -387,6 +397,7 @@ impl VmArgs {
         &self,
         path: &std::path::Path,
         value: &serde_json::Value,
+        holds_devices: bool,
     ) -> Result<VmConfig, String> {
         let mut c = crate::ch_config::from_value(value)
             .map_err(|e| {
@@ -427,7 +438,9 @@ impl VmArgs {
             c.rng = Some(r);
         }
         if let Some(v) = &self.vsock {
-            v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
+            if holds_devices {
+                v.check_free().map_err(|e| format!("--vsock {v}: {e}"))?;
+            }
             c.vsock = Some(v.clone());
         }
         if let Some(s) = &self.serial {
@@ -456,6 +469,9 @@ impl VmArgs {
             pmem: given(&self.pmem),
             serial: self.serial.clone(),
             exits: self.exits,
+            net: given(&self.net),
+            rng: self.rng,
+            vsock: self.vsock.clone(),
         })
     }
 
@@ -553,6 +569,34 @@ mod tests {
         assert_eq!(given.memory, Some(3 << 29));
         assert_eq!(given.disks.unwrap().len(), 1);
         assert_eq!(given.exits, Some(ExitsMode::User));
+    }
+
+    #[test]
+    fn rng_and_vsock_flags_are_given_devices_and_only_a_device_holder_checks_the_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let taken = dir.path().join("v.sock");
+        std::fs::write(&taken, b"").unwrap();
+        let vsock = format!("cid=5,socket={}", taken.display());
+        let line = [
+            "--kernel",
+            "probe",
+            "--rng",
+            "bytes_per_sec=100",
+            "--vsock",
+            vsock.as_str(),
+        ];
+        let r = run(&line).unwrap();
+        let given = r.vm.given_devices().unwrap();
+        assert_eq!(given.rng.unwrap().bytes_per_sec, Some(100));
+        assert_eq!(given.vsock.as_ref().unwrap().cid, 5);
+        assert_eq!(given.vsock.unwrap().socket, taken);
+        // The process that makes the listener refuses a taken path; a node that makes no
+        // devices takes the same VM as it is, its layout counting the vsock all the same.
+        let e = r.vm.to_config_for(FileConfig::default(), true).unwrap_err();
+        assert!(e.contains("--vsock") && e.contains("already exists"), "{e}");
+        let c = r.vm.to_config_for(FileConfig::default(), false).unwrap();
+        assert_eq!(c.vsock.unwrap().cid, 5);
+        assert_eq!(c.rng.unwrap().bytes_per_sec, Some(100));
     }
 
     #[test]

@@ -75,7 +75,8 @@ pub fn node(
         Ok(f) => f,
         Err(e) => return fail(format!("--cluster {e}")),
     };
-    let config = match vm.to_config_over(file.vm) {
+    let holds_devices = id == file.spec.io_node;
+    let config = match vm.to_config_for(file.vm, holds_devices) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };

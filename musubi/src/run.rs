@@ -164,28 +164,30 @@ pub(crate) fn open_snapshot(
     let flag = |e: vmm::snapshot::SnapshotError| format!("--restore {}: {e}", dir.display());
     let snap = vmm::snapshot::Snapshot::open(dir).map_err(flag)?;
     let given = vm.given_devices()?;
-    snap.config
-        .check_given(
-            given.cpus,
-            given.memory,
-            given.disks.as_deref(),
-            given.pmem.as_deref(),
-        )
-        .map_err(flag)?;
+    snap.config.check_given_devices(&given).map_err(flag)?;
     snap.config.check_files().map_err(flag)?;
     let mut config = snap
         .config
         .to_vm_config()
         .map_err(|e| format!("--restore {}: {e}", dir.display()))?;
-    if let Some(serial) = given.serial {
-        config.serial = serial;
-    }
+    vmm::snapshot::SavedConfig::apply_given(&mut config, &given);
     if let Some(exits) = given.exits.filter(|&e| e != config.exits) {
         return Err(format!(
             "--restore {}: the snapshot's exit path is {}, but --exits asks for {exits}",
             dir.display(),
             config.exits
         ));
+    }
+    // Named before anything is built: the saved VM's path may still be another VM's (the
+    // one saved, still running), which `--vsock` of the same cid moves away from.
+    if let Some(v) = &config.vsock {
+        v.check_free().map_err(|e| {
+            format!(
+                "--restore {}: the vsock's {e}; give --vsock cid={},socket=OTHER to listen elsewhere",
+                dir.display(),
+                v.cid
+            )
+        })?;
     }
     Ok((snap, config))
 }

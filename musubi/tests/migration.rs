@@ -934,3 +934,172 @@ fn a_migrating_vm_whose_tap_belongs_to_another_partition_is_refused_on_arrival()
     let _ = dest.child.kill();
     let _ = dest.child.wait();
 }
+
+/// A VM with vsock moved between two processes on this host, at the same socket path: the
+/// destination's listener takes the path at the switch, the connection open at the source
+/// is reset on both ends, and a new host connection reaches the guest's echo there.
+#[test]
+fn a_vm_with_vsock_moves_within_one_host_and_its_socket_follows_it() {
+    use common::vsock::*;
+    const PORT: u32 = 52;
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret_file(dir.path(), "secret", 41);
+    let port = free_port();
+    let socket = dir.path().join("v.sock");
+    let vsock = format!("cid=3,socket={}", socket.display());
+    let dest_serial = dir.path().join("dest.out");
+    let dest = start_destination(port, &key, &dest_serial, &[]);
+    let dest_guard = KillOnPanic::new(&dest);
+    let mut src = start_source(
+        dir.path(),
+        "src",
+        &format!("hello,vsock-echo={PORT}"),
+        &["--memory", MEMORY, "--vsock", &vsock],
+    );
+    let src_guard = KillOnPanic::new(&src.vm);
+    src.vm
+        .wait_for_text(&src.serial, "vsock-echo: cid 3 listening", LIMIT);
+    let (mut old, line) = connect_at(&socket, PORT, LIMIT);
+    assert!(line.starts_with("OK "), "{line:?}");
+    let data = pattern(3000);
+    assert!(echo_round_trip(&mut old, &data) == data, "the echo differs");
+
+    let r = send_migration(&src.socket, port, &key);
+    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
+    // The path is the destination's now: a new connection reaches the guest there.
+    let (mut new, line) = connect_at(&socket, PORT, LIMIT);
+    assert!(line.starts_with("OK "), "{line:?}");
+    assert!(echo_round_trip(&mut new, &data) == data, "the echo differs");
+    drop(new);
+    src_guard.defuse();
+    assert_migrated_away(src, port);
+    assert!(closed(&mut old), "the connection to the source outlived it");
+    dest_guard.defuse();
+    let text = finished_destination(dest, &dest_serial);
+    assert!(!socket.exists(), "the moved VM's socket file outlived it");
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("v.sock"))
+        .collect();
+    assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
+    let r = result_in(&text, "vsock-echo");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["resets"], 1, "no transport reset reached the guest: {r}");
+    assert_eq!(r["lost_to_resets"], 1, "{r}");
+    assert_eq!(r["connections"], 1, "{r}");
+}
+
+/// `--vsock` given to the destination moves the host side to another path (the cid must
+/// be the VM's); `--rng` that differs from the VM's is refused by name, and the
+/// destination keeps waiting.
+#[test]
+fn a_destinations_vsock_and_rng_flags_are_held_to_the_arriving_vm() {
+    use common::vsock::*;
+    const PORT: u32 = 52;
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret_file(dir.path(), "secret", 43);
+    let socket = dir.path().join("v.sock");
+    let elsewhere = dir.path().join("w.sock");
+    let vsock = format!("cid=3,socket={}", socket.display());
+    let mut src = start_source(
+        dir.path(),
+        "src",
+        &format!("hello,vsock-echo={PORT},rng=4096"),
+        &[
+            "--memory",
+            MEMORY,
+            "--vsock",
+            &vsock,
+            "--rng",
+            "bytes_per_sec=65536",
+        ],
+    );
+    let src_guard = KillOnPanic::new(&src.vm);
+    src.vm
+        .wait_for_text(&src.serial, "vsock-echo: cid 3 listening", LIMIT);
+
+    // Each refusing destination names what differs, and the source's VM runs on. A
+    // socket at the path that is not the source's listener is not taken over.
+    let other_cid = format!("cid=4,socket={}", elsewhere.display());
+    let moved = format!("cid=3,socket={}", elsewhere.display());
+    let squatted = dir.path().join("squat.sock");
+    let _squatter = std::os::unix::net::UnixListener::bind(&squatted).unwrap();
+    let onto_squatter = format!("cid=3,socket={}", squatted.display());
+    for (flags, names) in [
+        (
+            vec!["--vsock", onto_squatter.as_str()],
+            vec!["--vsock", "squat.sock", "not the source's listener"],
+        ),
+        (
+            vec!["--vsock", other_cid.as_str()],
+            vec!["--vsock", "cid is 3", "cid=4"],
+        ),
+        (
+            vec!["--vsock", moved.as_str(), "--rng"],
+            vec!["--rng", "bytes_per_sec=65536", "uncapped"],
+        ),
+    ] {
+        let port = free_port();
+        let serial = dir.path().join("refusing.out");
+        let dest = start_destination(port, &key, &serial, &flags);
+        let dest_guard = KillOnPanic::new(&dest);
+        let r = send_migration(&src.socket, port, &key);
+        assert_ne!(r.code, Some(0), "{flags:?}: {}", r.explain());
+        for n in &names {
+            assert!(
+                r.stderr.contains(n) || r.stdout.contains(n),
+                "{flags:?}: no {n:?} in {}",
+                r.explain()
+            );
+        }
+        assert!(
+            !elsewhere.exists(),
+            "{flags:?}: a refusing destination listened"
+        );
+        // SAFETY: kill(2) on our own child, not yet waited for.
+        unsafe { libc::kill(dest.child.id() as libc::pid_t, libc::SIGTERM) };
+        dest_guard.defuse();
+        let gone = dest.finish(LIMIT);
+        assert_eq!(gone.code, Some(143), "{flags:?}: {}", gone.explain());
+        assert!(
+            gone.stderr.contains(names[0]),
+            "{flags:?}: the destination did not say why: {}",
+            gone.explain()
+        );
+    }
+
+    assert!(squatted.exists(), "a refused VM took another socket's path");
+    let port = free_port();
+    let dest_serial = dir.path().join("dest.out");
+    let dest = start_destination(
+        port,
+        &key,
+        &dest_serial,
+        &["--vsock", &moved, "--rng", "bytes_per_sec=65536"],
+    );
+    let dest_guard = KillOnPanic::new(&dest);
+    let r = send_migration(&src.socket, port, &key);
+    assert_eq!(r.code, Some(0), "send-migration: {}", r.explain());
+    let (mut s, line) = connect_at(&elsewhere, PORT, LIMIT);
+    assert!(line.starts_with("OK "), "{line:?}");
+    let data = pattern(3000);
+    assert!(echo_round_trip(&mut s, &data) == data, "the echo differs");
+    drop(s);
+    src_guard.defuse();
+    assert_migrated_away(src, port);
+    assert!(!socket.exists(), "the source's socket file outlived it");
+    dest_guard.defuse();
+    let text = finished_destination(dest, &dest_serial);
+    assert!(
+        !elsewhere.exists(),
+        "the moved VM's socket file outlived it"
+    );
+    let v = result_in(&text, "vsock-echo");
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["resets"], 1, "{v}");
+    let r = result_in(&text, "rng");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["bytes"], 4096, "{r}");
+}

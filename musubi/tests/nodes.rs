@@ -539,6 +539,48 @@ fn a_node_with_another_vm_configuration_is_refused_naming_what_differs() {
 }
 
 #[test]
+fn a_node_with_another_rng_or_vsock_cid_is_refused_naming_it() {
+    assert_kvm();
+    for (a, b, what) in [
+        (
+            vec!["--rng"],
+            vec!["--rng", "bytes_per_sec=100"],
+            "different VM configuration (rng differ",
+        ),
+        (
+            vec!["--vsock", "cid=3,socket=v0.sock"],
+            vec!["--vsock", "cid=4,socket=v1.sock"],
+            "different VM configuration (vsock cid differ",
+        ),
+    ] {
+        let c = Cluster::new(&[&[0], &[1]]);
+        let place = |flags: &[&str]| -> Vec<String> {
+            flags
+                .iter()
+                .map(|f| match f.split_once("socket=") {
+                    Some((head, name)) => {
+                        format!("{head}socket={}", c.dir.path().join(name).display())
+                    }
+                    None => f.to_string(),
+                })
+                .collect()
+        };
+        let (fa, fb) = (place(&a), place(&b));
+        let fa: Vec<&str> = fa.iter().map(String::as_str).collect();
+        let fb: Vec<&str> = fb.iter().map(String::as_str).collect();
+        let mut na = c.spawn(0, 2, "hello", &fa);
+        let mut nb = c.spawn(1, 2, "hello", &fb);
+        let sb = wait_with_limit(&mut nb, Duration::from_secs(60), "node 1");
+        let sa = wait_with_limit(&mut na, Duration::from_secs(60), "node 0");
+        assert_ne!(sa.code(), Some(0));
+        assert_ne!(sb.code(), Some(0));
+        let both = c.explain(2);
+        assert!(both.contains(what), "{what}: {both}");
+        assert!(!both.contains("panicked"), "{both}");
+    }
+}
+
+#[test]
 fn garbage_from_a_peer_ends_its_connection_with_an_error_not_a_crash() {
     assert_kvm();
     let c = Cluster::new(&[&[0], &[1]]);
@@ -768,6 +810,51 @@ fn a_vcpu_on_another_node_prints_and_reads_the_disk() {
         "{}",
         r.explain()
     );
+}
+
+/// `--rng` and `--vsock`, handed to every node, reach the devices of the node that holds
+/// them (node 0, with vCPU 0, where the probe's rng and vsock tasks run): the other node
+/// builds the same layout but makes no listener of its own, so the path is the I/O
+/// node's alone and neither node refuses it as taken.
+#[test]
+fn a_two_node_vm_reads_the_rng_and_echoes_over_vsock() {
+    use common::vsock::{connect_at, echo_round_trip, pattern};
+    const PORT: u32 = 52;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("v.sock");
+    let serial = dir.path().join("serial");
+    let vsock = format!("cid=3,socket={}", socket.display());
+    let console = format!("file={}", serial.display());
+    let mut vm = start_nodes(
+        2,
+        &format!("hello,cpu=1,rng=4096,vsock-echo={PORT}"),
+        &[
+            "--rng",
+            "bytes_per_sec=65536",
+            "--vsock",
+            &vsock,
+            "--serial",
+            &console,
+        ],
+    );
+    vm.wait_for_text(&serial, "vsock-echo: cid 3 listening", RUN_LIMIT);
+    let (mut s, line) = connect_at(&socket, PORT, RUN_LIMIT);
+    assert!(line.starts_with("OK "), "{line:?}");
+    let data = pattern(3000);
+    assert!(echo_round_trip(&mut s, &data) == data, "the echo differs");
+    drop(s);
+    let r = vm.finish(RUN_LIMIT);
+    let text = read_text(&serial);
+    assert_eq!(r.code, Some(0), "{}\n{text}", r.explain());
+    assert!(!socket.exists(), "the socket file outlived the VM");
+    let h = common::result_in(&text, "hello");
+    assert_eq!(h["nodes"], 2, "{h}");
+    let g = common::result_in(&text, "rng");
+    assert_eq!(g["ok"], true, "{g}");
+    assert_eq!(g["bytes"], 4096, "{g}");
+    let v = common::result_in(&text, "vsock-echo");
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["connections"], 1, "{v}");
 }
 
 /// The namespaces and links the `--netns` run of launcher `pid` left on this host: every

@@ -5,7 +5,7 @@
 mod common;
 use common::vsock::*;
 use common::*;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -56,20 +56,6 @@ impl Vsock {
         );
         (run, read_text(&self.serial))
     }
-}
-
-/// Whether the device closed the stream: end of file, or a reset if it closed with bytes
-/// of ours unread.
-fn closed(s: &mut UnixStream) -> bool {
-    let mut rest = Vec::new();
-    match s.read_to_end(&mut rest) {
-        Ok(_) => true,
-        Err(e) => e.kind() == ErrorKind::ConnectionReset,
-    }
-}
-
-fn pattern(len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i * 7 % 253) as u8).collect()
 }
 
 fn echo_runs(exits: &str) {
@@ -282,4 +268,120 @@ fn a_restored_vm_tells_the_guest_its_connections_are_gone_and_takes_new_ones() {
     assert_eq!(r["resets"], 1, "no transport reset reached the guest: {r}");
     assert_eq!(r["lost_to_resets"], 1, "{r}");
     assert_eq!(r["connections"], 1, "{r}");
+}
+
+#[test]
+fn a_restore_given_another_vsock_socket_listens_there_while_the_original_runs_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (api, serial) = (dir.path().join("api.sock"), dir.path().join("original.out"));
+    let socket = dir.path().join("v.sock");
+    let elsewhere = dir.path().join("w.sock");
+    let snap = dir.path().join("snap");
+    let vsock = format!("cid=3,socket={}", socket.display());
+    let mut vm = start_probe_with_api(
+        &format!("vsock-echo={PORT}"),
+        &api,
+        &serial,
+        &[
+            "--memory",
+            "128M",
+            "--vsock",
+            &vsock,
+            "--rng",
+            "bytes_per_sec=4096",
+        ],
+    );
+    let guard = KillOnPanic::new(&vm);
+    vm.wait_for_text(&serial, "vsock-echo: cid 3 listening", LIMIT);
+    let answer = remote(&api, &["snapshot", snap.to_str().unwrap()]);
+    assert_eq!(answer.code, Some(0), "snapshot: {}", answer.explain());
+
+    // The original still listens at the saved path: a restore must be told where else.
+    let restore = |flags: &[&str]| -> Vec<String> {
+        let mut a = vec![
+            "run".to_string(),
+            "--restore".into(),
+            snap.display().to_string(),
+            "--serial".into(),
+            format!("file={}", dir.path().join("restored.out").display()),
+            "--timeout".into(),
+            "200".into(),
+        ];
+        a.extend(flags.iter().map(|f| f.to_string()));
+        a
+    };
+    let moved = format!("cid=3,socket={}", elsewhere.display());
+    let other_cid = format!("cid=4,socket={}", elsewhere.display());
+    for (flags, names) in [
+        (
+            vec![],
+            vec!["--restore", "v.sock", "already exists", "--vsock"],
+        ),
+        (
+            vec!["--vsock", other_cid.as_str()],
+            vec!["--vsock", "cid is 3", "cid=4"],
+        ),
+        (
+            vec!["--vsock", moved.as_str(), "--rng"],
+            vec!["--rng", "bytes_per_sec=4096", "uncapped"],
+        ),
+        (
+            vec!["--vsock", moved.as_str(), "--rng", "bytes_per_sec=1"],
+            vec!["--rng", "bytes_per_sec=4096", "bytes_per_sec=1"],
+        ),
+    ] {
+        let r = run(&restore(&flags));
+        assert_eq!(r.code, Some(1), "{flags:?}: {}", r.explain());
+        for n in names {
+            assert!(
+                r.stderr.contains(n),
+                "{flags:?}: no {n:?} in {}",
+                r.explain()
+            );
+        }
+        assert!(!elsewhere.exists(), "{flags:?}: a refused restore listened");
+    }
+
+    let mut restored = start_command(
+        musubi(),
+        &restore(&["--vsock", &moved, "--rng", "bytes_per_sec=4096"]),
+        None,
+    );
+    let restored_guard = KillOnPanic::new(&restored);
+    restored.wait_for_file(&elsewhere, LIMIT);
+    let (mut s, line) = connect_at(&elsewhere, PORT, LIMIT);
+    assert!(line.starts_with("OK "), "{line:?}");
+    let data = pattern(3000);
+    assert!(echo_round_trip(&mut s, &data) == data, "the echo differs");
+    drop(s);
+    restored_guard.defuse();
+    let run = restored.finish(LIMIT);
+    let console = read_text(&dir.path().join("restored.out"));
+    assert_eq!(run.code, Some(0), "{}\n{console}", run.explain());
+    assert!(
+        !elsewhere.exists(),
+        "the restored VM's socket file outlived it"
+    );
+    let r = result_in(&console, "vsock-echo");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["resets"], 1, "no transport reset reached the guest: {r}");
+    assert_eq!(r["connections"], 1, "{r}");
+
+    // The original kept its own socket all along, and serves it again once resumed (a
+    // snapshot leaves the VM paused).
+    assert!(
+        socket.exists(),
+        "the restore took the original's socket file"
+    );
+    let answer = remote(&api, &["resume"]);
+    assert_eq!(answer.code, Some(0), "resume: {}", answer.explain());
+    let (mut s, line) = connect_at(&socket, PORT, LIMIT);
+    assert!(line.starts_with("OK "), "{line:?}");
+    assert!(echo_round_trip(&mut s, &data) == data, "the echo differs");
+    drop(s);
+    guard.defuse();
+    let run = vm.finish(LIMIT);
+    let console = read_text(&serial);
+    assert_eq!(run.code, Some(0), "{}\n{console}", run.explain());
+    assert!(!socket.exists(), "the original's socket file outlived it");
 }

@@ -45,6 +45,8 @@ pub enum DeviceError {
         path: std::path::PathBuf,
         source: devices::virtio::VsockError,
     },
+    #[error("--vsock: {0}")]
+    TakeOver(#[from] devices::virtio::TakeOverError),
     #[error("too many devices: IRQ {0} is past the last IOAPIC pin {MAX_IRQ}")]
     OutOfIrqs(u32),
     #[error("cannot create an interrupt eventfd: {0}")]
@@ -186,6 +188,15 @@ impl Devices {
         }
     }
 
+    /// Moves a staged vsock listener onto its path (see [`crate::VmBuilder::staged_sockets`]):
+    /// from here on host programs reach this VM, not the process it came from.
+    pub fn take_over_sockets(&self) -> Result<(), devices::virtio::TakeOverError> {
+        match &self.vsock_socket {
+            Some(f) => f.take_over(),
+            None => Ok(()),
+        }
+    }
+
     /// Removes what the devices left in the file system (the vsock listener's socket).
     pub fn remove_sockets(&self) {
         if let Some(f) = &self.vsock_socket {
@@ -317,15 +328,29 @@ impl Wiring<'_> {
     }
 }
 
+/// How the devices' host side is set up, beside what the configuration says.
+#[derive(Default)]
+pub struct HostSide {
+    /// Keeps a copy of COM1's output for the report.
+    pub capture: Option<Arc<Mutex<Vec<u8>>>>,
+    /// The vsock listener is bound beside its path until the VM starts (a migration's
+    /// destination, see [`crate::VmBuilder::staged_sockets`]).
+    pub staged_sockets: bool,
+}
+
 pub fn create_devices(
     vm: &KvmVm,
     mem: &GuestMemoryMmap,
     config: &VmConfig,
     layout: &GuestLayout,
-    capture: Option<Arc<Mutex<Vec<u8>>>>,
+    host: HostSide,
     extra: ExtraDevices,
     control: Arc<RunControl>,
 ) -> Result<Devices, DeviceError> {
+    let HostSide {
+        capture,
+        staged_sockets,
+    } = host;
     let (serial_mode, disks, mode) = (&config.serial, &config.disks[..], config.exits);
     let mut w = Wiring {
         vm,
@@ -395,12 +420,16 @@ pub fn create_devices(
     all.extend(nets.iter().cloned());
     let mut vsock_socket = None;
     if let Some(v) = &config.vsock {
-        let device =
-            devices::virtio::Vsock::new(v.cid, &v.socket).map_err(|source| DeviceError::Vsock {
-                cid: v.cid,
-                path: v.socket.clone(),
-                source,
-            })?;
+        let device = if staged_sockets {
+            devices::virtio::Vsock::staged(v.cid, &v.socket)
+        } else {
+            devices::virtio::Vsock::new(v.cid, &v.socket)
+        }
+        .map_err(|source| DeviceError::Vsock {
+            cid: v.cid,
+            path: v.socket.clone(),
+            source,
+        })?;
         let file = device.socket_file();
         let t = match w.add_virtio("virtio-vsock", Box::new(device)) {
             Ok(t) => t,

@@ -17,7 +17,7 @@ pub use mmio::{MmioTransport, QueueLayoutError, RestoreError, TransportState};
 pub use net::{Net, NetBackend, NetConfig, NetCounters, NetError};
 pub use pmem::Pmem;
 pub use rng::{Rng, RngCounters, RngError};
-pub use vsock::{SocketFile, Vsock, VsockError};
+pub use vsock::{SocketFile, TakeOverError, Vsock, VsockError};
 
 use crate::GuestMemoryMmap;
 use std::io;

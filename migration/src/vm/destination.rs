@@ -69,6 +69,12 @@ enum HostError {
         saved: vmm::config::ExitsMode,
         given: vmm::config::ExitsMode,
     },
+    #[error(
+        "--vsock socket={}: already exists and is not the source's listener; give --vsock \
+         cid=N,socket=OTHER to listen elsewhere",
+        .0.display()
+    )]
+    VsockPath(PathBuf),
     #[error("no configuration came")]
     NoConfig,
     #[error("no VM was built")]
@@ -108,10 +114,16 @@ impl Host for VmHost<'_> {
 
 impl VmHost<'_> {
     fn check_config(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, HostError> {
-        let saved: vmm::snapshot::SavedConfig =
+        let mut offered: serde_json::Value =
             serde_json::from_slice(config).map_err(HostError::Config)?;
+        let listener = offered
+            .as_object_mut()
+            .and_then(|o| o.remove(super::VSOCK_LISTENER))
+            .and_then(|id| serde_json::from_value::<(u64, u64)>(id).ok());
+        let saved: vmm::snapshot::SavedConfig =
+            serde_json::from_value(offered).map_err(HostError::Config)?;
         let g = &self.given;
-        saved.check_given(g.cpus, g.memory, g.disks.as_deref(), g.pmem.as_deref())?;
+        saved.check_given_devices(g)?;
         saved.check_files()?;
         let files = saved
             .disks
@@ -151,8 +163,17 @@ impl VmHost<'_> {
                 })?;
         }
         let mut vm = saved.to_vm_config()?;
-        if let Some(serial) = g.serial.clone() {
-            vm.serial = serial;
+        vmm::snapshot::SavedConfig::apply_given(&mut vm, g);
+        // The source may listen there still (a move within one host): the VM's listener
+        // takes that socket's place at the switch. Anything else there (another VM's
+        // socket) stays, and so does the VM where it is.
+        if let Some(v) = &vm.vsock {
+            use std::os::unix::fs::MetadataExt;
+            if let Ok(m) = std::fs::symlink_metadata(&v.socket) {
+                if listener != Some((m.dev(), m.ino())) {
+                    return Err(HostError::VsockPath(v.socket.clone()));
+                }
+            }
         }
         if let Some(exits) = g.exits.filter(|&e| e != vm.exits) {
             return Err(HostError::Exits {
@@ -178,6 +199,7 @@ impl VmHost<'_> {
             .guest_ram(vmm::GuestRamSource::External(ext))
             .on_stopped(move || owner.release())
             .restore_later()
+            .staged_sockets()
             .build()
             .map_err(|e| HostError::Build(Box::new(e)))?;
         self.built = Some(vm);

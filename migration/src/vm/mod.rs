@@ -10,3 +10,8 @@ mod source;
 
 pub use destination::{receive, received_vm, NotReceived, Received, Receiving};
 pub use source::{MigrateError, Migrator, SendRequest};
+
+/// The key the source adds to the configuration it sends: (device, inode) of its vsock
+/// listener's file, so a destination on the same host takes over that file's path and no
+/// other socket it finds there.
+const VSOCK_LISTENER: &str = "vsock_listener";

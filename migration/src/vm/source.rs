@@ -46,7 +46,11 @@ struct HandleVm<'a>(&'a vmm::VmHandle);
 
 impl SourceVm for HandleVm<'_> {
     fn config(&self) -> Vec<u8> {
-        serde_json::to_vec(self.0.config()).unwrap_or_default()
+        let mut config = serde_json::to_value(self.0.config()).unwrap_or_default();
+        if let (Some(id), Some(fields)) = (self.0.vsock_listener(), config.as_object_mut()) {
+            fields.insert(super::VSOCK_LISTENER.into(), serde_json::json!(id));
+        }
+        serde_json::to_vec(&config).unwrap_or_default()
     }
     fn capture(&self) -> Result<Vec<u8>, VmFault> {
         let state = self.0.capture()?;

@@ -1,7 +1,7 @@
 //! A host program's side of a VM's hybrid vsock: `CONNECT <port>` on its UNIX socket, and
 //! bytes echoed back by the probe's `vsock-echo`.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
@@ -37,4 +37,19 @@ pub fn connect_at(socket: &Path, port: u32, limit: Duration) -> (UnixStream, Str
     s.set_read_timeout(Some(limit)).unwrap();
     s.write_all(format!("CONNECT {port}\n").as_bytes()).unwrap();
     (s.try_clone().unwrap(), read_line(&mut s))
+}
+
+/// Whether the device closed the stream: end of file, or a reset if it closed with bytes
+/// of ours unread.
+pub fn closed(s: &mut UnixStream) -> bool {
+    let mut rest = Vec::new();
+    match s.read_to_end(&mut rest) {
+        Ok(_) => true,
+        Err(e) => e.kind() == ErrorKind::ConnectionReset,
+    }
+}
+
+/// `len` bytes that are not all alike, to echo.
+pub fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 % 253) as u8).collect()
 }

@@ -48,6 +48,8 @@ pub(crate) struct Shared {
     pub(crate) nets: Vec<Arc<Mutex<devices::virtio::MmioTransport>>>,
     pub(crate) pmem: Vec<crate::pmem::PmemRegion>,
     pub(crate) saved_config: crate::snapshot::SavedConfig,
+    /// The vsock listener's file, if the VM has one here.
+    pub(crate) vsock_socket: Option<devices::virtio::SocketFile>,
     /// One pause, resume or snapshot at a time.
     pub(crate) busy: Mutex<()>,
     /// Pages written since the last look, while a pre-copy migration asks.
@@ -129,6 +131,12 @@ impl VmHandle {
     /// The configuration the VM was built with, as a snapshot records it.
     pub fn config(&self) -> &crate::snapshot::SavedConfig {
         &self.shared.saved_config
+    }
+
+    /// (device, inode) of the vsock listener's socket file: a migration's destination on
+    /// this host finds this file at the path and knows it may take the path over.
+    pub fn vsock_listener(&self) -> Option<(u64, u64)> {
+        self.shared.vsock_socket.as_ref().and_then(|f| f.id())
     }
 
     /// Presses the ACPI power button. The guest is told through the SCI if it enabled the

@@ -62,6 +62,11 @@ pub enum SnapshotError {
         saved: String,
         given: String,
     },
+    #[error(
+        "the snapshot's vsock cid is {saved}, but --vsock asks for cid={given}: the guest \
+         keeps the cid it read, only socket= may change"
+    )]
+    VsockCid { saved: u64, given: u64 },
     #[error("{flag} {}: {why} (a snapshot references its disks and memory-storage files; it does not copy them)", path.display())]
     MissingFile {
         flag: &'static str,
@@ -134,6 +139,13 @@ pub struct GivenDevices {
     pub pmem: Option<Vec<PmemConfig>>,
     pub serial: Option<SerialMode>,
     pub exits: Option<ExitsMode>,
+    /// Must name the saved TAPs (or descriptors), in order.
+    pub net: Option<Vec<crate::config::net::NetConfig>>,
+    /// Must match the saved entropy device: the guest found the device it has.
+    pub rng: Option<crate::config::rng::RngConfig>,
+    /// Its cid must match the saved one (the guest keeps the cid it read); its socket is
+    /// where the host side listens from now on.
+    pub vsock: Option<crate::config::vsock::VsockConfig>,
 }
 
 impl SavedConfig {
@@ -294,6 +306,86 @@ impl SavedConfig {
             }
         }
         Ok(())
+    }
+
+    /// [`SavedConfig::check_given`] for every device flag the command line gave: the
+    /// VM's own shape, its entropy device and its vsock cid. What a restore or an arriving
+    /// migration may change (the console, the vsock's socket) is [`SavedConfig::apply_given`]'s.
+    pub fn check_given_devices(&self, g: &GivenDevices) -> Result<(), SnapshotError> {
+        self.check_given(g.cpus, g.memory, g.disks.as_deref(), g.pmem.as_deref())?;
+        if let Some(n) = &g.net {
+            let names = |list: &[crate::config::net::NetConfig]| {
+                let v: Vec<String> = list
+                    .iter()
+                    .map(|n| match (&n.tap, n.fd) {
+                        (Some(t), _) => format!("tap={t}"),
+                        (None, Some(fd)) => format!("fd={fd}"),
+                        (None, None) => "a TAP of its own".to_string(),
+                    })
+                    .collect();
+                if v.is_empty() {
+                    "none".to_string()
+                } else {
+                    v.join(", ")
+                }
+            };
+            let (saved, given) = (names(&self.net), names(n));
+            if saved != given {
+                return Err(SnapshotError::Differs {
+                    what: "network device list",
+                    flag: "--net",
+                    saved,
+                    given,
+                });
+            }
+        }
+        let rng = |r: Option<crate::config::rng::RngConfig>| match r {
+            None => "none".to_string(),
+            Some(r) if r.bytes_per_sec.is_none() => "on, uncapped".to_string(),
+            Some(r) => r.to_string(),
+        };
+        if let Some(r) = g.rng.filter(|&r| Some(r) != self.rng) {
+            return Err(SnapshotError::Differs {
+                what: "entropy device",
+                flag: "--rng",
+                saved: rng(self.rng),
+                given: rng(Some(r)),
+            });
+        }
+        if let Some(v) = &g.vsock {
+            match &self.vsock {
+                None => {
+                    return Err(SnapshotError::Differs {
+                        what: "vsock device",
+                        flag: "--vsock",
+                        saved: "none".into(),
+                        given: v.to_string(),
+                    })
+                }
+                Some(s) if s.cid != v.cid => {
+                    return Err(SnapshotError::VsockCid {
+                        saved: s.cid,
+                        given: v.cid,
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts into `config` (this snapshot's own, from [`SavedConfig::to_vm_config`]) what
+    /// the command line may change of a saved VM: where its console goes (`--serial`) and
+    /// where its vsock's host side listens (`--vsock`'s socket, made absolute as a saved
+    /// one is). Call [`SavedConfig::check_given_devices`] first.
+    pub fn apply_given(config: &mut VmConfig, g: &GivenDevices) {
+        if let Some(serial) = g.serial.clone() {
+            config.serial = serial;
+        }
+        if let (Some(v), Some(given)) = (config.vsock.as_mut(), &g.vsock) {
+            let cwd = std::env::current_dir().unwrap_or_default();
+            v.socket = cwd.join(&given.socket);
+        }
     }
 
     /// Refuses a restore whose disks or memory-storage files are gone, by name.
@@ -624,6 +716,106 @@ mod tests {
         assert_eq!(
             (back.cpus, back.memory, back.disks.len()),
             (2, 256 << 20, 1)
+        );
+    }
+
+    #[test]
+    fn rng_and_vsock_flags_are_compared_and_the_vsock_socket_may_move() {
+        use crate::config::rng::RngConfig;
+        use crate::config::vsock::VsockConfig;
+        let saved = SavedConfig {
+            kernel: "probe".into(),
+            cmdline: String::new(),
+            cpus: 1,
+            memory: 128 << 20,
+            disks: vec![],
+            pmem: vec![],
+            serial: SerialMode::Off,
+            exits: ExitsMode::Kernel,
+            net: vec![],
+            rng: Some(RngConfig {
+                bytes_per_sec: Some(4096),
+            }),
+            vsock: Some(VsockConfig {
+                cid: 3,
+                socket: "/run/a.sock".into(),
+            }),
+        };
+        let rng = |n| RngConfig { bytes_per_sec: n };
+        let vsock = |cid, socket: &str| VsockConfig {
+            cid,
+            socket: socket.into(),
+        };
+        let given = |rng, vsock| GivenDevices {
+            rng,
+            vsock,
+            ..Default::default()
+        };
+        saved
+            .check_given_devices(&given(Some(rng(Some(4096))), None))
+            .unwrap();
+        let e = saved
+            .check_given_devices(&given(Some(rng(None)), None))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "the snapshot's entropy device is bytes_per_sec=4096, but --rng asks for on, uncapped"
+        );
+        let e = saved
+            .check_given_devices(&given(Some(rng(Some(1))), None))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--rng")
+                && e.contains("bytes_per_sec=4096")
+                && e.contains("bytes_per_sec=1"),
+            "{e}"
+        );
+        let e = saved
+            .check_given_devices(&given(None, Some(vsock(4, "/run/b.sock"))))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--vsock") && e.contains("cid is 3") && e.contains("cid=4"),
+            "{e}"
+        );
+        let none = SavedConfig {
+            rng: None,
+            vsock: None,
+            ..saved.clone()
+        };
+        let e = none
+            .check_given_devices(&given(Some(rng(None)), None))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--rng") && e.contains("is none"), "{e}");
+        let e = none
+            .check_given_devices(&given(None, Some(vsock(3, "/run/b.sock"))))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--vsock") && e.contains("is none") && e.contains("/run/b.sock"),
+            "{e}"
+        );
+        // The cid matches: the host side moves to the given socket, the rest stays.
+        let moved = given(None, Some(vsock(3, "/run/b.sock")));
+        saved.check_given_devices(&moved).unwrap();
+        let mut config = saved.to_vm_config().unwrap();
+        SavedConfig::apply_given(&mut config, &moved);
+        assert_eq!(config.vsock, Some(vsock(3, "/run/b.sock")));
+        assert_eq!(config.rng, Some(rng(Some(4096))));
+        let mut config = saved.to_vm_config().unwrap();
+        SavedConfig::apply_given(&mut config, &GivenDevices::default());
+        assert_eq!(config.vsock, Some(vsock(3, "/run/a.sock")));
+        let net = GivenDevices {
+            net: Some(vec!["tap=t0".parse().unwrap()]),
+            ..Default::default()
+        };
+        let e = saved.check_given_devices(&net).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "the snapshot's network device list is none, but --net asks for tap=t0"
         );
     }
 }

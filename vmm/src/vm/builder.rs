@@ -12,7 +12,7 @@ use crate::arch::x86_64::{linux, regs};
 use crate::boot_data::{write_boot_data, BootDataError};
 use crate::config::VmConfig;
 use crate::control::RunControl;
-use crate::device_manager::{create_devices, DeviceError};
+use crate::device_manager::{create_devices, DeviceError, HostSide};
 use crate::exit::DeviceBus;
 use crate::loader::{load_kernel, EntryPoint, LoadError};
 use crate::pmem::{host_phys_bits, PmemError, PmemRegions};
@@ -95,6 +95,8 @@ pub struct VmBuilder<'a> {
     /// Build everything but the state, which [`Vm::apply_state`] puts in later.
     later: bool,
     prefault: bool,
+    /// Bind host-side sockets beside their paths, taken over at start.
+    staged_sockets: bool,
 }
 
 /// Where guest RAM comes from.
@@ -168,6 +170,7 @@ impl<'a> VmBuilder<'a> {
             restore: None,
             later: false,
             prefault: false,
+            staged_sockets: false,
         }
     }
 
@@ -177,6 +180,15 @@ impl<'a> VmBuilder<'a> {
     /// applying the state, whatever the VM's size.
     pub fn restore_later(mut self) -> Self {
         self.later = true;
+        self
+    }
+
+    /// Binds the vsock device's listener beside its path and moves it onto the path only
+    /// when the VM starts ([`Vm::start`]): a VM migrating within one host is built while
+    /// its source still listens at that path, and must not take it before the switch
+    /// (the migration may yet fail and the VM go on there), nor fail for finding it taken.
+    pub fn staged_sockets(mut self) -> Self {
+        self.staged_sockets = true;
         self
     }
 
@@ -391,7 +403,10 @@ impl Vm {
                 &mem,
                 config,
                 &layout,
-                capture.clone(),
+                HostSide {
+                    capture: capture.clone(),
+                    staged_sockets: share.staged_sockets,
+                },
                 pmem.devices(),
                 control.clone(),
             )?
@@ -412,7 +427,7 @@ impl Vm {
                 &mem,
                 &bare,
                 &layout,
-                None,
+                HostSide::default(),
                 Default::default(),
                 control.clone(),
             )?

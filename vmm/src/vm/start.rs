@@ -18,6 +18,9 @@ impl Vm {
         if self.awaits_state {
             return Err(PersistError::NoStateApplied.into());
         }
+        self.devices
+            .take_over_sockets()
+            .map_err(crate::device_manager::DeviceError::from)?;
         let notifiers = std::mem::take(&mut self.devices.notifiers);
         let device_events = std::mem::take(&mut self.devices.device_events);
         // Device event sources (a TAP) need the thread on either exit path: only doorbells
@@ -72,6 +75,7 @@ impl Vm {
             nets: self.devices.nets.clone(),
             pmem: self.pmem.regions.clone(),
             saved_config: self.saved_config.clone(),
+            vsock_socket: self.devices.vsock_socket.clone(),
             busy: Mutex::new(()),
             dirty: crate::vstate::dirty::DirtyLog::new(
                 self.kvm.shared_fd(),

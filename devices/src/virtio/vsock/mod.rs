@@ -13,7 +13,7 @@ pub mod packet;
 #[cfg(test)]
 mod tests;
 
-pub use muxer::{Muxer, SocketFile, VsockError, MAX_CONNS};
+pub use muxer::{staging_path, Muxer, SocketFile, TakeOverError, VsockError, MAX_CONNS};
 
 use super::net::buffers;
 use super::{available, corrupt, pop};
@@ -50,15 +50,25 @@ pub struct Vsock {
 impl Vsock {
     /// A device for guest `cid` whose host side listens at `socket`.
     pub fn new(cid: u64, socket: &Path) -> Result<Vsock, VsockError> {
-        let muxer = Muxer::new(cid, socket)?;
-        Ok(Vsock {
+        Ok(Vsock::with_muxer(Muxer::new(cid, socket)?))
+    }
+
+    /// A device for a VM arriving from another process that may still listen at `socket`:
+    /// it listens beside it until its [`SocketFile::take_over`] (see [`Muxer::staged`]).
+    pub fn staged(cid: u64, socket: &Path) -> Result<Vsock, VsockError> {
+        Ok(Vsock::with_muxer(Muxer::staged(cid, socket)?))
+    }
+
+    fn with_muxer(muxer: Muxer) -> Vsock {
+        let cid = muxer.cid();
+        Vsock {
             muxer,
             config: cid.to_le_bytes(),
             active: false,
             buf: vec![0; MAX_PKT_LEN],
             stats: VirtioStats::default(),
             reset_event_due: false,
-        })
+        }
     }
 
     pub fn cid(&self) -> u64 {

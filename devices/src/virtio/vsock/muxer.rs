@@ -61,38 +61,116 @@ pub enum VsockError {
 type Key = (u32, u32);
 
 /// The listener's socket file, removed with the device, but only while it is still the file
-/// this device made: a later VM may have taken the path since.
+/// this device made: a later VM (or this VM moved to another process) may have taken the
+/// path since. A listener bound beside its path ([`Muxer::staged`]) is moved onto it by
+/// [`SocketFile::take_over`]; every clone sees where the file is now.
 #[derive(Clone, Debug)]
 pub struct SocketFile {
+    /// Where host programs look for it.
     path: PathBuf,
-    /// (device, inode) of the file as bound.
+    at: std::sync::Arc<std::sync::Mutex<Bound>>,
+}
+
+#[derive(Debug)]
+struct Bound {
+    /// Where the file is now: `path`, or beside it until taken over.
+    file: PathBuf,
+    /// (device, inode) of the file as bound (a rename keeps it).
     id: Option<(u64, u64)>,
 }
 
+/// Why a staged listener could not take its path.
+#[derive(Debug, thiserror::Error)]
+pub enum TakeOverError {
+    #[error(
+        "vsock socket {}: something other than a socket is there; a moved VM replaces only \
+         a socket (its previous listener's)",
+        .0.display()
+    )]
+    NotASocket(PathBuf),
+    #[error("vsock socket {}: cannot move the listener there from {}: {source}", path.display(), from.display())]
+    Rename {
+        path: PathBuf,
+        from: PathBuf,
+        source: io::Error,
+    },
+}
+
 impl SocketFile {
-    fn of(path: &Path) -> SocketFile {
+    fn of(path: &Path, file: &Path) -> SocketFile {
         use std::os::unix::fs::MetadataExt;
         SocketFile {
             path: path.to_path_buf(),
-            id: std::fs::symlink_metadata(path)
-                .ok()
-                .map(|m| (m.dev(), m.ino())),
+            at: std::sync::Arc::new(std::sync::Mutex::new(Bound {
+                file: file.to_path_buf(),
+                id: std::fs::symlink_metadata(file)
+                    .ok()
+                    .map(|m| (m.dev(), m.ino())),
+            })),
         }
+    }
+
+    fn bound(&self) -> std::sync::MutexGuard<'_, Bound> {
+        self.at.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
+    /// (device, inode) of the listener's file as bound: the same after a take-over, so
+    /// another process on this host can tell this listener's file from any other.
+    pub fn id(&self) -> Option<(u64, u64)> {
+        self.bound().id
+    }
+
+    /// Where the listener's file is now (beside `path` until taken over).
+    pub fn file(&self) -> PathBuf {
+        self.bound().file.clone()
+    }
+
+    /// Moves a staged listener onto its path in one rename, replacing the socket another
+    /// process (the VM's previous home) still listens on there: from here on host programs
+    /// reach this one, and that process's own [`SocketFile::remove`] leaves this file be.
+    /// Nothing but a socket is replaced. Done once; later calls do nothing.
+    pub fn take_over(&self) -> Result<(), TakeOverError> {
+        use std::os::unix::fs::FileTypeExt;
+        let mut b = self.bound();
+        if b.file == self.path {
+            return Ok(());
+        }
+        if let Ok(m) = std::fs::symlink_metadata(&self.path) {
+            if !m.file_type().is_socket() {
+                return Err(TakeOverError::NotASocket(self.path.clone()));
+            }
+        }
+        std::fs::rename(&b.file, &self.path).map_err(|source| TakeOverError::Rename {
+            path: self.path.clone(),
+            from: b.file.clone(),
+            source,
+        })?;
+        b.file = self.path.clone();
+        Ok(())
+    }
+
     pub fn remove(&self) {
         use std::os::unix::fs::MetadataExt;
-        match std::fs::symlink_metadata(&self.path) {
-            Ok(m) if Some((m.dev(), m.ino())) == self.id => {
-                let _ = std::fs::remove_file(&self.path);
+        let b = self.bound();
+        match std::fs::symlink_metadata(&b.file) {
+            Ok(m) if Some((m.dev(), m.ino())) == b.id => {
+                let _ = std::fs::remove_file(&b.file);
             }
             _ => {}
         }
     }
+}
+
+/// Where [`Muxer::staged`] binds for `path`: beside it, in the same directory (a rename
+/// moves it), named for this process.
+pub fn staging_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".{}.moving", std::process::id()));
+    path.with_file_name(name)
 }
 
 struct Client {
@@ -187,18 +265,35 @@ fn parse_connect(line: &[u8]) -> Option<u32> {
 impl Muxer {
     /// Listens at `path`, which must not exist yet.
     pub fn new(cid: u64, path: &Path) -> Result<Muxer, VsockError> {
+        Muxer::bound_at(cid, path, path)
+    }
+
+    /// Listens beside `path` ([`staging_path`]) for a VM that arrives while its previous
+    /// process still listens at `path`: [`SocketFile::take_over`] moves the listener onto
+    /// `path` once the VM is this process's. Guests still reach host listeners at
+    /// `PATH_P` meanwhile.
+    pub fn staged(cid: u64, path: &Path) -> Result<Muxer, VsockError> {
+        Muxer::bound_at(cid, path, &staging_path(path))
+    }
+
+    fn bound_at(cid: u64, path: &Path, file: &Path) -> Result<Muxer, VsockError> {
         if cid <= HOST_CID || cid > u64::from(u32::MAX) - 1 {
             return Err(VsockError::Cid(cid));
         }
-        let listener = UnixListener::bind(path).map_err(socket_err(path, "cannot listen"))?;
-        let m = Muxer::with_listener(cid, path, listener);
+        let listener = UnixListener::bind(file).map_err(socket_err(file, "cannot listen"))?;
+        let m = Muxer::with_listener(cid, path, file, listener);
         if m.is_err() {
-            let _ = std::fs::remove_file(path);
+            let _ = std::fs::remove_file(file);
         }
         m
     }
 
-    fn with_listener(cid: u64, path: &Path, listener: UnixListener) -> Result<Muxer, VsockError> {
+    fn with_listener(
+        cid: u64,
+        path: &Path,
+        file: &Path,
+        listener: UnixListener,
+    ) -> Result<Muxer, VsockError> {
         listener
             .set_nonblocking(true)
             .map_err(socket_err(path, "non-blocking listener"))?;
@@ -225,7 +320,7 @@ impl Muxer {
         Ok(Muxer {
             cid,
             path: path.to_path_buf(),
-            file: SocketFile::of(path),
+            file: SocketFile::of(path, file),
             connects: VecDeque::new(),
             listener,
             epoll,
@@ -813,5 +908,46 @@ mod tests {
         assert!(e.contains("v.sock") && e.contains("cannot listen"), "{e}");
         drop(m);
         assert!(!path.exists(), "socket file left behind");
+    }
+
+    #[test]
+    fn a_staged_listener_takes_over_the_path_from_another_listener_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.sock");
+        let before = Muxer::new(3, &path).unwrap();
+        let after = Muxer::staged(3, &path).unwrap();
+        let file = after.socket_file();
+        assert_eq!(file.file(), staging_path(&path));
+        assert_eq!(after.path(), path);
+        file.take_over().unwrap();
+        assert_eq!(file.file(), path);
+        assert!(!staging_path(&path).exists());
+        file.take_over().unwrap();
+        // The previous listener goes and leaves the path to the one that took it.
+        drop(before);
+        assert!(
+            path.exists(),
+            "the previous listener removed its successor's file"
+        );
+        UnixStream::connect(&path).expect("the new listener takes clients");
+        drop(after);
+        assert!(!path.exists(), "socket file left behind");
+    }
+
+    #[test]
+    fn a_staged_listener_replaces_nothing_but_a_socket_and_goes_unmoved() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.sock");
+        std::fs::write(&path, b"keep me").unwrap();
+        let m = Muxer::staged(3, &path).unwrap();
+        let e = m.socket_file().take_over().unwrap_err().to_string();
+        assert!(
+            e.contains("v.sock") && e.contains("other than a socket"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), b"keep me");
+        drop(m);
+        assert!(!staging_path(&path).exists(), "staged file left behind");
+        assert_eq!(std::fs::read(&path).unwrap(), b"keep me");
     }
 }
