@@ -10,11 +10,11 @@
 use super::driver::{
     measured_per_config, summary_bars, Columns, Missing, Outputs, PeerRow, Runs, Verdicts,
 };
-use super::peers::{self, Kind, Micro};
+use super::peers::{self, Micro};
+use super::probe::Ending;
 use super::qemu::{self, Outcome, Peer, Qemu, Standing};
 use super::report::{cell, Csv, Figure, Table};
 use super::stats::{max, ratio, Summary};
-use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
 use super::{plot, BenchArgs, Harness};
 use musubi_types::Metrics;
 use serde_json::Value;
@@ -117,16 +117,14 @@ impl Vmm {
             Vmm::Firecracker { micro, elf } => {
                 // Micro writes a configuration without a network; this one adds tap0.
                 let config = dir.join("firecracker.json");
-                let json = serde_json::json!({
-                    "boot-source": {"kernel_image_path": elf, "boot_args": cmdline},
-                    "drives": [],
-                    "machine-config": {"vcpu_count": 1, "mem_size_mib": MEMORY_MIB},
-                    "network-interfaces": [
+                let mut devices = serde_json::Map::new();
+                devices.insert(
+                    "network-interfaces".into(),
+                    serde_json::json!([
                         {"iface_id": "eth0", "host_dev_name": TAP, "guest_mac": GUEST_MAC}
-                    ],
-                });
-                std::fs::write(&config, json.to_string())
-                    .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+                    ]),
+                );
+                peers::write_firecracker_config(&config, elf, cmdline, MEMORY_MIB, devices)?;
                 let mut cmd = Command::new(&micro.exe);
                 cmd.arg("--no-api").arg("--config-file").arg(config);
                 cmd
@@ -257,22 +255,11 @@ fn vmms(
 ) -> Result<(Vec<Vmm>, Missing), String> {
     let mut configs = musubi_paths(exe, elf);
     let mut missing = Missing::new();
-    let asked = |name: &str| args.compare.is_none() || listed.contains(&name);
-    if asked("firecracker") {
-        match Micro::find(Kind::Firecracker, elf, &h.out) {
-            Ok(micro) => {
-                println!("firecracker: runs with its seccomp filters");
-                configs.push(Vmm::Firecracker {
-                    micro,
-                    elf: elf.to_path_buf(),
-                });
-            }
-            Err(why) if listed.contains(&"firecracker") => {
-                println!("firecracker: unavailable, Musubi runs alone: {why}");
-                missing.push(("firecracker".into(), why));
-            }
-            Err(why) => println!("firecracker: skipped, {why}"),
-        }
+    if let Some(micro) = peers::firecracker_peer(args, listed, elf, &h.out, &mut missing) {
+        configs.push(Vmm::Firecracker {
+            micro,
+            elf: elf.to_path_buf(),
+        });
     }
     // The probe guest finds virtio-mmio devices on its command line, which QEMU writes
     // only without ACPI.
@@ -735,44 +722,13 @@ fn boot(c: &Vmm, ns: &Netns, task: &str, name: &str) -> Boot {
         Ok(cmd) => ns.command(&cmd),
         Err(e) => return fail(e),
     };
-    let marker = format!("{{\"probe\":\"{name}\"");
-    let watch = Watch {
-        marker: &marker,
-        guest_bytes: None,
-        timeout: RUN_TIMEOUT,
-        sample_every: Duration::from_millis(20),
-    };
     // Firecracker has no exit port: it is stopped once the result line is out.
-    let o = match c {
-        Vmm::Firecracker { .. } => observe_to_marker(cmd, &watch),
-        _ => observe(cmd, &watch),
+    let ending = match c {
+        Vmm::Musubi { .. } => Ending::Status(0),
+        Vmm::Qemu(_) => Ending::Status(qemu::CLEAN_STATUS),
+        Vmm::Firecracker { .. } => Ending::AtResult,
     };
-    let o = match o {
-        Ok(o) => o,
-        Err(e) => return fail(format!("cannot start {}: {e}", c.name())),
-    };
-    let ended = match c {
-        Vmm::Musubi { .. } => time_to_marker(&o, 0, LINES).map(|_| ()),
-        Vmm::Qemu(_) => time_to_marker(&o, qemu::CLEAN_STATUS, LINES).map(|_| ()),
-        Vmm::Firecracker { .. } => match o.marker_ns {
-            Some(_) => Ok(()),
-            None => Err(format!(
-                "no {name} result line{}; {}",
-                if o.timed_out { " in time" } else { "" },
-                last_words(&o, LINES)
-            )),
-        },
-    };
-    let results = crate::probe::results(o.stdout.as_bytes());
-    let result = match (crate::probe::result(&results, name), ended) {
-        (Some(r), Ok(())) if r["ok"] == true => Ok(r.clone()),
-        (Some(r), _) => Err(format!(
-            "the guest's {name} failed: {r}; {}",
-            last_words(&o, LINES)
-        )),
-        (None, Err(e)) => Err(e),
-        (None, Ok(())) => Err(format!("no {name} result; {}", last_words(&o, LINES))),
-    };
+    let result = crate::probe::task_result(cmd, name, ending, RUN_TIMEOUT, LINES);
     let counts = match c {
         Vmm::Musubi { .. } if result.is_ok() => {
             vmm_counts(&tmp.path().join("metrics.json")).map(Some)
