@@ -50,13 +50,14 @@ struct Load {
     send_bytes: u64,
 }
 
-/// A few seconds a run on this machine: the round trips cost some hundred µs each through
-/// the emulated guest kernel, the streams move some tens of MB/s; long enough that the boot
-/// is a small part of the VMM's counts.
+/// Some seconds a run on this machine (round trips of 30 to 180 µs, streams of 50 to 350
+/// MB/s, moving by a factor of two between runs as the host's other load comes and goes):
+/// long enough that the boot is a small part of the VMM's counts, short enough that 5 runs
+/// of both VMMs take a couple of minutes.
 const FULL: Load = Load {
-    rounds: 2_000,
-    echo_bytes: 16 << 20,
-    send_bytes: 64 << 20,
+    rounds: 10_000,
+    echo_bytes: 64 << 20,
+    send_bytes: 256 << 20,
 };
 const QUICK: Load = Load {
     rounds: 50,
