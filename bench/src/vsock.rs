@@ -693,9 +693,9 @@ medians over the runs. RTT: the host's time to write 64 bytes to the guest's vso
   read them back; echo MB/s: a large buffer written and read back at once (MB one way, 10^6
   bytes); send MB/s: the guest's vsock-send as the host's listener read it, from its accept
   to the stream's end, every byte counted and its CRC-32 checked. exits, doorbells (ioeventfd
-  or MMIO) and irqs per MB: Musubi's --metrics over the whole boot, boot included (n/a for
-  Firecracker, whose counts this bench does not see); bytes: the counts of one run, equal in
-  every run.
+  or MMIO) and irqs per MB echoed (one way) and per MB sent: Musubi's --metrics over the
+  whole boot, boot included (n/a for Firecracker, whose counts this bench does not see);
+  bytes: the counts of one run, equal in every run.
 ";
 
 /// Musubi's medians over Firecracker's: RTT p50, RTT p99, echo and send throughput; `None`
