@@ -94,7 +94,7 @@ impl Micro {
             dir.join(format!("{}-{mem_mib}M.json", kind.name()))
         };
         if kind == Kind::Firecracker {
-            write_firecracker_config(&config, elf, cmdline, mem_mib, serde_json::Map::new())?;
+            write_firecracker_config(&config, elf, cmdline, mem_mib, None)?;
         }
         Ok(Micro {
             kind,
@@ -110,6 +110,23 @@ impl Micro {
     /// 1 vCPU, 128 MiB unless said otherwise, console on stdout, no API.
     pub fn command(&self) -> Command {
         self.command_api(None)
+    }
+
+    /// Firecracker booting its ELF with `cmdline`, `mem_mib` of RAM and `device` (key and
+    /// value of its configuration file, which is written to `dir/firecracker.json`), its
+    /// console on stdout, no API.
+    pub fn firecracker_with(
+        &self,
+        dir: &Path,
+        cmdline: &str,
+        mem_mib: u64,
+        device: (&str, serde_json::Value),
+    ) -> Result<Command, String> {
+        let config = dir.join("firecracker.json");
+        write_firecracker_config(&config, &self.elf, cmdline, mem_mib, Some(device))?;
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("--no-api").arg("--config-file").arg(config);
+        Ok(cmd)
     }
 
     /// [`command`](Self::command), serving the VMM's HTTP API on the UNIX socket `api`
@@ -171,22 +188,22 @@ pub fn firecracker_peer(
 }
 
 /// Writes Firecracker's configuration file at `path`: the probe guest `elf` with
-/// `cmdline`, one vCPU with `mem_mib` of RAM, no drives, and the devices in `devices`
-/// (`"network-interfaces"`, `"vsock"`, ... as Firecracker names them).
-pub fn write_firecracker_config(
+/// `cmdline`, one vCPU with `mem_mib` of RAM, no drives, and `device` if given (its key as
+/// Firecracker names it, `"network-interfaces"`, `"vsock"`, ..., and its value).
+fn write_firecracker_config(
     path: &Path,
     elf: &Path,
     cmdline: &str,
     mem_mib: u64,
-    devices: serde_json::Map<String, serde_json::Value>,
+    device: Option<(&str, serde_json::Value)>,
 ) -> Result<(), String> {
     let mut json = serde_json::json!({
         "boot-source": {"kernel_image_path": elf, "boot_args": cmdline},
         "drives": [],
         "machine-config": {"vcpu_count": 1, "mem_size_mib": mem_mib},
     });
-    if let Some(o) = json.as_object_mut() {
-        o.extend(devices);
+    if let (Some((key, value)), Some(o)) = (device, json.as_object_mut()) {
+        o.insert(key.into(), value);
     }
     std::fs::write(path, json.to_string())
         .map_err(|e| format!("cannot write {}: {e}", path.display()))

@@ -8,11 +8,12 @@
 //! one kind of load. The host's ends are threads of this program on the VM's socket.
 
 use super::driver::{
-    measured_per_config, summary_bars, Columns, Missing, Outputs, PeerRow, Runs, Verdicts,
+    chart_title, contender_rows, measure_contenders, measured_per_config, print_dropped,
+    summary_bars, warm_up, Columns, Contender, Missing, Outputs, Runs, Verdicts,
 };
 use super::peers::{self, Micro};
 use super::probe::Ending;
-use super::qemu::{Outcome, Standing};
+use super::qemu::Outcome;
 use super::report::{cell, Csv, Table};
 use super::stats::{percentile, ratio, Summary};
 use super::{plot, BenchArgs, Harness};
@@ -74,10 +75,10 @@ const WARM_UP: Load = Load {
 #[derive(Clone, Debug)]
 enum Vmm {
     Musubi { exe: PathBuf, elf: PathBuf },
-    Firecracker { micro: Micro, elf: PathBuf },
+    Firecracker { micro: Micro },
 }
 
-impl Vmm {
+impl Contender for Vmm {
     fn name(&self) -> String {
         match self {
             Vmm::Musubi { .. } => "musubi".into(),
@@ -88,7 +89,9 @@ impl Vmm {
     fn is_peer(&self) -> bool {
         !matches!(self, Vmm::Musubi { .. })
     }
+}
 
+impl Vmm {
     /// The VMM booting the probe guest with `cmdline` and a vsock device of cid 3 whose
     /// host side listens at `socket`, its console on stdout, its files in `dir` (Musubi's
     /// counters in `metrics.json`).
@@ -106,18 +109,15 @@ impl Vmm {
                     .arg(dir.join("metrics.json"));
                 cmd
             }
-            Vmm::Firecracker { micro, elf } => {
-                let config = dir.join("firecracker.json");
-                let mut devices = serde_json::Map::new();
-                devices.insert(
-                    "vsock".into(),
+            Vmm::Firecracker { micro } => micro.firecracker_with(
+                dir,
+                cmdline,
+                MEMORY_MIB,
+                (
+                    "vsock",
                     serde_json::json!({"guest_cid": CID, "uds_path": socket}),
-                );
-                peers::write_firecracker_config(&config, elf, cmdline, MEMORY_MIB, devices)?;
-                let mut cmd = Command::new(&micro.exe);
-                cmd.arg("--no-api").arg("--config-file").arg(config);
-                cmd
-            }
+                ),
+            )?,
         })
     }
 
@@ -211,15 +211,15 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     }];
     let mut missing = Missing::new();
     if let Some(micro) = peers::firecracker_peer(args, &listed, &elf, &h.out, &mut missing) {
-        configs.push(Vmm::Firecracker { micro, elf });
+        configs.push(Vmm::Firecracker { micro });
     }
     for other in listed.iter().filter(|p| **p != "firecracker") {
         println!(
             "{other}: not compared here (only Firecracker has this hybrid vsock on virtio-mmio)"
         );
     }
-    let standing = warm_up(&configs, &mut missing)?;
-    let (runs, standing) = measure(h, configs, standing, reps, load)?;
+    let standing = warm_up(&configs, &mut missing, |c| one_run(c, WARM_UP))?;
+    let (runs, standing) = measure_contenders(h, configs, standing, reps, |c| one_run(c, load))?;
     let csv_path = Outputs::new(h).csv("vsock.csv", &csv(&runs, &missing))?;
     let sums: Vec<Sums> = measured_per_config(&runs)
         .iter()
@@ -227,14 +227,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         .collect();
     let configs = &runs.configs;
     print_table(configs, &sums);
-    for (c, st) in configs.iter().zip(&standing) {
-        st.print_as(&c.name());
-    }
-    for (name, why) in &missing {
-        if !configs.iter().any(|c| c.name() == *name) {
-            println!("{name}: unavailable, no comparison: {why}");
-        }
-    }
+    print_dropped(configs, &standing, &missing);
     println!();
     print!("{}", verdicts(configs, &sums).table());
     println!("  (\"not measured\" when Firecracker did not run)");
@@ -253,44 +246,6 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     println!();
     println!("wrote {} and {}", csv_path.display(), svg_path.display());
     Ok(())
-}
-
-/// One discarded run each: Musubi's failure ends the benchmark; a peer that fails is out
-/// for good, with no runs and one CSV row (in `missing`) that says why.
-fn warm_up(configs: &[Vmm], missing: &mut Missing) -> Result<Vec<Standing>, String> {
-    let mut standing: Vec<Standing> = configs.iter().map(|_| Standing::default()).collect();
-    for (c, st) in configs.iter().zip(standing.iter_mut()) {
-        let what = format!("{} warm-up run", c.name());
-        if c.is_peer() {
-            if let Outcome::PeerFailed(_) = st.run(&what, || one_run(c, WARM_UP)) {
-                missing.push((c.name(), st.unavailable.clone().unwrap_or_default()));
-            }
-        } else {
-            one_run(c, WARM_UP).map_err(|e| format!("{what}: {e}"))?;
-        }
-    }
-    Ok(standing)
-}
-
-/// Every VMM's runs, interleaved; a peer that has dropped out makes none.
-fn measure(
-    h: &Harness,
-    configs: Vec<Vmm>,
-    mut standing: Vec<Standing>,
-    reps: usize,
-    load: Load,
-) -> Result<(VsockRuns, Vec<Standing>), String> {
-    let runs = Runs::measure_indexed(h, configs, reps, Vmm::name, |rep, i, c| {
-        if !c.is_peer() {
-            return one_run(c, load).map(Outcome::Measured);
-        }
-        Ok(
-            standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
-                one_run(c, load)
-            }),
-        )
-    })?;
-    Ok((runs, standing))
 }
 
 /// One run: a boot for the round trips and the echo, then one for the stream.
@@ -531,8 +486,6 @@ fn sink(l: UnixListener, bytes: u64, stop: &AtomicBool) -> Result<(u64, u32, f64
 
 /// `vsock.csv`: a row per run made, and one per peer that never ran.
 fn csv(runs: &VsockRuns, missing: &Missing) -> Csv {
-    /// Run and repetition (empty for a peer that never ran), and the VMM.
-    type Head = (String, String, String);
     let f1 = |x: f64| format!("{x:.1}");
     let per_mb = |g: fn(&Sample) -> (Option<VmmCounts>, u64), i: usize| {
         move |s: &Sample| {
@@ -546,9 +499,7 @@ fn csv(runs: &VsockRuns, missing: &Missing) -> Csv {
     let echo = |s: &Sample| (s.echo_vmm, s.echoed_bytes);
     let send = |s: &Sample| (s.send_vmm, s.send_bytes);
     let cols = Columns::new()
-        .head("run", |h: &Head| h.0.clone())
-        .head("rep", |h| h.1.clone())
-        .head("hypervisor", |h| h.2.clone())
+        .run_heads()
         .measured("rounds", |s: &Sample| s.rounds.to_string())
         .measured("rtt_p50_us", move |s| f1(s.rtt_p50_us))
         .measured("rtt_p99_us", move |s| f1(s.rtt_p99_us))
@@ -566,15 +517,7 @@ fn csv(runs: &VsockRuns, missing: &Missing) -> Csv {
         .measured("send_doorbells_per_mb", per_mb(send, 1))
         .measured("send_interrupts_per_mb", per_mb(send, 2))
         .unavailable();
-    let mut rows = PeerRow::of_runs(runs, |i, rep, c: &Vmm| {
-        ((i + 1).to_string(), (rep + 1).to_string(), c.name())
-    });
-    rows.extend(
-        missing
-            .iter()
-            .map(|(name, why)| PeerRow::missing((String::new(), String::new(), name.clone()), why)),
-    );
-    cols.csv(rows)
+    cols.csv(contender_rows(runs, missing))
 }
 
 /// A VMM's medians over its runs.
@@ -759,23 +702,10 @@ fn chart(configs: &[Vmm], sums: &[Sums], missing: &Missing) -> (String, Vec<plot
         panel("host->guest->host echo (median, min)", "MB/s", |s| s.echo),
         panel("guest->host stream (median, min)", "MB/s", |s| s.send),
     ];
-    let mut absent: Vec<String> = configs
-        .iter()
-        .zip(sums)
-        .filter(|(_, s)| s.n == 0)
-        .map(|(c, _)| c.name())
-        .collect();
-    for (name, _) in missing {
-        if !absent.contains(name) {
-            absent.push(name.clone());
-        }
-    }
-    let title = match absent.as_slice() {
-        [] => "musubi bench vsock".to_string(),
-        names => format!(
-            "musubi bench vsock ({} unavailable, see vsock.csv)",
-            names.join(", ")
-        ),
-    };
+    let title = chart_title(
+        "vsock",
+        configs.iter().zip(sums.iter().map(|s| s.n > 0)),
+        missing,
+    );
     (title, panels)
 }
