@@ -233,6 +233,9 @@ pub fn warm_up<C: Contender, S>(
     Ok(standing)
 }
 
+/// The runs of an experiment with [`Contender`]s; a peer's may have failed or not been made.
+pub type ContenderRuns<C, S> = Runs<C, Outcome<S>>;
+
 /// Every configuration's `reps` runs with `one`, interleaved; a peer that has dropped out
 /// (at its warm-up or a failed run) makes none.
 pub fn measure_contenders<C: Contender, S>(
@@ -241,7 +244,7 @@ pub fn measure_contenders<C: Contender, S>(
     mut standing: Vec<Standing>,
     reps: usize,
     mut one: impl FnMut(&C) -> Result<S, String>,
-) -> Result<(Runs<C, Outcome<S>>, Vec<Standing>), String> {
+) -> Result<(ContenderRuns<C, S>, Vec<Standing>), String> {
     let runs = Runs::measure_indexed(h, configs, reps, C::name, |rep, i, c| {
         if !c.is_peer() {
             return one(c).map(Outcome::Measured);

@@ -9,11 +9,11 @@
 
 use super::driver::{
     chart_title, contender_rows, measure_contenders, measured_per_config, print_dropped,
-    summary_bars, warm_up, Columns, Contender, Missing, Outputs, Runs, Verdicts,
+    summary_bars, warm_up, Columns, Contender, ContenderRuns, Missing, Outputs, Verdicts,
 };
 use super::peers::{self, Micro};
 use super::probe::Ending;
-use super::qemu::{self, Outcome, Peer, Qemu};
+use super::qemu::{self, Peer, Qemu};
 use super::report::{cell, Csv, Figure, Table};
 use super::stats::{max, ratio, Summary};
 use super::{plot, BenchArgs, Harness};
@@ -182,7 +182,7 @@ struct Sample {
 }
 
 /// The runs of every VMM; a peer's may have failed or not been made.
-type NetRuns = Runs<Vmm, Outcome<Sample>>;
+type NetRuns = ContenderRuns<Vmm, Sample>;
 
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     crate::driver::need_kvm("runs VMs")?;

@@ -9,11 +9,10 @@
 
 use super::driver::{
     chart_title, contender_rows, measure_contenders, measured_per_config, print_dropped,
-    summary_bars, warm_up, Columns, Contender, Missing, Outputs, Runs, Verdicts,
+    summary_bars, warm_up, Columns, Contender, ContenderRuns, Missing, Outputs, Verdicts,
 };
 use super::peers::{self, Micro};
 use super::probe::Ending;
-use super::qemu::Outcome;
 use super::report::{cell, Csv, Table};
 use super::stats::{percentile, ratio, Summary};
 use super::{plot, BenchArgs, Harness};
@@ -184,7 +183,7 @@ struct Sample {
 }
 
 /// The runs of every VMM; a peer's may have failed or not been made.
-type VsockRuns = Runs<Vmm, Outcome<Sample>>;
+type VsockRuns = ContenderRuns<Vmm, Sample>;
 
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     crate::driver::need_kvm("runs VMs")?;
