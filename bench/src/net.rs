@@ -652,7 +652,7 @@ fn boot(c: &Vmm, ns: &Netns, task: &str, name: &str) -> Boot {
         Vmm::Qemu(_) => Ending::Status(qemu::CLEAN_STATUS),
         Vmm::Firecracker { .. } => Ending::AtResult,
     };
-    let result = crate::probe::task_result(cmd, name, ending, RUN_TIMEOUT, LINES);
+    let result = crate::probe::task_result(&c.name(), cmd, name, ending, RUN_TIMEOUT, LINES);
     let counts = match c {
         Vmm::Musubi { .. } if result.is_ok() => {
             vmm_counts(&tmp.path().join("metrics.json")).map(Some)

@@ -81,17 +81,17 @@ pub enum Ending {
     AtResult,
 }
 
-/// Boots `cmd` (a VMM running the probe guest, its console on stdout) until the end of
-/// task `name`, for at most `timeout`: the task's result line if it succeeded, else why
-/// not, with the VMM's last `lines` lines.
+/// Boots `cmd` (the VMM `vmm` running the probe guest, its console on stdout) until the
+/// end of task `name`, for at most `timeout`: the task's result line if it succeeded, else
+/// why not, with the VMM's last `lines` lines.
 pub fn task_result(
+    vmm: &str,
     cmd: Command,
     name: &str,
     ending: Ending,
     timeout: Duration,
     lines: usize,
 ) -> Result<Value, String> {
-    let program = cmd.get_program().to_string_lossy().into_owned();
     let marker = format!("{{\"probe\":\"{name}\"");
     let watch = Watch {
         marker: &marker,
@@ -103,7 +103,7 @@ pub fn task_result(
         Ending::Status(_) => observe(cmd, &watch),
         Ending::AtResult => observe_to_marker(cmd, &watch),
     }
-    .map_err(|e| format!("cannot start {program}: {e}"))?;
+    .map_err(|e| format!("cannot start {vmm}: {e}"))?;
     let ended = match (ending, o.marker_ns) {
         (Ending::Status(want), _) => time_to_marker(&o, want, lines).map(|_| ()),
         (Ending::AtResult, Some(_)) => Ok(()),

@@ -310,7 +310,9 @@ fn boot<T: Send + 'static>(
     let socket = dir.join("v.sock");
     let result = c
         .command(&format!("probe.tasks={task}"), &socket, dir)
-        .and_then(|cmd| crate::probe::task_result(cmd, name, c.ending(), RUN_TIMEOUT, LINES));
+        .and_then(|cmd| {
+            crate::probe::task_result(&c.name(), cmd, name, c.ending(), RUN_TIMEOUT, LINES)
+        });
     let served = host.finish();
     // The VM's failure says more than the host's end that waited for it.
     let result = result?;
