@@ -83,7 +83,7 @@ fn run_one(exe: &Path, name: &'static str, args: &BenchArgs) -> Outcome {
     }
     if matches!(
         name,
-        "boot" | "vmms" | "snapshot" | "migrate" | "net" | "api"
+        "boot" | "vmms" | "snapshot" | "migrate" | "net" | "api" | "vsock"
     ) {
         if let Some(c) = &args.compare {
             cmd.args(["--compare", c]);

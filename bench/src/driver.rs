@@ -170,9 +170,128 @@ impl<'c, 'a: 'c, H: 'c, S: 'c> Columns<'c, PeerRow<'a, H, S>> {
     }
 }
 
+/// The first cells of a row of an experiment with [`Contender`]s: the run's place in the
+/// run, its repetition (both empty for a peer that never ran) and the VMM.
+pub type RunHead = (String, String, String);
+
+impl<'c, 'a: 'c, S: 'c> Columns<'c, PeerRow<'a, RunHead, S>> {
+    /// The `run`, `rep` and `hypervisor` columns.
+    pub fn run_heads(self) -> Self {
+        self.head("run", |h: &RunHead| h.0.clone())
+            .head("rep", |h| h.1.clone())
+            .head("hypervisor", |h| h.2.clone())
+    }
+}
+
+/// The CSV rows of `runs` in the order they ran, then one for each peer in `missing`.
+pub fn contender_rows<'a, C: Contender, S>(
+    runs: &'a Runs<C, Outcome<S>>,
+    missing: &Missing,
+) -> Vec<PeerRow<'a, RunHead, S>> {
+    let mut rows = PeerRow::of_runs(runs, |i, rep, c: &C| {
+        ((i + 1).to_string(), (rep + 1).to_string(), c.name())
+    });
+    rows.extend(
+        missing
+            .iter()
+            .map(|(name, why)| PeerRow::missing((String::new(), String::new(), name.clone()), why)),
+    );
+    rows
+}
+
 /// The measured results of each configuration, failed and unmade runs left out.
 pub fn measured_per_config<C, S>(runs: &Runs<C, Outcome<S>>) -> Vec<Vec<&S>> {
     super::qemu::measured_per_config(&runs.runs, runs.configs.len())
+}
+
+/// A configuration of an experiment that runs Musubi beside peer VMMs: Musubi's failure
+/// ends the experiment, a peer's puts that peer out of it.
+pub trait Contender {
+    fn name(&self) -> String;
+    fn is_peer(&self) -> bool;
+}
+
+/// One discarded run of each configuration with `one`: Musubi's failure ends the
+/// experiment; a peer that fails is out for good, with no runs and one entry in `missing`
+/// (its CSV row) that says why.
+pub fn warm_up<C: Contender, S>(
+    configs: &[C],
+    missing: &mut Missing,
+    mut one: impl FnMut(&C) -> Result<S, String>,
+) -> Result<Vec<Standing>, String> {
+    let mut standing: Vec<Standing> = configs.iter().map(|_| Standing::default()).collect();
+    for (c, st) in configs.iter().zip(standing.iter_mut()) {
+        let what = format!("{} warm-up run", c.name());
+        if c.is_peer() {
+            if let Outcome::PeerFailed(_) = st.run(&what, || one(c)) {
+                missing.push((c.name(), st.unavailable.clone().unwrap_or_default()));
+            }
+        } else {
+            one(c).map_err(|e| format!("{what}: {e}"))?;
+        }
+    }
+    Ok(standing)
+}
+
+/// The runs of an experiment with [`Contender`]s; a peer's may have failed or not been made.
+pub type ContenderRuns<C, S> = Runs<C, Outcome<S>>;
+
+/// Every configuration's `reps` runs with `one`, interleaved; a peer that has dropped out
+/// (at its warm-up or a failed run) makes none.
+pub fn measure_contenders<C: Contender, S>(
+    h: &Harness,
+    configs: Vec<C>,
+    mut standing: Vec<Standing>,
+    reps: usize,
+    mut one: impl FnMut(&C) -> Result<S, String>,
+) -> Result<(ContenderRuns<C, S>, Vec<Standing>), String> {
+    let runs = Runs::measure_indexed(h, configs, reps, C::name, |rep, i, c| {
+        if !c.is_peer() {
+            return one(c).map(Outcome::Measured);
+        }
+        Ok(standing[i].run(&format!("{} run {}", c.name(), rep + 1), || one(c)))
+    })?;
+    Ok((runs, standing))
+}
+
+/// Prints why each peer that dropped out did, and each listed peer that never was a
+/// configuration.
+pub fn print_dropped<C: Contender>(configs: &[C], standing: &[Standing], missing: &Missing) {
+    for (c, st) in configs.iter().zip(standing) {
+        st.print_as(&c.name());
+    }
+    for (name, why) in missing {
+        if !configs.iter().any(|c| c.name() == *name) {
+            println!("{name}: unavailable, no comparison: {why}");
+        }
+    }
+}
+
+/// A chart's title, `musubi bench EXPERIMENT`, naming the configurations without bars (no
+/// measured run, `measured` false) and the peers in `missing`, so the chart is not read as
+/// Musubi alone by choice.
+pub fn chart_title<'c, C: Contender + 'c>(
+    experiment: &str,
+    measured: impl IntoIterator<Item = (&'c C, bool)>,
+    missing: &Missing,
+) -> String {
+    let mut absent: Vec<String> = measured
+        .into_iter()
+        .filter(|(_, m)| !m)
+        .map(|(c, _)| c.name())
+        .collect();
+    for (name, _) in missing {
+        if !absent.contains(name) {
+            absent.push(name.clone());
+        }
+    }
+    match absent.as_slice() {
+        [] => format!("musubi bench {experiment}"),
+        names => format!(
+            "musubi bench {experiment} ({} unavailable, see {experiment}.csv)",
+            names.join(", ")
+        ),
+    }
 }
 
 /// Prints each peer that dropped out once, in its own words, and each that never ran.
@@ -329,6 +448,78 @@ mod tests {
         assert_eq!(runs.of(&"b"), [&"b0".to_string(), &"b1".to_string()]);
         let order: Vec<String> = runs.iter().map(|(rep, c, _)| format!("{c}{rep}")).collect();
         assert_eq!(order, ["a0", "b0", "a1", "b1"]);
+    }
+
+    struct Vm(&'static str, bool);
+
+    impl Contender for Vm {
+        fn name(&self) -> String {
+            self.0.into()
+        }
+        fn is_peer(&self) -> bool {
+            self.1
+        }
+    }
+
+    #[test]
+    fn a_failing_peer_drops_out_and_a_failing_musubi_ends_the_experiment() {
+        let h = Harness {
+            out: std::env::temp_dir(),
+            quick: true,
+        };
+        let configs = vec![Vm("musubi", false), Vm("peer", true), Vm("later", true)];
+        let mut missing = Missing::new();
+        let standing = warm_up(&configs, &mut missing, |c| {
+            if c.0 == "peer" {
+                Err("no device".to_string())
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap();
+        assert_eq!(
+            missing,
+            [(
+                "peer".to_string(),
+                "peer warm-up run failed: no device".to_string()
+            )]
+        );
+        let mut later = 0;
+        let (runs, standing) = measure_contenders(&h, configs, standing, 2, |c| {
+            if c.0 == "later" {
+                later += 1;
+                return Err("crashed".to_string());
+            }
+            Ok(c.0)
+        })
+        .unwrap();
+        assert_eq!(later, 1, "a peer ran again after it failed");
+        let made: Vec<&str> = runs
+            .runs
+            .iter()
+            .filter_map(|r| r.2.measured().copied())
+            .collect();
+        assert_eq!(made, ["musubi", "musubi"]);
+        assert_eq!(
+            standing[2].unavailable.as_deref(),
+            Some("later run 1 failed: crashed")
+        );
+        assert_eq!(
+            chart_title(
+                "x",
+                runs.configs.iter().map(|c| (c, c.0 == "musubi")),
+                &missing
+            ),
+            "musubi bench x (peer, later unavailable, see x.csv)"
+        );
+        let ended = warm_up(&runs.configs, &mut missing, |c: &Vm| {
+            if c.is_peer() {
+                Ok(())
+            } else {
+                Err("no KVM".to_string())
+            }
+        });
+        assert_eq!(ended.err().as_deref(), Some("musubi warm-up run: no KVM"));
     }
 
     #[test]

@@ -31,6 +31,7 @@ mod snapshot;
 pub mod stats;
 mod vmms;
 mod vmp;
+mod vsock;
 pub mod watch;
 
 use clap::{Args, Parser};
@@ -65,8 +66,9 @@ pub struct BenchArgs {
     /// exits and interrupts per packet; needs root), door (a stranger at a linking node's
     /// port: time from its connection to a running VM, per kind of stranger), api (a VM's
     /// life cycle through the API by Cloud Hypervisor's `ch-remote`: create and boot to
-    /// first KVM_RUN, shutdown and delete to an idle VMM, its memory over the cycles), or
-    /// all (every one, and a page `index.html` in --out that shows them together).
+    /// first KVM_RUN, shutdown and delete to an idle VMM, its memory over the cycles), vsock
+    /// (virtio-vsock's hybrid UNIX-socket host side: 64-byte round trips, an echo and a
+    /// guest-to-host stream, beside Firecracker), or all (every one, and a page `index.html` in --out that shows them together).
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -77,8 +79,9 @@ pub struct BenchArgs {
     /// Also run the same guest under other hypervisors in the same run, a comma-separated
     /// list of qemu, firecracker, cloud-hypervisor (boot takes all three, vmms qemu, snapshot
     /// firecracker and cloud-hypervisor, migrate and api cloud-hypervisor, net qemu and
-    /// firecracker; without it boot and vmms compare with QEMU whenever it is installed, net
-    /// with QEMU and Firecracker whenever they are). A listed peer that is missing or fails
+    /// firecracker, vsock firecracker; without it boot and vmms compare with QEMU whenever it
+    /// is installed, net with QEMU and Firecracker whenever they are, vsock with Firecracker
+    /// whenever it is). A listed peer that is missing or fails
     /// is reported unavailable; Musubi's own figures are written whatever it does.
     #[arg(long, value_name = "LIST")]
     pub compare: Option<String>,
@@ -117,6 +120,7 @@ const EXPERIMENTS: &[&str] = &[
     "net",
     "door",
     "api",
+    "vsock",
 ];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
@@ -134,6 +138,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "net" => Harness::new(args).and_then(|h| net::run(&h, args)),
         "door" => Harness::new(args).and_then(|h| door::run(&h, args)),
         "api" => Harness::new(args).and_then(|h| api::run(&h, args)),
+        "vsock" => Harness::new(args).and_then(|h| vsock::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}, all",

@@ -8,13 +8,14 @@
 //! per task, so the VMM's counters of a run belong to one kind of load.
 
 use super::driver::{
-    measured_per_config, summary_bars, Columns, Missing, Outputs, PeerRow, Runs, Verdicts,
+    chart_title, contender_rows, measure_contenders, measured_per_config, print_dropped,
+    summary_bars, warm_up, Columns, Contender, ContenderRuns, Missing, Outputs, Verdicts,
 };
-use super::peers::{self, Kind, Micro};
-use super::qemu::{self, Outcome, Peer, Qemu, Standing};
+use super::peers::{self, Micro};
+use super::probe::Ending;
+use super::qemu::{self, Peer, Qemu};
 use super::report::{cell, Csv, Figure, Table};
 use super::stats::{max, ratio, Summary};
-use super::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
 use super::{plot, BenchArgs, Harness};
 use musubi_types::Metrics;
 use serde_json::Value;
@@ -81,12 +82,11 @@ enum Vmm {
     },
     Firecracker {
         micro: Micro,
-        elf: PathBuf,
     },
     Qemu(Qemu),
 }
 
-impl Vmm {
+impl Contender for Vmm {
     fn name(&self) -> String {
         match self {
             Vmm::Musubi { exits, .. } => format!("musubi-{exits}"),
@@ -98,7 +98,9 @@ impl Vmm {
     fn is_peer(&self) -> bool {
         !matches!(self, Vmm::Musubi { .. })
     }
+}
 
+impl Vmm {
     /// The VMM booting the probe guest with `cmdline` on `tap0`, its console on stdout, its
     /// files in `dir` (Musubi's counters in `metrics.json`). Not yet inside the namespace.
     fn command(&self, cmdline: &str, dir: &Path) -> Result<Command, String> {
@@ -114,23 +116,17 @@ impl Vmm {
                     .arg(dir.join("metrics.json"));
                 cmd
             }
-            Vmm::Firecracker { micro, elf } => {
-                // Micro writes a configuration without a network; this one adds tap0.
-                let config = dir.join("firecracker.json");
-                let json = serde_json::json!({
-                    "boot-source": {"kernel_image_path": elf, "boot_args": cmdline},
-                    "drives": [],
-                    "machine-config": {"vcpu_count": 1, "mem_size_mib": MEMORY_MIB},
-                    "network-interfaces": [
+            Vmm::Firecracker { micro } => micro.firecracker_with(
+                dir,
+                cmdline,
+                MEMORY_MIB,
+                (
+                    "network-interfaces",
+                    serde_json::json!([
                         {"iface_id": "eth0", "host_dev_name": TAP, "guest_mac": GUEST_MAC}
-                    ],
-                });
-                std::fs::write(&config, json.to_string())
-                    .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
-                let mut cmd = Command::new(&micro.exe);
-                cmd.arg("--no-api").arg("--config-file").arg(config);
-                cmd
-            }
+                    ]),
+                ),
+            )?,
             Vmm::Qemu(q) => {
                 let mut cmd = q.command(MEMORY_MIB, cmdline);
                 let netdev = format!("tap,id=n0,ifname={TAP},script=no,downscript=no,vhost=off");
@@ -186,7 +182,7 @@ struct Sample {
 }
 
 /// The runs of every VMM; a peer's may have failed or not been made.
-type NetRuns = Runs<Vmm, Outcome<Sample>>;
+type NetRuns = ContenderRuns<Vmm, Sample>;
 
 pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     crate::driver::need_kvm("runs VMs")?;
@@ -208,8 +204,9 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     );
     println!("  {reps} run(s) per hypervisor, interleaved, after one discarded warm-up run each");
     let (configs, mut missing) = vmms(h, args, &listed, &exe, &elf)?;
-    let standing = warm_up(&configs, &ns, &mut missing)?;
-    let (runs, standing) = measure(h, configs, standing, reps, &ns, load)?;
+    let standing = warm_up(&configs, &mut missing, |c| one_run(c, &ns, WARM_UP))?;
+    let (runs, standing) =
+        measure_contenders(h, configs, standing, reps, |c| one_run(c, &ns, load))?;
     let csv_path = Outputs::new(h).csv("net.csv", &csv(&runs, &missing))?;
     let sums: Vec<Sums> = measured_per_config(&runs)
         .iter()
@@ -217,14 +214,7 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
         .collect();
     let configs = &runs.configs;
     print_table(configs, &sums);
-    for (c, st) in configs.iter().zip(&standing) {
-        st.print_as(&c.name());
-    }
-    for (name, why) in &missing {
-        if !configs.iter().any(|c| c.name() == *name) {
-            println!("{name}: unavailable, no comparison: {why}");
-        }
-    }
+    print_dropped(configs, &standing, &missing);
     for (c, s) in configs.iter().zip(&sums).filter(|(_, s)| s.lost > 0) {
         println!("{}: {} UDP replies lost over its runs", c.name(), s.lost);
     }
@@ -257,22 +247,8 @@ fn vmms(
 ) -> Result<(Vec<Vmm>, Missing), String> {
     let mut configs = musubi_paths(exe, elf);
     let mut missing = Missing::new();
-    let asked = |name: &str| args.compare.is_none() || listed.contains(&name);
-    if asked("firecracker") {
-        match Micro::find(Kind::Firecracker, elf, &h.out) {
-            Ok(micro) => {
-                println!("firecracker: runs with its seccomp filters");
-                configs.push(Vmm::Firecracker {
-                    micro,
-                    elf: elf.to_path_buf(),
-                });
-            }
-            Err(why) if listed.contains(&"firecracker") => {
-                println!("firecracker: unavailable, Musubi runs alone: {why}");
-                missing.push(("firecracker".into(), why));
-            }
-            Err(why) => println!("firecracker: skipped, {why}"),
-        }
+    if let Some(micro) = peers::firecracker_peer(args, listed, elf, &h.out, &mut missing) {
+        configs.push(Vmm::Firecracker { micro });
     }
     // The probe guest finds virtio-mmio devices on its command line, which QEMU writes
     // only without ACPI.
@@ -287,49 +263,8 @@ fn vmms(
     Ok((configs, missing))
 }
 
-/// One discarded run each: Musubi's failure ends the benchmark; a peer that fails is out
-/// for good, with no runs and one CSV row (in `missing`) that says why.
-fn warm_up(configs: &[Vmm], ns: &Netns, missing: &mut Missing) -> Result<Vec<Standing>, String> {
-    let mut standing: Vec<Standing> = configs.iter().map(|_| Standing::default()).collect();
-    for (c, st) in configs.iter().zip(standing.iter_mut()) {
-        let what = format!("{} warm-up run", c.name());
-        if c.is_peer() {
-            if let Outcome::PeerFailed(_) = st.run(&what, || one_run(c, ns, WARM_UP)) {
-                missing.push((c.name(), st.unavailable.clone().unwrap_or_default()));
-            }
-        } else {
-            one_run(c, ns, WARM_UP).map_err(|e| format!("{what}: {e}"))?;
-        }
-    }
-    Ok(standing)
-}
-
-/// Every VMM's runs, interleaved; a peer that has dropped out makes none.
-fn measure(
-    h: &Harness,
-    configs: Vec<Vmm>,
-    mut standing: Vec<Standing>,
-    reps: usize,
-    ns: &Netns,
-    load: Load,
-) -> Result<(NetRuns, Vec<Standing>), String> {
-    let runs = Runs::measure_indexed(h, configs, reps, Vmm::name, |rep, i, c| {
-        if !c.is_peer() {
-            return one_run(c, ns, load).map(Outcome::Measured);
-        }
-        Ok(
-            standing[i].run(&format!("{} run {}", c.name(), rep + 1), || {
-                one_run(c, ns, load)
-            }),
-        )
-    })?;
-    Ok((runs, standing))
-}
-
 /// `net.csv`: a row per run made, and one per peer that never ran.
 fn csv(runs: &NetRuns, missing: &Missing) -> Csv {
-    /// Run and repetition (empty for a peer that never ran), and the VMM.
-    type Head = (String, String, String);
     let f3 = |x: Option<f64>| cell(x.map(|v| format!("{v:.3}")));
     let per_packet = |g: fn(&Sample) -> GuestCounts, count: fn(&GuestCounts) -> f64| {
         move |s: &Sample| f3(ratio(count(&g(s)), g(s).packets))
@@ -338,9 +273,7 @@ fn csv(runs: &NetRuns, missing: &Missing) -> Csv {
         move |s: &Sample| f3(g(s).and_then(|v| ratio(count(&v), v.packets)))
     };
     let cols = Columns::new()
-        .head("run", |h: &Head| h.0.clone())
-        .head("rep", |h| h.1.clone())
-        .head("hypervisor", |h| h.2.clone())
+        .run_heads()
         .measured("udp_rounds", |s: &Sample| s.rounds.to_string())
         .measured("udp_lost", |s| s.lost.to_string())
         .measured("udp_rate_per_s", |s| format!("{:.0}", s.rate_per_s))
@@ -376,15 +309,7 @@ fn csv(runs: &NetRuns, missing: &Missing) -> Csv {
             vmm(|s| s.tcp_vmm, |v| v.doorbell_exits),
         )
         .unavailable();
-    let mut rows = PeerRow::of_runs(runs, |i, rep, c: &Vmm| {
-        ((i + 1).to_string(), (rep + 1).to_string(), c.name())
-    });
-    rows.extend(
-        missing
-            .iter()
-            .map(|(name, why)| PeerRow::missing((String::new(), String::new(), name.clone()), why)),
-    );
-    cols.csv(rows)
+    cols.csv(contender_rows(runs, missing))
 }
 
 /// Prints every VMM's medians and what they measure.
@@ -524,25 +449,11 @@ fn chart(configs: &[Vmm], sums: &[Sums], missing: &Missing) -> (String, Vec<plot
         panel("UDP round trip p99 (median, min)", "us", |s| s.p99),
         panel("TCP stream throughput (median, min)", "Mbit/s", |s| s.mbit),
     ];
-    let absent: Vec<String> = configs
-        .iter()
-        .zip(sums)
-        .filter(|(_, s)| s.n == 0)
-        .map(|(c, _)| c.name())
-        .chain(missing.iter().map(|(name, _)| name.clone()))
-        .fold(Vec::new(), |mut v, n| {
-            if !v.contains(&n) {
-                v.push(n);
-            }
-            v
-        });
-    let title = match absent.as_slice() {
-        [] => "musubi bench net".to_string(),
-        names => format!(
-            "musubi bench net ({} unavailable, see net.csv)",
-            names.join(", ")
-        ),
-    };
+    let title = chart_title(
+        "net",
+        configs.iter().zip(sums.iter().map(|s| s.n > 0)),
+        missing,
+    );
     (title, panels)
 }
 
@@ -735,44 +646,13 @@ fn boot(c: &Vmm, ns: &Netns, task: &str, name: &str) -> Boot {
         Ok(cmd) => ns.command(&cmd),
         Err(e) => return fail(e),
     };
-    let marker = format!("{{\"probe\":\"{name}\"");
-    let watch = Watch {
-        marker: &marker,
-        guest_bytes: None,
-        timeout: RUN_TIMEOUT,
-        sample_every: Duration::from_millis(20),
-    };
     // Firecracker has no exit port: it is stopped once the result line is out.
-    let o = match c {
-        Vmm::Firecracker { .. } => observe_to_marker(cmd, &watch),
-        _ => observe(cmd, &watch),
+    let ending = match c {
+        Vmm::Musubi { .. } => Ending::Status(0),
+        Vmm::Qemu(_) => Ending::Status(qemu::CLEAN_STATUS),
+        Vmm::Firecracker { .. } => Ending::AtResult,
     };
-    let o = match o {
-        Ok(o) => o,
-        Err(e) => return fail(format!("cannot start {}: {e}", c.name())),
-    };
-    let ended = match c {
-        Vmm::Musubi { .. } => time_to_marker(&o, 0, LINES).map(|_| ()),
-        Vmm::Qemu(_) => time_to_marker(&o, qemu::CLEAN_STATUS, LINES).map(|_| ()),
-        Vmm::Firecracker { .. } => match o.marker_ns {
-            Some(_) => Ok(()),
-            None => Err(format!(
-                "no {name} result line{}; {}",
-                if o.timed_out { " in time" } else { "" },
-                last_words(&o, LINES)
-            )),
-        },
-    };
-    let results = crate::probe::results(o.stdout.as_bytes());
-    let result = match (crate::probe::result(&results, name), ended) {
-        (Some(r), Ok(())) if r["ok"] == true => Ok(r.clone()),
-        (Some(r), _) => Err(format!(
-            "the guest's {name} failed: {r}; {}",
-            last_words(&o, LINES)
-        )),
-        (None, Err(e)) => Err(e),
-        (None, Ok(())) => Err(format!("no {name} result; {}", last_words(&o, LINES))),
-    };
+    let result = crate::probe::task_result(&c.name(), cmd, name, ending, RUN_TIMEOUT, LINES);
     let counts = match c {
         Vmm::Musubi { .. } if result.is_ok() => {
             vmm_counts(&tmp.path().join("metrics.json")).map(Some)

@@ -1,7 +1,8 @@
 //! The `--compare` list, and Firecracker and Cloud Hypervisor as peers of `bench boot`:
 //! found on `PATH`, booting the same probe guest ELF with their own seccomp filters.
 
-use super::find_on_path;
+use super::driver::Missing;
+use super::{find_on_path, BenchArgs};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -93,13 +94,7 @@ impl Micro {
             dir.join(format!("{}-{mem_mib}M.json", kind.name()))
         };
         if kind == Kind::Firecracker {
-            let json = serde_json::json!({
-                "boot-source": {"kernel_image_path": elf, "boot_args": cmdline},
-                "drives": [],
-                "machine-config": {"vcpu_count": 1, "mem_size_mib": mem_mib},
-            });
-            std::fs::write(&config, json.to_string())
-                .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+            write_firecracker_config(&config, elf, cmdline, mem_mib, None)?;
         }
         Ok(Micro {
             kind,
@@ -115,6 +110,23 @@ impl Micro {
     /// 1 vCPU, 128 MiB unless said otherwise, console on stdout, no API.
     pub fn command(&self) -> Command {
         self.command_api(None)
+    }
+
+    /// Firecracker booting its ELF with `cmdline`, `mem_mib` of RAM and `device` (key and
+    /// value of its configuration file, which is written to `dir/firecracker.json`), its
+    /// console on stdout, no API.
+    pub fn firecracker_with(
+        &self,
+        dir: &Path,
+        cmdline: &str,
+        mem_mib: u64,
+        device: (&str, serde_json::Value),
+    ) -> Result<Command, String> {
+        let config = dir.join("firecracker.json");
+        write_firecracker_config(&config, &self.elf, cmdline, mem_mib, Some(device))?;
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("--no-api").arg("--config-file").arg(config);
+        Ok(cmd)
     }
 
     /// [`command`](Self::command), serving the VMM's HTTP API on the UNIX socket `api`
@@ -143,6 +155,58 @@ impl Micro {
         }
         cmd
     }
+}
+
+/// Firecracker for a benchmark that compares with it whenever it is found (no `--compare`)
+/// or when `--compare` lists it, printing what became of it: `None` when it is not asked for
+/// or not found, and then, if `--compare` listed it, why in `missing`.
+pub fn firecracker_peer(
+    args: &BenchArgs,
+    listed: &[&str],
+    elf: &Path,
+    dir: &Path,
+    missing: &mut Missing,
+) -> Option<Micro> {
+    if args.compare.is_some() && !listed.contains(&"firecracker") {
+        return None;
+    }
+    match Micro::find(Kind::Firecracker, elf, dir) {
+        Ok(micro) => {
+            println!("firecracker: runs with its seccomp filters");
+            Some(micro)
+        }
+        Err(why) if listed.contains(&"firecracker") => {
+            println!("firecracker: unavailable, Musubi runs alone: {why}");
+            missing.push(("firecracker".into(), why));
+            None
+        }
+        Err(why) => {
+            println!("firecracker: skipped, {why}");
+            None
+        }
+    }
+}
+
+/// Writes Firecracker's configuration file at `path`: the probe guest `elf` with
+/// `cmdline`, one vCPU with `mem_mib` of RAM, no drives, and `device` if given (its key as
+/// Firecracker names it, `"network-interfaces"`, `"vsock"`, ..., and its value).
+fn write_firecracker_config(
+    path: &Path,
+    elf: &Path,
+    cmdline: &str,
+    mem_mib: u64,
+    device: Option<(&str, serde_json::Value)>,
+) -> Result<(), String> {
+    let mut json = serde_json::json!({
+        "boot-source": {"kernel_image_path": elf, "boot_args": cmdline},
+        "drives": [],
+        "machine-config": {"vcpu_count": 1, "mem_size_mib": mem_mib},
+    });
+    if let (Some((key, value)), Some(o)) = (device, json.as_object_mut()) {
+        o.insert(key.into(), value);
+    }
+    std::fs::write(path, json.to_string())
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 #[cfg(test)]

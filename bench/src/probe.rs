@@ -1,8 +1,12 @@
 //! The programs and guest the benchmarks run: the `musubi` binary beside this one, and the
 //! probe guest it carries (asked of it, so both always boot the same image).
 
+use crate::watch::{last_words, observe, observe_to_marker, time_to_marker, Watch};
+use serde_json::Value;
 use std::path::PathBuf;
+use std::process::Command;
 use std::sync::OnceLock;
+use std::time::Duration;
 use vmm::config::KernelImage;
 
 /// The `musubi` binary in this program's directory, where the workspace build puts both.
@@ -66,3 +70,57 @@ pub fn image() -> KernelImage {
 
 /// Result lines are read by the one parser the binary, the benchmarks and their tests share.
 pub use probe_lines::{result, results};
+
+/// How a VMM's boot of one probe task ends.
+#[derive(Clone, Copy, Debug)]
+pub enum Ending {
+    /// It exits by itself with this status once the guest is done (Musubi's 0, QEMU's
+    /// exit-port status).
+    Status(i32),
+    /// It has no exit port: it is stopped once the task's result line is out (Firecracker).
+    AtResult,
+}
+
+/// Boots `cmd` (the VMM `vmm` running the probe guest, its console on stdout) until the
+/// end of task `name`, for at most `timeout`: the task's result line if it succeeded, else
+/// why not, with the VMM's last `lines` lines.
+pub fn task_result(
+    vmm: &str,
+    cmd: Command,
+    name: &str,
+    ending: Ending,
+    timeout: Duration,
+    lines: usize,
+) -> Result<Value, String> {
+    let marker = format!("{{\"probe\":\"{name}\"");
+    let watch = Watch {
+        marker: &marker,
+        guest_bytes: None,
+        timeout,
+        sample_every: Duration::from_millis(20),
+    };
+    let o = match ending {
+        Ending::Status(_) => observe(cmd, &watch),
+        Ending::AtResult => observe_to_marker(cmd, &watch),
+    }
+    .map_err(|e| format!("cannot start {vmm}: {e}"))?;
+    let ended = match (ending, o.marker_ns) {
+        (Ending::Status(want), _) => time_to_marker(&o, want, lines).map(|_| ()),
+        (Ending::AtResult, Some(_)) => Ok(()),
+        (Ending::AtResult, None) => Err(format!(
+            "no {name} result line{}; {}",
+            if o.timed_out { " in time" } else { "" },
+            last_words(&o, lines)
+        )),
+    };
+    let results = results(o.stdout.as_bytes());
+    match (result(&results, name), ended) {
+        (Some(r), Ok(())) if r["ok"] == true => Ok(r.clone()),
+        (Some(r), _) => Err(format!(
+            "the guest's {name} failed: {r}; {}",
+            last_words(&o, lines)
+        )),
+        (None, Err(e)) => Err(e),
+        (None, Ok(())) => Err(format!("no {name} result; {}", last_words(&o, lines))),
+    }
+}

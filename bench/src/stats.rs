@@ -26,6 +26,18 @@ pub fn max(xs: &[f64]) -> Option<f64> {
     xs.iter().copied().reduce(f64::max)
 }
 
+/// The `pct` percentile of `xs` by nearest rank (the smallest value with at least `pct` %
+/// of them at or below it); `None` if empty or if any value is NaN.
+pub fn percentile(xs: &[f64], pct: f64) -> Option<f64> {
+    if xs.is_empty() || xs.iter().any(|x| x.is_nan()) {
+        return None;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let rank = (pct / 100.0 * v.len() as f64).ceil() as usize;
+    Some(v[rank.clamp(1, v.len()) - 1])
+}
+
 /// Median, minimum and maximum of one metric over the repetitions of one configuration.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Summary {
@@ -82,6 +94,17 @@ mod tests {
         assert_eq!(median(&[7.0]), Some(7.0));
         assert_eq!(median(&[]), None);
         assert_eq!(median(&[1.0, f64::NAN]), None);
+    }
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let xs: Vec<f64> = (1..=100).rev().map(f64::from).collect();
+        assert_eq!(percentile(&xs, 50.0), Some(50.0));
+        assert_eq!(percentile(&xs, 99.0), Some(99.0));
+        assert_eq!(percentile(&xs, 100.0), Some(100.0));
+        assert_eq!(percentile(&[7.0, 3.0], 99.0), Some(7.0));
+        assert_eq!(percentile(&[7.0], 0.0), Some(7.0));
+        assert_eq!(percentile(&[], 50.0), None);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::Duration;
 /// Every experiment's quick limit together, with room for a loaded CI machine.
 const ALL_LIMIT: Duration = Duration::from_secs(1800);
 
-const EXPERIMENTS: [&str; 12] = [
+const EXPERIMENTS: [&str; 13] = [
     "boot",
     "composite",
     "seq",
@@ -27,6 +27,7 @@ const EXPERIMENTS: [&str; 12] = [
     "net",
     "door",
     "api",
+    "vsock",
 ];
 
 /// The one `musubi bench all --quick` run, made by whichever test asks first. A run that
@@ -735,6 +736,53 @@ fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
     assert!(
         !listed.split_whitespace().any(|n| n == made),
         "the benchmark's namespace {made} was left behind: {listed}"
+    );
+}
+
+/// `musubi bench vsock --quick`, Musubi's row (a Firecracker found on PATH may run too):
+/// every round trip, the echo and the stream went through, the host's listener counted the
+/// guest's bytes and matched its CRC-32, and Musubi's counts are there.
+#[test]
+fn bench_vsock_quick_moves_every_byte_through_musubis_hybrid_vsock() {
+    assert_kvm();
+    let (r, out, t) = quick_csv("vsock");
+    let c = |name: &str| t.col(name);
+    let rows: Vec<_> = t
+        .rows
+        .iter()
+        .filter(|row| row[c("hypervisor")] == "musubi")
+        .collect();
+    assert_eq!(rows.len(), 1, "{}", t.text);
+    let row = rows[0];
+    assert!(row[c("unavailable")].is_empty(), "{row:?}");
+    assert_eq!(row[c("rounds")], "50", "{row:?}");
+    assert_eq!(
+        row[c("echoed_bytes")],
+        (50 * 64 + (256 << 10)).to_string(),
+        "{row:?}"
+    );
+    assert_eq!(row[c("send_bytes")], (1 << 20).to_string(), "{row:?}");
+    assert_eq!(row[c("sink_bytes")], row[c("send_bytes")], "{row:?}");
+    // CRC-32 of 1 MiB of byte i = i mod 251.
+    assert_eq!(row[c("crc32")], "0xef0e6054", "{row:?}");
+    t.assert_positive(
+        row,
+        &[
+            "rtt_p50_us",
+            "echo_mb_s",
+            "send_mb_s",
+            "echo_exits_per_mb",
+            "echo_doorbells_per_mb",
+            "send_exits_per_mb",
+        ],
+    );
+    let svg = std::fs::read_to_string(out.path().join("vsock.svg")).expect("vsock.svg");
+    assert!(svg.starts_with("<svg") && svg.contains("musubi"), "{svg}");
+    assert!(
+        r.stdout.contains("guest->host stream MB/s")
+            && r.stdout.contains("Guest kernel-mode work is emulated"),
+        "{}",
+        r.explain()
     );
 }
 

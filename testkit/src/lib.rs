@@ -2,7 +2,8 @@
 //! bounded and always reaped (`process`), waiting for what it prints or opens (`wait`), the
 //! probe guest's result lines (`probe`), stand-ins for the programs it runs (`fake`),
 //! network namespaces of a test's own (`netns`), the kernel's table of TCP sockets
-//! (`tcp`) and slow-loris clients of a UNIX socket (`slow`).
+//! (`tcp`), slow-loris clients of a UNIX socket (`slow`) and a host program's side of a
+//! VM's hybrid vsock (`vsock`).
 
 mod fake;
 pub mod netns;
@@ -10,6 +11,7 @@ mod probe;
 mod process;
 mod slow;
 pub mod tcp;
+pub mod vsock;
 mod wait;
 
 pub use fake::{fake_vmm, shell_script};
