@@ -10,7 +10,8 @@
 //! the source is told it may end.
 
 use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
-use crate::{recv, recv_blob, send, Options, ProtocolError, VmFault, DESTINATION, SOURCE};
+pub use crate::ReceiveError;
+use crate::{recv, recv_blob, send, Options, ProtocolError, VmFault};
 use dsm::PAGE_SIZE;
 use dsm_host::link::{LinkReader, LinkWriter};
 use dsm_host::{Envelope, Link, LinkError, Memory, MemoryError};
@@ -20,8 +21,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// What the destination's process does with an incoming VM.
-pub trait Host {
+/// What the destination's process does with an incoming VM, built on guest RAM of type
+/// `Ram` (a migration's [`PostCopyRam`], a standby's `ReplicaRam`).
+pub trait Host<Ram = PostCopyRam> {
     /// Whether this process can host the VM of `config` (its disks open here, ...):
     /// `Err(why)` refuses it before the source pauses anything. Returns the VM's RAM
     /// ranges (guest-physical start, length), laid one after the other in the mapping
@@ -29,18 +31,9 @@ pub trait Host {
     fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, VmFault>;
     /// Builds the VM on `ram`, without its state and without starting it, while the source
     /// still runs it: the time this takes (it grows with RAM) is not part of the pause.
-    fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), VmFault>;
+    fn build(&mut self, ram: &Arc<Ram>) -> Result<(), VmFault>;
     /// Puts the VM's state (JSON), sent once the source has paused, into the built VM.
     fn apply(&mut self, state: &[u8]) -> Result<(), VmFault>;
-}
-
-/// Why the wait for a VM ended without one.
-#[derive(Debug, thiserror::Error)]
-pub enum ReceiveError {
-    #[error("{0}")]
-    Stopped(String),
-    #[error("waiting for a migration: {0}")]
-    Transport(#[source] dsm_host::TransportError),
 }
 
 /// Why one source's migration ended before the switch (the wait goes on).
@@ -106,36 +99,15 @@ pub fn receive(
     stop: &mut dyn FnMut() -> Option<String>,
     log: &mut dyn FnMut(&str),
 ) -> Result<Arc<PostCopyRam>, ReceiveError> {
-    let params = opts.params(DESTINATION);
-    let limits = dsm_host::DoorLimits {
-        handshake: dsm_host::DoorLimits::default()
-            .handshake
-            .min(opts.setup_limit),
-        ..dsm_host::DoorLimits::default()
-    };
-    loop {
-        let link = dsm_host::door::accept_one(
-            &params,
-            SOURCE,
-            listener,
-            limits,
-            "the migration destination",
-            stop,
-            log,
-        )
-        .map(|(link, _)| link)
-        .map_err(|e| match e {
-            dsm_host::TransportError::Stopped(why) => ReceiveError::Stopped(why),
-            other => ReceiveError::Transport(other),
-        })?;
-        let peer = link.addr;
-        match session(link, opts, host) {
-            Ok(ram) => return Ok(ram),
-            Err(e) => log(&format!(
-                "migration from {peer} refused or failed before the switch: {e}; still waiting"
-            )),
-        }
-    }
+    crate::serve_first(
+        listener,
+        opts,
+        "the migration destination",
+        ("migration", "refused or failed before the switch"),
+        stop,
+        log,
+        &mut |link| session(link, opts, host),
+    )
 }
 
 /// One peer that proved the secret, from its configuration to the switch.
