@@ -24,6 +24,8 @@ pub mod destination;
 pub mod protocol;
 pub mod replication;
 pub mod source;
+#[cfg(test)]
+mod testing;
 pub mod vm;
 
 use dsm::NodeId;
