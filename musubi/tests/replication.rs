@@ -258,7 +258,7 @@ fn a_primary_whose_standby_is_killed_ends_its_task_alone_and_says_so() {
     assert_eq!(u(&f["result"]), fib_value(FIB_N), "{text}");
     assert!(
         p.stderr
-            .contains(&format!("replication to tcp:127.0.0.1:{port}"))
+            .contains(&format!("replication to 127.0.0.1:{port}"))
             && p.stderr.contains("the standby was lost")
             && p.stderr.contains("goes on alone"),
         "{}",
