@@ -116,16 +116,7 @@ fn session(
     opts: &Options,
     host: &mut dyn Host,
 ) -> Result<Arc<PostCopyRam>, SessionError> {
-    let Link {
-        mut reader,
-        mut writer,
-        ..
-    } = link;
-    reader
-        .limit_silence(opts.setup_limit)
-        .and_then(|()| writer.limit_stall(opts.setup_limit))?;
-    let first = recv(&mut reader)?;
-    let config = recv_blob(&mut reader, Blob::Config, first)?;
+    let (mut reader, mut writer, config) = crate::recv_config(link, opts)?;
     // Everything that takes time in proportion to the VM is done here, while the source
     // still runs it.
     let built = host

@@ -231,7 +231,7 @@ pub enum DialError {
     Handshake {
         role: &'static str,
         to: String,
-        source: LinkError,
+        source: Box<LinkError>,
     },
 }
 
@@ -266,7 +266,7 @@ pub(crate) fn dial(to: &str, role: &'static str, opts: &Options) -> Result<Link,
     .map_err(|source| DialError::Handshake {
         role,
         to: to.into(),
-        source,
+        source: Box::new(source),
     })
 }
 
@@ -315,6 +315,22 @@ pub(crate) fn serve_first<T, E: std::fmt::Display>(
             Err(e) => log(&format!("{what} from {peer} {refused}: {e}; still waiting")),
         }
     }
+}
+
+/// The halves of a link to a peer that proved the secret, each wait bounded by the set-up
+/// limit, and the VM configuration the peer sends first.
+pub(crate) fn recv_config(
+    link: Link,
+    opts: &Options,
+) -> Result<(LinkReader, LinkWriter, Vec<u8>), ProtocolError> {
+    let Link {
+        mut reader, writer, ..
+    } = link;
+    reader.limit_silence(opts.setup_limit)?;
+    writer.limit_stall(opts.setup_limit)?;
+    let first = recv(&mut reader)?;
+    let config = recv_blob(&mut reader, Blob::Config, first)?;
+    Ok((reader, writer, config))
 }
 
 pub(crate) fn send(w: &mut LinkWriter, m: &Msg) -> Result<(), LinkError> {

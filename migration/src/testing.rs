@@ -13,6 +13,8 @@ pub const RANGES: [(u64, u64); 2] = [(0, 64 * 4096), (0x100000, 32 * 4096)];
 pub struct FakeVm {
     pub ram: Mutex<Vec<u8>>,
     pub captured: AtomicBool,
+    /// Times the VM was paused and captured.
+    pub captures: AtomicUsize,
     pub resumed: AtomicUsize,
     /// The VM ends here (a signal) as soon as it is captured.
     pub end_on_capture: bool,
@@ -36,6 +38,7 @@ impl FakeVm {
         FakeVm {
             ram: Mutex::new(ram),
             captured: AtomicBool::new(false),
+            captures: AtomicUsize::new(0),
             resumed: AtomicUsize::new(0),
             end_on_capture: false,
             logging: AtomicBool::new(false),
@@ -68,6 +71,7 @@ impl SourceVm for FakeVm {
             self.write(p, 0xee);
         }
         self.captured.store(true, Ordering::SeqCst);
+        self.captures.fetch_add(1, Ordering::SeqCst);
         Ok(vec![b's'; 40_000])
     }
     fn resume(&self) -> Result<(), VmFault> {

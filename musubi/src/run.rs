@@ -59,17 +59,12 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
                 opts.clone(),
                 &mut signals,
             ) {
-                Ok(StandbyEnd::TakeOver {
-                    vm,
-                    config,
-                    epoch,
-                    why,
-                }) => {
+                Ok(StandbyEnd::TakeOver(t)) => {
                     eprintln!(
-                        "musubi: the primary at {url} was lost ({why}); taking over from epoch \
-                         {epoch}"
+                        "musubi: the primary at {url} was lost ({}); taking over from epoch {}",
+                        t.why, t.epoch
                     );
-                    Some((vm, config))
+                    Some((t.vm, t.config))
                 }
                 Ok(StandbyEnd::PrimaryEnded { epochs }) => {
                     eprintln!(

@@ -9,7 +9,6 @@
 mod common;
 use common::*;
 use musubi_types::{Metrics, ReplicationState};
-use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -27,17 +26,6 @@ const DONE: &str = "probe: done, exit status 0";
 const HEARTBEAT_MS: &str = "1000";
 /// Epochs acknowledged before a process is killed: the standby holds more than the first.
 const EPOCHS_BEFORE_KILL: u64 = 3;
-
-/// `mem-check=MEM_CHECK_MIB,iters=MEM_CHECK_ROUNDS` in a `MEM_CHECK_MEMORY` VM: 64 MiB
-/// written, then a sixteenth of it rewritten per round, for several seconds, so the primary
-/// dies while pages are being rewritten.
-const MEM_CHECK_MIB: u64 = 64;
-const MEM_CHECK_ROUNDS: u64 = 5000;
-const MEM_CHECK_MEMORY: &str = "512M";
-
-fn u(v: &Value) -> u64 {
-    v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
-}
 
 /// `musubi run --standby-for tcp:127.0.0.1:PORT`, its console in `serial`, listening once
 /// this returns.
@@ -57,13 +45,7 @@ fn start_standby(port: u16, secret: &Path, serial: &Path) -> Started {
         "--timeout",
         "120",
     ];
-    let mut vm = start_command(musubi(), &args, None);
-    vm.wait_for(
-        LIMIT,
-        || listening_on_loopback(port).then_some(()),
-        || format!("a socket listening on port {port}"),
-    );
-    vm
+    start_listening(&args, port, LIMIT)
 }
 
 /// A primary VM running `tasks`, replicating to the standby on `port`, its console in
@@ -222,13 +204,7 @@ fn mem_check_reads_back_every_byte_on_the_standby_after_the_primary_is_killed() 
         &format!("hello,mem-check={MEM_CHECK_MIB},iters={MEM_CHECK_ROUNDS}"),
         MEM_CHECK_MEMORY,
     );
-    let m = result_in(&text, "mem-check");
-    assert_eq!(
-        (u(&m["mib"]), u(&m["rounds"]), u(&m["errors"])),
-        (MEM_CHECK_MIB, MEM_CHECK_ROUNDS, 0),
-        "{text}"
-    );
-    assert_eq!(m["ok"], true, "{text}");
+    assert_mem_check(&text);
 }
 
 #[test]

@@ -46,14 +46,14 @@ pub enum PrimaryError {
     NotStarted {
         to: String,
         #[source]
-        why: NotStarted,
+        why: Box<NotStarted>,
     },
     #[error("replication to {to}: the standby was lost after {acked} acknowledged epochs ({why})")]
     Lost {
         to: String,
         acked: u64,
         #[source]
-        why: LostWhy,
+        why: Box<LostWhy>,
     },
 }
 
@@ -61,7 +61,7 @@ pub enum PrimaryError {
 #[derive(Debug, thiserror::Error)]
 pub enum NotStarted {
     #[error(transparent)]
-    Dial(#[from] DialError),
+    Dial(#[from] Box<DialError>),
     #[error(transparent)]
     Link(#[from] LinkError),
     #[error(transparent)]
@@ -116,7 +116,10 @@ pub fn replicate(
 ) -> Result<(), PrimaryError> {
     let mut p = start(vm, to, opts).map_err(|why| {
         stats.lost(why.to_string());
-        PrimaryError::NotStarted { to: to.into(), why }
+        PrimaryError::NotStarted {
+            to: to.into(),
+            why: Box::new(why),
+        }
     })?;
     stats.set_state(ReplicationState::Seeding);
     let r = p.run(epochs, stats);
@@ -127,7 +130,7 @@ pub fn replicate(
         PrimaryError::Lost {
             to: to.into(),
             acked: p.acked,
-            why,
+            why: Box::new(why),
         }
     })
 }
@@ -139,7 +142,7 @@ fn start<'a>(vm: &'a dyn SourceVm, to: &str, opts: &Options) -> Result<Primary<'
         mut reader,
         mut writer,
         ..
-    } = crate::dial(to, "standby", opts)?;
+    } = crate::dial(to, "standby", opts).map_err(Box::new)?;
     reader.limit_silence(opts.setup_limit)?;
     writer.limit_stall(opts.setup_limit)?;
     send_blob(&mut writer, Blob::Config, &vm.config())?;

@@ -46,9 +46,9 @@ pub enum SessionError {
     #[error(transparent)]
     Layout(#[from] RamLayoutError),
     #[error("guest RAM for the standby: {0}")]
-    Ram(#[source] std::io::Error),
+    Ram(#[source] vm_memory::mmap::MmapRegionError),
     #[error("lost before its first epoch was whole: {0}")]
-    BeforeFirstEpoch(#[source] Lost),
+    BeforeFirstEpoch(#[source] Box<Lost>),
     #[error("could not put the state of epoch {epoch} into the VM: {why}")]
     NotApplied {
         epoch: u64,
@@ -107,16 +107,7 @@ fn session(
     heartbeat: Duration,
     host: &mut dyn Host<ReplicaRam>,
 ) -> Result<Standby, SessionError> {
-    let Link {
-        mut reader,
-        mut writer,
-        ..
-    } = link;
-    reader
-        .limit_silence(opts.setup_limit)
-        .and_then(|()| writer.limit_stall(opts.setup_limit))?;
-    let first = recv(&mut reader)?;
-    let config = recv_blob(&mut reader, Blob::Config, first)?;
+    let (mut reader, mut writer, config) = crate::recv_config(link, opts)?;
     let built = host.check(&config).and_then(|ranges| {
         let ram = Arc::new(ReplicaRam::new(RamLayout::new(ranges)?)?);
         host.build(&ram)?;
@@ -158,7 +149,7 @@ fn session(
     };
     writer.shutdown();
     let Some((epoch, state)) = epochs.whole.take() else {
-        return Err(SessionError::BeforeFirstEpoch(lost));
+        return Err(SessionError::BeforeFirstEpoch(Box::new(lost)));
     };
     host.apply(&state)
         .map_err(|why| SessionError::NotApplied { epoch, why })?;
@@ -253,54 +244,34 @@ impl<'a> Epochs<'a> {
 /// Guest RAM of the standby's VM: private anonymous memory the standby writes epochs into
 /// while the VM does not run, and the VM's own RAM once it does. The layout's ranges lie one
 /// after the other in it.
-#[derive(Debug)]
 pub struct ReplicaRam {
-    host: *mut u8,
-    len: usize,
+    map: vm_memory::mmap::MmapRegion<()>,
     layout: RamLayout,
 }
 
-// SAFETY: the mapping is plain memory owned by this value; writes through `write` happen
-// only while the VM does not run (see there), and the pointer is never handed out as a
-// reference.
-unsafe impl Send for ReplicaRam {}
-// SAFETY: as for `Send`: shared access only reads the address and length.
-unsafe impl Sync for ReplicaRam {}
+impl std::fmt::Debug for ReplicaRam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ReplicaRam({} bytes)", self.map.size())
+    }
+}
 
 impl ReplicaRam {
     pub fn new(layout: RamLayout) -> Result<ReplicaRam, SessionError> {
-        let len = layout.bytes() as usize;
-        // SAFETY: a new private anonymous mapping; nothing else refers to that range.
-        let host = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if host == libc::MAP_FAILED {
-            return Err(SessionError::Ram(std::io::Error::last_os_error()));
-        }
-        Ok(ReplicaRam {
-            host: host.cast(),
-            len,
-            layout,
-        })
+        let map =
+            vm_memory::mmap::MmapRegion::new(layout.bytes() as usize).map_err(SessionError::Ram)?;
+        Ok(ReplicaRam { map, layout })
     }
 
     pub fn host_addr(&self) -> *mut u8 {
-        self.host
+        self.map.as_ptr()
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.map.size()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     pub fn layout(&self) -> &RamLayout {
@@ -312,19 +283,13 @@ impl ReplicaRam {
     fn write(&self, page: u64, data: &[u8; PAGE_SIZE]) {
         let at = page as usize * PAGE_SIZE;
         assert!(
-            at + PAGE_SIZE <= self.len,
+            at + PAGE_SIZE <= self.len(),
             "page {page} outside the mapping"
         );
         // SAFETY: `at..at + PAGE_SIZE` lies inside the mapping (checked above), which
         // lives as long as `self`; nothing else accesses it before the VM starts.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.host.add(at), PAGE_SIZE) };
-    }
-}
-
-impl Drop for ReplicaRam {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, unmapped once; the VM that used it holds this
-        // value until it is destroyed, so nothing uses the range any more.
-        unsafe { libc::munmap(self.host.cast(), self.len) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.host_addr().add(at), PAGE_SIZE)
+        };
     }
 }

@@ -14,16 +14,20 @@ use std::time::Duration;
 
 /// How a standby's wait ended.
 pub enum StandbyEnd {
-    /// The primary was lost: the VM, built and holding the last whole epoch, not started.
-    TakeOver {
-        vm: vmm::Vm,
-        config: vmm::config::VmConfig,
-        /// The epoch it holds, and why the primary counts as lost.
-        epoch: u64,
-        why: String,
-    },
+    /// The primary was lost.
+    TakeOver(Box<TakenOver>),
     /// The primary's VM ended: nothing to take over.
     PrimaryEnded { epochs: u64 },
+}
+
+/// The VM a standby takes over: built, holding the last whole epoch, not started.
+pub struct TakenOver {
+    pub vm: vmm::Vm,
+    pub config: vmm::config::VmConfig,
+    /// The epoch it holds.
+    pub epoch: u64,
+    /// Why the primary counts as lost.
+    pub why: String,
 }
 
 /// Waits as the standby of a primary (`r.url`), until the primary is lost or its VM ends.
@@ -41,12 +45,12 @@ pub fn stand_by(
         Standby::TakeOver { ram: _, epoch, why } => {
             // The VM holds the RAM (as its owner) from here on.
             let (vm, config) = host.take().ok_or(NotReceived::NotBuilt)?;
-            Ok(StandbyEnd::TakeOver {
+            Ok(StandbyEnd::TakeOver(Box::new(TakenOver {
                 vm,
                 config,
                 epoch,
                 why,
-            })
+            })))
         }
         Standby::PrimaryEnded { epochs } => Ok(StandbyEnd::PrimaryEnded { epochs }),
     }
