@@ -364,7 +364,7 @@ fn mem_check_migrated_mid_task_reads_back_every_byte_on_the_destination() {
         &format!("hello,mem-check={MEM_CHECK_MIB},iters={MEM_CHECK_ROUNDS}"),
         &["--memory", MEM_CHECK_MEMORY],
     );
-    assert_mem_check(&text);
+    assert_mem_check(&text, MEM_CHECK_ROUNDS);
 }
 
 /// The bytes of two snapshot memory files, compared page by page (a hole reads as zeros,
@@ -473,7 +473,7 @@ fn a_paused_vm_arrives_paused_with_guest_ram_the_same_byte_for_byte() {
     assert_eq!(r.code, Some(0), "{}", r.explain());
     dest_guard.defuse();
     let text = finished_destination(dest, &dest_serial);
-    assert_mem_check(&text);
+    assert_mem_check(&text, MEM_CHECK_ROUNDS);
 }
 
 #[test]
@@ -493,7 +493,7 @@ fn mem_check_pre_copied_reads_back_every_byte_and_no_page_follows_the_switch() {
             "2",
         ],
     );
-    assert_mem_check(&text);
+    assert_mem_check(&text, MEM_CHECK_ROUNDS);
     let m = metrics
         .migration
         .unwrap_or_else(|| panic!("no migration section: {metrics}"));

@@ -26,6 +26,9 @@ const DONE: &str = "probe: done, exit status 0";
 const HEARTBEAT_MS: &str = "1000";
 /// Epochs acknowledged before a process is killed: the standby holds more than the first.
 const EPOCHS_BEFORE_KILL: u64 = 3;
+/// `mem-check` rounds here: four times the migration tests', since an epoch that carries
+/// most of its 64 MiB takes seconds in a debug build, and the primary must die mid-task.
+const ROUNDS: u64 = 4 * MEM_CHECK_ROUNDS;
 
 /// `musubi run --standby-for tcp:127.0.0.1:PORT`, its console in `serial`, listening once
 /// this returns.
@@ -105,30 +108,35 @@ impl Primary {
         m
     }
 
-    /// Waits until its console shows hello and the standby has acknowledged
-    /// [`EPOCHS_BEFORE_KILL`] epochs, and returns its metrics then.
+    /// Epochs the standby has acknowledged as of now.
+    fn acked(&self) -> Option<u64> {
+        self.metrics_now()?.replication.map(|r| r.epochs_acked)
+    }
+
+    /// Waits until its console shows hello and the standby holds an epoch whose checkpoint
+    /// came after that (the console is not held back, so the standby of an earlier epoch
+    /// would print hello again), and at least [`EPOCHS_BEFORE_KILL`] epochs; returns its
+    /// metrics then.
     fn wait_protected(&mut self) -> Metrics {
         let serial = self.serial.clone();
         self.vm.wait_for_text(&serial, HELLO, LIMIT);
-        let start = std::time::Instant::now();
-        loop {
-            let m = self.metrics_now();
-            let r = m.as_ref().and_then(|m| m.replication.clone());
-            if r.as_ref()
-                .is_some_and(|r| r.epochs_acked >= EPOCHS_BEFORE_KILL)
-            {
-                return m.unwrap();
-            }
-            assert!(
-                self.vm.child.try_wait().unwrap().is_none(),
-                "the primary ended before it was protected: {r:?}"
-            );
-            assert!(
-                start.elapsed() < LIMIT,
-                "the standby acknowledged too few epochs: {r:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        // Epoch `seen` had not been acknowledged when hello was seen, so the checkpoint of
+        // the epoch after it came later.
+        let seen = self.acked().unwrap_or(0);
+        let want = EPOCHS_BEFORE_KILL.max(seen + 2);
+        let mut last = None;
+        let done = wait_until(LIMIT, || {
+            last = self.metrics_now();
+            let acked = last.as_ref().and_then(|m| m.replication.as_ref());
+            acked.is_some_and(|r| r.epochs_acked >= want)
+                || self.vm.child.try_wait().ok().flatten().is_some()
+        });
+        let r = last.as_ref().and_then(|m| m.replication.clone());
+        assert!(
+            done && r.as_ref().is_some_and(|r| r.epochs_acked >= want),
+            "the standby acknowledged too few epochs (want {want}), or the primary ended: {r:?}"
+        );
+        last.unwrap()
     }
 
     fn kill(&mut self) {
@@ -201,10 +209,10 @@ fn fib_ends_exactly_on_the_standby_after_the_primary_is_killed_mid_task() {
 fn mem_check_reads_back_every_byte_on_the_standby_after_the_primary_is_killed() {
     let (text, _) = taken_over_mid_task(
         22,
-        &format!("hello,mem-check={MEM_CHECK_MIB},iters={MEM_CHECK_ROUNDS}"),
+        &format!("hello,mem-check={MEM_CHECK_MIB},iters={ROUNDS}"),
         MEM_CHECK_MEMORY,
     );
-    assert_mem_check(&text);
+    assert_mem_check(&text, ROUNDS);
 }
 
 #[test]

@@ -203,7 +203,9 @@ impl Primary<'_> {
         // below sends what was written meanwhile.
         let mut buf = Box::new([0u8; PAGE_SIZE]);
         let mut live = 0u64;
-        for gpa in self.vm.pages_with_data().map_err(LostWhy::Vm)? {
+        let with_data = self.vm.pages_with_data().map_err(LostWhy::Vm)?;
+        self.beat()?;
+        for gpa in with_data {
             if self.send_page(gpa, &mut buf)? {
                 live += 1;
             }
@@ -235,10 +237,23 @@ impl Primary<'_> {
                 Err(e) => return Err(e),
             };
             let pages = pages + std::mem::take(&mut live);
+            let copied = last_pause.map(|t| t.elapsed()).unwrap_or_default();
             send_blob(&mut self.writer, Blob::State, &state)?;
             self.send(&Msg::Commit { epoch, pages })?;
             stats.sent(pages * PAGE_SIZE as u64 + state.len() as u64, pause);
-            match recv(&mut self.reader)? {
+            let sent = last_pause.map(|t| t.elapsed()).unwrap_or_default();
+            let ack = recv(&mut self.reader);
+            tracing::debug!(
+                epoch,
+                pages,
+                state_bytes = state.len(),
+                pause_us = pause.as_micros() as u64,
+                pages_sent_us = copied.as_micros() as u64,
+                committed_us = sent.as_micros() as u64,
+                acked_us = last_pause.map(|t| t.elapsed().as_micros() as u64),
+                "replication epoch"
+            );
+            match ack? {
                 Msg::Acked(e) if e == epoch => {}
                 m => {
                     return Err(LostWhy::Ack {
@@ -304,7 +319,12 @@ impl Primary<'_> {
         let mut copied = Vec::with_capacity(dirty.len().min(fits));
         self.copy.clear();
         let mut sent = 0;
-        for gpa in dirty {
+        for (n, gpa) in dirty.into_iter().enumerate() {
+            // A copy longer than the standby's heartbeat must not look like this side's
+            // death.
+            if n % 256 == 255 {
+                self.beat()?;
+            }
             let Some(page) = self.layout.page_of(gpa) else {
                 continue;
             };

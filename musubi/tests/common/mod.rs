@@ -278,13 +278,13 @@ pub const MEM_CHECK_MIB: u64 = 64;
 pub const MEM_CHECK_ROUNDS: u64 = 5000;
 pub const MEM_CHECK_MEMORY: &str = "512M";
 
-/// The console `text` of a VM that ran `mem-check` with the constants above: every byte read
-/// back as written.
-pub fn assert_mem_check(text: &str) {
+/// The console `text` of a VM that ran `mem-check` of [`MEM_CHECK_MIB`] for `rounds`: every
+/// byte read back as written.
+pub fn assert_mem_check(text: &str, rounds: u64) {
     let m = result_in(text, "mem-check");
     assert_eq!(
         (u(&m["mib"]), u(&m["rounds"]), u(&m["errors"])),
-        (MEM_CHECK_MIB, MEM_CHECK_ROUNDS, 0),
+        (MEM_CHECK_MIB, rounds, 0),
         "{text}"
     );
     assert_eq!(m["ok"], true, "{text}");
