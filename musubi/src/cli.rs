@@ -222,7 +222,7 @@ pub struct ControlFlags {
         long,
         value_name = "tcp:HOST:PORT",
         requires = "secret_file",
-        conflicts_with_all = ["nodes", "receive_migration", "restore"],
+        conflicts_with_all = ["nodes", "receive_migration", "restore", "standby_for"],
         value_parser = Own(|s: &str| s.parse::<MigrationUrl>().map_err(|e| format!("--replicate-to: {e}")))
     )]
     pub replicate_to: Option<MigrationUrl>,
@@ -703,9 +703,49 @@ mod tests {
                 ],
                 "--foreign-tap \"tap0\": expected PARTITION:NAME",
             ),
+            (
+                vec!["--standby-for", "udp:h:1", "--secret-file", "s"],
+                "--standby-for: migration URL \"udp:h:1\": expected tcp:HOST:PORT",
+            ),
+            (
+                vec!["--replicate-to=tcp:h:1", "--secret-file=s", "--epoch=0"],
+                "--epoch 0: expected a positive whole number of milliseconds",
+            ),
+            (
+                vec!["--standby-for=tcp:h:1", "--secret-file=s", "--heartbeat=soon"],
+                "--heartbeat soon: expected a positive whole number of milliseconds",
+            ),
         ] {
             let e = refusal(&line);
             assert!(e.starts_with(&format!("error: {wants}")), "{line:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn replication_flags_need_their_side_and_a_secret() {
+        let r = run(&["--replicate-to=tcp:h:1", "--secret-file=s"]).unwrap();
+        assert_eq!(r.control.epoch, Duration::from_millis(20));
+        let r = run(&[
+            "--standby-for=tcp:h:1",
+            "--secret-file=s",
+            "--heartbeat=250",
+        ])
+        .unwrap();
+        assert_eq!(r.control.heartbeat, Duration::from_millis(250));
+        for line in [
+            vec!["--replicate-to=tcp:h:1"],
+            vec!["--standby-for=tcp:h:1"],
+            vec!["--epoch=5"],
+            vec!["--heartbeat=5"],
+            vec!["--standby-for=tcp:h:1", "--secret-file=s", "--kernel=probe"],
+            vec![
+                "--standby-for=tcp:h:1",
+                "--replicate-to=tcp:h:2",
+                "--secret-file=s",
+            ],
+        ] {
+            let e = refusal(&line);
+            assert!(e.starts_with("error: "), "{line:?}: {e}");
         }
     }
 

@@ -173,6 +173,7 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
                 migrator,
                 secret_file: control.secret_file.clone(),
                 described: crate::api_target::Described::of(&running.handle()),
+                replication: replication.as_ref().map(|r| r.stats()),
             });
             crate::api_target::serve(path, target, run.seccomp, &running.handle())
         }

@@ -9,6 +9,7 @@
 mod common;
 use common::*;
 use musubi_types::{Metrics, ReplicationState};
+use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -57,6 +58,7 @@ struct Primary {
     vm: Started,
     serial: PathBuf,
     metrics: PathBuf,
+    socket: PathBuf,
 }
 
 fn start_primary(
@@ -69,6 +71,7 @@ fn start_primary(
 ) -> Primary {
     let serial = dir.join(format!("{name}.out"));
     let metrics = dir.join(format!("{name}-metrics.json"));
+    let socket = dir.join(format!("{name}.sock"));
     let url = format!("tcp:127.0.0.1:{port}");
     let console = format!("file={}", serial.display());
     let flags = [
@@ -82,6 +85,8 @@ fn start_primary(
         &console,
         "--metrics",
         metrics.to_str().unwrap(),
+        "--api-socket",
+        socket.to_str().unwrap(),
     ];
     let args = probe_args(tasks, &flags);
     let vm = start_command(musubi(), &args, None);
@@ -89,6 +94,7 @@ fn start_primary(
         vm,
         serial,
         metrics,
+        socket,
     }
 }
 
@@ -229,6 +235,14 @@ fn a_primary_whose_standby_is_killed_ends_its_task_alone_and_says_so() {
     standby.child.kill().unwrap();
     let s = standby.finish(LIMIT);
     assert_eq!(s.code, None, "the standby was killed: {}", s.explain());
+    // vm.info says so while the VM runs on.
+    let mut info = Value::Null;
+    wait_until(LIMIT, || {
+        info = remote_json(&primary.socket, &["info"]);
+        info["replication"]["state"] == "lost"
+    });
+    assert_eq!(info["state"], "Running", "{info}");
+    assert_eq!(info["replication"]["state"], "lost", "{info}");
     guard.defuse();
     let p = primary.vm.finish(LIMIT);
     let text = read_text(&primary.serial);
