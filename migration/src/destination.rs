@@ -106,7 +106,7 @@ pub fn receive(
         ("migration", "refused or failed before the switch"),
         stop,
         log,
-        &mut |link| session(link, opts, host),
+        &mut |link, _| session(link, opts, host),
     )
 }
 

@@ -281,7 +281,7 @@ pub enum ReceiveError {
 
 /// Waits on `listener` for peers that prove the secret, and runs `session` with each until
 /// one succeeds; a session that fails is logged (`what` from the peer, `refused`, and why)
-/// and the wait goes on.
+/// and the wait goes on. A session gets `stop` too, for one that lasts.
 /// Handshakes run as at a node's door (`dsm_host::door`): each on a thread of its own, a
 /// short deadline each, so a silent or slow stranger cannot hold the real peer up; strangers
 /// are logged too. `stop` is asked between waits: `Some(why)` gives up. `door` names this
@@ -293,7 +293,7 @@ pub(crate) fn serve_first<T, E: std::fmt::Display>(
     (what, refused): (&str, &str),
     stop: &mut dyn FnMut() -> Option<String>,
     log: &mut dyn FnMut(&str),
-    session: &mut dyn FnMut(Link) -> Result<T, E>,
+    session: &mut dyn FnMut(Link, &mut dyn FnMut() -> Option<String>) -> Result<T, E>,
 ) -> Result<T, ReceiveError> {
     let params = opts.params(DESTINATION);
     let limits = dsm_host::DoorLimits {
@@ -310,7 +310,7 @@ pub(crate) fn serve_first<T, E: std::fmt::Display>(
                 other => ReceiveError::Transport(other),
             })?;
         let peer = link.addr;
-        match session(link) {
+        match session(link, &mut *stop) {
             Ok(t) => return Ok(t),
             Err(e) => log(&format!("{what} from {peer} {refused}: {e}; still waiting")),
         }

@@ -86,7 +86,7 @@ pub fn stand_by(
     stop: &mut dyn FnMut() -> Option<String>,
     log: &mut dyn FnMut(&str),
 ) -> Result<Standby, ReceiveError> {
-    crate::serve_first(
+    let r = crate::serve_first(
         listener,
         opts,
         "the standby",
@@ -96,8 +96,19 @@ pub fn stand_by(
         ),
         stop,
         log,
-        &mut |link| session(link, opts, heartbeat, host),
-    )
+        &mut |link, stop| session(link, opts, heartbeat, host, stop),
+    )?;
+    match r {
+        Session::Ended(s) => Ok(s),
+        Session::Stopped(why) => Err(ReceiveError::Stopped(why)),
+    }
+}
+
+/// How a session that did not fail ended.
+enum Session {
+    Ended(Standby),
+    /// Asked to stop while standing by: the link is closed, the primary goes on alone.
+    Stopped(String),
 }
 
 /// One primary that proved the secret, from its configuration to its loss or its VM's end.
@@ -106,7 +117,8 @@ fn session(
     opts: &Options,
     heartbeat: Duration,
     host: &mut dyn Host<ReplicaRam>,
-) -> Result<Standby, SessionError> {
+    stop: &mut dyn FnMut() -> Option<String>,
+) -> Result<Session, SessionError> {
     let (mut reader, mut writer, config) = crate::recv_config(link, opts)?;
     let built = host.check(&config).and_then(|ranges| {
         let ram = Arc::new(ReplicaRam::new(RamLayout::new(ranges)?)?);
@@ -133,12 +145,16 @@ fn session(
     )?;
     let mut epochs = Epochs::new(&ram);
     let lost = loop {
-        match epochs.next(&mut reader, &mut writer) {
-            Ok(Some(())) => {}
-            Ok(None) => {
-                return Ok(Standby::PrimaryEnded {
+        match epochs.next(&mut reader, &mut writer, stop) {
+            Ok(Next::Whole) => {}
+            Ok(Next::Ended) => {
+                return Ok(Session::Ended(Standby::PrimaryEnded {
                     epochs: epochs.next,
-                })
+                }))
+            }
+            Ok(Next::Stopped(why)) => {
+                writer.shutdown();
+                return Ok(Session::Stopped(why));
             }
             Err(e) => break e,
         }
@@ -153,11 +169,18 @@ fn session(
     };
     host.apply(&state)
         .map_err(|why| SessionError::NotApplied { epoch, why })?;
-    Ok(Standby::TakeOver {
+    Ok(Session::Ended(Standby::TakeOver {
         ram,
         epoch,
         why: lost.to_string(),
-    })
+    }))
+}
+
+/// What [`Epochs::next`] read to.
+enum Next {
+    Whole,
+    Ended,
+    Stopped(String),
 }
 
 /// The epochs as they arrive.
@@ -186,13 +209,18 @@ impl<'a> Epochs<'a> {
         }
     }
 
-    /// Reads until the next epoch is whole (stored and acknowledged: `Some`) or the
-    /// primary's VM has ended (`None`).
+    /// Reads until the next epoch is whole (stored and acknowledged) or the primary's VM has
+    /// ended. `stop` is asked first: epochs come every few tens of milliseconds while the
+    /// primary lives, which is often enough to notice a signal, and not a system call a page.
     fn next(
         &mut self,
         reader: &mut dsm_host::link::LinkReader,
         writer: &mut dsm_host::link::LinkWriter,
-    ) -> Result<Option<()>, Lost> {
+        stop: &mut dyn FnMut() -> Option<String>,
+    ) -> Result<Next, Lost> {
+        if let Some(why) = stop() {
+            return Ok(Next::Stopped(why));
+        }
         let pages = self.ram.layout.pages();
         loop {
             match recv(reader)? {
@@ -232,9 +260,9 @@ impl<'a> Epochs<'a> {
                     self.came = 0;
                     self.next += 1;
                     send(writer, &Msg::Acked(epoch))?;
-                    return Ok(Some(()));
+                    return Ok(Next::Whole);
                 }
-                Msg::Ended => return Ok(None),
+                Msg::Ended => return Ok(Next::Ended),
                 m => return Err(Lost::Unexpected(m.name())),
             }
         }

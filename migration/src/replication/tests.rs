@@ -310,3 +310,54 @@ fn a_primary_with_no_standby_says_so() {
     assert_eq!(stats.to_metrics().state, ReplicationState::Lost);
     assert!(!vm.captured.load(Ordering::SeqCst));
 }
+
+#[test]
+fn a_standby_asked_to_stop_closes_the_link_and_the_primary_goes_on_alone() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let st = {
+        let stopping = stopping.clone();
+        std::thread::spawn(move || {
+            let mut host = FakeHost::default();
+            let mut stop = || {
+                stopping
+                    .load(Ordering::SeqCst)
+                    .then(|| "stopped by signal 15".to_string())
+            };
+            let r = stand_by(
+                &l,
+                &opts(),
+                Duration::from_secs(5),
+                &mut host,
+                &mut stop,
+                &mut |_| {},
+            );
+            (r, host)
+        })
+    };
+    let vm = Arc::new(FakeVm::new());
+    let stats = Arc::new(ReplicationStats::new("tcp:x", Duration::from_millis(5)));
+    let p = {
+        let (vm, stats) = (vm.clone(), stats.clone());
+        let epochs = Epochs {
+            every: Duration::from_millis(5),
+            ..Epochs::default()
+        };
+        std::thread::spawn(move || replicate(&*vm, &addr, &opts(), &epochs, &stats))
+    };
+    wait_until("two epochs", || stats.to_metrics().epochs_acked >= 2);
+    stopping.store(true, Ordering::SeqCst);
+    let (r, host) = st.join().unwrap();
+    match r {
+        Err(crate::ReceiveError::Stopped(why)) => assert!(why.contains("signal 15"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(host.applied.is_none(), "a stopped standby took over");
+    let e = p.join().unwrap().unwrap_err();
+    assert!(matches!(e, PrimaryError::Lost { .. }), "{e}");
+    assert_eq!(
+        vm.resumed.load(Ordering::SeqCst),
+        vm.captures.load(Ordering::SeqCst)
+    );
+}
