@@ -279,6 +279,9 @@ pub enum ReceiveError {
     Transport(#[source] dsm_host::TransportError),
 }
 
+/// Asked now and then whether to give up waiting (a signal): `Some(why)` does.
+pub(crate) type Stop<'a> = dyn FnMut() -> Option<String> + 'a;
+
 /// Waits on `listener` for peers that prove the secret, and runs `session` with each until
 /// one succeeds; a session that fails is logged (`what` from the peer, `refused`, and why)
 /// and the wait goes on. A session gets `stop` too, for one that lasts.
@@ -293,7 +296,7 @@ pub(crate) fn serve_first<T, E: std::fmt::Display>(
     (what, refused): (&str, &str),
     stop: &mut dyn FnMut() -> Option<String>,
     log: &mut dyn FnMut(&str),
-    session: &mut dyn FnMut(Link, &mut dyn FnMut() -> Option<String>) -> Result<T, E>,
+    session: &mut dyn FnMut(Link, &mut Stop<'_>) -> Result<T, E>,
 ) -> Result<T, ReceiveError> {
     let params = opts.params(DESTINATION);
     let limits = dsm_host::DoorLimits {
