@@ -82,6 +82,37 @@ fn standby(refusals: usize) -> (String, std::thread::JoinHandle<Waited>) {
     (addr, t)
 }
 
+/// A primary replicating a fake VM to `addr` every 5 ms from a thread of its own.
+fn primary(
+    addr: String,
+    copy_limit: usize,
+) -> (
+    Arc<FakeVm>,
+    Arc<ReplicationStats>,
+    std::thread::JoinHandle<Result<(), PrimaryError>>,
+) {
+    let vm = Arc::new(FakeVm::new());
+    let stats = Arc::new(ReplicationStats::new("tcp:x", Duration::from_millis(5)));
+    let epochs = Epochs {
+        every: Duration::from_millis(5),
+        copy_limit,
+    };
+    let p = {
+        let (vm, stats) = (vm.clone(), stats.clone());
+        std::thread::spawn(move || replicate(&*vm, &addr, &opts(), &epochs, &stats))
+    };
+    (vm, stats, p)
+}
+
+/// The VM runs on: every capture was resumed, and the dirty log is off again.
+fn assert_left_running(vm: &FakeVm) {
+    assert_eq!(
+        vm.resumed.load(Ordering::SeqCst),
+        vm.captures.load(Ordering::SeqCst)
+    );
+    assert!(!vm.logging.load(Ordering::SeqCst));
+}
+
 fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
     while !cond() {
@@ -93,16 +124,7 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 #[test]
 fn epochs_reach_the_standby_and_a_vm_that_ends_is_not_taken_over() {
     let (addr, st) = standby(usize::MAX);
-    let vm = Arc::new(FakeVm::new());
-    let stats = Arc::new(ReplicationStats::new("tcp:x", Duration::from_millis(5)));
-    let epochs = Epochs {
-        every: Duration::from_millis(5),
-        copy_limit: 2 * PAGE_SIZE,
-    };
-    let p = {
-        let (vm, stats) = (vm.clone(), stats.clone());
-        std::thread::spawn(move || replicate(&*vm, &addr, &opts(), &epochs, &stats))
-    };
+    let (vm, stats, p) = primary(addr, 2 * PAGE_SIZE);
     wait_until("first epoch", || stats.to_metrics().epochs_acked >= 1);
     // The guest writes five pages: more than the copy holds, so some go out paused.
     for page in [1, 2, 4, 50, 95] {
@@ -127,13 +149,8 @@ fn epochs_reach_the_standby_and_a_vm_that_ends_is_not_taken_over() {
     let m = stats.to_metrics();
     assert_eq!(m.state, ReplicationState::Ended);
     assert_eq!(m.epochs_sent, m.epochs_acked);
-    // Every capture was resumed, and the log is off again.
     assert_eq!(vm.captures.load(Ordering::SeqCst) as u64, m.epochs_sent);
-    assert_eq!(
-        vm.resumed.load(Ordering::SeqCst),
-        vm.captures.load(Ordering::SeqCst)
-    );
-    assert!(!vm.logging.load(Ordering::SeqCst));
+    assert_left_running(&vm);
 }
 
 #[test]
@@ -181,12 +198,7 @@ fn a_lost_standby_leaves_the_vm_running_and_says_after_how_many_epochs() {
     let m = stats.to_metrics();
     assert_eq!(m.state, ReplicationState::Lost);
     assert!(m.lost.is_some());
-    // The VM runs: every capture was resumed, and the log is off again.
-    assert_eq!(
-        vm.resumed.load(Ordering::SeqCst),
-        vm.captures.load(Ordering::SeqCst)
-    );
-    assert!(!vm.logging.load(Ordering::SeqCst));
+    assert_left_running(&vm);
 }
 
 /// A primary driven by hand: the configuration, then whole epochs of one page each
@@ -336,16 +348,7 @@ fn a_standby_asked_to_stop_closes_the_link_and_the_primary_goes_on_alone() {
             (r, host)
         })
     };
-    let vm = Arc::new(FakeVm::new());
-    let stats = Arc::new(ReplicationStats::new("tcp:x", Duration::from_millis(5)));
-    let p = {
-        let (vm, stats) = (vm.clone(), stats.clone());
-        let epochs = Epochs {
-            every: Duration::from_millis(5),
-            ..Epochs::default()
-        };
-        std::thread::spawn(move || replicate(&*vm, &addr, &opts(), &epochs, &stats))
-    };
+    let (vm, stats, p) = primary(addr, Epochs::default().copy_limit);
     wait_until("two epochs", || stats.to_metrics().epochs_acked >= 2);
     stopping.store(true, Ordering::SeqCst);
     let (r, host) = st.join().unwrap();
@@ -356,8 +359,5 @@ fn a_standby_asked_to_stop_closes_the_link_and_the_primary_goes_on_alone() {
     assert!(host.applied.is_none(), "a stopped standby took over");
     let e = p.join().unwrap().unwrap_err();
     assert!(matches!(e, PrimaryError::Lost { .. }), "{e}");
-    assert_eq!(
-        vm.resumed.load(Ordering::SeqCst),
-        vm.captures.load(Ordering::SeqCst)
-    );
+    assert_left_running(&vm);
 }
