@@ -10,7 +10,8 @@
 //! the source is told it may end.
 
 use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
-use crate::{recv, recv_blob, send, Options, ProtocolError, VmFault, DESTINATION, SOURCE};
+pub use crate::ReceiveError;
+use crate::{recv, recv_blob, send, Options, ProtocolError, VmFault};
 use dsm::PAGE_SIZE;
 use dsm_host::link::{LinkReader, LinkWriter};
 use dsm_host::{Envelope, Link, LinkError, Memory, MemoryError};
@@ -20,8 +21,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// What the destination's process does with an incoming VM.
-pub trait Host {
+/// What the destination's process does with an incoming VM, built on guest RAM of type
+/// `Ram` (a migration's [`PostCopyRam`], a standby's `ReplicaRam`).
+pub trait Host<Ram = PostCopyRam> {
     /// Whether this process can host the VM of `config` (its disks open here, ...):
     /// `Err(why)` refuses it before the source pauses anything. Returns the VM's RAM
     /// ranges (guest-physical start, length), laid one after the other in the mapping
@@ -29,18 +31,9 @@ pub trait Host {
     fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, VmFault>;
     /// Builds the VM on `ram`, without its state and without starting it, while the source
     /// still runs it: the time this takes (it grows with RAM) is not part of the pause.
-    fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), VmFault>;
+    fn build(&mut self, ram: &Arc<Ram>) -> Result<(), VmFault>;
     /// Puts the VM's state (JSON), sent once the source has paused, into the built VM.
     fn apply(&mut self, state: &[u8]) -> Result<(), VmFault>;
-}
-
-/// Why the wait for a VM ended without one.
-#[derive(Debug, thiserror::Error)]
-pub enum ReceiveError {
-    #[error("{0}")]
-    Stopped(String),
-    #[error("waiting for a migration: {0}")]
-    Transport(#[source] dsm_host::TransportError),
 }
 
 /// Why one source's migration ended before the switch (the wait goes on).
@@ -106,36 +99,15 @@ pub fn receive(
     stop: &mut dyn FnMut() -> Option<String>,
     log: &mut dyn FnMut(&str),
 ) -> Result<Arc<PostCopyRam>, ReceiveError> {
-    let params = opts.params(DESTINATION);
-    let limits = dsm_host::DoorLimits {
-        handshake: dsm_host::DoorLimits::default()
-            .handshake
-            .min(opts.setup_limit),
-        ..dsm_host::DoorLimits::default()
-    };
-    loop {
-        let link = dsm_host::door::accept_one(
-            &params,
-            SOURCE,
-            listener,
-            limits,
-            "the migration destination",
-            stop,
-            log,
-        )
-        .map(|(link, _)| link)
-        .map_err(|e| match e {
-            dsm_host::TransportError::Stopped(why) => ReceiveError::Stopped(why),
-            other => ReceiveError::Transport(other),
-        })?;
-        let peer = link.addr;
-        match session(link, opts, host) {
-            Ok(ram) => return Ok(ram),
-            Err(e) => log(&format!(
-                "migration from {peer} refused or failed before the switch: {e}; still waiting"
-            )),
-        }
-    }
+    crate::serve_first(
+        listener,
+        opts,
+        "the migration destination",
+        ("migration", "refused or failed before the switch"),
+        stop,
+        log,
+        &mut |link, _| session(link, opts, host),
+    )
 }
 
 /// One peer that proved the secret, from its configuration to the switch.
@@ -144,16 +116,7 @@ fn session(
     opts: &Options,
     host: &mut dyn Host,
 ) -> Result<Arc<PostCopyRam>, SessionError> {
-    let Link {
-        mut reader,
-        mut writer,
-        ..
-    } = link;
-    reader
-        .limit_silence(opts.setup_limit)
-        .and_then(|()| writer.limit_stall(opts.setup_limit))?;
-    let first = recv(&mut reader)?;
-    let config = recv_blob(&mut reader, Blob::Config, first)?;
+    let (mut reader, mut writer, config) = crate::recv_config(link, opts)?;
     // Everything that takes time in proportion to the VM is done here, while the source
     // still runs it.
     let built = host
@@ -492,109 +455,8 @@ impl Drop for PostCopyRam {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::{migrate, SourceError, SourceVm};
-    use std::sync::atomic::AtomicUsize;
-
-    const RANGES: [(u64, u64); 2] = [(0, 64 * 4096), (0x100000, 32 * 4096)];
-
-    /// A paused-or-running VM of 96 pages, every third page holding data.
-    struct FakeVm {
-        ram: Mutex<Vec<u8>>,
-        captured: AtomicBool,
-        resumed: AtomicUsize,
-        /// The VM ends here (a signal) as soon as it is captured.
-        end_on_capture: bool,
-        /// Dirty logging is on; gpas written since the last look.
-        logging: AtomicBool,
-        written: Mutex<Vec<u64>>,
-        /// While it runs, the guest writes these pages again before each look at the log;
-        /// when it pauses it writes `last`.
-        busy_pages: Vec<u64>,
-        last: Option<u64>,
-    }
-
-    impl FakeVm {
-        fn new() -> FakeVm {
-            let mut ram = vec![0u8; 96 * 4096];
-            for p in (0..96).step_by(3) {
-                ram[p * 4096..(p + 1) * 4096].fill(p as u8 + 1);
-            }
-            FakeVm {
-                ram: Mutex::new(ram),
-                captured: AtomicBool::new(false),
-                resumed: AtomicUsize::new(0),
-                end_on_capture: false,
-                logging: AtomicBool::new(false),
-                written: Mutex::new(Vec::new()),
-                busy_pages: Vec::new(),
-                last: None,
-            }
-        }
-        fn layout() -> RamLayout {
-            RamLayout::new(RANGES.to_vec()).unwrap()
-        }
-        /// The guest stores `value` over page `page`.
-        fn write(&self, page: u64, value: u8) {
-            let o = page as usize * 4096;
-            self.ram.lock().unwrap()[o..o + 4096].fill(value);
-            if self.logging.load(Ordering::SeqCst) {
-                let gpa = Self::layout().gpa_of(page).unwrap();
-                self.written.lock().unwrap().push(gpa);
-            }
-        }
-    }
-
-    impl SourceVm for FakeVm {
-        fn config(&self) -> Vec<u8> {
-            b"the config".to_vec()
-        }
-        fn capture(&self) -> Result<Vec<u8>, VmFault> {
-            if let Some(p) = self.last {
-                self.write(p, 0xee);
-            }
-            self.captured.store(true, Ordering::SeqCst);
-            Ok(vec![b's'; 40_000])
-        }
-        fn resume(&self) -> Result<(), VmFault> {
-            self.resumed.fetch_add(1, Ordering::SeqCst);
-            Ok(())
-        }
-        fn ram_ranges(&self) -> Vec<(u64, u64)> {
-            RANGES.to_vec()
-        }
-        fn pages_with_data(&self) -> Result<Vec<u64>, VmFault> {
-            let l = Self::layout();
-            Ok((0..96).step_by(3).map(|p| l.gpa_of(p).unwrap()).collect())
-        }
-        fn read_page(&self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), VmFault> {
-            let o = Self::layout().page_of(gpa).unwrap() as usize * 4096;
-            buf.copy_from_slice(&self.ram.lock().unwrap()[o..o + 4096]);
-            Ok(())
-        }
-        fn has_ended(&self) -> bool {
-            self.end_on_capture && self.captured.load(Ordering::SeqCst)
-        }
-        fn start_dirty_log(&self) -> Result<(), VmFault> {
-            self.logging.store(true, Ordering::SeqCst);
-            Ok(())
-        }
-        fn dirty_pages(&self) -> Result<Vec<u64>, VmFault> {
-            if !self.logging.load(Ordering::SeqCst) {
-                return Err("dirty logging is off".into());
-            }
-            if !self.captured.load(Ordering::SeqCst) {
-                for &p in &self.busy_pages {
-                    let next = self.ram.lock().unwrap()[p as usize * 4096].wrapping_add(1);
-                    self.write(p, next);
-                }
-            }
-            Ok(std::mem::take(&mut *self.written.lock().unwrap()))
-        }
-        fn stop_dirty_log(&self) -> Result<(), VmFault> {
-            self.logging.store(false, Ordering::SeqCst);
-            Ok(())
-        }
-    }
+    use crate::source::{migrate, SourceError};
+    use crate::testing::{FakeVm, RANGES};
 
     #[derive(Default)]
     struct FakeHost {

@@ -11,6 +11,8 @@
 //! - [`destination`]: the receiving side: waiting for a VM, having a [`destination::Host`]
 //!   build it, and [`destination::PostCopyRam`], the guest RAM that serves its faults from
 //!   the source.
+//! - [`replication`]: a running VM kept on a standby, epoch by epoch, which takes over
+//!   when the primary is lost (Remus-style checkpoints, without output commit yet).
 //! - [`vm`]: both ends over the `vmm` crate's VMs, for the program that embeds Musubi.
 //!
 //! Both ends talk over one `dsm_host::Link` (shared-secret handshake, MAC'd frames) carrying
@@ -20,13 +22,17 @@
 
 pub mod destination;
 pub mod protocol;
+pub mod replication;
 pub mod source;
+#[cfg(test)]
+mod testing;
 pub mod vm;
 
 use dsm::NodeId;
 use dsm_host::link::{LinkReader, LinkWriter};
-use dsm_host::{Envelope, LinkError, LinkParams};
+use dsm_host::{Envelope, Link, LinkError, LinkParams, Role};
 use protocol::{Blob, Msg};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -202,6 +208,132 @@ pub fn read_secret(path: &Path) -> Result<Vec<u8>, SecretError> {
         });
     }
     Ok(secret)
+}
+
+/// Why no link to a peer came about; each names the peer, as `role` and address.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    #[error("{role} {to}: {source}")]
+    Resolve {
+        role: &'static str,
+        to: String,
+        source: std::io::Error,
+    },
+    #[error("{role} {to}: no address")]
+    NoAddress { role: &'static str, to: String },
+    #[error("cannot connect to the {role} {to}: {source}")]
+    Connect {
+        role: &'static str,
+        to: String,
+        source: std::io::Error,
+    },
+    #[error("{role} {to}: {source}")]
+    Handshake {
+        role: &'static str,
+        to: String,
+        source: Box<LinkError>,
+    },
+}
+
+/// Connects to the listening end at `to` (`HOST:PORT`, whose part is `role`) and proves the
+/// secret, each step bounded by the set-up limit.
+pub(crate) fn dial(to: &str, role: &'static str, opts: &Options) -> Result<Link, DialError> {
+    let addr = to
+        .to_socket_addrs()
+        .map_err(|source| DialError::Resolve {
+            role,
+            to: to.into(),
+            source,
+        })?
+        .next()
+        .ok_or_else(|| DialError::NoAddress {
+            role,
+            to: to.into(),
+        })?;
+    let stream = TcpStream::connect_timeout(&addr, opts.setup_limit).map_err(|source| {
+        DialError::Connect {
+            role,
+            to: to.into(),
+            source,
+        }
+    })?;
+    Link::handshake(
+        stream,
+        Role::Dialer,
+        Some(DESTINATION),
+        &opts.params(SOURCE),
+    )
+    .map_err(|source| DialError::Handshake {
+        role,
+        to: to.into(),
+        source: Box::new(source),
+    })
+}
+
+/// Why the wait for a peer ended without one.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiveError {
+    #[error("{0}")]
+    Stopped(String),
+    #[error("waiting for a migration: {0}")]
+    Transport(#[source] dsm_host::TransportError),
+}
+
+/// Asked now and then whether to give up waiting (a signal): `Some(why)` does.
+pub(crate) type Stop<'a> = dyn FnMut() -> Option<String> + 'a;
+
+/// Waits on `listener` for peers that prove the secret, and runs `session` with each until
+/// one succeeds; a session that fails is logged (`what` from the peer, `refused`, and why)
+/// and the wait goes on. A session gets `stop` too, for one that lasts.
+/// Handshakes run as at a node's door (`dsm_host::door`): each on a thread of its own, a
+/// short deadline each, so a silent or slow stranger cannot hold the real peer up; strangers
+/// are logged too. `stop` is asked between waits: `Some(why)` gives up. `door` names this
+/// end in what is logged.
+pub(crate) fn serve_first<T, E: std::fmt::Display>(
+    listener: &TcpListener,
+    opts: &Options,
+    door: &str,
+    (what, refused): (&str, &str),
+    stop: &mut dyn FnMut() -> Option<String>,
+    log: &mut dyn FnMut(&str),
+    session: &mut dyn FnMut(Link, &mut Stop<'_>) -> Result<T, E>,
+) -> Result<T, ReceiveError> {
+    let params = opts.params(DESTINATION);
+    let limits = dsm_host::DoorLimits {
+        handshake: dsm_host::DoorLimits::default()
+            .handshake
+            .min(opts.setup_limit),
+        ..dsm_host::DoorLimits::default()
+    };
+    loop {
+        let link = dsm_host::door::accept_one(&params, SOURCE, listener, limits, door, stop, log)
+            .map(|(link, _)| link)
+            .map_err(|e| match e {
+                dsm_host::TransportError::Stopped(why) => ReceiveError::Stopped(why),
+                other => ReceiveError::Transport(other),
+            })?;
+        let peer = link.addr;
+        match session(link, &mut *stop) {
+            Ok(t) => return Ok(t),
+            Err(e) => log(&format!("{what} from {peer} {refused}: {e}; still waiting")),
+        }
+    }
+}
+
+/// The halves of a link to a peer that proved the secret, each wait bounded by the set-up
+/// limit, and the VM configuration the peer sends first.
+pub(crate) fn recv_config(
+    link: Link,
+    opts: &Options,
+) -> Result<(LinkReader, LinkWriter, Vec<u8>), ProtocolError> {
+    let Link {
+        mut reader, writer, ..
+    } = link;
+    reader.limit_silence(opts.setup_limit)?;
+    writer.limit_stall(opts.setup_limit)?;
+    let first = recv(&mut reader)?;
+    let config = recv_blob(&mut reader, Blob::Config, first)?;
+    Ok((reader, writer, config))
 }
 
 pub(crate) fn send(w: &mut LinkWriter, m: &Msg) -> Result<(), LinkError> {

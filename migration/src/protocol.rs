@@ -17,6 +17,11 @@
 //!   `AllHeld`, and S ends its VM as migrated. D sends `Ended` instead if its VM ended
 //!   before, which ends the source's VM as migrated too.
 //!
+//! Replication to a standby (see [`crate::replication`]) uses the same framing: after the
+//! configuration, the standby answers `Standing` (built, waiting) or `Refused`; then each
+//! epoch is `Page`* `Part(State, ..)`* `End(State)` `Commit`, acknowledged by `Acked`; a
+//! primary whose VM ended says `Ended`.
+//!
 //! Pages are numbered by their offset in guest RAM's ranges laid one after the other
 //! ([`RamLayout`]), which is also how the destination maps them.
 
@@ -55,6 +60,18 @@ pub enum Msg {
     },
     AllHeld,
     Ended,
+    /// Replication: the standby built the VM and waits for epochs; the primary must prove
+    /// it lives at least once per `heartbeat_ms` milliseconds.
+    Standing {
+        heartbeat_ms: u64,
+    },
+    /// Replication: closes epoch `epoch`, which carried `pages` pages and the state before.
+    Commit {
+        epoch: u64,
+        pages: u64,
+    },
+    /// Replication: every part of epoch `.0` is stored on the standby.
+    Acked(u64),
 }
 
 /// Most bytes of a document one `Part` carries.
@@ -83,6 +100,9 @@ const T_DONE: u8 = 10;
 const T_ALL_HELD: u8 = 11;
 const T_ENDED: u8 = 12;
 const T_LISTED: u8 = 13;
+const T_STANDING: u8 = 14;
+const T_COMMIT: u8 = 15;
+const T_ACKED: u8 = 16;
 
 fn blob_byte(b: Blob) -> u8 {
     match b {
@@ -116,6 +136,9 @@ impl Msg {
             Msg::Done { .. } => "done",
             Msg::AllHeld => "all-held",
             Msg::Ended => "ended",
+            Msg::Standing { .. } => "standing",
+            Msg::Commit { .. } => "commit",
+            Msg::Acked(_) => "acked",
         }
     }
 
@@ -161,6 +184,19 @@ impl Msg {
             }
             Msg::AllHeld => out.push(T_ALL_HELD),
             Msg::Ended => out.push(T_ENDED),
+            Msg::Standing { heartbeat_ms } => {
+                out.push(T_STANDING);
+                out.extend_from_slice(&heartbeat_ms.to_le_bytes());
+            }
+            Msg::Commit { epoch, pages } => {
+                out.push(T_COMMIT);
+                out.extend_from_slice(&epoch.to_le_bytes());
+                out.extend_from_slice(&pages.to_le_bytes());
+            }
+            Msg::Acked(epoch) => {
+                out.push(T_ACKED);
+                out.extend_from_slice(&epoch.to_le_bytes());
+            }
         }
         out
     }
@@ -224,6 +260,17 @@ impl Msg {
             },
             T_ALL_HELD => exact(0).map(|_| Msg::AllHeld)?,
             T_ENDED => exact(0).map(|_| Msg::Ended)?,
+            T_STANDING => Msg::Standing {
+                heartbeat_ms: u64_of(exact(8)?),
+            },
+            T_COMMIT => {
+                let b = exact(16)?;
+                Msg::Commit {
+                    epoch: u64_of(b),
+                    pages: u64_of(&b[8..]),
+                }
+            }
+            T_ACKED => Msg::Acked(u64_of(exact(8)?)),
             _ => return Err(err("unknown tag")),
         })
     }
@@ -322,6 +369,9 @@ mod tests {
             Msg::Done { pushed: 5 },
             Msg::AllHeld,
             Msg::Ended,
+            Msg::Standing { heartbeat_ms: 100 },
+            Msg::Commit { epoch: 9, pages: 1 },
+            Msg::Acked(u64::MAX - 1),
         ]
     }
 

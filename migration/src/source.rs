@@ -8,11 +8,10 @@
 //! ends its VM with that message.
 
 use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
-use crate::{recv, send, send_blob, Mode, Options, ProtocolError, VmFault, DESTINATION, SOURCE};
+use crate::{recv, send, send_blob, Mode, Options, ProtocolError, VmFault};
 use dsm::PAGE_SIZE;
 use dsm_host::link::{LinkReader, LinkWriter};
-use dsm_host::{Envelope, Link, LinkError, Role};
-use std::net::{TcpStream, ToSocketAddrs};
+use dsm_host::{Envelope, Link, LinkError};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -24,6 +23,11 @@ pub trait SourceVm: Send + Sync {
     fn capture(&self) -> Result<Vec<u8>, VmFault>;
     /// Lets a VM paused by [`SourceVm::capture`] go on.
     fn resume(&self) -> Result<(), VmFault>;
+    /// Whether the VM is paused (by its owner, through the API): a checkpoint of a paused
+    /// VM must leave it paused.
+    fn is_paused(&self) -> bool {
+        false
+    }
     /// Guest RAM's ranges (guest-physical start, length).
     fn ram_ranges(&self) -> Vec<(u64, u64)>;
     /// Guest-physical addresses of every page that may hold data; all others are zeros.
@@ -84,14 +88,8 @@ pub enum SourceError {
 /// Why a migration ended before the switch; each names the destination.
 #[derive(Debug, thiserror::Error)]
 pub enum Unmoved {
-    #[error("migration destination {to}: {source}")]
-    Resolve { to: String, source: std::io::Error },
-    #[error("migration destination {to}: no address")]
-    NoAddress { to: String },
-    #[error("cannot connect to the migration destination {to}: {source}")]
-    Connect { to: String, source: std::io::Error },
-    #[error("migration destination {to}: {source}")]
-    Handshake { to: String, source: LinkError },
+    #[error(transparent)]
+    Dial(#[from] crate::DialError),
     #[error("migration to {to}: {why}")]
     Setup {
         to: String,
@@ -186,34 +184,8 @@ impl std::fmt::Display for Unsent {
 /// Moves `vm` to the destination listening at `to` (`HOST:PORT`).
 pub fn migrate(vm: &dyn SourceVm, to: &str, opts: &Options) -> Result<SourceReport, SourceError> {
     let before = |e| SourceError::Before(Box::new(e));
-    let addr = to
-        .to_socket_addrs()
-        .map_err(|source| {
-            before(Unmoved::Resolve {
-                to: to.into(),
-                source,
-            })
-        })?
-        .next()
-        .ok_or_else(|| before(Unmoved::NoAddress { to: to.into() }))?;
-    let stream = TcpStream::connect_timeout(&addr, opts.setup_limit).map_err(|source| {
-        before(Unmoved::Connect {
-            to: to.into(),
-            source,
-        })
-    })?;
-    let link = Link::handshake(
-        stream,
-        Role::Dialer,
-        Some(DESTINATION),
-        &opts.params(SOURCE),
-    )
-    .map_err(|source| {
-        before(Unmoved::Handshake {
-            to: to.into(),
-            source,
-        })
-    })?;
+    let link =
+        crate::dial(to, "migration destination", opts).map_err(|e| before(Unmoved::Dial(e)))?;
     let Link {
         mut reader,
         mut writer,

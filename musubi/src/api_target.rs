@@ -11,6 +11,8 @@ pub struct ApiTarget {
     /// `--secret-file`: the secret of a migration whose request names none.
     pub secret_file: Option<std::path::PathBuf>,
     pub described: Described,
+    /// `--replicate-to`: where the replication stands, shown by `vm.info`.
+    pub replication: Option<std::sync::Arc<musubi_migration::replication::ReplicationStats>>,
 }
 
 fn refused(e: vmm::ControlError) -> ActionError {
@@ -78,7 +80,15 @@ pub fn info_json(vm: &vmm::VmHandle, described: &Described) -> serde_json::Value
 
 impl VmControl for ApiTarget {
     fn info(&self) -> Result<serde_json::Value, ActionError> {
-        Ok(info_json(&self.vm, &self.described))
+        let mut info = info_json(&self.vm, &self.described);
+        if let (Some(r), Some(map)) = (&self.replication, info.as_object_mut()) {
+            // Musubi's own key beside Cloud Hypervisor's: whether a standby protects the VM.
+            map.insert(
+                "replication".into(),
+                serde_json::to_value(r.to_metrics()).unwrap_or_default(),
+            );
+        }
+        Ok(info)
     }
 
     fn counters(&self) -> Result<serde_json::Value, ActionError> {

@@ -164,7 +164,7 @@ pub struct ControlFlags {
     )]
     pub receive_migration: Option<MigrationUrl>,
     /// The migration's shared secret: a file of at least 16 bytes, mode 0600, the same on
-    /// both ends. Needed by --receive-migration; with --api-socket, a vm.send-migration
+    /// both ends. Needed by --receive-migration, --standby-for and --replicate-to; with --api-socket, a vm.send-migration
     /// whose body names no secret file (Cloud Hypervisor's clients cannot) uses this one.
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
@@ -190,6 +190,64 @@ pub struct ControlFlags {
         value_parser = Own(|s: &str| Owned::parse("--foreign-tap", "PARTITION:NAME", s))
     )]
     pub foreign_tap: Vec<Owned>,
+    /// Wait on tcp:HOST:PORT as the standby of a primary (`run --replicate-to`): build its
+    /// VM from the configuration it sends (--serial may send the console elsewhere), store
+    /// each whole epoch it sends, and run the VM from the last whole one once the primary
+    /// is lost (the link closes, or it is silent longer than --heartbeat). Never while the
+    /// primary is alive and connected. Peers that do not prove --secret-file's secret are
+    /// refused and the wait goes on; VMs with --disk or --pmem are refused (disks are not
+    /// replicated yet). If the primary's VM ends, this process ends with status 0.
+    #[arg(
+        long,
+        value_name = "tcp:HOST:PORT",
+        requires = "secret_file",
+        conflicts_with_all = ["restore", "kernel", "cmdline", "initrd", "config", "nodes", "receive_migration"],
+        value_parser = Own(|s: &str| s.parse::<MigrationUrl>().map_err(|e| format!("--standby-for: {e}")))
+    )]
+    pub standby_for: Option<MigrationUrl>,
+    /// Longest silence of the primary, in milliseconds, before a standby takes over.
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value = "100",
+        requires = "standby_for",
+        value_parser = Own(|s: &str| millis("--heartbeat", s))
+    )]
+    pub heartbeat: Duration,
+    /// Keep this VM on the standby waiting at tcp:HOST:PORT (`run --standby-for`), which
+    /// takes over if this process dies: first the whole RAM while the VM runs, then every
+    /// --epoch the pages written and the vCPU and device state, copied in a short pause.
+    /// Output is not held back yet (network frames the guest sends during an epoch go out
+    /// before the standby has that epoch). If the standby is lost the VM goes on alone, and
+    /// says so. Needs --secret-file.
+    #[arg(
+        long,
+        value_name = "tcp:HOST:PORT",
+        requires = "secret_file",
+        conflicts_with_all = ["nodes", "receive_migration", "restore", "standby_for"],
+        value_parser = Own(|s: &str| s.parse::<MigrationUrl>().map_err(|e| format!("--replicate-to: {e}")))
+    )]
+    pub replicate_to: Option<MigrationUrl>,
+    /// Time between two checkpoints of a replicated VM, in milliseconds (Remus: 25); a link
+    /// that falls behind makes epochs longer.
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value = "20",
+        requires = "replicate_to",
+        value_parser = Own(|s: &str| millis("--epoch", s))
+    )]
+    pub epoch: Duration,
+}
+
+/// `--heartbeat`, `--epoch`: a positive whole number of milliseconds.
+fn millis(flag: &str, text: &str) -> Result<Duration, String> {
+    match text.parse::<u64>() {
+        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
+        _ => Err(format!(
+            "{flag} {text}: expected a positive whole number of milliseconds"
+        )),
+    }
 }
 
 /// `--restore-memory`.
@@ -689,9 +747,49 @@ mod tests {
                 ],
                 "--foreign-tap \"tap0\": expected PARTITION:NAME",
             ),
+            (
+                vec!["--standby-for", "udp:h:1", "--secret-file", "s"],
+                "--standby-for: migration URL \"udp:h:1\": expected tcp:HOST:PORT",
+            ),
+            (
+                vec!["--replicate-to=tcp:h:1", "--secret-file=s", "--epoch=0"],
+                "--epoch 0: expected a positive whole number of milliseconds",
+            ),
+            (
+                vec!["--standby-for=tcp:h:1", "--secret-file=s", "--heartbeat=soon"],
+                "--heartbeat soon: expected a positive whole number of milliseconds",
+            ),
         ] {
             let e = refusal(&line);
             assert!(e.starts_with(&format!("error: {wants}")), "{line:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn replication_flags_need_their_side_and_a_secret() {
+        let r = run(&["--replicate-to=tcp:h:1", "--secret-file=s"]).unwrap();
+        assert_eq!(r.control.epoch, Duration::from_millis(20));
+        let r = run(&[
+            "--standby-for=tcp:h:1",
+            "--secret-file=s",
+            "--heartbeat=250",
+        ])
+        .unwrap();
+        assert_eq!(r.control.heartbeat, Duration::from_millis(250));
+        for line in [
+            vec!["--replicate-to=tcp:h:1"],
+            vec!["--standby-for=tcp:h:1"],
+            vec!["--epoch=5"],
+            vec!["--heartbeat=5"],
+            vec!["--standby-for=tcp:h:1", "--secret-file=s", "--kernel=probe"],
+            vec![
+                "--standby-for=tcp:h:1",
+                "--replicate-to=tcp:h:2",
+                "--secret-file=s",
+            ],
+        ] {
+            let e = refusal(&line);
+            assert!(e.starts_with("error: "), "{line:?}: {e}");
         }
     }
 

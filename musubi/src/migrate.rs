@@ -2,12 +2,15 @@
 //! flags that ask for it. The migration itself is `musubi_migration::vm`'s:
 //! - destination: `run --receive-migration tcp:HOST:PORT --secret-file F` waits for one VM
 //!   ([`receive`]) and builds it on guest RAM whose pages come from the source;
+//! - standby: `run --standby-for tcp:HOST:PORT --secret-file F` waits for a primary
+//!   (`run --replicate-to`) and runs its VM from the last whole epoch once it is lost
+//!   ([`stand_by`]);
 //! - source: a migrator thread (`musubi_migration::vm::Migrator`), started before the
 //!   system-call filters go on, connects and moves the VM when the API asks (`PUT
 //!   vm.send-migration`); the API thread only hands it the request and waits for the answer.
 
 use crate::cli;
-use musubi_migration::vm::{Received, Receiving, SendRequest};
+use musubi_migration::vm::{Received, Receiving, SendRequest, StandbyEnd};
 use musubi_migration::Mode;
 use signal_hook::iterator::Signals;
 use std::fmt;
@@ -89,6 +92,64 @@ pub fn receive(
     opts: vmm::RunOptions,
     signals: &mut Signals,
 ) -> Result<Received, NotReceived> {
+    waiting(
+        "--receive-migration",
+        url,
+        secret_file,
+        foreign,
+        vm,
+        opts,
+        signals,
+        "a migration",
+        musubi_migration::vm::receive,
+    )
+}
+
+/// `run --standby-for URL`: waits as a primary's standby until the primary is lost (the VM,
+/// holding its last whole epoch, is returned to run) or its VM ends. A signal ends the wait
+/// as for [`receive`].
+pub fn stand_by(
+    url: &MigrationUrl,
+    secret_file: &Path,
+    heartbeat: std::time::Duration,
+    vm: &cli::VmArgs,
+    opts: vmm::RunOptions,
+    signals: &mut Signals,
+) -> Result<StandbyEnd, NotReceived> {
+    let none = Foreign {
+        storage: &[],
+        taps: &[],
+    };
+    waiting(
+        "--standby-for",
+        url,
+        secret_file,
+        none,
+        vm,
+        opts,
+        signals,
+        "a primary",
+        |r, stop, log| musubi_migration::vm::stand_by(r, heartbeat, stop, log),
+    )
+}
+
+/// Waits on `url` (given to `flag`) for `what` with `wait`, a signal ending the wait.
+#[allow(clippy::too_many_arguments)]
+fn waiting<T>(
+    flag: &'static str,
+    url: &MigrationUrl,
+    secret_file: &Path,
+    foreign: Foreign<'_>,
+    vm: &cli::VmArgs,
+    opts: vmm::RunOptions,
+    signals: &mut Signals,
+    what: &str,
+    wait: impl FnOnce(
+        Receiving<'_>,
+        &mut dyn FnMut() -> Option<String>,
+        &mut dyn FnMut(&str),
+    ) -> Result<T, musubi_migration::vm::NotReceived>,
+) -> Result<T, NotReceived> {
     let given = vm
         .given_devices()
         .map_err(|message| NotReceived { message, code: 1 })?;
@@ -97,9 +158,7 @@ pub fn receive(
         for s in signals.pending() {
             if s != signal_hook::consts::SIGUSR1 {
                 signal = Some(s);
-                return Some(format!(
-                    "stopped by signal {s} while waiting for a migration"
-                ));
+                return Some(format!("stopped by signal {s} while waiting for {what}"));
             }
         }
         None
@@ -108,8 +167,9 @@ pub fn receive(
     // The migration crate takes them as written.
     let written = |list: &[Owned]| list.iter().map(Owned::to_string).collect::<Vec<_>>();
     let (foreign_storage, foreign_taps) = (written(foreign.storage), written(foreign.taps));
-    let r = musubi_migration::vm::receive(
+    let r = wait(
         Receiving {
+            flag,
             url: url.as_str(),
             secret_file,
             given,

@@ -6,6 +6,7 @@
 use crate::api_target::ApiTarget;
 use crate::{cli, console, migrate};
 use dsm_host::demand::DemandRam;
+use musubi_migration::vm::StandbyEnd;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 use std::path::{Path, PathBuf};
@@ -47,23 +48,85 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         }
         _ => None,
     };
+    // `--standby-for`: the VM comes from a primary, run once the primary is lost.
+    let mut taken_over = match (&control.standby_for, &control.secret_file) {
+        (Some(url), Some(secret)) => {
+            match migrate::stand_by(
+                url,
+                secret,
+                control.heartbeat,
+                vm,
+                opts.clone(),
+                &mut signals,
+            ) {
+                Ok(StandbyEnd::TakeOver(t)) => {
+                    eprintln!(
+                        "musubi: the primary at {url} was lost ({}); taking over from epoch {}",
+                        t.why, t.epoch
+                    );
+                    Some((t.vm, t.config))
+                }
+                Ok(StandbyEnd::PrimaryEnded { epochs }) => {
+                    eprintln!(
+                        "musubi: the primary's VM ended after {epochs} epochs; nothing to take over"
+                    );
+                    return ExitCode::SUCCESS;
+                }
+                Err(e) => {
+                    eprintln!("musubi: {}", e.message);
+                    return ExitCode::from(e.code);
+                }
+            }
+        }
+        _ => None,
+    };
+    // `--replicate-to`: checked before the VM is built, started once it runs.
+    let replication = match (&control.replicate_to, &control.secret_file) {
+        (Some(url), Some(secret)) => {
+            let to = musubi_migration::vm::ReplicateTo {
+                url: url.as_str(),
+                secret_file: secret,
+                epoch: control.epoch,
+            };
+            match musubi_migration::vm::Replication::new(&to) {
+                Ok(r) => Some(r),
+                Err(e) => return fail(e.to_string()),
+            }
+        }
+        _ => None,
+    };
     let incoming = received.as_ref().map(|r| r.ram.clone());
-    let config = match (&snapshot, &received) {
-        (Some((_, config)), _) => config.clone(),
-        (None, Some(r)) => r.config.clone(),
-        (None, None) => match vm.to_config() {
+    let config = match (&snapshot, &received, &taken_over) {
+        (Some((_, config)), _, _) => config.clone(),
+        (None, Some(r), _) => r.config.clone(),
+        (None, None, Some((_, config))) => config.clone(),
+        (None, None, None) => match vm.to_config() {
             Ok(c) => c,
             Err(e) => return fail(e),
         },
     };
     let built = match (received.take(), snapshot) {
+        (None, _) if taken_over.is_some() => match taken_over.take() {
+            Some((vm, _)) => vm,
+            None => return fail("the standby's VM went missing".into()),
+        },
         (Some(r), _) => musubi_migration::vm::received_vm(r),
         (None, Some((snap, _))) => match restored_vm(&config, snap, opts, control.restore_memory) {
             Ok(vm) => vm,
             Err(e) => return fail(e),
         },
         (None, None) => match vmm::VmBuilder::new(&config).options(opts).build() {
-            Ok(vm) => vm,
+            Ok(mut vm) => {
+                if let Some(r) = &replication {
+                    let stats = r.stats();
+                    vm.set_extra_metrics(std::sync::Arc::new(
+                        move |m: &mut musubi_types::Metrics| {
+                            m.replication = Some(stats.to_metrics())
+                        },
+                    ));
+                }
+                vm
+            }
             Err(e) => return fail(e.to_string()),
         },
     };
@@ -110,9 +173,21 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
                 migrator,
                 secret_file: control.secret_file.clone(),
                 described: crate::api_target::Described::of(&running.handle()),
+                replication: replication.as_ref().map(|r| r.stats()),
             });
             crate::api_target::serve(path, target, run.seccomp, &running.handle())
         }
+        None => None,
+    };
+    // Connects, so it starts before this thread's filter goes on.
+    let replicator = match replication {
+        Some(r) => match r.start(running.handle(), Box::new(|m| eprintln!("musubi: {m}"))) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                eprintln!("musubi: {e}; the VM runs alone, unprotected");
+                None
+            }
+        },
         None => None,
     };
     // This thread only waits, flushes and writes reports from here on; the threads it
@@ -133,6 +208,9 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
     };
     let watch = SignalWatch::start(signals, running.handle(), run.metrics.clone());
     let report = running.wait();
+    if let Some(r) = replicator {
+        r.finish();
+    }
     drop(api);
     watch.close();
     drop(input);

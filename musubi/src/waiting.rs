@@ -221,6 +221,7 @@ impl Vmm {
         let mut log = |m: &str| tracing::info!("{m}");
         let received = musubi_migration::vm::receive(
             Receiving {
+                flag: "--receive-migration",
                 url: &req.url,
                 secret_file: &secret,
                 given: Default::default(),

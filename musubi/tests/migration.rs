@@ -24,10 +24,6 @@ const COUNTER_N: u64 = 100_000_000;
 const HELLO: &str = "{\"probe\":\"hello\"";
 const DONE: &str = "probe: done, exit status 0";
 
-fn u(v: &Value) -> u64 {
-    v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
-}
-
 /// `musubi run --receive-migration tcp:127.0.0.1:PORT`, its console in `serial`, listening
 /// once this returns.
 fn start_destination(port: u16, secret: &Path, serial: &Path, flags: &[&str]) -> Started {
@@ -45,13 +41,7 @@ fn start_destination(port: u16, secret: &Path, serial: &Path, flags: &[&str]) ->
         "120",
     ];
     args.extend_from_slice(flags);
-    let mut vm = start_command(musubi(), &args, None);
-    vm.wait_for(
-        LIMIT,
-        || listening_on_loopback(port).then_some(()),
-        || format!("a socket listening on port {port}"),
-    );
-    vm
+    start_listening(&args, port, LIMIT)
 }
 
 fn send_migration(socket: &Path, port: u16, secret: &Path) -> Run {
@@ -367,23 +357,6 @@ fn a_wrong_secret_is_refused_and_the_destination_keeps_waiting() {
     assert!(!dest_serial.exists() || !read_text(&dest_serial).contains("probe"));
 }
 
-/// `mem-check=MEM_CHECK_MIB,iters=MEM_CHECK_ROUNDS` in a `MEM_CHECK_MEMORY` VM: 64 MiB
-/// written, then a sixteenth of it rewritten per round, for several seconds, so the move
-/// lands while pages the destination has not seen yet are being rewritten.
-const MEM_CHECK_MIB: u64 = 64;
-const MEM_CHECK_ROUNDS: u64 = 5000;
-const MEM_CHECK_MEMORY: &str = "512M";
-
-fn assert_mem_check(text: &str) {
-    let m = result_in(text, "mem-check");
-    assert_eq!(
-        (u(&m["mib"]), u(&m["rounds"]), u(&m["errors"])),
-        (MEM_CHECK_MIB, MEM_CHECK_ROUNDS, 0),
-        "{text}"
-    );
-    assert_eq!(m["ok"], true, "{text}");
-}
-
 #[test]
 fn mem_check_migrated_mid_task_reads_back_every_byte_on_the_destination() {
     let text = moved_mid_task(
@@ -391,7 +364,7 @@ fn mem_check_migrated_mid_task_reads_back_every_byte_on_the_destination() {
         &format!("hello,mem-check={MEM_CHECK_MIB},iters={MEM_CHECK_ROUNDS}"),
         &["--memory", MEM_CHECK_MEMORY],
     );
-    assert_mem_check(&text);
+    assert_mem_check(&text, MEM_CHECK_ROUNDS);
 }
 
 /// The bytes of two snapshot memory files, compared page by page (a hole reads as zeros,
@@ -500,7 +473,7 @@ fn a_paused_vm_arrives_paused_with_guest_ram_the_same_byte_for_byte() {
     assert_eq!(r.code, Some(0), "{}", r.explain());
     dest_guard.defuse();
     let text = finished_destination(dest, &dest_serial);
-    assert_mem_check(&text);
+    assert_mem_check(&text, MEM_CHECK_ROUNDS);
 }
 
 #[test]
@@ -520,7 +493,7 @@ fn mem_check_pre_copied_reads_back_every_byte_and_no_page_follows_the_switch() {
             "2",
         ],
     );
-    assert_mem_check(&text);
+    assert_mem_check(&text, MEM_CHECK_ROUNDS);
     let m = metrics
         .migration
         .unwrap_or_else(|| panic!("no migration section: {metrics}"));

@@ -31,6 +31,9 @@ pub struct Metrics {
     /// This node of a multi-node VM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<NodeMetrics>,
+    /// A primary's replication to its standby (`run --replicate-to`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replication: Option<ReplicationMetrics>,
 }
 
 impl Metrics {
@@ -168,6 +171,47 @@ pub struct DemandPaging {
     pub pages_read: u64,
     /// Pages installed as zeros (holes of the file).
     pub zero_pages: u64,
+}
+
+/// Where a primary's replication stands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReplicationState {
+    /// Connecting, or the standby is building the VM.
+    #[default]
+    Connecting,
+    /// Sending whole RAM as the first epoch.
+    Seeding,
+    /// Checkpointing every epoch: the standby can take over.
+    Protected,
+    /// The standby was lost, or never came: the VM runs alone.
+    Lost,
+    /// The VM ended and the standby was told.
+    Ended,
+}
+
+/// A primary's epochs: how many, how big and how long the VM paused for each.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicationMetrics {
+    /// The standby, as given (`tcp:HOST:PORT`).
+    pub to: String,
+    /// The epoch asked for; a link that falls behind makes epochs longer.
+    pub epoch_ms: u64,
+    pub state: ReplicationState,
+    pub epochs_sent: u64,
+    pub epochs_acked: u64,
+    /// Pages and state, over every epoch (the first is the whole RAM with data).
+    pub bytes_sent: u64,
+    /// Over the most recent 1024 epochs.
+    pub bytes_per_epoch_median: u64,
+    pub bytes_per_epoch_max: u64,
+    /// The vCPUs' pause for each checkpoint, in microseconds: median of the most recent
+    /// 1024 epochs, and the longest of all.
+    pub pause_us_median: u64,
+    pub pause_us_max: u64,
+    /// Why the standby was lost, if it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost: Option<String>,
 }
 
 /// The pages of a VM received by migration.

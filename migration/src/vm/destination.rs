@@ -3,6 +3,7 @@
 //! putting the state into it.
 
 use crate::destination::{self, Host, PostCopyRam, ReceiveError};
+use crate::replication::standby::ReplicaRam;
 use crate::{parse_url, read_secret, Options, SecretError, UrlError, VmFault};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,12 +20,19 @@ pub struct Received {
 /// Why no VM came.
 #[derive(Debug, thiserror::Error)]
 pub enum NotReceived {
-    #[error("--receive-migration: {0}")]
-    Url(#[source] UrlError),
+    #[error("{flag}: {source}")]
+    Url {
+        flag: &'static str,
+        source: UrlError,
+    },
     #[error(transparent)]
     Secret(#[from] SecretError),
-    #[error("--receive-migration {url}: cannot listen: {source}")]
-    Listen { url: String, source: std::io::Error },
+    #[error("{flag} {url}: cannot listen: {source}")]
+    Listen {
+        flag: &'static str,
+        url: String,
+        source: std::io::Error,
+    },
     #[error("{flag} {entry:?}: expected {syntax}")]
     Owner {
         flag: &'static str,
@@ -77,6 +85,11 @@ enum HostError {
     VsockPath(PathBuf),
     #[error("no configuration came")]
     NoConfig,
+    #[error(
+        "the VM has disks or memory-storage files, which a standby does not replicate yet; \
+         only a VM without --disk and --pmem can be replicated"
+    )]
+    Storage,
     #[error("no VM was built")]
     NoVm,
     #[error(transparent)]
@@ -86,13 +99,15 @@ enum HostError {
 }
 
 /// Builds the incoming VM with what the destination's own flags allow.
-struct VmHost<'a> {
+pub(super) struct VmHost<'a> {
     given: GivenDevices,
     /// Storage files other partitions own (partition, path): an arriving VM may use none.
     foreign: Vec<(String, PathBuf)>,
     /// TAPs other partitions own (partition, name): an arriving VM may name none.
     foreign_taps: Vec<(String, String)>,
     opts: vmm::RunOptions,
+    /// What brought the VM (`migration`, `replication`) and from where, for messages.
+    what: &'static str,
     from: &'a str,
     config: Option<vmm::config::VmConfig>,
     built: Option<vmm::Vm>,
@@ -104,7 +119,36 @@ impl Host for VmHost<'_> {
     }
 
     fn build(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), VmFault> {
-        Ok(self.build_on(ram)?)
+        // SAFETY: the mapping is `ram`'s, `ram.len()` bytes, read-write, and stays mapped
+        // while the `ram` handed over as owner lives; only its release changes it (out of
+        // userfaultfd, never unmapped).
+        let ext =
+            unsafe { vmm::ExternalRam::new(ram.host_addr(), ram.len(), ram.clone()) }.on_demand();
+        let owner = ram.clone();
+        Ok(self.build_on(ext, move || owner.release())?)
+    }
+
+    fn apply(&mut self, state: &[u8]) -> Result<(), VmFault> {
+        Ok(self.apply_state(state)?)
+    }
+}
+
+impl Host<ReplicaRam> for VmHost<'_> {
+    fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, VmFault> {
+        let ranges = self.check_config(config)?;
+        let config = self.config.as_ref().ok_or(HostError::NoConfig)?;
+        if !config.disks.is_empty() || !config.pmem.is_empty() {
+            return Err(HostError::Storage.into());
+        }
+        Ok(ranges)
+    }
+
+    fn build(&mut self, ram: &Arc<ReplicaRam>) -> Result<(), VmFault> {
+        // SAFETY: the mapping is `ram`'s, `ram.len()` bytes, read-write, and stays mapped
+        // while the `ram` handed over as owner lives (it is unmapped only when dropped).
+        let ext =
+            unsafe { vmm::ExternalRam::new(ram.host_addr(), ram.len(), ram.clone()) }.on_demand();
+        Ok(self.build_on(ext, || {})?)
     }
 
     fn apply(&mut self, state: &[u8]) -> Result<(), VmFault> {
@@ -186,18 +230,17 @@ impl VmHost<'_> {
         Ok(ranges)
     }
 
-    fn build_on(&mut self, ram: &Arc<PostCopyRam>) -> Result<(), HostError> {
+    /// Builds the checked VM on `ext`, not started; `on_stopped` runs once it has stopped.
+    fn build_on(
+        &mut self,
+        ext: vmm::ExternalRam,
+        on_stopped: impl FnOnce() + Send + 'static,
+    ) -> Result<(), HostError> {
         let config = self.config.as_ref().ok_or(HostError::NoConfig)?;
-        // SAFETY: the mapping is `ram`'s, `ram.len()` bytes, read-write, and stays mapped
-        // while the `ram` handed over as owner lives; only its release changes it (out of
-        // userfaultfd, never unmapped).
-        let ext =
-            unsafe { vmm::ExternalRam::new(ram.host_addr(), ram.len(), ram.clone()) }.on_demand();
-        let owner = ram.clone();
         let vm = vmm::VmBuilder::new(config)
             .options(self.opts.clone())
             .guest_ram(vmm::GuestRamSource::External(ext))
-            .on_stopped(move || owner.release())
+            .on_stopped(on_stopped)
             .restore_later()
             .staged_sockets()
             .build()
@@ -210,7 +253,7 @@ impl VmHost<'_> {
         let state: vmm::snapshot::VmState =
             serde_json::from_slice(state).map_err(HostError::State)?;
         let vm = self.built.as_mut().ok_or(HostError::NoVm)?;
-        vm.apply_state(format!("the migration from {}", self.from), state)
+        vm.apply_state(format!("the {} from {}", self.what, self.from), state)
             .map_err(|e| HostError::Build(Box::new(e)))
     }
 }
@@ -219,6 +262,8 @@ impl VmHost<'_> {
 /// other partitions own (`--foreign-storage PARTITION:PATH`, `--foreign-tap PARTITION:NAME`,
 /// as their supervisor tells a VM that waits for a migration).
 pub struct Receiving<'a> {
+    /// The flag that gave `url`, for messages.
+    pub flag: &'static str,
     pub url: &'a str,
     pub secret_file: &'a Path,
     pub given: GivenDevices,
@@ -234,10 +279,25 @@ pub fn receive(
     stop: &mut dyn FnMut() -> Option<String>,
     log: &mut dyn FnMut(&str),
 ) -> Result<Received, NotReceived> {
-    let url = r.url;
-    let addr = parse_url(url).map_err(NotReceived::Url)?;
+    let (listener, secret, mut host) = listen(r, "migration", log)?;
+    let ram = destination::receive(&listener, &Options::new(secret), &mut host, stop, log)?;
+    let (Some(vm), Some(config)) = (host.built.take(), host.config.take()) else {
+        return Err(NotReceived::NotBuilt);
+    };
+    Ok(Received { vm, config, ram })
+}
+
+/// Listens where `r` says, with its secret, and the host that builds what comes by `what`.
+pub(super) fn listen<'a>(
+    r: Receiving<'a>,
+    what: &'static str,
+    log: &mut dyn FnMut(&str),
+) -> Result<(std::net::TcpListener, Vec<u8>, VmHost<'a>), NotReceived> {
+    let (flag, url) = (r.flag, r.url);
+    let addr = parse_url(url).map_err(|source| NotReceived::Url { flag, source })?;
     let secret = read_secret(r.secret_file)?;
     let listener = std::net::TcpListener::bind(addr).map_err(|source| NotReceived::Listen {
+        flag,
         url: url.into(),
         source,
     })?;
@@ -245,7 +305,7 @@ pub fn receive(
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_else(|_| addr.to_string());
-    log(&format!("waiting for a migration on tcp:{bound}"));
+    log(&format!("waiting for a {what} on tcp:{bound}"));
     let owned = |flag: &'static str, syntax: &'static str, list: &[String]| {
         list.iter()
             .map(|f| match f.split_once(':') {
@@ -260,7 +320,7 @@ pub fn receive(
     };
     let foreign_files = owned("--foreign-storage", "PARTITION:PATH", r.foreign_storage)?;
     let foreign_taps = owned("--foreign-tap", "PARTITION:NAME", r.foreign_taps)?;
-    let mut host = VmHost {
+    let host = VmHost {
         given: r.given,
         foreign: foreign_files
             .into_iter()
@@ -268,15 +328,19 @@ pub fn receive(
             .collect(),
         foreign_taps,
         opts: r.opts,
+        what,
         from: url,
         config: None,
         built: None,
     };
-    let ram = destination::receive(&listener, &Options::new(secret), &mut host, stop, log)?;
-    let (Some(vm), Some(config)) = (host.built.take(), host.config.take()) else {
-        return Err(NotReceived::NotBuilt);
-    };
-    Ok(Received { vm, config, ram })
+    Ok((listener, secret, host))
+}
+
+impl<'a> VmHost<'a> {
+    /// The VM built and its configuration, once a session has succeeded.
+    pub(super) fn take(&mut self) -> Option<(vmm::Vm, vmm::config::VmConfig)> {
+        Some((self.built.take()?, self.config.take()?))
+    }
 }
 
 /// The received VM with its failures wired to end it and its page traffic in the metrics.

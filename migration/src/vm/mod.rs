@@ -1,4 +1,4 @@
-//! Both ends of a migration over the `vmm` crate's VMs: the [`destination::Host`] that
+//! Both ends of a migration, and of replication, over the `vmm` crate's VMs: the [`destination::Host`] that
 //! builds an arriving VM and the [`source::SourceVm`] over a running one, so a program that
 //! embeds Musubi only parses its arguments and calls [`receive`] or starts a [`Migrator`].
 //!
@@ -6,9 +6,11 @@
 //! [`source::SourceVm`]: crate::source::SourceVm
 
 mod destination;
+mod replication;
 mod source;
 
 pub use destination::{receive, received_vm, NotReceived, Received, Receiving};
+pub use replication::{stand_by, ReplicateError, ReplicateTo, Replication, Replicator, StandbyEnd};
 pub use source::{MigrateError, Migrator, SendRequest};
 
 /// The key the source adds to the configuration it sends: (device, inode) of its vsock

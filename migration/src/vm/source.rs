@@ -42,7 +42,7 @@ pub enum MigrateError {
 struct DataPagesError(#[source] std::io::Error);
 
 /// The running VM as the migration's source sees it.
-struct HandleVm<'a>(&'a vmm::VmHandle);
+pub(crate) struct HandleVm<'a>(pub(crate) &'a vmm::VmHandle);
 
 impl SourceVm for HandleVm<'_> {
     fn config(&self) -> Vec<u8> {
@@ -65,6 +65,9 @@ impl SourceVm for HandleVm<'_> {
     }
     fn resume(&self) -> Result<(), VmFault> {
         Ok(self.0.resume()?)
+    }
+    fn is_paused(&self) -> bool {
+        self.0.is_paused()
     }
     fn ram_ranges(&self) -> Vec<(u64, u64)> {
         self.0.ram_ranges()

@@ -265,3 +265,39 @@ impl VmmDir {
         vmm
     }
 }
+
+/// A number in a probe result.
+pub fn u(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+/// `mem-check=MEM_CHECK_MIB,iters=MEM_CHECK_ROUNDS` in a `MEM_CHECK_MEMORY` VM: 64 MiB
+/// written, then a sixteenth of it rewritten per round, for several seconds, so a move or a
+/// failover lands while pages the other side has not seen yet are being rewritten.
+pub const MEM_CHECK_MIB: u64 = 64;
+pub const MEM_CHECK_ROUNDS: u64 = 5000;
+pub const MEM_CHECK_MEMORY: &str = "512M";
+
+/// The console `text` of a VM that ran `mem-check` of [`MEM_CHECK_MIB`] for `rounds`: every
+/// byte read back as written.
+pub fn assert_mem_check(text: &str, rounds: u64) {
+    let m = result_in(text, "mem-check");
+    assert_eq!(
+        (u(&m["mib"]), u(&m["rounds"]), u(&m["errors"])),
+        (MEM_CHECK_MIB, rounds, 0),
+        "{text}"
+    );
+    assert_eq!(m["ok"], true, "{text}");
+}
+
+/// `musubi` with `args`, once it listens on loopback `port` (a VM that waits for another
+/// musubi), failing the test after `limit`.
+pub fn start_listening(args: &[&str], port: u16, limit: Duration) -> Started {
+    let mut vm = start_command(musubi(), args, None);
+    vm.wait_for(
+        limit,
+        || listening_on_loopback(port).then_some(()),
+        || format!("a socket listening on port {port}"),
+    );
+    vm
+}

@@ -1,0 +1,137 @@
+//! A running VM kept on a standby, so that it outlives the loss of its primary: Remus's
+//! checkpoints (NSDI 2008; QEMU's COLO is the other reference) over the migration's link and
+//! framing.
+//!
+//! The primary sends the VM's configuration; the standby builds the VM (not started) at
+//! once. Then come epochs: the first carries every page that may hold data, read while the
+//! VM runs, as a pre-copy's first round does; each epoch ends with a checkpoint: the vCPUs
+//! pause, the pages written since the last one (KVM's dirty log and the VMM's own writes)
+//! are copied and the vCPU and device state read, the VM resumes at once, and the copy goes
+//! out while it runs on. The standby stores an epoch aside until its `Commit` has come,
+//! then puts it into the VM's RAM and keeps its state as the one to start from, and
+//! acknowledges it; a half-received epoch is dropped. When the link closes or the primary
+//! is silent longer than the heartbeat, the standby starts the VM from the last whole epoch.
+//!
+//! Not yet: output commit. Network frames and disk writes are not held until their epoch is
+//! acknowledged, so a client may see output of an epoch the standby never got; and disks are
+//! not replicated (a VM with `--disk` or `--pmem` is refused by the standby).
+//!
+//! - [`primary`]: the sending loop, over a [`crate::source::SourceVm`].
+//! - [`standby`]: the receiving loop, over a [`crate::destination::Host`], and the RAM it
+//!   fills.
+//! - [`ReplicationStats`]: what the primary counts, for its metrics.
+
+pub mod primary;
+pub mod standby;
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// How often the primary checkpoints by default (Remus: 25 ms).
+pub const DEFAULT_EPOCH: Duration = Duration::from_millis(20);
+/// Longest silence of the primary the standby waits out by default.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_millis(100);
+/// Epochs whose pause and size the median is taken over (the most recent ones).
+const SAMPLES: usize = 1024;
+
+/// The last [`SAMPLES`] values of one measure, and the largest of all.
+#[derive(Debug, Default)]
+struct Samples {
+    recent: std::collections::VecDeque<u64>,
+    max: u64,
+}
+
+impl Samples {
+    fn push(&mut self, v: u64) {
+        if self.recent.len() == SAMPLES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(v);
+        self.max = self.max.max(v);
+    }
+
+    fn median(&self) -> u64 {
+        let mut v: Vec<u64> = self.recent.iter().copied().collect();
+        v.sort_unstable();
+        v.get(v.len() / 2).copied().unwrap_or(0)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    to: String,
+    epoch_ms: u64,
+    state: musubi_types::ReplicationState,
+    epochs_sent: u64,
+    epochs_acked: u64,
+    bytes_sent: u64,
+    bytes: Samples,
+    pause_us: Samples,
+    lost: Option<String>,
+}
+
+/// What the primary's loop counts, read by the metrics while it runs.
+#[derive(Debug, Default)]
+pub struct ReplicationStats {
+    counts: Mutex<Counts>,
+}
+
+impl ReplicationStats {
+    pub fn new(to: &str, epoch: Duration) -> ReplicationStats {
+        ReplicationStats {
+            counts: Mutex::new(Counts {
+                to: to.to_string(),
+                epoch_ms: epoch.as_millis() as u64,
+                ..Counts::default()
+            }),
+        }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Counts) -> T) -> T {
+        f(&mut self.counts.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn set_state(&self, state: musubi_types::ReplicationState) {
+        self.with(|c| c.state = state);
+    }
+
+    fn sent(&self, bytes: u64, pause: Duration) {
+        self.with(|c| {
+            c.epochs_sent += 1;
+            c.bytes_sent += bytes;
+            c.bytes.push(bytes);
+            c.pause_us.push(pause.as_micros() as u64);
+        });
+    }
+
+    fn acked(&self) {
+        self.with(|c| c.epochs_acked += 1);
+    }
+
+    fn lost(&self, why: String) {
+        self.with(|c| {
+            c.state = musubi_types::ReplicationState::Lost;
+            c.lost = Some(why);
+        });
+    }
+
+    /// The run's `replication` metrics.
+    pub fn to_metrics(&self) -> musubi_types::ReplicationMetrics {
+        self.with(|c| musubi_types::ReplicationMetrics {
+            to: c.to.clone(),
+            epoch_ms: c.epoch_ms,
+            state: c.state,
+            epochs_sent: c.epochs_sent,
+            epochs_acked: c.epochs_acked,
+            bytes_sent: c.bytes_sent,
+            bytes_per_epoch_median: c.bytes.median(),
+            bytes_per_epoch_max: c.bytes.max,
+            pause_us_median: c.pause_us.median(),
+            pause_us_max: c.pause_us.max,
+            lost: c.lost.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,345 @@
+//! The primary's loop: connects to the standby, has it build the VM, sends the first epoch
+//! (every page with data) while the VM runs, then checkpoints every epoch until the VM ends
+//! (the standby is told, and does not take over) or the standby is lost (the VM goes on
+//! alone).
+//!
+//! Memory stays bounded: one epoch is in flight at a time (the next checkpoint waits for
+//! the last one's acknowledgement, so a slow link makes epochs longer), and its copy holds
+//! at most `copy_limit` bytes of pages; pages written beyond that are sent straight from
+//! guest RAM before the vCPUs resume, which lengthens that pause instead.
+
+use super::ReplicationStats;
+use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
+use crate::source::SourceVm;
+use crate::{recv, send, send_blob, DialError, Options, ProtocolError, VmFault};
+use dsm::PAGE_SIZE;
+use dsm_host::link::{LinkReader, LinkWriter};
+use dsm_host::{Envelope, Link, LinkError};
+use musubi_types::ReplicationState;
+use std::time::{Duration, Instant};
+
+/// Largest copy of one epoch's pages by default.
+pub const DEFAULT_COPY_LIMIT: usize = 64 << 20;
+
+/// How the primary checkpoints.
+#[derive(Clone, Copy, Debug)]
+pub struct Epochs {
+    /// Time from one checkpoint to the next, at least.
+    pub every: Duration,
+    /// Most bytes of pages copied while the vCPUs are paused.
+    pub copy_limit: usize,
+}
+
+impl Default for Epochs {
+    fn default() -> Epochs {
+        Epochs {
+            every: super::DEFAULT_EPOCH,
+            copy_limit: DEFAULT_COPY_LIMIT,
+        }
+    }
+}
+
+/// Why replication ended before the VM did; the VM runs on alone either way.
+#[derive(Debug, thiserror::Error)]
+pub enum PrimaryError {
+    #[error("replication to {to}: no standby ({why})")]
+    NotStarted {
+        to: String,
+        #[source]
+        why: Box<NotStarted>,
+    },
+    #[error("replication to {to}: the standby was lost after {acked} acknowledged epochs ({why})")]
+    Lost {
+        to: String,
+        acked: u64,
+        #[source]
+        why: Box<LostWhy>,
+    },
+}
+
+/// What failed before the standby had the VM built.
+#[derive(Debug, thiserror::Error)]
+pub enum NotStarted {
+    #[error(transparent)]
+    Dial(#[from] Box<DialError>),
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The standby's reason, as it sent it.
+    #[error("the standby refused the VM: {0}")]
+    Refused(String),
+    #[error("expected the standby's answer, got a {0} message")]
+    Unexpected(&'static str),
+    #[error(transparent)]
+    Layout(#[from] RamLayoutError),
+}
+
+/// Why epochs could no longer be sent.
+#[derive(Debug, thiserror::Error)]
+pub enum LostWhy {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("expected the acknowledgement of epoch {want}, got {got}")]
+    Ack { want: u64, got: String },
+    /// Pausing, reading the state, the dirty log or a page.
+    #[error("{0}")]
+    Vm(#[source] VmFault),
+}
+
+/// The link and what the loop keeps between epochs.
+struct Primary<'a> {
+    vm: &'a dyn SourceVm,
+    layout: RamLayout,
+    reader: LinkReader,
+    writer: LinkWriter,
+    /// How often to prove this side lives when there is nothing else to send.
+    beat: Duration,
+    beats: u64,
+    last_send: Instant,
+    /// The copy of an epoch's pages, kept between epochs (at most `copy_limit` bytes).
+    copy: Vec<u8>,
+    /// Epochs the standby acknowledged.
+    acked: u64,
+}
+
+/// Replicates `vm` to the standby at `to` (`HOST:PORT`) until the VM ends (`Ok`, the
+/// standby told) or replication cannot go on; counts in `stats`.
+pub fn replicate(
+    vm: &dyn SourceVm,
+    to: &str,
+    opts: &Options,
+    epochs: &Epochs,
+    stats: &ReplicationStats,
+) -> Result<(), PrimaryError> {
+    let mut p = start(vm, to, opts).map_err(|why| {
+        stats.lost(why.to_string());
+        PrimaryError::NotStarted {
+            to: to.into(),
+            why: Box::new(why),
+        }
+    })?;
+    stats.set_state(ReplicationState::Seeding);
+    let r = p.run(epochs, stats);
+    let _ = vm.stop_dirty_log();
+    p.writer.shutdown();
+    r.map_err(|why| {
+        stats.lost(why.to_string());
+        PrimaryError::Lost {
+            to: to.into(),
+            acked: p.acked,
+            why: Box::new(why),
+        }
+    })
+}
+
+/// Connects, and has the standby build the VM.
+fn start<'a>(vm: &'a dyn SourceVm, to: &str, opts: &Options) -> Result<Primary<'a>, NotStarted> {
+    let layout = RamLayout::new(vm.ram_ranges())?;
+    let Link {
+        mut reader,
+        mut writer,
+        ..
+    } = crate::dial(to, "standby", opts).map_err(Box::new)?;
+    reader.limit_silence(opts.setup_limit)?;
+    writer.limit_stall(opts.setup_limit)?;
+    send_blob(&mut writer, Blob::Config, &vm.config())?;
+    let heartbeat = match recv(&mut reader)? {
+        Msg::Standing { heartbeat_ms } => Duration::from_millis(heartbeat_ms),
+        Msg::Refused(why) => return Err(NotStarted::Refused(why)),
+        m => return Err(NotStarted::Unexpected(m.name())),
+    };
+    // An acknowledgement may take as long as the standby needs to store an epoch, which
+    // the primary cannot tell from a standby gone quiet: the migration's silence bound.
+    reader.limit_silence(opts.silence)?;
+    writer.limit_stall(opts.silence)?;
+    Ok(Primary {
+        vm,
+        layout,
+        reader,
+        writer,
+        beat: (heartbeat / 3).max(Duration::from_millis(1)),
+        beats: 0,
+        last_send: Instant::now(),
+        copy: Vec::new(),
+        acked: 0,
+    })
+}
+
+impl Primary<'_> {
+    fn send(&mut self, m: &Msg) -> Result<(), LinkError> {
+        self.last_send = Instant::now();
+        send(&mut self.writer, m)
+    }
+
+    /// A page of guest RAM, read now.
+    fn send_page(&mut self, gpa: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<bool, LostWhy> {
+        let Some(page) = self.layout.page_of(gpa) else {
+            return Ok(false);
+        };
+        self.vm.read_page(gpa, buf).map_err(LostWhy::Vm)?;
+        self.send(&Msg::Page {
+            page,
+            data: Box::new(*buf),
+        })?;
+        Ok(true)
+    }
+
+    /// Proves this side lives if nothing went for a beat.
+    fn beat(&mut self) -> Result<(), LinkError> {
+        if self.last_send.elapsed() >= self.beat {
+            self.beats += 1;
+            self.writer.send(&Envelope::Heartbeat { seq: self.beats })?;
+            self.last_send = Instant::now();
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, epochs: &Epochs, stats: &ReplicationStats) -> Result<(), LostWhy> {
+        self.vm.start_dirty_log().map_err(LostWhy::Vm)?;
+        // The first epoch: every page that may hold data, while the VM runs; its checkpoint
+        // below sends what was written meanwhile.
+        let mut buf = Box::new([0u8; PAGE_SIZE]);
+        let mut live = 0u64;
+        let with_data = self.vm.pages_with_data().map_err(LostWhy::Vm)?;
+        self.beat()?;
+        for gpa in with_data {
+            if self.send_page(gpa, &mut buf)? {
+                live += 1;
+            }
+        }
+        let mut epoch = 0u64;
+        let mut last_pause: Option<Instant> = None;
+        loop {
+            // Wait out the epoch, proving this side lives; a VM that ended is said so.
+            loop {
+                if self.vm.has_ended() {
+                    let _ = self.send(&Msg::Ended);
+                    stats.set_state(ReplicationState::Ended);
+                    return Ok(());
+                }
+                let left = last_pause
+                    .map(|t| (t + epochs.every).saturating_duration_since(Instant::now()))
+                    .unwrap_or_default();
+                if left.is_zero() {
+                    break;
+                }
+                self.beat()?;
+                std::thread::sleep(left.min(self.beat));
+            }
+            last_pause = Some(Instant::now());
+            let (pages, state, pause) = match self.checkpoint(epochs, &mut buf) {
+                Ok(c) => c,
+                // The VM ended while the checkpoint was taken: said at the top.
+                Err(_) if self.vm.has_ended() => continue,
+                Err(e) => return Err(e),
+            };
+            let pages = pages + std::mem::take(&mut live);
+            let copied = last_pause.map(|t| t.elapsed()).unwrap_or_default();
+            send_blob(&mut self.writer, Blob::State, &state)?;
+            self.send(&Msg::Commit { epoch, pages })?;
+            stats.sent(pages * PAGE_SIZE as u64 + state.len() as u64, pause);
+            let sent = last_pause.map(|t| t.elapsed()).unwrap_or_default();
+            let ack = recv(&mut self.reader);
+            tracing::debug!(
+                epoch,
+                pages,
+                state_bytes = state.len(),
+                pause_us = pause.as_micros() as u64,
+                pages_sent_us = copied.as_micros() as u64,
+                committed_us = sent.as_micros() as u64,
+                acked_us = last_pause.map(|t| t.elapsed().as_micros() as u64),
+                "replication epoch"
+            );
+            match ack? {
+                Msg::Acked(e) if e == epoch => {}
+                m => {
+                    return Err(LostWhy::Ack {
+                        want: epoch,
+                        got: format!("{m:?}").chars().take(80).collect(),
+                    })
+                }
+            }
+            self.acked += 1;
+            stats.acked();
+            if epoch == 0 {
+                stats.set_state(ReplicationState::Protected);
+            }
+            epoch += 1;
+        }
+    }
+
+    /// Pauses the vCPUs, reads the state and the pages written since the last checkpoint,
+    /// resumes the VM (unless its owner had paused it) and sends the copy: returns the
+    /// pages sent, the state and how long the vCPUs were paused.
+    fn checkpoint(
+        &mut self,
+        epochs: &Epochs,
+        buf: &mut [u8; PAGE_SIZE],
+    ) -> Result<(u64, Vec<u8>, Duration), LostWhy> {
+        let started = Instant::now();
+        let was_paused = self.vm.is_paused();
+        let state = self.vm.capture().map_err(LostWhy::Vm)?;
+        let copied = self.copy_dirty(epochs, buf);
+        if !was_paused {
+            self.vm.resume().map_err(LostWhy::Vm)?;
+        }
+        let pause = started.elapsed();
+        let (mut pages, copied) = copied?;
+        let copy = std::mem::take(&mut self.copy);
+        let sent = (|| {
+            for (&page, data) in copied.iter().zip(copy.chunks_exact(PAGE_SIZE)) {
+                buf.copy_from_slice(data);
+                self.send(&Msg::Page {
+                    page,
+                    data: Box::new(*buf),
+                })?;
+            }
+            Ok::<_, LostWhy>(())
+        })();
+        self.copy = copy;
+        sent?;
+        pages += copied.len() as u64;
+        Ok((pages, state, pause))
+    }
+
+    /// While paused: the pages written since the last look, copied up to the limit and
+    /// the rest sent at once. Returns how many were sent and the copied pages' numbers.
+    fn copy_dirty(
+        &mut self,
+        epochs: &Epochs,
+        buf: &mut [u8; PAGE_SIZE],
+    ) -> Result<(u64, Vec<u64>), LostWhy> {
+        let mut dirty = self.vm.dirty_pages().map_err(LostWhy::Vm)?;
+        dirty.sort_unstable();
+        dirty.dedup();
+        let fits = (epochs.copy_limit / PAGE_SIZE).max(1);
+        let mut copied = Vec::with_capacity(dirty.len().min(fits));
+        self.copy.clear();
+        let mut sent = 0;
+        for (n, gpa) in dirty.into_iter().enumerate() {
+            // A copy longer than the standby's heartbeat must not look like this side's
+            // death.
+            if n % 256 == 255 {
+                self.beat()?;
+            }
+            let Some(page) = self.layout.page_of(gpa) else {
+                continue;
+            };
+            if copied.len() < fits {
+                let at = self.copy.len();
+                self.copy.resize(at + PAGE_SIZE, 0);
+                let page_buf: &mut [u8; PAGE_SIZE] = (&mut self.copy[at..at + PAGE_SIZE])
+                    .try_into()
+                    .expect("one page");
+                self.vm.read_page(gpa, page_buf).map_err(LostWhy::Vm)?;
+                copied.push(page);
+            } else if self.send_page(gpa, buf)? {
+                sent += 1;
+            }
+        }
+        Ok((sent, copied))
+    }
+}

@@ -1,0 +1,323 @@
+//! The standby's loop: waits for a primary that proves the secret (strangers are refused
+//! and logged, the wait goes on), has the [`Host`] build the VM from its configuration on a
+//! [`ReplicaRam`], and stores epochs until the primary is lost; then the VM gets the state
+//! of the last whole epoch and is the caller's to start.
+//!
+//! An epoch's pages are held aside until its `Commit` has come and only then written into
+//! guest RAM, so a primary lost halfway through an epoch leaves the one before intact. The
+//! first epoch is the exception: before it, nothing could be started anyway, so its pages
+//! go straight into RAM, and a primary lost during it sends the standby back to waiting.
+
+use super::DEFAULT_HEARTBEAT;
+use crate::destination::Host;
+use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
+use crate::{recv, recv_blob, send, Options, ProtocolError, ReceiveError, VmFault};
+use dsm::PAGE_SIZE;
+use dsm_host::{Link, LinkError};
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How the standby ended its wait.
+#[derive(Debug)]
+pub enum Standby {
+    /// The primary was lost: the VM holds the state and RAM of epoch `epoch`, the last
+    /// whole one, and is ready to start.
+    TakeOver {
+        ram: Arc<ReplicaRam>,
+        epoch: u64,
+        /// Why the primary counts as lost.
+        why: String,
+    },
+    /// The primary's VM ended (and said so): there is nothing to take over.
+    PrimaryEnded { epochs: u64 },
+}
+
+/// Why one primary's session ended without a VM to take over (the wait goes on).
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The reason, also sent to the primary as text.
+    #[error("refused the VM: {0}")]
+    Refused(#[source] VmFault),
+    #[error(transparent)]
+    Layout(#[from] RamLayoutError),
+    #[error("guest RAM for the standby: {0}")]
+    Ram(#[source] vm_memory::mmap::MmapRegionError),
+    #[error("lost before its first epoch was whole: {0}")]
+    BeforeFirstEpoch(#[source] Box<Lost>),
+    #[error("could not put the state of epoch {epoch} into the VM: {why}")]
+    NotApplied {
+        epoch: u64,
+        #[source]
+        why: VmFault,
+    },
+}
+
+/// Why the primary counts as lost.
+#[derive(Debug, thiserror::Error)]
+pub enum Lost {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("page {page} is outside guest RAM ({pages} pages)")]
+    PageOutside { page: u64, pages: u64 },
+    #[error("epoch {epoch} closed with {pages} pages, {got} came")]
+    Count { epoch: u64, pages: u64, got: u64 },
+    #[error("epoch {got} closed where epoch {want} was due")]
+    Order { want: u64, got: u64 },
+    #[error("epoch {0} closed without the VM's state")]
+    NoState(u64),
+    #[error("unexpected {0} message")]
+    Unexpected(&'static str),
+}
+
+/// Waits on `listener` for a primary and keeps its VM until the primary is lost or its VM
+/// ends. `heartbeat` is the longest silence of the primary before it counts as lost.
+pub fn stand_by(
+    listener: &TcpListener,
+    opts: &Options,
+    heartbeat: Duration,
+    host: &mut dyn Host<ReplicaRam>,
+    stop: &mut dyn FnMut() -> Option<String>,
+    log: &mut dyn FnMut(&str),
+) -> Result<Standby, ReceiveError> {
+    let r = crate::serve_first(
+        listener,
+        opts,
+        "the standby",
+        (
+            "replication",
+            "refused or lost before the standby could take over",
+        ),
+        stop,
+        log,
+        &mut |link, stop| session(link, opts, heartbeat, host, stop),
+    )?;
+    match r {
+        Session::Ended(s) => Ok(s),
+        Session::Stopped(why) => Err(ReceiveError::Stopped(why)),
+    }
+}
+
+/// How a session that did not fail ended.
+enum Session {
+    Ended(Standby),
+    /// Asked to stop while standing by: the link is closed, the primary goes on alone.
+    Stopped(String),
+}
+
+/// One primary that proved the secret, from its configuration to its loss or its VM's end.
+fn session(
+    link: Link,
+    opts: &Options,
+    heartbeat: Duration,
+    host: &mut dyn Host<ReplicaRam>,
+    stop: &mut dyn FnMut() -> Option<String>,
+) -> Result<Session, SessionError> {
+    let (mut reader, mut writer, config) = crate::recv_config(link, opts)?;
+    let built = host.check(&config).and_then(|ranges| {
+        let ram = Arc::new(ReplicaRam::new(RamLayout::new(ranges)?)?);
+        host.build(&ram)?;
+        Ok(ram)
+    });
+    let ram = match built {
+        Ok(r) => r,
+        Err(why) => {
+            let _ = send(&mut writer, &Msg::Refused(why.to_string()));
+            return Err(SessionError::Refused(why));
+        }
+    };
+    let heartbeat = if heartbeat.is_zero() {
+        DEFAULT_HEARTBEAT
+    } else {
+        heartbeat
+    };
+    send(
+        &mut writer,
+        &Msg::Standing {
+            heartbeat_ms: heartbeat.as_millis() as u64,
+        },
+    )?;
+    let mut epochs = Epochs::new(&ram);
+    let lost = loop {
+        match epochs.next(&mut reader, &mut writer, stop) {
+            Ok(Next::Whole) => {}
+            Ok(Next::Ended) => {
+                return Ok(Session::Ended(Standby::PrimaryEnded {
+                    epochs: epochs.next,
+                }))
+            }
+            Ok(Next::Stopped(why)) => {
+                writer.shutdown();
+                return Ok(Session::Stopped(why));
+            }
+            Err(e) => break e,
+        }
+        if epochs.next == 1 {
+            // From the first whole epoch on, silence means the primary is lost.
+            reader.limit_silence(heartbeat)?;
+        }
+    };
+    writer.shutdown();
+    let Some((epoch, state)) = epochs.whole.take() else {
+        return Err(SessionError::BeforeFirstEpoch(Box::new(lost)));
+    };
+    host.apply(&state)
+        .map_err(|why| SessionError::NotApplied { epoch, why })?;
+    Ok(Session::Ended(Standby::TakeOver {
+        ram,
+        epoch,
+        why: lost.to_string(),
+    }))
+}
+
+/// What [`Epochs::next`] read to.
+enum Next {
+    Whole,
+    Ended,
+    Stopped(String),
+}
+
+/// The epochs as they arrive.
+struct Epochs<'a> {
+    ram: &'a ReplicaRam,
+    /// The epoch due next.
+    next: u64,
+    /// The last whole epoch and its state.
+    whole: Option<(u64, Vec<u8>)>,
+    /// Pages of the epoch under way, once an epoch is whole.
+    held: Vec<(u64, Box<[u8; PAGE_SIZE]>)>,
+    /// Pages of the epoch under way.
+    came: u64,
+    state: Option<Vec<u8>>,
+}
+
+impl<'a> Epochs<'a> {
+    fn new(ram: &'a ReplicaRam) -> Epochs<'a> {
+        Epochs {
+            ram,
+            next: 0,
+            whole: None,
+            held: Vec::new(),
+            came: 0,
+            state: None,
+        }
+    }
+
+    /// Reads until the next epoch is whole (stored and acknowledged) or the primary's VM has
+    /// ended. `stop` is asked first: epochs come every few tens of milliseconds while the
+    /// primary lives, which is often enough to notice a signal, and not a system call a page.
+    fn next(
+        &mut self,
+        reader: &mut dsm_host::link::LinkReader,
+        writer: &mut dsm_host::link::LinkWriter,
+        stop: &mut dyn FnMut() -> Option<String>,
+    ) -> Result<Next, Lost> {
+        if let Some(why) = stop() {
+            return Ok(Next::Stopped(why));
+        }
+        let pages = self.ram.layout.pages();
+        loop {
+            match recv(reader)? {
+                Msg::Page { page, data } => {
+                    if page >= pages {
+                        return Err(Lost::PageOutside { page, pages });
+                    }
+                    if self.whole.is_none() {
+                        self.ram.write(page, &data);
+                    } else {
+                        self.held.push((page, data));
+                    }
+                    self.came += 1;
+                }
+                m @ Msg::Part(Blob::State, _) => {
+                    self.state = Some(recv_blob(reader, Blob::State, m)?);
+                }
+                Msg::Commit { epoch, pages } => {
+                    if epoch != self.next {
+                        return Err(Lost::Order {
+                            want: self.next,
+                            got: epoch,
+                        });
+                    }
+                    if pages != self.came {
+                        return Err(Lost::Count {
+                            epoch,
+                            pages,
+                            got: self.came,
+                        });
+                    }
+                    let state = self.state.take().ok_or(Lost::NoState(epoch))?;
+                    for (page, data) in self.held.drain(..) {
+                        self.ram.write(page, &data);
+                    }
+                    self.whole = Some((epoch, state));
+                    self.came = 0;
+                    self.next += 1;
+                    send(writer, &Msg::Acked(epoch))?;
+                    return Ok(Next::Whole);
+                }
+                Msg::Ended => return Ok(Next::Ended),
+                m => return Err(Lost::Unexpected(m.name())),
+            }
+        }
+    }
+}
+
+/// Guest RAM of the standby's VM: private anonymous memory the standby writes epochs into
+/// while the VM does not run, and the VM's own RAM once it does. The layout's ranges lie one
+/// after the other in it.
+pub struct ReplicaRam {
+    map: vm_memory::mmap::MmapRegion<()>,
+    layout: RamLayout,
+}
+
+impl std::fmt::Debug for ReplicaRam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ReplicaRam({} bytes)", self.map.size())
+    }
+}
+
+impl ReplicaRam {
+    pub fn new(layout: RamLayout) -> Result<ReplicaRam, SessionError> {
+        let map =
+            vm_memory::mmap::MmapRegion::new(layout.bytes() as usize).map_err(SessionError::Ram)?;
+        Ok(ReplicaRam { map, layout })
+    }
+
+    pub fn host_addr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.size()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn layout(&self) -> &RamLayout {
+        &self.layout
+    }
+
+    /// Stores a page of a whole epoch. Only the standby's loop calls it, before the VM
+    /// built on this RAM has started, so no vCPU or device reads the page meanwhile.
+    fn write(&self, page: u64, data: &[u8; PAGE_SIZE]) {
+        let at = page as usize * PAGE_SIZE;
+        assert!(
+            at + PAGE_SIZE <= self.len(),
+            "page {page} outside the mapping"
+        );
+        // SAFETY: `at..at + PAGE_SIZE` lies inside the mapping (checked above), which
+        // lives as long as `self`; nothing else accesses it before the VM starts.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.host_addr().add(at), PAGE_SIZE)
+        };
+    }
+}

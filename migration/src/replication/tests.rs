@@ -1,0 +1,363 @@
+//! Both loops over loopback: a fake VM on the primary, a fake host on the standby, and a
+//! hand-driven primary where an epoch must be cut short.
+
+use super::primary::{replicate, Epochs, PrimaryError};
+use super::standby::{stand_by, ReplicaRam, Standby};
+use super::ReplicationStats;
+use crate::destination::Host;
+use crate::protocol::{Blob, Msg};
+use crate::testing::{FakeVm, RANGES};
+use crate::{send, send_blob, Options, VmFault};
+use dsm::PAGE_SIZE;
+use musubi_types::ReplicationState;
+use std::net::TcpListener;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const SECRET: &[u8] = b"0123456789abcdef";
+
+#[derive(Default)]
+struct FakeHost {
+    ram: Option<Arc<ReplicaRam>>,
+    applied: Option<Vec<u8>>,
+}
+
+impl Host<ReplicaRam> for FakeHost {
+    fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, VmFault> {
+        assert_eq!(config, b"the config");
+        Ok(RANGES.to_vec())
+    }
+    fn build(&mut self, ram: &Arc<ReplicaRam>) -> Result<(), VmFault> {
+        self.ram = Some(ram.clone());
+        Ok(())
+    }
+    fn apply(&mut self, state: &[u8]) -> Result<(), VmFault> {
+        self.applied = Some(state.to_vec());
+        Ok(())
+    }
+}
+
+impl FakeHost {
+    /// The first byte of each page of the standby's RAM.
+    fn firsts(&self) -> Vec<u8> {
+        let ram = self.ram.as_ref().expect("built");
+        // SAFETY: reads inside the mapping, which the host holds; no VM runs on it.
+        (0..96)
+            .map(|p| unsafe { *ram.host_addr().add(p * PAGE_SIZE) })
+            .collect()
+    }
+}
+
+fn opts() -> Options {
+    let mut o = Options::new(SECRET.to_vec());
+    o.silence = Duration::from_secs(20);
+    o
+}
+
+type Waited = (Result<Standby, crate::ReceiveError>, FakeHost, Vec<String>);
+
+/// The standby on its own thread, until it ends or has logged `refusals` refusals.
+fn standby(refusals: usize) -> (String, std::thread::JoinHandle<Waited>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let t = std::thread::spawn(move || {
+        let mut host = FakeHost::default();
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let seen = logs.clone();
+        let mut stop = move || (seen.lock().unwrap().len() >= refusals).then(|| "enough".into());
+        let l2 = logs.clone();
+        let mut log = move |m: &str| l2.lock().unwrap().push(m.to_string());
+        let r = stand_by(
+            &l,
+            &opts(),
+            Duration::from_secs(5),
+            &mut host,
+            &mut stop,
+            &mut log,
+        );
+        let logs = logs.lock().unwrap().clone();
+        (r, host, logs)
+    });
+    (addr, t)
+}
+
+/// A primary replicating a fake VM to `addr` every 5 ms from a thread of its own.
+fn primary(
+    addr: String,
+    copy_limit: usize,
+) -> (
+    Arc<FakeVm>,
+    Arc<ReplicationStats>,
+    std::thread::JoinHandle<Result<(), PrimaryError>>,
+) {
+    let vm = Arc::new(FakeVm::new());
+    let stats = Arc::new(ReplicationStats::new("tcp:x", Duration::from_millis(5)));
+    let epochs = Epochs {
+        every: Duration::from_millis(5),
+        copy_limit,
+    };
+    let p = {
+        let (vm, stats) = (vm.clone(), stats.clone());
+        std::thread::spawn(move || replicate(&*vm, &addr, &opts(), &epochs, &stats))
+    };
+    (vm, stats, p)
+}
+
+/// The VM runs on: every capture was resumed, and the dirty log is off again.
+fn assert_left_running(vm: &FakeVm) {
+    assert_eq!(
+        vm.resumed.load(Ordering::SeqCst),
+        vm.captures.load(Ordering::SeqCst)
+    );
+    assert!(!vm.logging.load(Ordering::SeqCst));
+}
+
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < Duration::from_secs(60), "no {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn epochs_reach_the_standby_and_a_vm_that_ends_is_not_taken_over() {
+    let (addr, st) = standby(usize::MAX);
+    let (vm, stats, p) = primary(addr, 2 * PAGE_SIZE);
+    wait_until("first epoch", || stats.to_metrics().epochs_acked >= 1);
+    // The guest writes five pages: more than the copy holds, so some go out paused.
+    for page in [1, 2, 4, 50, 95] {
+        vm.write(page, 0x70 + page as u8);
+    }
+    let acked = stats.to_metrics().epochs_acked;
+    wait_until("an epoch after the writes", || {
+        stats.to_metrics().epochs_acked >= acked + 2
+    });
+    vm.ended.store(true, Ordering::SeqCst);
+    p.join().unwrap().unwrap();
+    let (r, host, logs) = st.join().unwrap();
+    match r {
+        Ok(Standby::PrimaryEnded { epochs }) => assert!(epochs >= 3, "{epochs}"),
+        other => panic!("{other:?} {logs:?}"),
+    }
+    let want: Vec<u8> = (0..96)
+        .map(|p| vm.ram.lock().unwrap()[p * PAGE_SIZE])
+        .collect();
+    assert_eq!(host.firsts(), want);
+    assert!(host.applied.is_none(), "the standby took over");
+    let m = stats.to_metrics();
+    assert_eq!(m.state, ReplicationState::Ended);
+    assert_eq!(m.epochs_sent, m.epochs_acked);
+    assert_eq!(vm.captures.load(Ordering::SeqCst) as u64, m.epochs_sent);
+    assert_left_running(&vm);
+}
+
+#[test]
+fn a_lost_standby_leaves_the_vm_running_and_says_after_how_many_epochs() {
+    // A standby driven by hand: it acknowledges two epochs and goes.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let st = std::thread::spawn(move || {
+        let (stream, _) = l.accept().unwrap();
+        let link = dsm_host::Link::handshake(
+            stream,
+            dsm_host::Role::Listener,
+            None,
+            &opts().params(crate::DESTINATION),
+        )
+        .unwrap();
+        let (mut r, mut w) = (link.reader, link.writer);
+        let first = crate::recv(&mut r).unwrap();
+        crate::recv_blob(&mut r, Blob::Config, first).unwrap();
+        send(&mut w, &Msg::Standing { heartbeat_ms: 100 }).unwrap();
+        let mut acked = 0;
+        while acked < 2 {
+            if let Msg::Commit { epoch, .. } = crate::recv(&mut r).unwrap() {
+                send(&mut w, &Msg::Acked(epoch)).unwrap();
+                acked += 1;
+            }
+        }
+    });
+    let vm = FakeVm::new();
+    let stats = ReplicationStats::new("tcp:x", Duration::from_millis(5));
+    let epochs = Epochs {
+        every: Duration::from_millis(5),
+        ..Epochs::default()
+    };
+    let e = replicate(&vm, &addr, &opts(), &epochs, &stats).unwrap_err();
+    st.join().unwrap();
+    match &e {
+        PrimaryError::Lost { acked, .. } => assert_eq!(*acked, 2, "{e}"),
+        other => panic!("{other}"),
+    }
+    assert!(
+        e.to_string().contains("the standby was lost after 2"),
+        "{e}"
+    );
+    let m = stats.to_metrics();
+    assert_eq!(m.state, ReplicationState::Lost);
+    assert!(m.lost.is_some());
+    assert_left_running(&vm);
+}
+
+/// A primary driven by hand: the configuration, then whole epochs of one page each
+/// (`value` written to page `page`), then half an epoch, then the link drops.
+#[test]
+fn a_half_received_epoch_is_dropped_and_the_last_whole_one_is_taken_over() {
+    let (addr, st) = standby(usize::MAX);
+    let link = crate::dial(&addr, "standby", &opts()).unwrap();
+    let (mut r, mut w) = (link.reader, link.writer);
+    send_blob(&mut w, Blob::Config, b"the config").unwrap();
+    assert!(matches!(
+        crate::recv(&mut r).unwrap(),
+        Msg::Standing { heartbeat_ms: 5000 }
+    ));
+    let page = |p: u64, v: u8| Msg::Page {
+        page: p,
+        data: Box::new([v; PAGE_SIZE]),
+    };
+    for (epoch, (p, v)) in [(3u64, 0x33u8), (3, 0x34), (7, 0x77)]
+        .into_iter()
+        .enumerate()
+    {
+        send(&mut w, &page(p, v)).unwrap();
+        send_blob(&mut w, Blob::State, format!("state {epoch}").as_bytes()).unwrap();
+        let epoch = epoch as u64;
+        send(&mut w, &Msg::Commit { epoch, pages: 1 }).unwrap();
+        assert_eq!(crate::recv(&mut r).unwrap(), Msg::Acked(epoch));
+    }
+    // Epoch 3 never closes: its pages and state must not reach the VM.
+    send(&mut w, &page(3, 0xee)).unwrap();
+    send(&mut w, &page(9, 0xee)).unwrap();
+    send_blob(&mut w, Blob::State, b"state 3").unwrap();
+    drop((r, w));
+    let (res, host, logs) = st.join().unwrap();
+    match res {
+        Ok(Standby::TakeOver { epoch, why, .. }) => {
+            assert_eq!(epoch, 2, "{why}");
+            assert!(why.contains("closed"), "{why}");
+        }
+        other => panic!("{other:?} {logs:?}"),
+    }
+    assert_eq!(host.applied.as_deref(), Some(&b"state 2"[..]));
+    let firsts = host.firsts();
+    assert_eq!((firsts[3], firsts[7], firsts[9]), (0x34, 0x77, 0));
+}
+
+#[test]
+fn an_epoch_that_does_not_add_up_counts_as_the_primary_lost() {
+    let (addr, st) = standby(usize::MAX);
+    let link = crate::dial(&addr, "standby", &opts()).unwrap();
+    let (mut r, mut w) = (link.reader, link.writer);
+    send_blob(&mut w, Blob::Config, b"the config").unwrap();
+    crate::recv(&mut r).unwrap();
+    send_blob(&mut w, Blob::State, b"state 0").unwrap();
+    send(&mut w, &Msg::Commit { epoch: 0, pages: 0 }).unwrap();
+    assert_eq!(crate::recv(&mut r).unwrap(), Msg::Acked(0));
+    send(
+        &mut w,
+        &Msg::Page {
+            page: 1,
+            data: Box::new([1; PAGE_SIZE]),
+        },
+    )
+    .unwrap();
+    send_blob(&mut w, Blob::State, b"state 1").unwrap();
+    send(&mut w, &Msg::Commit { epoch: 1, pages: 2 }).unwrap();
+    let (res, host, _) = st.join().unwrap();
+    match res {
+        Ok(Standby::TakeOver { epoch, why, .. }) => {
+            assert_eq!(epoch, 0);
+            assert!(why.contains("2 pages, 1 came"), "{why}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(host.applied.as_deref(), Some(&b"state 0"[..]));
+    assert_eq!(host.firsts()[1], 0);
+}
+
+#[test]
+fn a_primary_lost_before_its_first_whole_epoch_leaves_the_standby_waiting() {
+    let (addr, st) = standby(2);
+    // A wrong secret, then a primary that goes before its first epoch closes.
+    let mut wrong = opts();
+    wrong.secret = b"fedcba9876543210".to_vec();
+    let e = crate::dial(&addr, "standby", &wrong)
+        .err()
+        .expect("a wrong secret is refused");
+    assert!(e.to_string().contains("authentication"), "{e}");
+    let link = crate::dial(&addr, "standby", &opts()).unwrap();
+    let (mut r, mut w) = (link.reader, link.writer);
+    send_blob(&mut w, Blob::Config, b"the config").unwrap();
+    crate::recv(&mut r).unwrap();
+    drop((r, w));
+    let (res, host, logs) = st.join().unwrap();
+    assert!(
+        matches!(res, Err(crate::ReceiveError::Stopped(_))),
+        "{res:?}"
+    );
+    assert!(host.applied.is_none());
+    assert!(
+        logs.iter().any(|l| l.contains("authentication")),
+        "{logs:?}"
+    );
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("before its first epoch was whole") && l.contains("still waiting")),
+        "{logs:?}"
+    );
+}
+
+#[test]
+fn a_primary_with_no_standby_says_so() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    drop(l);
+    let vm = FakeVm::new();
+    let stats = ReplicationStats::new("tcp:x", Duration::from_millis(5));
+    let e = replicate(&vm, &addr, &opts(), &Epochs::default(), &stats).unwrap_err();
+    assert!(matches!(e, PrimaryError::NotStarted { .. }), "{e}");
+    assert!(e.to_string().contains(&addr), "{e}");
+    assert_eq!(stats.to_metrics().state, ReplicationState::Lost);
+    assert!(!vm.captured.load(Ordering::SeqCst));
+}
+
+#[test]
+fn a_standby_asked_to_stop_closes_the_link_and_the_primary_goes_on_alone() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let st = {
+        let stopping = stopping.clone();
+        std::thread::spawn(move || {
+            let mut host = FakeHost::default();
+            let mut stop = || {
+                stopping
+                    .load(Ordering::SeqCst)
+                    .then(|| "stopped by signal 15".to_string())
+            };
+            let r = stand_by(
+                &l,
+                &opts(),
+                Duration::from_secs(5),
+                &mut host,
+                &mut stop,
+                &mut |_| {},
+            );
+            (r, host)
+        })
+    };
+    let (vm, stats, p) = primary(addr, Epochs::default().copy_limit);
+    wait_until("two epochs", || stats.to_metrics().epochs_acked >= 2);
+    stopping.store(true, Ordering::SeqCst);
+    let (r, host) = st.join().unwrap();
+    match r {
+        Err(crate::ReceiveError::Stopped(why)) => assert!(why.contains("signal 15"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(host.applied.is_none(), "a stopped standby took over");
+    let e = p.join().unwrap().unwrap_err();
+    assert!(matches!(e, PrimaryError::Lost { .. }), "{e}");
+    assert_left_running(&vm);
+}

@@ -1,0 +1,321 @@
+//! Replication of the probe guest to a standby on loopback (`run --replicate-to`, `run
+//! --standby-for`): a primary killed mid-task has its task ended by the standby as an
+//! uninterrupted run would end it; a standby killed leaves the primary running alone;
+//! strangers at the standby's port are refused and it waits on.
+//!
+//! Every wait here is bounded and waits for something it can read (a console line, a
+//! listening socket, the primary's metrics, a process's end), never for time to pass.
+
+mod common;
+use common::*;
+use musubi_types::{Metrics, ReplicationState};
+use serde_json::Value;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Every musubi process here ends in seconds; a hung one fails the test after this.
+const LIMIT: Duration = Duration::from_secs(150);
+const MEMORY: &str = "128M";
+/// Several seconds of work, so a primary killed once a few epochs are acknowledged is
+/// killed mid-task, even on a loaded machine.
+const FIB_N: u64 = 46;
+const HELLO: &str = "{\"probe\":\"hello\"";
+const DONE: &str = "probe: done, exit status 0";
+/// The standby's silence bound here: long enough that a loaded machine's stall of the
+/// primary is not taken for its death (a killed primary closes the link at once).
+const HEARTBEAT_MS: &str = "1000";
+/// Epochs acknowledged before a process is killed: the standby holds more than the first.
+const EPOCHS_BEFORE_KILL: u64 = 3;
+/// `mem-check` rounds here: four times the migration tests', since an epoch that carries
+/// most of its 64 MiB takes seconds in a debug build, and the primary must die mid-task.
+const ROUNDS: u64 = 4 * MEM_CHECK_ROUNDS;
+
+/// `musubi run --standby-for tcp:127.0.0.1:PORT`, its console in `serial`, listening once
+/// this returns.
+fn start_standby(port: u16, secret: &Path, serial: &Path) -> Started {
+    let url = format!("tcp:127.0.0.1:{port}");
+    let serial = format!("file={}", serial.display());
+    let args = [
+        "run",
+        "--standby-for",
+        &url,
+        "--secret-file",
+        secret.to_str().unwrap(),
+        "--heartbeat",
+        HEARTBEAT_MS,
+        "--serial",
+        &serial,
+        "--timeout",
+        "120",
+    ];
+    start_listening(&args, port, LIMIT)
+}
+
+/// A primary VM running `tasks`, replicating to the standby on `port`, its console in
+/// `dir/NAME.out` and its metrics in `dir/NAME-metrics.json`.
+struct Primary {
+    vm: Started,
+    serial: PathBuf,
+    metrics: PathBuf,
+    socket: PathBuf,
+}
+
+fn start_primary(
+    dir: &Path,
+    name: &str,
+    port: u16,
+    secret: &Path,
+    tasks: &str,
+    memory: &str,
+) -> Primary {
+    let serial = dir.join(format!("{name}.out"));
+    let metrics = dir.join(format!("{name}-metrics.json"));
+    let socket = dir.join(format!("{name}.sock"));
+    let url = format!("tcp:127.0.0.1:{port}");
+    let console = format!("file={}", serial.display());
+    let flags = [
+        "--memory",
+        memory,
+        "--replicate-to",
+        &url,
+        "--secret-file",
+        secret.to_str().unwrap(),
+        "--serial",
+        &console,
+        "--metrics",
+        metrics.to_str().unwrap(),
+        "--api-socket",
+        socket.to_str().unwrap(),
+    ];
+    let args = probe_args(tasks, &flags);
+    let vm = start_command(musubi(), &args, None);
+    Primary {
+        vm,
+        serial,
+        metrics,
+        socket,
+    }
+}
+
+impl Primary {
+    /// The primary's metrics as of now (SIGUSR1 has it write them).
+    fn metrics_now(&self) -> Option<Metrics> {
+        let _ = std::fs::remove_file(&self.metrics);
+        // SAFETY: kill(2) on our own child, not yet waited for.
+        unsafe { libc::kill(self.vm.child.id() as libc::pid_t, libc::SIGUSR1) };
+        let mut m = None;
+        wait_until(Duration::from_secs(5), || {
+            m = std::fs::read_to_string(&self.metrics)
+                .ok()
+                .and_then(|t| serde_json::from_str::<Metrics>(&t).ok());
+            m.is_some()
+        });
+        m
+    }
+
+    /// Epochs the standby has acknowledged as of now.
+    fn acked(&self) -> Option<u64> {
+        self.metrics_now()?.replication.map(|r| r.epochs_acked)
+    }
+
+    /// Waits until its console shows hello and the standby holds an epoch whose checkpoint
+    /// came after that (the console is not held back, so the standby of an earlier epoch
+    /// would print hello again), and at least [`EPOCHS_BEFORE_KILL`] epochs; returns its
+    /// metrics then.
+    fn wait_protected(&mut self) -> Metrics {
+        let serial = self.serial.clone();
+        self.vm.wait_for_text(&serial, HELLO, LIMIT);
+        // Epoch `seen` had not been acknowledged when hello was seen, so the checkpoint of
+        // the epoch after it came later.
+        let seen = self.acked().unwrap_or(0);
+        let want = EPOCHS_BEFORE_KILL.max(seen + 2);
+        let mut last = None;
+        let done = wait_until(LIMIT, || {
+            last = self.metrics_now();
+            let acked = last.as_ref().and_then(|m| m.replication.as_ref());
+            acked.is_some_and(|r| r.epochs_acked >= want)
+                || self.vm.child.try_wait().ok().flatten().is_some()
+        });
+        let r = last.as_ref().and_then(|m| m.replication.clone());
+        assert!(
+            done && r.as_ref().is_some_and(|r| r.epochs_acked >= want),
+            "the standby acknowledged too few epochs (want {want}), or the primary ended: {r:?}"
+        );
+        last.unwrap()
+    }
+
+    fn kill(&mut self) {
+        self.vm.child.kill().unwrap();
+    }
+}
+
+/// Primary and standby with `tasks`; the primary killed once protected, mid-task. Returns
+/// the standby's console once it has ended the tasks, and its stderr.
+fn taken_over_mid_task(seed: u8, tasks: &str, memory: &str) -> (String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret_file(dir.path(), "secret", seed);
+    let port = free_port();
+    let standby_serial = dir.path().join("standby.out");
+    let standby = start_standby(port, &key, &standby_serial);
+    let standby_guard = KillOnPanic::new(&standby);
+    let mut primary = start_primary(dir.path(), "primary", port, &key, tasks, memory);
+    let m = primary.wait_protected();
+    let r = m.replication.expect("replication metrics");
+    assert_eq!(r.state, ReplicationState::Protected, "{r:?}");
+    assert!(r.epochs_sent >= r.epochs_acked && r.bytes_sent > 0, "{r:?}");
+    assert!(r.pause_us_max >= r.pause_us_median, "{r:?}");
+    assert!(
+        !standby_serial.exists() || !read_text(&standby_serial).contains("probe"),
+        "the standby ran the VM while the primary lived:\n{}",
+        read_text(&standby_serial)
+    );
+    primary.kill();
+    let p = primary.vm.finish(LIMIT);
+    assert_eq!(p.code, None, "the primary was killed: {}", p.explain());
+    let before = read_text(&primary.serial);
+    assert!(
+        !before.contains(DONE),
+        "the primary ended its tasks before it was killed:\n{before}"
+    );
+    standby_guard.defuse();
+    let s = standby.finish(LIMIT);
+    let text = read_text(&standby_serial);
+    assert_eq!(
+        s.code,
+        Some(0),
+        "standby: {}\nconsole:\n{text}",
+        s.explain()
+    );
+    assert!(text.contains(DONE), "standby console:\n{text}");
+    assert!(
+        !results_in(&text).iter().any(|v| v["probe"] == "hello"),
+        "the standby ran hello again, so it booted instead of taking over:\n{text}"
+    );
+    assert!(
+        s.stderr.contains("was lost") && s.stderr.contains("taking over from epoch"),
+        "{}",
+        s.explain()
+    );
+    (text, s.stderr)
+}
+
+#[test]
+fn fib_ends_exactly_on_the_standby_after_the_primary_is_killed_mid_task() {
+    let (text, _) = taken_over_mid_task(21, &format!("hello,fib={FIB_N}"), MEMORY);
+    let f = result_in(&text, "fib");
+    assert_eq!(
+        (u(&f["n"]), u(&f["result"])),
+        (FIB_N, fib_value(FIB_N)),
+        "{text}"
+    );
+}
+
+#[test]
+fn mem_check_reads_back_every_byte_on_the_standby_after_the_primary_is_killed() {
+    let (text, _) = taken_over_mid_task(
+        22,
+        &format!("hello,mem-check={MEM_CHECK_MIB},iters={ROUNDS}"),
+        MEM_CHECK_MEMORY,
+    );
+    assert_mem_check(&text, ROUNDS);
+}
+
+#[test]
+fn a_primary_whose_standby_is_killed_ends_its_task_alone_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret_file(dir.path(), "secret", 23);
+    let port = free_port();
+    let standby_serial = dir.path().join("standby.out");
+    let mut standby = start_standby(port, &key, &standby_serial);
+    let tasks = format!("hello,fib={FIB_N}");
+    let mut primary = start_primary(dir.path(), "primary", port, &key, &tasks, MEMORY);
+    let guard = KillOnPanic::new(&primary.vm);
+    primary.wait_protected();
+    standby.child.kill().unwrap();
+    let s = standby.finish(LIMIT);
+    assert_eq!(s.code, None, "the standby was killed: {}", s.explain());
+    // vm.info says so while the VM runs on.
+    let mut info = Value::Null;
+    wait_until(LIMIT, || {
+        info = remote_json(&primary.socket, &["info"]);
+        info["replication"]["state"] == "lost"
+    });
+    assert_eq!(info["state"], "Running", "{info}");
+    assert_eq!(info["replication"]["state"], "lost", "{info}");
+    guard.defuse();
+    let p = primary.vm.finish(LIMIT);
+    let text = read_text(&primary.serial);
+    assert_eq!(
+        p.code,
+        Some(0),
+        "primary: {}\nconsole:\n{text}",
+        p.explain()
+    );
+    let f = result_in(&text, "fib");
+    assert_eq!(u(&f["result"]), fib_value(FIB_N), "{text}");
+    assert!(
+        p.stderr
+            .contains(&format!("replication to 127.0.0.1:{port}"))
+            && p.stderr.contains("the standby was lost")
+            && p.stderr.contains("goes on alone"),
+        "{}",
+        p.explain()
+    );
+    let m: Metrics = serde_json::from_str(&read_text(&primary.metrics)).unwrap();
+    let r = m.replication.expect("replication metrics");
+    assert_eq!(r.state, ReplicationState::Lost, "{r:?}");
+    assert!(
+        r.lost.is_some() && r.epochs_acked >= EPOCHS_BEFORE_KILL,
+        "{r:?}"
+    );
+}
+
+#[test]
+fn strangers_and_a_wrong_secret_are_refused_and_the_standby_waits_for_its_primary() {
+    let dir = tempfile::tempdir().unwrap();
+    let right = secret_file(dir.path(), "right", 24);
+    let wrong = secret_file(dir.path(), "wrong", 25);
+    let port = free_port();
+    let standby_serial = dir.path().join("standby.out");
+    let mut standby = start_standby(port, &right, &standby_serial);
+    let standby_guard = KillOnPanic::new(&standby);
+    // One stays silent, one sends garbage.
+    let _silent = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut garbage = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    garbage.write_all(&[0xff; 4096]).unwrap();
+    // A primary with the wrong secret runs alone, and says why.
+    let stranger = start_primary(dir.path(), "stranger", port, &wrong, "hello", MEMORY);
+    let s = stranger.vm.finish(LIMIT);
+    assert_eq!(s.code, Some(0), "{}", s.explain());
+    assert!(
+        s.stderr.contains("no standby")
+            && s.stderr.contains("authentication")
+            && s.stderr.contains("runs alone"),
+        "{}",
+        s.explain()
+    );
+    assert!(
+        standby.child.try_wait().unwrap().is_none(),
+        "the standby ended"
+    );
+    assert!(listening_on_loopback(port), "the standby stopped listening");
+    assert!(!standby_serial.exists() || !read_text(&standby_serial).contains("probe"));
+
+    // Its own primary is taken: a VM that ends there is not taken over.
+    let primary = start_primary(dir.path(), "primary", port, &right, "hello,fib=40", MEMORY);
+    let p = primary.vm.finish(LIMIT);
+    assert_eq!(p.code, Some(0), "primary: {}", p.explain());
+    standby_guard.defuse();
+    let d = standby.finish(LIMIT);
+    assert_eq!(d.code, Some(0), "standby: {}", d.explain());
+    assert!(
+        d.stderr.contains("failed authentication")
+            && d.stderr
+                .contains("does not speak the musubi node handshake")
+            && d.stderr.contains("nothing to take over"),
+        "{}",
+        d.explain()
+    );
+    assert!(!standby_serial.exists() || !read_text(&standby_serial).contains("probe"));
+}
