@@ -80,24 +80,25 @@ pub fn load_kernel(
     }
 }
 
-/// Gives back the pages of an image the binary carries once it is in guest memory: they
-/// are read-only pages of the binary's file, so a later boot that reads them again faults
-/// them back in unchanged, and until then they are not part of this process's memory, as a
-/// kernel read from a file would not be.
-fn release_pages(image: &'static [u8]) {
+/// Asks the kernel to reclaim the pages of an image this process holds once it is in guest
+/// memory: for an image the binary carries they are clean pages of its file, which a later
+/// boot reads in again, and until then they are not part of this process's memory, as a
+/// kernel read from a file would not be. `MADV_PAGEOUT` keeps the contents whatever the
+/// memory is (an image read onto the heap stays as it was, swap or no swap), so nothing
+/// is assumed about where the slice lives.
+fn release_pages(image: &[u8]) {
     let page = 4096usize;
     let start = (image.as_ptr() as usize).next_multiple_of(page);
     let end = (image.as_ptr() as usize + image.len()) & !(page - 1);
     if end <= start {
         return;
     }
-    // SAFETY: [start, end) lies inside `image`, a static slice in a read-only, private,
-    // file-backed mapping of the binary that nothing writes; MADV_DONTNEED only drops the
-    // page-table entries, and the next read maps the file's same bytes again.
-    let r = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+    // SAFETY: [start, end) lies inside `image`, memory this process maps; MADV_PAGEOUT only
+    // moves pages out (to their file, or to swap) and never changes what they hold.
+    let r = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_PAGEOUT) };
     if r != 0 {
         tracing::debug!(
-            "releasing the bundled kernel's pages: {}",
+            "reclaiming the kernel image's pages: {}",
             std::io::Error::last_os_error()
         );
     }
@@ -250,6 +251,27 @@ mod tests {
             e.contains("far.elf") && e.contains("entry point 0x4000000 is outside guest RAM"),
             "{e}"
         );
+    }
+
+    /// An image held on the heap (as a program that read the probe from a file holds it)
+    /// loads the same every time: what the loader gives back after a load keeps its bytes.
+    #[test]
+    fn a_borrowed_image_on_the_heap_loads_the_same_again() {
+        let mut elf = crate::testing::pvh_elf(&[0x90; 3 * 4096]);
+        elf.resize(elf.len() + 8192, 0);
+        let image: &'static [u8] = Box::leak(elf.clone().into_boxed_slice());
+        let k = KernelImage::Bytes {
+            name: "heap.elf".into(),
+            data: std::borrow::Cow::Borrowed(image),
+        };
+        for round in 0..2 {
+            let m = mem();
+            load_kernel(&m, &k).unwrap();
+            let mut code = [0u8; 64];
+            vm_memory::Bytes::read_slice(&m, &mut code, GuestAddress(0x10_0000 + 4096)).unwrap();
+            assert_eq!(code, [0x90; 64], "load {round}");
+        }
+        assert_eq!(image, &elf[..], "the image itself changed");
     }
 
     #[test]
