@@ -87,10 +87,13 @@ enum Command {
     /// Start with no VM and serve the control API on this UNIX socket (created mode 0600),
     /// with Cloud Hypervisor's life cycle: vm.create (its VmConfig JSON, Musubi's own
     /// settings under "musubi"), vm.boot, vm.pause, vm.resume, vm.shutdown, vm.reboot,
-    /// vm.delete, vm.info, vm.counters, vm.snapshot, vm.restore, vm.send-migration,
-    /// vm.receive-migration and the cold-plug calls; vmm.shutdown ends the process. A guest
+    /// vm.power-button, vm.delete, vm.info, vm.counters, vm.snapshot, vm.restore,
+    /// vm.send-migration, vm.receive-migration and the cold-plug calls (vm.add-disk,
+    /// add-net, add-pmem, add-vsock, remove-device); vmm.shutdown ends the process. A guest
     /// that ends on its own leaves the VMM waiting, its VM in state Shutdown.
     Vmm {
+        /// The UNIX socket to serve the API on; `musubi remote --api-socket PATH` and
+        /// Cloud Hypervisor's ch-remote are its clients.
         #[arg(long, value_name = "PATH")]
         api_socket: std::path::PathBuf,
         /// System-call filters of each VM's threads and of the API thread, as for run.
@@ -110,9 +113,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Host partitions: disjoint CPUs, memory and disks, each with its own supervisor and VMs.
     Partition(partition_cli::PartitionArgs),
-    /// Ask a VM started with `run --api-socket PATH` (or a node started with `node
-    /// --api-socket PATH`) for its state or an action, over its HTTP API (Cloud
-    /// Hypervisor's paths, so ch-remote and curl work too).
+    /// Ask a VMM started with `vmm --api-socket PATH` or `run --api-socket PATH` (or a node
+    /// started with `node --api-socket PATH`) for its state or an action, over its HTTP API
+    /// (Cloud Hypervisor's paths, so ch-remote and curl work too).
     Remote(remote::RemoteArgs),
     /// The bundled probe guest.
     Guest {

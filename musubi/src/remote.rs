@@ -19,7 +19,8 @@ pub struct RemoteArgs {
 enum RemoteCommand {
     /// Print the VMM's version and process id (GET vmm.ping).
     Ping,
-    /// Print the VM's configuration and state, Running or Paused (GET vm.info).
+    /// Print the VM's configuration and state (Created, Running, Paused or Shutdown), as
+    /// Cloud Hypervisor's VmInfo (GET vm.info).
     Info,
     /// Print the VM's counters (GET vm.counters).
     Counters,
@@ -125,7 +126,8 @@ enum RemoteCommand {
         #[arg(long, value_name = "K")]
         node: u16,
     },
-    /// Move the VM, live, to the musubi waiting at tcp:HOST:PORT (`run --receive-migration`)
+    /// Move the VM, live, to the musubi waiting at tcp:HOST:PORT (`run --receive-migration`,
+    /// or a waiting `musubi vmm` told `receive-migration`)
     /// (PUT vm.send-migration). Exits 0 once it runs there; on a failure before the switch
     /// the VM runs on here.
     SendMigration {
