@@ -34,6 +34,12 @@ pub trait Host<Ram = PostCopyRam> {
     fn build(&mut self, ram: &Arc<Ram>) -> Result<(), VmFault>;
     /// Puts the VM's state (JSON), sent once the source has paused, into the built VM.
     fn apply(&mut self, state: &[u8]) -> Result<(), VmFault>;
+    /// A standby's own copies of the checked VM's disks, in `--disk` order, which it keeps
+    /// equal to the primary's (a migration's destination opens the source's disks, and
+    /// keeps none).
+    fn disk_copies(&self) -> Vec<std::path::PathBuf> {
+        Vec::new()
+    }
 }
 
 /// Why one source's migration ended before the switch (the wait goes on).

@@ -72,10 +72,25 @@ pub enum Msg {
     },
     /// Replication: every part of epoch `.0` is stored on the standby.
     Acked(u64),
+    /// Replication, right after the configuration of a VM with disks: each disk's length
+    /// and CRC-32 when the primary started recording its writes, in `--disk` order; the
+    /// standby's copies must match them.
+    DiskSums(Vec<(u64, u32)>),
+    /// Replication: `data` was written at `offset` of disk `disk` during the epoch under
+    /// way; the standby writes it on its copy at the epoch's `Commit`, in the order sent.
+    DiskWrite {
+        disk: u32,
+        offset: u64,
+        data: Vec<u8>,
+    },
 }
 
 /// Most bytes of a document one `Part` carries.
 pub const PART_BYTES: usize = 12 * 1024;
+/// Most bytes of a disk write one `DiskWrite` carries; longer writes go in several.
+pub const DISK_WRITE_BYTES: usize = 12 * 1024;
+/// Most disks one `DiskSums` lists.
+const MAX_DISK_SUMS: usize = 1024;
 /// Longest reason a `Refused` or `Failed` carries; longer ones are cut.
 const MAX_REASON: usize = 4096;
 
@@ -103,6 +118,8 @@ const T_LISTED: u8 = 13;
 const T_STANDING: u8 = 14;
 const T_COMMIT: u8 = 15;
 const T_ACKED: u8 = 16;
+const T_DISK_SUMS: u8 = 17;
+const T_DISK_WRITE: u8 = 18;
 
 fn blob_byte(b: Blob) -> u8 {
     match b {
@@ -139,6 +156,8 @@ impl Msg {
             Msg::Standing { .. } => "standing",
             Msg::Commit { .. } => "commit",
             Msg::Acked(_) => "acked",
+            Msg::DiskSums(_) => "disk-sums",
+            Msg::DiskWrite { .. } => "disk-write",
         }
     }
 
@@ -196,6 +215,19 @@ impl Msg {
             Msg::Acked(epoch) => {
                 out.push(T_ACKED);
                 out.extend_from_slice(&epoch.to_le_bytes());
+            }
+            Msg::DiskSums(sums) => {
+                out.push(T_DISK_SUMS);
+                for (len, crc) in sums.iter().take(MAX_DISK_SUMS) {
+                    out.extend_from_slice(&len.to_le_bytes());
+                    out.extend_from_slice(&crc.to_le_bytes());
+                }
+            }
+            Msg::DiskWrite { disk, offset, data } => {
+                out.push(T_DISK_WRITE);
+                out.extend_from_slice(&disk.to_le_bytes());
+                out.extend_from_slice(&offset.to_le_bytes());
+                out.extend_from_slice(&data[..data.len().min(DISK_WRITE_BYTES)]);
             }
         }
         out
@@ -271,6 +303,33 @@ impl Msg {
                 }
             }
             T_ACKED => Msg::Acked(u64_of(exact(8)?)),
+            T_DISK_SUMS => {
+                if !rest.len().is_multiple_of(12) || rest.len() / 12 > MAX_DISK_SUMS {
+                    return Err(err("disk sums not whole (length, CRC) pairs"));
+                }
+                Msg::DiskSums(
+                    rest.chunks_exact(12)
+                        .map(|c| {
+                            let crc = u32::from_le_bytes(c[8..].try_into().expect("4 bytes"));
+                            (u64_of(c), crc)
+                        })
+                        .collect(),
+                )
+            }
+            T_DISK_WRITE => {
+                if rest.len() < 12 {
+                    return Err(err("disk write without its disk and offset"));
+                }
+                let data = &rest[12..];
+                if data.is_empty() || data.len() > DISK_WRITE_BYTES {
+                    return Err(err("disk write empty or longer than DISK_WRITE_BYTES"));
+                }
+                Msg::DiskWrite {
+                    disk: u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")),
+                    offset: u64_of(&rest[4..]),
+                    data: data.to_vec(),
+                }
+            }
             _ => return Err(err("unknown tag")),
         })
     }
@@ -372,6 +431,12 @@ mod tests {
             Msg::Standing { heartbeat_ms: 100 },
             Msg::Commit { epoch: 9, pages: 1 },
             Msg::Acked(u64::MAX - 1),
+            Msg::DiskSums(vec![(1 << 30, 0xdead_beef), (512, 0)]),
+            Msg::DiskWrite {
+                disk: 1,
+                offset: 4096,
+                data: vec![5; DISK_WRITE_BYTES],
+            },
         ]
     }
 
@@ -388,7 +453,10 @@ mod tests {
     fn wrong_lengths_and_tags_are_refused() {
         for m in all() {
             let b = m.encode();
-            let fixed = !matches!(m, Msg::Part(..) | Msg::Refused(_) | Msg::Failed(_));
+            let fixed = !matches!(
+                m,
+                Msg::Part(..) | Msg::Refused(_) | Msg::Failed(_) | Msg::DiskWrite { .. }
+            );
             if fixed {
                 assert!(Msg::decode(&b[..b.len() - 1]).is_err(), "{} cut", m.name());
                 let mut long = b.clone();

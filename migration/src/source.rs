@@ -42,6 +42,23 @@ pub trait SourceVm: Send + Sync {
     fn dirty_pages(&self) -> Result<Vec<u64>, VmFault>;
     /// Stops that tracking (a pre-copy that failed before the switch).
     fn stop_dirty_log(&self) -> Result<(), VmFault>;
+    /// Replication: starts recording each disk's writes, and returns each image's length
+    /// and CRC-32 as of that moment, in `--disk` order (none for a VM without disks).
+    fn start_disk_journals(&self) -> Result<Vec<(u64, u32)>, VmFault> {
+        Ok(Vec::new())
+    }
+    /// Stops that recording.
+    fn stop_disk_journals(&self) {}
+    /// Replication: each disk's writes sealed by the last [`SourceVm::capture`], in
+    /// `--disk` order.
+    fn take_disk_writes(&self) -> Vec<vmm::SealedWrites> {
+        Vec::new()
+    }
+    /// Reads disk `disk` at `offset` (the writes of an epoch past the journal's bound).
+    fn read_disk(&self, disk: usize, offset: u64, buf: &mut [u8]) -> Result<(), VmFault> {
+        let _ = (offset, buf);
+        Err(format!("no disk {disk}").into())
+    }
 }
 
 /// What a migration that succeeded did.

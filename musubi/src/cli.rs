@@ -195,8 +195,12 @@ pub struct ControlFlags {
     /// each whole epoch it sends, and run the VM from the last whole one once the primary
     /// is lost (the link closes, or it is silent longer than --heartbeat). Never while the
     /// primary is alive and connected. Peers that do not prove --secret-file's secret are
-    /// refused and the wait goes on; VMs with --disk or --pmem are refused (disks are not
-    /// replicated yet). If the primary's VM ends, this process ends with status 0.
+    /// refused and the wait goes on. A VM with disks needs --disk path=COPY here for each of
+    /// its disks, in order: this standby's own copy, which must hold what the primary's
+    /// does when replication starts (same size and CRC-32, else the primary is refused,
+    /// naming the file), and is written with each epoch's disk writes. VMs with --pmem are
+    /// refused (memory storage is not replicated yet). If the primary's VM ends, this
+    /// process ends with status 0.
     #[arg(
         long,
         value_name = "tcp:HOST:PORT",
@@ -217,9 +221,9 @@ pub struct ControlFlags {
     /// Keep this VM on the standby waiting at tcp:HOST:PORT (`run --standby-for`), which
     /// takes over if this process dies: first the whole RAM while the VM runs, then every
     /// --epoch the pages written and the vCPU and device state, copied in a short pause.
-    /// Output is not held back yet (network frames the guest sends during an epoch go out
-    /// before the standby has that epoch). If the standby is lost the VM goes on alone, and
-    /// says so. Needs --secret-file.
+    /// Each epoch carries the disks' writes too. Network output is not held back yet
+    /// (frames the guest sends during an epoch go out before the standby has that epoch).
+    /// If the standby is lost the VM goes on alone, and says so. Needs --secret-file.
     #[arg(
         long,
         value_name = "tcp:HOST:PORT",

@@ -34,9 +34,14 @@ const ROUNDS: u64 = 4 * MEM_CHECK_ROUNDS;
 /// `musubi run --standby-for tcp:127.0.0.1:PORT`, its console in `serial`, listening once
 /// this returns.
 fn start_standby(port: u16, secret: &Path, serial: &Path) -> Started {
+    start_standby_with(port, secret, serial, &[])
+}
+
+/// [`start_standby`] with `extra` flags (its own `--disk` copies).
+fn start_standby_with(port: u16, secret: &Path, serial: &Path, extra: &[&str]) -> Started {
     let url = format!("tcp:127.0.0.1:{port}");
     let serial = format!("file={}", serial.display());
-    let args = [
+    let mut args = vec![
         "run",
         "--standby-for",
         &url,
@@ -49,6 +54,7 @@ fn start_standby(port: u16, secret: &Path, serial: &Path) -> Started {
         "--timeout",
         "120",
     ];
+    args.extend_from_slice(extra);
     start_listening(&args, port, LIMIT)
 }
 
@@ -69,18 +75,40 @@ fn start_primary(
     tasks: &str,
     memory: &str,
 ) -> Primary {
-    let serial = dir.join(format!("{name}.out"));
-    let metrics = dir.join(format!("{name}-metrics.json"));
-    let socket = dir.join(format!("{name}.sock"));
+    start_primary_with(dir, name, port, secret, tasks, memory, &[])
+}
+
+/// [`start_primary`] with `extra` flags (its `--disk`).
+fn start_primary_with(
+    dir: &Path,
+    name: &str,
+    port: u16,
+    secret: &Path,
+    tasks: &str,
+    memory: &str,
+    extra: &[&str],
+) -> Primary {
     let url = format!("tcp:127.0.0.1:{port}");
-    let console = format!("file={}", serial.display());
-    let flags = [
-        "--memory",
-        memory,
+    let mut flags = vec![
         "--replicate-to",
         &url,
         "--secret-file",
         secret.to_str().unwrap(),
+    ];
+    flags.extend_from_slice(extra);
+    start_vm(dir, name, tasks, memory, &flags)
+}
+
+/// The probe guest running `tasks` with `extra` flags, its console, metrics and API socket
+/// as [`start_primary`] has them.
+fn start_vm(dir: &Path, name: &str, tasks: &str, memory: &str, extra: &[&str]) -> Primary {
+    let serial = dir.join(format!("{name}.out"));
+    let metrics = dir.join(format!("{name}-metrics.json"));
+    let socket = dir.join(format!("{name}.sock"));
+    let console = format!("file={}", serial.display());
+    let mut flags = vec![
+        "--memory",
+        memory,
         "--serial",
         &console,
         "--metrics",
@@ -88,6 +116,7 @@ fn start_primary(
         "--api-socket",
         socket.to_str().unwrap(),
     ];
+    flags.extend_from_slice(extra);
     let args = probe_args(tasks, &flags);
     let vm = start_command(musubi(), &args, None);
     Primary {
@@ -154,12 +183,37 @@ impl Primary {
 /// the standby's console once it has ended the tasks, and its stderr.
 fn taken_over_mid_task(seed: u8, tasks: &str, memory: &str) -> (String, String) {
     let dir = tempfile::tempdir().unwrap();
-    let key = secret_file(dir.path(), "secret", seed);
+    taken_over_mid_task_with(dir.path(), seed, tasks, memory, &[], &[])
+}
+
+/// [`taken_over_mid_task`] in `dir`, with `primary_flags` and `standby_flags` added.
+fn taken_over_mid_task_with(
+    dir: &Path,
+    seed: u8,
+    tasks: &str,
+    memory: &str,
+    primary_flags: &[&str],
+    standby_flags: &[&str],
+) -> (String, String) {
+    taken_over_from(dir, seed, standby_flags, |port, key| {
+        start_primary_with(dir, "primary", port, key, tasks, memory, primary_flags)
+    })
+}
+
+/// [`taken_over_mid_task_with`], the primary started by `start` (given the standby's port
+/// and the secret file).
+fn taken_over_from(
+    dir: &Path,
+    seed: u8,
+    standby_flags: &[&str],
+    start: impl FnOnce(u16, &Path) -> Primary,
+) -> (String, String) {
+    let key = secret_file(dir, "secret", seed);
     let port = free_port();
-    let standby_serial = dir.path().join("standby.out");
-    let standby = start_standby(port, &key, &standby_serial);
+    let standby_serial = dir.join("standby.out");
+    let standby = start_standby_with(port, &key, &standby_serial, standby_flags);
     let standby_guard = KillOnPanic::new(&standby);
-    let mut primary = start_primary(dir.path(), "primary", port, &key, tasks, memory);
+    let mut primary = start(port, &key);
     let m = primary.wait_protected();
     let r = m.replication.expect("replication metrics");
     assert_eq!(r.state, ReplicationState::Protected, "{r:?}");
@@ -219,6 +273,121 @@ fn mem_check_reads_back_every_byte_on_the_standby_after_the_primary_is_killed() 
         MEM_CHECK_MEMORY,
     );
     assert_mem_check(&text, ROUNDS);
+}
+
+/// The disk the blk tests fill, on each side: a fill of it takes longer than a primary
+/// takes to be protected, so the primary dies during it, and it is small enough for two
+/// copies in a temporary directory.
+const DISK_BYTES: usize = 64 << 20;
+const FILL_SEED: u64 = 31;
+
+/// CRC-32 of a disk of `len` bytes after `blk-fill=seed`.
+fn fill_crc(len: usize, seed: u64) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    let mut chunk = vec![0u8; 1 << 20];
+    for start in (0..len).step_by(chunk.len()) {
+        let n = chunk.len().min(len - start);
+        for (i, b) in chunk[..n].iter_mut().enumerate() {
+            *b = fill_byte((start + i) as u64, seed);
+        }
+        h.update(&chunk[..n]);
+    }
+    h.finalize()
+}
+
+#[test]
+fn a_disk_filled_across_the_primarys_death_reads_back_on_the_standby_as_the_guest_wrote_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let primary_img = temp_image(dir.path(), "primary.img", DISK_BYTES);
+    let standby_img = temp_image(dir.path(), "standby.img", DISK_BYTES);
+    let tasks = format!("hello,blk-fill={FILL_SEED},blk-crc");
+    let primary_disk = format!("path={}", primary_img.display());
+    let standby_disk = format!("path={}", standby_img.display());
+    let (text, _) = taken_over_mid_task_with(
+        dir.path(),
+        26,
+        &tasks,
+        MEMORY,
+        &["--disk", &primary_disk],
+        &["--disk", &standby_disk],
+    );
+    // The primary died during the fill, having written part of the disk: the standby
+    // did not write that part again (it went on from the last epoch), so it reads back
+    // whole only if the primary's writes reached the standby's copy.
+    let before = read_text(&dir.path().join("primary.out"));
+    assert!(
+        !results_in(&before).iter().any(|v| v["probe"] == "blk-fill"),
+        "the fill ended before the primary died, so it says nothing of replication:\n{before}"
+    );
+    let written = std::fs::read(&primary_img).unwrap();
+    assert!(
+        written.iter().any(|&b| b != 0),
+        "the primary had written nothing when it died"
+    );
+    let want = format!("{:#010x}", fill_crc(DISK_BYTES, FILL_SEED));
+    let c = result_in(&text, "blk-crc");
+    let d = &c["disks"][0];
+    assert_eq!(
+        (u(&d["bytes"]), d["crc32"].as_str().unwrap()),
+        (DISK_BYTES as u64, want.as_str()),
+        "{text}"
+    );
+    let f = result_in(&text, "blk-fill");
+    assert_eq!(
+        (&f["seed"], &f["ok"]),
+        (&FILL_SEED.into(), &true.into()),
+        "{text}"
+    );
+    // What the guest read is what the standby's file holds.
+    let on_file = crc32fast::hash(&std::fs::read(&standby_img).unwrap());
+    assert_eq!(format!("{on_file:#010x}"), want);
+}
+
+#[test]
+fn a_standby_whose_disk_copy_differs_in_size_or_content_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret_file(dir.path(), "secret", 27);
+    let primary_img = temp_image(dir.path(), "primary.img", DISK_BYTES);
+    let primary_disk = format!("path={}", primary_img.display());
+    let short = temp_image(dir.path(), "short.img", DISK_BYTES / 2);
+    let other = temp_image(dir.path(), "other.img", DISK_BYTES);
+    std::fs::write(&other, vec![1u8; DISK_BYTES]).unwrap();
+    for (copy, why) in [(&short, "same size"), (&other, "differs from the primary")] {
+        let port = free_port();
+        let standby_serial = dir.path().join("standby.out");
+        let copy_disk = format!("path={}", copy.display());
+        let mut standby = start_standby_with(port, &key, &standby_serial, &["--disk", &copy_disk]);
+        let guard = KillOnPanic::new(&standby);
+        let primary = start_primary_with(
+            dir.path(),
+            "primary",
+            port,
+            &key,
+            "hello",
+            MEMORY,
+            &["--disk", &primary_disk],
+        );
+        let p = primary.vm.finish(LIMIT);
+        assert_eq!(p.code, Some(0), "{}", p.explain());
+        let named = copy.display().to_string();
+        assert!(
+            p.stderr.contains("the standby refused the VM")
+                && p.stderr.contains(&named)
+                && p.stderr.contains(why)
+                && p.stderr.contains("runs alone"),
+            "{}",
+            p.explain()
+        );
+        assert!(
+            standby.child.try_wait().unwrap().is_none(),
+            "the standby ended"
+        );
+        guard.defuse();
+        standby.child.kill().unwrap();
+        let s = standby.finish(LIMIT);
+        assert!(s.stderr.contains(&named), "{}", s.explain());
+        assert!(!standby_serial.exists() || !read_text(&standby_serial).contains("probe"));
+    }
 }
 
 #[test]

@@ -145,6 +145,8 @@ pub struct Devices {
     pub transports: Vec<Arc<Mutex<MmioTransport>>>,
     /// The image behind each entry of `disks`, for messages.
     pub disk_paths: Vec<std::path::PathBuf>,
+    /// Each disk's write journal, in `--disk` order, off until a replicator starts it.
+    pub journals: Vec<Arc<devices::virtio::WriteJournal>>,
     /// `virtio_mmio.device=` fragments announcing the virtio devices to the guest.
     pub cmdline_fragments: Vec<String>,
     pub irqs: Vec<Arc<dyn IrqLine>>,
@@ -397,7 +399,19 @@ pub fn create_devices(
     w.pio(PM_BASE, PM_LEN, pm.clone())?;
 
     let mut transports = Vec::new();
+    let mut journals = Vec::new();
     for (i, d) in disks.iter().enumerate() {
+        let journal = devices::virtio::WriteJournal::open(&d.path)
+            .map(Arc::new)
+            .map_err(|source| DeviceError::Block {
+                path: d.path.clone(),
+                source: devices::virtio::BlockError::Io {
+                    path: d.path.clone(),
+                    what: "opening it again to read what replication ships",
+                    source,
+                },
+            })?;
+        journals.push(journal.clone());
         let block = Block::new(BlockConfig {
             path: d.path.clone(),
             readonly: d.readonly,
@@ -407,7 +421,8 @@ pub fn create_devices(
         .map_err(|source| DeviceError::Block {
             path: d.path.clone(),
             source,
-        })?;
+        })?
+        .with_journal(journal);
         transports.push(w.add_virtio(&format!("virtio-blk{i}"), Box::new(block))?);
     }
     let mut all = transports.clone();
@@ -470,6 +485,7 @@ pub fn create_devices(
         disks: transports,
         transports: all,
         disk_paths: disks.iter().map(|d| d.path.clone()).collect(),
+        journals,
         cmdline_fragments: w.fragments,
         irqs: w.irqs,
         notifiers: w.notifiers,

@@ -45,9 +45,10 @@ pub use arch::x86_64::cpuid::Topology;
 pub use arch::x86_64::layout::ram_ranges;
 pub use clock::monotonic_ns;
 pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
+pub use devices::virtio::{FileSum, SealedWrites, DEFAULT_JOURNAL_BOUND};
 pub use exit::DeviceBus;
 pub use handle::{
-    ControlError, DirtyLogError, RamReadError, SnapshotReport, StorageError, VmHandle,
+    ControlError, DirtyLogError, JournalError, RamReadError, SnapshotReport, StorageError, VmHandle,
 };
 pub use metrics::MmioTarget;
 pub use persist::VcpuState;

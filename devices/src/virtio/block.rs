@@ -329,6 +329,8 @@ pub struct Block {
     bounce: Option<AlignedBuf>,
     config: [u8; CONFIG_LEN],
     stats: VirtioStats,
+    /// Where completed writes are recorded for a replica, if anyone may ask.
+    journal: Option<std::sync::Arc<super::WriteJournal>>,
 }
 
 impl Block {
@@ -421,7 +423,14 @@ impl Block {
             bounce,
             config,
             stats: VirtioStats::default(),
+            journal: None,
         })
+    }
+
+    /// Records every write that completes in `journal` (while it is on), for replication.
+    pub fn with_journal(mut self, journal: std::sync::Arc<super::WriteJournal>) -> Block {
+        self.journal = Some(journal);
+        self
     }
 
     /// Capacity in 512-byte sectors, as the guest sees it.
@@ -576,6 +585,11 @@ impl Block {
                 match self.transfer(mem, &data_in, offset, true) {
                     Ok(()) => {
                         self.stats.bytes_written += data_in.len;
+                        // Recorded before the guest can see the write complete, so the
+                        // checkpoint that holds its completion holds the write too.
+                        if let Some(j) = &self.journal {
+                            j.record(offset, data_in.len, |buf| data_in.gather(mem, 0, buf));
+                        }
                         Done::status(VIRTIO_BLK_S_OK)
                     }
                     Err(e) => {

@@ -6,6 +6,7 @@
 //! [`MmioTransport::process_queue`]) without touching the register emulation.
 
 pub mod block;
+pub mod journal;
 pub mod mmio;
 pub mod net;
 pub mod pmem;
@@ -13,6 +14,7 @@ pub mod rng;
 pub mod vsock;
 
 pub use block::{Block, BlockConfig, BlockError, CacheMode};
+pub use journal::{FileSum, SealedWrites, WriteJournal, DEFAULT_JOURNAL_BOUND};
 pub use mmio::{MmioTransport, QueueLayoutError, RestoreError, TransportState};
 pub use net::{Net, NetBackend, NetConfig, NetCounters, NetError};
 pub use pmem::Pmem;

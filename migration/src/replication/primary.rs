@@ -7,9 +7,15 @@
 //! the last one's acknowledgement, so a slow link makes epochs longer), and its copy holds
 //! at most `copy_limit` bytes of pages; pages written beyond that are sent straight from
 //! guest RAM before the vCPUs resume, which lengthens that pause instead.
+//!
+//! Disks: before the standby answers, the primary starts each disk's write journal and
+//! sends the images' checksums (the VM paused meanwhile, so no write falls between). Each
+//! capture seals the journals; a journal within its bound goes out after the VM resumes,
+//! one past it is read from the image and sent before it resumes (see
+//! `devices::virtio::journal`), so the pause grows rather than memory.
 
 use super::ReplicationStats;
-use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
+use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError, DISK_WRITE_BYTES};
 use crate::source::SourceVm;
 use crate::{recv, send, send_blob, DialError, Options, ProtocolError, VmFault};
 use dsm::PAGE_SIZE;
@@ -17,6 +23,7 @@ use dsm_host::link::{LinkReader, LinkWriter};
 use dsm_host::{Envelope, Link, LinkError};
 use musubi_types::ReplicationState;
 use std::time::{Duration, Instant};
+use vmm::SealedWrites;
 
 /// Largest copy of one epoch's pages by default.
 pub const DEFAULT_COPY_LIMIT: usize = 64 << 20;
@@ -38,6 +45,10 @@ impl Default for Epochs {
         }
     }
 }
+
+/// An epoch's journaled disk writes, held while the VM resumes: each disk's number and its
+/// (offset, bytes) writes in order.
+type HeldWrites = Vec<(u32, Vec<(u64, Vec<u8>)>)>;
 
 /// Why replication ended before the VM did; the VM runs on alone either way.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +84,8 @@ pub enum NotStarted {
     Unexpected(&'static str),
     #[error(transparent)]
     Layout(#[from] RamLayoutError),
+    #[error("recording the disks' writes: {0}")]
+    Disks(#[source] VmFault),
 }
 
 /// Why epochs could no longer be sent.
@@ -87,6 +100,13 @@ pub enum LostWhy {
     /// Pausing, reading the state, the dirty log or a page.
     #[error("{0}")]
     Vm(#[source] VmFault),
+    #[error("reading disk {disk} at {offset}: {why}")]
+    Disk {
+        disk: usize,
+        offset: u64,
+        #[source]
+        why: VmFault,
+    },
 }
 
 /// The link and what the loop keeps between epochs.
@@ -103,6 +123,8 @@ struct Primary<'a> {
     copy: Vec<u8>,
     /// Epochs the standby acknowledged.
     acked: u64,
+    /// Bytes of disk writes the epoch under way carried.
+    disk_bytes: u64,
 }
 
 /// Replicates `vm` to the standby at `to` (`HOST:PORT`) until the VM ends (`Ok`, the
@@ -115,6 +137,7 @@ pub fn replicate(
     stats: &ReplicationStats,
 ) -> Result<(), PrimaryError> {
     let mut p = start(vm, to, opts).map_err(|why| {
+        vm.stop_disk_journals();
         stats.lost(why.to_string());
         PrimaryError::NotStarted {
             to: to.into(),
@@ -124,6 +147,7 @@ pub fn replicate(
     stats.set_state(ReplicationState::Seeding);
     let r = p.run(epochs, stats);
     let _ = vm.stop_dirty_log();
+    vm.stop_disk_journals();
     p.writer.shutdown();
     r.map_err(|why| {
         stats.lost(why.to_string());
@@ -146,6 +170,7 @@ fn start<'a>(vm: &'a dyn SourceVm, to: &str, opts: &Options) -> Result<Primary<'
     reader.limit_silence(opts.setup_limit)?;
     writer.limit_stall(opts.setup_limit)?;
     send_blob(&mut writer, Blob::Config, &vm.config())?;
+    send_disk_sums(vm, &mut writer)?;
     let heartbeat = match recv(&mut reader)? {
         Msg::Standing { heartbeat_ms } => Duration::from_millis(heartbeat_ms),
         Msg::Refused(why) => return Err(NotStarted::Refused(why)),
@@ -165,7 +190,18 @@ fn start<'a>(vm: &'a dyn SourceVm, to: &str, opts: &Options) -> Result<Primary<'
         last_send: Instant::now(),
         copy: Vec::new(),
         acked: 0,
+        disk_bytes: 0,
     })
+}
+
+/// Starts recording the VM's disk writes and tells the standby what its copies must hold
+/// (nothing is sent for a VM without disks).
+fn send_disk_sums(vm: &dyn SourceVm, writer: &mut LinkWriter) -> Result<(), NotStarted> {
+    let sums = vm.start_disk_journals().map_err(NotStarted::Disks)?;
+    if !sums.is_empty() {
+        send(writer, &Msg::DiskSums(sums))?;
+    }
+    Ok(())
 }
 
 impl Primary<'_> {
@@ -240,7 +276,11 @@ impl Primary<'_> {
             let copied = last_pause.map(|t| t.elapsed()).unwrap_or_default();
             send_blob(&mut self.writer, Blob::State, &state)?;
             self.send(&Msg::Commit { epoch, pages })?;
-            stats.sent(pages * PAGE_SIZE as u64 + state.len() as u64, pause);
+            let disk_bytes = std::mem::take(&mut self.disk_bytes);
+            stats.sent(
+                pages * PAGE_SIZE as u64 + state.len() as u64 + disk_bytes,
+                pause,
+            );
             let sent = last_pause.map(|t| t.elapsed()).unwrap_or_default();
             let ack = recv(&mut self.reader);
             tracing::debug!(
@@ -283,11 +323,13 @@ impl Primary<'_> {
         let was_paused = self.vm.is_paused();
         let state = self.vm.capture().map_err(LostWhy::Vm)?;
         let copied = self.copy_dirty(epochs, buf);
+        let disk = copied.as_ref().ok().map(|_| self.disk_writes_paused());
         if !was_paused {
             self.vm.resume().map_err(LostWhy::Vm)?;
         }
         let pause = started.elapsed();
         let (mut pages, copied) = copied?;
+        let disk = disk.unwrap_or_else(|| Ok(Vec::new()))?;
         let copy = std::mem::take(&mut self.copy);
         let sent = (|| {
             for (&page, data) in copied.iter().zip(copy.chunks_exact(PAGE_SIZE)) {
@@ -301,8 +343,64 @@ impl Primary<'_> {
         })();
         self.copy = copy;
         sent?;
+        self.send_disk_writes(disk)?;
         pages += copied.len() as u64;
         Ok((pages, state, pause))
+    }
+
+    /// While paused, after the capture sealed the disks' journals: sends at once the writes
+    /// of each disk whose journal went past its bound (read from the file now, so they hold
+    /// what the guest last wrote there) and returns the others' for
+    /// [`Primary::send_disk_writes`] once the VM runs again.
+    fn disk_writes_paused(&mut self) -> Result<HeldWrites, LostWhy> {
+        let mut held = Vec::new();
+        let mut buf = vec![0u8; DISK_WRITE_BYTES];
+        for (disk, w) in self.vm.take_disk_writes().into_iter().enumerate() {
+            match w {
+                SealedWrites::Bytes(v) if v.is_empty() => {}
+                SealedWrites::Bytes(v) => held.push((disk as u32, v)),
+                SealedWrites::FromFile(ranges) => {
+                    for (offset, len) in ranges {
+                        let mut at = offset;
+                        while at < offset + len {
+                            let n = ((offset + len - at) as usize).min(DISK_WRITE_BYTES);
+                            self.vm.read_disk(disk, at, &mut buf[..n]).map_err(|why| {
+                                LostWhy::Disk {
+                                    disk,
+                                    offset: at,
+                                    why,
+                                }
+                            })?;
+                            self.send_disk_write(disk as u32, at, &buf[..n])?;
+                            at += n as u64;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(held)
+    }
+
+    /// The journaled writes of an epoch, in the order the disks made them.
+    fn send_disk_writes(&mut self, held: HeldWrites) -> Result<(), LostWhy> {
+        for (disk, writes) in held {
+            for (offset, data) in writes {
+                for (i, piece) in data.chunks(DISK_WRITE_BYTES).enumerate() {
+                    let at = offset + (i * DISK_WRITE_BYTES) as u64;
+                    self.send_disk_write(disk, at, piece)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn send_disk_write(&mut self, disk: u32, offset: u64, data: &[u8]) -> Result<(), LinkError> {
+        self.disk_bytes += data.len() as u64;
+        self.send(&Msg::DiskWrite {
+            disk,
+            offset,
+            data: data.to_vec(),
+        })
     }
 
     /// While paused: the pages written since the last look, copied up to the limit and

@@ -7,6 +7,11 @@
 //! guest RAM, so a primary lost halfway through an epoch leaves the one before intact. The
 //! first epoch is the exception: before it, nothing could be started anyway, so its pages
 //! go straight into RAM, and a primary lost during it sends the standby back to waiting.
+//!
+//! Disks: the standby keeps its own copy of each, checked against the primary's checksums
+//! before it answers `Standing`. An epoch's disk writes are held in memory with its pages
+//! (as many as the primary's journal bound, or what it read past that) and written on the
+//! copies at `Commit`, which are made durable before the `Acked`.
 
 use super::DEFAULT_HEARTBEAT;
 use crate::destination::Host;
@@ -14,7 +19,10 @@ use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
 use crate::{recv, recv_blob, send, Options, ProtocolError, ReceiveError, VmFault};
 use dsm::PAGE_SIZE;
 use dsm_host::{Link, LinkError};
+use std::fs::File;
 use std::net::TcpListener;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,6 +63,51 @@ pub enum SessionError {
         #[source]
         why: VmFault,
     },
+    /// The standby's copy of a disk failed while an epoch was written on it: it no longer
+    /// holds a whole epoch, so there is nothing to take over.
+    #[error(transparent)]
+    Copy(DiskCopyError),
+}
+
+/// Why a standby's copy of a disk is not the primary's, or could not be kept so.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskCopyError {
+    #[error("the VM has disks, but the primary sent a {0} message where their checksums were due")]
+    NoSums(&'static str),
+    #[error(
+        "the VM has {primary} disks, this standby was given {given} (a standby keeps its own \
+         copy of each: --disk path=COPY for every disk, in the primary's order)"
+    )]
+    Count { primary: usize, given: usize },
+    #[error("--disk {}: the standby's copy: {what}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error(
+        "--disk {}: the standby's copy is {given} bytes, the primary's disk {disk} is \
+         {primary} bytes; a copy must be the same size",
+        path.display()
+    )]
+    Size {
+        path: PathBuf,
+        disk: usize,
+        given: u64,
+        primary: u64,
+    },
+    #[error(
+        "--disk {}: the standby's copy differs from the primary's disk {disk} (CRC-32 \
+         {given:#010x} here, {primary:#010x} there); start the standby on a copy of the \
+         primary's image",
+        path.display()
+    )]
+    Content {
+        path: PathBuf,
+        disk: usize,
+        given: u32,
+        primary: u32,
+    },
 }
 
 /// Why the primary counts as lost.
@@ -74,6 +127,10 @@ pub enum Lost {
     NoState(u64),
     #[error("unexpected {0} message")]
     Unexpected(&'static str),
+    #[error("a write to disk {disk}, of {disks}")]
+    DiskOutside { disk: u32, disks: usize },
+    #[error(transparent)]
+    Copy(DiskCopyError),
 }
 
 /// Waits on `listener` for a primary and keeps its VM until the primary is lost or its VM
@@ -121,11 +178,12 @@ fn session(
 ) -> Result<Session, SessionError> {
     let (mut reader, mut writer, config) = crate::recv_config(link, opts)?;
     let built = host.check(&config).and_then(|ranges| {
+        let disks = disk_copies(&mut reader, &host.disk_copies())?;
         let ram = Arc::new(ReplicaRam::new(RamLayout::new(ranges)?)?);
         host.build(&ram)?;
-        Ok(ram)
+        Ok((ram, disks))
     });
-    let ram = match built {
+    let (ram, disks) = match built {
         Ok(r) => r,
         Err(why) => {
             let _ = send(&mut writer, &Msg::Refused(why.to_string()));
@@ -144,6 +202,7 @@ fn session(
         },
     )?;
     let mut epochs = Epochs::new(&ram);
+    epochs.disks = disks;
     let lost = loop {
         match epochs.next(&mut reader, &mut writer, stop) {
             Ok(Next::Whole) => {}
@@ -155,6 +214,10 @@ fn session(
             Ok(Next::Stopped(why)) => {
                 writer.shutdown();
                 return Ok(Session::Stopped(why));
+            }
+            Err(Lost::Copy(e)) => {
+                writer.shutdown();
+                return Err(SessionError::Copy(e));
             }
             Err(e) => break e,
         }
@@ -195,6 +258,10 @@ struct Epochs<'a> {
     /// Pages of the epoch under way.
     came: u64,
     state: Option<Vec<u8>>,
+    /// The standby's copy of each disk, in `--disk` order.
+    disks: Vec<(PathBuf, File)>,
+    /// Disk writes of the epoch under way: (disk, offset, bytes), in the order sent.
+    writes: Vec<(u32, u64, Vec<u8>)>,
 }
 
 impl<'a> Epochs<'a> {
@@ -206,6 +273,8 @@ impl<'a> Epochs<'a> {
             held: Vec::new(),
             came: 0,
             state: None,
+            disks: Vec::new(),
+            writes: Vec::new(),
         }
     }
 
@@ -235,6 +304,15 @@ impl<'a> Epochs<'a> {
                     }
                     self.came += 1;
                 }
+                Msg::DiskWrite { disk, offset, data } => {
+                    if disk as usize >= self.disks.len() {
+                        return Err(Lost::DiskOutside {
+                            disk,
+                            disks: self.disks.len(),
+                        });
+                    }
+                    self.writes.push((disk, offset, data));
+                }
                 m @ Msg::Part(Blob::State, _) => {
                     self.state = Some(recv_blob(reader, Blob::State, m)?);
                 }
@@ -256,6 +334,7 @@ impl<'a> Epochs<'a> {
                     for (page, data) in self.held.drain(..) {
                         self.ram.write(page, &data);
                     }
+                    self.commit_disk_writes().map_err(Lost::Copy)?;
                     self.whole = Some((epoch, state));
                     self.came = 0;
                     self.next += 1;
@@ -267,6 +346,87 @@ impl<'a> Epochs<'a> {
             }
         }
     }
+}
+
+impl Epochs<'_> {
+    /// Writes the epoch's disk writes on the standby's copies and makes them durable, before
+    /// the epoch is acknowledged (a guest's flush on the primary is covered by it too).
+    fn commit_disk_writes(&mut self) -> Result<(), DiskCopyError> {
+        let mut touched = vec![false; self.disks.len()];
+        for (disk, offset, data) in self.writes.drain(..) {
+            let (path, file) = &self.disks[disk as usize];
+            file.write_all_at(&data, offset)
+                .map_err(|source| DiskCopyError::Io {
+                    path: path.clone(),
+                    what: "writing an epoch's writes",
+                    source,
+                })?;
+            touched[disk as usize] = true;
+        }
+        for ((path, file), _) in self.disks.iter().zip(touched).filter(|(_, t)| *t) {
+            file.sync_data().map_err(|source| DiskCopyError::Io {
+                path: path.clone(),
+                what: "syncing an epoch's writes",
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Opens the standby's copies of the VM's disks and checks them against the checksums the
+/// primary sends next (none come for a VM without disks).
+fn disk_copies(
+    reader: &mut dsm_host::link::LinkReader,
+    copies: &[PathBuf],
+) -> Result<Vec<(PathBuf, File)>, VmFault> {
+    if copies.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sums = match recv(reader)? {
+        Msg::DiskSums(s) => s,
+        m => return Err(DiskCopyError::NoSums(m.name()).into()),
+    };
+    if sums.len() != copies.len() {
+        return Err(DiskCopyError::Count {
+            primary: sums.len(),
+            given: copies.len(),
+        }
+        .into());
+    }
+    let mut out = Vec::new();
+    for (disk, (path, &(len, crc32))) in copies.iter().zip(&sums).enumerate() {
+        let io = |what| {
+            let path = path.clone();
+            move |source| DiskCopyError::Io { path, what, source }
+        };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io("opening it"))?;
+        let here = vmm::FileSum::of(&file).map_err(io("reading it"))?;
+        if here.len != len {
+            return Err(DiskCopyError::Size {
+                path: path.clone(),
+                disk,
+                given: here.len,
+                primary: len,
+            }
+            .into());
+        }
+        if here.crc32 != crc32 {
+            return Err(DiskCopyError::Content {
+                path: path.clone(),
+                disk,
+                given: here.crc32,
+                primary: crc32,
+            }
+            .into());
+        }
+        out.push((path.clone(), file));
+    }
+    Ok(out)
 }
 
 /// Guest RAM of the standby's VM: private anonymous memory the standby writes epochs into

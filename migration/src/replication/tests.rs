@@ -21,6 +21,8 @@ const SECRET: &[u8] = b"0123456789abcdef";
 struct FakeHost {
     ram: Option<Arc<ReplicaRam>>,
     applied: Option<Vec<u8>>,
+    /// The standby's disk copies.
+    disks: Vec<std::path::PathBuf>,
 }
 
 impl Host<ReplicaRam> for FakeHost {
@@ -35,6 +37,9 @@ impl Host<ReplicaRam> for FakeHost {
     fn apply(&mut self, state: &[u8]) -> Result<(), VmFault> {
         self.applied = Some(state.to_vec());
         Ok(())
+    }
+    fn disk_copies(&self) -> Vec<std::path::PathBuf> {
+        self.disks.clone()
     }
 }
 
@@ -59,10 +64,14 @@ type Waited = (Result<Standby, crate::ReceiveError>, FakeHost, Vec<String>);
 
 /// The standby on its own thread, until it ends or has logged `refusals` refusals.
 fn standby(refusals: usize) -> (String, std::thread::JoinHandle<Waited>) {
+    standby_with(refusals, FakeHost::default())
+}
+
+/// [`standby`] with `host`.
+fn standby_with(refusals: usize, mut host: FakeHost) -> (String, std::thread::JoinHandle<Waited>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let t = std::thread::spawn(move || {
-        let mut host = FakeHost::default();
         let logs = Arc::new(Mutex::new(Vec::new()));
         let seen = logs.clone();
         let mut stop = move || (seen.lock().unwrap().len() >= refusals).then(|| "enough".into());
@@ -360,4 +369,91 @@ fn a_standby_asked_to_stop_closes_the_link_and_the_primary_goes_on_alone() {
     let e = p.join().unwrap().unwrap_err();
     assert!(matches!(e, PrimaryError::Lost { .. }), "{e}");
     assert_left_running(&vm);
+}
+
+/// A standby's disk copy of `len` zero bytes in `dir`, and the sums a primary whose disk
+/// holds the same sends.
+fn zero_copy(dir: &std::path::Path, len: usize) -> (std::path::PathBuf, Msg) {
+    let path = dir.join("copy.img");
+    std::fs::write(&path, vec![0u8; len]).unwrap();
+    let sum = vmm::FileSum::of(&std::fs::File::open(&path).unwrap()).unwrap();
+    (path, Msg::DiskSums(vec![(sum.len, sum.crc32)]))
+}
+
+#[test]
+fn disk_writes_reach_the_standbys_copy_at_commit_and_a_half_epochs_are_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (copy, sums) = zero_copy(dir.path(), 8192);
+    let host = FakeHost {
+        disks: vec![copy.clone()],
+        ..FakeHost::default()
+    };
+    let (addr, st) = standby_with(usize::MAX, host);
+    let link = crate::dial(&addr, "standby", &opts()).unwrap();
+    let (mut r, mut w) = (link.reader, link.writer);
+    send_blob(&mut w, Blob::Config, b"the config").unwrap();
+    send(&mut w, &sums).unwrap();
+    assert!(matches!(crate::recv(&mut r).unwrap(), Msg::Standing { .. }));
+    let write = |offset: u64, v: u8| Msg::DiskWrite {
+        disk: 0,
+        offset,
+        data: vec![v; 512],
+    };
+    // Epoch 0: two writes, the second over part of the first.
+    send(&mut w, &write(0, 1)).unwrap();
+    send(&mut w, &write(4096, 2)).unwrap();
+    send(&mut w, &write(256, 3)).unwrap();
+    send_blob(&mut w, Blob::State, b"state 0").unwrap();
+    send(&mut w, &Msg::Commit { epoch: 0, pages: 0 }).unwrap();
+    assert_eq!(crate::recv(&mut r).unwrap(), Msg::Acked(0));
+    // Acknowledged: on the copy already.
+    let on_copy = std::fs::read(&copy).unwrap();
+    assert_eq!((on_copy[0], on_copy[256], on_copy[4096]), (1, 3, 2));
+    // Epoch 1 never closes: its write must not reach the copy.
+    send(&mut w, &write(0, 9)).unwrap();
+    send_blob(&mut w, Blob::State, b"state 1").unwrap();
+    drop((r, w));
+    let (res, host, logs) = st.join().unwrap();
+    match res {
+        Ok(Standby::TakeOver { epoch, .. }) => assert_eq!(epoch, 0),
+        other => panic!("{other:?} {logs:?}"),
+    }
+    assert_eq!(host.applied.as_deref(), Some(&b"state 0"[..]));
+    let on_copy = std::fs::read(&copy).unwrap();
+    assert_eq!(on_copy.len(), 8192);
+    assert_eq!((on_copy[0], on_copy[255], on_copy[256]), (1, 1, 3));
+    assert!(on_copy[768..4096].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_copy_of_another_size_or_content_is_refused_by_name_and_the_standby_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (copy, _) = zero_copy(dir.path(), 8192);
+    let host = FakeHost {
+        disks: vec![copy.clone()],
+        ..FakeHost::default()
+    };
+    let (addr, st) = standby_with(2, host);
+    let named = copy.display().to_string();
+    for (sums, says) in [
+        (vec![(4096, 0)], "same size"),
+        (vec![(8192, 1)], "differs from the primary's disk 0"),
+    ] {
+        let link = crate::dial(&addr, "standby", &opts()).unwrap();
+        let (mut r, mut w) = (link.reader, link.writer);
+        send_blob(&mut w, Blob::Config, b"the config").unwrap();
+        send(&mut w, &Msg::DiskSums(sums)).unwrap();
+        match crate::recv(&mut r).unwrap() {
+            Msg::Refused(why) => assert!(why.contains(&named) && why.contains(says), "{why}"),
+            m => panic!("{m:?}"),
+        }
+    }
+    let (res, host, logs) = st.join().unwrap();
+    assert!(
+        matches!(res, Err(crate::ReceiveError::Stopped(_))),
+        "{res:?}"
+    );
+    assert!(host.applied.is_none());
+    assert!(logs.iter().all(|l| l.contains(&named)), "{logs:?}");
+    assert_eq!(std::fs::read(&copy).unwrap(), vec![0u8; 8192]);
 }

@@ -86,10 +86,15 @@ enum HostError {
     #[error("no configuration came")]
     NoConfig,
     #[error(
-        "the VM has disks or memory-storage files, which a standby does not replicate yet; \
-         only a VM without --disk and --pmem can be replicated"
+        "the VM has memory-storage files (--pmem), which a standby does not replicate yet; \
+         only a VM without --pmem can be replicated"
     )]
-    Storage,
+    Pmem,
+    #[error(
+        "the VM has {primary} disks, this standby was given {given} (--disk): a standby keeps \
+         its own copy of every disk, so give --disk path=COPY for each, in the primary's order"
+    )]
+    DiskCopies { primary: usize, given: usize },
     #[error("no VM was built")]
     NoVm,
     #[error(transparent)]
@@ -135,12 +140,12 @@ impl Host for VmHost<'_> {
 
 impl Host<ReplicaRam> for VmHost<'_> {
     fn check(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, VmFault> {
-        let ranges = self.check_config(config)?;
-        let config = self.config.as_ref().ok_or(HostError::NoConfig)?;
-        if !config.disks.is_empty() || !config.pmem.is_empty() {
-            return Err(HostError::Storage.into());
-        }
-        Ok(ranges)
+        Ok(self.check_config_with(config, true)?)
+    }
+
+    fn disk_copies(&self) -> Vec<PathBuf> {
+        let disks = self.config.as_ref().map(|c| &c.disks[..]).unwrap_or(&[]);
+        disks.iter().map(|d| d.path.clone()).collect()
     }
 
     fn build(&mut self, ram: &Arc<ReplicaRam>) -> Result<(), VmFault> {
@@ -158,14 +163,27 @@ impl Host<ReplicaRam> for VmHost<'_> {
 
 impl VmHost<'_> {
     fn check_config(&mut self, config: &[u8]) -> Result<Vec<(u64, u64)>, HostError> {
+        self.check_config_with(config, false)
+    }
+
+    /// `copies`: the VM's disks are this process's own `--disk` files (a standby's copies),
+    /// not the ones the configuration names; memory-storage files cannot be copies yet.
+    fn check_config_with(
+        &mut self,
+        config: &[u8],
+        copies: bool,
+    ) -> Result<Vec<(u64, u64)>, HostError> {
         let mut offered: serde_json::Value =
             serde_json::from_slice(config).map_err(HostError::Config)?;
         let listener = offered
             .as_object_mut()
             .and_then(|o| o.remove(super::VSOCK_LISTENER))
             .and_then(|id| serde_json::from_value::<(u64, u64)>(id).ok());
-        let saved: vmm::snapshot::SavedConfig =
+        let mut saved: vmm::snapshot::SavedConfig =
             serde_json::from_value(offered).map_err(HostError::Config)?;
+        if copies {
+            self.own_copies(&mut saved)?;
+        }
         let g = &self.given;
         saved.check_given_devices(g)?;
         saved.check_files()?;
@@ -228,6 +246,25 @@ impl VmHost<'_> {
         let ranges = vmm::ram_ranges(vm.memory);
         self.config = Some(vm);
         Ok(ranges)
+    }
+
+    /// Puts the standby's own `--disk` files in the place of the primary's, in order.
+    fn own_copies(&self, saved: &mut vmm::snapshot::SavedConfig) -> Result<(), HostError> {
+        if !saved.pmem.is_empty() {
+            return Err(HostError::Pmem);
+        }
+        let given = self.given.disks.as_deref().unwrap_or(&[]);
+        if given.len() != saved.disks.len() {
+            return Err(HostError::DiskCopies {
+                primary: saved.disks.len(),
+                given: given.len(),
+            });
+        }
+        let cwd = std::env::current_dir().unwrap_or_default();
+        for (d, copy) in saved.disks.iter_mut().zip(given) {
+            d.path = cwd.join(&copy.path);
+        }
+        Ok(())
     }
 
     /// Builds the checked VM on `ext`, not started; `on_stopped` runs once it has stopped.

@@ -90,6 +90,19 @@ impl SourceVm for HandleVm<'_> {
     fn stop_dirty_log(&self) -> Result<(), VmFault> {
         Ok(self.0.stop_dirty_log()?)
     }
+    fn start_disk_journals(&self) -> Result<Vec<(u64, u32)>, VmFault> {
+        let sums = self.0.start_disk_journals(vmm::DEFAULT_JOURNAL_BOUND)?;
+        Ok(sums.into_iter().map(|s| (s.len, s.crc32)).collect())
+    }
+    fn stop_disk_journals(&self) {
+        self.0.stop_disk_journals()
+    }
+    fn take_disk_writes(&self) -> Vec<vmm::SealedWrites> {
+        self.0.take_disk_writes()
+    }
+    fn read_disk(&self, disk: usize, offset: u64, buf: &mut [u8]) -> Result<(), VmFault> {
+        Ok(self.0.read_disk(disk, offset, buf)?)
+    }
 }
 
 struct Request {

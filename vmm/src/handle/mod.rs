@@ -7,7 +7,7 @@ mod console;
 mod persist;
 mod vcpus;
 
-pub use persist::{DirtyLogError, RamReadError, SnapshotReport, StorageError};
+pub use persist::{DirtyLogError, JournalError, RamReadError, SnapshotReport, StorageError};
 
 use crate::config::ExitsMode;
 use crate::control::{Outcome, RunControl};
@@ -46,6 +46,8 @@ pub(crate) struct Shared {
     pub(crate) paused_at: Mutex<Option<PausedAt>>,
     /// The network devices among the transports, in `--net` order.
     pub(crate) nets: Vec<Arc<Mutex<devices::virtio::MmioTransport>>>,
+    /// Each disk's write journal, in `--disk` order (see [`VmHandle::start_disk_journals`]).
+    pub(crate) journals: Vec<Arc<devices::virtio::WriteJournal>>,
     pub(crate) pmem: Vec<crate::pmem::PmemRegion>,
     pub(crate) saved_config: crate::snapshot::SavedConfig,
     /// The vsock listener's file, if the VM has one here.

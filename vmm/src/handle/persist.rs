@@ -20,6 +20,20 @@ pub struct SnapshotReport {
 #[error("guest writes may not be on disk: {}", .0.join("; "))]
 pub struct StorageError(pub Vec<String>);
 
+/// A disk's writes could not be recorded or read for a replica.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error("--disk {}: reading it for replication: {source}", path.display())]
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the VM has no disk {0}")]
+    NoDisk(usize),
+}
+
 /// Guest RAM that could not be read.
 #[derive(Debug, thiserror::Error)]
 #[error("guest RAM at {gpa:#x}: {source}")]
@@ -51,7 +65,78 @@ impl VmHandle {
             .as_ref()
             .map(|p| p.clock)
             .ok_or(ControlError::NotPaused)?;
-        Ok(sh.parts.save(&sh.gate, &sh.control, &clock)?)
+        let state = sh.parts.save(&sh.gate, &sh.control, &clock)?;
+        // The disks' writes so far are this state's: sealed at the same pause.
+        for j in &sh.journals {
+            j.seal();
+        }
+        Ok(state)
+    }
+
+    /// Starts recording each disk's writes (at most `bound` bytes kept per disk, see
+    /// [`devices::virtio::WriteJournal`]) and returns each image's checksum as of that
+    /// moment, in `--disk` order. The VM is paused meanwhile (if it runs), so no write
+    /// falls between the checksum and the journal: the pause lasts as long as reading
+    /// every image does.
+    pub fn start_disk_journals(
+        &self,
+        bound: usize,
+    ) -> Result<Vec<devices::virtio::FileSum>, JournalError> {
+        let sh = &self.shared;
+        if sh.journals.is_empty() {
+            return Ok(Vec::new());
+        }
+        let _one = sh.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let paused = sh.gate.is_paused();
+        if !paused {
+            self.pause_locked()?;
+        }
+        let sums = sh
+            .journals
+            .iter()
+            .map(|j| {
+                j.start(bound);
+                j.checksum().map_err(|source| JournalError::Read {
+                    path: j.path().to_path_buf(),
+                    source,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>();
+        if sums.is_err() {
+            sh.journals.iter().for_each(|j| j.stop());
+        }
+        if !paused {
+            self.resume_locked()?;
+        }
+        sums
+    }
+
+    /// Stops what [`VmHandle::start_disk_journals`] started.
+    pub fn stop_disk_journals(&self) {
+        self.shared.journals.iter().for_each(|j| j.stop());
+    }
+
+    /// Each disk's writes sealed by the last [`VmHandle::capture`], taken, in `--disk`
+    /// order.
+    pub fn take_disk_writes(&self) -> Vec<devices::virtio::SealedWrites> {
+        self.shared
+            .journals
+            .iter()
+            .map(|j| j.take_sealed())
+            .collect()
+    }
+
+    /// Reads disk `disk`'s image at `offset` (what a journal past its bound ships).
+    pub fn read_disk(&self, disk: usize, offset: u64, buf: &mut [u8]) -> Result<(), JournalError> {
+        let j = self
+            .shared
+            .journals
+            .get(disk)
+            .ok_or(JournalError::NoDisk(disk))?;
+        j.read_at(offset, buf).map_err(|source| JournalError::Read {
+            path: j.path().to_path_buf(),
+            source,
+        })
     }
 
     /// Makes everything the guest wrote to its disks and memory-storage files durable in the

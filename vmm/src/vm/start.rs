@@ -73,6 +73,7 @@ impl Vm {
             io_park: io_thread.as_ref().map(|t| t.park_bell()),
             paused_at: Mutex::new(None),
             nets: self.devices.nets.clone(),
+            journals: self.devices.journals.clone(),
             pmem: self.pmem.regions.clone(),
             saved_config: self.saved_config.clone(),
             vsock_socket: self.devices.vsock_socket.clone(),
