@@ -223,7 +223,8 @@ pub struct ControlFlags {
     /// --epoch the pages written and the vCPU and device state, copied in a short pause.
     /// Each epoch carries the disks' writes too. Network output is not held back yet
     /// (frames the guest sends during an epoch go out before the standby has that epoch).
-    /// If the standby is lost the VM goes on alone, and says so. Needs --secret-file.
+    /// If the standby is lost the VM goes on alone and says so, or pauses
+    /// (--replicate-policy stop). Needs --secret-file.
     #[arg(
         long,
         value_name = "tcp:HOST:PORT",
@@ -242,6 +243,17 @@ pub struct ControlFlags {
         value_parser = Own(|s: &str| millis("--epoch", s))
     )]
     pub epoch: Duration,
+    /// What the VM does if its standby is lost: go-on (alone, unprotected, said on stderr
+    /// and in vm.info), or stop (paused until resumed through the API, said on stderr and
+    /// in vm.info and the metrics).
+    #[arg(
+        long,
+        value_name = "go-on|stop",
+        default_value = "go-on",
+        requires = "replicate_to",
+        value_parser = Own(|s: &str| s.parse::<musubi_types::ReplicationPolicy>().map_err(|e| format!("--replicate-policy {e}")))
+    )]
+    pub replicate_policy: musubi_types::ReplicationPolicy,
 }
 
 /// `--heartbeat`, `--epoch`: a positive whole number of milliseconds.
@@ -763,6 +775,14 @@ mod tests {
                 vec!["--standby-for=tcp:h:1", "--secret-file=s", "--heartbeat=soon"],
                 "--heartbeat soon: expected a positive whole number of milliseconds",
             ),
+            (
+                vec![
+                    "--replicate-to=tcp:h:1",
+                    "--secret-file=s",
+                    "--replicate-policy=pause",
+                ],
+                "--replicate-policy pause: expected go-on or stop",
+            ),
         ] {
             let e = refusal(&line);
             assert!(e.starts_with(&format!("error: {wants}")), "{line:?}: {e}");
@@ -773,6 +793,20 @@ mod tests {
     fn replication_flags_need_their_side_and_a_secret() {
         let r = run(&["--replicate-to=tcp:h:1", "--secret-file=s"]).unwrap();
         assert_eq!(r.control.epoch, Duration::from_millis(20));
+        assert_eq!(
+            r.control.replicate_policy,
+            musubi_types::ReplicationPolicy::GoOn
+        );
+        let r = run(&[
+            "--replicate-to=tcp:h:1",
+            "--secret-file=s",
+            "--replicate-policy=stop",
+        ])
+        .unwrap();
+        assert_eq!(
+            r.control.replicate_policy,
+            musubi_types::ReplicationPolicy::Stop
+        );
         let r = run(&[
             "--standby-for=tcp:h:1",
             "--secret-file=s",
@@ -785,6 +819,7 @@ mod tests {
             vec!["--standby-for=tcp:h:1"],
             vec!["--epoch=5"],
             vec!["--heartbeat=5"],
+            vec!["--replicate-policy=stop"],
             vec!["--standby-for=tcp:h:1", "--secret-file=s", "--kernel=probe"],
             vec![
                 "--standby-for=tcp:h:1",

@@ -87,6 +87,7 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
                 url: url.as_str(),
                 secret_file: secret,
                 epoch: control.epoch,
+                policy: control.replicate_policy,
             };
             match musubi_migration::vm::Replication::new(&to) {
                 Ok(r) => Some(r),

@@ -488,3 +488,65 @@ fn strangers_and_a_wrong_secret_are_refused_and_the_standby_waits_for_its_primar
     );
     assert!(!standby_serial.exists() || !read_text(&standby_serial).contains("probe"));
 }
+
+#[test]
+fn a_primary_with_policy_stop_pauses_when_its_standby_is_killed_and_ends_its_task_once_resumed() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret_file(dir.path(), "secret", 28);
+    let port = free_port();
+    let standby_serial = dir.path().join("standby.out");
+    let mut standby = start_standby(port, &key, &standby_serial);
+    let tasks = format!("hello,fib={FIB_N}");
+    let mut primary = start_primary_with(
+        dir.path(),
+        "primary",
+        port,
+        &key,
+        &tasks,
+        MEMORY,
+        &["--replicate-policy", "stop"],
+    );
+    let guard = KillOnPanic::new(&primary.vm);
+    primary.wait_protected();
+    standby.child.kill().unwrap();
+    let s = standby.finish(LIMIT);
+    assert_eq!(s.code, None, "the standby was killed: {}", s.explain());
+    // vm.info says the VM waits, paused, for its operator.
+    let mut info = Value::Null;
+    wait_until(LIMIT, || {
+        info = remote_json(&primary.socket, &["info"]);
+        info["replication"]["state"] == "stopped"
+    });
+    assert_eq!(info["replication"]["state"], "stopped", "{info}");
+    assert_eq!(info["replication"]["policy"], "stop", "{info}");
+    assert_eq!(info["state"], "Paused", "{info}");
+    let m = primary
+        .metrics_now()
+        .expect("metrics of the paused primary");
+    let r = m.replication.expect("replication metrics");
+    assert_eq!(r.state, ReplicationState::Stopped, "{r:?}");
+    assert!(r.lost.is_some(), "{r:?}");
+    let text = read_text(&primary.serial);
+    assert!(!text.contains(DONE), "the VM ran on:\n{text}");
+    // The operator lets it run on alone.
+    let resumed = remote(&primary.socket, &["resume"]);
+    assert_eq!(resumed.code, Some(0), "{}", resumed.explain());
+    guard.defuse();
+    let p = primary.vm.finish(LIMIT);
+    let text = read_text(&primary.serial);
+    assert_eq!(
+        p.code,
+        Some(0),
+        "primary: {}\nconsole:\n{text}",
+        p.explain()
+    );
+    let f = result_in(&text, "fib");
+    assert_eq!(u(&f["result"]), fib_value(FIB_N), "{text}");
+    assert!(
+        p.stderr.contains("the standby was lost")
+            && p.stderr
+                .contains("--replicate-policy stop: the VM is paused"),
+        "{}",
+        p.explain()
+    );
+}

@@ -32,7 +32,7 @@ pub use counters::{BlockCounters, Counters, DeviceCounters, VcpuCounters};
 pub use metrics::{
     ClusterMetrics, Coherence, DemandPaging, ExitDetail, FaultStats, HotPage, Interrupts,
     MemoryUse, Metrics, MigrationPaging, NetCounters, NodeMetrics, Notifications, PollStats,
-    ReplicationMetrics, ReplicationState, RngCounters, VcpuExits,
+    ReplicationMetrics, ReplicationPolicy, ReplicationState, RngCounters, VcpuExits,
 };
 pub use report::{ExitSummary, Outcome, RunReport};
 

@@ -186,8 +186,43 @@ pub enum ReplicationState {
     Protected,
     /// The standby was lost, or never came: the VM runs alone.
     Lost,
+    /// The standby was lost and the policy is [`ReplicationPolicy::Stop`]: the VM is paused
+    /// and waits for its operator (`vm.resume` runs it on alone).
+    Stopped,
     /// The VM ended and the standby was told.
     Ended,
+}
+
+/// What a primary does when it loses its standby.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReplicationPolicy {
+    /// Goes on alone, unprotected, and says so.
+    #[default]
+    GoOn,
+    /// Pauses the VM and waits for its operator, who may resume it alone.
+    Stop,
+}
+
+impl std::str::FromStr for ReplicationPolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<ReplicationPolicy, String> {
+        match s {
+            "go-on" => Ok(ReplicationPolicy::GoOn),
+            "stop" => Ok(ReplicationPolicy::Stop),
+            _ => Err(format!("{s}: expected go-on or stop")),
+        }
+    }
+}
+
+impl std::fmt::Display for ReplicationPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReplicationPolicy::GoOn => "go-on",
+            ReplicationPolicy::Stop => "stop",
+        })
+    }
 }
 
 /// A primary's epochs: how many, how big and how long the VM paused for each.
@@ -197,6 +232,9 @@ pub struct ReplicationMetrics {
     pub to: String,
     /// The epoch asked for; a link that falls behind makes epochs longer.
     pub epoch_ms: u64,
+    /// What the VM does if the standby is lost.
+    #[serde(default)]
+    pub policy: ReplicationPolicy,
     pub state: ReplicationState,
     pub epochs_sent: u64,
     pub epochs_acked: u64,

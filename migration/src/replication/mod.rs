@@ -61,6 +61,7 @@ impl Samples {
 struct Counts {
     to: String,
     epoch_ms: u64,
+    policy: musubi_types::ReplicationPolicy,
     state: musubi_types::ReplicationState,
     epochs_sent: u64,
     epochs_acked: u64,
@@ -85,6 +86,22 @@ impl ReplicationStats {
                 ..Counts::default()
             }),
         }
+    }
+
+    /// What the VM does if the standby is lost, as the metrics show it.
+    pub fn with_policy(self, policy: musubi_types::ReplicationPolicy) -> ReplicationStats {
+        self.with(|c| c.policy = policy);
+        self
+    }
+
+    /// Where the replication stands now.
+    pub fn state(&self) -> musubi_types::ReplicationState {
+        self.with(|c| c.state)
+    }
+
+    /// The standby was lost and the VM has been paused for it (`--replicate-policy stop`).
+    pub fn stopped(&self) {
+        self.set_state(musubi_types::ReplicationState::Stopped);
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut Counts) -> T) -> T {
@@ -120,6 +137,7 @@ impl ReplicationStats {
         self.with(|c| musubi_types::ReplicationMetrics {
             to: c.to.clone(),
             epoch_ms: c.epoch_ms,
+            policy: c.policy,
             state: c.state,
             epochs_sent: c.epochs_sent,
             epochs_acked: c.epochs_acked,

@@ -8,6 +8,7 @@ use crate::replication::primary::{replicate, Epochs, PrimaryError};
 use crate::replication::standby::{stand_by as wait_as_standby, Standby};
 use crate::replication::ReplicationStats;
 use crate::{parse_url, read_secret, Options, SecretError, UrlError};
+use musubi_types::ReplicationPolicy;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,6 +74,8 @@ pub struct ReplicateTo<'a> {
     pub url: &'a str,
     pub secret_file: &'a Path,
     pub epoch: Duration,
+    /// What the VM does if the standby is lost.
+    pub policy: ReplicationPolicy,
 }
 
 /// Checks what `to` names before the VM is built, so a mistake ends the run at once; the
@@ -81,6 +84,7 @@ pub struct Replication {
     addr: String,
     opts: Options,
     epochs: Epochs,
+    policy: ReplicationPolicy,
     stats: Arc<ReplicationStats>,
 }
 
@@ -96,7 +100,8 @@ impl Replication {
             addr,
             opts,
             epochs,
-            stats: Arc::new(ReplicationStats::new(to.url, to.epoch)),
+            policy: to.policy,
+            stats: Arc::new(ReplicationStats::new(to.url, to.epoch).with_policy(to.policy)),
         })
     }
 
@@ -128,12 +133,39 @@ impl Replication {
                         log(&format!("{e}; the VM runs alone, unprotected"))
                     }
                     Err(e @ PrimaryError::Lost { .. }) => {
-                        log(&format!("{e}; the VM goes on alone, unprotected"))
+                        lost(&vm, self.policy, &self.stats, &e, &*log)
                     }
                 }
             })
             .map_err(ReplicateError::Thread)?;
         Ok(Replicator { thread })
+    }
+}
+
+/// What the VM does once its standby is lost: goes on alone, or (`stop`) pauses and waits
+/// for its operator; says which through `log`.
+fn lost(
+    vm: &vmm::VmHandle,
+    policy: ReplicationPolicy,
+    stats: &ReplicationStats,
+    e: &PrimaryError,
+    log: &dyn Fn(&str),
+) {
+    match policy {
+        ReplicationPolicy::GoOn => log(&format!("{e}; the VM goes on alone, unprotected")),
+        ReplicationPolicy::Stop => match vm.pause() {
+            Ok(()) | Err(vmm::ControlError::AlreadyPaused) => {
+                stats.stopped();
+                log(&format!(
+                    "{e}; --replicate-policy stop: the VM is paused and waits; resume it \
+                     through the API (vm.resume) to run it on alone, unprotected"
+                ))
+            }
+            // The VM ended meanwhile: nothing to stop.
+            Err(why) => log(&format!(
+                "{e}; --replicate-policy stop: the VM could not be paused ({why})"
+            )),
+        },
     }
 }
 
