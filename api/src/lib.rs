@@ -68,6 +68,13 @@ pub trait VmControl: Send + Sync {
         let _ = req;
         Err(ActionError::internal("this VMM does not migrate VMs"))
     }
+    /// Starts keeping the VM on the standby waiting at the request's `tcp:HOST:PORT` (`run
+    /// --standby-for`), Musubi's own call: `Ok` once the standby has taken the VM (its
+    /// first epoch under way); `vm.info` then shows where the replication stands.
+    fn replicate(&self, req: &Replicate) -> Result<(), ActionError> {
+        let _ = req;
+        Err(ActionError::internal("this VMM does not replicate VMs"))
+    }
     /// Puts back the VM saved in a snapshot, in a VMM that has none (Cloud Hypervisor's
     /// vm.restore). A VMM started with its VM has one already.
     fn restore(&self, req: &Restore) -> Result<(), ActionError> {
@@ -149,6 +156,19 @@ pub struct SendMigration {
     pub precopy: Option<PreCopy>,
     /// Post-copy: most bytes per second the background push may send (`push_limit`).
     pub push_limit: Option<u64>,
+}
+
+/// A `vm.replicate` request (Musubi's own): `{"destination_url": "tcp:HOST:PORT",
+/// "secret_file": "/PATH", "epoch_ms": 20, "policy": "go-on"}`, all but the URL optional.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replicate {
+    pub url: String,
+    /// `None`: the VMM's own `--secret-file`.
+    pub secret_file: Option<std::path::PathBuf>,
+    /// Time between two checkpoints; `None`: the VMM's default (20 ms).
+    pub epoch_ms: Option<u64>,
+    /// What the VM does if its standby is lost: `go-on` (`None`) or `stop`.
+    pub policy: Option<String>,
 }
 
 /// A `vm.restore` request, Cloud Hypervisor's RestoreConfig: `{"source_url":

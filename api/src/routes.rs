@@ -104,6 +104,10 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
             Ok(m) => action(vm.send_migration(&m), "The VM could not be migrated", 204),
             Err(r) => r,
         },
+        "vm.replicate" if put => match replicate_target(&req.body) {
+            Ok(r) => action(vm.replicate(&r), "The VM could not be replicated", 204),
+            Err(r) => r,
+        },
         // Cold-plugged devices: CH answers a cold add with 204 and no body (its 200 with a
         // PciDeviceInfo is for a hot-plug, which virtio-mmio has not).
         "vm.add-disk" | "vm.add-net" | "vm.add-pmem" | "vm.add-vsock"
@@ -156,6 +160,7 @@ pub fn handle(req: &Request, vm: &dyn VmControl, ping: &PingInfo) -> Response {
         | "vmm.shutdown"
         | "vm.snapshot"
         | "vm.send-migration"
+        | "vm.replicate"
         | "vm.move-vcpu"
         | "vm.create"
         | "vm.boot"
@@ -415,6 +420,75 @@ fn migration_target(body: &[u8]) -> Result<crate::SendMigration, Response> {
     })
 }
 
+/// The standby, secret, epoch and policy a vm.replicate body names (see
+/// [`crate::Replicate`]).
+fn replicate_target(body: &[u8]) -> Result<crate::Replicate, Response> {
+    const SHAPE: &str = "vm.replicate needs a JSON body {\"destination_url\": \"tcp:HOST:PORT\", \
+                         \"secret_file\": \"/PATH\"} with optional \"epoch_ms\" and \"policy\" \
+                         (\"go-on\" or \"stop\")";
+    if body.is_empty() {
+        return Err(bad_request(SHAPE));
+    }
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| Response::error(400, &["Failed to deserialize JSON", &e.to_string()]))?;
+    let url = match value.get("destination_url") {
+        Some(Value::String(s)) if s.starts_with("tcp:") => s.clone(),
+        Some(Value::String(s)) => {
+            return Err(bad_request(&format!(
+                "destination_url {s:?}: a standby waits at tcp:HOST:PORT, no other scheme"
+            )))
+        }
+        Some(_) => return Err(bad_request("destination_url must be a string")),
+        None => {
+            return Err(Response::error(
+                400,
+                &[
+                    "Failed to deserialize JSON",
+                    "missing field `destination_url`",
+                    SHAPE,
+                ],
+            ))
+        }
+    };
+    let secret_file = secret_file(&value)?;
+    let epoch_ms = match value.get("epoch_ms") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64().filter(|n| (1..=3_600_000).contains(n)) {
+            Some(n) => Some(n),
+            None => {
+                return Err(bad_request(&format!(
+                    "epoch_ms {v}: expected a whole number from 1 to 3600000"
+                )))
+            }
+        },
+    };
+    let policy = match value.get("policy") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(p)) if p == "go-on" || p == "stop" => Some(p.clone()),
+        Some(v) => {
+            return Err(bad_request(&format!(
+                "policy {v}: expected \"go-on\" or \"stop\""
+            )))
+        }
+    };
+    known_fields(
+        &value,
+        &[
+            "destination_url",
+            "secret_file",
+            "musubi",
+            "epoch_ms",
+            "policy",
+        ],
+    )?;
+    Ok(crate::Replicate {
+        url,
+        secret_file,
+        epoch_ms,
+        policy,
+    })
+}
+
 /// The secret file a migration body names, at its top level or under Musubi's extension
 /// key `"musubi"`; `None` when it names none.
 fn secret_file(value: &Value) -> Result<Option<PathBuf>, Response> {
@@ -620,6 +694,55 @@ fn known_fields(value: &Value, known: &[&str]) -> Result<(), Response> {
 mod tests {
     use super::*;
     use crate::{PreCopy, SendMigration};
+
+    #[test]
+    fn a_replication_names_a_tcp_standby_and_bounded_epoch_and_a_known_policy() {
+        let r = |b: &str| replicate_target(b.as_bytes()).map_err(|r| format!("{r:?}"));
+        assert_eq!(
+            r(
+                r#"{"destination_url": "tcp:h:1", "secret_file": "/s", "epoch_ms": 5, "policy": "stop"}"#
+            ),
+            Ok(crate::Replicate {
+                url: "tcp:h:1".into(),
+                secret_file: Some("/s".into()),
+                epoch_ms: Some(5),
+                policy: Some("stop".into()),
+            })
+        );
+        assert_eq!(
+            r(r#"{"destination_url": "tcp:h:1"}"#),
+            Ok(crate::Replicate {
+                url: "tcp:h:1".into(),
+                secret_file: None,
+                epoch_ms: None,
+                policy: None,
+            })
+        );
+        for (bad, says) in [
+            ("", "vm.replicate needs"),
+            ("{}", "destination_url"),
+            (r#"{"destination_url": "file:///x"}"#, "tcp:HOST:PORT"),
+            (
+                r#"{"destination_url": "tcp:h:1", "epoch_ms": 0}"#,
+                "epoch_ms",
+            ),
+            (
+                r#"{"destination_url": "tcp:h:1", "policy": "maybe"}"#,
+                "policy",
+            ),
+            (
+                r#"{"destination_url": "tcp:h:1", "secret_file": "rel"}"#,
+                "absolute",
+            ),
+            (
+                r#"{"destination_url": "tcp:h:1", "every": 3}"#,
+                "every: unknown field",
+            ),
+        ] {
+            let e = r(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn a_move_names_a_vcpu_and_a_node_and_nothing_else_passes() {

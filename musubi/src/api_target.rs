@@ -11,8 +11,11 @@ pub struct ApiTarget {
     /// `--secret-file`: the secret of a migration whose request names none.
     pub secret_file: Option<std::path::PathBuf>,
     pub described: Described,
-    /// `--replicate-to`: where the replication stands, shown by `vm.info`.
-    pub replication: Option<std::sync::Arc<musubi_migration::replication::ReplicationStats>>,
+    /// Where the replication stands once one runs (`--replicate-to`, vm.replicate), shown
+    /// by `vm.info`.
+    pub replication: musubi_migration::vm::ReplicationSlot,
+    /// Starts a replication (vm.replicate); `None` if its thread could not start.
+    pub replicate_on_request: Option<std::sync::Arc<musubi_migration::vm::OnRequest>>,
 }
 
 fn refused(e: vmm::ControlError) -> ActionError {
@@ -81,7 +84,7 @@ pub fn info_json(vm: &vmm::VmHandle, described: &Described) -> serde_json::Value
 impl VmControl for ApiTarget {
     fn info(&self) -> Result<serde_json::Value, ActionError> {
         let mut info = info_json(&self.vm, &self.described);
-        if let (Some(r), Some(map)) = (&self.replication, info.as_object_mut()) {
+        if let (Some(r), Some(map)) = (self.replication.get(), info.as_object_mut()) {
             // Musubi's own key beside Cloud Hypervisor's: whether a standby protects the VM.
             map.insert(
                 "replication".into(),
@@ -131,6 +134,41 @@ impl VmControl for ApiTarget {
                 "this VMM cannot send its VM: its migrator thread did not start",
             )),
         }
+    }
+
+    fn replicate(&self, req: &musubi_api::Replicate) -> Result<(), ActionError> {
+        let Some(on_request) = &self.replicate_on_request else {
+            return Err(ActionError::internal(
+                "this VMM cannot replicate its VM: its replication thread did not start",
+            ));
+        };
+        let secret_file = match (&req.secret_file, &self.secret_file) {
+            (Some(f), _) | (None, Some(f)) => f.clone(),
+            (None, None) => {
+                return Err(ActionError::internal(
+                    "vm.replicate: the body names no secret_file and this VMM has no \
+                     --secret-file",
+                ))
+            }
+        };
+        let policy = match req.policy.as_deref() {
+            Some(p) => p
+                .parse()
+                .map_err(|e| ActionError::internal(format!("vm.replicate: policy {e}")))?,
+            None => musubi_types::ReplicationPolicy::GoOn,
+        };
+        let epoch = req.epoch_ms.map_or(
+            musubi_migration::replication::DEFAULT_EPOCH,
+            std::time::Duration::from_millis,
+        );
+        on_request
+            .replicate(&musubi_migration::vm::ReplicateRequest {
+                url: req.url.clone(),
+                secret_file,
+                epoch,
+                policy,
+            })
+            .map_err(|e| ActionError::internal(e.to_string()))
     }
 
     fn power_button(&self) -> Result<(), ActionError> {

@@ -124,7 +124,8 @@ impl<'de> Deserialize<'de> for Kernel {
 #[derive(Args, Debug, Clone, Default)]
 pub struct ControlFlags {
     /// Serve the control API (HTTP/1.1 and JSON, Cloud Hypervisor's paths) on this UNIX
-    /// socket, created mode 0600: ping, info, counters, pause, resume, snapshot, shutdown.
+    /// socket, created mode 0600: ping, info, counters, pause, resume, snapshot, shutdown,
+    /// and Musubi's vm.replicate (`musubi remote replicate`: keep the VM on a standby).
     /// `musubi remote --api-socket PATH` is its client.
     #[arg(long, value_name = "PATH", conflicts_with = "nodes")]
     pub api_socket: Option<PathBuf>,

@@ -154,6 +154,24 @@ enum RemoteCommand {
         #[arg(long, value_name = "BYTES_PER_S", value_parser = Own(push_limit))]
         push_limit: Option<u64>,
     },
+    /// Keep the VM on the standby waiting at tcp:HOST:PORT (`run --standby-for`), which
+    /// takes over if this VMM dies (PUT vm.replicate, Musubi's own call). Exits 0 once the
+    /// standby has taken the VM; `remote info` then shows where the replication stands.
+    Replicate {
+        #[arg(long, value_name = "tcp:HOST:PORT", value_parser = from_str::<MigrationUrl>())]
+        to: MigrationUrl,
+        /// The shared secret, the same file as the standby's --secret-file; without it the
+        /// VMM's own --secret-file.
+        #[arg(long, value_name = "FILE")]
+        secret_file: Option<PathBuf>,
+        /// Time between two checkpoints, in milliseconds [default: 20].
+        #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+        epoch: Option<u64>,
+        /// What the VM does if its standby is lost: go-on (alone) or stop (paused until
+        /// vm.resume) [default: go-on].
+        #[arg(long, value_name = "go-on|stop", value_parser = from_str::<musubi_types::ReplicationPolicy>())]
+        policy: Option<musubi_types::ReplicationPolicy>,
+    },
 }
 
 /// The method, endpoint and body a command sends.
@@ -271,6 +289,21 @@ fn request_of(
                 }
             }
             ("PUT", "vm.send-migration", Some(body.to_string()))
+        }
+        RemoteCommand::Replicate {
+            to,
+            secret_file,
+            epoch,
+            policy,
+        } => {
+            let mut body = migration_body(to, secret_file.as_deref())?;
+            if let Some(ms) = epoch {
+                body["epoch_ms"] = (*ms).into();
+            }
+            if let Some(p) = policy {
+                body["policy"] = p.to_string().into();
+            }
+            ("PUT", "vm.replicate", Some(body.to_string()))
         }
     })
 }
@@ -455,6 +488,39 @@ mod tests {
         fn receive_migration(&self, r: &musubi_api::ReceiveMigration) -> Result<(), ActionError> {
             self.note(format!("receive {r:?}"))
         }
+        fn replicate(&self, r: &musubi_api::Replicate) -> Result<(), ActionError> {
+            self.note(format!("replicate {r:?}"))
+        }
+    }
+
+    #[test]
+    fn replicate_sends_the_standby_an_absolute_secret_the_epoch_and_the_policy() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("api.sock");
+        let vm = Arc::new(Recorder::default());
+        let _server = ApiServer::start(&socket, vm.clone(), || Ok(())).unwrap();
+        let replicate = RemoteCommand::Replicate {
+            to: "tcp:127.0.0.1:7001".parse().unwrap(),
+            secret_file: Some(PathBuf::from("/k")),
+            epoch: Some(5),
+            policy: Some(musubi_types::ReplicationPolicy::Stop),
+        };
+        call(&args(&socket, replicate)).unwrap();
+        let bare = RemoteCommand::Replicate {
+            to: "tcp:127.0.0.1:7001".parse().unwrap(),
+            secret_file: None,
+            epoch: None,
+            policy: None,
+        };
+        call(&args(&socket, bare)).unwrap();
+        let calls = vm.calls.lock().unwrap();
+        assert_eq!(
+            calls[..],
+            [
+                r#"replicate Replicate { url: "tcp:127.0.0.1:7001", secret_file: Some("/k"), epoch_ms: Some(5), policy: Some("stop") }"#,
+                r#"replicate Replicate { url: "tcp:127.0.0.1:7001", secret_file: None, epoch_ms: None, policy: None }"#,
+            ]
+        );
     }
 
     #[test]

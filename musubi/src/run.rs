@@ -96,6 +96,11 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         }
         _ => None,
     };
+    // Where the replication stands once one runs (`--replicate-to`'s, or vm.replicate's).
+    let replicated = musubi_migration::vm::ReplicationSlot::default();
+    if let Some(r) = &replication {
+        let _ = replicated.set(r.stats());
+    }
     let incoming = received.as_ref().map(|r| r.ram.clone());
     let config = match (&snapshot, &received, &taken_over) {
         (Some((_, config)), _, _) => config.clone(),
@@ -118,14 +123,12 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
         },
         (None, None) => match vmm::VmBuilder::new(&config).options(opts).build() {
             Ok(mut vm) => {
-                if let Some(r) = &replication {
-                    let stats = r.stats();
-                    vm.set_extra_metrics(std::sync::Arc::new(
-                        move |m: &mut musubi_types::Metrics| {
-                            m.replication = Some(stats.to_metrics())
-                        },
-                    ));
-                }
+                let slot = replicated.clone();
+                vm.set_extra_metrics(std::sync::Arc::new(move |m: &mut musubi_types::Metrics| {
+                    if let Some(stats) = slot.get() {
+                        m.replication = Some(stats.to_metrics())
+                    }
+                }));
                 vm
             }
             Err(e) => return fail(e.to_string()),
@@ -169,14 +172,26 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
                         None
                     }
                 };
+            let log = std::sync::Arc::new(|m: &str| eprintln!("musubi: {m}"));
+            let on_request =
+                musubi_migration::vm::OnRequest::start(running.handle(), replicated.clone(), log);
+            let on_request = match on_request {
+                Ok(r) => Some(std::sync::Arc::new(r)),
+                Err(e) => {
+                    eprintln!("musubi: cannot start the thread that replicates on request: {e}");
+                    None
+                }
+            };
             let target = std::sync::Arc::new(ApiTarget {
                 vm: running.handle(),
                 migrator,
                 secret_file: control.secret_file.clone(),
                 described: crate::api_target::Described::of(&running.handle()),
-                replication: replication.as_ref().map(|r| r.stats()),
+                replication: replicated.clone(),
+                replicate_on_request: on_request.clone(),
             });
             crate::api_target::serve(path, target, run.seccomp, &running.handle())
+                .map(|api| (api, on_request))
         }
         None => None,
     };
@@ -210,6 +225,9 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
     let watch = SignalWatch::start(signals, running.handle(), run.metrics.clone());
     let report = running.wait();
     if let Some(r) = replicator {
+        r.finish();
+    }
+    if let Some(r) = api.as_ref().and_then(|(_, r)| r.as_ref()) {
         r.finish();
     }
     drop(api);

@@ -550,3 +550,57 @@ fn a_primary_with_policy_stop_pauses_when_its_standby_is_killed_and_ends_its_tas
         p.explain()
     );
 }
+
+#[test]
+fn a_vm_replicated_through_the_api_ends_its_task_exactly_on_the_standby_after_it_is_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = format!("hello,fib={FIB_N}");
+    let (text, _) = taken_over_from(dir.path(), 29, &[], |port, key| {
+        let vm = start_vm(dir.path(), "primary", &tasks, MEMORY, &[]);
+        let url = format!("tcp:127.0.0.1:{port}");
+        wait_until(LIMIT, || vm.socket.exists());
+        // Not replicated yet: vm.info has no replication block.
+        let info = remote_json(&vm.socket, &["info"]);
+        assert!(info.get("replication").is_none(), "{info}");
+        let r = remote(
+            &vm.socket,
+            &[
+                "replicate",
+                "--to",
+                &url,
+                "--secret-file",
+                key.to_str().unwrap(),
+                "--epoch",
+                "20",
+            ],
+        );
+        assert_eq!(r.code, Some(0), "{}", r.explain());
+        let info = remote_json(&vm.socket, &["info"]);
+        assert_eq!(info["replication"]["to"], url.as_str(), "{info}");
+        assert_eq!(info["replication"]["epoch_ms"], 20, "{info}");
+        // A second standby is refused, naming the first.
+        let again = remote(
+            &vm.socket,
+            &[
+                "replicate",
+                "--to",
+                &url,
+                "--secret-file",
+                key.to_str().unwrap(),
+            ],
+        );
+        assert_ne!(again.code, Some(0), "{}", again.explain());
+        assert!(
+            again.stderr.contains("already replicated"),
+            "{}",
+            again.explain()
+        );
+        vm
+    });
+    let f = result_in(&text, "fib");
+    assert_eq!(
+        (u(&f["n"]), u(&f["result"])),
+        (FIB_N, fib_value(FIB_N)),
+        "{text}"
+    );
+}

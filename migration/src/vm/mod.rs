@@ -10,7 +10,10 @@ mod replication;
 mod source;
 
 pub use destination::{receive, received_vm, NotReceived, Received, Receiving};
-pub use replication::{stand_by, ReplicateError, ReplicateTo, Replication, Replicator, StandbyEnd};
+pub use replication::{
+    stand_by, OnRequest, ReplicateError, ReplicateRequest, ReplicateTo, Replication,
+    ReplicationSlot, Replicator, RequestError, StandbyEnd,
+};
 pub use source::{MigrateError, Migrator, SendRequest};
 
 /// The key the source adds to the configuration it sends: (device, inode) of its vsock

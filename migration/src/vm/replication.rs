@@ -181,3 +181,162 @@ impl Replicator {
         let _ = self.thread.join();
     }
 }
+
+/// Where a VM's replication stands, once it has started (by `--replicate-to` or through the
+/// API): what `vm.info` and the metrics read.
+pub type ReplicationSlot = Arc<std::sync::OnceLock<Arc<ReplicationStats>>>;
+
+/// A replication asked for through the API (`vm.replicate`).
+#[derive(Clone, Debug)]
+pub struct ReplicateRequest {
+    /// `tcp:HOST:PORT`.
+    pub url: String,
+    pub secret_file: std::path::PathBuf,
+    pub epoch: Duration,
+    pub policy: ReplicationPolicy,
+}
+
+/// Why `vm.replicate` did not start a replication.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("the VM is already replicated to {0}; it has one standby at a time")]
+    Already(String),
+    #[error(transparent)]
+    Start(#[from] ReplicateError),
+    #[error("{0}")]
+    NotStarted(String),
+    #[error("the replication thread has stopped")]
+    Stopped,
+}
+
+struct Asked {
+    req: ReplicateRequest,
+    reply: std::sync::mpsc::Sender<Result<(), RequestError>>,
+}
+
+/// Starts replication when the API asks, from a thread of its own started before the
+/// system-call filters go on: the API thread may neither connect nor start threads.
+pub struct OnRequest {
+    requests: std::sync::Mutex<Option<std::sync::mpsc::Sender<Asked>>>,
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// Longest wait for a standby to take the VM before `vm.replicate` answers.
+const START_LIMIT: Duration = Duration::from_secs(60);
+
+impl OnRequest {
+    /// Serves requests for `vm`; the replication started records itself in `slot` (taken
+    /// already by `--replicate-to`'s, if any). `log` hears the loss of a standby.
+    pub fn start(
+        vm: vmm::VmHandle,
+        slot: ReplicationSlot,
+        log: Arc<dyn Fn(&str) + Send + Sync>,
+    ) -> std::io::Result<OnRequest> {
+        let (tx, rx) = std::sync::mpsc::channel::<Asked>();
+        let thread = std::thread::Builder::new()
+            .name("replicate-on-request".into())
+            .spawn(move || {
+                let mut running = None;
+                for asked in rx {
+                    let (r, started) = start_asked(&vm, &slot, &asked.req, log.clone());
+                    running = running.or(started);
+                    let _ = asked.reply.send(r);
+                }
+                // The API has gone: the VM has ended, and the standby is told so.
+                if let Some(r) = running {
+                    Replicator::finish(r);
+                }
+            })?;
+        Ok(OnRequest {
+            requests: std::sync::Mutex::new(Some(tx)),
+            thread: std::sync::Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Starts replicating as `req` asks: `Ok` once the standby has taken the VM.
+    pub fn replicate(&self, req: &ReplicateRequest) -> Result<(), RequestError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let asked = Asked {
+            req: req.clone(),
+            reply: tx,
+        };
+        self.requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .ok_or(RequestError::Stopped)?
+            .send(asked)
+            .map_err(|_| RequestError::Stopped)?;
+        rx.recv().map_err(|_| RequestError::Stopped)?
+    }
+
+    /// Once the VM has ended: takes no more requests, and waits until a replication the
+    /// API started has told its standby (or lost it).
+    pub fn finish(&self) {
+        self.requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Starts one asked replication, unless one runs; waits until the standby has taken the VM
+/// or refused it.
+fn start_asked(
+    vm: &vmm::VmHandle,
+    slot: &ReplicationSlot,
+    req: &ReplicateRequest,
+    log: Arc<dyn Fn(&str) + Send + Sync>,
+) -> (Result<(), RequestError>, Option<Replicator>) {
+    use musubi_types::ReplicationState as S;
+    if let Some(s) = slot.get() {
+        return (Err(RequestError::Already(s.to_metrics().to)), None);
+    }
+    let to = ReplicateTo {
+        url: &req.url,
+        secret_file: &req.secret_file,
+        epoch: req.epoch,
+        policy: req.policy,
+    };
+    let replication = match Replication::new(&to) {
+        Ok(r) => r,
+        Err(e) => return (Err(e.into()), None),
+    };
+    let stats = replication.stats();
+    if slot.set(stats.clone()).is_err() {
+        let to = slot.get().map(|s| s.to_metrics().to).unwrap_or_default();
+        return (Err(RequestError::Already(to)), None);
+    }
+    let started = match replication.start(vm.clone(), Box::new(move |m| log(m))) {
+        Ok(r) => r,
+        Err(e) => return (Err(e.into()), None),
+    };
+    let deadline = std::time::Instant::now() + START_LIMIT;
+    loop {
+        match stats.state() {
+            S::Connecting if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            S::Connecting => {
+                return (
+                    Err(RequestError::NotStarted(format!(
+                        "replication to {}: the standby has not taken the VM after {} s; \
+                         still trying (see vm.info)",
+                        req.url,
+                        START_LIMIT.as_secs()
+                    ))),
+                    Some(started),
+                )
+            }
+            S::Lost | S::Stopped => {
+                let why = stats.to_metrics().lost.unwrap_or_default();
+                return (Err(RequestError::NotStarted(why)), Some(started));
+            }
+            _ => return (Ok(()), Some(started)),
+        }
+    }
+}
