@@ -12,9 +12,15 @@
 //! acknowledges it; a half-received epoch is dropped. When the link closes or the primary
 //! is silent longer than the heartbeat, the standby starts the VM from the last whole epoch.
 //!
-//! Not yet: output commit. Network frames and disk writes are not held until their epoch is
-//! acknowledged, so a client may see output of an epoch the standby never got; and disks are
-//! not replicated (a VM with `--disk` or `--pmem` is refused by the standby).
+//! Disks are replicated: the standby keeps its own copy of each, checked by length and
+//! CRC-32 when replication starts, and each epoch carries the writes the virtio-blk devices
+//! journaled during it, written on the copies and synced at the commit, before the
+//! acknowledgement (see [`primary`] and [`standby`]).
+//!
+//! Not yet: network output commit (frames the guest sends during an epoch go out before the
+//! standby has it, so a client may see output of an epoch the standby never got); and
+//! memory-storage files (`--pmem`: the region's KVM slot is outside the dirty log and the
+//! [`crate::protocol::RamLayout`], so a VM with one is refused by the standby).
 //!
 //! - [`primary`]: the sending loop, over a [`crate::source::SourceVm`].
 //! - [`standby`]: the receiving loop, over a [`crate::destination::Host`], and the RAM it
