@@ -21,6 +21,7 @@ mod kvm_trace;
 mod migrate;
 mod mint;
 mod net;
+mod net_ceiling;
 mod peers;
 pub mod plot;
 mod probe;

@@ -1,6 +1,8 @@
 //! `musubi bench net`: virtio-net over a TAP, Musubi on both exit paths beside Firecracker
 //! and QEMU (no vhost), on the same probe guest: UDP request/response rate and latency, TCP
-//! stream throughput, and what each packet costs in doorbells, interrupts and exits.
+//! stream throughput, and what each packet costs in doorbells, interrupts and exits; and
+//! the same loads with no VM (`no-vm`, a client on a veth: `net_ceiling`), the ceiling each
+//! VMM is read against.
 //!
 //! All traffic stays in a network namespace made for the run ([`Netns`]): a persistent TAP
 //! `tap0` (10.0.0.1/24) that every VMM opens in turn, and the host's ends (a UDP echo, a TCP
@@ -48,6 +50,10 @@ const GOAL_RATE: f64 = 1.2;
 const GOAL_STREAM: f64 = 1.0;
 const GOAL_P50: f64 = 1.0;
 const GOAL_SOURCE: &str = "Musubi goal, same run";
+/// The issue's aim for the kernel path's UDP rate as a fraction of the no-VM ceiling.
+const AIM_CEILING_RATE: f64 = 0.5;
+/// The ceiling row's name.
+const NO_VM: &str = "no-vm";
 
 /// How much each run moves.
 #[derive(Clone, Copy, Debug)]
@@ -84,6 +90,9 @@ enum Vmm {
         micro: Micro,
     },
     Qemu(Qemu),
+    /// No VM: the guest's loads from a client on a veth (`net_ceiling`). A failure puts it
+    /// out of the run as a peer's does.
+    NoVm,
 }
 
 impl Contender for Vmm {
@@ -92,6 +101,7 @@ impl Contender for Vmm {
             Vmm::Musubi { exits, .. } => format!("musubi-{exits}"),
             Vmm::Firecracker { .. } => "firecracker".into(),
             Vmm::Qemu(_) => "qemu".into(),
+            Vmm::NoVm => NO_VM.into(),
         }
     }
 
@@ -134,6 +144,7 @@ impl Vmm {
                     .args(["-netdev", &netdev, "-device", "virtio-net-device,netdev=n0"]);
                 cmd
             }
+            Vmm::NoVm => return Err("the no-VM row boots nothing".into()),
         })
     }
 }
@@ -245,7 +256,8 @@ fn vmms(
     exe: &Path,
     elf: &Path,
 ) -> Result<(Vec<Vmm>, Missing), String> {
-    let mut configs = musubi_paths(exe, elf);
+    let mut configs = vec![Vmm::NoVm];
+    configs.extend(musubi_paths(exe, elf));
     let mut missing = Missing::new();
     if let Some(micro) = peers::firecracker_peer(args, listed, elf, &h.out, &mut missing) {
         configs.push(Vmm::Firecracker { micro });
@@ -324,11 +336,13 @@ fn print_table(configs: &[Vmm], sums: &[Sums]) {
         ">p50 us",
         ">p99 us",
         ">TCP Mbit/s",
+        ">of no-vm (udp rate / tcp)",
         ">kicks/pkt (udp / tcp)",
         ">irqs/pkt (udp / tcp)",
         ">exits/pkt (udp / tcp)",
         ">doorbell exits/pkt (udp / tcp)",
     ]);
+    let ceiling = ceiling(configs, sums);
     for (c, s) in configs.iter().zip(sums) {
         if s.n == 0 {
             t.row([c.name(), "unavailable (below)".into()]);
@@ -336,12 +350,17 @@ fn print_table(configs: &[Vmm], sums: &[Sums]) {
         }
         let pair =
             |a: Option<Summary>, b: Option<Summary>| format!("{} / {}", med(a, 2), med(b, 2));
+        let of = |g: fn(&Sums) -> Option<Summary>| {
+            let f = ceiling.and_then(|k| ratio(g(s)?.median, g(k)?.median));
+            f.map_or_else(|| "n/a".into(), |f| format!("{f:.2}"))
+        };
         t.row([
             c.name(),
             med(s.rate, 0),
             med(s.p50, 0),
             med(s.p99, 0),
             med(s.mbit, 1),
+            format!("{} / {}", of(|s| s.rate), of(|s| s.mbit)),
             pair(s.udp_kicks, s.tcp_kicks),
             pair(s.udp_irqs, s.tcp_irqs),
             pair(s.udp_exits, s.tcp_exits),
@@ -353,11 +372,23 @@ fn print_table(configs: &[Vmm], sums: &[Sums]) {
     print!("{}", TABLE_NOTES);
 }
 
+/// The no-VM row's sums, if it ran.
+fn ceiling<'s>(configs: &[Vmm], sums: &'s [Sums]) -> Option<&'s Sums> {
+    configs
+        .iter()
+        .zip(sums)
+        .find(|(c, s)| matches!(c, Vmm::NoVm) && s.n > 0)
+        .map(|(_, s)| s)
+}
+
 /// What the table's columns measure.
 const TABLE_NOTES: &str = "\
 medians over the runs. rounds/s, p50 and p99: the guest's udp-echo (answered rounds per
   second, round-trip percentiles); Mbit/s: the guest's tcp-send, its bytes checked against
-  the host's sink. kicks and irqs per packet: the guest driver's doorbell writes and
+  the host's sink. no-vm: the same loads, echo and sink with no VM, from a client thread on
+  a veth into the bench's namespace (the host's own stack both ends, offloads as the host
+  sets them: GSO/TSO on a veth); \"of no-vm\": each row's median rate and throughput over
+  no-vm's. kicks and irqs per packet: the guest driver's doorbell writes and
   interrupts over its packets (every VMM); exits and doorbell exits (QueueNotify MMIO
   exits) per packet: Musubi's --metrics over the whole boot, boot included (n/a for
   the peers); it counts the exits that reach Musubi's user space, so a kick on the
@@ -419,6 +450,15 @@ fn verdicts(configs: &[Vmm], sums: &[Sums]) -> Verdicts {
         vs(|s| s.p50, f64::min),
         format!("<= {GOAL_P50:.2}x"),
         &|x| x <= GOAL_P50,
+    );
+    let of_ceiling = kernel
+        .zip(ceiling(configs, sums))
+        .and_then(|(k, c)| ratio(k.rate?.median, c.rate?.median));
+    fig(
+        "UDP rounds/s, musubi-kernel / no-vm",
+        of_ceiling,
+        format!(">= {AIM_CEILING_RATE:.2}x (aim)"),
+        &|x| x >= AIM_CEILING_RATE,
     );
     let doorbells = kernel.and_then(|k| max(&[k.max_udp_doorbells?, k.max_tcp_doorbells?]));
     v.push(Figure {
@@ -575,6 +615,9 @@ pub(crate) fn exit_paths(h: &Harness) -> Result<Vec<PathRun>, String> {
 
 /// One run: a boot for the UDP rounds, then one for the TCP stream.
 fn one_run(c: &Vmm, ns: &Netns, load: Load) -> Result<Sample, String> {
+    if let Vmm::NoVm = c {
+        return no_vm_run(ns, load);
+    }
     let n = load.udp_rounds;
     let echo = ns.spawn(move |stop, ready| udp_echo(stop, ready, n))?;
     let (udp, udp_vmm) = boot(
@@ -631,6 +674,52 @@ fn one_run(c: &Vmm, ns: &Netns, load: Load) -> Result<Sample, String> {
     })
 }
 
+/// One run of the ceiling: the same loads, echo and sink, from a client on a veth.
+fn no_vm_run(ns: &Netns, load: Load) -> Result<Sample, String> {
+    let n = load.udp_rounds;
+    let echo = ns.spawn(move |stop, ready| udp_echo(stop, ready, n))?;
+    let udp = crate::net_ceiling::udp(&ns.name, UDP_PORT, n);
+    let answered = echo.finish()?;
+    let udp = udp?;
+    if answered < n - udp.lost {
+        return Err(format!(
+            "the client counts {} answered rounds, the echo answered {answered}",
+            n - udp.lost
+        ));
+    }
+    let bytes = load.tcp_bytes;
+    let sink = ns.spawn(move |stop, ready| tcp_sink(stop, ready, bytes))?;
+    let mbit = crate::net_ceiling::tcp(&ns.name, TCP_PORT, bytes);
+    let counted = sink.finish();
+    let mbit = mbit?;
+    let counted = counted?;
+    if counted != bytes {
+        return Err(format!(
+            "the no-VM client sent {bytes} bytes, the sink counted {counted}"
+        ));
+    }
+    // No guest: its driver's counts are none (n/a per packet).
+    let none = GuestCounts {
+        packets: 0.0,
+        kicks: 0.0,
+        interrupts: 0.0,
+    };
+    Ok(Sample {
+        rounds: udp.rounds,
+        lost: udp.lost,
+        rate_per_s: udp.rate_per_s,
+        p50_us: udp.p50_us,
+        p99_us: udp.p99_us,
+        udp_guest: none,
+        udp_vmm: None,
+        tcp_bytes: bytes,
+        sink_bytes: counted,
+        mbit_per_s: mbit,
+        tcp_guest: none,
+        tcp_vmm: None,
+    })
+}
+
 type Boot = (Result<Value, String>, Result<Option<VmmCounts>, String>);
 
 /// Boots the guest with one network task in the namespace and returns its result line and,
@@ -650,7 +739,7 @@ fn boot(c: &Vmm, ns: &Netns, task: &str, name: &str) -> Boot {
     let ending = match c {
         Vmm::Musubi { .. } => Ending::Status(0),
         Vmm::Qemu(_) => Ending::Status(qemu::CLEAN_STATUS),
-        Vmm::Firecracker { .. } => Ending::AtResult,
+        Vmm::Firecracker { .. } | Vmm::NoVm => Ending::AtResult,
     };
     let result = crate::probe::task_result(&c.name(), cmd, name, ending, RUN_TIMEOUT, LINES);
     let counts = match c {

@@ -26,11 +26,17 @@ const TCP_STALL_MS: u64 = 10_000;
 const TCP_TX_BUFFER: usize = 256 * 1024;
 /// How long a finished task goes on answering (the peer's FIN, late ACKs).
 const LINGER_MS: u64 = 200;
-/// Connections `http-serve` accepts at once.
+/// Connections `http-serve` holds at once (each a listening socket until a SYN takes it).
 const HTTP_SOCKETS: usize = 16;
 const HTTP_REQUEST_MAX: usize = 1024;
+/// A connection still in its handshake after this (the client vanished after its SYN, or
+/// the SYN-ACK cannot reach it) is dropped.
+const HTTP_HANDSHAKE_MS: u64 = 2_000;
 /// A connection that sends no complete request, or does not close, within this is dropped.
-const HTTP_IDLE_MS: u64 = 10_000;
+const HTTP_IDLE_MS: u64 = 5_000;
+/// With every slot taken, the oldest connection that has not asked is given up for new
+/// ones once it is this old: a client that means to ask has asked by then.
+const HTTP_EVICT_AFTER_MS: u64 = 250;
 
 fn params(p: u64) -> Params {
     // SAFETY: the kernel copied a `Params` to this address at the end of the task's data
@@ -330,8 +336,13 @@ pub extern "C" fn tcp_send(buf: u64, len: u64, param: u64) -> ! {
 #[derive(Clone, Copy, PartialEq)]
 enum Phase {
     Listening,
+    /// Taken by a SYN: in the handshake, or reading the request.
     Reading,
-    Closing { get: bool },
+    Closing {
+        get: bool,
+    },
+    /// Aborted: the reset goes out with the next poll, then the socket listens again.
+    Dropped,
 }
 
 /// One `http-serve` connection slot.
@@ -342,6 +353,21 @@ struct Conn {
     since: u64,
     req: [u8; HTTP_REQUEST_MAX],
     len: usize,
+}
+
+impl Conn {
+    /// How readily this slot is given up for a new connection when every slot is taken
+    /// (lower first), and since when; `None` for one that must run its course: a served
+    /// GET being closed counts only once closed.
+    fn eviction_rank(&self, s: &tcp::Socket) -> Option<(u8, u64)> {
+        let rank = match self.phase {
+            Phase::Listening | Phase::Dropped | Phase::Closing { get: true } => return None,
+            Phase::Reading if s.state() == State::SynReceived => 0,
+            Phase::Reading => 1,
+            Phase::Closing { get: false } => 2,
+        };
+        Some((rank, self.since))
+    }
 }
 
 /// The path of a request line `GET /path HTTP/1.1`, if the request is a GET.
@@ -384,16 +410,19 @@ fn respond(s: &mut tcp::Socket, req: &[u8]) -> bool {
     path.is_some()
 }
 
-/// Advances one connection; returns 1 when it has finished serving a GET.
+/// Aborts the connection in slot `c`; it listens again after the next poll.
+fn drop_conn(s: &mut tcp::Socket, c: &mut Conn) {
+    s.abort();
+    c.phase = Phase::Dropped;
+}
+
+/// Advances one connection; returns 1 when it has finished serving a GET. Every phase but
+/// listening is bounded in time, so a client that opens and then goes quiet, or vanishes
+/// mid-handshake, frees its slot.
 fn step(net: &mut Stack, c: &mut Conn, port: u16) -> u64 {
     let now = ulib::rdtsc();
-    let stale = net.us_since(c.since) > HTTP_IDLE_MS * 1000;
+    let age_ms = net.us_since(c.since) / 1000;
     let s = net.sockets.get_mut::<tcp::Socket>(c.handle);
-    let relisten = |s: &mut tcp::Socket, c: &mut Conn| {
-        s.abort();
-        let _ = s.listen(port);
-        c.phase = Phase::Listening;
-    };
     match c.phase {
         Phase::Listening => {
             if s.state() != State::Listen {
@@ -403,7 +432,20 @@ fn step(net: &mut Stack, c: &mut Conn, port: u16) -> u64 {
             }
             0
         }
+        Phase::Dropped => {
+            // Closed since the abort (a closed socket takes no packets); `listen` also
+            // forgets a reset that could not be sent.
+            let _ = s.listen(port);
+            c.phase = Phase::Listening;
+            0
+        }
         Phase::Reading => {
+            let state = s.state();
+            if state == State::Listen {
+                // A reset during the handshake puts smoltcp's socket back to listening.
+                c.phase = Phase::Listening;
+                return 0;
+            }
             if s.can_recv() {
                 if let Ok(n) = s.recv_slice(&mut c.req[c.len..]) {
                     c.len += n;
@@ -415,21 +457,51 @@ fn step(net: &mut Stack, c: &mut Conn, port: u16) -> u64 {
                 let get = respond(s, got);
                 c.phase = Phase::Closing { get };
                 c.since = now;
-            } else if !s.is_open() || stale {
-                relisten(s, c);
+            } else if !s.is_open()
+                // Closed by the client before it asked anything: nothing to answer.
+                || (!s.may_recv() && state != State::SynReceived)
+                || (state == State::SynReceived && age_ms > HTTP_HANDSHAKE_MS)
+                || age_ms > HTTP_IDLE_MS
+            {
+                drop_conn(s, c);
             }
             0
         }
         Phase::Closing { get } => {
             let state = s.state();
             let finished = matches!(state, State::TimeWait | State::Closed);
-            if finished || stale {
+            if finished || age_ms > HTTP_IDLE_MS {
                 let served = get && (finished || state == State::FinWait2);
-                relisten(s, c);
+                drop_conn(s, c);
                 return served as u64;
             }
             0
         }
+    }
+}
+
+/// With every slot taken, a new SYN would be refused: gives up the slot least likely to
+/// be a client about to ask (a handshake first, then a connection yet to send its
+/// request, then one being closed; the oldest of each, and none younger than
+/// `HTTP_EVICT_AFTER_MS`), so a flood of connections that never ask cannot lock other
+/// clients out for the length of the timeouts.
+fn keep_one_listening(net: &mut Stack, conns: &mut [Conn]) {
+    let mut victim: Option<(usize, (u8, u64))> = None;
+    for (i, c) in conns.iter().enumerate() {
+        let s = net.sockets.get::<tcp::Socket>(c.handle);
+        if matches!(c.phase, Phase::Listening | Phase::Dropped) || s.state() == State::Listen {
+            return;
+        }
+        let settled = net.us_since(c.since) > HTTP_EVICT_AFTER_MS * 1000;
+        if let Some(r) = c.eviction_rank(s).filter(|_| settled) {
+            if victim.is_none_or(|(_, best)| r < best) {
+                victim = Some((i, r));
+            }
+        }
+    }
+    if let Some((i, _)) = victim {
+        let c = &mut conns[i];
+        drop_conn(net.sockets.get_mut::<tcp::Socket>(c.handle), c);
     }
 }
 
@@ -466,6 +538,7 @@ pub extern "C" fn http_serve(buf: u64, len: u64, param: u64) -> ! {
         for c in conns.iter_mut() {
             served += step(&mut net, c, p.port);
         }
+        keep_one_listening(&mut net, &mut conns);
         if net.out_of_time() {
             let mut extra = Line::new();
             let _ = write!(
