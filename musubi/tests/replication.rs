@@ -27,9 +27,10 @@ const DONE: &str = "probe: done, exit status 0";
 const HEARTBEAT_MS: &str = "1000";
 /// Epochs acknowledged before a process is killed: the standby holds more than the first.
 const EPOCHS_BEFORE_KILL: u64 = 3;
-/// `mem-check` rounds here: four times the migration tests', since an epoch that carries
-/// most of its 64 MiB takes seconds in a debug build, and the primary must die mid-task.
-const ROUNDS: u64 = 4 * MEM_CHECK_ROUNDS;
+/// `mem-check` rounds here: twelve times the migration tests', since an epoch that carries
+/// most of its 64 MiB takes seconds in a debug build or on a loaded machine, and the primary
+/// must die mid-task, after the epochs it waits for.
+const ROUNDS: u64 = 12 * MEM_CHECK_ROUNDS;
 
 /// `musubi run --standby-for tcp:127.0.0.1:PORT`, its console in `serial`, listening once
 /// this returns.
