@@ -21,6 +21,12 @@ pub trait SourceVm: Send + Sync {
     fn config(&self) -> Vec<u8>;
     /// Pauses the VM (if it runs) and returns its vCPU and device state (JSON).
     fn capture(&self) -> Result<Vec<u8>, VmFault>;
+    /// [`SourceVm::capture`] for a replica's checkpoint, which may leave the guest's writes
+    /// to its storage in the page cache: the standby gets them with the epoch, so writing
+    /// them back at every checkpoint would only lengthen the pause.
+    fn checkpoint(&self) -> Result<Vec<u8>, VmFault> {
+        self.capture()
+    }
     /// Lets a VM paused by [`SourceVm::capture`] go on.
     fn resume(&self) -> Result<(), VmFault>;
     /// Whether the VM is paused (by its owner, through the API): a checkpoint of a paused

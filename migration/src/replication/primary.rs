@@ -321,7 +321,7 @@ impl Primary<'_> {
     ) -> Result<(u64, Vec<u8>, Duration), LostWhy> {
         let started = Instant::now();
         let was_paused = self.vm.is_paused();
-        let state = self.vm.capture().map_err(LostWhy::Vm)?;
+        let state = self.vm.checkpoint().map_err(LostWhy::Vm)?;
         let copied = self.copy_dirty(epochs, buf);
         let disk = copied.as_ref().ok().map(|_| self.disk_writes_paused());
         if !was_paused {

@@ -63,6 +63,9 @@ impl SourceVm for HandleVm<'_> {
         }
         Ok(serde_json::to_vec(&state)?)
     }
+    fn checkpoint(&self) -> Result<Vec<u8>, VmFault> {
+        Ok(serde_json::to_vec(&self.0.capture()?)?)
+    }
     fn resume(&self) -> Result<(), VmFault> {
         Ok(self.0.resume()?)
     }
