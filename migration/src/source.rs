@@ -42,6 +42,13 @@ pub trait SourceVm: Send + Sync {
     fn dirty_pages(&self) -> Result<Vec<u64>, VmFault>;
     /// Stops that tracking (a pre-copy that failed before the switch).
     fn stop_dirty_log(&self) -> Result<(), VmFault>;
+    /// Replication's output commit: from now on the frames the guest transmits are held,
+    /// each with the checkpoint ([`SourceVm::capture`]) that follows it.
+    fn hold_output(&self) {}
+    /// The frames held up to the last capture may go: the standby has that checkpoint.
+    fn release_output(&self) {}
+    /// Replication ended: everything held goes, and nothing more is held.
+    fn open_output(&self) {}
 }
 
 /// What a migration that succeeded did.

@@ -12,9 +12,10 @@
 //! acknowledges it; a half-received epoch is dropped. When the link closes or the primary
 //! is silent longer than the heartbeat, the standby starts the VM from the last whole epoch.
 //!
-//! Not yet: output commit. Network frames and disk writes are not held until their epoch is
-//! acknowledged, so a client may see output of an epoch the standby never got; and disks are
-//! not replicated (a VM with `--disk` or `--pmem` is refused by the standby).
+//! Output commit: the frames the guest transmits are held by its network devices and go out
+//! only once the checkpoint after them is acknowledged (`devices::net::output_gate`); when
+//! replication ends they all go, and nothing more is held. Not yet: disks are not
+//! replicated (a VM with `--disk` or `--pmem` is refused by the standby).
 //!
 //! - [`primary`]: the sending loop, over a [`crate::source::SourceVm`].
 //! - [`standby`]: the receiving loop, over a [`crate::destination::Host`], and the RAM it

@@ -61,7 +61,25 @@ impl SourceVm for HandleVm<'_> {
             let _ = self.0.resume();
             return Err(e.into());
         }
+        for g in self.0.output_gates() {
+            g.mark_captured();
+        }
         Ok(serde_json::to_vec(&state)?)
+    }
+    fn hold_output(&self) {
+        for g in self.0.output_gates() {
+            g.hold();
+        }
+    }
+    fn release_output(&self) {
+        for g in self.0.output_gates() {
+            g.release_captured();
+        }
+    }
+    fn open_output(&self) {
+        for g in self.0.output_gates() {
+            g.open();
+        }
     }
     fn resume(&self) -> Result<(), VmFault> {
         Ok(self.0.resume()?)

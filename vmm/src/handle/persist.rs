@@ -75,6 +75,18 @@ impl VmHandle {
         }
     }
 
+    /// The output gates of the VM's network devices, in creation order: a replicator holds
+    /// their frames until its checkpoints are safe (see `devices::net::output_gate`).
+    pub fn output_gates(&self) -> Vec<std::sync::Arc<devices::net::OutputGate>> {
+        self.shared
+            .parts
+            .devices()
+            .transports
+            .iter()
+            .filter_map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).output_gate())
+            .collect()
+    }
+
     /// Guest RAM's ranges: (guest-physical start, length).
     pub fn ram_ranges(&self) -> Vec<(u64, u64)> {
         self.shared.parts.ram_ranges().to_vec()
