@@ -298,6 +298,11 @@ impl MmioTransport {
         self.device.output_gate()
     }
 
+    /// See [`VirtioDevice::flush_output`].
+    pub fn flush_output(&mut self) {
+        self.device.flush_output();
+    }
+
     /// The virtio device type behind this transport (2 block, 27 pmem).
     pub fn device_type(&self) -> u32 {
         self.device.device_type()

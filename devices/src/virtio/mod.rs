@@ -165,6 +165,10 @@ pub trait VirtioDevice {
         None
     }
 
+    /// Writes the output its gate released now, on the caller's thread, rather than when
+    /// the device's own event comes round.
+    fn flush_output(&mut self) {}
+
     /// Per-direction counters of a network device; `None` for every other kind.
     fn net_counters(&self) -> Option<NetCounters> {
         None

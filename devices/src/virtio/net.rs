@@ -803,6 +803,10 @@ impl VirtioDevice for Net {
         Some(self.gate.clone())
     }
 
+    fn flush_output(&mut self) {
+        self.flush_held();
+    }
+
     fn process_queue(
         &mut self,
         index: u16,

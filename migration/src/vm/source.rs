@@ -72,9 +72,7 @@ impl SourceVm for HandleVm<'_> {
         }
     }
     fn release_output(&self) {
-        for g in self.0.output_gates() {
-            g.release_captured();
-        }
+        self.0.release_output();
     }
     fn open_output(&self) {
         for g in self.0.output_gates() {

@@ -87,6 +87,20 @@ impl VmHandle {
             .collect()
     }
 
+    /// Lets the output each network device held up to the last checkpoint go (see
+    /// `devices::net::OutputGate::release_captured`), and writes it at once from the calling
+    /// thread: the standby has that checkpoint, and until the frames are out a primary that
+    /// dies loses them.
+    pub fn release_output(&self) {
+        for t in &self.shared.parts.devices().transports {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(g) = t.output_gate() {
+                g.release_captured();
+                t.flush_output();
+            }
+        }
+    }
+
     /// Guest RAM's ranges: (guest-physical start, length).
     pub fn ram_ranges(&self) -> Vec<(u64, u64)> {
         self.shared.parts.ram_ranges().to_vec()
