@@ -75,9 +75,7 @@ impl SourceVm for HandleVm<'_> {
         self.0.release_output();
     }
     fn open_output(&self) {
-        for g in self.0.output_gates() {
-            g.open();
-        }
+        self.0.open_output();
     }
     fn resume(&self) -> Result<(), VmFault> {
         Ok(self.0.resume()?)

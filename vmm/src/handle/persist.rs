@@ -92,10 +92,19 @@ impl VmHandle {
     /// thread: the standby has that checkpoint, and until the frames are out a primary that
     /// dies loses them.
     pub fn release_output(&self) {
+        self.each_gate(|g| g.release_captured());
+    }
+
+    /// Replication ended: every network device stops holding and writes what it held.
+    pub fn open_output(&self) {
+        self.each_gate(|g| g.open());
+    }
+
+    fn each_gate(&self, f: impl Fn(&devices::net::OutputGate)) {
         for t in &self.shared.parts.devices().transports {
             let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(g) = t.output_gate() {
-                g.release_captured();
+                f(&g);
                 t.flush_output();
             }
         }
