@@ -1,9 +1,10 @@
 //! The network tasks: a virtio-net driver (`driver`), smoltcp on top of it (`stack`) and
-//! the tasks themselves (`tasks`, and `counter` for `udp-counter`), all at CPL3. The kernel only opens the device for the
-//! task and halts it while there is nothing to do (`virtio::net`).
+//! the tasks themselves (`tasks`, and `counter` for `udp-counter`), all at CPL3. The kernel
+//! only opens the device for the task and halts it while there is nothing to do
+//! (`virtio::net`).
 
-pub(crate) mod driver;
 mod counter;
+pub(crate) mod driver;
 mod stack;
 mod tasks;
 
