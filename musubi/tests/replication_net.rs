@@ -97,9 +97,11 @@ fn listening(pid: u32, port: u16) -> bool {
         .unwrap_or(false)
 }
 
-/// `musubi run --standby-for` in the standby's namespace, listening once this returns.
+/// `musubi run --standby-for` in the standby's namespace, listening once this returns; its
+/// metrics go to `serial` with the extension `json`.
 fn start_standby(net: &Net, port: u16, secret: &Path, serial: &Path) -> Started {
     let url = format!("tcp:{STANDBY_HOST}:{port}");
+    let metrics = serial.with_extension("json");
     let serial = format!("file={}", serial.display());
     let args = [
         "run",
@@ -111,6 +113,8 @@ fn start_standby(net: &Net, port: u16, secret: &Path, serial: &Path) -> Started 
         HEARTBEAT_MS,
         "--serial",
         &serial,
+        "--metrics",
+        metrics.to_str().unwrap(),
         "--timeout",
         "60",
     ];
@@ -333,6 +337,11 @@ fn udp_counter_answers_go_on_from_the_standby_with_none_repeated_over_20_kills()
         let at_kill = client.count();
         let continued = wait_for(Duration::from_secs(20), || client.count() >= at_kill + 30);
         let answers = client.stop();
+        // Running the VM now: its metrics show the announcement it made before.
+        let announced = continued
+            .then(|| metrics_now(&standby, &standby_serial.with_extension("json")))
+            .flatten()
+            .map(|m| m.net[0].announcements);
         standby_guard.defuse();
         let mut standby = standby;
         let _ = standby.child.kill();
@@ -348,6 +357,11 @@ fn udp_counter_answers_go_on_from_the_standby_with_none_repeated_over_20_kills()
             s.stderr.contains("taking over from epoch"),
             "round {round}: {}",
             s.explain()
+        );
+        assert_eq!(
+            announced,
+            Some(1),
+            "round {round}: the standby's gratuitous ARPs"
         );
         let values: Vec<u64> = answers.iter().map(|a| a.1).collect();
         let timeline = || {
@@ -386,11 +400,8 @@ fn udp_counter_answers_go_on_from_the_standby_with_none_repeated_over_20_kills()
             timeline()
         );
         if let Some(&k) = gaps.first() {
-            eprintln!(
-                "round {round}: answers {}..{} lost with the primary",
-                values[k - 1] + 1,
-                values[k]
-            );
+            let lost: Vec<u64> = (values[k - 1] + 1..values[k]).collect();
+            eprintln!("round {round}: answers {lost:?} lost with the primary");
             lost_at_kill.push(values[k] - values[k - 1] - 1);
         }
         let first_after = answers
@@ -496,6 +507,18 @@ fn a_tcp_stream_from_the_guest_arrives_whole_and_in_order_across_a_failover() {
     let text = read_text(&standby_serial);
     assert_eq!(s.code, Some(0), "{}\nconsole:\n{text}", s.explain());
     let total = sink.join().expect("the sink read the stream in order");
+    let sm: musubi_types::Metrics =
+        serde_json::from_str(&read_text(&standby_serial.with_extension("json"))).unwrap();
+    assert_eq!(
+        sm.net[0].announcements, 1,
+        "the standby announced the guest before it ran: {:?}",
+        sm.net[0]
+    );
+    assert!(
+        sm.net[0].tx_held == 0,
+        "the standby holds nothing: {:?}",
+        sm.net[0]
+    );
     assert_eq!(total, bytes, "bytes the sink read ({at_kill} at the kill)");
     assert_eq!(result_in(&text, "tcp-send")["bytes"], bytes, "{text}");
     eprintln!(
