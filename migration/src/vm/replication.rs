@@ -127,9 +127,9 @@ impl Replication {
                     Err(e @ PrimaryError::NotStarted { .. }) => {
                         log(&format!("{e}; the VM runs alone, unprotected"))
                     }
-                    Err(e @ PrimaryError::Lost { .. }) => log(&format!(
-                        "{e}; the VM goes on alone, unprotected, its held output released"
-                    )),
+                    Err(e @ PrimaryError::Lost { .. }) => {
+                        log(&format!("{e}; the VM goes on alone, unprotected"))
+                    }
                 }
             })
             .map_err(ReplicateError::Thread)?;
