@@ -88,6 +88,10 @@ pub enum Finding {
     Identity { magic: u32, version: u32 },
     #[error("the device sent a frame of {0} bytes")]
     FrameLength(usize),
+    #[error("a frame reached the backend while the output gate held and released nothing")]
+    HeldFrameSent,
+    #[error("{released} held frames released of {held} held")]
+    HeldCount { held: u64, released: u64 },
     #[error(transparent)]
     Memory(#[from] vm_memory::GuestMemoryError),
     #[error("frame sent after reset arrived as {0:?}")]
@@ -264,8 +268,30 @@ pub fn virtio_net(data: &[u8]) -> Result<(), Finding> {
     let net = Net::with_backend(Box::new(backend), None, 256, None, None)?;
     let mut d = Driver::new_in(net, memory());
     let (mut rx, mut tx) = d.net_up(drop_bits);
-    play_net(&mut d, [&mut rx, &mut tx], &peer, &mut script)?;
+    // Mode bit 2: the VM is replicated, its output held from the start; the script's event
+    // actions then also seal, release and open the gate.
+    let gate = d.t.output_gate().expect("virtio-net has an output gate");
+    let held = mode & 4 != 0;
+    if held {
+        gate.hold();
+    }
+    play_net(&mut d, [&mut rx, &mut tx], &peer, held, &mut script)?;
     finish(&mut d)?;
+    // Replication over: what is held goes (the backend drained as it fills), then the
+    // device must work as before.
+    gate.open();
+    let mut buf = vec![0u8; VNET_HDR_LEN + MAX_FRAME_LEN + 64];
+    for _ in 0..64 {
+        d.t.flush_output();
+        while peer.recv(&mut buf).is_ok() {}
+    }
+    let c = d.t.net_counters().unwrap_or_default();
+    if c.tx_released > c.tx_held {
+        return Err(Finding::HeldCount {
+            held: c.tx_held,
+            released: c.tx_released,
+        });
+    }
     net_alive(&mut d, &peer)
 }
 
@@ -310,8 +336,8 @@ pub fn virtio_vsock_samples() -> Vec<Vec<u8>> {
     vec![answered, refused]
 }
 
-/// Valid scripts for the smoke test: a frame sent, a frame received into one buffer, and a
-/// frame received across three buffers.
+/// Valid scripts for the smoke test: a frame sent, a frame received into one buffer, a
+/// frame received across three buffers, and a frame held until its checkpoint's release.
 pub fn virtio_net_samples() -> Vec<Vec<u8>> {
     // Action 7: chain on ring (0 rx, 1 tx) from descriptor k, one part: address (base 0 is
     // HDR, 1 DATA), length, flags (2 writable), next.
@@ -328,7 +354,9 @@ pub fn virtio_net_samples() -> Vec<Vec<u8>> {
         vec![6, 20, 9, 1],
     ]
     .concat();
-    vec![send, receive, merged]
+    // Mode 4: the output held; a frame sent, a checkpoint, its release, the host reads.
+    let held = [vec![4], chain(1, 0, 0, 60, 0), vec![9, 0, 3, 9, 0, 6, 9, 2]].concat();
+    vec![send, receive, merged, held]
 }
 
 /// Drives fuzz target `name` for CI without a fuzzer: first on each input that once found a
@@ -683,9 +711,12 @@ fn play_net(
     d: &mut Driver,
     rings: [&mut Ring; 2],
     peer: &std::os::unix::net::UnixDatagram,
+    held: bool,
     s: &mut Script,
 ) -> Result<(), Finding> {
     let [rx, tx] = rings;
+    // Until the gate first lets anything go, no frame may reach the backend.
+    let mut released = !held;
     each_action(d, s, |d, s, op| {
         match op {
             3 => {
@@ -749,7 +780,29 @@ fn play_net(
             _ => match s.byte() % 4 {
                 0 | 1 => {
                     // An event source fires (backend, resume, or one the device lacks).
-                    let index = usize::from(s.byte() % 3);
+                    let b = s.byte();
+                    if held {
+                        // The same byte steps the gate: a checkpoint (the device saved,
+                        // its seal marked), the acknowledgement's release, or the end.
+                        let gate = d.t.output_gate().expect("virtio-net has an output gate");
+                        match b / 3 % 4 {
+                            1 => {
+                                let _ = d.t.state();
+                                gate.mark_captured();
+                            }
+                            2 => {
+                                gate.release_captured();
+                                d.t.flush_output();
+                                released = true;
+                            }
+                            3 if b >= 0xf0 => {
+                                gate.open();
+                                released = true;
+                            }
+                            _ => {}
+                        }
+                    }
+                    let index = usize::from(b % 3);
                     checked(d, &[0, 1], |d| d.t.process_event(index))?;
                 }
                 2 => {
@@ -760,6 +813,9 @@ fn play_net(
                         let Ok(n) = peer.recv(&mut buf) else { break };
                         if n <= VNET_HDR_LEN || n > VNET_HDR_LEN + MAX_FRAME_LEN {
                             return Err(Finding::FrameLength(n));
+                        }
+                        if !released {
+                            return Err(Finding::HeldFrameSent);
                         }
                     }
                 }

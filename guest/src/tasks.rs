@@ -30,7 +30,8 @@ pub struct Opts {
     pub iters: Option<u64>,
     /// `cpu=K`: run the task's user code on CPU K.
     pub cpu: Option<u64>,
-    /// `n=N`: rounds (`udp-echo`), requests (`http-serve`) or connections (`vsock-echo`).
+    /// `n=N`: rounds (`udp-echo`), requests (`http-serve`, `udp-counter`) or connections
+    /// (`vsock-echo`).
     pub n: Option<u64>,
     /// `bytes=N` (`K`/`M`/`G` suffixes): how much `tcp-send` or `vsock-send` sends.
     pub bytes: Option<u64>,
@@ -145,10 +146,15 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
     if opts.iters.is_some() && name != b"litmus" && name != b"mem-check" {
         return bad_argument(task, "iters=N applies to litmus and mem-check only");
     }
-    if opts.n.is_some() && !matches!(name, b"udp-echo" | b"http-serve" | b"vsock-echo") {
+    if opts.n.is_some()
+        && !matches!(
+            name,
+            b"udp-echo" | b"http-serve" | b"udp-counter" | b"vsock-echo"
+        )
+    {
         return bad_argument(
             task,
-            "n=N applies to udp-echo, http-serve and vsock-echo only",
+            "n=N applies to udp-echo, http-serve, udp-counter and vsock-echo only",
         );
     }
     if opts.bytes.is_some() && name != b"tcp-send" && name != b"vsock-send" {
@@ -211,7 +217,9 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
             }
         }
         (b"mem-check", a) => mem_check(task, num(a), opts.iters),
-        (b"udp-echo" | b"tcp-send" | b"http-serve", a) => net_task(task, name, a, opts),
+        (b"udp-echo" | b"tcp-send" | b"http-serve" | b"udp-counter", a) => {
+            net_task(task, name, a, opts)
+        }
         (b"vsock-echo" | b"vsock-send", a) => vsock_task(task, name, a, opts),
         (b"timer", None) => timer_task(),
         (b"console-echo", a) => match a.map_or(Some(console::DEFAULT_WAIT_S), |a| num(Some(a))) {
@@ -292,7 +300,7 @@ fn mem_check(task: &[u8], mib: Option<u64>, rounds: Option<u64>) -> u8 {
     }
 }
 
-/// `udp-echo` rounds and `http-serve` requests without `n=`; `tcp-send` bytes without
+/// `udp-echo` rounds and `udp-counter` answers without `n=`; `tcp-send` bytes without
 /// `bytes=`.
 const NET_DEFAULT_N: u64 = 100;
 const NET_DEFAULT_BYTES: u64 = 1 << 20;
@@ -320,8 +328,8 @@ fn host_port(v: &[u8]) -> Option<([u8; 4], u16)> {
     (v.port() != 0).then_some((v.ip().octets(), v.port()))
 }
 
-/// `udp-echo=HOST:PORT[,n=N]`, `tcp-send=HOST:PORT[,bytes=N]`, `http-serve=PORT[,n=N]`:
-/// parses the task and the interface's address (`probe.ip=`, `probe.gw=`), then runs the
+/// `udp-echo=HOST:PORT[,n=N]`, `tcp-send=HOST:PORT[,bytes=N]`, `http-serve=PORT[,n=N]`,
+/// `udp-counter=PORT[,n=N]`: parses the task and the interface's address (`probe.ip=`, `probe.gw=`), then runs the
 /// task at CPL3 (`net::*`).
 fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts) -> u8 {
     let info = bootinfo::get();
@@ -374,6 +382,19 @@ fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts) -> u8 {
             };
             (p.peer, p.port, p.count) = (peer, port, n);
             ("tcp-send", net::tcp_send)
+        }
+        b"udp-counter" => {
+            let port = arg
+                .and_then(|a| core::str::from_utf8(a).ok())
+                .and_then(|a| a.parse::<u16>().ok());
+            let (Some(port @ 1..), n @ 1..) = (port, opts.n.unwrap_or(NET_DEFAULT_N)) else {
+                return bad_argument(
+                    task,
+                    "udp-counter=PORT[,n=N] needs a port in 1..=65535 and N > 0",
+                );
+            };
+            (p.port, p.count) = (port, n);
+            ("udp-counter", net::udp_counter)
         }
         _ => {
             let port = arg

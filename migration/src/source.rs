@@ -65,6 +65,13 @@ pub trait SourceVm: Send + Sync {
         let _ = (offset, buf);
         Err(format!("no disk {disk}").into())
     }
+    /// Replication's output commit: from now on the frames the guest transmits are held,
+    /// each with the checkpoint ([`SourceVm::capture`]) that follows it.
+    fn hold_output(&self) {}
+    /// The frames held up to the last capture may go: the standby has that checkpoint.
+    fn release_output(&self) {}
+    /// Replication ended: everything held goes, and nothing more is held.
+    fn open_output(&self) {}
 }
 
 /// What a migration that succeeded did.

@@ -27,6 +27,8 @@ pub struct FakeVm {
     pub last: Option<u64>,
     /// The VM has ended (the test says so).
     pub ended: AtomicBool,
+    /// What replication did to the output gate, each with the captures taken by then.
+    pub output: Mutex<Vec<(&'static str, usize)>>,
 }
 
 impl FakeVm {
@@ -46,7 +48,13 @@ impl FakeVm {
             busy_pages: Vec::new(),
             last: None,
             ended: AtomicBool::new(false),
+            output: Mutex::new(Vec::new()),
         }
+    }
+
+    fn output_did(&self, what: &'static str) {
+        let captures = self.captures.load(Ordering::SeqCst);
+        self.output.lock().unwrap().push((what, captures));
     }
     pub fn layout() -> RamLayout {
         RamLayout::new(RANGES.to_vec()).unwrap()
@@ -73,6 +81,15 @@ impl SourceVm for FakeVm {
         self.captured.store(true, Ordering::SeqCst);
         self.captures.fetch_add(1, Ordering::SeqCst);
         Ok(vec![b's'; 40_000])
+    }
+    fn hold_output(&self) {
+        self.output_did("hold");
+    }
+    fn release_output(&self) {
+        self.output_did("release");
+    }
+    fn open_output(&self) {
+        self.output_did("open");
     }
     fn resume(&self) -> Result<(), VmFault> {
         self.resumed.fetch_add(1, Ordering::SeqCst);

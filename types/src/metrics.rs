@@ -135,6 +135,22 @@ pub struct NetCounters {
     pub tx_throttled: u64,
     /// Interrupts the device's transport raised, for either queue or the configuration.
     pub interrupts: u64,
+    /// Frames the guest sent that a replicated VM held until their epoch was safe on the
+    /// standby (they count in `tx_packets` once released and written).
+    #[serde(default)]
+    pub tx_held: u64,
+    /// Their bytes, virtio-net header excluded.
+    #[serde(default)]
+    pub tx_held_bytes: u64,
+    /// Held frames released and written to the backend.
+    #[serde(default)]
+    pub tx_released: u64,
+    /// Times the held frames filled their bound and the guest had to wait to send.
+    #[serde(default)]
+    pub tx_held_full: u64,
+    /// Gratuitous ARPs sent for the guest where its VM resumed (a failover, a migration).
+    #[serde(default)]
+    pub announcements: u64,
 }
 
 /// The entropy device's counters, in `--metrics` and `vm.counters` alike.

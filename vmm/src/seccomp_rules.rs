@@ -48,6 +48,9 @@ const BASE: &[i64] = &[
     libc::SYS_mprotect,
     libc::SYS_brk,
     libc::SYS_rt_sigreturn,
+    // How the kernel resumes a sleep a handled signal (SIGUSR1 asking for the metrics)
+    // interrupted; without it the sleeping thread is killed by its own filter.
+    libc::SYS_restart_syscall,
     libc::SYS_rt_sigprocmask,
     libc::SYS_sigaltstack,
     libc::SYS_exit,

@@ -125,6 +125,9 @@ pub struct TransportState {
     needs_reset: bool,
     interrupt_status: u32,
     interrupts: u64,
+    /// The device's own state; states written before devices kept any have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    device: Option<super::DeviceState>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -197,7 +200,8 @@ impl MmioTransport {
     }
 
     /// The transport's state for a snapshot. Call it with no queue being served (the VM
-    /// paused): the ring positions are read as they are.
+    /// paused): the ring positions are read as they are, and a network device's held output
+    /// is sealed at them (see [`crate::net::output_gate`]).
     pub fn state(&self) -> TransportState {
         TransportState {
             device_type: self.device.device_type(),
@@ -224,6 +228,7 @@ impl MmioTransport {
             needs_reset: self.needs_reset,
             interrupt_status: self.interrupt_status,
             interrupts: self.interrupts,
+            device: self.device.save_state(),
         }
     }
 
@@ -264,6 +269,9 @@ impl MmioTransport {
         self.needs_reset = s.needs_reset;
         self.interrupt_status = s.interrupt_status;
         self.interrupts = s.interrupts;
+        if let Some(d) = &s.device {
+            self.device.restore_state(d);
+        }
         if self.status & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
             self.device.activate(self.acked_features);
         }
@@ -283,6 +291,16 @@ impl MmioTransport {
     /// the restored side.
     pub fn transport_reset(&mut self) {
         self.device.transport_reset();
+    }
+
+    /// The gate holding the device's output while the VM is replicated, if it has one.
+    pub fn output_gate(&self) -> Option<std::sync::Arc<crate::net::OutputGate>> {
+        self.device.output_gate()
+    }
+
+    /// See [`VirtioDevice::flush_output`].
+    pub fn flush_output(&mut self) {
+        self.device.flush_output();
     }
 
     /// The virtio device type behind this transport (2 block, 27 pmem).

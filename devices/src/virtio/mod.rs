@@ -78,6 +78,13 @@ pub enum QueueCorrupt {
     HeadOutside { queue: u16, head: u16, size: u16 },
 }
 
+/// What a device keeps of its own across a snapshot or a move, by kind.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceState {
+    Net(net::NetState),
+}
+
 /// A device as the transport sees it.
 ///
 /// Everything guest-controlled arrives through `process_queue`, so that is the one place a
@@ -141,6 +148,28 @@ pub trait VirtioDevice {
     fn stats(&self) -> VirtioStats {
         VirtioStats::default()
     }
+
+    /// The device's own state for a snapshot, beyond what the transport saves. Called with
+    /// the transport locked and no queue being served (the VM paused), which makes it the
+    /// point a replicated VM's output epoch ends at (see [`crate::net::output_gate`]).
+    /// `None` for devices that keep nothing of their own.
+    fn save_state(&self) -> Option<DeviceState> {
+        None
+    }
+
+    /// Puts back what [`VirtioDevice::save_state`] returned, before the device is
+    /// activated again. State of another kind of device is ignored.
+    fn restore_state(&mut self, _state: &DeviceState) {}
+
+    /// The gate that holds the device's output while the VM is replicated; only a network
+    /// device has one.
+    fn output_gate(&self) -> Option<std::sync::Arc<crate::net::OutputGate>> {
+        None
+    }
+
+    /// Writes the output its gate released now, on the caller's thread, rather than when
+    /// the device's own event comes round.
+    fn flush_output(&mut self) {}
 
     /// Per-direction counters of a network device; `None` for every other kind.
     fn net_counters(&self) -> Option<NetCounters> {

@@ -9,21 +9,32 @@
 //!
 //! Besides its two doorbells the device waits on the backend becoming readable, on the
 //! rate limiters' timers and on an eventfd of its own that it signals when it stopped early
-//! with work left (a bounded pass, or activation with frames already queued); see
+//! with work left (a bounded pass, or activation with frames already queued, or frames a
+//! replicated VM's output gate released); see
 //! [`VirtioDevice::event_fds`]. These should be watched edge-triggered: while the guest
 //! posts no receive buffers the device leaves frames in the backend, which then stays
 //! readable.
+//!
+//! A replicated VM's device holds what the guest transmits until the replicator releases it
+//! (see [`crate::net::output_gate`]); it learns the guest's IPv4 address from the frames
+//! going out and announces it with a gratuitous ARP wherever the VM is restored (see
+//! [`crate::net::announce`]).
 
 use super::{
-    available, corrupt, pop, read_config_bytes, QueueCorrupt, VirtioDevice, VirtioStats,
-    QUEUE_MAX_SIZE,
+    available, corrupt, pop, read_config_bytes, DeviceState, QueueCorrupt, VirtioDevice,
+    VirtioStats, QUEUE_MAX_SIZE,
 };
+use crate::net::announce::{gratuitous_arp, sender_ipv4};
+use crate::net::output_gate::{OutputGate, DEFAULT_HELD_BYTES};
 use crate::net::rate_limiter::{RateLimit, RateLimiter};
 use crate::net::tap::{offload_flags, Tap, TapError, VNET_HDR_LEN};
 use crate::GuestMemoryMmap;
+use std::collections::VecDeque;
 use std::io::{self, IoSlice};
+use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
 use tracing::{debug, warn};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
@@ -144,6 +155,14 @@ enum Delivery {
 /// Why a chain was refused, for the debug log.
 type Fault = &'static str;
 
+/// What the device keeps across a snapshot or a move besides its transport's registers.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetState {
+    /// The guest's IPv4 address as its frames showed it, announced where the VM resumes.
+    #[serde(default)]
+    pub guest_ip: Option<Ipv4Addr>,
+}
+
 /// A virtio-net device.
 pub struct Net {
     backend: Box<dyn NetBackend>,
@@ -165,6 +184,14 @@ pub struct Net {
     resume: EventFd,
     events: Vec<Event>,
     counters: NetCounters,
+    /// Whether transmitted frames are held for output commit, and until when.
+    gate: Arc<OutputGate>,
+    /// Frames held (header included), each with the epoch it was sent in, oldest first.
+    held: VecDeque<(u64, Vec<u8>)>,
+    held_bytes: usize,
+    /// Most bytes `held` may reach before the guest is made to wait.
+    held_limit: usize,
+    guest_ip: Option<Ipv4Addr>,
 }
 
 fn format_mac(mac: &[u8; 6]) -> String {
@@ -218,6 +245,10 @@ impl Net {
             what: "resume eventfd",
             source,
         })?;
+        let wake = resume.try_clone().map_err(|source| NetError::Io {
+            what: "resume eventfd for the output gate",
+            source,
+        })?;
         let mut events = vec![Event::Backend, Event::Resume];
         if rx_limiter.is_some() {
             events.push(Event::RxTimer);
@@ -245,7 +276,23 @@ impl Net {
             resume,
             events,
             counters: NetCounters::default(),
+            gate: Arc::new(OutputGate::new(wake)),
+            held: VecDeque::new(),
+            held_bytes: 0,
+            held_limit: DEFAULT_HELD_BYTES,
+            guest_ip: None,
         })
+    }
+
+    /// Sets how many bytes of held frames the device keeps at most (at least one frame is
+    /// always taken).
+    pub fn set_held_limit(&mut self, bytes: usize) {
+        self.held_limit = bytes;
+    }
+
+    /// The guest's IPv4 address, once a frame it sent has shown it.
+    pub fn guest_ip(&self) -> Option<Ipv4Addr> {
+        self.guest_ip
     }
 
     pub fn mac(&self) -> [u8; 6] {
@@ -273,6 +320,7 @@ impl Net {
     /// Returns how many chains were put on the used ring.
     fn process_tx(&mut self, q: &mut Queue, mem: &GuestMemoryMmap) -> Result<usize, QueueCorrupt> {
         self.tx_stalled = false;
+        self.flush_held();
         if !q.ready() {
             return Ok(0);
         }
@@ -321,6 +369,12 @@ impl Net {
         if len > VNET_HDR_LEN + MAX_FRAME_LEN {
             return self.tx_drop("frame longer than 65562 bytes");
         }
+        let hold = self.gate.is_holding() || !self.held.is_empty();
+        if hold && !self.held.is_empty() && self.held_bytes + len > self.held_limit {
+            // Full: the chain waits, as for a backend that would block, until a release.
+            self.counters.tx_held_full += 1;
+            return false;
+        }
         if let Some(l) = &mut self.tx_limiter {
             if !l.consume((len - VNET_HDR_LEN) as u64) {
                 self.counters.tx_throttled += 1;
@@ -333,6 +387,19 @@ impl Net {
                 return self.tx_drop("buffer unreadable");
             }
             at += n;
+        }
+        if let Some(ip) = sender_ipv4(&self.tx_buf[VNET_HDR_LEN..len], &self.mac()) {
+            self.guest_ip = Some(ip);
+        }
+        if hold {
+            self.held
+                .push_back((self.gate.epoch(), self.tx_buf[..len].to_vec()));
+            self.held_bytes += len;
+            self.counters.tx_held += 1;
+            self.counters.tx_held_bytes += (len - VNET_HDR_LEN) as u64;
+            // Behind frames already released (the gate opened): they go now, in order.
+            self.flush_held();
+            return true;
         }
         let mut result = Err(io::ErrorKind::Interrupted.into());
         for _ in 0..8 {
@@ -361,6 +428,55 @@ impl Net {
                 self.counters.tx_drops += 1;
                 true
             }
+        }
+    }
+
+    /// Writes the held frames the gate released, oldest first, until one is not released
+    /// yet or the backend would block.
+    fn flush_held(&mut self) {
+        while let Some((epoch, frame)) = self.held.front() {
+            if !self.gate.is_released(*epoch) {
+                return;
+            }
+            let len = frame.len();
+            let mut result = Err(io::ErrorKind::Interrupted.into());
+            for _ in 0..8 {
+                result = self.backend.write_frame(&[IoSlice::new(frame)]);
+                if !matches!(&result, Err(e) if e.kind() == io::ErrorKind::Interrupted) {
+                    break;
+                }
+            }
+            match result {
+                Ok(_) => {
+                    self.counters.tx_packets += 1;
+                    self.counters.tx_bytes += (len - VNET_HDR_LEN) as u64;
+                    self.counters.tx_released += 1;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.tx_stalled = true;
+                    return;
+                }
+                Err(e) => {
+                    debug!("virtio-net: backend refused a released frame: {e}");
+                    self.counters.tx_drops += 1;
+                }
+            }
+            self.held.pop_front();
+            self.held_bytes -= len;
+        }
+    }
+
+    /// Sends a gratuitous ARP for the guest, so that bridges and neighbours learn the port
+    /// the VM is reached through now.
+    fn announce(&mut self) {
+        let mac = self.mac();
+        let ip = self.guest_ip.unwrap_or(Ipv4Addr::UNSPECIFIED);
+        // Header, then the ARP padded to Ethernet's shortest frame.
+        let mut frame = [0u8; VNET_HDR_LEN + 60];
+        frame[VNET_HDR_LEN..VNET_HDR_LEN + 42].copy_from_slice(&gratuitous_arp(&mac, ip));
+        match self.backend.write_frame(&[IoSlice::new(&frame)]) {
+            Ok(_) => self.counters.announcements += 1,
+            Err(e) => warn!("virtio-net: announcing {ip} at {}: {e}", format_mac(&mac)),
         }
     }
 
@@ -652,6 +768,7 @@ impl VirtioDevice for Net {
         self.yield_with_work_left();
     }
 
+    /// Held frames stay: the guest saw them sent.
     fn reset(&mut self) {
         if self.rx_len != 0 {
             self.counters.rx_drops += 1;
@@ -661,6 +778,33 @@ impl VirtioDevice for Net {
         self.rx_len = 0;
         self.rx_paid = false;
         self.tx_stalled = false;
+    }
+
+    /// The VM resumes elsewhere (a standby taking over, a migration, a snapshot restored):
+    /// the network is told where the guest is now.
+    fn transport_reset(&mut self) {
+        self.announce();
+    }
+
+    /// Seals the held output at this point (see [`crate::net::output_gate`]).
+    fn save_state(&self) -> Option<DeviceState> {
+        self.gate.seal();
+        Some(DeviceState::Net(NetState {
+            guest_ip: self.guest_ip,
+        }))
+    }
+
+    fn restore_state(&mut self, state: &DeviceState) {
+        let DeviceState::Net(s) = state;
+        self.guest_ip = s.guest_ip;
+    }
+
+    fn output_gate(&self) -> Option<Arc<OutputGate>> {
+        Some(self.gate.clone())
+    }
+
+    fn flush_output(&mut self) {
+        self.flush_held();
     }
 
     fn process_queue(
@@ -729,6 +873,8 @@ impl VirtioDevice for Net {
         };
         let mut served = Vec::new();
         if !self.active {
+            // Released frames go even while the driver resets the device.
+            self.flush_held();
             return Ok(served);
         }
         let [rxq, txq] = queues else {

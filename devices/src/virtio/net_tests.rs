@@ -29,17 +29,23 @@ struct Setup {
     offload: Arc<AtomicU32>,
 }
 
+const MAC: [u8; 6] = [0x52, 0x54, 0, 0xab, 0xcd, 0xef];
+
 fn setup_with(drop_bits: u64, rx_rate: Option<RateLimit>, tx_rate: Option<RateLimit>) -> Setup {
+    setup_net(drop_bits, rx_rate, tx_rate, |_| {})
+}
+
+/// A device set up as `setup_with` does, `adjust`ed before the driver sees it.
+fn setup_net(
+    drop_bits: u64,
+    rx_rate: Option<RateLimit>,
+    tx_rate: Option<RateLimit>,
+    adjust: impl FnOnce(&mut Net),
+) -> Setup {
     let (backend, peer) = SocketBackend::pair();
     let offload = backend.offload.clone();
-    let net = Net::with_backend(
-        Box::new(backend),
-        Some([0x52, 0x54, 0, 0xab, 0xcd, 0xef]),
-        256,
-        rx_rate,
-        tx_rate,
-    )
-    .unwrap();
+    let mut net = Net::with_backend(Box::new(backend), Some(MAC), 256, rx_rate, tx_rate).unwrap();
+    adjust(&mut net);
     let mut d = Driver::new(net);
     let (rx, tx) = d.net_up(drop_bits);
     // Activation asks for a pass in case frames were waiting; nothing is yet.
@@ -627,6 +633,134 @@ fn event_idx_survives_a_snapshot() {
     t.process_event(BACKEND);
     assert_eq!(s.d.used_idx_on(&s.rx), 2);
     assert_eq!(s.d.irq.count(), before + 1);
+}
+
+// ---- output commit ----
+
+/// Index of the resume eventfd in `event_fds`: the output gate wakes the device through it.
+const RESUME: usize = 1;
+
+/// A checkpoint as the replicator takes it: the device is saved (which seals its held
+/// output) and the replicator marks that seal as its own.
+fn checkpoint(s: &Setup) {
+    let _ = s.d.t.state();
+    s.d.t.output_gate().unwrap().mark_captured();
+}
+
+#[test]
+fn held_frames_reach_the_backend_only_when_their_checkpoint_is_released_and_in_order() {
+    let mut s = setup(0);
+    let gate = s.d.t.output_gate().unwrap();
+    gate.hold();
+    let frames: Vec<Vec<u8>> = (0..3).map(|k| frame(100 + k, k as u8)).collect();
+    s.send(0, &frames[0]);
+    s.send(2, &frames[1]);
+    assert_eq!(
+        s.d.next_used_on(&mut s.tx),
+        Some((0, 0)),
+        "the guest sees it sent"
+    );
+    assert_eq!(s.d.next_used_on(&mut s.tx), Some((2, 0)));
+    checkpoint(&s);
+    // Sent after the checkpoint: the next one's.
+    s.send(4, &frames[2]);
+    assert_eq!(s.peer_frame(), None, "nothing goes before a release");
+    let c = s.counters();
+    assert_eq!((c.tx_held, c.tx_packets, c.tx_released), (3, 0, 0));
+    assert_eq!(c.tx_held_bytes, 100 + 101 + 102);
+    // Waking the device without a release sends nothing.
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.peer_frame(), None);
+    gate.release_captured();
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.peer_frame().as_ref(), Some(&frames[0]));
+    assert_eq!(s.peer_frame().as_ref(), Some(&frames[1]));
+    assert_eq!(s.peer_frame(), None, "the frame after the checkpoint waits");
+    checkpoint(&s);
+    gate.release_captured();
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.peer_frame().as_ref(), Some(&frames[2]));
+    let c = s.counters();
+    assert_eq!((c.tx_held, c.tx_packets, c.tx_released), (3, 3, 3));
+    // Replication over: what is held goes, and nothing more is held.
+    s.send(6, &frames[0]);
+    gate.open();
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.peer_frame().as_ref(), Some(&frames[0]));
+    s.send(8, &frames[1]);
+    assert_eq!(s.peer_frame().as_ref(), Some(&frames[1]), "straight out");
+    assert_eq!(s.counters().tx_held, 4);
+}
+
+#[test]
+fn a_full_gate_stops_taking_transmit_chains_until_a_release() {
+    let len = 1000;
+    let mut s = setup_net(0, None, None, |n| {
+        n.set_held_limit(2 * (VNET_HDR_LEN + len) + 10)
+    });
+    let gate = s.d.t.output_gate().unwrap();
+    gate.hold();
+    for k in 0..4u16 {
+        let f = frame(len, k as u8);
+        let at = HDR + 0x1_0000 * u64::from(k);
+        s.d.mem.write_slice(&f, GuestAddress(at)).unwrap();
+        s.d.chain_on(&mut s.tx, k, &[(at, f.len() as u32, 0)]);
+    }
+    s.d.notify_queue(1);
+    assert_eq!(
+        s.d.used_idx_on(&s.tx),
+        2,
+        "two frames fit; the others stay on the ring"
+    );
+    let c = s.counters();
+    assert_eq!((c.tx_held, c.tx_drops), (2, 0));
+    assert!(c.tx_held_full >= 1);
+    // Another doorbell changes nothing while full.
+    s.d.notify_queue(1);
+    assert_eq!(s.d.used_idx_on(&s.tx), 2);
+    assert_eq!(s.peer_frame(), None);
+    checkpoint(&s);
+    gate.release_captured();
+    // The release's wake-up writes the two and takes the next two chains, held again.
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.peer_frame(), Some(frame(len, 0)));
+    assert_eq!(s.peer_frame(), Some(frame(len, 1)));
+    assert_eq!(s.peer_frame(), None);
+    assert_eq!(s.d.used_idx_on(&s.tx), 4);
+    checkpoint(&s);
+    gate.release_captured();
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.peer_frame(), Some(frame(len, 2)));
+    assert_eq!(s.peer_frame(), Some(frame(len, 3)));
+    assert_eq!(s.counters().tx_released, 4);
+}
+
+#[test]
+fn a_restored_device_announces_the_address_the_guest_used() {
+    let mut s = setup(0);
+    // The guest's own ARP for 10.1.2.3 shows its address.
+    let mut f = vec![0u8; VNET_HDR_LEN];
+    f.extend(crate::net::announce::gratuitous_arp(
+        &MAC,
+        std::net::Ipv4Addr::new(10, 1, 2, 3),
+    ));
+    s.send(0, &f);
+    assert!(s.peer_frame().is_some());
+    let state = s.d.t.state();
+    let (backend, peer) = SocketBackend::pair();
+    let net = Net::with_backend(Box::new(backend), Some(MAC), 256, None, None).unwrap();
+    let mut t = super::MmioTransport::new(Box::new(net), s.d.mem.clone(), s.d.irq.clone());
+    t.restore(&state).unwrap();
+    t.transport_reset();
+    let mut buf = [0u8; 200];
+    let n = peer.recv(&mut buf).unwrap();
+    assert_eq!(n, VNET_HDR_LEN + 60, "padded to Ethernet's shortest frame");
+    let arp = &buf[VNET_HDR_LEN..n];
+    assert_eq!(arp[..6], [0xff; 6]);
+    assert_eq!(arp[6..12], MAC);
+    assert_eq!(arp[28..32], [10, 1, 2, 3], "sender address");
+    assert_eq!(arp[38..42], [10, 1, 2, 3], "target address");
+    assert_eq!(t.net_counters().unwrap().announcements, 1);
 }
 
 // ---- rate limiting ----

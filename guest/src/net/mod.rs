@@ -1,11 +1,14 @@
 //! The network tasks: a virtio-net driver (`driver`), smoltcp on top of it (`stack`) and
-//! the tasks themselves (`tasks`), all at CPL3. The kernel only opens the device for the
-//! task and halts it while there is nothing to do (`virtio::net`).
+//! the tasks themselves (`tasks`, and `counter` for `udp-counter`), all at CPL3. The kernel
+//! only opens the device for the task and halts it while there is nothing to do
+//! (`virtio::net`).
 
+mod counter;
 pub(crate) mod driver;
 mod stack;
 mod tasks;
 
+pub use counter::udp_counter;
 pub use tasks::{http_serve, tcp_send, udp_echo};
 
 /// A network task's parameters, parsed by the kernel from the command line and copied to
@@ -21,9 +24,9 @@ pub struct Params {
     pub gw: [u8; 4],
     /// The host to talk to (`udp-echo`, `tcp-send`); unused by `http-serve`.
     pub peer: [u8; 4],
-    /// The peer's port, or the port to listen on (`http-serve`).
+    /// The peer's port, or the port to listen on (`http-serve`, `udp-counter`).
     pub port: u16,
-    /// Rounds (`udp-echo`), bytes (`tcp-send`) or requests (`http-serve`).
+    /// Rounds (`udp-echo`), bytes (`tcp-send`) or requests (`http-serve`, `udp-counter`).
     pub count: u64,
 }
 

@@ -25,7 +25,7 @@ const UDP_WARMUP_TRIES: u32 = 3;
 const TCP_STALL_MS: u64 = 10_000;
 const TCP_TX_BUFFER: usize = 256 * 1024;
 /// How long a finished task goes on answering (the peer's FIN, late ACKs).
-const LINGER_MS: u64 = 200;
+pub(super) const LINGER_MS: u64 = 200;
 /// Connections `http-serve` holds at once (each a listening socket until a SYN takes it).
 const HTTP_SOCKETS: usize = 16;
 const HTTP_REQUEST_MAX: usize = 1024;
@@ -38,13 +38,13 @@ const HTTP_IDLE_MS: u64 = 5_000;
 /// ones once it is this old: a client that means to ask has asked by then.
 const HTTP_EVICT_AFTER_MS: u64 = 250;
 
-fn params(p: u64) -> Params {
+pub(super) fn params(p: u64) -> Params {
     // SAFETY: the kernel copied a `Params` to this address at the end of the task's data
     // area (`user::run_task`), aligned, and nothing writes it while the task runs.
     unsafe { core::ptr::read(p as *const Params) }
 }
 
-fn fail(name: &str, why: &str) -> ! {
+pub(super) fn fail(name: &str, why: &str) -> ! {
     let mut l = Line::new();
     let _ = writeln!(
         l,
@@ -56,7 +56,7 @@ fn fail(name: &str, why: &str) -> ! {
 }
 
 /// Ends the task with a failure line that carries the driver's counters.
-fn fail_with(name: &str, why: &str, net: &Stack, extra: &str) -> ! {
+pub(super) fn fail_with(name: &str, why: &str, net: &Stack, extra: &str) -> ! {
     let mut l = Line::new();
     let _ = write!(
         l,
@@ -69,7 +69,7 @@ fn fail_with(name: &str, why: &str, net: &Stack, extra: &str) -> ! {
     ulib::exit(STATUS_NET_FAILED)
 }
 
-fn open(name: &str, mem: &mut Carve) -> VirtioNet {
+pub(super) fn open(name: &str, mem: &mut Carve) -> VirtioNet {
     match VirtioNet::open(mem) {
         Ok(d) => d,
         Err(crate::abi::Error::NoDevice) => fail(name, "no usable virtio-net device"),
@@ -89,7 +89,11 @@ fn local_port() -> u16 {
 }
 
 /// Polls and idles until `done` holds or `ms` pass; true if `done` held.
-fn run_until(net: &mut Stack, ms: u64, mut done: impl FnMut(&mut Stack) -> bool) -> bool {
+pub(super) fn run_until(
+    net: &mut Stack,
+    ms: u64,
+    mut done: impl FnMut(&mut Stack) -> bool,
+) -> bool {
     let t0 = ulib::rdtsc();
     loop {
         net.poll();

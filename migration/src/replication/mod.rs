@@ -17,10 +17,12 @@
 //! journaled during it, written on the copies and synced at the commit, before the
 //! acknowledgement (see [`primary`] and [`standby`]).
 //!
-//! Not yet: network output commit (frames the guest sends during an epoch go out before the
-//! standby has it, so a client may see output of an epoch the standby never got); and
-//! memory-storage files (`--pmem`: the region's KVM slot is outside the dirty log and the
-//! [`crate::protocol::RamLayout`], so a VM with one is refused by the standby).
+//! Output commit: the frames the guest transmits are held by its network devices and go out
+//! only once the checkpoint after them is acknowledged (`devices::net::output_gate`); when
+//! replication ends they all go, and nothing more is held.
+//!
+//! Not yet: memory-storage files (`--pmem`: the region's KVM slot is outside the dirty log
+//! and the [`crate::protocol::RamLayout`], so a VM with one is refused by the standby).
 //!
 //! - [`primary`]: the sending loop, over a [`crate::source::SourceVm`].
 //! - [`standby`]: the receiving loop, over a [`crate::destination::Host`], and the RAM it

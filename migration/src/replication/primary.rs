@@ -146,6 +146,8 @@ pub fn replicate(
     })?;
     stats.set_state(ReplicationState::Seeding);
     let r = p.run(epochs, stats);
+    // Alone again: what the guest sent goes out, whether or not the standby has it.
+    vm.open_output();
     let _ = vm.stop_dirty_log();
     vm.stop_disk_journals();
     p.writer.shutdown();
@@ -248,6 +250,9 @@ impl Primary<'_> {
         }
         let mut epoch = 0u64;
         let mut last_pause: Option<Instant> = None;
+        // Output before the first checkpoint needs no holding: that checkpoint includes
+        // whatever produced it.
+        self.vm.hold_output();
         loop {
             // Wait out the epoch, proving this side lives; a VM that ended is said so.
             loop {
@@ -303,6 +308,7 @@ impl Primary<'_> {
                 }
             }
             self.acked += 1;
+            self.vm.release_output();
             stats.acked();
             if epoch == 0 {
                 stats.set_state(ReplicationState::Protected);

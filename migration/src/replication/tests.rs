@@ -207,6 +207,14 @@ fn a_lost_standby_leaves_the_vm_running_and_says_after_how_many_epochs() {
     let m = stats.to_metrics();
     assert_eq!(m.state, ReplicationState::Lost);
     assert!(m.lost.is_some());
+    // Output is held from before the first checkpoint, the output of each acknowledged one
+    // released after it, and everything let go once the standby is lost.
+    let output = vm.output.lock().unwrap().clone();
+    assert_eq!(
+        output,
+        [("hold", 0), ("release", 1), ("release", 2), ("open", 3)],
+        "(what, captures by then)"
+    );
     assert_left_running(&vm);
 }
 

@@ -53,7 +53,7 @@ impl SourceVm for HandleVm<'_> {
         serde_json::to_vec(&config).unwrap_or_default()
     }
     fn capture(&self) -> Result<Vec<u8>, VmFault> {
-        let state = self.0.capture()?;
+        let state = self.checkpoint()?;
         // The destination opens the same disks and memory-storage files: what the guest
         // wrote to them here must be in the files before it runs there (shared storage
         // between hosts sees only what was written back).
@@ -61,10 +61,25 @@ impl SourceVm for HandleVm<'_> {
             let _ = self.0.resume();
             return Err(e.into());
         }
-        Ok(serde_json::to_vec(&state)?)
+        Ok(state)
     }
     fn checkpoint(&self) -> Result<Vec<u8>, VmFault> {
-        Ok(serde_json::to_vec(&self.0.capture()?)?)
+        let state = self.0.capture()?;
+        for g in self.0.output_gates() {
+            g.mark_captured();
+        }
+        Ok(serde_json::to_vec(&state)?)
+    }
+    fn hold_output(&self) {
+        for g in self.0.output_gates() {
+            g.hold();
+        }
+    }
+    fn release_output(&self) {
+        self.0.release_output();
+    }
+    fn open_output(&self) {
+        self.0.open_output();
     }
     fn resume(&self) -> Result<(), VmFault> {
         Ok(self.0.resume()?)

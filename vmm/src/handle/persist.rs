@@ -160,6 +160,41 @@ impl VmHandle {
         }
     }
 
+    /// The output gates of the VM's network devices, in creation order: a replicator holds
+    /// their frames until its checkpoints are safe (see `devices::net::output_gate`).
+    pub fn output_gates(&self) -> Vec<std::sync::Arc<devices::net::OutputGate>> {
+        self.shared
+            .parts
+            .devices()
+            .transports
+            .iter()
+            .filter_map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).output_gate())
+            .collect()
+    }
+
+    /// Lets the output each network device held up to the last checkpoint go (see
+    /// `devices::net::OutputGate::release_captured`), and writes it at once from the calling
+    /// thread: the standby has that checkpoint, and until the frames are out a primary that
+    /// dies loses them.
+    pub fn release_output(&self) {
+        self.each_gate(|g| g.release_captured());
+    }
+
+    /// Replication ended: every network device stops holding and writes what it held.
+    pub fn open_output(&self) {
+        self.each_gate(|g| g.open());
+    }
+
+    fn each_gate(&self, f: impl Fn(&devices::net::OutputGate)) {
+        for t in &self.shared.parts.devices().transports {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(g) = t.output_gate() {
+                f(&g);
+                t.flush_output();
+            }
+        }
+    }
+
     /// Guest RAM's ranges: (guest-physical start, length).
     pub fn ram_ranges(&self) -> Vec<(u64, u64)> {
         self.shared.parts.ram_ranges().to_vec()
