@@ -361,3 +361,24 @@ fn a_standby_asked_to_stop_closes_the_link_and_the_primary_goes_on_alone() {
     assert!(matches!(e, PrimaryError::Lost { .. }), "{e}");
     assert_left_running(&vm);
 }
+
+#[test]
+fn the_pause_p99_shows_long_pauses_the_median_hides_and_ignores_a_single_one() {
+    let stats = ReplicationStats::new("tcp:127.0.0.1:1", Duration::from_millis(20));
+    assert_eq!(stats.to_metrics().pause_us_p99, 0);
+    for _ in 0..199 {
+        stats.sent(4096, Duration::from_micros(100));
+    }
+    stats.sent(4096, Duration::from_micros(50_000));
+    let m = stats.to_metrics();
+    // One long pause in 200 is the max, not the 99th percentile.
+    assert_eq!(
+        (m.pause_us_median, m.pause_us_p99, m.pause_us_max),
+        (100, 100, 50_000)
+    );
+    for _ in 0..3 {
+        stats.sent(4096, Duration::from_micros(50_000));
+    }
+    let m = stats.to_metrics();
+    assert_eq!((m.pause_us_median, m.pause_us_p99), (100, 50_000));
+}
