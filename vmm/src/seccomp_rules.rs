@@ -38,8 +38,11 @@ impl Kind {
 }
 
 /// Calls every Rust thread here makes: memory for the allocator, futexes for locks,
-/// signal return for kicks, writes of log lines, thread exit.
+/// signal return for kicks, writes of log lines, thread exit. A sleep that a handled
+/// signal interrupts (`musubi run`'s SIGUSR1 for its metrics, say) is resumed by the kernel
+/// through restart_syscall, so that is here too.
 const BASE: &[i64] = &[
+    libc::SYS_restart_syscall,
     libc::SYS_futex,
     libc::SYS_mmap,
     libc::SYS_munmap,
