@@ -14,7 +14,7 @@
 //!   the checkpoint pauses (a resume sets the TSC back to what it read at the pause). The
 //!   ratios are taken on the task's time less the vCPU thread's waits for a CPU (its
 //!   schedstat): on a shared host a vCPU that never sleeps waits far longer for a CPU than
-//!   one paused every epoch, which alone made replicated runs look 30% faster;
+//!   one paused every epoch, which alone made replicated `fib` runs look up to 30% faster;
 //! - per epoch, from the primary's `--metrics` `replication` block at its end: the vCPUs'
 //!   pause (median, 99th percentile and longest), the bytes sent (median, longest) and the
 //!   epochs sent during the task, which over its time give the epoch the link allowed; the
@@ -93,7 +93,7 @@ struct Load {
     failover_fib_n: u64,
 }
 
-/// Seconds of work per task: a few hundred epochs at 20 ms, so that a run's 99th
+/// Seconds of work per task: well over a hundred epochs at 20 ms, so that a run's 99th
 /// percentile of the pauses is not simply its longest.
 const FULL: Load = Load {
     fib_n: 45,
