@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::watch::{ended_with, has_ended, kill_group, spawn_group};
+use super::watch::{ended_with, has_ended, kill_group, spawn_group_with_stdin};
 
 /// Bound on one API answer (a full 4 GiB snapshot is written before it).
 pub const API_TIMEOUT: Duration = Duration::from_secs(120);
@@ -38,10 +38,30 @@ impl Vm {
 
     /// Starts `cmd` with its stdout in `out` and its stderr in `err`.
     pub fn start_to(
+        cmd: Command,
+        name: &'static str,
+        out: &Path,
+        err: &Path,
+    ) -> Result<Vm, String> {
+        Vm::start_with(cmd, name, out, err, Stdio::null())
+    }
+
+    /// [`Vm::start_to`] with a pipe to its stdin (`child.stdin`), for a console typed into.
+    pub fn start_typed(
+        cmd: Command,
+        name: &'static str,
+        out: &Path,
+        err: &Path,
+    ) -> Result<Vm, String> {
+        Vm::start_with(cmd, name, out, err, Stdio::piped())
+    }
+
+    fn start_with(
         mut cmd: Command,
         name: &'static str,
         out: &Path,
         err: &Path,
+        stdin: Stdio,
     ) -> Result<Vm, String> {
         let (out, err) = (out.to_path_buf(), err.to_path_buf());
         let open = |p: &Path| {
@@ -49,7 +69,8 @@ impl Vm {
         };
         cmd.stdout(Stdio::from(open(&out)?))
             .stderr(Stdio::from(open(&err)?));
-        let child = spawn_group(&mut cmd).map_err(|e| format!("cannot start {name}: {e}"))?;
+        let child = spawn_group_with_stdin(&mut cmd, stdin)
+            .map_err(|e| format!("cannot start {name}: {e}"))?;
         Ok(Vm {
             child,
             name,

@@ -17,6 +17,7 @@ mod door;
 mod driver;
 mod dsm_table;
 mod guest_run;
+mod ha;
 mod kvm_trace;
 mod migrate;
 mod mint;
@@ -69,7 +70,10 @@ pub struct BenchArgs {
     /// life cycle through the API by Cloud Hypervisor's `ch-remote`: create and boot to
     /// first KVM_RUN, shutdown and delete to an idle VMM, its memory over the cycles), vsock
     /// (virtio-vsock's hybrid UNIX-socket host side: 64-byte round trips, an echo and a
-    /// guest-to-host stream, beside Firecracker), or all (every one, and a page `index.html` in --out that shows them together).
+    /// guest-to-host stream, beside Firecracker), ha (a VM replicated to a standby on
+    /// loopback: its slowdown beside unreplicated, pause and bytes per epoch, failover from
+    /// the primary's SIGKILL to the standby's first KVM_RUN; needs root for tracefs), or all
+    /// (every one, and a page `index.html` in --out that shows them together).
     pub experiment: String,
     /// A short run that finishes in seconds (for smoke tests).
     #[arg(long)]
@@ -122,6 +126,7 @@ const EXPERIMENTS: &[&str] = &[
     "door",
     "api",
     "vsock",
+    "ha",
 ];
 
 pub fn run(args: &BenchArgs) -> ExitCode {
@@ -140,6 +145,7 @@ pub fn run(args: &BenchArgs) -> ExitCode {
         "door" => Harness::new(args).and_then(|h| door::run(&h, args)),
         "api" => Harness::new(args).and_then(|h| api::run(&h, args)),
         "vsock" => Harness::new(args).and_then(|h| vsock::run(&h, args)),
+        "ha" => Harness::new(args).and_then(|h| ha::run(&h, args)),
         other => {
             eprintln!(
                 "musubi bench: unknown experiment {other:?}; available: {}, all",

@@ -216,8 +216,14 @@ fn spawn_in_own_group(cmd: &mut Command) -> std::io::Result<Child> {
 /// [`spawn_in_own_group`] with stdout and stderr wherever `cmd` already sends them (a file,
 /// for a VMM whose console is polled rather than piped).
 pub(crate) fn spawn_group(cmd: &mut Command) -> std::io::Result<Child> {
+    spawn_group_with_stdin(cmd, Stdio::null())
+}
+
+/// [`spawn_group`] with `stdin` as its standard input (a pipe, for a console the
+/// benchmark types into).
+pub(crate) fn spawn_group_with_stdin(cmd: &mut Command, stdin: Stdio) -> std::io::Result<Child> {
     use std::os::unix::process::CommandExt;
-    cmd.stdin(Stdio::null()).process_group(0);
+    cmd.stdin(stdin).process_group(0);
     // SAFETY: the closure calls only prctl, which is async-signal-safe, and allocates
     // nothing.
     unsafe {

@@ -14,7 +14,7 @@ use std::time::Duration;
 /// Every experiment's quick limit together, with room for a loaded CI machine.
 const ALL_LIMIT: Duration = Duration::from_secs(1800);
 
-const EXPERIMENTS: [&str; 13] = [
+const EXPERIMENTS: [&str; 14] = [
     "boot",
     "composite",
     "seq",
@@ -28,6 +28,7 @@ const EXPERIMENTS: [&str; 13] = [
     "door",
     "api",
     "vsock",
+    "ha",
 ];
 
 /// The one `musubi bench all --quick` run, made by whichever test asks first. A run that
@@ -865,6 +866,76 @@ fn bench_api_quick_cycles_a_waiting_musubi_through_ch_remote() {
         r.stdout
             .contains("Musubi's time to first KVM_RUN / Cloud Hypervisor's")
             && (r.stdout.contains("MET") || r.stdout.contains("MISSED")),
+        "{}",
+        r.explain()
+    );
+}
+
+/// `musubi bench ha --quick`: fib and mem-check unreplicated and at every epoch, each
+/// replicated run protected by its standby with its pauses and bytes counted; the primary
+/// killed twice, each kill timed to the standby's first KVM_RUN (the standby then ended fib
+/// exactly, or the run failed); the rows that need the network output commit say so.
+#[test]
+fn bench_ha_quick_replicates_fib_and_mem_check_and_times_each_failover() {
+    assert_kvm();
+    let (r, out, t) = quick_csv("ha");
+    let c = |name: &str| t.col(name);
+    let (measure, task, epoch) = (c("measure"), c("task"), c("epoch_ms"));
+    for work in ["fib", "mem-check"] {
+        for e in ["", "5", "20", "50"] {
+            let rows: Vec<_> = t
+                .rows
+                .iter()
+                .filter(|row| row[measure] == "overhead" && row[task] == work && row[epoch] == e)
+                .collect();
+            assert_eq!(rows.len(), 1, "{work} epoch {e:?}\n{}", t.text);
+            let row = rows[0];
+            t.assert_positive(row, &["wall_ms", "guest_task_ms", "own_core_ms"]);
+            if e.is_empty() {
+                assert!(row[c("epochs_sent")].is_empty(), "{row:?}");
+            } else {
+                t.assert_positive(
+                    row,
+                    &[
+                        "epochs_sent",
+                        "epochs_acked",
+                        "bytes_per_epoch_median",
+                        "pause_us_median",
+                        "effective_epoch_ms",
+                    ],
+                );
+                let n = |col: &str| -> u64 { row[c(col)].parse().expect(col) };
+                assert!(n("pause_us_p99") >= n("pause_us_median"), "{row:?}");
+                assert!(n("pause_us_max") >= n("pause_us_p99"), "{row:?}");
+                assert!(n("epochs_sent") >= n("epochs_acked"), "{row:?}");
+            }
+        }
+    }
+    let kills: Vec<_> = t
+        .rows
+        .iter()
+        .filter(|row| row[measure] == "failover")
+        .collect();
+    assert_eq!(kills.len(), 2, "{}", t.text);
+    for row in kills {
+        t.assert_positive(row, &["kill_to_first_kvm_run_ms", "acked_before_kill"]);
+        assert_eq!(row[c("heartbeat_ms")], "100", "{row:?}");
+        assert!(row[c("kill_to_first_answer_ms")].is_empty(), "{row:?}");
+    }
+    let svg = std::fs::read_to_string(out.path().join("ha.svg")).expect("ha.svg");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("fib 20 ms") && svg.contains("failover"),
+        "{svg}"
+    );
+    for said in [
+        "fib task time on its own core, replicated / unreplicated, 20 ms epoch",
+        "SIGKILL to standby's first KVM_RUN",
+        "needs the network output commit",
+    ] {
+        assert!(r.stdout.contains(said), "{said}\n{}", r.explain());
+    }
+    assert!(
+        r.stdout.contains("MET") || r.stdout.contains("MISSED"),
         "{}",
         r.explain()
     );

@@ -259,9 +259,12 @@ pub struct ReplicationMetrics {
     /// Over the most recent 1024 epochs.
     pub bytes_per_epoch_median: u64,
     pub bytes_per_epoch_max: u64,
-    /// The vCPUs' pause for each checkpoint, in microseconds: median of the most recent
-    /// 1024 epochs, and the longest of all.
+    /// The vCPUs' pause for each checkpoint, in microseconds: median and 99th percentile
+    /// of the most recent 1024 epochs, and the longest of all.
     pub pause_us_median: u64,
+    /// Absent from the metrics of a Musubi older than it.
+    #[serde(default)]
+    pub pause_us_p99: u64,
     pub pause_us_max: u64,
     /// Why the standby was lost, if it was.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -279,6 +279,45 @@ mod tests {
     }
 
     #[test]
+    fn a_sleep_the_kernel_interrupts_without_a_handler_is_resumed_under_every_filter() {
+        // A stop and continue of the process (as a process-directed signal taken by
+        // another thread can) wakes a sleeping thread with no handler to run; the kernel
+        // then resumes its sleep through restart_syscall.
+        for kind in [
+            ThreadKind::Vcpu,
+            ThreadKind::Io,
+            ThreadKind::Control,
+            ThreadKind::Api,
+        ] {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let t = std::thread::spawn(move || {
+                apply(kind, SeccompMode::Enforce).unwrap();
+                tx.send(()).unwrap();
+                let d = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 300_000_000,
+                };
+                // SAFETY: nanosleep(2) reads `d`, which outlives the call, and writes nothing
+                // with a null remainder.
+                let r = unsafe { libc::nanosleep(&d, std::ptr::null_mut()) };
+                (r, std::io::Error::last_os_error().raw_os_error())
+            });
+            rx.recv().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let pid = std::process::id();
+            // Another process, since this one cannot continue itself once stopped.
+            let stopped = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!("kill -STOP {pid}; kill -CONT {pid}"))
+                .status()
+                .unwrap();
+            assert!(stopped.success());
+            let (r, errno) = t.join().unwrap();
+            assert_eq!(r, 0, "{kind:?}: errno {errno:?}, {:?}", refused_call());
+        }
+    }
+
+    #[test]
     fn a_refused_call_fails_with_eperm_and_is_named() {
         // A thread of its own: filters cannot be removed once installed.
         let t = std::thread::spawn(|| {

@@ -38,8 +38,11 @@ impl Kind {
 }
 
 /// Calls every Rust thread here makes: memory for the allocator, futexes for locks,
-/// signal return for kicks, writes of log lines, thread exit.
+/// signal return for kicks, writes of log lines, thread exit. A sleep that a handled
+/// signal interrupts (`musubi run`'s SIGUSR1 for its metrics, say) is resumed by the kernel
+/// through restart_syscall, so that is here too.
 const BASE: &[i64] = &[
+    libc::SYS_restart_syscall,
     libc::SYS_futex,
     libc::SYS_mmap,
     libc::SYS_munmap,
@@ -48,9 +51,6 @@ const BASE: &[i64] = &[
     libc::SYS_mprotect,
     libc::SYS_brk,
     libc::SYS_rt_sigreturn,
-    // How the kernel resumes a sleep a handled signal (SIGUSR1 asking for the metrics)
-    // interrupted; without it the sleeping thread is killed by its own filter.
-    libc::SYS_restart_syscall,
     libc::SYS_rt_sigprocmask,
     libc::SYS_sigaltstack,
     libc::SYS_exit,

@@ -63,6 +63,16 @@ impl Samples {
         v.sort_unstable();
         v.get(v.len() / 2).copied().unwrap_or(0)
     }
+
+    /// The `pct` percentile of the recent values by nearest rank (the smallest with at
+    /// least `pct` % of them at or below it), so a rare long pause the median hides shows;
+    /// 0 before any.
+    fn percentile(&self, pct: usize) -> u64 {
+        let mut v: Vec<u64> = self.recent.iter().copied().collect();
+        v.sort_unstable();
+        let rank = (pct * v.len()).div_ceil(100).max(1);
+        v.get(rank - 1).copied().unwrap_or(0)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -153,6 +163,7 @@ impl ReplicationStats {
             bytes_per_epoch_median: c.bytes.median(),
             bytes_per_epoch_max: c.bytes.max,
             pause_us_median: c.pause_us.median(),
+            pause_us_p99: c.pause_us.percentile(99),
             pause_us_max: c.pause_us.max,
             lost: c.lost.clone(),
         })

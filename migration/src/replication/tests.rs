@@ -465,3 +465,24 @@ fn a_copy_of_another_size_or_content_is_refused_by_name_and_the_standby_waits() 
     assert!(logs.iter().all(|l| l.contains(&named)), "{logs:?}");
     assert_eq!(std::fs::read(&copy).unwrap(), vec![0u8; 8192]);
 }
+
+#[test]
+fn the_pause_p99_shows_long_pauses_the_median_hides_and_ignores_a_single_one() {
+    let stats = ReplicationStats::new("tcp:127.0.0.1:1", Duration::from_millis(20));
+    assert_eq!(stats.to_metrics().pause_us_p99, 0);
+    for _ in 0..199 {
+        stats.sent(4096, Duration::from_micros(100));
+    }
+    stats.sent(4096, Duration::from_micros(50_000));
+    let m = stats.to_metrics();
+    // One long pause in 200 is the max, not the 99th percentile.
+    assert_eq!(
+        (m.pause_us_median, m.pause_us_p99, m.pause_us_max),
+        (100, 100, 50_000)
+    );
+    for _ in 0..3 {
+        stats.sent(4096, Duration::from_micros(50_000));
+    }
+    let m = stats.to_metrics();
+    assert_eq!((m.pause_us_median, m.pause_us_p99), (100, 50_000));
+}
