@@ -303,6 +303,16 @@ impl MmioTransport {
         self.device.flush_output();
     }
 
+    /// See [`VirtioDevice::captured_output`].
+    pub fn captured_output(&self) -> Vec<Vec<u8>> {
+        self.device.captured_output()
+    }
+
+    /// See [`VirtioDevice::send_frames`].
+    pub fn send_frames(&mut self, frames: Vec<Vec<u8>>) -> usize {
+        self.device.send_frames(frames)
+    }
+
     /// The virtio device type behind this transport (2 block, 27 pmem).
     pub fn device_type(&self) -> u32 {
         self.device.device_type()
