@@ -29,6 +29,9 @@ pub struct TakenOver {
     pub epoch: u64,
     /// Why the primary counts as lost.
     pub why: String,
+    /// Frames of that epoch the primary had not said it wrote, which the VM has sent
+    /// (after its gratuitous ARP, before it runs).
+    pub replayed: usize,
 }
 
 /// Waits as the standby of a primary (`r.url`), until the primary is lost or its VM ends.
@@ -43,14 +46,22 @@ pub fn stand_by(
     let (listener, secret, mut host) = listen(r, "primary to stand by for", log)?;
     let opts = Options::new(secret);
     match wait_as_standby(&listener, &opts, heartbeat, &mut host, stop, log)? {
-        Standby::TakeOver { ram: _, epoch, why } => {
+        Standby::TakeOver {
+            ram: _,
+            epoch,
+            why,
+            unreleased,
+        } => {
             // The VM holds the RAM (as its owner) from here on.
             let (vm, config) = host.take().ok_or(NotReceived::NotBuilt)?;
+            // The state applied has sent these; the primary may have died before it did.
+            let replayed = vm.send_frames(unreleased);
             Ok(StandbyEnd::TakeOver(Box::new(TakenOver {
                 vm,
                 config,
                 epoch,
                 why,
+                replayed,
             })))
         }
         Standby::PrimaryEnded { epochs } => Ok(StandbyEnd::PrimaryEnded { epochs }),

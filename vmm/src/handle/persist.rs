@@ -185,6 +185,28 @@ impl VmHandle {
         self.each_gate(|g| g.open());
     }
 
+    /// Copies of the frames each network device held for the last checkpoint the
+    /// replicator took, oldest first, each with the device's number among the VM's
+    /// network devices: the primary ships them with that checkpoint, so that a standby
+    /// taking over from it sends them if the primary dies before it does.
+    pub fn captured_output(&self) -> Vec<(u32, Vec<u8>)> {
+        let mut out = Vec::new();
+        let nets = self
+            .shared
+            .parts
+            .devices()
+            .transports
+            .iter()
+            .filter_map(|t| {
+                let t = t.lock().unwrap_or_else(|e| e.into_inner());
+                t.output_gate().map(|_| t.captured_output())
+            });
+        for (net, frames) in nets.enumerate() {
+            out.extend(frames.into_iter().map(|f| (net as u32, f)));
+        }
+        out
+    }
+
     fn each_gate(&self, f: impl Fn(&devices::net::OutputGate)) {
         for t in &self.shared.parts.devices().transports {
             let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
