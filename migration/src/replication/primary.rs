@@ -138,7 +138,10 @@ struct Primary<'a> {
 }
 
 /// Replicates `vm` to the standby at `to` (`HOST:PORT`) until the VM ends (`Ok`, the
-/// standby told) or replication cannot go on; counts in `stats`.
+/// standby told) or replication cannot go on; counts in `stats`. The held output is let go
+/// at the end, except when the standby is lost under `--replicate-policy stop`
+/// (`stats`' policy): the caller pauses the VM then, and opens the output
+/// ([`SourceVm::open_output`]) once its operator lets it go on alone.
 pub fn replicate(
     vm: &dyn SourceVm,
     to: &str,
@@ -156,8 +159,11 @@ pub fn replicate(
     })?;
     stats.set_state(ReplicationState::Seeding);
     let r = p.run(epochs, stats);
-    // Alone again: what the guest sent goes out, whether or not the standby has it.
-    vm.open_output();
+    // Alone again: what the guest sent goes out, whether or not the standby has it; unless
+    // the VM is to wait for its operator.
+    if r.is_ok() || stats.policy() != musubi_types::ReplicationPolicy::Stop {
+        vm.open_output();
+    }
     let _ = vm.stop_dirty_log();
     vm.stop_disk_journals();
     p.writer.shutdown();

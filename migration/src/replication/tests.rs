@@ -162,9 +162,8 @@ fn epochs_reach_the_standby_and_a_vm_that_ends_is_not_taken_over() {
     assert_left_running(&vm);
 }
 
-#[test]
-fn a_lost_standby_leaves_the_vm_running_and_says_after_how_many_epochs() {
-    // A standby driven by hand: it acknowledges two epochs and goes.
+/// A standby driven by hand: it acknowledges two epochs and goes.
+fn standby_for_two_epochs() -> (String, std::thread::JoinHandle<()>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let st = std::thread::spawn(move || {
@@ -188,6 +187,12 @@ fn a_lost_standby_leaves_the_vm_running_and_says_after_how_many_epochs() {
             }
         }
     });
+    (addr, st)
+}
+
+#[test]
+fn a_lost_standby_leaves_the_vm_running_and_says_after_how_many_epochs() {
+    let (addr, st) = standby_for_two_epochs();
     let vm = FakeVm::new();
     let stats = ReplicationStats::new("tcp:x", Duration::from_millis(5));
     let epochs = Epochs {
@@ -659,4 +664,25 @@ fn a_release_of_another_epoch_counts_as_the_primary_lost() {
         }
         other => panic!("{other:?} {logs:?}"),
     }
+}
+
+#[test]
+fn under_policy_stop_a_lost_standby_leaves_the_output_held_for_the_caller_to_open() {
+    let (addr, st) = standby_for_two_epochs();
+    let vm = FakeVm::new();
+    let stats = ReplicationStats::new("tcp:x", Duration::from_millis(5))
+        .with_policy(musubi_types::ReplicationPolicy::Stop);
+    let epochs = Epochs {
+        every: Duration::from_millis(5),
+        ..Epochs::default()
+    };
+    let e = replicate(&vm, &addr, &opts(), &epochs, &stats).unwrap_err();
+    st.join().unwrap();
+    assert!(matches!(e, PrimaryError::Lost { .. }), "{e}");
+    let output = vm.output.lock().unwrap().clone();
+    assert_eq!(
+        output,
+        [("hold", 0), ("release", 1), ("release", 2)],
+        "nothing unacknowledged let go: (what, captures by then)"
+    );
 }

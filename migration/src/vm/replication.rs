@@ -153,8 +153,12 @@ impl Replication {
     }
 }
 
+/// How often a VM paused for its lost standby is looked at for its operator's resume.
+const RESUME_POLL: Duration = Duration::from_millis(5);
+
 /// What the VM does once its standby is lost: goes on alone, or (`stop`) pauses and waits
-/// for its operator; says which through `log`.
+/// for its operator, its output still held (the standby did not acknowledge what produced
+/// it) until the operator resumes it; says which through `log`.
 fn lost(
     vm: &vmm::VmHandle,
     policy: ReplicationPolicy,
@@ -170,12 +174,20 @@ fn lost(
                 log(&format!(
                     "{e}; --replicate-policy stop: the VM is paused and waits; resume it \
                      through the API (vm.resume) to run it on alone, unprotected"
-                ))
+                ));
+                // Frames the guest sends once resumed queue behind the held ones.
+                while vm.is_paused() && !vm.has_ended() {
+                    std::thread::sleep(RESUME_POLL);
+                }
+                vm.open_output();
             }
             // The VM ended meanwhile: nothing to stop.
-            Err(why) => log(&format!(
-                "{e}; --replicate-policy stop: the VM could not be paused ({why})"
-            )),
+            Err(why) => {
+                vm.open_output();
+                log(&format!(
+                    "{e}; --replicate-policy stop: the VM could not be paused ({why})"
+                ))
+            }
         },
     }
 }
