@@ -110,6 +110,21 @@ impl OutputGate {
         self.release_through(self.captured.load(Ordering::SeqCst));
     }
 
+    /// [`OutputGate::release_captured`] without waking the device, for a caller that
+    /// writes the frames itself (`VirtioDevice::flush_output`, with the device locked) and
+    /// wakes it ([`OutputGate::wake`]) only if some are left: a replicator that tells its
+    /// standby right after the writes should not be made to wait meanwhile for a device
+    /// thread it woke for nothing.
+    pub fn release_captured_here(&self) {
+        self.released
+            .fetch_max(self.captured.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+
+    /// Wakes the device to write what is released.
+    pub fn wake(&self) {
+        self.wake_device();
+    }
+
     /// Stops holding and releases everything held: replication ended.
     pub fn open(&self) {
         self.holding.store(false, Ordering::SeqCst);

@@ -299,8 +299,8 @@ impl MmioTransport {
     }
 
     /// See [`VirtioDevice::flush_output`].
-    pub fn flush_output(&mut self) {
-        self.device.flush_output();
+    pub fn flush_output(&mut self) -> bool {
+        self.device.flush_output()
     }
 
     /// See [`VirtioDevice::captured_output`].

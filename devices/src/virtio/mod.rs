@@ -168,8 +168,11 @@ pub trait VirtioDevice {
     }
 
     /// Writes the output its gate released now, on the caller's thread, rather than when
-    /// the device's own event comes round.
-    fn flush_output(&mut self) {}
+    /// the device's own event comes round. Returns whether released output is left (the
+    /// backend was full), for the device's own event to write.
+    fn flush_output(&mut self) -> bool {
+        false
+    }
 
     /// Copies of the output held for the epochs the replicator's last checkpoint sealed
     /// (see [`crate::net::OutputGate::in_last_capture`]), oldest first: a primary ships

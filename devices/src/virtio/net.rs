@@ -803,8 +803,11 @@ impl VirtioDevice for Net {
         Some(self.gate.clone())
     }
 
-    fn flush_output(&mut self) {
+    fn flush_output(&mut self) -> bool {
         self.flush_held();
+        self.held
+            .front()
+            .is_some_and(|(epoch, _)| self.gate.is_released(*epoch))
     }
 
     fn captured_output(&self) -> Vec<Vec<u8>> {

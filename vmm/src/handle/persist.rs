@@ -177,7 +177,16 @@ impl VmHandle {
     /// thread: the standby has that checkpoint, and until the frames are out a primary that
     /// dies loses them.
     pub fn release_output(&self) {
-        self.each_gate(|g| g.release_captured());
+        for t in &self.shared.parts.devices().transports {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(g) = t.output_gate() {
+                // The device is woken only for what its backend could not take now.
+                g.release_captured_here();
+                if t.flush_output() {
+                    g.wake();
+                }
+            }
+        }
     }
 
     /// Replication ended: every network device stops holding and writes what it held.
