@@ -9,7 +9,10 @@
 //! acknowledges that checkpoint the replicator releases the frames sealed up to it, and the
 //! device (woken through its own event, on the thread that owns the backend) writes them
 //! out in order. When replication ends the gate opens: everything held is released and
-//! nothing more is held.
+//! nothing more is held. The gate also knows which epochs the replicator's last checkpoint
+//! sealed ([`OutputGate::in_last_capture`]): the device copies those frames for the
+//! primary to send to the standby with the checkpoint, so that a standby taking over
+//! before they were written can send them itself.
 //!
 //! The gate holds only numbers; the frames stay in the device, which bounds them.
 

@@ -140,7 +140,10 @@ pub enum Lost {
         #[source]
         why: FramesError,
     },
-    #[error("released epoch {got}, where the last whole one is {want:?}")]
+    #[error(
+        "released epoch {got}, which is not the last whole one ({})",
+        .want.map_or("none yet".to_string(), |w| w.to_string())
+    )]
     Released { want: Option<u64>, got: u64 },
     #[error("unexpected {0} message")]
     Unexpected(&'static str),
