@@ -5,7 +5,7 @@ use super::primary::{replicate, Epochs, PrimaryError};
 use super::standby::{stand_by, ReplicaRam, Standby};
 use super::ReplicationStats;
 use crate::destination::Host;
-use crate::protocol::{Blob, Msg};
+use crate::protocol::{Blob, Frames, Msg};
 use crate::testing::{FakeVm, RANGES};
 use crate::{send, send_blob, Options, VmFault};
 use dsm::PAGE_SIZE;
@@ -580,10 +580,13 @@ fn epoch_with_frames(
     }
 }
 
-/// Drives a standby through `script` (per epoch: its frames, whether it commits, whether
-/// its frames are then said released), drops the link, and returns the epoch it took over
+/// One epoch of [`take_over_after`]'s script: its frames, whether it commits, whether its
+/// frames are then said released.
+type Scripted = (Frames, bool, bool);
+
+/// Drives a standby through `script`, drops the link, and returns the epoch it took over
 /// and the frames it left to send.
-fn take_over_after(script: &[(Vec<(u32, Vec<u8>)>, bool, bool)]) -> (u64, Vec<(u32, Vec<u8>)>) {
+fn take_over_after(script: &[Scripted]) -> (u64, Frames) {
     let (addr, st) = standby(usize::MAX);
     let link = crate::dial(&addr, "standby", &opts()).unwrap();
     let (mut r, mut w) = (link.reader, link.writer);
