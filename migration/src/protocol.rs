@@ -19,8 +19,10 @@
 //!
 //! Replication to a standby (see [`crate::replication`]) uses the same framing: after the
 //! configuration, the standby answers `Standing` (built, waiting) or `Refused`; then each
-//! epoch is `Page`* `Part(State, ..)`* `End(State)` `Commit`, acknowledged by `Acked`; a
-//! primary whose VM ended says `Ended`.
+//! epoch is `Page`* `DiskWrite`* `Part(State, ..)`* `End(State)` [`Part(Frames, ..)`*
+//! `End(Frames)`] `Commit`, acknowledged by `Acked`; an epoch that carried frames (the
+//! output the guest sent during it, held on the primary) is followed by `Released` once
+//! the primary has written them. A primary whose VM ended says `Ended`.
 //!
 //! Pages are numbered by their offset in guest RAM's ranges laid one after the other
 //! ([`RamLayout`]), which is also how the destination maps them.
@@ -34,6 +36,51 @@ pub enum Blob {
     Config,
     /// The vCPU, interrupt controller, clock and device state of the paused VM (JSON).
     State,
+    /// Replication: the frames the network devices held for an epoch (see
+    /// [`encode_frames`]).
+    Frames,
+}
+
+/// An epoch's held frames: each with its network device's number, in the order sent.
+pub type Frames = Vec<(u32, Vec<u8>)>;
+
+/// The `Frames` document: per frame its device (u32) and length (u32), little-endian,
+/// then its bytes.
+pub fn encode_frames(frames: &[(u32, Vec<u8>)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(frames.iter().map(|f| 8 + f.1.len()).sum());
+    for (net, frame) in frames {
+        out.extend_from_slice(&net.to_le_bytes());
+        out.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+        out.extend_from_slice(frame);
+    }
+    out
+}
+
+/// A `Frames` document that does not split into whole frames.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the frames of an epoch end inside a frame, at byte {at} of {len}")]
+pub struct FramesError {
+    pub at: usize,
+    pub len: usize,
+}
+
+/// Reads back what [`encode_frames`] wrote.
+pub fn decode_frames(bytes: &[u8]) -> Result<Frames, FramesError> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    let err = |at| FramesError {
+        at,
+        len: bytes.len(),
+    };
+    while at < bytes.len() {
+        let head = bytes.get(at..at + 8).ok_or(err(at))?;
+        let net = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
+        let n = u32::from_le_bytes(head[4..].try_into().expect("4 bytes")) as usize;
+        let frame = bytes.get(at + 8..at + 8 + n).ok_or(err(at))?;
+        out.push((net, frame.to_vec()));
+        at += 8 + n;
+    }
+    Ok(out)
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,6 +119,9 @@ pub enum Msg {
     },
     /// Replication: every part of epoch `.0` is stored on the standby.
     Acked(u64),
+    /// Replication: the frames epoch `.0` carried have been written out by the primary; a
+    /// standby taking over from that epoch does not send them again.
+    Released(u64),
     /// Replication, right after the configuration of a VM with disks: each disk's length
     /// and CRC-32 when the primary started recording its writes, in `--disk` order; the
     /// standby's copies must match them.
@@ -120,11 +170,13 @@ const T_COMMIT: u8 = 15;
 const T_ACKED: u8 = 16;
 const T_DISK_SUMS: u8 = 17;
 const T_DISK_WRITE: u8 = 18;
+const T_RELEASED: u8 = 19;
 
 fn blob_byte(b: Blob) -> u8 {
     match b {
         Blob::Config => 0,
         Blob::State => 1,
+        Blob::Frames => 2,
     }
 }
 
@@ -156,6 +208,7 @@ impl Msg {
             Msg::Standing { .. } => "standing",
             Msg::Commit { .. } => "commit",
             Msg::Acked(_) => "acked",
+            Msg::Released(_) => "released",
             Msg::DiskSums(_) => "disk-sums",
             Msg::DiskWrite { .. } => "disk-write",
         }
@@ -216,6 +269,10 @@ impl Msg {
                 out.push(T_ACKED);
                 out.extend_from_slice(&epoch.to_le_bytes());
             }
+            Msg::Released(epoch) => {
+                out.push(T_RELEASED);
+                out.extend_from_slice(&epoch.to_le_bytes());
+            }
             Msg::DiskSums(sums) => {
                 out.push(T_DISK_SUMS);
                 for (len, crc) in sums.iter().take(MAX_DISK_SUMS) {
@@ -257,6 +314,7 @@ impl Msg {
         let blob = |b: u8| match b {
             0 => Ok(Blob::Config),
             1 => Ok(Blob::State),
+            2 => Ok(Blob::Frames),
             _ => Err(err("unknown document")),
         };
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
@@ -303,6 +361,7 @@ impl Msg {
                 }
             }
             T_ACKED => Msg::Acked(u64_of(exact(8)?)),
+            T_RELEASED => Msg::Released(u64_of(exact(8)?)),
             T_DISK_SUMS => {
                 if !rest.len().is_multiple_of(12) || rest.len() / 12 > MAX_DISK_SUMS {
                     return Err(err("disk sums not whole (length, CRC) pairs"));
@@ -431,6 +490,9 @@ mod tests {
             Msg::Standing { heartbeat_ms: 100 },
             Msg::Commit { epoch: 9, pages: 1 },
             Msg::Acked(u64::MAX - 1),
+            Msg::Released(4),
+            Msg::Part(Blob::Frames, vec![2; 100]),
+            Msg::End(Blob::Frames),
             Msg::DiskSums(vec![(1 << 30, 0xdead_beef), (512, 0)]),
             Msg::DiskWrite {
                 disk: 1,
@@ -476,6 +538,17 @@ mod tests {
         match Msg::decode(&Msg::Refused(why).encode()).unwrap() {
             Msg::Refused(s) => assert!(s.len() <= MAX_REASON && s.chars().all(|c| c == 'é')),
             m => panic!("{m:?}"),
+        }
+    }
+
+    #[test]
+    fn frames_round_trip_and_a_cut_document_is_refused() {
+        let frames = vec![(0, vec![1; 60]), (1, vec![2; 70_000]), (0, vec![3; 13])];
+        let doc = encode_frames(&frames);
+        assert_eq!(decode_frames(&doc).unwrap(), frames);
+        assert_eq!(decode_frames(&[]).unwrap(), Vec::new());
+        for cut in [1, 8, 67, doc.len() - 1] {
+            assert!(decode_frames(&doc[..cut]).is_err(), "cut at {cut}");
         }
     }
 

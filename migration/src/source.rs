@@ -68,7 +68,14 @@ pub trait SourceVm: Send + Sync {
     /// Replication's output commit: from now on the frames the guest transmits are held,
     /// each with the checkpoint ([`SourceVm::capture`]) that follows it.
     fn hold_output(&self) {}
+    /// Copies of the frames held for the last capture (and not for the one before), each
+    /// with its network device's number, in the order sent: the primary ships them with
+    /// the checkpoint.
+    fn captured_output(&self) -> crate::protocol::Frames {
+        Vec::new()
+    }
     /// The frames held up to the last capture may go: the standby has that checkpoint.
+    /// They are written before this returns (unless a backend is full).
     fn release_output(&self) {}
     /// Replication ended: everything held goes, and nothing more is held.
     fn open_output(&self) {}

@@ -29,6 +29,10 @@ pub struct FakeVm {
     pub ended: AtomicBool,
     /// What replication did to the output gate, each with the captures taken by then.
     pub output: Mutex<Vec<(&'static str, usize)>>,
+    /// Frames the guest sent since the last capture, each with its network device.
+    pub sending: Mutex<Vec<(u32, Vec<u8>)>>,
+    /// The frames the last capture sealed.
+    pub sealed: Mutex<Vec<(u32, Vec<u8>)>>,
 }
 
 impl FakeVm {
@@ -49,6 +53,8 @@ impl FakeVm {
             last: None,
             ended: AtomicBool::new(false),
             output: Mutex::new(Vec::new()),
+            sending: Mutex::new(Vec::new()),
+            sealed: Mutex::new(Vec::new()),
         }
     }
 
@@ -79,11 +85,15 @@ impl SourceVm for FakeVm {
             self.write(p, 0xee);
         }
         self.captured.store(true, Ordering::SeqCst);
+        *self.sealed.lock().unwrap() = std::mem::take(&mut *self.sending.lock().unwrap());
         self.captures.fetch_add(1, Ordering::SeqCst);
         Ok(vec![b's'; 40_000])
     }
     fn hold_output(&self) {
         self.output_did("hold");
+    }
+    fn captured_output(&self) -> crate::protocol::Frames {
+        self.sealed.lock().unwrap().clone()
     }
     fn release_output(&self) {
         self.output_did("release");

@@ -61,8 +61,9 @@ pub fn run(vm: &cli::VmArgs, run: &cli::RunFlags, control: &cli::ControlFlags) -
             ) {
                 Ok(StandbyEnd::TakeOver(t)) => {
                     eprintln!(
-                        "musubi: the primary at {url} was lost ({}); taking over from epoch {}",
-                        t.why, t.epoch
+                        "musubi: the primary at {url} was lost ({}); taking over from epoch {} \
+                         (replayed {} frames the primary had not released)",
+                        t.why, t.epoch, t.replayed
                     );
                     Some((t.vm, t.config))
                 }

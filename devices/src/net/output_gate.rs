@@ -9,7 +9,10 @@
 //! acknowledges that checkpoint the replicator releases the frames sealed up to it, and the
 //! device (woken through its own event, on the thread that owns the backend) writes them
 //! out in order. When replication ends the gate opens: everything held is released and
-//! nothing more is held.
+//! nothing more is held. The gate also knows which epochs the replicator's last checkpoint
+//! sealed ([`OutputGate::in_last_capture`]): the device copies those frames for the
+//! primary to send to the standby with the checkpoint, so that a standby taking over
+//! before they were written can send them itself.
 //!
 //! The gate holds only numbers; the frames stay in the device, which bounds them.
 
@@ -31,6 +34,9 @@ pub struct OutputGate {
     /// The last epoch sealed by a checkpoint the replicator took (see
     /// [`OutputGate::mark_captured`]).
     captured: AtomicU64,
+    /// `captured` as it was before the last mark: the frames of the epochs after it, up to
+    /// `captured`, are the ones the replicator's last checkpoint sealed.
+    previous: AtomicU64,
     /// Frames of this epoch and earlier may go.
     released: AtomicU64,
     /// The device's own wake-up: it writes released frames when this fires.
@@ -45,6 +51,7 @@ impl OutputGate {
             open: AtomicU64::new(1),
             sealed: AtomicU64::new(0),
             captured: AtomicU64::new(0),
+            previous: AtomicU64::new(0),
             released: AtomicU64::new(u64::MAX),
             wake,
         }
@@ -80,8 +87,18 @@ impl OutputGate {
     /// checkpoint; a snapshot taken through the API in between would move the mark to its
     /// own, later seal.
     pub fn mark_captured(&self) {
-        self.captured
-            .store(self.sealed.load(Ordering::SeqCst), Ordering::SeqCst);
+        let before = self
+            .captured
+            .swap(self.sealed.load(Ordering::SeqCst), Ordering::SeqCst);
+        self.previous.store(before, Ordering::SeqCst);
+    }
+
+    /// Whether a frame of epoch `epoch` was sealed by the replicator's last checkpoint (and
+    /// not by the one before): the frames a primary ships with that checkpoint, so that a
+    /// standby resuming from it can send them if the primary dies before it does.
+    pub fn in_last_capture(&self, epoch: u64) -> bool {
+        epoch > self.previous.load(Ordering::SeqCst)
+            && epoch <= self.captured.load(Ordering::SeqCst)
     }
 
     /// Frames of epoch `epoch` and earlier may go; the device is woken to write them.
@@ -94,6 +111,21 @@ impl OutputGate {
     /// [`OutputGate::mark_captured`]).
     pub fn release_captured(&self) {
         self.release_through(self.captured.load(Ordering::SeqCst));
+    }
+
+    /// [`OutputGate::release_captured`] without waking the device, for a caller that
+    /// writes the frames itself (`VirtioDevice::flush_output`, with the device locked) and
+    /// wakes it ([`OutputGate::wake`]) only if some are left: a replicator that tells its
+    /// standby right after the writes should not be made to wait meanwhile for a device
+    /// thread it woke for nothing.
+    pub fn release_captured_here(&self) {
+        self.released
+            .fetch_max(self.captured.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+
+    /// Wakes the device to write what is released.
+    pub fn wake(&self) {
+        self.wake_device();
     }
 
     /// Stops holding and releases everything held: replication ended.
@@ -133,10 +165,19 @@ mod tests {
         g.mark_captured();
         let second = g.epoch();
         assert!(second > first);
+        assert!(g.in_last_capture(first));
+        assert!(!g.in_last_capture(second));
         g.release_captured();
         assert!(g.is_released(first));
         assert!(!g.is_released(second), "sent after the checkpoint");
         assert_eq!(wake.read().unwrap(), 1, "the device is woken");
+        assert_eq!(g.seal(), second);
+        g.mark_captured();
+        assert!(
+            !g.in_last_capture(first),
+            "shipped with the checkpoint before"
+        );
+        assert!(g.in_last_capture(second));
         g.open();
         assert!(!g.is_holding());
         assert!(g.is_released(second));

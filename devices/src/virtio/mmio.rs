@@ -299,8 +299,18 @@ impl MmioTransport {
     }
 
     /// See [`VirtioDevice::flush_output`].
-    pub fn flush_output(&mut self) {
-        self.device.flush_output();
+    pub fn flush_output(&mut self) -> bool {
+        self.device.flush_output()
+    }
+
+    /// See [`VirtioDevice::captured_output`].
+    pub fn captured_output(&self) -> Vec<Vec<u8>> {
+        self.device.captured_output()
+    }
+
+    /// See [`VirtioDevice::send_frames`].
+    pub fn send_frames(&mut self, frames: Vec<Vec<u8>>) -> usize {
+        self.device.send_frames(frames)
     }
 
     /// The virtio device type behind this transport (2 block, 27 pmem).

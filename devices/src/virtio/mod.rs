@@ -168,8 +168,26 @@ pub trait VirtioDevice {
     }
 
     /// Writes the output its gate released now, on the caller's thread, rather than when
-    /// the device's own event comes round.
-    fn flush_output(&mut self) {}
+    /// the device's own event comes round. Returns whether released output is left (the
+    /// backend was full), for the device's own event to write.
+    fn flush_output(&mut self) -> bool {
+        false
+    }
+
+    /// Copies of the output held for the epochs the replicator's last checkpoint sealed
+    /// (see [`crate::net::OutputGate::in_last_capture`]), oldest first: a primary ships
+    /// them with the checkpoint. Each frame is as the backend takes it (header included).
+    fn captured_output(&self) -> Vec<Vec<u8>> {
+        Vec::new()
+    }
+
+    /// Writes `frames` (as [`VirtioDevice::captured_output`] gave them) to the backend,
+    /// ahead of anything the guest sends from now on; a standby taking over sends so the
+    /// frames its primary may have died holding. Returns how many were taken.
+    fn send_frames(&mut self, frames: Vec<Vec<u8>>) -> usize {
+        let _ = frames;
+        0
+    }
 
     /// Per-direction counters of a network device; `None` for every other kind.
     fn net_counters(&self) -> Option<NetCounters> {

@@ -803,8 +803,37 @@ impl VirtioDevice for Net {
         Some(self.gate.clone())
     }
 
-    fn flush_output(&mut self) {
+    fn flush_output(&mut self) -> bool {
         self.flush_held();
+        self.held
+            .front()
+            .is_some_and(|(epoch, _)| self.gate.is_released(*epoch))
+    }
+
+    fn captured_output(&self) -> Vec<Vec<u8>> {
+        self.held
+            .iter()
+            .filter(|(epoch, _)| self.gate.in_last_capture(*epoch))
+            .map(|(_, frame)| frame.clone())
+            .collect()
+    }
+
+    /// The frames join the held queue as free to go (no epoch is before the first), so
+    /// `flush_held` writes them in order, and what the backend cannot take now goes before
+    /// the guest's own frames later.
+    fn send_frames(&mut self, frames: Vec<Vec<u8>>) -> usize {
+        let mut taken = 0;
+        for frame in frames {
+            if frame.len() <= VNET_HDR_LEN || frame.len() > VNET_HDR_LEN + MAX_FRAME_LEN {
+                self.counters.tx_drops += 1;
+                continue;
+            }
+            self.held_bytes += frame.len();
+            self.held.push_back((0, frame));
+            taken += 1;
+        }
+        self.flush_held();
+        taken
     }
 
     fn process_queue(

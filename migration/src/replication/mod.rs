@@ -19,7 +19,12 @@
 //!
 //! Output commit: the frames the guest transmits are held by its network devices and go out
 //! only once the checkpoint after them is acknowledged (`devices::net::output_gate`); when
-//! replication ends they all go, and nothing more is held.
+//! replication ends they all go, and nothing more is held. Each epoch also carries its
+//! frames to the standby, which keeps the last whole epoch's until the primary says
+//! (`Released`) it wrote them; a standby that takes over first sends them itself, before
+//! the VM runs. So a primary that dies between the acknowledgement and its writes loses
+//! nothing; one that dies between its writes and queuing `Released` (microseconds) has
+//! them sent twice.
 //!
 //! Not yet: memory-storage files (`--pmem`: the region's KVM slot is outside the dirty log
 //! and the [`crate::protocol::RamLayout`], so a VM with one is refused by the standby).
@@ -110,6 +115,11 @@ impl ReplicationStats {
     pub fn with_policy(self, policy: musubi_types::ReplicationPolicy) -> ReplicationStats {
         self.with(|c| c.policy = policy);
         self
+    }
+
+    /// What the VM does if the standby is lost.
+    pub fn policy(&self) -> musubi_types::ReplicationPolicy {
+        self.with(|c| c.policy)
     }
 
     /// Where the replication stands now.

@@ -13,9 +13,19 @@
 //! capture seals the journals; a journal within its bound goes out after the VM resumes,
 //! one past it is read from the image and sent before it resumes (see
 //! `devices::virtio::journal`), so the pause grows rather than memory.
+//!
+//! Output: the frames the network devices held for an epoch go with it, copied after the
+//! VM resumes (sealed, they no longer change), before its `Commit`. Once the standby
+//! acknowledges the epoch they are written to the TAPs, and the standby is told
+//! (`Released`): until then a standby taking over sends them itself, so a primary that
+//! dies between the acknowledgement and its writes loses nothing. Only a primary that
+//! dies between its writes and queuing `Released` (microseconds) leaves them to be sent
+//! twice.
 
 use super::ReplicationStats;
-use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError, DISK_WRITE_BYTES};
+use crate::protocol::{
+    encode_frames, Blob, Frames, Msg, RamLayout, RamLayoutError, DISK_WRITE_BYTES,
+};
 use crate::source::SourceVm;
 use crate::{recv, send, send_blob, DialError, Options, ProtocolError, VmFault};
 use dsm::PAGE_SIZE;
@@ -128,7 +138,10 @@ struct Primary<'a> {
 }
 
 /// Replicates `vm` to the standby at `to` (`HOST:PORT`) until the VM ends (`Ok`, the
-/// standby told) or replication cannot go on; counts in `stats`.
+/// standby told) or replication cannot go on; counts in `stats`. The held output is let go
+/// at the end, except when the standby is lost under `--replicate-policy stop`
+/// (`stats`' policy): the caller pauses the VM then, and opens the output
+/// ([`SourceVm::open_output`]) once its operator lets it go on alone.
 pub fn replicate(
     vm: &dyn SourceVm,
     to: &str,
@@ -146,8 +159,11 @@ pub fn replicate(
     })?;
     stats.set_state(ReplicationState::Seeding);
     let r = p.run(epochs, stats);
-    // Alone again: what the guest sent goes out, whether or not the standby has it.
-    vm.open_output();
+    // Alone again: what the guest sent goes out, whether or not the standby has it; unless
+    // the VM is to wait for its operator.
+    if r.is_ok() || stats.policy() != musubi_types::ReplicationPolicy::Stop {
+        vm.open_output();
+    }
     let _ = vm.stop_dirty_log();
     vm.stop_disk_journals();
     p.writer.shutdown();
@@ -271,7 +287,7 @@ impl Primary<'_> {
                 std::thread::sleep(left.min(self.beat));
             }
             last_pause = Some(Instant::now());
-            let (pages, state, pause) = match self.checkpoint(epochs, &mut buf) {
+            let (pages, state, frames, pause) = match self.checkpoint(epochs, &mut buf) {
                 Ok(c) => c,
                 // The VM ended while the checkpoint was taken: said at the top.
                 Err(_) if self.vm.has_ended() => continue,
@@ -280,10 +296,15 @@ impl Primary<'_> {
             let pages = pages + std::mem::take(&mut live);
             let copied = last_pause.map(|t| t.elapsed()).unwrap_or_default();
             send_blob(&mut self.writer, Blob::State, &state)?;
+            let frames = (!frames.is_empty()).then(|| (frames.len(), encode_frames(&frames)));
+            if let Some((_, doc)) = &frames {
+                send_blob(&mut self.writer, Blob::Frames, doc)?;
+            }
             self.send(&Msg::Commit { epoch, pages })?;
             let disk_bytes = std::mem::take(&mut self.disk_bytes);
+            let frame_bytes = frames.as_ref().map_or(0, |f| f.1.len() as u64);
             stats.sent(
-                pages * PAGE_SIZE as u64 + state.len() as u64 + disk_bytes,
+                pages * PAGE_SIZE as u64 + state.len() as u64 + disk_bytes + frame_bytes,
                 pause,
             );
             let sent = last_pause.map(|t| t.elapsed()).unwrap_or_default();
@@ -292,6 +313,7 @@ impl Primary<'_> {
                 epoch,
                 pages,
                 state_bytes = state.len(),
+                frames = frames.as_ref().map_or(0, |f| f.0),
                 pause_us = pause.as_micros() as u64,
                 pages_sent_us = copied.as_micros() as u64,
                 committed_us = sent.as_micros() as u64,
@@ -309,6 +331,10 @@ impl Primary<'_> {
             }
             self.acked += 1;
             self.vm.release_output();
+            if frames.is_some() {
+                // Written: a standby that takes over from this epoch must not send them.
+                self.send(&Msg::Released(epoch))?;
+            }
             stats.acked();
             if epoch == 0 {
                 stats.set_state(ReplicationState::Protected);
@@ -319,12 +345,13 @@ impl Primary<'_> {
 
     /// Pauses the vCPUs, reads the state and the pages written since the last checkpoint,
     /// resumes the VM (unless its owner had paused it) and sends the copy: returns the
-    /// pages sent, the state and how long the vCPUs were paused.
+    /// pages sent, the state, the frames held for the epoch and how long the vCPUs were
+    /// paused.
     fn checkpoint(
         &mut self,
         epochs: &Epochs,
         buf: &mut [u8; PAGE_SIZE],
-    ) -> Result<(u64, Vec<u8>, Duration), LostWhy> {
+    ) -> Result<(u64, Vec<u8>, Frames, Duration), LostWhy> {
         let started = Instant::now();
         let was_paused = self.vm.is_paused();
         let state = self.vm.checkpoint().map_err(LostWhy::Vm)?;
@@ -335,6 +362,8 @@ impl Primary<'_> {
         }
         let pause = started.elapsed();
         let (mut pages, copied) = copied?;
+        // Sealed with the state: they stay as they are until this epoch is released.
+        let frames = self.vm.captured_output();
         let disk = disk.unwrap_or_else(|| Ok(Vec::new()))?;
         let copy = std::mem::take(&mut self.copy);
         let sent = (|| {
@@ -351,7 +380,7 @@ impl Primary<'_> {
         sent?;
         self.send_disk_writes(disk)?;
         pages += copied.len() as u64;
-        Ok((pages, state, pause))
+        Ok((pages, state, frames, pause))
     }
 
     /// While paused, after the capture sealed the disks' journals: sends at once the writes

@@ -12,10 +12,16 @@
 //! before it answers `Standing`. An epoch's disk writes are held in memory with its pages
 //! (as many as the primary's journal bound, or what it read past that) and written on the
 //! copies at `Commit`, which are made durable before the `Acked`.
+//!
+//! Output: the frames an epoch carries (what the primary's network devices held during
+//! it) are kept with it; at its `Commit` they replace the last whole epoch's, and the
+//! primary's `Released` for the epoch drops them. A standby that takes over from an epoch
+//! whose frames were not released hands them to its VM to send before it runs: the
+//! primary may have died holding them, and the state resumed from has already sent them.
 
 use super::DEFAULT_HEARTBEAT;
 use crate::destination::Host;
-use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError};
+use crate::protocol::{decode_frames, Blob, Frames, FramesError, Msg, RamLayout, RamLayoutError};
 use crate::{recv, recv_blob, send, Options, ProtocolError, ReceiveError, VmFault};
 use dsm::PAGE_SIZE;
 use dsm_host::{Link, LinkError};
@@ -36,6 +42,9 @@ pub enum Standby {
         epoch: u64,
         /// Why the primary counts as lost.
         why: String,
+        /// The frames epoch `epoch` carried, if the primary did not say it had written
+        /// them: the VM sends them before it runs.
+        unreleased: Frames,
     },
     /// The primary's VM ended (and said so): there is nothing to take over.
     PrimaryEnded { epochs: u64 },
@@ -125,6 +134,17 @@ pub enum Lost {
     Order { want: u64, got: u64 },
     #[error("epoch {0} closed without the VM's state")]
     NoState(u64),
+    #[error("the frames of epoch {epoch}: {why}")]
+    Frames {
+        epoch: u64,
+        #[source]
+        why: FramesError,
+    },
+    #[error(
+        "released epoch {got}, which is not the last whole one ({})",
+        .want.map_or("none yet".to_string(), |w| w.to_string())
+    )]
+    Released { want: Option<u64>, got: u64 },
     #[error("unexpected {0} message")]
     Unexpected(&'static str),
     #[error("a write to disk {disk}, of {disks}")]
@@ -232,10 +252,12 @@ fn session(
     };
     host.apply(&state)
         .map_err(|why| SessionError::NotApplied { epoch, why })?;
+    let unreleased = std::mem::take(&mut epochs.unreleased);
     Ok(Session::Ended(Standby::TakeOver {
         ram,
         epoch,
         why: lost.to_string(),
+        unreleased,
     }))
 }
 
@@ -262,6 +284,10 @@ struct Epochs<'a> {
     disks: Vec<(PathBuf, File)>,
     /// Disk writes of the epoch under way: (disk, offset, bytes), in the order sent.
     writes: Vec<(u32, u64, Vec<u8>)>,
+    /// Frames of the epoch under way.
+    frames: Frames,
+    /// Frames of the last whole epoch, until the primary says it wrote them.
+    unreleased: Frames,
 }
 
 impl<'a> Epochs<'a> {
@@ -275,6 +301,8 @@ impl<'a> Epochs<'a> {
             state: None,
             disks: Vec::new(),
             writes: Vec::new(),
+            frames: Vec::new(),
+            unreleased: Vec::new(),
         }
     }
 
@@ -316,6 +344,23 @@ impl<'a> Epochs<'a> {
                 m @ Msg::Part(Blob::State, _) => {
                     self.state = Some(recv_blob(reader, Blob::State, m)?);
                 }
+                m @ Msg::Part(Blob::Frames, _) => {
+                    let doc = recv_blob(reader, Blob::Frames, m)?;
+                    let frames = decode_frames(&doc).map_err(|why| Lost::Frames {
+                        epoch: self.next,
+                        why,
+                    })?;
+                    self.frames.extend(frames);
+                }
+                Msg::Released(epoch) => match &self.whole {
+                    Some((whole, _)) if *whole == epoch => self.unreleased.clear(),
+                    whole => {
+                        return Err(Lost::Released {
+                            want: whole.as_ref().map(|w| w.0),
+                            got: epoch,
+                        })
+                    }
+                },
                 Msg::Commit { epoch, pages } => {
                     if epoch != self.next {
                         return Err(Lost::Order {
@@ -335,6 +380,7 @@ impl<'a> Epochs<'a> {
                         self.ram.write(page, &data);
                     }
                     self.commit_disk_writes().map_err(Lost::Copy)?;
+                    self.unreleased = std::mem::take(&mut self.frames);
                     self.whole = Some((epoch, state));
                     self.came = 0;
                     self.next += 1;

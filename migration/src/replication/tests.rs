@@ -5,7 +5,7 @@ use super::primary::{replicate, Epochs, PrimaryError};
 use super::standby::{stand_by, ReplicaRam, Standby};
 use super::ReplicationStats;
 use crate::destination::Host;
-use crate::protocol::{Blob, Msg};
+use crate::protocol::{Blob, Frames, Msg};
 use crate::testing::{FakeVm, RANGES};
 use crate::{send, send_blob, Options, VmFault};
 use dsm::PAGE_SIZE;
@@ -162,9 +162,8 @@ fn epochs_reach_the_standby_and_a_vm_that_ends_is_not_taken_over() {
     assert_left_running(&vm);
 }
 
-#[test]
-fn a_lost_standby_leaves_the_vm_running_and_says_after_how_many_epochs() {
-    // A standby driven by hand: it acknowledges two epochs and goes.
+/// A standby driven by hand: it acknowledges two epochs and goes.
+fn standby_for_two_epochs() -> (String, std::thread::JoinHandle<()>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let st = std::thread::spawn(move || {
@@ -188,6 +187,12 @@ fn a_lost_standby_leaves_the_vm_running_and_says_after_how_many_epochs() {
             }
         }
     });
+    (addr, st)
+}
+
+#[test]
+fn a_lost_standby_leaves_the_vm_running_and_says_after_how_many_epochs() {
+    let (addr, st) = standby_for_two_epochs();
     let vm = FakeVm::new();
     let stats = ReplicationStats::new("tcp:x", Duration::from_millis(5));
     let epochs = Epochs {
@@ -485,4 +490,223 @@ fn the_pause_p99_shows_long_pauses_the_median_hides_and_ignores_a_single_one() {
     }
     let m = stats.to_metrics();
     assert_eq!((m.pause_us_median, m.pause_us_p99), (100, 50_000));
+}
+
+/// A frame as a network device holds it, recognisable by `v`.
+fn held_frame(v: u8) -> Vec<u8> {
+    vec![v; 12 + 60]
+}
+
+#[test]
+fn an_epochs_frames_go_with_it_and_are_said_released_once_written() {
+    // A standby driven by hand: it reads two epochs, acknowledges them and goes.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let vm = Arc::new(FakeVm::new());
+    // Sent by the guest before the first checkpoint: that epoch's.
+    *vm.sending.lock().unwrap() = vec![(0, held_frame(1)), (1, held_frame(2)), (0, held_frame(3))];
+    let st = {
+        let vm = vm.clone();
+        std::thread::spawn(move || {
+            let (stream, _) = l.accept().unwrap();
+            let link = dsm_host::Link::handshake(
+                stream,
+                dsm_host::Role::Listener,
+                None,
+                &opts().params(crate::DESTINATION),
+            )
+            .unwrap();
+            let (mut r, mut w) = (link.reader, link.writer);
+            let first = crate::recv(&mut r).unwrap();
+            crate::recv_blob(&mut r, Blob::Config, first).unwrap();
+            send(&mut w, &Msg::Standing { heartbeat_ms: 100 }).unwrap();
+            // Per epoch: the frames it carried, and what came after its acknowledgement.
+            let mut epochs = Vec::new();
+            let mut frames = Vec::new();
+            let mut after = Vec::new();
+            while epochs.len() < 2 {
+                match crate::recv(&mut r).unwrap() {
+                    m @ Msg::Part(Blob::Frames, _) => {
+                        let doc = crate::recv_blob(&mut r, Blob::Frames, m).unwrap();
+                        frames = crate::protocol::decode_frames(&doc).unwrap();
+                    }
+                    m @ Msg::Part(Blob::State, _) => {
+                        crate::recv_blob(&mut r, Blob::State, m).unwrap();
+                        assert!(frames.is_empty(), "the frames came before the state");
+                    }
+                    Msg::Commit { epoch, .. } => {
+                        epochs.push(std::mem::take(&mut frames));
+                        send(&mut w, &Msg::Acked(epoch)).unwrap();
+                        // What follows the acknowledgement, before the next epoch's pages.
+                        let next = crate::recv(&mut r).unwrap();
+                        if next == Msg::Released(epoch) {
+                            let output = vm.output.lock().unwrap().clone();
+                            assert_eq!(output.last(), Some(&("release", epoch as usize + 1)));
+                        }
+                        after.push(next);
+                    }
+                    _ => {}
+                }
+            }
+            (epochs, after)
+        })
+    };
+    let stats = ReplicationStats::new("tcp:x", Duration::from_millis(5));
+    let epochs = Epochs {
+        every: Duration::from_millis(5),
+        ..Epochs::default()
+    };
+    let e = replicate(&*vm, &addr, &opts(), &epochs, &stats).unwrap_err();
+    assert!(matches!(e, PrimaryError::Lost { .. }), "{e}");
+    let (carried, after) = st.join().unwrap();
+    assert_eq!(
+        carried,
+        [
+            vec![(0, held_frame(1)), (1, held_frame(2)), (0, held_frame(3))],
+            vec![]
+        ]
+    );
+    assert_eq!(after[0], Msg::Released(0), "written, and said so");
+    assert!(
+        !matches!(after[1], Msg::Released(_)),
+        "an epoch without frames has nothing to release: {:?}",
+        after[1]
+    );
+}
+
+/// A hand-driven primary's epoch `epoch`: one page, its state, `frames` if any, and
+/// (`commit`) its commit, acknowledged.
+fn epoch_with_frames(
+    r: &mut dsm_host::link::LinkReader,
+    w: &mut dsm_host::link::LinkWriter,
+    epoch: u64,
+    frames: &[(u32, Vec<u8>)],
+    commit: bool,
+) {
+    send(
+        w,
+        &Msg::Page {
+            page: epoch,
+            data: Box::new([epoch as u8 + 1; PAGE_SIZE]),
+        },
+    )
+    .unwrap();
+    send_blob(w, Blob::State, format!("state {epoch}").as_bytes()).unwrap();
+    if !frames.is_empty() {
+        send_blob(w, Blob::Frames, &crate::protocol::encode_frames(frames)).unwrap();
+    }
+    if commit {
+        send(w, &Msg::Commit { epoch, pages: 1 }).unwrap();
+        assert_eq!(crate::recv(r).unwrap(), Msg::Acked(epoch));
+    }
+}
+
+/// One epoch of [`take_over_after`]'s script: its frames, whether it commits, whether its
+/// frames are then said released.
+type Scripted = (Frames, bool, bool);
+
+/// Drives a standby through `script`, drops the link, and returns the epoch it took over
+/// and the frames it left to send.
+fn take_over_after(script: &[Scripted]) -> (u64, Frames) {
+    let (addr, st) = standby(usize::MAX);
+    let link = crate::dial(&addr, "standby", &opts()).unwrap();
+    let (mut r, mut w) = (link.reader, link.writer);
+    send_blob(&mut w, Blob::Config, b"the config").unwrap();
+    assert!(matches!(crate::recv(&mut r).unwrap(), Msg::Standing { .. }));
+    for (epoch, (frames, commit, released)) in script.iter().enumerate() {
+        epoch_with_frames(&mut r, &mut w, epoch as u64, frames, *commit);
+        if *released {
+            send(&mut w, &Msg::Released(epoch as u64)).unwrap();
+        }
+    }
+    drop((r, w));
+    let (res, host, logs) = st.join().unwrap();
+    match res {
+        Ok(Standby::TakeOver {
+            epoch, unreleased, ..
+        }) => {
+            assert_eq!(
+                host.applied.as_deref(),
+                Some(format!("state {epoch}").as_bytes())
+            );
+            (epoch, unreleased)
+        }
+        other => panic!("{other:?} {logs:?}"),
+    }
+}
+
+#[test]
+fn a_standby_sends_the_frames_of_the_epoch_it_resumes_from_unless_they_were_released() {
+    let a = vec![(0, held_frame(0xa1)), (1, held_frame(0xa2))];
+    let b = vec![(0, held_frame(0xb1))];
+    // Not released: the primary may have died holding them.
+    assert_eq!(take_over_after(&[(a.clone(), true, false)]), (0, a.clone()));
+    // Released: the primary wrote them, and the standby does not again.
+    assert_eq!(take_over_after(&[(a.clone(), true, true)]), (0, Vec::new()));
+    // Each commit replaces the frames of the epoch before, released or not.
+    assert_eq!(
+        take_over_after(&[(a.clone(), true, true), (b.clone(), true, false)]),
+        (1, b.clone())
+    );
+    assert_eq!(
+        take_over_after(&[(a.clone(), true, true), (vec![], true, false)]),
+        (1, Vec::new())
+    );
+    // A half-received epoch's frames go with it: the standby resumes before them, and its
+    // VM sends them again itself.
+    assert_eq!(
+        take_over_after(&[(a.clone(), true, false), (b.clone(), false, false)]),
+        (0, a.clone())
+    );
+    assert_eq!(
+        take_over_after(&[(a, true, true), (b, false, false)]),
+        (0, Vec::new())
+    );
+}
+
+#[test]
+fn a_release_of_another_epoch_counts_as_the_primary_lost() {
+    let (addr, st) = standby(usize::MAX);
+    let link = crate::dial(&addr, "standby", &opts()).unwrap();
+    let (mut r, mut w) = (link.reader, link.writer);
+    send_blob(&mut w, Blob::Config, b"the config").unwrap();
+    crate::recv(&mut r).unwrap();
+    let a = vec![(0, held_frame(0xa1))];
+    epoch_with_frames(&mut r, &mut w, 0, &a, true);
+    send(&mut w, &Msg::Released(1)).unwrap();
+    let (res, _, logs) = st.join().unwrap();
+    match res {
+        Ok(Standby::TakeOver {
+            epoch,
+            why,
+            unreleased,
+            ..
+        }) => {
+            assert_eq!(epoch, 0);
+            assert!(why.contains("released epoch 1"), "{why}");
+            assert_eq!(unreleased, a, "not released");
+        }
+        other => panic!("{other:?} {logs:?}"),
+    }
+}
+
+#[test]
+fn under_policy_stop_a_lost_standby_leaves_the_output_held_for_the_caller_to_open() {
+    let (addr, st) = standby_for_two_epochs();
+    let vm = FakeVm::new();
+    let stats = ReplicationStats::new("tcp:x", Duration::from_millis(5))
+        .with_policy(musubi_types::ReplicationPolicy::Stop);
+    let epochs = Epochs {
+        every: Duration::from_millis(5),
+        ..Epochs::default()
+    };
+    let e = replicate(&vm, &addr, &opts(), &epochs, &stats).unwrap_err();
+    st.join().unwrap();
+    assert!(matches!(e, PrimaryError::Lost { .. }), "{e}");
+    let output = vm.output.lock().unwrap().clone();
+    assert_eq!(
+        output,
+        [("hold", 0), ("release", 1), ("release", 2)],
+        "nothing unacknowledged let go: (what, captures by then)"
+    );
 }

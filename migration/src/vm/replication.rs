@@ -29,6 +29,9 @@ pub struct TakenOver {
     pub epoch: u64,
     /// Why the primary counts as lost.
     pub why: String,
+    /// Frames of that epoch the primary had not said it wrote, which the VM has sent
+    /// (after its gratuitous ARP, before it runs).
+    pub replayed: usize,
 }
 
 /// Waits as the standby of a primary (`r.url`), until the primary is lost or its VM ends.
@@ -43,14 +46,22 @@ pub fn stand_by(
     let (listener, secret, mut host) = listen(r, "primary to stand by for", log)?;
     let opts = Options::new(secret);
     match wait_as_standby(&listener, &opts, heartbeat, &mut host, stop, log)? {
-        Standby::TakeOver { ram: _, epoch, why } => {
+        Standby::TakeOver {
+            ram: _,
+            epoch,
+            why,
+            unreleased,
+        } => {
             // The VM holds the RAM (as its owner) from here on.
             let (vm, config) = host.take().ok_or(NotReceived::NotBuilt)?;
+            // The state applied has sent these; the primary may have died before it did.
+            let replayed = vm.send_frames(unreleased);
             Ok(StandbyEnd::TakeOver(Box::new(TakenOver {
                 vm,
                 config,
                 epoch,
                 why,
+                replayed,
             })))
         }
         Standby::PrimaryEnded { epochs } => Ok(StandbyEnd::PrimaryEnded { epochs }),
@@ -142,8 +153,12 @@ impl Replication {
     }
 }
 
+/// How often a VM paused for its lost standby is looked at for its operator's resume.
+const RESUME_POLL: Duration = Duration::from_millis(5);
+
 /// What the VM does once its standby is lost: goes on alone, or (`stop`) pauses and waits
-/// for its operator; says which through `log`.
+/// for its operator, its output still held (the standby did not acknowledge what produced
+/// it) until the operator resumes it; says which through `log`.
 fn lost(
     vm: &vmm::VmHandle,
     policy: ReplicationPolicy,
@@ -159,12 +174,20 @@ fn lost(
                 log(&format!(
                     "{e}; --replicate-policy stop: the VM is paused and waits; resume it \
                      through the API (vm.resume) to run it on alone, unprotected"
-                ))
+                ));
+                // Frames the guest sends once resumed queue behind the held ones.
+                while vm.is_paused() && !vm.has_ended() {
+                    std::thread::sleep(RESUME_POLL);
+                }
+                vm.open_output();
             }
             // The VM ended meanwhile: nothing to stop.
-            Err(why) => log(&format!(
-                "{e}; --replicate-policy stop: the VM could not be paused ({why})"
-            )),
+            Err(why) => {
+                vm.open_output();
+                log(&format!(
+                    "{e}; --replicate-policy stop: the VM could not be paused ({why})"
+                ))
+            }
         },
     }
 }

@@ -75,6 +75,9 @@ impl SourceVm for HandleVm<'_> {
             g.hold();
         }
     }
+    fn captured_output(&self) -> crate::protocol::Frames {
+        self.0.captured_output()
+    }
     fn release_output(&self) {
         self.0.release_output();
     }

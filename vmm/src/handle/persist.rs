@@ -177,12 +177,43 @@ impl VmHandle {
     /// thread: the standby has that checkpoint, and until the frames are out a primary that
     /// dies loses them.
     pub fn release_output(&self) {
-        self.each_gate(|g| g.release_captured());
+        for t in &self.shared.parts.devices().transports {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(g) = t.output_gate() {
+                // The device is woken only for what its backend could not take now.
+                g.release_captured_here();
+                if t.flush_output() {
+                    g.wake();
+                }
+            }
+        }
     }
 
     /// Replication ended: every network device stops holding and writes what it held.
     pub fn open_output(&self) {
         self.each_gate(|g| g.open());
+    }
+
+    /// Copies of the frames each network device held for the last checkpoint the
+    /// replicator took, oldest first, each with the device's number among the VM's
+    /// network devices: the primary ships them with that checkpoint, so that a standby
+    /// taking over from it sends them if the primary dies before it does.
+    pub fn captured_output(&self) -> Vec<(u32, Vec<u8>)> {
+        let mut out = Vec::new();
+        let nets = self
+            .shared
+            .parts
+            .devices()
+            .transports
+            .iter()
+            .filter_map(|t| {
+                let t = t.lock().unwrap_or_else(|e| e.into_inner());
+                t.output_gate().map(|_| t.captured_output())
+            });
+        for (net, frames) in nets.enumerate() {
+            out.extend(frames.into_iter().map(|f| (net as u32, f)));
+        }
+        out
     }
 
     fn each_gate(&self, f: impl Fn(&devices::net::OutputGate)) {

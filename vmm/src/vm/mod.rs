@@ -126,6 +126,35 @@ impl Vm {
         self.start_paused
     }
 
+    /// Writes `frames` (each with its network device's number, as
+    /// [`crate::VmHandle::captured_output`] numbers them) out of their devices' backends,
+    /// in order, before the VM runs: a standby taking over sends the output its primary
+    /// held for the epoch it resumes from and may have died holding. Returns how many
+    /// frames the devices took; those for a device the VM lacks are left out.
+    pub fn send_frames(&self, frames: Vec<(u32, Vec<u8>)>) -> usize {
+        let mut per_net: Vec<Vec<Vec<u8>>> = Vec::new();
+        for (net, frame) in frames {
+            let net = net as usize;
+            if per_net.len() <= net {
+                per_net.resize_with(net + 1, Vec::new);
+            }
+            per_net[net].push(frame);
+        }
+        let nets = self.devices.transports.iter().filter(|t| {
+            t.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .output_gate()
+                .is_some()
+        });
+        nets.zip(per_net)
+            .map(|(t, frames)| {
+                t.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .send_frames(frames)
+            })
+            .sum()
+    }
+
     /// Delivers interrupts into the VM from any thread (IPIs that came from another node).
     pub fn msi_injector(&self) -> MsiInjector {
         MsiInjector(self.kvm.shared_fd())
