@@ -277,9 +277,10 @@ fn mem_check_reads_back_every_byte_on_the_standby_after_the_primary_is_killed() 
 }
 
 /// The disk the blk tests fill, on each side: a fill of it takes longer than a primary
-/// takes to be protected, so the primary dies during it, and it is small enough for two
-/// copies in a temporary directory.
-const DISK_BYTES: usize = 64 << 20;
+/// takes to be protected, so the primary dies during it (64 MiB, filled in a few hundred
+/// milliseconds, once was not, on a loaded machine), and it is small enough for two copies
+/// in a temporary directory.
+const DISK_BYTES: usize = 256 << 20;
 const FILL_SEED: u64 = 31;
 
 /// CRC-32 of a disk of `len` bytes after `blk-fill=seed`.
