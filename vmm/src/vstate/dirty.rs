@@ -54,22 +54,7 @@ impl DirtyLog {
     }
 
     fn set_logging(&self, on: bool) -> Result<(), DirtyLogError> {
-        for s in &self.slots {
-            let slot = kvm_userspace_memory_region {
-                flags: if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
-                ..*s
-            };
-            // SAFETY: the same slot, guest range and host mapping as registered (which the
-            // VM keeps for as long as its fd lives); only the logging flag changes.
-            unsafe { self.vm_fd.set_user_memory_region(slot) }.map_err(|source| {
-                DirtyLogError::SetLogging {
-                    on,
-                    slot: s.slot,
-                    source,
-                }
-            })?;
-        }
-        Ok(())
+        set_logging(&self.vm_fd, &self.slots, on)
     }
 
     /// Turns tracking on: from here every page written, by the guest or the VMM, is
@@ -93,25 +78,8 @@ impl DirtyLog {
         }
         let mut out = Vec::new();
         for (s, region) in self.slots.iter().zip(self.ram.memory().iter()) {
-            let kvm = self
-                .vm_fd
-                .get_dirty_log(s.slot, s.memory_size as usize)
-                .map_err(|source| DirtyLogError::GetLog {
-                    slot: s.slot,
-                    source,
-                })?;
-            let vmm = bitmap(region).get_and_reset();
-            let words = kvm.len().max(vmm.len());
-            for i in 0..words {
-                let mut w = kvm.get(i).copied().unwrap_or(0) | vmm.get(i).copied().unwrap_or(0);
-                while w != 0 {
-                    let bit = w.trailing_zeros() as u64;
-                    w &= w - 1;
-                    let offset = (i as u64 * 64 + bit) * PAGE;
-                    if offset < s.memory_size {
-                        out.push(s.guest_phys_addr + offset);
-                    }
-                }
+            for offset in dirty_offsets(&self.vm_fd, s, region)? {
+                out.push(s.guest_phys_addr + offset);
             }
         }
         Ok(out)
@@ -122,6 +90,140 @@ impl DirtyLog {
         let mut on = self.on.lock().unwrap_or_else(|e| e.into_inner());
         if *on {
             self.set_logging(false)?;
+            *on = false;
+        }
+        Ok(())
+    }
+}
+
+/// Sets or clears KVM's dirty logging on each of `slots`, as registered otherwise.
+fn set_logging(
+    vm_fd: &VmFd,
+    slots: &[kvm_userspace_memory_region],
+    on: bool,
+) -> Result<(), DirtyLogError> {
+    for s in slots {
+        let slot = kvm_userspace_memory_region {
+            flags: (s.flags & !KVM_MEM_LOG_DIRTY_PAGES)
+                | if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
+            ..*s
+        };
+        // SAFETY: the same slot, guest range and host mapping as registered (which the VM
+        // keeps for as long as its fd lives); only the logging flag changes.
+        unsafe { vm_fd.set_user_memory_region(slot) }.map_err(|source| {
+            DirtyLogError::SetLogging {
+                on,
+                slot: s.slot,
+                source,
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// Offsets in slot `s` of the pages written since the last look: KVM's log (the guest's
+/// stores) joined with `region`'s bitmap (the VMM's), both reset.
+fn dirty_offsets(
+    vm_fd: &VmFd,
+    s: &kvm_userspace_memory_region,
+    region: &devices::GuestRegionMmap,
+) -> Result<Vec<u64>, DirtyLogError> {
+    let kvm = vm_fd
+        .get_dirty_log(s.slot, s.memory_size as usize)
+        .map_err(|source| DirtyLogError::GetLog {
+            slot: s.slot,
+            source,
+        })?;
+    let vmm = bitmap(region).get_and_reset();
+    let mut out = Vec::new();
+    for i in 0..kvm.len().max(vmm.len()) {
+        let mut w = kvm.get(i).copied().unwrap_or(0) | vmm.get(i).copied().unwrap_or(0);
+        while w != 0 {
+            let bit = w.trailing_zeros() as u64;
+            w &= w - 1;
+            let offset = (i as u64 * 64 + bit) * PAGE;
+            if offset < s.memory_size {
+                out.push(offset);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Dirty-page tracking over the writable memory-storage regions' KVM slots, for a replica:
+/// their pages are not guest RAM, so a pre-copy migration (whose destination opens the same
+/// files) never asks for them. Off until [`PmemDirtyLog::start`].
+pub struct PmemDirtyLog {
+    vm_fd: Arc<VmFd>,
+    /// Each tracked region: its index among the `--pmem` regions, its slot as registered
+    /// and its mapping.
+    regions: Vec<(usize, kvm_userspace_memory_region, crate::pmem::PmemRegion)>,
+    on: Mutex<bool>,
+}
+
+impl PmemDirtyLog {
+    /// Tracks the writable regions of `regions` that have a KVM slot (a read-only region's
+    /// guest stores never reach its file).
+    pub fn new(vm_fd: Arc<VmFd>, regions: &[crate::pmem::PmemRegion]) -> PmemDirtyLog {
+        let regions = regions
+            .iter()
+            .filter(|r| !r.config.readonly)
+            .filter_map(|r| {
+                let slot = kvm_userspace_memory_region {
+                    slot: r.slot?,
+                    flags: 0,
+                    guest_phys_addr: r.guest_addr,
+                    memory_size: r.size,
+                    userspace_addr: r.host_addr() as u64,
+                };
+                Some((r.index, slot, r.clone()))
+            })
+            .collect();
+        PmemDirtyLog {
+            vm_fd,
+            regions,
+            on: Mutex::new(false),
+        }
+    }
+
+    fn slots(&self) -> Vec<kvm_userspace_memory_region> {
+        self.regions.iter().map(|r| r.1).collect()
+    }
+
+    /// Turns tracking on; earlier writes are forgotten.
+    pub fn start(&self) -> Result<(), DirtyLogError> {
+        let mut on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        for (_, _, r) in &self.regions {
+            bitmap(r.mapping()).reset();
+        }
+        set_logging(&self.vm_fd, &self.slots(), true)?;
+        *on = true;
+        Ok(())
+    }
+
+    /// (region index, offset in the region) of each page written since
+    /// [`PmemDirtyLog::start`] or the last call, in order.
+    pub fn take(&self) -> Result<Vec<(usize, u64)>, DirtyLogError> {
+        let on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        if !*on {
+            return Err(DirtyLogError::Off);
+        }
+        let mut out = Vec::new();
+        for (index, s, r) in &self.regions {
+            out.extend(
+                dirty_offsets(&self.vm_fd, s, r.mapping())?
+                    .into_iter()
+                    .map(|o| (*index, o)),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Turns tracking off.
+    pub fn stop(&self) -> Result<(), DirtyLogError> {
+        let mut on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        if *on {
+            set_logging(&self.vm_fd, &self.slots(), false)?;
             *on = false;
         }
         Ok(())
