@@ -13,6 +13,10 @@
 //! capture seals the journals; a journal within its bound goes out after the VM resumes,
 //! one past it is read from the image and sent before it resumes (see
 //! `devices::virtio::journal`), so the pause grows rather than memory.
+//!
+//! Memory-storage files: right after the disks, the primary turns on the dirty log of their
+//! regions and sends the files' checksums (paused again). Each checkpoint copies the regions'
+//! pages written since the last after the RAM pages, in the same copy and bound.
 
 use super::ReplicationStats;
 use crate::protocol::{Blob, Msg, RamLayout, RamLayoutError, DISK_WRITE_BYTES};

@@ -12,6 +12,10 @@
 //! before it answers `Standing`. An epoch's disk writes are held in memory with its pages
 //! (as many as the primary's journal bound, or what it read past that) and written on the
 //! copies at `Commit`, which are made durable before the `Acked`.
+//!
+//! Memory-storage files likewise: the standby's copies are checked against the primary's
+//! checksums, and an epoch's pages of them (the first epoch's too) are held until its
+//! `Commit`, then written into the files and synced before the `Acked`.
 
 use super::DEFAULT_HEARTBEAT;
 use crate::destination::Host;
