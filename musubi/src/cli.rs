@@ -201,8 +201,8 @@ pub struct ControlFlags {
     /// does when replication starts (same size and CRC-32, else the primary is refused,
     /// naming the file), and is written with each epoch's disk writes. Likewise a VM with
     /// memory storage needs --pmem file=COPY here for each of its files, in order, written
-    /// with the pages each epoch's guest stored in them. If the primary's VM ends, this
-    /// process ends with status 0.
+    /// with the pages the guest stored in them during each epoch. If the primary's VM ends,
+    /// this process ends with status 0.
     #[arg(
         long,
         value_name = "tcp:HOST:PORT",
