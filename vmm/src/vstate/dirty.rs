@@ -205,7 +205,8 @@ impl PmemDirtyLog {
     /// [`PmemDirtyLog::start`] or the last call, in order.
     pub fn take(&self) -> Result<Vec<(usize, u64)>, DirtyLogError> {
         let on = self.on.lock().unwrap_or_else(|e| e.into_inner());
-        if !*on {
+        // A VM without writable regions has nothing to track, started or not.
+        if !*on && !self.regions.is_empty() {
             return Err(DirtyLogError::Off);
         }
         let mut out = Vec::new();
@@ -233,4 +234,57 @@ impl PmemDirtyLog {
 /// The VMM-side dirty bitmap of one RAM region (the mapping's own, not a slice of it).
 fn bitmap(region: &devices::GuestRegionMmap) -> &AtomicBitmap {
     std::ops::Deref::deref(region).bitmap()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pmem::test_files::{cfg, file_of};
+    use crate::pmem::PmemRegions;
+    use vm_memory::{Bytes, GuestAddress};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_vm_without_regions_has_no_pmem_pages_to_report_started_or_not() {
+        let vm = Arc::new(kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap());
+        let log = PmemDirtyLog::new(vm, &[]);
+        assert_eq!(log.take().unwrap(), vec![]);
+        log.start().unwrap();
+        assert_eq!(log.take().unwrap(), vec![]);
+        log.stop().unwrap();
+    }
+
+    #[test]
+    fn pmem_pages_the_vmm_writes_are_reported_once_by_region_and_offset() {
+        let f = file_of(2 * MIB);
+        let mut p = PmemRegions::open(&[cfg(f.path())], 32 * MIB, &[], 46).unwrap();
+        let vm = Arc::new(kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap());
+        let r = &mut p.regions[0];
+        let slot = kvm_userspace_memory_region {
+            slot: 0,
+            flags: 0,
+            guest_phys_addr: r.guest_addr,
+            memory_size: r.size,
+            userspace_addr: r.host_addr() as u64,
+        };
+        // SAFETY: the region's mapping outlives the VM fd (both end with this test, the
+        // regions after the log that holds the fd).
+        unsafe { vm.set_user_memory_region(slot) }.unwrap();
+        r.slot = Some(0);
+        let log = PmemDirtyLog::new(vm, &p.regions);
+        assert!(matches!(log.take(), Err(DirtyLogError::Off)));
+        let mem = devices::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), (32 * MIB) as usize)])
+            .unwrap();
+        let mem = p.extend_guest_memory(mem).unwrap();
+        // Written before the start: forgotten.
+        mem.write_slice(&[1], GuestAddress(p.regions[0].guest_addr))
+            .unwrap();
+        log.start().unwrap();
+        mem.write_slice(&[2; 16], GuestAddress(p.regions[0].guest_addr + 8192 + 7))
+            .unwrap();
+        assert_eq!(log.take().unwrap(), vec![(0, 8192)]);
+        assert_eq!(log.take().unwrap(), vec![]);
+        log.stop().unwrap();
+    }
 }
