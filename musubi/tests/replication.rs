@@ -391,9 +391,9 @@ fn a_standby_whose_disk_copy_differs_in_size_or_content_is_refused_by_name() {
     }
 }
 
-/// The memory-storage file the pmem test fills, on each side: as with the disk, a fill of
-/// it takes longer than a primary takes to be protected (the guest stores at a few hundred
-/// MB/s, and the first epoch carries all of RAM), so the primary dies during it.
+/// The memory-storage file the pmem test fills, on each side: a fill of it lasts over a
+/// second, longer replicated (each page's first store of an epoch faults for the dirty
+/// log), so many epochs.
 const PMEM_BYTES: usize = 1 << 30;
 
 /// CRC-32 of the file at `path`, read a piece at a time (the pmem files are large).
@@ -432,14 +432,29 @@ fn a_pmem_region_filled_across_the_primarys_death_reads_back_on_the_standby_as_t
     let tasks = format!("hello,pmem-fill={FILL_SEED},pmem-crc");
     let primary_pmem = format!("file={}", primary_file.display());
     let standby_pmem = format!("file={}", standby_file.display());
-    let (text, _) = taken_over_mid_task_with(
-        dir.path(),
-        30,
-        &tasks,
-        MEMORY,
-        &["--pmem", &primary_pmem],
-        &["--pmem", &standby_pmem],
-    );
+    // The fill starts right after hello, and would outrun the first epochs (all of RAM) on
+    // a loaded machine: the VM waits paused until the standby is protected, and is killed
+    // two epochs after it runs on, early in the fill.
+    let (text, _) = taken_over_from(dir.path(), 30, &["--pmem", &standby_pmem], |port, key| {
+        let flags = ["--pmem", primary_pmem.as_str()];
+        let mut p = start_primary_with(dir.path(), "primary", port, key, &tasks, MEMORY, &flags);
+        let serial = p.serial.clone();
+        p.vm.wait_for_text(&serial, HELLO, LIMIT);
+        // A pause asked during a checkpoint finds the VM paused by it: asked again.
+        let mut paused = None;
+        wait_until(LIMIT, || {
+            let r = remote(&p.socket, &["pause"]);
+            let done = r.code == Some(0) || !r.stderr.contains("already paused");
+            paused = Some(r);
+            done
+        });
+        let paused = paused.unwrap();
+        assert_eq!(paused.code, Some(0), "{}", paused.explain());
+        p.wait_protected();
+        let resumed = remote(&p.socket, &["resume"]);
+        assert_eq!(resumed.code, Some(0), "{}", resumed.explain());
+        p
+    });
     // The primary died during the fill, having stored into part of the region: the
     // standby went on from the last epoch and did not store there again, so its region
     // reads back whole only if the primary's stores reached the standby's copy.
