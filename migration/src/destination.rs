@@ -40,6 +40,11 @@ pub trait Host<Ram = PostCopyRam> {
     fn disk_copies(&self) -> Vec<std::path::PathBuf> {
         Vec::new()
     }
+    /// A standby's own copies of the checked VM's memory-storage files, in `--pmem` order,
+    /// kept as its disks are.
+    fn pmem_copies(&self) -> Vec<std::path::PathBuf> {
+        Vec::new()
+    }
 }
 
 /// Why one source's migration ended before the switch (the wait goes on).

@@ -19,10 +19,12 @@
 //!
 //! Replication to a standby (see [`crate::replication`]) uses the same framing: after the
 //! configuration, the standby answers `Standing` (built, waiting) or `Refused`; then each
-//! epoch is `Page`* `DiskWrite`* `Part(State, ..)`* `End(State)` [`Part(Frames, ..)`*
-//! `End(Frames)`] `Commit`, acknowledged by `Acked`; an epoch that carried frames (the
-//! output the guest sent during it, held on the primary) is followed by `Released` once
-//! the primary has written them. A primary whose VM ended says `Ended`.
+//! epoch is `Page`* `DiskWrite`* `PmemPage`* `Part(State, ..)`* `End(State)`
+//! [`Part(Frames, ..)`* `End(Frames)`] `Commit`, acknowledged by `Acked`; an epoch that
+//! carried frames (the output the guest sent during it, held on the primary) is followed
+//! by `Released` once the primary has written them. A primary whose VM ended says `Ended`.
+//! A VM with disks or memory-storage files has their checksums (`DiskSums`, then
+//! `PmemSums`) follow the configuration.
 //!
 //! Pages are numbered by their offset in guest RAM's ranges laid one after the other
 //! ([`RamLayout`]), which is also how the destination maps them.
@@ -133,13 +135,24 @@ pub enum Msg {
         offset: u64,
         data: Vec<u8>,
     },
+    /// Replication, after the disks' checksums, for a VM with memory-storage files: each
+    /// file's length and CRC-32 when the primary started tracking its regions' pages, in
+    /// `--pmem` order; the standby's copies must match them.
+    PmemSums(Vec<(u64, u32)>),
+    /// Replication: the page at `offset` of memory-storage region `region`, as the guest
+    /// left it in the epoch under way; the standby writes it on its copy at the `Commit`.
+    PmemPage {
+        region: u32,
+        offset: u64,
+        data: Box<[u8; PAGE_SIZE]>,
+    },
 }
 
 /// Most bytes of a document one `Part` carries.
 pub const PART_BYTES: usize = 12 * 1024;
 /// Most bytes of a disk write one `DiskWrite` carries; longer writes go in several.
 pub const DISK_WRITE_BYTES: usize = 12 * 1024;
-/// Most disks one `DiskSums` lists.
+/// Most disks (or memory-storage files) one `DiskSums` (`PmemSums`) lists.
 const MAX_DISK_SUMS: usize = 1024;
 /// Longest reason a `Refused` or `Failed` carries; longer ones are cut.
 const MAX_REASON: usize = 4096;
@@ -171,6 +184,8 @@ const T_ACKED: u8 = 16;
 const T_DISK_SUMS: u8 = 17;
 const T_DISK_WRITE: u8 = 18;
 const T_RELEASED: u8 = 19;
+const T_PMEM_SUMS: u8 = 20;
+const T_PMEM_PAGE: u8 = 21;
 
 fn blob_byte(b: Blob) -> u8 {
     match b {
@@ -211,6 +226,8 @@ impl Msg {
             Msg::Released(_) => "released",
             Msg::DiskSums(_) => "disk-sums",
             Msg::DiskWrite { .. } => "disk-write",
+            Msg::PmemSums(_) => "pmem-sums",
+            Msg::PmemPage { .. } => "pmem-page",
         }
     }
 
@@ -275,10 +292,21 @@ impl Msg {
             }
             Msg::DiskSums(sums) => {
                 out.push(T_DISK_SUMS);
-                for (len, crc) in sums.iter().take(MAX_DISK_SUMS) {
-                    out.extend_from_slice(&len.to_le_bytes());
-                    out.extend_from_slice(&crc.to_le_bytes());
-                }
+                encode_sums(&mut out, sums);
+            }
+            Msg::PmemSums(sums) => {
+                out.push(T_PMEM_SUMS);
+                encode_sums(&mut out, sums);
+            }
+            Msg::PmemPage {
+                region,
+                offset,
+                data,
+            } => {
+                out.push(T_PMEM_PAGE);
+                out.extend_from_slice(&region.to_le_bytes());
+                out.extend_from_slice(&offset.to_le_bytes());
+                out.extend_from_slice(&data[..]);
             }
             Msg::DiskWrite { disk, offset, data } => {
                 out.push(T_DISK_WRITE);
@@ -362,18 +390,17 @@ impl Msg {
             }
             T_ACKED => Msg::Acked(u64_of(exact(8)?)),
             T_RELEASED => Msg::Released(u64_of(exact(8)?)),
-            T_DISK_SUMS => {
-                if !rest.len().is_multiple_of(12) || rest.len() / 12 > MAX_DISK_SUMS {
-                    return Err(err("disk sums not whole (length, CRC) pairs"));
+            T_DISK_SUMS => Msg::DiskSums(decode_sums(rest).ok_or(err(SUMS_NOT_WHOLE))?),
+            T_PMEM_SUMS => Msg::PmemSums(decode_sums(rest).ok_or(err(SUMS_NOT_WHOLE))?),
+            T_PMEM_PAGE => {
+                let b = exact(12 + PAGE_SIZE)?;
+                let mut data = Box::new([0u8; PAGE_SIZE]);
+                data.copy_from_slice(&b[12..]);
+                Msg::PmemPage {
+                    region: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
+                    offset: u64_of(&b[4..]),
+                    data,
                 }
-                Msg::DiskSums(
-                    rest.chunks_exact(12)
-                        .map(|c| {
-                            let crc = u32::from_le_bytes(c[8..].try_into().expect("4 bytes"));
-                            (u64_of(c), crc)
-                        })
-                        .collect(),
-                )
             }
             T_DISK_WRITE => {
                 if rest.len() < 12 {
@@ -392,6 +419,31 @@ impl Msg {
             _ => return Err(err("unknown tag")),
         })
     }
+}
+
+const SUMS_NOT_WHOLE: &str = "file sums not whole (length, CRC) pairs";
+
+/// A `DiskSums` or `PmemSums` list: (length, CRC-32) pairs, at most [`MAX_DISK_SUMS`].
+fn encode_sums(out: &mut Vec<u8>, sums: &[(u64, u32)]) {
+    for (len, crc) in sums.iter().take(MAX_DISK_SUMS) {
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(&crc.to_le_bytes());
+    }
+}
+
+fn decode_sums(rest: &[u8]) -> Option<Vec<(u64, u32)>> {
+    if !rest.len().is_multiple_of(12) || rest.len() / 12 > MAX_DISK_SUMS {
+        return None;
+    }
+    Some(
+        rest.chunks_exact(12)
+            .map(|c| {
+                let len = u64::from_le_bytes(c[..8].try_into().expect("8 bytes"));
+                let crc = u32::from_le_bytes(c[8..].try_into().expect("4 bytes"));
+                (len, crc)
+            })
+            .collect(),
+    )
 }
 
 /// RAM ranges that cannot be numbered as pages.
@@ -498,6 +550,12 @@ mod tests {
                 disk: 1,
                 offset: 4096,
                 data: vec![5; DISK_WRITE_BYTES],
+            },
+            Msg::PmemSums(vec![(16 << 20, 0x8bff_b675)]),
+            Msg::PmemPage {
+                region: 2,
+                offset: 1 << 21,
+                data: Box::new([6; PAGE_SIZE]),
             },
         ]
     }

@@ -65,6 +65,29 @@ pub trait SourceVm: Send + Sync {
         let _ = (offset, buf);
         Err(format!("no disk {disk}").into())
     }
+    /// Replication: starts tracking the pages written in the memory-storage regions, and
+    /// returns each file's length and CRC-32 as of that moment, in `--pmem` order (none
+    /// for a VM without them).
+    fn start_pmem_log(&self) -> Result<Vec<(u64, u32)>, VmFault> {
+        Ok(Vec::new())
+    }
+    /// (region, offset) of each memory-storage page written since that start or the last
+    /// call.
+    fn pmem_dirty_pages(&self) -> Result<Vec<(u32, u64)>, VmFault> {
+        Ok(Vec::new())
+    }
+    /// Stops that tracking.
+    fn stop_pmem_log(&self) {}
+    /// Reads the page at `offset` of memory-storage region `region`.
+    fn read_pmem(
+        &self,
+        region: u32,
+        offset: u64,
+        buf: &mut [u8; PAGE_SIZE],
+    ) -> Result<(), VmFault> {
+        let _ = (offset, buf);
+        Err(format!("no memory-storage region {region}").into())
+    }
     /// Replication's output commit: from now on the frames the guest transmits are held,
     /// each with the checkpoint ([`SourceVm::capture`]) that follows it.
     fn hold_output(&self) {}

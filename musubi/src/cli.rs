@@ -199,9 +199,10 @@ pub struct ControlFlags {
     /// refused and the wait goes on. A VM with disks needs --disk path=COPY here for each of
     /// its disks, in order: this standby's own copy, which must hold what the primary's
     /// does when replication starts (same size and CRC-32, else the primary is refused,
-    /// naming the file), and is written with each epoch's disk writes. VMs with --pmem are
-    /// refused (memory storage is not replicated yet). If the primary's VM ends, this
-    /// process ends with status 0.
+    /// naming the file), and is written with each epoch's disk writes. Likewise a VM with
+    /// memory storage needs --pmem file=COPY here for each of its files, in order, written
+    /// with the pages the guest stored in them during each epoch. If the primary's VM ends,
+    /// this process ends with status 0.
     #[arg(
         long,
         value_name = "tcp:HOST:PORT",

@@ -392,6 +392,150 @@ fn a_standby_whose_disk_copy_differs_in_size_or_content_is_refused_by_name() {
     }
 }
 
+/// The memory-storage file the pmem test fills, on each side: a fill of it lasts over a
+/// second, longer replicated (each page's first store of an epoch faults for the dirty
+/// log), so many epochs.
+const PMEM_BYTES: usize = 1 << 30;
+
+/// CRC-32 of the file at `path`, read a piece at a time (the pmem files are large).
+fn file_crc(path: &Path) -> u32 {
+    crc_of(std::fs::File::open(path).unwrap())
+}
+
+fn crc_of(mut f: impl std::io::Read) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match f.read(&mut buf).unwrap() {
+            0 => return h.finalize(),
+            n => h.update(&buf[..n]),
+        }
+    }
+}
+
+/// A file of `bytes` zeros at `dir/name`, written a piece at a time.
+fn zero_file(dir: &Path, name: &str, bytes: usize) -> PathBuf {
+    let p = dir.join(name);
+    let mut f = std::fs::File::create(&p).unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..bytes / zeros.len() {
+        f.write_all(&zeros).unwrap();
+    }
+    p
+}
+
+#[test]
+fn a_pmem_region_filled_across_the_primarys_death_reads_back_on_the_standby_as_the_guest_wrote_it()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let primary_file = zero_file(dir.path(), "primary.pmem", PMEM_BYTES);
+    let standby_file = zero_file(dir.path(), "standby.pmem", PMEM_BYTES);
+    let tasks = format!("hello,pmem-fill={FILL_SEED},pmem-crc");
+    let primary_pmem = format!("file={}", primary_file.display());
+    let standby_pmem = format!("file={}", standby_file.display());
+    // The fill starts right after hello, and would outrun the first epochs (all of RAM) on
+    // a loaded machine: the VM waits paused until the standby is protected, and is killed
+    // two epochs after it runs on, early in the fill.
+    let (text, _) = taken_over_from(dir.path(), 30, &["--pmem", &standby_pmem], |port, key| {
+        let flags = ["--pmem", primary_pmem.as_str()];
+        let mut p = start_primary_with(dir.path(), "primary", port, key, &tasks, MEMORY, &flags);
+        let serial = p.serial.clone();
+        p.vm.wait_for_text(&serial, HELLO, LIMIT);
+        // A pause asked during a checkpoint finds the VM paused by it: asked again.
+        let mut paused = None;
+        wait_until(LIMIT, || {
+            let r = remote(&p.socket, &["pause"]);
+            let done = r.code == Some(0) || !r.stderr.contains("already paused");
+            paused = Some(r);
+            done
+        });
+        let paused = paused.unwrap();
+        assert_eq!(paused.code, Some(0), "{}", paused.explain());
+        p.wait_protected();
+        let resumed = remote(&p.socket, &["resume"]);
+        assert_eq!(resumed.code, Some(0), "{}", resumed.explain());
+        p
+    });
+    // The primary died during the fill, having stored into part of the region: the
+    // standby went on from the last epoch and did not store there again, so its region
+    // reads back whole only if the primary's stores reached the standby's copy.
+    let before = read_text(&dir.path().join("primary.out"));
+    assert!(
+        !results_in(&before)
+            .iter()
+            .any(|v| v["probe"] == "pmem-fill"),
+        "the fill ended before the primary died, so it says nothing of replication:\n{before}"
+    );
+    assert_ne!(
+        file_crc(&primary_file),
+        crc_of(std::io::Read::take(std::io::repeat(0), PMEM_BYTES as u64)),
+        "the primary had stored nothing when it died"
+    );
+    let want = format!("{:#010x}", fill_crc(PMEM_BYTES, FILL_SEED));
+    let c = result_in(&text, "pmem-crc");
+    let r = &c["regions"][0];
+    assert_eq!(
+        (u(&r["bytes"]), r["crc32"].as_str().unwrap()),
+        (PMEM_BYTES as u64, want.as_str()),
+        "{text}"
+    );
+    let f = result_in(&text, "pmem-fill");
+    assert_eq!(
+        (&f["seed"], &f["ok"]),
+        (&FILL_SEED.into(), &true.into()),
+        "{text}"
+    );
+    // What the guest read is what the standby's file holds.
+    assert_eq!(format!("{:#010x}", file_crc(&standby_file)), want);
+}
+
+#[test]
+fn a_standby_whose_pmem_copy_differs_is_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = secret_file(dir.path(), "secret", 31);
+    const BYTES: usize = 2 << 20;
+    let primary_file = temp_image(dir.path(), "primary.pmem", BYTES);
+    let primary_pmem = format!("file={}", primary_file.display());
+    let other = dir.path().join("other.pmem");
+    std::fs::write(&other, vec![1u8; BYTES]).unwrap();
+    let port = free_port();
+    let standby_serial = dir.path().join("standby.out");
+    let copy_pmem = format!("file={}", other.display());
+    let mut standby = start_standby_with(port, &key, &standby_serial, &["--pmem", &copy_pmem]);
+    let guard = KillOnPanic::new(&standby);
+    let primary = start_primary_with(
+        dir.path(),
+        "primary",
+        port,
+        &key,
+        "hello",
+        MEMORY,
+        &["--pmem", &primary_pmem],
+    );
+    let p = primary.vm.finish(LIMIT);
+    assert_eq!(p.code, Some(0), "{}", p.explain());
+    let named = format!("--pmem file={}", other.display());
+    assert!(
+        p.stderr.contains("the standby refused the VM")
+            && p.stderr.contains(&named)
+            && p.stderr.contains("differs from the primary")
+            && p.stderr.contains("runs alone"),
+        "{}",
+        p.explain()
+    );
+    assert!(
+        standby.child.try_wait().unwrap().is_none(),
+        "the standby ended"
+    );
+    guard.defuse();
+    standby.child.kill().unwrap();
+    let s = standby.finish(LIMIT);
+    assert!(s.stderr.contains(&named), "{}", s.explain());
+    assert!(!standby_serial.exists() || !read_text(&standby_serial).contains("probe"));
+    // Refused before anything was written: the copy is as it was given.
+    assert_eq!(std::fs::read(&other).unwrap(), vec![1u8; BYTES]);
+}
+
 #[test]
 fn a_primary_whose_standby_is_killed_ends_its_task_alone_and_says_so() {
     let dir = tempfile::tempdir().unwrap();

@@ -48,7 +48,8 @@ pub use control::{Outcome, RunControl, NODE_LOST_STATUS};
 pub use devices::virtio::{FileSum, SealedWrites, DEFAULT_JOURNAL_BOUND};
 pub use exit::DeviceBus;
 pub use handle::{
-    ControlError, DirtyLogError, JournalError, RamReadError, SnapshotReport, StorageError, VmHandle,
+    ControlError, DirtyLogError, JournalError, PmemLogError, RamReadError, SnapshotReport,
+    StorageError, VmHandle,
 };
 pub use metrics::MmioTarget;
 pub use persist::VcpuState;

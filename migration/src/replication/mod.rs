@@ -17,6 +17,14 @@
 //! journaled during it, written on the copies and synced at the commit, before the
 //! acknowledgement (see [`primary`] and [`standby`]).
 //!
+//! Memory-storage files (`--pmem`) are replicated the same way: the standby keeps its own
+//! copy of each, checked by length and CRC-32 at the start. Their regions' KVM slots are not
+//! guest RAM (outside the dirty log of pre-copy and the [`crate::protocol::RamLayout`]), so
+//! the primary turns KVM's dirty log on for them while it replicates; each checkpoint copies
+//! the pages written in them since the last, within the same copy bound as the RAM pages,
+//! and the standby writes them into its files at the commit and syncs them before the
+//! acknowledgement.
+//!
 //! Output commit: the frames the guest transmits are held by its network devices and go out
 //! only once the checkpoint after them is acknowledged (`devices::net::output_gate`); when
 //! replication ends they all go, and nothing more is held. Each epoch also carries its
@@ -26,8 +34,7 @@
 //! nothing; one that dies between its writes and queuing `Released` (microseconds) has
 //! them sent twice.
 //!
-//! Not yet: memory-storage files (`--pmem`: the region's KVM slot is outside the dirty log
-//! and the [`crate::protocol::RamLayout`], so a VM with one is refused by the standby).
+//! Not yet: a VM over several nodes, a second standby.
 //!
 //! - [`primary`]: the sending loop, over a [`crate::source::SourceVm`].
 //! - [`standby`]: the receiving loop, over a [`crate::destination::Host`], and the RAM it

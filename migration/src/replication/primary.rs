@@ -21,6 +21,10 @@
 //! dies between the acknowledgement and its writes loses nothing. Only a primary that
 //! dies between its writes and queuing `Released` (microseconds) leaves them to be sent
 //! twice.
+//!
+//! Memory-storage files: right after the disks, the primary turns on the dirty log of their
+//! regions and sends the files' checksums (paused again). Each checkpoint copies the regions'
+//! pages written since the last after the RAM pages, in the same copy and bound.
 
 use super::ReplicationStats;
 use crate::protocol::{
@@ -96,6 +100,8 @@ pub enum NotStarted {
     Layout(#[from] RamLayoutError),
     #[error("recording the disks' writes: {0}")]
     Disks(#[source] VmFault),
+    #[error("tracking the memory-storage files' pages: {0}")]
+    Pmem(#[source] VmFault),
 }
 
 /// Why epochs could no longer be sent.
@@ -133,8 +139,18 @@ struct Primary<'a> {
     copy: Vec<u8>,
     /// Epochs the standby acknowledged.
     acked: u64,
-    /// Bytes of disk writes the epoch under way carried.
+    /// Bytes of disk writes and memory-storage pages the epoch under way carried.
     disk_bytes: u64,
+    /// The memory-storage pages of the epoch's copy.
+    pmem: PmemCopy,
+}
+
+/// The memory-storage pages copied at a checkpoint: they follow the RAM pages in
+/// `Primary::copy`, from byte `at` on, one page each of `pages` (region, offset).
+#[derive(Default)]
+struct PmemCopy {
+    at: usize,
+    pages: Vec<(u32, u64)>,
 }
 
 /// Replicates `vm` to the standby at `to` (`HOST:PORT`) until the VM ends (`Ok`, the
@@ -151,6 +167,7 @@ pub fn replicate(
 ) -> Result<(), PrimaryError> {
     let mut p = start(vm, to, opts).map_err(|why| {
         vm.stop_disk_journals();
+        vm.stop_pmem_log();
         stats.lost(why.to_string());
         PrimaryError::NotStarted {
             to: to.into(),
@@ -166,6 +183,7 @@ pub fn replicate(
     }
     let _ = vm.stop_dirty_log();
     vm.stop_disk_journals();
+    vm.stop_pmem_log();
     p.writer.shutdown();
     r.map_err(|why| {
         stats.lost(why.to_string());
@@ -189,6 +207,7 @@ fn start<'a>(vm: &'a dyn SourceVm, to: &str, opts: &Options) -> Result<Primary<'
     writer.limit_stall(opts.setup_limit)?;
     send_blob(&mut writer, Blob::Config, &vm.config())?;
     send_disk_sums(vm, &mut writer)?;
+    send_pmem_sums(vm, &mut writer)?;
     let heartbeat = match recv(&mut reader)? {
         Msg::Standing { heartbeat_ms } => Duration::from_millis(heartbeat_ms),
         Msg::Refused(why) => return Err(NotStarted::Refused(why)),
@@ -209,6 +228,7 @@ fn start<'a>(vm: &'a dyn SourceVm, to: &str, opts: &Options) -> Result<Primary<'
         copy: Vec::new(),
         acked: 0,
         disk_bytes: 0,
+        pmem: PmemCopy::default(),
     })
 }
 
@@ -218,6 +238,18 @@ fn send_disk_sums(vm: &dyn SourceVm, writer: &mut LinkWriter) -> Result<(), NotS
     let sums = vm.start_disk_journals().map_err(NotStarted::Disks)?;
     if !sums.is_empty() {
         send(writer, &Msg::DiskSums(sums))?;
+    }
+    Ok(())
+}
+
+/// Starts tracking the pages the guest writes in its memory-storage regions and tells the
+/// standby what its copies of the files must hold (nothing is sent for a VM without them).
+/// The first epoch sends none of their contents: the copies are equal, and only pages
+/// written since go.
+fn send_pmem_sums(vm: &dyn SourceVm, writer: &mut LinkWriter) -> Result<(), NotStarted> {
+    let sums = vm.start_pmem_log().map_err(NotStarted::Pmem)?;
+    if !sums.is_empty() {
+        send(writer, &Msg::PmemSums(sums))?;
     }
     Ok(())
 }
@@ -356,6 +388,7 @@ impl Primary<'_> {
         let was_paused = self.vm.is_paused();
         let state = self.vm.checkpoint().map_err(LostWhy::Vm)?;
         let copied = self.copy_dirty(epochs, buf);
+        let pmem = (copied.as_ref().ok()).map(|(_, c)| self.copy_pmem_dirty(epochs, c.len(), buf));
         let disk = copied.as_ref().ok().map(|_| self.disk_writes_paused());
         if !was_paused {
             self.vm.resume().map_err(LostWhy::Vm)?;
@@ -364,6 +397,7 @@ impl Primary<'_> {
         let (mut pages, copied) = copied?;
         // Sealed with the state: they stay as they are until this epoch is released.
         let frames = self.vm.captured_output();
+        pmem.unwrap_or(Ok(()))?;
         let disk = disk.unwrap_or_else(|| Ok(Vec::new()))?;
         let copy = std::mem::take(&mut self.copy);
         let sent = (|| {
@@ -379,6 +413,7 @@ impl Primary<'_> {
         self.copy = copy;
         sent?;
         self.send_disk_writes(disk)?;
+        self.send_pmem_copy(buf)?;
         pages += copied.len() as u64;
         Ok((pages, state, frames, pause))
     }
@@ -474,5 +509,80 @@ impl Primary<'_> {
             }
         }
         Ok((sent, copied))
+    }
+}
+
+impl Primary<'_> {
+    /// While paused, after [`Primary::copy_dirty`] copied `ram_copied` pages: the
+    /// memory-storage pages written since the last look, copied after them while the
+    /// epoch's copy bound allows and the rest sent at once.
+    fn copy_pmem_dirty(
+        &mut self,
+        epochs: &Epochs,
+        ram_copied: usize,
+        buf: &mut [u8; PAGE_SIZE],
+    ) -> Result<(), LostWhy> {
+        self.pmem.pages.clear();
+        self.pmem.at = ram_copied * PAGE_SIZE;
+        let mut dirty = self.vm.pmem_dirty_pages().map_err(LostWhy::Vm)?;
+        dirty.sort_unstable();
+        dirty.dedup();
+        let fits = (epochs.copy_limit / PAGE_SIZE)
+            .max(1)
+            .saturating_sub(ram_copied);
+        self.copy.truncate(self.pmem.at);
+        for (n, (region, offset)) in dirty.into_iter().enumerate() {
+            if n % 256 == 255 {
+                self.beat()?;
+            }
+            if self.pmem.pages.len() < fits {
+                let at = self.copy.len();
+                self.copy.resize(at + PAGE_SIZE, 0);
+                let page: &mut [u8; PAGE_SIZE] = (&mut self.copy[at..at + PAGE_SIZE])
+                    .try_into()
+                    .expect("one page");
+                self.vm
+                    .read_pmem(region, offset, page)
+                    .map_err(LostWhy::Vm)?;
+                self.pmem.pages.push((region, offset));
+            } else {
+                self.vm
+                    .read_pmem(region, offset, buf)
+                    .map_err(LostWhy::Vm)?;
+                self.send_pmem_page(region, offset, buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Once the VM runs again: the memory-storage pages the checkpoint copied.
+    fn send_pmem_copy(&mut self, buf: &mut [u8; PAGE_SIZE]) -> Result<(), LinkError> {
+        let copy = std::mem::take(&mut self.copy);
+        let pages = std::mem::take(&mut self.pmem.pages);
+        let at = self.pmem.at.min(copy.len());
+        let sent = pages
+            .iter()
+            .zip(copy[at..].chunks_exact(PAGE_SIZE))
+            .try_for_each(|(&(region, offset), data)| {
+                buf.copy_from_slice(data);
+                self.send_pmem_page(region, offset, buf)
+            });
+        self.copy = copy;
+        self.pmem.pages = pages;
+        sent
+    }
+
+    fn send_pmem_page(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &[u8; PAGE_SIZE],
+    ) -> Result<(), LinkError> {
+        self.disk_bytes += PAGE_SIZE as u64;
+        self.send(&Msg::PmemPage {
+            region,
+            offset,
+            data: Box::new(*data),
+        })
     }
 }

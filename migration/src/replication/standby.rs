@@ -18,6 +18,10 @@
 //! primary's `Released` for the epoch drops them. A standby that takes over from an epoch
 //! whose frames were not released hands them to its VM to send before it runs: the
 //! primary may have died holding them, and the state resumed from has already sent them.
+//!
+//! Memory-storage files likewise: the standby's copies are checked against the primary's
+//! checksums, and an epoch's pages of them (the first epoch's too) are held until its
+//! `Commit`, then written into the files and synced before the `Acked`.
 
 use super::DEFAULT_HEARTBEAT;
 use crate::destination::Host;
@@ -78,40 +82,87 @@ pub enum SessionError {
     Copy(DiskCopyError),
 }
 
-/// Why a standby's copy of a disk is not the primary's, or could not be kept so.
+/// Which of the VM's files a standby's copy stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kept {
+    Disk,
+    /// A memory-storage file (`--pmem`).
+    Pmem,
+}
+
+impl Kept {
+    /// How the flag names the file at `path`.
+    fn named(self, path: &std::path::Path) -> String {
+        match self {
+            Kept::Disk => format!("--disk {}", path.display()),
+            Kept::Pmem => format!("--pmem file={}", path.display()),
+        }
+    }
+
+    fn noun(self) -> &'static str {
+        match self {
+            Kept::Disk => "disk",
+            Kept::Pmem => "memory-storage file",
+        }
+    }
+
+    /// The flag a standby gives for each copy.
+    fn syntax(self) -> &'static str {
+        match self {
+            Kept::Disk => "--disk path=COPY",
+            Kept::Pmem => "--pmem file=COPY",
+        }
+    }
+}
+
+/// Why a standby's copy of a disk or memory-storage file is not the primary's, or could
+/// not be kept so.
 #[derive(Debug, thiserror::Error)]
 pub enum DiskCopyError {
-    #[error("the VM has disks, but the primary sent a {0} message where their checksums were due")]
-    NoSums(&'static str),
     #[error(
-        "the VM has {primary} disks, this standby was given {given} (a standby keeps its own \
-         copy of each: --disk path=COPY for every disk, in the primary's order)"
+        "the VM has {}s, but the primary sent a {got} message where their checksums were due",
+        kind.noun()
     )]
-    Count { primary: usize, given: usize },
-    #[error("--disk {}: the standby's copy: {what}: {source}", path.display())]
+    NoSums { kind: Kept, got: &'static str },
+    #[error(
+        "the VM has {primary} {}s, this standby was given {given} (a standby keeps its own \
+         copy of each: {} for every one, in the primary's order)",
+        kind.noun(),
+        kind.syntax()
+    )]
+    Count {
+        kind: Kept,
+        primary: usize,
+        given: usize,
+    },
+    #[error("{}: the standby's copy: {what}: {source}", kind.named(path))]
     Io {
+        kind: Kept,
         path: PathBuf,
         what: &'static str,
         source: std::io::Error,
     },
     #[error(
-        "--disk {}: the standby's copy is {given} bytes, the primary's disk {disk} is \
-         {primary} bytes; a copy must be the same size",
-        path.display()
+        "{}: the standby's copy is {given} bytes, the primary's {} {disk} is {primary} bytes; \
+         a copy must be the same size",
+        kind.named(path),
+        kind.noun()
     )]
     Size {
+        kind: Kept,
         path: PathBuf,
         disk: usize,
         given: u64,
         primary: u64,
     },
     #[error(
-        "--disk {}: the standby's copy differs from the primary's disk {disk} (CRC-32 \
-         {given:#010x} here, {primary:#010x} there); start the standby on a copy of the \
-         primary's image",
-        path.display()
+        "{}: the standby's copy differs from the primary's {} {disk} (CRC-32 {given:#010x} \
+         here, {primary:#010x} there); start the standby on a copy of the primary's file",
+        kind.named(path),
+        kind.noun()
     )]
     Content {
+        kind: Kept,
         path: PathBuf,
         disk: usize,
         given: u32,
@@ -149,6 +200,12 @@ pub enum Lost {
     Unexpected(&'static str),
     #[error("a write to disk {disk}, of {disks}")]
     DiskOutside { disk: u32, disks: usize },
+    #[error("a page at {offset:#x} of memory-storage region {region}, of {regions}")]
+    PmemOutside {
+        region: u32,
+        offset: u64,
+        regions: usize,
+    },
     #[error(transparent)]
     Copy(DiskCopyError),
 }
@@ -198,12 +255,13 @@ fn session(
 ) -> Result<Session, SessionError> {
     let (mut reader, mut writer, config) = crate::recv_config(link, opts)?;
     let built = host.check(&config).and_then(|ranges| {
-        let disks = disk_copies(&mut reader, &host.disk_copies())?;
+        let disks = copies(&mut reader, Kept::Disk, &host.disk_copies())?;
+        let pmem = copies(&mut reader, Kept::Pmem, &host.pmem_copies())?;
         let ram = Arc::new(ReplicaRam::new(RamLayout::new(ranges)?)?);
         host.build(&ram)?;
-        Ok((ram, disks))
+        Ok((ram, disks, pmem))
     });
-    let (ram, disks) = match built {
+    let (ram, disks, pmem) = match built {
         Ok(r) => r,
         Err(why) => {
             let _ = send(&mut writer, &Msg::Refused(why.to_string()));
@@ -223,6 +281,7 @@ fn session(
     )?;
     let mut epochs = Epochs::new(&ram);
     epochs.disks = disks;
+    epochs.pmem.files = pmem;
     let lost = loop {
         match epochs.next(&mut reader, &mut writer, stop) {
             Ok(Next::Whole) => {}
@@ -288,6 +347,16 @@ struct Epochs<'a> {
     frames: Frames,
     /// Frames of the last whole epoch, until the primary says it wrote them.
     unreleased: Frames,
+    pmem: PmemCopies,
+}
+
+/// The standby's copy of each memory-storage file, and the pages of the epoch under way.
+#[derive(Default)]
+struct PmemCopies {
+    /// In `--pmem` order.
+    files: Vec<(PathBuf, File)>,
+    /// (region, offset, page), in the order sent; a later page over an earlier one.
+    held: Vec<(u32, u64, Box<[u8; PAGE_SIZE]>)>,
 }
 
 impl<'a> Epochs<'a> {
@@ -303,6 +372,7 @@ impl<'a> Epochs<'a> {
             writes: Vec::new(),
             frames: Vec::new(),
             unreleased: Vec::new(),
+            pmem: PmemCopies::default(),
         }
     }
 
@@ -341,6 +411,11 @@ impl<'a> Epochs<'a> {
                     }
                     self.writes.push((disk, offset, data));
                 }
+                Msg::PmemPage {
+                    region,
+                    offset,
+                    data,
+                } => self.pmem.hold(region, offset, data)?,
                 m @ Msg::Part(Blob::State, _) => {
                     self.state = Some(recv_blob(reader, Blob::State, m)?);
                 }
@@ -381,6 +456,7 @@ impl<'a> Epochs<'a> {
                     }
                     self.commit_disk_writes().map_err(Lost::Copy)?;
                     self.unreleased = std::mem::take(&mut self.frames);
+                    self.pmem.commit().map_err(Lost::Copy)?;
                     self.whole = Some((epoch, state));
                     self.came = 0;
                     self.next += 1;
@@ -403,6 +479,7 @@ impl Epochs<'_> {
             let (path, file) = &self.disks[disk as usize];
             file.write_all_at(&data, offset)
                 .map_err(|source| DiskCopyError::Io {
+                    kind: Kept::Disk,
                     path: path.clone(),
                     what: "writing an epoch's writes",
                     source,
@@ -411,6 +488,7 @@ impl Epochs<'_> {
         }
         for ((path, file), _) in self.disks.iter().zip(touched).filter(|(_, t)| *t) {
             file.sync_data().map_err(|source| DiskCopyError::Io {
+                kind: Kept::Disk,
                 path: path.clone(),
                 what: "syncing an epoch's writes",
                 source,
@@ -420,21 +498,29 @@ impl Epochs<'_> {
     }
 }
 
-/// Opens the standby's copies of the VM's disks and checks them against the checksums the
-/// primary sends next (none come for a VM without disks).
-fn disk_copies(
+/// Opens the standby's copies of the VM's disks (or memory-storage files) and checks them
+/// against the checksums the primary sends next (none come for a VM without them).
+fn copies(
     reader: &mut dsm_host::link::LinkReader,
+    kind: Kept,
     copies: &[PathBuf],
 ) -> Result<Vec<(PathBuf, File)>, VmFault> {
     if copies.is_empty() {
         return Ok(Vec::new());
     }
-    let sums = match recv(reader)? {
-        Msg::DiskSums(s) => s,
-        m => return Err(DiskCopyError::NoSums(m.name()).into()),
+    let sums = match (kind, recv(reader)?) {
+        (Kept::Disk, Msg::DiskSums(s)) | (Kept::Pmem, Msg::PmemSums(s)) => s,
+        (_, m) => {
+            return Err(DiskCopyError::NoSums {
+                kind,
+                got: m.name(),
+            }
+            .into())
+        }
     };
     if sums.len() != copies.len() {
         return Err(DiskCopyError::Count {
+            kind,
             primary: sums.len(),
             given: copies.len(),
         }
@@ -444,7 +530,12 @@ fn disk_copies(
     for (disk, (path, &(len, crc32))) in copies.iter().zip(&sums).enumerate() {
         let io = |what| {
             let path = path.clone();
-            move |source| DiskCopyError::Io { path, what, source }
+            move |source| DiskCopyError::Io {
+                kind,
+                path,
+                what,
+                source,
+            }
         };
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -454,6 +545,7 @@ fn disk_copies(
         let here = vmm::FileSum::of(&file).map_err(io("reading it"))?;
         if here.len != len {
             return Err(DiskCopyError::Size {
+                kind,
                 path: path.clone(),
                 disk,
                 given: here.len,
@@ -463,6 +555,7 @@ fn disk_copies(
         }
         if here.crc32 != crc32 {
             return Err(DiskCopyError::Content {
+                kind,
                 path: path.clone(),
                 disk,
                 given: here.crc32,
@@ -473,6 +566,49 @@ fn disk_copies(
         out.push((path.clone(), file));
     }
     Ok(out)
+}
+
+impl PmemCopies {
+    /// Holds a page of the epoch under way until its `Commit` (the first epoch's too: a
+    /// primary lost during it must leave the copies as they were checked).
+    fn hold(&mut self, region: u32, offset: u64, data: Box<[u8; PAGE_SIZE]>) -> Result<(), Lost> {
+        if region as usize >= self.files.len() || !offset.is_multiple_of(PAGE_SIZE as u64) {
+            return Err(Lost::PmemOutside {
+                region,
+                offset,
+                regions: self.files.len(),
+            });
+        }
+        self.held.push((region, offset, data));
+        Ok(())
+    }
+
+    /// Writes the epoch's pages on the standby's copies and makes them durable, before the
+    /// epoch is acknowledged. The VM built on the copies maps them shared, so it sees the
+    /// pages as written.
+    fn commit(&mut self) -> Result<(), DiskCopyError> {
+        let mut touched = vec![false; self.files.len()];
+        for (region, offset, data) in self.held.drain(..) {
+            let (path, file) = &self.files[region as usize];
+            file.write_all_at(&data[..], offset)
+                .map_err(|source| DiskCopyError::Io {
+                    kind: Kept::Pmem,
+                    path: path.clone(),
+                    what: "writing an epoch's pages",
+                    source,
+                })?;
+            touched[region as usize] = true;
+        }
+        for ((path, file), _) in self.files.iter().zip(touched).filter(|(_, t)| *t) {
+            file.sync_data().map_err(|source| DiskCopyError::Io {
+                kind: Kept::Pmem,
+                path: path.clone(),
+                what: "syncing an epoch's pages",
+                source,
+            })?;
+        }
+        Ok(())
+    }
 }
 
 /// Guest RAM of the standby's VM: private anonymous memory the standby writes epochs into

@@ -23,6 +23,8 @@ struct FakeHost {
     applied: Option<Vec<u8>>,
     /// The standby's disk copies.
     disks: Vec<std::path::PathBuf>,
+    /// The standby's memory-storage copies.
+    pmem: Vec<std::path::PathBuf>,
 }
 
 impl Host<ReplicaRam> for FakeHost {
@@ -40,6 +42,9 @@ impl Host<ReplicaRam> for FakeHost {
     }
     fn disk_copies(&self) -> Vec<std::path::PathBuf> {
         self.disks.clone()
+    }
+    fn pmem_copies(&self) -> Vec<std::path::PathBuf> {
+        self.pmem.clone()
     }
 }
 
@@ -709,4 +714,90 @@ fn under_policy_stop_a_lost_standby_leaves_the_output_held_for_the_caller_to_ope
         [("hold", 0), ("release", 1), ("release", 2)],
         "nothing unacknowledged let go: (what, captures by then)"
     );
+}
+
+#[test]
+fn pmem_pages_reach_the_standbys_copy_at_commit_and_a_half_epochs_are_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (copy, _) = zero_copy(dir.path(), 4 * PAGE_SIZE);
+    let sum = vmm::FileSum::of(&std::fs::File::open(&copy).unwrap()).unwrap();
+    let host = FakeHost {
+        pmem: vec![copy.clone()],
+        ..FakeHost::default()
+    };
+    let (addr, st) = standby_with(usize::MAX, host);
+    let link = crate::dial(&addr, "standby", &opts()).unwrap();
+    let (mut r, mut w) = (link.reader, link.writer);
+    send_blob(&mut w, Blob::Config, b"the config").unwrap();
+    send(&mut w, &Msg::PmemSums(vec![(sum.len, sum.crc32)])).unwrap();
+    assert!(matches!(crate::recv(&mut r).unwrap(), Msg::Standing { .. }));
+    let page = |offset: u64, v: u8| Msg::PmemPage {
+        region: 0,
+        offset,
+        data: Box::new([v; PAGE_SIZE]),
+    };
+    // Epoch 0: page 2, then page 1 twice (the later copy wins). Nothing is on the copy
+    // before the commit, the first epoch's pages included.
+    send(&mut w, &page(2 * PAGE_SIZE as u64, 2)).unwrap();
+    send(&mut w, &page(PAGE_SIZE as u64, 1)).unwrap();
+    send(&mut w, &page(PAGE_SIZE as u64, 3)).unwrap();
+    send_blob(&mut w, Blob::State, b"state 0").unwrap();
+    send(&mut w, &Msg::Commit { epoch: 0, pages: 0 }).unwrap();
+    assert_eq!(crate::recv(&mut r).unwrap(), Msg::Acked(0));
+    let on_copy = std::fs::read(&copy).unwrap();
+    assert_eq!(
+        (on_copy[0], on_copy[PAGE_SIZE], on_copy[2 * PAGE_SIZE]),
+        (0, 3, 2)
+    );
+    // Epoch 1 never closes: its page must not reach the copy.
+    send(&mut w, &page(0, 9)).unwrap();
+    send_blob(&mut w, Blob::State, b"state 1").unwrap();
+    drop((r, w));
+    let (res, host, logs) = st.join().unwrap();
+    match res {
+        Ok(Standby::TakeOver { epoch, .. }) => assert_eq!(epoch, 0),
+        other => panic!("{other:?} {logs:?}"),
+    }
+    assert_eq!(host.applied.as_deref(), Some(&b"state 0"[..]));
+    let on_copy = std::fs::read(&copy).unwrap();
+    assert_eq!(on_copy.len(), 4 * PAGE_SIZE);
+    assert!(on_copy[..PAGE_SIZE].iter().all(|&b| b == 0));
+    assert!(on_copy[PAGE_SIZE..2 * PAGE_SIZE].iter().all(|&b| b == 3));
+    assert!(on_copy[3 * PAGE_SIZE..].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_pmem_copy_that_differs_is_refused_by_name_and_a_missing_one_is_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (copy, _) = zero_copy(dir.path(), 2 * PAGE_SIZE);
+    let host = FakeHost {
+        pmem: vec![copy.clone()],
+        ..FakeHost::default()
+    };
+    let (addr, st) = standby_with(2, host);
+    let named = format!("--pmem file={}", copy.display());
+    for (sums, says) in [
+        (
+            vec![(2 * PAGE_SIZE as u64, 1)],
+            "differs from the primary's memory-storage file 0",
+        ),
+        (vec![(1, 0), (1, 0)], "the VM has 2 memory-storage files"),
+    ] {
+        let link = crate::dial(&addr, "standby", &opts()).unwrap();
+        let (mut r, mut w) = (link.reader, link.writer);
+        send_blob(&mut w, Blob::Config, b"the config").unwrap();
+        send(&mut w, &Msg::PmemSums(sums)).unwrap();
+        match crate::recv(&mut r).unwrap() {
+            Msg::Refused(why) => assert!(why.contains(says), "{why}"),
+            m => panic!("{m:?}"),
+        }
+    }
+    let (res, host, logs) = st.join().unwrap();
+    assert!(
+        matches!(res, Err(crate::ReceiveError::Stopped(_))),
+        "{res:?}"
+    );
+    assert!(host.applied.is_none());
+    assert!(logs[0].contains(&named), "{logs:?}");
+    assert_eq!(std::fs::read(&copy).unwrap(), vec![0u8; 2 * PAGE_SIZE]);
 }

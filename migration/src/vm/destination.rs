@@ -86,15 +86,16 @@ enum HostError {
     #[error("no configuration came")]
     NoConfig,
     #[error(
-        "the VM has memory-storage files (--pmem), which a standby does not replicate yet; \
-         only a VM without --pmem can be replicated"
-    )]
-    Pmem,
-    #[error(
         "the VM has {primary} disks, this standby was given {given} (--disk): a standby keeps \
          its own copy of every disk, so give --disk path=COPY for each, in the primary's order"
     )]
     DiskCopies { primary: usize, given: usize },
+    #[error(
+        "the VM has {primary} memory-storage files, this standby was given {given} (--pmem): \
+         a standby keeps its own copy of every one, so give --pmem file=COPY for each, in the \
+         primary's order"
+    )]
+    PmemCopies { primary: usize, given: usize },
     #[error("no VM was built")]
     NoVm,
     #[error(transparent)]
@@ -148,6 +149,11 @@ impl Host<ReplicaRam> for VmHost<'_> {
         disks.iter().map(|d| d.path.clone()).collect()
     }
 
+    fn pmem_copies(&self) -> Vec<PathBuf> {
+        let pmem = self.config.as_ref().map(|c| &c.pmem[..]).unwrap_or(&[]);
+        pmem.iter().map(|p| p.file.clone()).collect()
+    }
+
     fn build(&mut self, ram: &Arc<ReplicaRam>) -> Result<(), VmFault> {
         // SAFETY: the mapping is `ram`'s, `ram.len()` bytes, read-write, and stays mapped
         // while the `ram` handed over as owner lives (it is unmapped only when dropped).
@@ -166,8 +172,8 @@ impl VmHost<'_> {
         self.check_config_with(config, false)
     }
 
-    /// `copies`: the VM's disks are this process's own `--disk` files (a standby's copies),
-    /// not the ones the configuration names; memory-storage files cannot be copies yet.
+    /// `copies`: the VM's disks and memory-storage files are this process's own `--disk` and
+    /// `--pmem` files (a standby's copies), not the ones the configuration names.
     fn check_config_with(
         &mut self,
         config: &[u8],
@@ -248,11 +254,9 @@ impl VmHost<'_> {
         Ok(ranges)
     }
 
-    /// Puts the standby's own `--disk` files in the place of the primary's, in order.
+    /// Puts the standby's own `--disk` and `--pmem` files in the place of the primary's, in
+    /// order (each region keeps the primary's size and advertisement: the guest found it so).
     fn own_copies(&self, saved: &mut vmm::snapshot::SavedConfig) -> Result<(), HostError> {
-        if !saved.pmem.is_empty() {
-            return Err(HostError::Pmem);
-        }
         let given = self.given.disks.as_deref().unwrap_or(&[]);
         if given.len() != saved.disks.len() {
             return Err(HostError::DiskCopies {
@@ -263,6 +267,24 @@ impl VmHost<'_> {
         let cwd = std::env::current_dir().unwrap_or_default();
         for (d, copy) in saved.disks.iter_mut().zip(given) {
             d.path = cwd.join(&copy.path);
+        }
+        self.own_pmem_copies(saved, &cwd)
+    }
+
+    fn own_pmem_copies(
+        &self,
+        saved: &mut vmm::snapshot::SavedConfig,
+        cwd: &Path,
+    ) -> Result<(), HostError> {
+        let given = self.given.pmem.as_deref().unwrap_or(&[]);
+        if given.len() != saved.pmem.len() {
+            return Err(HostError::PmemCopies {
+                primary: saved.pmem.len(),
+                given: given.len(),
+            });
+        }
+        for (p, copy) in saved.pmem.iter_mut().zip(given) {
+            p.file = cwd.join(&copy.file);
         }
         Ok(())
     }

@@ -124,6 +124,25 @@ impl SourceVm for HandleVm<'_> {
     fn read_disk(&self, disk: usize, offset: u64, buf: &mut [u8]) -> Result<(), VmFault> {
         Ok(self.0.read_disk(disk, offset, buf)?)
     }
+    fn start_pmem_log(&self) -> Result<Vec<(u64, u32)>, VmFault> {
+        let sums = self.0.start_pmem_log()?;
+        Ok(sums.into_iter().map(|s| (s.len, s.crc32)).collect())
+    }
+    fn pmem_dirty_pages(&self) -> Result<Vec<(u32, u64)>, VmFault> {
+        let pages = self.0.pmem_dirty_pages()?;
+        Ok(pages.into_iter().map(|(r, o)| (r as u32, o)).collect())
+    }
+    fn stop_pmem_log(&self) {
+        let _ = self.0.stop_pmem_log();
+    }
+    fn read_pmem(
+        &self,
+        region: u32,
+        offset: u64,
+        buf: &mut [u8; dsm::PAGE_SIZE],
+    ) -> Result<(), VmFault> {
+        Ok(self.0.read_pmem(region as usize, offset, &mut buf[..])?)
+    }
 }
 
 struct Request {

@@ -7,7 +7,9 @@ mod console;
 mod persist;
 mod vcpus;
 
-pub use persist::{DirtyLogError, JournalError, RamReadError, SnapshotReport, StorageError};
+pub use persist::{
+    DirtyLogError, JournalError, PmemLogError, RamReadError, SnapshotReport, StorageError,
+};
 
 use crate::config::ExitsMode;
 use crate::control::{Outcome, RunControl};
@@ -56,6 +58,8 @@ pub(crate) struct Shared {
     pub(crate) busy: Mutex<()>,
     /// Pages written since the last look, while a pre-copy migration asks.
     pub(crate) dirty: crate::vstate::dirty::DirtyLog,
+    /// Memory-storage pages written since the last look, while a replica asks.
+    pub(crate) pmem_dirty: crate::vstate::dirty::PmemDirtyLog,
 }
 
 /// What a paused VM's clocks read when it stopped.

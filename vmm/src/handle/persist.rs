@@ -34,6 +34,22 @@ pub enum JournalError {
     NoDisk(usize),
 }
 
+/// A memory-storage region could not be tracked, checked or read for a replica.
+#[derive(Debug, thiserror::Error)]
+pub enum PmemLogError {
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error(transparent)]
+    DirtyLog(#[from] DirtyLogError),
+    #[error("--pmem file={}: reading it for replication: {source}", path.display())]
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the VM has no memory-storage page at region {region}, offset {offset:#x}")]
+    Outside { region: usize, offset: u64 },
+}
+
 /// Guest RAM that could not be read.
 #[derive(Debug, thiserror::Error)]
 #[error("guest RAM at {gpa:#x}: {source}")]
@@ -137,6 +153,86 @@ impl VmHandle {
             path: j.path().to_path_buf(),
             source,
         })
+    }
+
+    /// Starts tracking the pages written in the writable memory-storage regions and returns
+    /// each region's file checksum as of that moment, in `--pmem` order (none for a VM
+    /// without regions). The VM is paused meanwhile (if it runs), so no store falls between
+    /// the checksum and the tracking.
+    pub fn start_pmem_log(&self) -> Result<Vec<devices::virtio::FileSum>, PmemLogError> {
+        let sh = &self.shared;
+        if sh.pmem.is_empty() {
+            return Ok(Vec::new());
+        }
+        let _one = sh.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let paused = sh.gate.is_paused();
+        if !paused {
+            self.pause_locked()?;
+        }
+        let sums = sh
+            .pmem_dirty
+            .start()
+            .map_err(PmemLogError::from)
+            .and_then(|()| {
+                sh.pmem
+                    .iter()
+                    .map(|r| {
+                        r.checksum().map_err(|source| PmemLogError::Read {
+                            path: r.config.file.clone(),
+                            source,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            });
+        if sums.is_err() {
+            let _ = sh.pmem_dirty.stop();
+        }
+        if !paused {
+            self.resume_locked()?;
+        }
+        sums
+    }
+
+    /// (region, offset) of each memory-storage page written since
+    /// [`VmHandle::start_pmem_log`] or the last call.
+    pub fn pmem_dirty_pages(&self) -> Result<Vec<(usize, u64)>, DirtyLogError> {
+        self.shared.pmem_dirty.take()
+    }
+
+    /// Stops what [`VmHandle::start_pmem_log`] started.
+    pub fn stop_pmem_log(&self) -> Result<(), DirtyLogError> {
+        self.shared.pmem_dirty.stop()
+    }
+
+    /// Copies memory-storage region `region` at `offset` into `buf`, from its mapping (what
+    /// the guest stored there, whether or not written back).
+    pub fn read_pmem(
+        &self,
+        region: usize,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<(), PmemLogError> {
+        let r = self
+            .shared
+            .pmem
+            .get(region)
+            .filter(|r| {
+                offset
+                    .checked_add(buf.len() as u64)
+                    .is_some_and(|end| end <= r.size)
+            })
+            .ok_or(PmemLogError::Outside { region, offset })?;
+        // SAFETY: `offset..end` lies inside the region's mapping (checked above), which lives
+        // as long as `r`; the guest may store into it meanwhile, which at worst tears the
+        // copy of a page a later look reports again.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                r.host_addr().add(offset as usize),
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
+        Ok(())
     }
 
     /// Makes everything the guest wrote to its disks and memory-storage files durable in the

@@ -68,7 +68,7 @@ fn describe_size(bytes: u64) -> String {
 
 /// Files and configurations for the tests of every part.
 #[cfg(test)]
-mod test_files {
+pub(crate) mod test_files {
     use super::{Advertise, PmemConfig};
     use std::path::Path;
 

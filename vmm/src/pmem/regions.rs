@@ -40,6 +40,8 @@ pub struct PmemRegion {
     pub config: PmemConfig,
     pub guest_addr: u64,
     pub size: u64,
+    /// Its KVM memory slot, once registered (for dirty logging while replicated).
+    pub slot: Option<u32>,
     /// The host mapping. vm-memory's `MmapRegion` (rather than a bare `libc::mmap`) because a
     /// writable region joins the guest memory that devices DMA into, with the same bounds
     /// checks as RAM, and the mapping is unmapped when the last user drops it.
@@ -54,6 +56,24 @@ impl PmemRegion {
 
     pub fn host_addr(&self) -> *mut u8 {
         self.mapping.as_ptr()
+    }
+
+    /// The mapping, whose bitmap records the VMM's own writes (device DMA into the region).
+    pub(crate) fn mapping(&self) -> &GuestRegionMmap {
+        &self.mapping
+    }
+
+    /// Length and CRC-32 of the region's whole file as it is now (the page cache holds the
+    /// guest's stores), read through the descriptor the mapping was made from.
+    pub fn checksum(&self) -> std::io::Result<devices::virtio::FileSum> {
+        let file = self
+            .mapping
+            .file_offset()
+            .map(|f| f.file())
+            .ok_or_else(|| {
+                std::io::Error::new(std::io::ErrorKind::NotFound, "the mapping has no file")
+            })?;
+        devices::virtio::FileSum::of(file)
     }
 }
 
@@ -130,6 +150,7 @@ impl PmemFiles {
                 config,
                 guest_addr: addr,
                 size,
+                slot: None,
                 mapping: Arc::new(mapping),
             });
         }
@@ -227,7 +248,7 @@ impl PmemRegions {
 
     /// Gives every region its KVM memory slot; read-only regions get `KVM_MEM_READONLY`, so
     /// a guest store becomes an MMIO exit instead of reaching the file.
-    pub fn register(&self, vm: &mut KvmVm) -> Result<(), PmemError> {
+    pub fn register(&mut self, vm: &mut KvmVm) -> Result<(), PmemError> {
         if self.regions.is_empty() {
             return Ok(());
         }
@@ -245,10 +266,10 @@ impl PmemRegions {
                     .into(),
             ));
         }
-        for r in &self.regions {
+        for r in &mut self.regions {
             // SAFETY: the mapping is kept alive by `self`, which the builder drops only after
             // the VM fd; KVM re-checks the range against the process's mappings anyway.
-            unsafe {
+            let slot = unsafe {
                 vm.add_memory_slot(
                     r.guest_addr,
                     r.size,
@@ -257,6 +278,7 @@ impl PmemRegions {
                 )
             }
             .map_err(|e| file_err(&r.config.file, e.to_string()))?;
+            r.slot = Some(slot);
         }
         Ok(())
     }

@@ -323,7 +323,7 @@ impl Vm {
             host_phys_bits(),
         )?;
         let addrs: Vec<u64> = layout.pmem.iter().map(|p| p.addr).collect();
-        let pmem = pmem_files.map(&addrs)?;
+        let mut pmem = pmem_files.map(&addrs)?;
         // The vCPU threads start first and set up their vCPUs beside the rest of the build
         // (see `vcpu_thread`): the first probes the host's CPUID while the VM is created.
         let kvm_host = open_kvm()?;

@@ -83,6 +83,10 @@ impl Vm {
                 self.ram.clone(),
                 self.kvm.ram_slots().to_vec(),
             ),
+            pmem_dirty: crate::vstate::dirty::PmemDirtyLog::new(
+                self.kvm.shared_fd(),
+                &self.pmem.regions,
+            ),
         });
         // A restored VM's clock goes on from the value it was saved with.
         if let Some(clock) = &self.start_clock {
