@@ -276,10 +276,9 @@ fn mem_check_reads_back_every_byte_on_the_standby_after_the_primary_is_killed() 
     assert_mem_check(&text, ROUNDS);
 }
 
-/// The disk the blk tests fill, on each side: a fill of it takes longer than a primary
-/// takes to be protected, so the primary dies during it (64 MiB, filled in a few hundred
-/// milliseconds, once was not, on a loaded machine), and it is small enough for two copies
-/// in a temporary directory.
+/// The disk the blk tests fill, on each side: a fill of it outlasts the two epochs from the
+/// primary's resuming to its death even on a loaded machine (each epoch of the fill ships
+/// its writes), and it is small enough for two copies in a temporary directory.
 const DISK_BYTES: usize = 256 << 20;
 const FILL_SEED: u64 = 31;
 
@@ -297,6 +296,59 @@ fn fill_crc(len: usize, seed: u64) -> u32 {
     h.finalize()
 }
 
+/// A primary running `tasks` with `flags`, paused from hello until the standby is
+/// protected and then resumed: a task that starts right after hello would otherwise outrun
+/// the first epochs (all of RAM) on a loaded machine, and end before the kill.
+fn paused_until_protected(
+    dir: &Path,
+    port: u16,
+    key: &Path,
+    tasks: &str,
+    flags: &[&str],
+) -> Primary {
+    let mut p = start_primary_with(dir, "primary", port, key, tasks, MEMORY, flags);
+    let serial = p.serial.clone();
+    p.vm.wait_for_text(&serial, HELLO, LIMIT);
+    // A pause asked during a checkpoint finds the VM paused by it: asked again.
+    let mut paused = None;
+    wait_until(LIMIT, || {
+        let r = remote(&p.socket, &["pause"]);
+        let done = r.code == Some(0) || !r.stderr.contains("already paused");
+        paused = Some(r);
+        done
+    });
+    let paused = paused.unwrap();
+    assert_eq!(paused.code, Some(0), "{}", paused.explain());
+    p.wait_protected();
+    let resumed = remote(&p.socket, &["resume"]);
+    assert_eq!(resumed.code, Some(0), "{}", resumed.explain());
+    p
+}
+
+/// A primary with `flags` whose standby refuses it: waits until its metrics say the
+/// standby is lost (its VM runs a task that lasts until it is killed, so the refusal is
+/// what ends the replication, not the VM), kills it and returns how it ended.
+fn refused_primary(dir: &Path, port: u16, key: &Path, flags: &[&str]) -> Run {
+    let mut primary = start_primary_with(dir, "primary", port, key, "hello,spin=0", MEMORY, flags);
+    // Asked for metrics (SIGUSR1) only once it runs the guest, with its handler set.
+    let serial = primary.serial.clone();
+    primary.vm.wait_for_text(&serial, HELLO, LIMIT);
+    let mut last = None;
+    let lost = wait_until(LIMIT, || {
+        last = primary.metrics_now().and_then(|m| m.replication);
+        last.as_ref()
+            .is_some_and(|r| r.state == ReplicationState::Lost)
+    });
+    primary.kill();
+    let p = primary.vm.finish(LIMIT);
+    assert!(
+        lost,
+        "the primary never lost its standby: {last:?}\n{}",
+        p.explain()
+    );
+    p
+}
+
 #[test]
 fn a_disk_filled_across_the_primarys_death_reads_back_on_the_standby_as_the_guest_wrote_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -305,14 +357,9 @@ fn a_disk_filled_across_the_primarys_death_reads_back_on_the_standby_as_the_gues
     let tasks = format!("hello,blk-fill={FILL_SEED},blk-crc");
     let primary_disk = format!("path={}", primary_img.display());
     let standby_disk = format!("path={}", standby_img.display());
-    let (text, _) = taken_over_mid_task_with(
-        dir.path(),
-        26,
-        &tasks,
-        MEMORY,
-        &["--disk", &primary_disk],
-        &["--disk", &standby_disk],
-    );
+    let (text, _) = taken_over_from(dir.path(), 26, &["--disk", &standby_disk], |port, key| {
+        paused_until_protected(dir.path(), port, key, &tasks, &["--disk", &primary_disk])
+    });
     // The primary died during the fill, having written part of the disk: the standby
     // did not write that part again (it went on from the last epoch), so it reads back
     // whole only if the primary's writes reached the standby's copy.
@@ -360,17 +407,7 @@ fn a_standby_whose_disk_copy_differs_in_size_or_content_is_refused_by_name() {
         let copy_disk = format!("path={}", copy.display());
         let mut standby = start_standby_with(port, &key, &standby_serial, &["--disk", &copy_disk]);
         let guard = KillOnPanic::new(&standby);
-        let primary = start_primary_with(
-            dir.path(),
-            "primary",
-            port,
-            &key,
-            "hello",
-            MEMORY,
-            &["--disk", &primary_disk],
-        );
-        let p = primary.vm.finish(LIMIT);
-        assert_eq!(p.code, Some(0), "{}", p.explain());
+        let p = refused_primary(dir.path(), port, &key, &["--disk", &primary_disk]);
         let named = copy.display().to_string();
         assert!(
             p.stderr.contains("the standby refused the VM")
@@ -438,23 +475,7 @@ fn a_pmem_region_filled_across_the_primarys_death_reads_back_on_the_standby_as_t
     // two epochs after it runs on, early in the fill.
     let (text, _) = taken_over_from(dir.path(), 30, &["--pmem", &standby_pmem], |port, key| {
         let flags = ["--pmem", primary_pmem.as_str()];
-        let mut p = start_primary_with(dir.path(), "primary", port, key, &tasks, MEMORY, &flags);
-        let serial = p.serial.clone();
-        p.vm.wait_for_text(&serial, HELLO, LIMIT);
-        // A pause asked during a checkpoint finds the VM paused by it: asked again.
-        let mut paused = None;
-        wait_until(LIMIT, || {
-            let r = remote(&p.socket, &["pause"]);
-            let done = r.code == Some(0) || !r.stderr.contains("already paused");
-            paused = Some(r);
-            done
-        });
-        let paused = paused.unwrap();
-        assert_eq!(paused.code, Some(0), "{}", paused.explain());
-        p.wait_protected();
-        let resumed = remote(&p.socket, &["resume"]);
-        assert_eq!(resumed.code, Some(0), "{}", resumed.explain());
-        p
+        paused_until_protected(dir.path(), port, key, &tasks, &flags)
     });
     // The primary died during the fill, having stored into part of the region: the
     // standby went on from the last epoch and did not store there again, so its region
@@ -503,17 +524,7 @@ fn a_standby_whose_pmem_copy_differs_is_refused_naming_the_file() {
     let copy_pmem = format!("file={}", other.display());
     let mut standby = start_standby_with(port, &key, &standby_serial, &["--pmem", &copy_pmem]);
     let guard = KillOnPanic::new(&standby);
-    let primary = start_primary_with(
-        dir.path(),
-        "primary",
-        port,
-        &key,
-        "hello",
-        MEMORY,
-        &["--pmem", &primary_pmem],
-    );
-    let p = primary.vm.finish(LIMIT);
-    assert_eq!(p.code, Some(0), "{}", p.explain());
+    let p = refused_primary(dir.path(), port, &key, &["--pmem", &primary_pmem]);
     let named = format!("--pmem file={}", other.display());
     assert!(
         p.stderr.contains("the standby refused the VM")
