@@ -10,6 +10,8 @@ use std::process::{Command, ExitStatus, Stdio};
 /// Why an `ip` command did not do its work; names the command.
 #[derive(Debug, thiserror::Error)]
 pub enum IpError {
+    #[error("making network namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); running as euid {euid}")]
+    NotRoot { euid: u32 },
     #[error("cannot run iproute2's `ip` for `{command}` ({source}); install it (Debian: apt-get install iproute2)")]
     Run {
         command: String,
@@ -64,14 +66,24 @@ impl Netns {
             euid, 0,
             "this test makes network namespaces, which needs root (euid {euid})"
         );
-        ip(&["-V"]);
-        let ns = Netns {
-            name: format!("musubi-t{}-{tag}", std::process::id()),
-        };
-        // Owned before it exists: a failure below still deletes what was made.
-        ip(&["netns", "add", &ns.name]);
-        ip(&["-n", &ns.name, "link", "set", "lo", "up"]);
-        ns
+        Netns::try_new(tag).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Netns::new`] for a program that goes on without it (a benchmark's rows that need
+    /// it are then reported unavailable, with this error as the reason).
+    pub fn try_new(tag: &str) -> Result<Netns, IpError> {
+        // SAFETY: geteuid(2) has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        if euid != 0 {
+            return Err(IpError::NotRoot { euid });
+        }
+        try_ip(&["-V"])?;
+        let name = format!("musubi-t{}-{tag}", std::process::id());
+        try_ip(&["netns", "add", &name])?;
+        // Owned from here: a failure below still deletes what was made.
+        let ns = Netns { name };
+        try_ip(&["-n", &ns.name, "link", "set", "lo", "up"])?;
+        Ok(ns)
     }
 
     /// `program` run inside the namespace (`ip netns exec` execs it: the child's pid is the
