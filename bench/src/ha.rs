@@ -1,7 +1,8 @@
-//! `musubi bench ha`: a running probe guest replicated to a standby on loopback (`run
-//! --replicate-to`, `run --standby-for`): what the replication costs the VM, beside the same
-//! VM unreplicated in the same run, and how fast the standby takes over from a killed
-//! primary.
+//! `musubi bench ha`: a running probe guest replicated to a standby (`run --replicate-to`,
+//! `run --standby-for`; on loopback, or over bridges between network namespaces for the
+//! network rows): what the replication costs the VM, beside the same VM unreplicated in the
+//! same run, and how fast the standby takes over from a killed primary, for the VMM and for
+//! a client.
 //!
 //! Measured:
 //!
@@ -22,8 +23,7 @@
 //! - failover: the primary killed with SIGKILL at a random moment once the standby holds
 //!   epochs after `hello`, to the standby's first `KVM_RUN` (the kernel's `sys_enter_ioctl`
 //!   tracepoint, `CLOCK_MONOTONIC`; the kill's time is read on the same clock right before
-//!   kill(2)), heartbeat 100 ms; the standby must then end the task with fib's exact value.
-//!
+//!   kill(2)), heartbeat 100 ms; the standby must then end the task with fib's exact value;
 //! - failover as a client sees it: the primary's and the standby's TAPs in network
 //!   namespaces of their own, joined over a bridge in a third where the client runs
 //!   ([`ReplicaNet`], the set-up `musubi/tests/replication_net.rs` uses); the guest runs
@@ -36,7 +36,8 @@
 //!   the held output makes every round trip wait for its epoch's acknowledgement.
 //!
 //! The network rows need root (namespaces, TAPs); without it they are reported unavailable
-//! with the reason, and the rest runs.
+//! with the reason, and the rest runs. The namespaces go when the run ends, also by a
+//! signal.
 
 use super::apivm::{one_line, wait_until, Vm};
 use super::driver::{summary_bars, Columns, Outputs, Runs, Verdicts};
@@ -274,8 +275,10 @@ pub fn run(h: &Harness, _args: &BenchArgs) -> Result<(), String> {
     })?;
     let exe = crate::probe::musubi()?;
     let elf = crate::probe::materialize()?;
-    // Deleted, with every interface in it, however the run ends but by a signal.
-    let net = ReplicaNet::try_new("ha").map_err(|e| e.to_string());
+    // Deleted, with every interface in them, however the run ends.
+    let net = ReplicaNet::try_new("ha")
+        .map_err(|e| e.to_string())
+        .and_then(|n| n.delete_on_signal().map(|()| n));
     print_plan(&load, &trace, &net);
     let mut configs = Vec::new();
     for work in [Work::Fib, Work::MemCheck] {
@@ -408,7 +411,9 @@ fn joined<C, R>(mut a: Runs<C, R>, b: Runs<C, R>) -> Runs<C, R> {
 }
 
 fn print_plan(load: &Load, trace: &KvmRunTrace, net: &Result<ReplicaNet, String>) {
-    println!("ha: replication to a standby on loopback, probe guest, 1 vCPU, {MEMORY_MIB} MiB;");
+    println!(
+        "ha: replication to a standby (on loopback; the network rows in namespaces), probe guest, 1 vCPU, {MEMORY_MIB} MiB;"
+    );
     println!(
         "  overhead: hello,{} and hello,{} unreplicated and at epochs of {} ms (heartbeat {OVERHEAD_HEARTBEAT_MS} ms), {} run(s) each, interleaved;",
         Work::Fib.task(load),
@@ -1844,8 +1849,11 @@ fn panels(f: &Found, k: &KillSums, c: Option<&ClientSums>) -> Vec<plot::Panel> {
             name,
         )
     };
+    // udp-echo's task time is its epochs' waits: its own panel shows its round trips.
+    let compute = |s: &&Sums| s.config.work != Work::UdpEcho;
     let slowdown: Vec<plot::Bar> = f
         .replicated()
+        .filter(compute)
         .flat_map(|s| {
             [
                 f.slowdown(s).map(|r| plot::Bar {
@@ -1926,7 +1934,9 @@ fn panels(f: &Found, k: &KillSums, c: Option<&ClientSums>) -> Vec<plot::Panel> {
             title: "task time on its own core (median, min)".into(),
             unit: "ms".into(),
             bars: summary_bars(
-                f.0.iter().map(|s| (s, s.own_core.map(|x| x.scaled(1e-6)))),
+                f.0.iter()
+                    .filter(compute)
+                    .map(|s| (s, s.own_core.map(|x| x.scaled(1e-6)))),
                 name,
             ),
         },

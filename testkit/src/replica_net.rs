@@ -71,4 +71,12 @@ impl ReplicaNet {
         try_ip(&["-n", c, "link", "set", "br0", "up"])?;
         Ok(net)
     }
+
+    /// [`Netns::delete_on_signal`] for all three.
+    pub fn delete_on_signal(&self) -> Result<(), String> {
+        for ns in [&self.primary, &self.standby, &self.client] {
+            ns.delete_on_signal()?;
+        }
+        Ok(())
+    }
 }
