@@ -915,11 +915,15 @@ fn failover_run(
     let want = EPOCHS_BEFORE_KILL.max(acked(&metrics_now(&primary, &metrics)) + 2);
     // `wait_until` asks a `Fn`: what the last look saw is kept in a cell.
     let acked_before = std::cell::Cell::new(0);
-    wait_until(&primary, "the standby's epochs", RUN_TIMEOUT, || {
+    let protected = wait_until(&primary, "the standby's epochs", RUN_TIMEOUT, || {
         std::thread::sleep(POLL);
         acked_before.set(acked(&metrics_now(&primary, &metrics)));
         acked_before.get() >= want
-    })?;
+    });
+    // A standby that took over from the live primary ends the protection waited for.
+    if let Err(e) = protected {
+        return early(&sb).ok_or(e);
+    }
     let acked_before = acked_before.get();
     std::thread::sleep(Duration::from_millis(delay_ms));
     if let Some(e) = early(&sb) {
@@ -1033,10 +1037,13 @@ fn client_failover_run(
     let metrics = dir.join("primary-metrics.json");
     primary.wait_for_line(&console, "probe: udp-counter: listening", BOOT_TIMEOUT)?;
     let client = CounterClient::start(net)?;
-    wait_until(&primary, "the client's first answers", BOOT_TIMEOUT, || {
+    let answered = wait_until(&primary, "the client's first answers", BOOT_TIMEOUT, || {
         std::thread::sleep(POLL);
         client.count() >= 5
-    })?;
+    });
+    if let Err(e) = answered {
+        return early(&sb).map(Attempt::Early).ok_or(e);
+    }
     let acked = |m: &Option<Metrics>| {
         m.as_ref()
             .and_then(|m| m.replication.as_ref())
@@ -1044,11 +1051,14 @@ fn client_failover_run(
     };
     let want = EPOCHS_BEFORE_KILL.max(acked(&metrics_now(&primary, &metrics)) + 2);
     let acked_before = std::cell::Cell::new(0);
-    wait_until(&primary, "the standby's epochs", RUN_TIMEOUT, || {
+    let protected = wait_until(&primary, "the standby's epochs", RUN_TIMEOUT, || {
         std::thread::sleep(POLL);
         acked_before.set(acked(&metrics_now(&primary, &metrics)));
         acked_before.get() >= want
-    })?;
+    });
+    if let Err(e) = protected {
+        return early(&sb).map(Attempt::Early).ok_or(e);
+    }
     let acked_before = acked_before.get();
     std::thread::sleep(Duration::from_millis(delay_ms));
     if let Some(why) = early(&sb) {
