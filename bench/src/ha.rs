@@ -1998,6 +1998,21 @@ mod tests {
     }
 
     #[test]
+    fn without_the_namespaces_the_client_goals_say_why_they_are_not_judged() {
+        let k = KillSums {
+            n: 0,
+            failover: None,
+        };
+        let why = "making network namespaces needs root";
+        let shown = verdicts(&Found(Vec::new()), &k, None, Some(why)).table();
+        assert!(shown.contains(&format!("unavailable: {why}")), "{shown}");
+        assert!(
+            shown.contains("SIGKILL to the client's first answer"),
+            "{shown}"
+        );
+    }
+
+    #[test]
     fn kill_moments_spread_over_their_range() {
         let mut s = 12345u64;
         let v: Vec<u64> = (0..200).map(|_| xorshift(&mut s) % 401).collect();
