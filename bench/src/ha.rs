@@ -1,7 +1,8 @@
-//! `musubi bench ha`: a running probe guest replicated to a standby on loopback (`run
-//! --replicate-to`, `run --standby-for`): what the replication costs the VM, beside the same
-//! VM unreplicated in the same run, and how fast the standby takes over from a killed
-//! primary.
+//! `musubi bench ha`: a running probe guest replicated to a standby (`run --replicate-to`,
+//! `run --standby-for`; on loopback, or over bridges between network namespaces for the
+//! network rows): what the replication costs the VM, beside the same VM unreplicated in the
+//! same run, and how fast the standby takes over from a killed primary, for the VMM and for
+//! a client.
 //!
 //! Measured:
 //!
@@ -22,20 +23,21 @@
 //! - failover: the primary killed with SIGKILL at a random moment once the standby holds
 //!   epochs after `hello`, to the standby's first `KVM_RUN` (the kernel's `sys_enter_ioctl`
 //!   tracepoint, `CLOCK_MONOTONIC`; the kill's time is read on the same clock right before
-//!   kill(2)), heartbeat 100 ms; the standby must then end the task with fib's exact value.
+//!   kill(2)), heartbeat 100 ms; the standby must then end the task with fib's exact value;
+//! - failover as a client sees it: the primary's and the standby's TAPs in network
+//!   namespaces of their own, joined over a bridge in a third where the client runs
+//!   ([`ReplicaNet`], the set-up `musubi/tests/replication_net.rs` uses); the guest runs
+//!   `udp-counter`, the client asks it every few ms (and asks again after a short silence),
+//!   the primary is SIGKILLed at a random moment with a 100 ms heartbeat; from the kill to
+//!   the client's first answer that the standby sent (the first after its first `KVM_RUN`),
+//!   and the counter's values over every kill checked for repeats and gaps;
+//! - `udp-echo` (rate, p50/p99 round trip, the probe's own figures) against an echo peer in
+//!   the client's namespace, unreplicated and at each epoch, through the same overhead runs:
+//!   the held output makes every round trip wait for its epoch's acknowledgement.
 //!
-//! TODO (network output commit, `udp-counter`): the issue also asks for `udp-echo` under
-//! replication (request rate and p50/p99 latency at each epoch, beside unreplicated) and for
-//! failover to the client's first answer, with the answers lost or repeated across every
-//! kill counted (must be 0). Both need frames held until their epoch is acknowledged (the
-//! network output commit) and the `udp-counter=PORT` probe task; neither is in this tree
-//! yet, so the report says those rows are not measured instead of showing figures that
-//! would mean nothing (without output commit, a failover can repeat answers by design).
-//! When they land: the primary's and the standby's TAPs in two network namespaces joined by
-//! a bridge in a third, with the client there (as `bench net` makes its namespace); the
-//! udp-echo rows as more [`Work`]s through [`overhead_run`]; the client's first answer
-//! after the kill, and the counter's values checked for gaps and repeats, in
-//! [`failover_run`] beside its first `KVM_RUN`.
+//! The network rows need root (namespaces, TAPs); without it they are reported unavailable
+//! with the reason, and the rest runs. The namespaces go when the run ends, also by a
+//! signal.
 
 use super::apivm::{one_line, wait_until, Vm};
 use super::driver::{summary_bars, Columns, Outputs, Runs, Verdicts};
@@ -44,9 +46,13 @@ use super::report::{cell, median_min, ms, Figure, Table};
 use super::stats::{ratio, Summary};
 use super::{plot, BenchArgs, Harness};
 use musubi_types::{Metrics, ReplicationMetrics};
+use std::net::{Ipv4Addr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use testkit::replica_net::{ReplicaNet, CLIENT, GUEST, STANDBY_HOST, TAP};
 use vmm::monotonic_ns;
 
 const HELLO: &str = "{\"probe\":\"hello\"";
@@ -76,7 +82,16 @@ const GOAL_FAILOVER_MS: f64 = 200.0;
 const GOAL_SOURCE: &str = "Musubi goal, same run";
 /// Remus (NSDI 2008) failed over in about a second.
 const REMUS_FAILOVER_MS: f64 = 1000.0;
-const NEEDS_OUTPUT_COMMIT: &str = "not measured: needs the network output commit and udp-counter";
+/// The client's ports in its namespace: the echo peer's and the counter's (the guest's).
+const ECHO_PORT: u16 = 7001;
+const COUNTER_PORT: u16 = 7000;
+/// The counter client: a request, then its answer awaited this long before it asks again.
+const RESEND_AFTER: Duration = Duration::from_millis(40);
+/// Its pause between an answer and the next request.
+const ASK_EVERY: Duration = Duration::from_millis(2);
+/// Answers the client must get from the standby before the run ends.
+const ANSWERS_AFTER_KILL: usize = 30;
+const CONTINUE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How much each run does.
 #[derive(Clone, Copy, Debug)]
@@ -91,6 +106,11 @@ struct Load {
     /// The failover runs' fib: long enough that the kill falls mid-task wherever the random
     /// moment falls.
     failover_fib_n: u64,
+    /// udp-echo's rounds per run, and its runs per configuration.
+    echo_rounds: u64,
+    echo_reps: usize,
+    /// Kills of a primary that a `udp-counter` client asks.
+    client_kills: usize,
 }
 
 /// Seconds of work per task: well over a hundred epochs at 20 ms, so that a run's 99th
@@ -103,6 +123,9 @@ const FULL: Load = Load {
     kills: 20,
     kill_within_ms: 400,
     failover_fib_n: 44,
+    echo_rounds: 300,
+    echo_reps: 3,
+    client_kills: 20,
 };
 const QUICK: Load = Load {
     fib_n: 40,
@@ -112,6 +135,9 @@ const QUICK: Load = Load {
     kills: 2,
     kill_within_ms: 100,
     failover_fib_n: 43,
+    echo_rounds: 50,
+    echo_reps: 1,
+    client_kills: 2,
 };
 
 /// The guest's task after hello.
@@ -121,6 +147,9 @@ enum Work {
     Fib,
     /// `mem-check=MIB,iters=R`: fills MIB, rewrites a sixteenth of it per round, checks it.
     MemCheck,
+    /// `udp-echo=CLIENT:PORT,n=N`: request and answer, one at a time, with an echo peer in
+    /// the client's namespace (the VM on the TAP of [`ReplicaNet`]).
+    UdpEcho,
 }
 
 impl Work {
@@ -128,6 +157,7 @@ impl Work {
         match self {
             Work::Fib => "fib",
             Work::MemCheck => "mem-check",
+            Work::UdpEcho => "udp-echo",
         }
     }
 
@@ -135,6 +165,7 @@ impl Work {
         match self {
             Work::Fib => format!("fib={}", load.fib_n),
             Work::MemCheck => format!("mem-check={},iters={}", load.mem_mib, load.mem_rounds),
+            Work::UdpEcho => format!("udp-echo={CLIENT}:{ECHO_PORT},n={}", load.echo_rounds),
         }
     }
 }
@@ -173,6 +204,17 @@ struct Sample {
     task_epochs: Option<u64>,
     /// Bytes sent over those epochs (pages and state).
     task_bytes: Option<u64>,
+    /// udp-echo's own figures, for that task.
+    echo: Option<Echo>,
+}
+
+/// What the probe's udp-echo said of its rounds.
+#[derive(Clone, Copy, Debug)]
+struct Echo {
+    rate_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    lost: u64,
 }
 
 impl Sample {
@@ -191,6 +233,25 @@ impl Sample {
     fn task_bytes_per_epoch(&self) -> Option<f64> {
         ratio(self.task_bytes? as f64, self.task_epochs? as f64)
     }
+}
+
+/// One kill of a primary that a `udp-counter` client asked.
+#[derive(Clone, Debug)]
+struct ClientKill {
+    /// kill(2) of the primary to the client's first answer sent by the standby (the first
+    /// to come after the standby's first KVM_RUN).
+    to_answer_ns: u64,
+    /// kill(2) to the standby's first KVM_RUN.
+    to_first_run_ns: u64,
+    delay_ms: u64,
+    acked_before: u64,
+    /// Answers the client got over the run, and by the kill.
+    answers: usize,
+    at_kill: usize,
+    /// Answers whose number was not above the one before (given twice, or gone back).
+    repeated: u64,
+    /// Numbers never seen between those seen (answers lost).
+    skipped: u64,
 }
 
 /// One kill of a primary.
@@ -214,7 +275,11 @@ pub fn run(h: &Harness, _args: &BenchArgs) -> Result<(), String> {
     })?;
     let exe = crate::probe::musubi()?;
     let elf = crate::probe::materialize()?;
-    print_plan(&load, &trace);
+    // Deleted, with every interface in them, however the run ends.
+    let net = ReplicaNet::try_new("ha")
+        .map_err(|e| e.to_string())
+        .and_then(|n| n.delete_on_signal().map(|()| n));
+    print_plan(&load, &trace, &net);
     let mut configs = Vec::new();
     for work in [Work::Fib, Work::MemCheck] {
         configs.push(Config {
@@ -228,9 +293,22 @@ pub fn run(h: &Harness, _args: &BenchArgs) -> Result<(), String> {
             });
         }
     }
-    let runs = Runs::measure(h, configs, load.reps, Config::name, |_, c| {
-        overhead_run(&exe, &elf, c, &load)
+    let mut runs = Runs::measure(h, configs, load.reps, Config::name, |_, c| {
+        overhead_run(&exe, &elf, c, &load, None)
     })?;
+    if let Ok(net) = &net {
+        let echo: Vec<Config> = std::iter::once(None)
+            .chain(EPOCHS_MS.map(Some))
+            .map(|epoch_ms| Config {
+                work: Work::UdpEcho,
+                epoch_ms,
+            })
+            .collect();
+        let echo = Runs::measure(h, echo, load.echo_reps, Config::name, |_, c| {
+            overhead_run(&exe, &elf, c, &load, Some(net))
+        })?;
+        runs = joined(runs, echo);
+    }
     let fib_n = load.failover_fib_n;
     let mut seed = monotonic_ns() | 1;
     let mut early = Vec::new();
@@ -254,34 +332,61 @@ pub fn run(h: &Harness, _args: &BenchArgs) -> Result<(), String> {
             }
         },
     )?;
-    let csv_path = Outputs::new(h).csv("ha.csv", &csv(&runs, &kills))?;
+    let mut client_early = Vec::new();
+    let client_kills = match &net {
+        Ok(net) => Some(Runs::measure(
+            h,
+            vec!["failover, udp-counter client".to_string()],
+            load.client_kills,
+            String::clone,
+            |_, _| loop {
+                let delay = xorshift(&mut seed) % (load.kill_within_ms + 1);
+                match client_failover_run(&exe, &elf, net, delay, &trace)? {
+                    Attempt::Killed(k) => return Ok(k),
+                    Attempt::Early(why) if client_early.len() < load.client_kills => {
+                        client_early.push(why)
+                    }
+                    Attempt::Early(why) => {
+                        return Err(format!(
+                            "{} standbys took over from a live primary, the last: {why}",
+                            client_early.len() + 1
+                        ))
+                    }
+                }
+            },
+        )?),
+        Err(_) => None,
+    };
+    let unavailable = net.as_ref().err().map(String::as_str);
+    let csv_path = Outputs::new(h).csv("ha.csv", &csv(&runs, &kills, client_kills.as_ref()))?;
     let f = Found::of(&runs);
     let k = kill_sums(&kills);
+    let ck = client_kills.as_ref().map(client_sums);
     print_table(&f);
     print_failover(&k, &kills, &early);
+    match (&ck, &client_kills) {
+        (Some(ck), Some(runs)) => print_client_failover(ck, runs, &client_early),
+        _ => println!(
+            "\nfailover to the client's first answer (udp-counter): unavailable: {}",
+            unavailable.unwrap_or("not run")
+        ),
+    }
+    match unavailable {
+        None => print_echo(&f),
+        Some(why) => println!("\nudp-echo under replication: unavailable: {why}"),
+    }
     println!();
-    print!("{}", verdicts(&f, &k).table());
+    print!("{}", verdicts(&f, &k, ck.as_ref(), unavailable).table());
     println!(
         "  (the failover goal is to the client's first answer; the first KVM_RUN is where the"
     );
     println!("  standby's VM runs again, the part of it that is the VMM's)");
     if h.quick {
         println!(
-            "(--quick: one run per configuration and {} kills; the goals are stated for the full run)",
-            load.kills
+            "(--quick: one run per configuration, {} kills with fib and {} with a client; the goals are stated for the full run)",
+            load.kills, load.client_kills
         );
     }
-    println!();
-    println!(
-        "udp-echo under replication (request rate, p50/p99) and failover to the client's first"
-    );
-    println!(
-        "answer with udp-counter (answers lost or repeated over every kill): {NEEDS_OUTPUT_COMMIT}"
-    );
-    println!(
-        "  (frames held until their epoch is acknowledged, and the udp-counter probe task), which"
-    );
-    println!("  are not in this tree yet.");
     println!();
     println!(
         "This machine runs KVM nested on 2 cores shared with other work: the primary, the standby"
@@ -289,14 +394,26 @@ pub fn run(h: &Harness, _args: &BenchArgs) -> Result<(), String> {
     println!(
         "and the guest's vCPU share them, so the standby's receiving competes with the guest."
     );
-    let svg_path = Outputs::new(h).bars("ha.svg", "musubi bench ha", &panels(&f, &k))?;
+    let svg_path =
+        Outputs::new(h).bars("ha.svg", "musubi bench ha", &panels(&f, &k, ck.as_ref()))?;
     println!();
     println!("wrote {} and {}", csv_path.display(), svg_path.display());
     Ok(())
 }
 
-fn print_plan(load: &Load, trace: &KvmRunTrace) {
-    println!("ha: replication to a standby on loopback, probe guest, 1 vCPU, {MEMORY_MIB} MiB;");
+/// `b`'s configurations and runs after `a`'s, as if measured together.
+fn joined<C, R>(mut a: Runs<C, R>, b: Runs<C, R>) -> Runs<C, R> {
+    let off = a.configs.len();
+    a.configs.extend(b.configs);
+    a.runs
+        .extend(b.runs.into_iter().map(|(rep, c, r)| (rep, c + off, r)));
+    a
+}
+
+fn print_plan(load: &Load, trace: &KvmRunTrace, net: &Result<ReplicaNet, String>) {
+    println!(
+        "ha: replication to a standby (on loopback; the network rows in namespaces), probe guest, 1 vCPU, {MEMORY_MIB} MiB;"
+    );
     println!(
         "  overhead: hello,{} and hello,{} unreplicated and at epochs of {} ms (heartbeat {OVERHEAD_HEARTBEAT_MS} ms), {} run(s) each, interleaved;",
         Work::Fib.task(load),
@@ -312,6 +429,29 @@ fn print_plan(load: &Load, trace: &KvmRunTrace) {
         "  moment up to {} ms after the standby holds {EPOCHS_BEFORE_KILL}+ epochs past hello, {} kills;",
         load.kill_within_ms, load.kills
     );
+    match net {
+        Ok(n) => {
+            println!(
+                "  network: the primary's and the standby's {TAP} on bridges in the namespaces {} and {},",
+                n.primary.name, n.standby.name
+            );
+            println!(
+                "  joined over veths to {} where the client runs; replication link {STANDBY_HOST}, guest {GUEST};",
+                n.client.name
+            );
+            println!(
+                "  udp-echo n={} with a peer at {CLIENT}, unreplicated and at each epoch, {} run(s) each;",
+                load.echo_rounds, load.echo_reps
+            );
+            println!(
+                "  failover with a udp-counter client (a request every ~{} ms, asked again after {} ms unanswered), {} kills;",
+                ASK_EVERY.as_millis(),
+                RESEND_AFTER.as_millis(),
+                load.client_kills
+            );
+        }
+        Err(why) => println!("  network rows unavailable: {why}"),
+    }
     println!(
         "  KVM_RUN from the sys_enter_ioctl tracepoint, tracefs instance {}",
         trace.path().display()
@@ -348,23 +488,52 @@ fn start(cmd: Command, name: &'static str, dir: &Path, tag: &str) -> Result<Vm, 
     )
 }
 
+/// `exe` as it is run: at once, or in the namespace `ns` (`ip netns exec` execs it, so the
+/// child's pid is Musubi's).
+fn musubi_in(exe: &Path, ns: Option<&testkit::netns::Netns>) -> Result<Command, String> {
+    Ok(match ns {
+        None => Command::new(exe),
+        Some(ns) => ns.command(
+            exe.to_str()
+                .ok_or_else(|| format!("{} is not UTF-8", exe.display()))?,
+        ),
+    })
+}
+
+/// A MAC of its own for every VM on the bridges: a standby that took over leaves the
+/// bridges sending its MAC its way, which the next run's primary must not inherit.
+fn next_mac() -> String {
+    static N: AtomicU64 = AtomicU64::new(1);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    format!("52:54:00:09:{:02x}:{:02x}", (n >> 8) & 0xff, n & 0xff)
+}
+
 /// The primary (or the unreplicated VM) running `tasks` after hello, its console in
 /// `console` or, without one, on stdout (`primary.stdout`, stdin typed into COM1), metrics
-/// in `dir/primary-metrics.json`; replicating to `to` every `epoch_ms` if given.
+/// in `dir/primary-metrics.json`; replicating to `to` every `epoch_ms` if given; with `mac`,
+/// a NIC on the namespace's TAP and the guest at [`GUEST`].
+#[allow(clippy::too_many_arguments)]
 fn primary_command(
-    exe: &Path,
+    mut cmd: Command,
     elf: &Path,
     dir: &Path,
     tasks: &str,
     console: Option<&Path>,
     to: Option<(&str, &Path, u64)>,
+    mac: Option<&str>,
 ) -> Command {
-    let mut cmd = Command::new(exe);
+    let ip = match mac {
+        Some(_) => format!("probe.ip={GUEST}/24 "),
+        None => String::new(),
+    };
     cmd.args(["run", "--kernel"])
         .arg(elf)
         .args(["--cpus", "1", "--memory", &format!("{MEMORY_MIB}M")])
-        .args(["--cmdline", &format!("probe.tasks=hello,{tasks}")])
-        .arg("--serial");
+        .args(["--cmdline", &format!("{ip}probe.tasks=hello,{tasks}")]);
+    if let Some(mac) = mac {
+        cmd.args(["--net", &format!("tap={TAP},mac={mac}")]);
+    }
+    cmd.arg("--serial");
     match console {
         Some(c) => cmd.arg(format!("file={}", c.display())),
         None => cmd.arg("stdio"),
@@ -380,13 +549,22 @@ fn primary_command(
     cmd
 }
 
-/// A standby listening on a free loopback port, once it listens: it, the URL and the
-/// secret.
-fn standby(exe: &Path, dir: &Path, heartbeat_ms: u64) -> Result<(Vm, String, PathBuf), String> {
+/// A standby listening on a free loopback port, or with `net` on the standby host's bridge
+/// in its namespace, once it listens: it, the URL and the secret.
+fn standby(
+    exe: &Path,
+    dir: &Path,
+    heartbeat_ms: u64,
+    net: Option<&ReplicaNet>,
+) -> Result<(Vm, String, PathBuf), String> {
     let secret = testkit::tcp::secret_file(dir, "secret", (monotonic_ns() % 251) as u8);
     let port = testkit::tcp::free_port();
-    let url = format!("tcp:127.0.0.1:{port}");
-    let mut cmd = Command::new(exe);
+    let host = match net {
+        Some(_) => STANDBY_HOST.parse().expect("an IPv4 address"),
+        None => Ipv4Addr::LOCALHOST,
+    };
+    let url = format!("tcp:{host}:{port}");
+    let mut cmd = musubi_in(exe, net.map(|n| &n.standby))?;
     cmd.args(["run", "--standby-for", &url, "--secret-file"])
         .arg(&secret)
         .args(["--heartbeat", &heartbeat_ms.to_string()])
@@ -394,8 +572,9 @@ fn standby(exe: &Path, dir: &Path, heartbeat_ms: u64) -> Result<(Vm, String, Pat
         .arg(format!("file={}", dir.join("standby.console").display()))
         .args(["--timeout", VM_TIMEOUT_S]);
     let vm = start(cmd, "musubi (standby)", dir, "standby")?;
+    let pid = vm.child.id();
     wait_until(&vm, "a listening socket", LISTEN_TIMEOUT, || {
-        testkit::tcp::listening_on_loopback(port)
+        testkit::tcp::listening_in(pid, host, port)
     })?;
     Ok((vm, url, secret))
 }
@@ -416,6 +595,7 @@ fn task_result(console: &Path, work: Work, load_fib: u64) -> Result<serde_json::
     let ok = match work {
         Work::Fib => r["result"].as_u64() == Some(fib_value(load_fib)),
         Work::MemCheck => r["ok"] == true && r["errors"].as_u64() == Some(0),
+        Work::UdpEcho => r["ok"] == true,
     };
     if !ok {
         return Err(format!("the task's result is wrong: {r}"));
@@ -426,7 +606,13 @@ fn task_result(console: &Path, work: Work, load_fib: u64) -> Result<serde_json::
 /// One overhead run: the VM alone, or primary and standby. The guest waits for a line on
 /// its console (`console-echo`) before its task, and gets it once the standby protects it
 /// (at once unreplicated), so the task's time holds no setting up of the replication.
-fn overhead_run(exe: &Path, elf: &Path, c: &Config, load: &Load) -> Result<Sample, String> {
+fn overhead_run(
+    exe: &Path,
+    elf: &Path,
+    c: &Config,
+    load: &Load,
+    net: Option<&ReplicaNet>,
+) -> Result<Sample, String> {
     let tmp = temp_dir()?;
     let dir = tmp.path();
     let tasks = format!(
@@ -434,16 +620,30 @@ fn overhead_run(exe: &Path, elf: &Path, c: &Config, load: &Load) -> Result<Sampl
         LISTEN_TIMEOUT.as_secs() * 4,
         c.work.task(load)
     );
+    let net = match c.work {
+        Work::UdpEcho => Some(net.ok_or("udp-echo runs in the namespaces of ReplicaNet")?),
+        _ => None,
+    };
     let standby = match c.epoch_ms {
-        Some(_) => Some(standby(exe, dir, OVERHEAD_HEARTBEAT_MS)?),
+        Some(_) => Some(standby(exe, dir, OVERHEAD_HEARTBEAT_MS, net)?),
         None => None,
     };
     let to = standby
         .as_ref()
         .zip(c.epoch_ms)
         .map(|((_, url, secret), e)| (url.as_str(), secret.as_path(), e));
+    let peer = net.map(EchoPeer::start).transpose()?;
+    let mac = net.map(|_| next_mac());
     let mut vm = Vm::start_typed(
-        primary_command(exe, elf, dir, &tasks, None, to),
+        primary_command(
+            musubi_in(exe, net.map(|n| &n.primary))?,
+            elf,
+            dir,
+            &tasks,
+            None,
+            to,
+            mac.as_deref(),
+        ),
         "musubi (primary)",
         &dir.join("primary.stdout"),
         &dir.join("primary.stderr"),
@@ -495,6 +695,24 @@ fn overhead_run(exe: &Path, elf: &Path, c: &Config, load: &Load) -> Result<Sampl
     let guest_ns = r["ns"]
         .as_u64()
         .ok_or_else(|| format!("no ns in the result line {r}"))?;
+    if let Some(peer) = peer {
+        peer.finish()?;
+    }
+    let echo = match c.work {
+        Work::UdpEcho => {
+            let f = |k: &str| {
+                r[k].as_f64()
+                    .ok_or_else(|| format!("no {k} in udp-echo's result line {r}"))
+            };
+            Some(Echo {
+                rate_per_s: f("rate_per_s")?,
+                p50_us: f("p50_us")?,
+                p99_us: f("p99_us")?,
+                lost: f("lost")? as u64,
+            })
+        }
+        _ => None,
+    };
     let replication = match standby {
         None => None,
         Some((sb, _, _)) => {
@@ -532,7 +750,73 @@ fn overhead_run(exe: &Path, elf: &Path, c: &Config, load: &Load) -> Result<Sampl
         replication,
         task_epochs,
         task_bytes,
+        echo,
     })
+}
+
+/// An echo peer on [`CLIENT`]:[`ECHO_PORT`] in the client's namespace, on a thread of its
+/// own; it stops when told or dropped, and after [`RUN_TIMEOUT`] at the latest.
+struct EchoPeer {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Result<u64, String>>>,
+}
+
+impl EchoPeer {
+    /// Once its socket is bound.
+    fn start(net: &ReplicaNet) -> Result<EchoPeer, String> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready, bound) = std::sync::mpsc::channel();
+        let flag = stop.clone();
+        let thread = net.client.spawn(move || {
+            let sock = UdpSocket::bind((CLIENT, ECHO_PORT))
+                .map_err(|e| format!("the echo peer's {CLIENT}:{ECHO_PORT}: {e}"))?;
+            sock.set_read_timeout(Some(Duration::from_millis(20)))
+                .map_err(|e| format!("the echo peer's socket: {e}"))?;
+            let _ = ready.send(());
+            let (t0, mut echoed, mut buf) = (Instant::now(), 0u64, [0u8; 2048]);
+            while !flag.load(Ordering::Relaxed) && t0.elapsed() < RUN_TIMEOUT {
+                if let Ok((n, from)) = sock.recv_from(&mut buf) {
+                    if sock.send_to(&buf[..n], from).is_ok() {
+                        echoed += 1;
+                    }
+                }
+            }
+            Ok(echoed)
+        });
+        let mut peer = EchoPeer {
+            stop,
+            thread: Some(thread),
+        };
+        if bound.recv_timeout(LISTEN_TIMEOUT).is_err() {
+            return Err(peer
+                .finish_inner()
+                .err()
+                .unwrap_or_else(|| "the echo peer ended before it was ready".into()));
+        }
+        Ok(peer)
+    }
+
+    /// Stops it; what it echoed, or why it could not.
+    fn finish(mut self) -> Result<u64, String> {
+        self.finish_inner()
+    }
+
+    fn finish_inner(&mut self) -> Result<u64, String> {
+        self.stop.store(true, Ordering::Relaxed);
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err("the echo peer's thread panicked".into()),
+            None => Err("the echo peer was already stopped".into()),
+        }
+    }
+}
+
+impl Drop for EchoPeer {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            let _ = self.finish_inner();
+        }
+    }
 }
 
 /// The time (ns) the thread `vcpu0` of process `pid` has waited runnable for a CPU: the
@@ -579,8 +863,8 @@ fn metrics_now(vm: &Vm, path: &Path) -> Option<Metrics> {
 }
 
 /// How a kill went.
-enum Attempt {
-    Killed(Kill),
+enum Attempt<K> {
+    Killed(K),
     /// The standby took over while the primary still ran (it was silent past the
     /// heartbeat): no failover to time; why, in the standby's words.
     Early(String),
@@ -594,10 +878,10 @@ fn failover_run(
     fib_n: u64,
     delay_ms: u64,
     trace: &KvmRunTrace,
-) -> Result<Attempt, String> {
+) -> Result<Attempt<Kill>, String> {
     let tmp = temp_dir()?;
     let dir = tmp.path();
-    let (sb, url, secret) = standby(exe, dir, HEARTBEAT_MS)?;
+    let (sb, url, secret) = standby(exe, dir, HEARTBEAT_MS, None)?;
     let early = |sb: &Vm| {
         let said = std::fs::read_to_string(&sb.stderr).unwrap_or_default();
         said.lines()
@@ -606,12 +890,13 @@ fn failover_run(
     };
     let mut primary = start(
         primary_command(
-            exe,
+            musubi_in(exe, None)?,
             elf,
             dir,
             &format!("fib={fib_n}"),
             Some(&dir.join("primary.console")),
             Some((&url, &secret, FAILOVER_EPOCH_MS)),
+            None,
         ),
         "musubi (primary)",
         dir,
@@ -630,11 +915,15 @@ fn failover_run(
     let want = EPOCHS_BEFORE_KILL.max(acked(&metrics_now(&primary, &metrics)) + 2);
     // `wait_until` asks a `Fn`: what the last look saw is kept in a cell.
     let acked_before = std::cell::Cell::new(0);
-    wait_until(&primary, "the standby's epochs", RUN_TIMEOUT, || {
+    let protected = wait_until(&primary, "the standby's epochs", RUN_TIMEOUT, || {
         std::thread::sleep(POLL);
         acked_before.set(acked(&metrics_now(&primary, &metrics)));
         acked_before.get() >= want
-    })?;
+    });
+    // A standby that took over from the live primary ends the protection waited for.
+    if let Err(e) = protected {
+        return early(&sb).ok_or(e);
+    }
     let acked_before = acked_before.get();
     std::thread::sleep(Duration::from_millis(delay_ms));
     if let Some(e) = early(&sb) {
@@ -706,28 +995,267 @@ fn failover_run(
     }))
 }
 
+/// One kill with a client: the primary runs `udp-counter` in its namespace, a client in the
+/// client's asks it every few ms; the primary is SIGKILLed `delay_ms` after the standby holds
+/// epochs past the client's first answers, and the run ends once the client has had
+/// [`ANSWERS_AFTER_KILL`] answers from the standby.
+fn client_failover_run(
+    exe: &Path,
+    elf: &Path,
+    net: &ReplicaNet,
+    delay_ms: u64,
+    trace: &KvmRunTrace,
+) -> Result<Attempt<ClientKill>, String> {
+    let tmp = temp_dir()?;
+    let dir = tmp.path();
+    let (sb, url, secret) = standby(exe, dir, HEARTBEAT_MS, Some(net))?;
+    let early = |sb: &Vm| {
+        let said = std::fs::read_to_string(&sb.stderr).unwrap_or_default();
+        said.lines()
+            .find(|l| l.contains("was lost"))
+            .map(|l| l.trim().to_string())
+    };
+    // The client asks for the guest's MAC again: the last run's is another.
+    testkit::netns::try_ip(&["-n", &net.client.name, "neigh", "flush", "all"])
+        .map_err(|e| e.to_string())?;
+    let console = dir.join("primary.console");
+    let mac = next_mac();
+    let mut primary = start(
+        primary_command(
+            musubi_in(exe, Some(&net.primary))?,
+            elf,
+            dir,
+            &format!("udp-counter={COUNTER_PORT},n=1000000"),
+            Some(&console),
+            Some((&url, &secret, FAILOVER_EPOCH_MS)),
+            Some(&mac),
+        ),
+        "musubi (primary)",
+        dir,
+        "primary",
+    )?;
+    let metrics = dir.join("primary-metrics.json");
+    primary.wait_for_line(&console, "probe: udp-counter: listening", BOOT_TIMEOUT)?;
+    let client = CounterClient::start(net)?;
+    let answered = wait_until(&primary, "the client's first answers", BOOT_TIMEOUT, || {
+        std::thread::sleep(POLL);
+        client.count() >= 5
+    });
+    if let Err(e) = answered {
+        return early(&sb).map(Attempt::Early).ok_or(e);
+    }
+    let acked = |m: &Option<Metrics>| {
+        m.as_ref()
+            .and_then(|m| m.replication.as_ref())
+            .map_or(0, |r| r.epochs_acked)
+    };
+    let want = EPOCHS_BEFORE_KILL.max(acked(&metrics_now(&primary, &metrics)) + 2);
+    let acked_before = std::cell::Cell::new(0);
+    let protected = wait_until(&primary, "the standby's epochs", RUN_TIMEOUT, || {
+        std::thread::sleep(POLL);
+        acked_before.set(acked(&metrics_now(&primary, &metrics)));
+        acked_before.get() >= want
+    });
+    if let Err(e) = protected {
+        return early(&sb).map(Attempt::Early).ok_or(e);
+    }
+    let acked_before = acked_before.get();
+    std::thread::sleep(Duration::from_millis(delay_ms));
+    if let Some(why) = early(&sb) {
+        return Ok(Attempt::Early(why));
+    }
+    trace.clear()?;
+    let killed_at = monotonic_ns();
+    primary
+        .child
+        .kill()
+        .map_err(|e| format!("cannot kill the primary: {e}"))?;
+    let _ = primary.child.wait();
+    let at_kill = client.count();
+    let pid = sb.child.id();
+    let first = std::cell::Cell::new(None);
+    wait_until(&sb, "its first KVM_RUN", BOOT_TIMEOUT, || {
+        first.set(trace.first_run_ns(pid).ok().flatten());
+        first.get().is_some()
+    })?;
+    let first = first.get().ok_or("no first KVM_RUN of the standby")?;
+    if first < killed_at {
+        return Ok(Attempt::Early(early(&sb).unwrap_or_else(|| {
+            "the standby ran before the primary was killed".into()
+        })));
+    }
+    wait_until(
+        &sb,
+        "the client's answers from the standby",
+        CONTINUE_TIMEOUT,
+        || {
+            std::thread::sleep(POLL);
+            client.count() >= at_kill + ANSWERS_AFTER_KILL
+        },
+    )
+    .map_err(|e| format!("{e}; the client had {at_kill} answers at the kill"))?;
+    let answers = client.stop()?;
+    let to_answer_ns = answers
+        .iter()
+        .find(|a| a.0 > first)
+        .map(|a| a.0 - killed_at)
+        .ok_or("no answer after the standby's first KVM_RUN")?;
+    let values: Vec<u64> = answers.iter().map(|a| a.1).collect();
+    let (repeated, skipped) = repeats_and_gaps(&values);
+    Ok(Attempt::Killed(ClientKill {
+        to_answer_ns,
+        to_first_run_ns: first - killed_at,
+        delay_ms,
+        acked_before,
+        answers: answers.len(),
+        at_kill,
+        repeated,
+        skipped,
+    }))
+}
+
+/// Of a counter's values as a client got them (the first is 1): how many were not above
+/// the one before (repeated, or gone back), and how many numbers between were never seen.
+fn repeats_and_gaps(values: &[u64]) -> (u64, u64) {
+    let (mut last, mut repeated, mut skipped) = (0u64, 0u64, 0u64);
+    for &v in values {
+        if v <= last {
+            repeated += 1;
+        } else {
+            skipped += v - last - 1;
+            last = v;
+        }
+    }
+    (repeated, skipped)
+}
+
+/// The `udp-counter` client in the client's namespace: a request, every answer kept with
+/// its `CLOCK_MONOTONIC` time, asked again after [`RESEND_AFTER`] without one, the next
+/// request [`ASK_EVERY`] after an answer. It stops when told or dropped, and after
+/// [`RUN_TIMEOUT`] at the latest.
+struct CounterClient {
+    answers: Arc<Mutex<Vec<(u64, u64)>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Result<(), String>>>,
+}
+
+impl CounterClient {
+    fn start(net: &ReplicaNet) -> Result<CounterClient, String> {
+        let answers = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (got, flag) = (answers.clone(), stop.clone());
+        let thread = net.client.spawn(move || -> Result<(), String> {
+            let sock = UdpSocket::bind((CLIENT, 0))
+                .map_err(|e| format!("the counter client's {CLIENT}:0: {e}"))?;
+            sock.set_read_timeout(Some(Duration::from_millis(5)))
+                .map_err(|e| format!("the counter client's socket: {e}"))?;
+            let (t0, mut buf) = (Instant::now(), [0u8; 64]);
+            while !flag.load(Ordering::Relaxed) && t0.elapsed() < RUN_TIMEOUT {
+                let _ = sock.send_to(b"next", (GUEST, COUNTER_PORT));
+                let sent = Instant::now();
+                let mut answered = false;
+                while sent.elapsed() < RESEND_AFTER {
+                    match sock.recv(&mut buf) {
+                        Ok(n) => {
+                            let v = std::str::from_utf8(&buf[..n])
+                                .ok()
+                                .and_then(|t| t.trim().parse::<u64>().ok())
+                                .ok_or_else(|| format!("udp-counter answered {:?}", &buf[..n]))?;
+                            got.lock()
+                                .map_err(|_| "the answers' lock")?
+                                .push((monotonic_ns(), v));
+                            answered = true;
+                        }
+                        Err(_) if answered => break,
+                        Err(_) => {}
+                    }
+                }
+                if answered {
+                    std::thread::sleep(ASK_EVERY);
+                }
+            }
+            Ok(())
+        });
+        Ok(CounterClient {
+            answers,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    fn count(&self) -> usize {
+        self.answers.lock().map(|a| a.len()).unwrap_or(0)
+    }
+
+    /// Stops it; every answer, in the order they came.
+    fn stop(mut self) -> Result<Vec<(u64, u64)>, String> {
+        self.finish()?;
+        let answers = self.answers.lock().map_err(|_| "the answers' lock")?;
+        Ok(answers.clone())
+    }
+
+    fn finish(&mut self) -> Result<(), String> {
+        self.stop.store(true, Ordering::Relaxed);
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err("the counter client's thread panicked".into()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for CounterClient {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
 /// `ha.csv`: a row per overhead run, then one per kill.
-fn csv(runs: &Runs<Config, Sample>, kills: &Runs<String, Kill>) -> super::report::Csv {
+fn csv(
+    runs: &Runs<Config, Sample>,
+    kills: &Runs<String, Kill>,
+    client_kills: Option<&Runs<String, ClientKill>>,
+) -> super::report::Csv {
     /// One row: the run's number, its repetition, and what it measured.
     enum Row<'a> {
         Run(usize, usize, &'a Config, &'a Sample),
         Kill(usize, &'a Kill),
+        ClientKill(usize, &'a ClientKill),
     }
     let run = |f: fn(&Config, &Sample) -> String| {
         move |r: &Row| match r {
             Row::Run(_, _, c, s) => f(c, s),
-            Row::Kill(..) => String::new(),
+            _ => String::new(),
         }
     };
     let rep = |f: fn(&ReplicationMetrics) -> u64| {
         move |r: &Row| match r {
             Row::Run(_, _, _, s) => cell(s.replication.as_ref().map(f)),
-            Row::Kill(..) => String::new(),
+            _ => String::new(),
+        }
+    };
+    let echo = |f: fn(&Echo) -> String| {
+        move |r: &Row| match r {
+            Row::Run(_, _, _, s) => s.echo.as_ref().map(f).unwrap_or_default(),
+            _ => String::new(),
         }
     };
     let kill = |f: fn(&Kill) -> String| {
         move |r: &Row| match r {
             Row::Kill(_, k) => f(k),
+            _ => String::new(),
+        }
+    };
+    let client = |f: fn(&ClientKill) -> String| {
+        move |r: &Row| match r {
+            Row::ClientKill(_, k) => f(k),
+            _ => String::new(),
+        }
+    };
+    let either = |f: fn(&Kill) -> String, g: fn(&ClientKill) -> String| {
+        move |r: &Row| match r {
+            Row::Kill(_, k) => f(k),
+            Row::ClientKill(_, k) => g(k),
             Row::Run(..) => String::new(),
         }
     };
@@ -736,21 +1264,26 @@ fn csv(runs: &Runs<Config, Sample>, kills: &Runs<String, Kill>) -> super::report
             match r {
                 Row::Run(..) => "overhead",
                 Row::Kill(..) => "failover",
+                Row::ClientKill(..) => "failover-client",
             }
             .to_string()
         })
         .col("run", |r| match r {
-            Row::Run(i, ..) | Row::Kill(i, _) => (i + 1).to_string(),
+            Row::Run(i, ..) | Row::Kill(i, _) | Row::ClientKill(i, _) => (i + 1).to_string(),
         })
         .col("rep", |r| match r {
             Row::Run(_, rep, ..) => (rep + 1).to_string(),
-            Row::Kill(i, _) => (i + 1).to_string(),
+            Row::Kill(i, _) | Row::ClientKill(i, _) => (i + 1).to_string(),
         })
         .col("memory_mib", |_| MEMORY_MIB.to_string())
-        .col("task", run(|c, _| c.work.name().to_string()))
+        .col("task", |r| match r {
+            Row::Run(_, _, c, _) => c.work.name().to_string(),
+            Row::Kill(..) => "fib".into(),
+            Row::ClientKill(..) => "udp-counter".into(),
+        })
         .col("epoch_ms", |r| match r {
             Row::Run(_, _, c, _) => cell(c.epoch_ms),
-            Row::Kill(..) => FAILOVER_EPOCH_MS.to_string(),
+            _ => FAILOVER_EPOCH_MS.to_string(),
         })
         .col("wall_ms", run(|_, s| ms(s.wall_ns as f64)))
         .col("guest_task_ms", run(|_, s| ms(s.guest_ns as f64)))
@@ -776,16 +1309,41 @@ fn csv(runs: &Runs<Config, Sample>, kills: &Runs<String, Kill>) -> super::report
         .col("pause_us_median", rep(|r| r.pause_us_median))
         .col("pause_us_p99", rep(|r| r.pause_us_p99))
         .col("pause_us_max", rep(|r| r.pause_us_max))
-        .col("heartbeat_ms", kill(|_| HEARTBEAT_MS.to_string()))
-        .col("kill_delay_ms", kill(|k| k.delay_ms.to_string()))
-        .col("acked_before_kill", kill(|k| k.acked_before.to_string()))
+        .col("echo_rate_per_s", echo(|e| format!("{:.0}", e.rate_per_s)))
+        .col("echo_p50_us", echo(|e| format!("{:.0}", e.p50_us)))
+        .col("echo_p99_us", echo(|e| format!("{:.0}", e.p99_us)))
+        .col("echo_lost", echo(|e| e.lost.to_string()))
+        .col(
+            "heartbeat_ms",
+            either(|_| HEARTBEAT_MS.to_string(), |_| HEARTBEAT_MS.to_string()),
+        )
+        .col(
+            "kill_delay_ms",
+            either(|k| k.delay_ms.to_string(), |k| k.delay_ms.to_string()),
+        )
+        .col(
+            "acked_before_kill",
+            either(
+                |k| k.acked_before.to_string(),
+                |k| k.acked_before.to_string(),
+            ),
+        )
         .col("taken_over_from_epoch", kill(|k| cell(k.taken_from)))
         .col(
             "kill_to_first_kvm_run_ms",
-            kill(|k| ms(k.failover_ns as f64)),
+            either(
+                |k| ms(k.failover_ns as f64),
+                |k| ms(k.to_first_run_ns as f64),
+            ),
         )
-        .col("kill_to_first_answer_ms", |_| String::new())
-        .col("answers_lost_or_repeated", |_| String::new());
+        .col(
+            "kill_to_first_answer_ms",
+            client(|k| ms(k.to_answer_ns as f64)),
+        )
+        .col("answers", client(|k| k.answers.to_string()))
+        .col("answers_at_kill", client(|k| k.at_kill.to_string()))
+        .col("answers_repeated", client(|k| k.repeated.to_string()))
+        .col("answers_skipped", client(|k| k.skipped.to_string()));
     let mut rows: Vec<Row> = runs
         .runs
         .iter()
@@ -793,6 +1351,9 @@ fn csv(runs: &Runs<Config, Sample>, kills: &Runs<String, Kill>) -> super::report
         .map(|(i, (rep, c, s))| Row::Run(i, *rep, &runs.configs[*c], s))
         .collect();
     rows.extend(kills.runs.iter().map(|(rep, _, k)| Row::Kill(*rep, k)));
+    if let Some(ck) = client_kills {
+        rows.extend(ck.runs.iter().map(|(rep, _, k)| Row::ClientKill(*rep, k)));
+    }
     cols.csv(rows)
 }
 
@@ -811,6 +1372,10 @@ struct Sums {
     bytes_median: Option<Summary>,
     bytes_max: Option<Summary>,
     bytes_task: Option<Summary>,
+    echo_rate: Option<Summary>,
+    echo_p50: Option<Summary>,
+    echo_p99: Option<Summary>,
+    echo_lost: u64,
 }
 
 impl Sums {
@@ -834,6 +1399,10 @@ impl Sums {
             bytes_median: r(|r| r.bytes_per_epoch_median),
             bytes_max: r(|r| r.bytes_per_epoch_max),
             bytes_task: f(&Sample::task_bytes_per_epoch),
+            echo_rate: f(&|x| x.echo.map(|e| e.rate_per_s)),
+            echo_p50: f(&|x| x.echo.map(|e| e.p50_us)),
+            echo_p99: f(&|x| x.echo.map(|e| e.p99_us)),
+            echo_lost: s.iter().filter_map(|x| x.echo.map(|e| e.lost)).sum(),
         }
     }
 }
@@ -868,6 +1437,12 @@ impl Found {
     fn wall_slowdown(&self, s: &Sums) -> Option<f64> {
         let base = self.find(s.config.work, None)?.wall?;
         ratio(s.wall?.median, base.median)
+    }
+
+    /// udp-echo's figure `g` (median over the runs) replicated over unreplicated.
+    fn echo_ratio(&self, s: &Sums, g: fn(&Sums) -> Option<Summary>) -> Option<f64> {
+        let base = g(self.find(Work::UdpEcho, None)?)?;
+        ratio(g(s)?.median, base.median)
     }
 
     fn replicated(&self) -> impl Iterator<Item = &Sums> {
@@ -997,8 +1572,6 @@ fn print_failover(k: &KillSums, kills: &Runs<String, Kill>, early: &[String]) {
         "failover",
         ">kills",
         ">to first KVM_RUN ms (med / min / max)",
-        ">to first answer",
-        ">answers lost or repeated",
     ]);
     t.row([
         format!("fib, {FAILOVER_EPOCH_MS} ms epoch, heartbeat {HEARTBEAT_MS} ms"),
@@ -1006,8 +1579,6 @@ fn print_failover(k: &KillSums, kills: &Runs<String, Kill>, early: &[String]) {
         k.failover
             .map(|s| format!("{} / {} / {}", ms(s.median), ms(s.min), ms(s.max)))
             .unwrap_or_else(|| "n/a".into()),
-        "not measured".into(),
-        "not measured".into(),
     ]);
     println!();
     print!("{}", t.render());
@@ -1032,12 +1603,140 @@ failover: from the bench's CLOCK_MONOTONIC read right before kill(2) of the prim
   the standby process's first KVM_RUN (sys_enter_ioctl tracepoint, same clock, to the
   microsecond); the standby sees the link close at once, so it does not wait out the
   heartbeat. Each standby then ended fib with its exact value and did not boot again.
-  To first answer and answers lost or repeated need udp-counter and the network output
-  commit (below).
+";
+
+/// The client's failover figures over every kill.
+struct ClientSums {
+    n: usize,
+    to_answer: Option<Summary>,
+    to_first_run: Option<Summary>,
+    repeated: u64,
+    skipped: u64,
+    /// Kills after which some answers were missing.
+    kills_with_gaps: usize,
+}
+
+fn client_sums(kills: &Runs<String, ClientKill>) -> ClientSums {
+    let all: Vec<&ClientKill> = kills.runs.iter().map(|(_, _, k)| k).collect();
+    let of = |f: fn(&ClientKill) -> u64| {
+        Summary::of(&all.iter().map(|k| f(k) as f64).collect::<Vec<f64>>())
+    };
+    ClientSums {
+        n: all.len(),
+        to_answer: of(|k| k.to_answer_ns),
+        to_first_run: of(|k| k.to_first_run_ns),
+        repeated: all.iter().map(|k| k.repeated).sum(),
+        skipped: all.iter().map(|k| k.skipped).sum(),
+        kills_with_gaps: all.iter().filter(|k| k.skipped > 0).count(),
+    }
+}
+
+fn print_client_failover(c: &ClientSums, kills: &Runs<String, ClientKill>, early: &[String]) {
+    let mmm = |s: Option<Summary>| {
+        s.map(|s| format!("{} / {} / {}", ms(s.median), ms(s.min), ms(s.max)))
+            .unwrap_or_else(|| "n/a".into())
+    };
+    let mut t = Table::new(&[
+        "failover, udp-counter client",
+        ">kills",
+        ">to first answer ms (med / min / max)",
+        ">to first KVM_RUN ms (med / min / max)",
+        ">answers repeated",
+        ">answers skipped (kills)",
+    ]);
+    t.row([
+        format!("{FAILOVER_EPOCH_MS} ms epoch, heartbeat {HEARTBEAT_MS} ms"),
+        c.n.to_string(),
+        mmm(c.to_answer),
+        mmm(c.to_first_run),
+        c.repeated.to_string(),
+        format!("{} ({})", c.skipped, c.kills_with_gaps),
+    ]);
+    println!();
+    print!("{}", t.render());
+    let each: Vec<String> = kills
+        .runs
+        .iter()
+        .map(|(_, _, k)| {
+            let gap = if k.skipped > 0 || k.repeated > 0 {
+                format!(" ({} skipped, {} repeated)", k.skipped, k.repeated)
+            } else {
+                String::new()
+            };
+            format!("{}{gap}", ms(k.to_answer_ns as f64))
+        })
+        .collect();
+    println!("each kill, ms to the first answer: {}", each.join(" "));
+    println!(
+        "standbys that took over from a live primary, each run again: {}",
+        early.len()
+    );
+    for why in early {
+        println!("  {why}");
+    }
+    print!("{}", CLIENT_NOTES);
+}
+
+const CLIENT_NOTES: &str = "\
+failover with a client: the guest runs udp-counter (each datagram answered with the next
+  value of a counter in guest RAM) on the primary's TAP; the client, in a third namespace
+  bridged to both hosts', asks every few ms and asks again after 40 ms without an answer.
+  To first answer: from kill(2) to the first answer that came after the standby's first
+  KVM_RUN (answers the primary released before it died can still be on the wire after the
+  kill). Repeated: an answer not above the one before; skipped: numbers never seen between
+  those seen, over every kill's whole run (goal 0 for both).
+";
+
+fn print_echo(f: &Found) {
+    let mut t = Table::new(&[
+        "udp-echo",
+        ">epoch",
+        ">rounds/s",
+        ">x unrepl.",
+        ">p50 us",
+        ">x unrepl.",
+        ">p99 us",
+        ">x unrepl.",
+        ">lost",
+    ]);
+    let x = |r: Option<f64>| r.map(|r| format!("{r:.3}x")).unwrap_or("n/a".into());
+    for s in f.0.iter().filter(|s| s.config.work == Work::UdpEcho) {
+        t.row([
+            "udp-echo".to_string(),
+            s.config
+                .epoch_ms
+                .map(|e| format!("{e} ms"))
+                .unwrap_or_else(|| "none".into()),
+            med(s.echo_rate, |v| format!("{v:.0}")),
+            x(f.echo_ratio(s, |s| s.echo_rate)),
+            med(s.echo_p50, |v| format!("{v:.0}")),
+            x(f.echo_ratio(s, |s| s.echo_p50)),
+            med(s.echo_p99, |v| format!("{v:.0}")),
+            x(f.echo_ratio(s, |s| s.echo_p99)),
+            s.echo_lost.to_string(),
+        ]);
+    }
+    println!();
+    print!("{}", t.render());
+    print!("{}", ECHO_NOTES);
+}
+
+const ECHO_NOTES: &str = "\
+udp-echo: the probe's own figures (64-byte request, its answer awaited before the next),
+  medians over the runs, against a peer in the client's namespace over the bridges. A
+  replicated guest's request is held with the rest of its epoch's output until the
+  standby acknowledges that epoch, so a round trip grows by about the epoch (half of it
+  waiting for the checkpoint on average, then the checkpoint's send and acknowledgement),
+  and the rate falls with it.
 ";
 
 /// The issue's goals, and Remus beside the failover.
-fn verdicts(f: &Found, k: &KillSums) -> Verdicts {
+fn verdicts(
+    f: &Found,
+    k: &KillSums,
+    c: Option<&ClientSums>,
+    unavailable: Option<&str>,
+) -> Verdicts {
     let mut v = Verdicts::new();
     let fib20 = f.find(Work::Fib, Some(20));
     v.judged(
@@ -1098,29 +1797,61 @@ fn verdicts(f: &Found, k: &KillSums) -> Verdicts {
         "Remus, NSDI 2008",
         |x| x < REMUS_FAILOVER_MS,
     );
-    for (what, reference) in [
-        (
-            "failover, SIGKILL to the client's first answer".to_string(),
-            format!("<= {GOAL_FAILOVER_MS} ms"),
-        ),
-        (
-            "answers lost or repeated over every kill (udp-counter)".to_string(),
-            "0".to_string(),
-        ),
-    ] {
-        v.push(Figure {
-            what,
-            ours: NEEDS_OUTPUT_COMMIT.into(),
-            reference,
-            source: GOAL_SOURCE.into(),
-            met: None,
-        });
+    match c {
+        Some(c) => {
+            for (what, x) in [
+                ("median", c.to_answer.map(|s| s.median)),
+                ("max", c.to_answer.map(|s| s.max)),
+            ] {
+                v.judged(
+                    format!(
+                        "failover ({what} of {}), SIGKILL to the client's first answer, heartbeat {HEARTBEAT_MS} ms",
+                        c.n
+                    ),
+                    x.map(|ns| ns / 1e6),
+                    |x| format!("{x:.2} ms"),
+                    format!("<= {GOAL_FAILOVER_MS} ms"),
+                    GOAL_SOURCE,
+                    |x| x <= GOAL_FAILOVER_MS,
+                );
+            }
+            for (what, n) in [("repeated", c.repeated), ("skipped", c.skipped)] {
+                v.judged(
+                    format!("udp-counter answers {what} over {} kills", c.n),
+                    Some(n as f64),
+                    |x| format!("{x:.0}"),
+                    "0".to_string(),
+                    GOAL_SOURCE,
+                    |x| x == 0.0,
+                );
+            }
+        }
+        None => {
+            for (what, reference) in [
+                (
+                    "failover, SIGKILL to the client's first answer",
+                    format!("<= {GOAL_FAILOVER_MS} ms"),
+                ),
+                (
+                    "udp-counter answers repeated or skipped over every kill",
+                    "0".to_string(),
+                ),
+            ] {
+                v.push(Figure {
+                    what: what.into(),
+                    ours: format!("unavailable: {}", unavailable.unwrap_or("not run")),
+                    reference,
+                    source: GOAL_SOURCE.into(),
+                    met: None,
+                });
+            }
+        }
     }
     v
 }
 
 /// The chart: the slowdown, the pauses and bytes per epoch, and the failover.
-fn panels(f: &Found, k: &KillSums) -> Vec<plot::Panel> {
+fn panels(f: &Found, k: &KillSums, c: Option<&ClientSums>) -> Vec<plot::Panel> {
     let name = |s: &Sums| s.config.name();
     let replicated = |g: fn(&Sums) -> Option<Summary>, scale: f64| -> Vec<plot::Bar> {
         summary_bars(
@@ -1128,8 +1859,11 @@ fn panels(f: &Found, k: &KillSums) -> Vec<plot::Panel> {
             name,
         )
     };
+    // udp-echo's task time is its epochs' waits: its own panel shows its round trips.
+    let compute = |s: &&Sums| s.config.work != Work::UdpEcho;
     let slowdown: Vec<plot::Bar> = f
         .replicated()
+        .filter(compute)
         .flat_map(|s| {
             [
                 f.slowdown(s).map(|r| plot::Bar {
@@ -1158,23 +1892,48 @@ fn panels(f: &Found, k: &KillSums) -> Vec<plot::Panel> {
             }
         }
     }
-    let failover: Vec<plot::Bar> = k
-        .failover
-        .map(|s| {
+    let median_max = |what: &str, n: usize, s: Option<Summary>| -> Vec<plot::Bar> {
+        s.map(|s| {
             vec![
                 plot::Bar {
-                    label: format!("median of {} kills", k.n),
+                    label: format!("{what}, median of {n} kills"),
                     value: s.median / 1e6,
                     low: Some(s.min / 1e6),
                 },
                 plot::Bar {
-                    label: format!("max of {} kills", k.n),
+                    label: format!("{what}, max of {n} kills"),
                     value: s.max / 1e6,
                     low: None,
                 },
             ]
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+    };
+    let mut failover = median_max("fib: first KVM_RUN", k.n, k.failover);
+    if let Some(c) = c {
+        failover.extend(median_max(
+            "udp-counter: first KVM_RUN",
+            c.n,
+            c.to_first_run,
+        ));
+        failover.extend(median_max(
+            "udp-counter: client's first answer",
+            c.n,
+            c.to_answer,
+        ));
+    }
+    let mut echo = Vec::new();
+    for s in f.0.iter().filter(|s| s.config.work == Work::UdpEcho) {
+        for (what, x) in [("p50", s.echo_p50), ("p99", s.echo_p99)] {
+            if let Some(x) = x {
+                echo.push(plot::Bar {
+                    label: format!("{} {what}", name(s)),
+                    value: x.median / 1e3,
+                    low: None,
+                });
+            }
+        }
+    }
     vec![
         plot::Panel {
             title: "task time, replicated / unreplicated (ratio of medians; own core: less the vCPU's waits for a CPU)".into(),
@@ -1185,7 +1944,9 @@ fn panels(f: &Found, k: &KillSums) -> Vec<plot::Panel> {
             title: "task time on its own core (median, min)".into(),
             unit: "ms".into(),
             bars: summary_bars(
-                f.0.iter().map(|s| (s, s.own_core.map(|x| x.scaled(1e-6)))),
+                f.0.iter()
+                    .filter(compute)
+                    .map(|s| (s, s.own_core.map(|x| x.scaled(1e-6)))),
                 name,
             ),
         },
@@ -1201,10 +1962,15 @@ fn panels(f: &Found, k: &KillSums) -> Vec<plot::Panel> {
         },
         plot::Panel {
             title: format!(
-                "failover, SIGKILL to the standby's first KVM_RUN (heartbeat {HEARTBEAT_MS} ms)"
+                "failover, SIGKILL to the standby's first KVM_RUN and to the client's first answer (heartbeat {HEARTBEAT_MS} ms)"
             ),
             unit: "ms".into(),
             bars: failover,
+        },
+        plot::Panel {
+            title: "udp-echo round trip, p50 and p99 (median over the runs)".into(),
+            unit: "ms".into(),
+            bars: echo,
         },
     ]
 }
@@ -1219,6 +1985,31 @@ mod tests {
         assert_eq!(fib_value(1), 1);
         assert_eq!(fib_value(25), 75025);
         assert_eq!(fib_value(46), 1_836_311_903);
+    }
+
+    #[test]
+    fn repeats_and_gaps_are_counted_over_the_whole_run() {
+        assert_eq!(repeats_and_gaps(&[1, 2, 3, 4]), (0, 0));
+        assert_eq!(repeats_and_gaps(&[]), (0, 0));
+        // 4 and 5 lost at a failover, then 6 given twice, then 5 after 7 (went back).
+        assert_eq!(repeats_and_gaps(&[1, 2, 3, 6, 6, 7, 5, 8]), (2, 2));
+        // The first answer must be 1: answers before it count as skipped.
+        assert_eq!(repeats_and_gaps(&[3, 4]), (0, 2));
+    }
+
+    #[test]
+    fn without_the_namespaces_the_client_goals_say_why_they_are_not_judged() {
+        let k = KillSums {
+            n: 0,
+            failover: None,
+        };
+        let why = "making network namespaces needs root";
+        let shown = verdicts(&Found(Vec::new()), &k, None, Some(why)).table();
+        assert!(shown.contains(&format!("unavailable: {why}")), "{shown}");
+        assert!(
+            shown.contains("SIGKILL to the client's first answer"),
+            "{shown}"
+        );
     }
 
     #[test]
@@ -1244,6 +2035,7 @@ mod tests {
                     replication: None,
                     task_epochs: None,
                     task_bytes: None,
+                    echo: None,
                 })
                 .collect();
             Sums::of(Config { work, epoch_ms }, &s.iter().collect::<Vec<_>>())

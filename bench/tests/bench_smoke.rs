@@ -874,7 +874,10 @@ fn bench_api_quick_cycles_a_waiting_musubi_through_ch_remote() {
 /// `musubi bench ha --quick`: fib and mem-check unreplicated and at every epoch, each
 /// replicated run protected by its standby with its pauses and bytes counted; the primary
 /// killed twice, each kill timed to the standby's first KVM_RUN (the standby then ended fib
-/// exactly, or the run failed); the rows that need the network output commit say so.
+/// exactly, or the run failed); in network namespaces (CI runs it as root), udp-echo at
+/// every epoch with its rate and round trips, and two kills with a udp-counter client, each
+/// timed to the client's first answer from the standby, its answers checked for repeats and
+/// gaps.
 #[test]
 fn bench_ha_quick_replicates_fib_and_mem_check_and_times_each_failover() {
     assert_kvm();
@@ -922,6 +925,44 @@ fn bench_ha_quick_replicates_fib_and_mem_check_and_times_each_failover() {
         assert_eq!(row[c("heartbeat_ms")], "100", "{row:?}");
         assert!(row[c("kill_to_first_answer_ms")].is_empty(), "{row:?}");
     }
+    for e in ["", "5", "20", "50"] {
+        let rows: Vec<_> = t
+            .rows
+            .iter()
+            .filter(|row| row[measure] == "overhead" && row[task] == "udp-echo" && row[epoch] == e)
+            .collect();
+        assert_eq!(rows.len(), 1, "udp-echo epoch {e:?}\n{}", t.text);
+        let row = rows[0];
+        t.assert_positive(row, &["echo_rate_per_s", "echo_p50_us", "echo_p99_us"]);
+        let n = |col: &str| -> u64 { row[c(col)].parse().expect(col) };
+        assert!(n("echo_p99_us") >= n("echo_p50_us"), "{row:?}");
+        if !e.is_empty() {
+            // Held until its epoch is acknowledged: a round trip waits for a checkpoint.
+            assert!(n("echo_p50_us") >= 1000, "{row:?}");
+            t.assert_positive(row, &["epochs_acked"]);
+        }
+    }
+    let client_kills: Vec<_> = t
+        .rows
+        .iter()
+        .filter(|row| row[measure] == "failover-client")
+        .collect();
+    assert_eq!(client_kills.len(), 2, "{}", t.text);
+    for row in client_kills {
+        t.assert_positive(
+            row,
+            &[
+                "kill_to_first_answer_ms",
+                "kill_to_first_kvm_run_ms",
+                "acked_before_kill",
+                "answers",
+            ],
+        );
+        assert_eq!(row[c("heartbeat_ms")], "100", "{row:?}");
+        let n = |col: &str| -> u64 { row[c(col)].parse().expect(col) };
+        assert!(n("answers") >= n("answers_at_kill") + 30, "{row:?}");
+        assert_eq!(n("answers_repeated"), 0, "{row:?}");
+    }
     let svg = std::fs::read_to_string(out.path().join("ha.svg")).expect("ha.svg");
     assert!(
         svg.starts_with("<svg") && svg.contains("fib 20 ms") && svg.contains("failover"),
@@ -930,7 +971,9 @@ fn bench_ha_quick_replicates_fib_and_mem_check_and_times_each_failover() {
     for said in [
         "fib task time on its own core, replicated / unreplicated, 20 ms epoch",
         "SIGKILL to standby's first KVM_RUN",
-        "needs the network output commit",
+        "SIGKILL to the client's first answer",
+        "udp-counter answers repeated over 2 kills",
+        "udp-counter answers skipped over 2 kills",
     ] {
         assert!(r.stdout.contains(said), "{said}\n{}", r.explain());
     }

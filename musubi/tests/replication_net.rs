@@ -22,11 +22,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use testkit::replica_net::{ReplicaNet as Net, CLIENT, GUEST, STANDBY_HOST};
 
-const CLIENT: &str = "10.9.0.1";
-const GUEST: &str = "10.9.0.2";
-const PRIMARY_HOST: &str = "10.9.0.11";
-const STANDBY_HOST: &str = "10.9.0.12";
 const COUNTER_PORT: u16 = 7000;
 const SINK_PORT: u16 = 9000;
 const LIMIT: Duration = Duration::from_secs(60);
@@ -36,54 +33,6 @@ const LIMIT: Duration = Duration::from_secs(60);
 /// back to it).
 const HEARTBEAT_MS: &str = "1000";
 const EPOCH_MS: &str = "20";
-
-/// The three namespaces and what joins them.
-struct Net {
-    primary: Netns,
-    standby: Netns,
-    client: Netns,
-}
-
-impl Net {
-    fn new(tag: &str) -> Net {
-        let net = Net {
-            primary: Netns::new(&format!("{tag}p")),
-            standby: Netns::new(&format!("{tag}s")),
-            client: Netns::new(&format!("{tag}c")),
-        };
-        let c = net.client.name.as_str();
-        ip(&["-n", c, "link", "add", "br0", "type", "bridge"]);
-        for (ns, addr, veth) in [
-            (&net.primary, PRIMARY_HOST, "vp"),
-            (&net.standby, STANDBY_HOST, "vs"),
-        ] {
-            let n = ns.name.as_str();
-            let peer = format!("{veth}c");
-            ip(&["-n", n, "link", "add", "br0", "type", "bridge"]);
-            ip(&["-n", n, "tuntap", "add", "dev", "tap0", "mode", "tap"]);
-            ip(&[
-                "-n", n, "link", "add", veth, "type", "veth", "peer", "name", &peer, "netns", c,
-            ]);
-            for port in ["tap0", veth] {
-                ip(&["-n", n, "link", "set", port, "master", "br0", "up"]);
-            }
-            ip(&["-n", n, "addr", "add", &format!("{addr}/24"), "dev", "br0"]);
-            ip(&["-n", n, "link", "set", "br0", "up"]);
-            ip(&["-n", c, "link", "set", &peer, "master", "br0", "up"]);
-        }
-        ip(&[
-            "-n",
-            c,
-            "addr",
-            "add",
-            &format!("{CLIENT}/24"),
-            "dev",
-            "br0",
-        ]);
-        ip(&["-n", c, "link", "set", "br0", "up"]);
-        net
-    }
-}
 
 /// Whether the process `pid` (in whatever namespace) has a TCP socket listening on `port`.
 fn listening(pid: u32, port: u16) -> bool {

@@ -1,7 +1,8 @@
 //! What the tests of several crates share: running a program under test with its time
 //! bounded and always reaped (`process`), waiting for what it prints or opens (`wait`), the
 //! probe guest's result lines (`probe`), stand-ins for the programs it runs (`fake`),
-//! network namespaces of a test's own (`netns`), the kernel's table of TCP sockets
+//! network namespaces of a test's own (`netns`) and a replicated VM's three of them
+//! (`replica_net`), the kernel's table of TCP sockets
 //! (`tcp`), slow-loris clients of a UNIX socket (`slow`) and a host program's side of a
 //! VM's hybrid vsock (`vsock`).
 
@@ -9,6 +10,7 @@ mod fake;
 pub mod netns;
 mod probe;
 mod process;
+pub mod replica_net;
 mod slow;
 pub mod tcp;
 pub mod vsock;
