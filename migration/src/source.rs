@@ -27,6 +27,14 @@ pub trait SourceVm: Send + Sync {
     fn checkpoint(&self) -> Result<Vec<u8>, VmFault> {
         self.capture()
     }
+    /// Ends a [`SourceVm::checkpoint`]: the VM goes on unless it was paused before it
+    /// (`paused_before`), as its owner left it.
+    fn end_checkpoint(&self, paused_before: bool) -> Result<(), VmFault> {
+        match paused_before {
+            true => Ok(()),
+            false => self.resume(),
+        }
+    }
     /// Lets a VM paused by [`SourceVm::capture`] go on.
     fn resume(&self) -> Result<(), VmFault>;
     /// Whether the VM is paused (by its owner, through the API): a checkpoint of a paused

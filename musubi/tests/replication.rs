@@ -309,15 +309,7 @@ fn paused_until_protected(
     let mut p = start_primary_with(dir, "primary", port, key, tasks, MEMORY, flags);
     let serial = p.serial.clone();
     p.vm.wait_for_text(&serial, HELLO, LIMIT);
-    // A pause asked during a checkpoint finds the VM paused by it: asked again.
-    let mut paused = None;
-    wait_until(LIMIT, || {
-        let r = remote(&p.socket, &["pause"]);
-        let done = r.code == Some(0) || !r.stderr.contains("already paused");
-        paused = Some(r);
-        done
-    });
-    let paused = paused.unwrap();
+    let paused = remote(&p.socket, &["pause"]);
     assert_eq!(paused.code, Some(0), "{}", paused.explain());
     p.wait_protected();
     let resumed = remote(&p.socket, &["resume"]);
@@ -545,6 +537,40 @@ fn a_standby_whose_pmem_copy_differs_is_refused_naming_the_file() {
     assert!(!standby_serial.exists() || !read_text(&standby_serial).contains("probe"));
     // Refused before anything was written: the copy is as it was given.
     assert_eq!(std::fs::read(&other).unwrap(), vec![1u8; BYTES]);
+}
+
+#[test]
+fn an_operators_pause_and_resume_wait_out_checkpoints_and_the_standby_still_ends_the_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = format!("hello,fib={FIB_N}");
+    let (text, _) = taken_over_from(dir.path(), 29, &[], |port, key| {
+        let flags = ["--epoch", "2"];
+        let mut p = start_primary_with(dir.path(), "primary", port, key, &tasks, MEMORY, &flags);
+        p.wait_protected();
+        // Checkpoints every 2 ms: many of these land while one has the VM paused, and
+        // each waits for its end instead of being refused or resuming it early.
+        for _ in 0..20 {
+            for verb in ["pause", "resume"] {
+                let r = remote(&p.socket, &[verb]);
+                assert_eq!(r.code, Some(0), "{verb} while replicating: {}", r.explain());
+            }
+        }
+        // Paused by its operator, the VM stays paused through later checkpoints.
+        let r = remote(&p.socket, &["pause"]);
+        assert_eq!(r.code, Some(0), "{}", r.explain());
+        let from = p.acked().unwrap_or(0);
+        assert!(
+            wait_until(LIMIT, || p.acked().is_some_and(|a| a >= from + 2)),
+            "no checkpoints while paused"
+        );
+        let info = remote_json(&p.socket, &["info"]);
+        assert_eq!(info["state"], "Paused", "{info}");
+        let r = remote(&p.socket, &["resume"]);
+        assert_eq!(r.code, Some(0), "{}", r.explain());
+        p
+    });
+    let f = result_in(&text, "fib");
+    assert_eq!(u(&f["result"]), fib_value(FIB_N), "{text}");
 }
 
 #[test]

@@ -390,9 +390,7 @@ impl Primary<'_> {
         let copied = self.copy_dirty(epochs, buf);
         let pmem = (copied.as_ref().ok()).map(|(_, c)| self.copy_pmem_dirty(epochs, c.len(), buf));
         let disk = copied.as_ref().ok().map(|_| self.disk_writes_paused());
-        if !was_paused {
-            self.vm.resume().map_err(LostWhy::Vm)?;
-        }
+        self.vm.end_checkpoint(was_paused).map_err(LostWhy::Vm)?;
         let pause = started.elapsed();
         let (mut pages, copied) = copied?;
         // Sealed with the state: they stay as they are until this epoch is released.

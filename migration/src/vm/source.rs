@@ -44,6 +44,17 @@ struct DataPagesError(#[source] std::io::Error);
 /// The running VM as the migration's source sees it.
 pub(crate) struct HandleVm<'a>(pub(crate) &'a vmm::VmHandle);
 
+impl HandleVm<'_> {
+    /// A captured state, as sent: the output the network devices held up to it is marked as
+    /// this checkpoint's (see `devices::net::OutputGate::mark_captured`).
+    fn sealed(&self, state: vmm::snapshot::VmState) -> Result<Vec<u8>, VmFault> {
+        for g in self.0.output_gates() {
+            g.mark_captured();
+        }
+        Ok(serde_json::to_vec(&state)?)
+    }
+}
+
 impl SourceVm for HandleVm<'_> {
     fn config(&self) -> Vec<u8> {
         let mut config = serde_json::to_value(self.0.config()).unwrap_or_default();
@@ -53,7 +64,7 @@ impl SourceVm for HandleVm<'_> {
         serde_json::to_vec(&config).unwrap_or_default()
     }
     fn capture(&self) -> Result<Vec<u8>, VmFault> {
-        let state = self.checkpoint()?;
+        let state = self.0.capture()?;
         // The destination opens the same disks and memory-storage files: what the guest
         // wrote to them here must be in the files before it runs there (shared storage
         // between hosts sees only what was written back).
@@ -61,14 +72,18 @@ impl SourceVm for HandleVm<'_> {
             let _ = self.0.resume();
             return Err(e.into());
         }
-        Ok(state)
+        self.sealed(state)
     }
     fn checkpoint(&self) -> Result<Vec<u8>, VmFault> {
-        let state = self.0.capture()?;
-        for g in self.0.output_gates() {
-            g.mark_captured();
-        }
-        Ok(serde_json::to_vec(&state)?)
+        let state = self.0.begin_checkpoint()?;
+        self.sealed(state).inspect_err(|_| {
+            let _ = self.0.end_checkpoint();
+        })
+    }
+    fn end_checkpoint(&self, _paused_before: bool) -> Result<(), VmFault> {
+        // The handle knows whether the checkpoint paused the VM, and an operator's pause
+        // waited for it, so the VM is left as its owner has it.
+        Ok(self.0.end_checkpoint()?)
     }
     fn hold_output(&self) {
         for g in self.0.output_gates() {

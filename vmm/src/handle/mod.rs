@@ -56,11 +56,27 @@ pub(crate) struct Shared {
     pub(crate) vsock_socket: Option<devices::virtio::SocketFile>,
     /// One pause, resume or snapshot at a time.
     pub(crate) busy: Mutex<()>,
+    /// A replica's checkpoint under way (see [`VmHandle::begin_checkpoint`]).
+    pub(crate) checkpoint: CheckpointHold,
     /// Pages written since the last look, while a pre-copy migration asks.
     pub(crate) dirty: crate::vstate::dirty::DirtyLog,
     /// Memory-storage pages written since the last look, while a replica asks.
     pub(crate) pmem_dirty: crate::vstate::dirty::PmemDirtyLog,
 }
+
+/// A replica's checkpoint keeps the VM paused from its capture until its pages are copied.
+/// An operator's pause, resume or snapshot asked meanwhile waits for its end instead of
+/// acting on the pause it made: a resume then would let the guest write pages the
+/// checkpoint is still copying, and a pause would be refused as already made.
+#[derive(Default)]
+pub(crate) struct CheckpointHold {
+    /// While one is under way: whether it paused the VM (and so resumes it at its end).
+    under_way: Mutex<Option<bool>>,
+    ended: std::sync::Condvar,
+}
+
+/// Longest an operator's call waits for a checkpoint to end before it goes ahead.
+const CHECKPOINT_WAIT: Duration = Duration::from_secs(10);
 
 /// What a paused VM's clocks read when it stopped.
 pub(crate) struct PausedAt {
@@ -171,8 +187,76 @@ impl VmHandle {
     /// Stops every vCPU between two instructions and the I/O thread between two requests,
     /// and reads the guest's clocks, so a resume can set them back.
     pub fn pause(&self) -> Result<(), ControlError> {
-        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.busy_after_checkpoint();
         self.pause_locked()
+    }
+
+    /// The `busy` lock, taken once no replica's checkpoint is under way (or, if one never
+    /// ends, after [`CHECKPOINT_WAIT`]).
+    pub(crate) fn busy_after_checkpoint(&self) -> std::sync::MutexGuard<'_, ()> {
+        let sh = &self.shared;
+        let until = std::time::Instant::now() + CHECKPOINT_WAIT;
+        loop {
+            let one = sh.busy.lock().unwrap_or_else(|e| e.into_inner());
+            let under_way = sh
+                .checkpoint
+                .under_way
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if under_way.is_none() || left.is_zero() {
+                return one;
+            }
+            drop(one);
+            let _ = sh.checkpoint.ended.wait_timeout(under_way, left);
+        }
+    }
+
+    /// A replica's checkpoint: pauses the VM if it runs and returns its state as
+    /// [`VmHandle::capture`] does, and keeps it paused for the checkpoint (operators' calls
+    /// wait) until [`VmHandle::end_checkpoint`].
+    pub fn begin_checkpoint(&self) -> Result<crate::snapshot::VmState, ControlError> {
+        let _one = self.busy_after_checkpoint();
+        let paused = self.shared.gate.is_paused();
+        if !paused {
+            self.pause_locked()?;
+        }
+        match self.capture_locked() {
+            Ok(mut state) => {
+                state.paused = paused;
+                *self
+                    .shared
+                    .checkpoint
+                    .under_way
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(!paused);
+                Ok(state)
+            }
+            Err(e) => {
+                if !paused {
+                    let _ = self.resume_locked();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Ends the checkpoint [`VmHandle::begin_checkpoint`] began: resumes the VM if that
+    /// paused it, then lets waiting operators' calls go.
+    pub fn end_checkpoint(&self) -> Result<(), ControlError> {
+        let sh = &self.shared;
+        let _one = sh.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let mut under_way = sh
+            .checkpoint
+            .under_way
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let r = match under_way.take() {
+            Some(true) => self.resume_locked(),
+            _ => Ok(()),
+        };
+        sh.checkpoint.ended.notify_all();
+        r
     }
 
     fn pause_locked(&self) -> Result<(), ControlError> {
@@ -207,7 +291,7 @@ impl VmHandle {
     /// Lets a paused VM go on. The KVM clock and every TSC are set back to what they read
     /// at the pause, so the guest sees no time pass while it was stopped.
     pub fn resume(&self) -> Result<(), ControlError> {
-        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.busy_after_checkpoint();
         self.resume_locked()
     }
 

@@ -72,7 +72,7 @@ impl VmHandle {
         Ok(state)
     }
 
-    fn capture_locked(&self) -> Result<crate::snapshot::VmState, ControlError> {
+    pub(super) fn capture_locked(&self) -> Result<crate::snapshot::VmState, ControlError> {
         let sh = &self.shared;
         let clock = sh
             .paused_at
@@ -363,7 +363,7 @@ impl VmHandle {
     /// VM is paused first if it runs, and left paused.
     pub fn snapshot(&self, dir: &std::path::Path) -> Result<SnapshotReport, ControlError> {
         use crate::snapshot::{self, SnapshotError};
-        let _one = self.shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.busy_after_checkpoint();
         let started = Instant::now();
         let sh = &self.shared;
         if !sh.gate.is_paused() {

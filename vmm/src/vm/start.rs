@@ -78,6 +78,7 @@ impl Vm {
             saved_config: self.saved_config.clone(),
             vsock_socket: self.devices.vsock_socket.clone(),
             busy: Mutex::new(()),
+            checkpoint: Default::default(),
             dirty: crate::vstate::dirty::DirtyLog::new(
                 self.kvm.shared_fd(),
                 self.ram.clone(),
