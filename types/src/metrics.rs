@@ -266,6 +266,15 @@ pub struct ReplicationMetrics {
     #[serde(default)]
     pub pause_us_p99: u64,
     pub pause_us_max: u64,
+    /// The epochs as they came (checkpoint to checkpoint), in milliseconds: median of the
+    /// most recent 1024 and the longest. Longer than `epoch_ms` when the standby's
+    /// acknowledgements come later than that: the guest writes faster than the link
+    /// carries, and the epochs stretch instead of a copy growing. Absent from the metrics
+    /// of a Musubi older than them.
+    #[serde(default)]
+    pub epoch_ms_median: u64,
+    #[serde(default)]
+    pub epoch_ms_max: u64,
     /// Why the standby was lost, if it was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lost: Option<String>,

@@ -98,6 +98,8 @@ struct Counts {
     bytes_sent: u64,
     bytes: Samples,
     pause_us: Samples,
+    /// Time between checkpoints, in milliseconds.
+    interval_ms: Samples,
     lost: Option<String>,
 }
 
@@ -156,6 +158,12 @@ impl ReplicationStats {
         });
     }
 
+    /// The time from one checkpoint to the next: the epoch asked for, or longer when the
+    /// last epoch's acknowledgement came later (a link slower than the guest's writes).
+    fn interval(&self, d: Duration) {
+        self.with(|c| c.interval_ms.push(d.as_millis() as u64));
+    }
+
     fn acked(&self) {
         self.with(|c| c.epochs_acked += 1);
     }
@@ -182,6 +190,8 @@ impl ReplicationStats {
             pause_us_median: c.pause_us.median(),
             pause_us_p99: c.pause_us.percentile(99),
             pause_us_max: c.pause_us.max,
+            epoch_ms_median: c.interval_ms.median(),
+            epoch_ms_max: c.interval_ms.max,
             lost: c.lost.clone(),
         })
     }

@@ -318,7 +318,11 @@ impl Primary<'_> {
                 self.beat()?;
                 std::thread::sleep(left.min(self.beat));
             }
-            last_pause = Some(Instant::now());
+            let now = Instant::now();
+            if let Some(t) = last_pause {
+                stats.interval(now - t);
+            }
+            last_pause = Some(now);
             let (pages, state, frames, pause) = match self.checkpoint(epochs, &mut buf) {
                 Ok(c) => c,
                 // The VM ended while the checkpoint was taken: said at the top.

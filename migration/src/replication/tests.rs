@@ -477,6 +477,20 @@ fn a_copy_of_another_size_or_content_is_refused_by_name_and_the_standby_waits() 
 }
 
 #[test]
+fn stretched_epochs_show_in_the_metrics_beside_the_one_asked_for() {
+    let stats = ReplicationStats::new("tcp:127.0.0.1:1", Duration::from_millis(20));
+    assert_eq!(stats.to_metrics().epoch_ms_median, 0);
+    for ms in [20, 21, 250, 260, 240] {
+        stats.interval(Duration::from_millis(ms));
+    }
+    let m = stats.to_metrics();
+    assert_eq!(
+        (m.epoch_ms, m.epoch_ms_median, m.epoch_ms_max),
+        (20, 240, 260)
+    );
+}
+
+#[test]
 fn the_pause_p99_shows_long_pauses_the_median_hides_and_ignores_a_single_one() {
     let stats = ReplicationStats::new("tcp:127.0.0.1:1", Duration::from_millis(20));
     assert_eq!(stats.to_metrics().pause_us_p99, 0);
