@@ -319,9 +319,11 @@ fn paused_until_protected(
 
 /// A primary with `flags` whose standby refuses it: waits until its metrics say the
 /// standby is lost (its VM runs a task that lasts until it is killed, so the refusal is
-/// what ends the replication, not the VM), kills it and returns how it ended.
-fn refused_primary(dir: &Path, port: u16, key: &Path, flags: &[&str]) -> Run {
-    let mut primary = start_primary_with(dir, "primary", port, key, "hello,spin=0", MEMORY, flags);
+/// what ends the replication, not the VM), kills it and returns how it ended. `name` names
+/// its console, metrics and API socket in `dir`, new for each primary (a killed one's
+/// console would show hello before the next has its signal handlers).
+fn refused_primary(dir: &Path, name: &str, port: u16, key: &Path, flags: &[&str]) -> Run {
+    let mut primary = start_primary_with(dir, name, port, key, "hello,spin=0", MEMORY, flags);
     // Asked for metrics (SIGUSR1) only once it runs the guest, with its handler set.
     let serial = primary.serial.clone();
     primary.vm.wait_for_text(&serial, HELLO, LIMIT);
@@ -342,49 +344,6 @@ fn refused_primary(dir: &Path, port: u16, key: &Path, flags: &[&str]) -> Run {
 }
 
 #[test]
-fn a_disk_filled_across_the_primarys_death_reads_back_on_the_standby_as_the_guest_wrote_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let primary_img = temp_image(dir.path(), "primary.img", DISK_BYTES);
-    let standby_img = temp_image(dir.path(), "standby.img", DISK_BYTES);
-    let tasks = format!("hello,blk-fill={FILL_SEED},blk-crc");
-    let primary_disk = format!("path={}", primary_img.display());
-    let standby_disk = format!("path={}", standby_img.display());
-    let (text, _) = taken_over_from(dir.path(), 26, &["--disk", &standby_disk], |port, key| {
-        paused_until_protected(dir.path(), port, key, &tasks, &["--disk", &primary_disk])
-    });
-    // The primary died during the fill, having written part of the disk: the standby
-    // did not write that part again (it went on from the last epoch), so it reads back
-    // whole only if the primary's writes reached the standby's copy.
-    let before = read_text(&dir.path().join("primary.out"));
-    assert!(
-        !results_in(&before).iter().any(|v| v["probe"] == "blk-fill"),
-        "the fill ended before the primary died, so it says nothing of replication:\n{before}"
-    );
-    let written = std::fs::read(&primary_img).unwrap();
-    assert!(
-        written.iter().any(|&b| b != 0),
-        "the primary had written nothing when it died"
-    );
-    let want = format!("{:#010x}", fill_crc(DISK_BYTES, FILL_SEED));
-    let c = result_in(&text, "blk-crc");
-    let d = &c["disks"][0];
-    assert_eq!(
-        (u(&d["bytes"]), d["crc32"].as_str().unwrap()),
-        (DISK_BYTES as u64, want.as_str()),
-        "{text}"
-    );
-    let f = result_in(&text, "blk-fill");
-    assert_eq!(
-        (&f["seed"], &f["ok"]),
-        (&FILL_SEED.into(), &true.into()),
-        "{text}"
-    );
-    // What the guest read is what the standby's file holds.
-    let on_file = crc32fast::hash(&std::fs::read(&standby_img).unwrap());
-    assert_eq!(format!("{on_file:#010x}"), want);
-}
-
-#[test]
 fn a_standby_whose_disk_copy_differs_in_size_or_content_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let key = secret_file(dir.path(), "secret", 27);
@@ -399,7 +358,8 @@ fn a_standby_whose_disk_copy_differs_in_size_or_content_is_refused_by_name() {
         let copy_disk = format!("path={}", copy.display());
         let mut standby = start_standby_with(port, &key, &standby_serial, &["--disk", &copy_disk]);
         let guard = KillOnPanic::new(&standby);
-        let p = refused_primary(dir.path(), port, &key, &["--disk", &primary_disk]);
+        let name = format!("primary-{}", why.replace(' ', "-"));
+        let p = refused_primary(dir.path(), &name, port, &key, &["--disk", &primary_disk]);
         let named = copy.display().to_string();
         assert!(
             p.stderr.contains("the standby refused the VM")
@@ -453,53 +413,85 @@ fn zero_file(dir: &Path, name: &str, bytes: usize) -> PathBuf {
     p
 }
 
-#[test]
-fn a_pmem_region_filled_across_the_primarys_death_reads_back_on_the_standby_as_the_guest_wrote_it()
-{
+/// Storage the guest fills across the primary's death: a disk or a memory-storage region.
+struct Filled {
+    /// `--disk` or `--pmem`, and the key naming the file in its value.
+    flag: &'static str,
+    key: &'static str,
+    /// The probe's tasks (`blk` or `pmem`) and the key of their results' list.
+    tasks: &'static str,
+    list: &'static str,
+    bytes: usize,
+    seed: u8,
+}
+
+/// The primary fills `s` and is killed during the fill; the standby ends it. The standby
+/// went on from the last epoch and did not store again what the primary had stored before
+/// it died, so the storage reads back whole (in the guest and in the standby's file) only
+/// if the primary's stores reached the standby's copy.
+fn filled_across_a_failover(s: Filled) {
     let dir = tempfile::tempdir().unwrap();
-    let primary_file = zero_file(dir.path(), "primary.pmem", PMEM_BYTES);
-    let standby_file = zero_file(dir.path(), "standby.pmem", PMEM_BYTES);
-    let tasks = format!("hello,pmem-fill={FILL_SEED},pmem-crc");
-    let primary_pmem = format!("file={}", primary_file.display());
-    let standby_pmem = format!("file={}", standby_file.display());
-    // The fill starts right after hello, and would outrun the first epochs (all of RAM) on
-    // a loaded machine: the VM waits paused until the standby is protected, and is killed
-    // two epochs after it runs on, early in the fill.
-    let (text, _) = taken_over_from(dir.path(), 30, &["--pmem", &standby_pmem], |port, key| {
-        let flags = ["--pmem", primary_pmem.as_str()];
-        paused_until_protected(dir.path(), port, key, &tasks, &flags)
+    let primary_file = zero_file(dir.path(), "primary.img", s.bytes);
+    let standby_file = zero_file(dir.path(), "standby.img", s.bytes);
+    let (fill, crc) = (format!("{}-fill", s.tasks), format!("{}-crc", s.tasks));
+    let tasks = format!("hello,{fill}={FILL_SEED},{crc}");
+    let primary_flag = format!("{}={}", s.key, primary_file.display());
+    let standby_flag = format!("{}={}", s.key, standby_file.display());
+    let (text, _) = taken_over_from(dir.path(), s.seed, &[s.flag, &standby_flag], |port, key| {
+        paused_until_protected(dir.path(), port, key, &tasks, &[s.flag, &primary_flag])
     });
-    // The primary died during the fill, having stored into part of the region: the
-    // standby went on from the last epoch and did not store there again, so its region
-    // reads back whole only if the primary's stores reached the standby's copy.
     let before = read_text(&dir.path().join("primary.out"));
     assert!(
         !results_in(&before)
             .iter()
-            .any(|v| v["probe"] == "pmem-fill"),
+            .any(|v| v["probe"] == fill.as_str()),
         "the fill ended before the primary died, so it says nothing of replication:\n{before}"
     );
     assert_ne!(
         file_crc(&primary_file),
-        crc_of(std::io::Read::take(std::io::repeat(0), PMEM_BYTES as u64)),
+        crc_of(std::io::Read::take(std::io::repeat(0), s.bytes as u64)),
         "the primary had stored nothing when it died"
     );
-    let want = format!("{:#010x}", fill_crc(PMEM_BYTES, FILL_SEED));
-    let c = result_in(&text, "pmem-crc");
-    let r = &c["regions"][0];
+    let want = format!("{:#010x}", fill_crc(s.bytes, FILL_SEED));
+    let c = result_in(&text, &crc);
+    let r = &c[s.list][0];
     assert_eq!(
         (u(&r["bytes"]), r["crc32"].as_str().unwrap()),
-        (PMEM_BYTES as u64, want.as_str()),
+        (s.bytes as u64, want.as_str()),
         "{text}"
     );
-    let f = result_in(&text, "pmem-fill");
+    let f = result_in(&text, &fill);
     assert_eq!(
         (&f["seed"], &f["ok"]),
         (&FILL_SEED.into(), &true.into()),
         "{text}"
     );
-    // What the guest read is what the standby's file holds.
     assert_eq!(format!("{:#010x}", file_crc(&standby_file)), want);
+}
+
+#[test]
+fn a_disk_filled_across_the_primarys_death_reads_back_on_the_standby_as_the_guest_wrote_it() {
+    filled_across_a_failover(Filled {
+        flag: "--disk",
+        key: "path",
+        tasks: "blk",
+        list: "disks",
+        bytes: DISK_BYTES,
+        seed: 26,
+    });
+}
+
+#[test]
+fn a_pmem_region_filled_across_the_primarys_death_reads_back_on_the_standby_as_the_guest_wrote_it()
+{
+    filled_across_a_failover(Filled {
+        flag: "--pmem",
+        key: "file",
+        tasks: "pmem",
+        list: "regions",
+        bytes: PMEM_BYTES,
+        seed: 30,
+    });
 }
 
 #[test]
@@ -516,7 +508,13 @@ fn a_standby_whose_pmem_copy_differs_is_refused_naming_the_file() {
     let copy_pmem = format!("file={}", other.display());
     let mut standby = start_standby_with(port, &key, &standby_serial, &["--pmem", &copy_pmem]);
     let guard = KillOnPanic::new(&standby);
-    let p = refused_primary(dir.path(), port, &key, &["--pmem", &primary_pmem]);
+    let p = refused_primary(
+        dir.path(),
+        "primary",
+        port,
+        &key,
+        &["--pmem", &primary_pmem],
+    );
     let named = format!("--pmem file={}", other.display());
     assert!(
         p.stderr.contains("the standby refused the VM")

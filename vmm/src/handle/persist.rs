@@ -102,29 +102,41 @@ impl VmHandle {
         if sh.journals.is_empty() {
             return Ok(Vec::new());
         }
-        let _one = sh.busy.lock().unwrap_or_else(|e| e.into_inner());
-        let paused = sh.gate.is_paused();
+        self.while_paused(|| {
+            let sums = sh
+                .journals
+                .iter()
+                .map(|j| {
+                    j.start(bound);
+                    j.checksum().map_err(|source| JournalError::Read {
+                        path: j.path().to_path_buf(),
+                        source,
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>();
+            if sums.is_err() {
+                sh.journals.iter().for_each(|j| j.stop());
+            }
+            sums
+        })
+    }
+
+    /// Runs `f` with the VM paused (paused for it if it runs, and resumed after), no other
+    /// pause, resume or snapshot meanwhile.
+    fn while_paused<T, E: From<ControlError>>(
+        &self,
+        f: impl FnOnce() -> Result<T, E>,
+    ) -> Result<T, E> {
+        let _one = self.busy_after_checkpoint();
+        let paused = self.shared.gate.is_paused();
         if !paused {
             self.pause_locked()?;
         }
-        let sums = sh
-            .journals
-            .iter()
-            .map(|j| {
-                j.start(bound);
-                j.checksum().map_err(|source| JournalError::Read {
-                    path: j.path().to_path_buf(),
-                    source,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>();
-        if sums.is_err() {
-            sh.journals.iter().for_each(|j| j.stop());
-        }
+        let r = f();
         if !paused {
             self.resume_locked()?;
         }
-        sums
+        r
     }
 
     /// Stops what [`VmHandle::start_disk_journals`] started.
@@ -164,33 +176,27 @@ impl VmHandle {
         if sh.pmem.is_empty() {
             return Ok(Vec::new());
         }
-        let _one = sh.busy.lock().unwrap_or_else(|e| e.into_inner());
-        let paused = sh.gate.is_paused();
-        if !paused {
-            self.pause_locked()?;
-        }
-        let sums = sh
-            .pmem_dirty
-            .start()
-            .map_err(PmemLogError::from)
-            .and_then(|()| {
-                sh.pmem
-                    .iter()
-                    .map(|r| {
-                        r.checksum().map_err(|source| PmemLogError::Read {
-                            path: r.config.file.clone(),
-                            source,
+        self.while_paused(|| {
+            let sums = sh
+                .pmem_dirty
+                .start()
+                .map_err(PmemLogError::from)
+                .and_then(|()| {
+                    sh.pmem
+                        .iter()
+                        .map(|r| {
+                            r.checksum().map_err(|source| PmemLogError::Read {
+                                path: r.config.file.clone(),
+                                source,
+                            })
                         })
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-            });
-        if sums.is_err() {
-            let _ = sh.pmem_dirty.stop();
-        }
-        if !paused {
-            self.resume_locked()?;
-        }
-        sums
+                        .collect::<Result<Vec<_>, _>>()
+                });
+            if sums.is_err() {
+                let _ = sh.pmem_dirty.stop();
+            }
+            sums
+        })
     }
 
     /// (region, offset) of each memory-storage page written since
