@@ -37,6 +37,9 @@ use vm_memory::{Bytes, GuestAddress};
 const HOLE: (u64, u64) = (0x40_0000, 0x41_0000);
 /// Actions played per input at most; inputs are short anyway, this only bounds the work.
 const MAX_ACTIONS: usize = 512;
+/// Passes without a used receive buffer after which a host program's CONNECT counts as lost:
+/// one to accept it, one to read its line, one to send the REQUEST, one to spare.
+const ALIVE_IDLE_PASSES: usize = 4;
 /// Descriptors followed when bounding a chain: more than any device walks (virtio-blk stops
 /// at 1024), so the bound covers every prefix a device may serve.
 const MAX_WALK: usize = 4096;
@@ -971,28 +974,50 @@ fn play_vsock(
 }
 
 /// After a reset, a host program's CONNECT reaches a posted receive buffer as a REQUEST.
+///
+/// Host programs the script left connecting (accepted but unread, or still in the listener's
+/// backlog when the guest reset the device) are new clients to the reset device, and their
+/// REQUESTs come first, each taking a buffer: so the guest here, like Linux's driver, gives
+/// every used buffer back, and the REQUEST must come before the device goes
+/// [`ALIVE_IDLE_PASSES`] passes without using one.
 fn vsock_alive(d: &mut Driver, path: &std::path::Path) -> Result<(), Finding> {
     use crate::virtio::vsock::packet::{Header, HDR_LEN, OP_REQUEST};
     use std::io::Write;
     let (mut rx, _tx, _ev) = d.vsock_up();
     let base = 0x50_0000u64;
+    let buffer = |k: u16| {
+        [(
+            base + 0x1000 * u64::from(k),
+            0x1000,
+            VRING_DESC_F_WRITE as u16,
+        )]
+    };
     for k in 0..QSIZE {
-        let addr = base + 0x1000 * u64::from(k);
-        d.chain_on(&mut rx, k, &[(addr, 0x1000, VRING_DESC_F_WRITE as u16)]);
+        d.chain_on(&mut rx, k, &buffer(k));
     }
     d.notify_queue(0);
     let mut c = std::os::unix::net::UnixStream::connect(path)?;
     c.write_all(b"CONNECT 1000\n")?;
-    for _ in 0..4 {
+    let mut idle = 0;
+    // Each pass that is not idle takes a buffer for one of at most MAX_ACTIONS clients' packets.
+    for _ in 0..4 * MAX_ACTIONS {
+        if idle == ALIVE_IDLE_PASSES {
+            break;
+        }
         d.t.process_event(0);
-    }
-    while let Some((id, len)) = d.next_used_on(&mut rx) {
-        let addr = base + 0x1000 * u64::from(id);
-        if len as usize >= HDR_LEN {
-            let h = Header::parse(&d.guest_bytes(addr, HDR_LEN).try_into().unwrap());
-            if h.op == OP_REQUEST && h.dst_port == 1000 {
-                return Ok(());
+        idle += 1;
+        while let Some((id, len)) = d.next_used_on(&mut rx) {
+            idle = 0;
+            let addr = base + 0x1000 * u64::from(id);
+            if len as usize >= HDR_LEN {
+                let h = Header::parse(&d.guest_bytes(addr, HDR_LEN).try_into().unwrap());
+                if h.op == OP_REQUEST && h.dst_port == 1000 {
+                    return Ok(());
+                }
             }
+            let k = id as u16 % QSIZE;
+            d.chain_on(&mut rx, k, &buffer(k));
+            d.notify_queue(0);
         }
     }
     Err(Finding::VsockRequestLost)
