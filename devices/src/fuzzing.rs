@@ -1024,7 +1024,8 @@ fn vsock_alive(d: &mut Driver, path: &std::path::Path) -> Result<(), Finding> {
 }
 
 /// After a reset, a frame sent by the guest reaches the host end and a frame from the host
-/// end reaches a guest buffer.
+/// end reaches a guest buffer, behind the frames the script left in the backend (a reset
+/// does not empty a TAP either), the guest refilling its ring as a driver does.
 fn net_alive(d: &mut Driver, peer: &std::os::unix::net::UnixDatagram) -> Result<(), Finding> {
     let (mut rx, mut tx) = d.net_up(0);
     let mut buf = vec![0u8; VNET_HDR_LEN + MAX_FRAME_LEN + 64];
@@ -1037,29 +1038,42 @@ fn net_alive(d: &mut Driver, peer: &std::os::unix::net::UnixDatagram) -> Result<
         Ok(n) if buf[..n] == marker[..] => {}
         other => return Err(Finding::SentFrame(other)),
     }
-    // Frames the script left in the backend go first, into a ring of big buffers; then the
-    // marker follows.
+    // Frames the script left in the backend go first: as many as the socket's buffer took,
+    // which may be more than a ring holds. The guest gives each used buffer back, as a
+    // driver refills its ring, until the marker arrives or a pass brings nothing more.
     let base = 0x50_0000u64;
     let stride = 0x2_0000u64;
-    for k in 0..QSIZE {
+    let post = |d: &mut Driver, rx: &mut Ring, k: u16| {
         let addr = base + stride * u64::from(k);
-        d.chain_on(
-            &mut rx,
-            k,
-            &[(addr, stride as u32, VRING_DESC_F_WRITE as u16)],
-        );
+        d.chain_on(rx, k, &[(addr, stride as u32, VRING_DESC_F_WRITE as u16)]);
+    };
+    for k in 0..QSIZE {
+        post(d, &mut rx, k);
     }
     d.notify_queue(0);
     peer.send(&marker).map_err(Finding::BackendFull)?;
     d.t.process_event(0);
-    while let Some((id, len)) = d.next_used_on(&mut rx) {
-        let addr = base + stride * u64::from(id);
-        if len as usize == marker.len()
-            && d.guest_bytes(addr + VNET_HDR_LEN as u64, marker.len() - VNET_HDR_LEN)
-                == marker[VNET_HDR_LEN..]
-        {
-            return Ok(());
+    // Bounded: each pass that goes on takes frames the socket's buffer held, a few thousand
+    // at most.
+    for _ in 0..4096 {
+        let mut used = 0;
+        while let Some((id, len)) = d.next_used_on(&mut rx) {
+            let k = (id % u32::from(QSIZE)) as u16;
+            let addr = base + stride * u64::from(k);
+            if len as usize == marker.len()
+                && d.guest_bytes(addr + VNET_HDR_LEN as u64, marker.len() - VNET_HDR_LEN)
+                    == marker[VNET_HDR_LEN..]
+            {
+                return Ok(());
+            }
+            post(d, &mut rx, k);
+            used += 1;
         }
+        if used == 0 {
+            break;
+        }
+        d.notify_queue(0);
+        d.t.process_event(0);
     }
     Err(Finding::FrameLost)
 }
