@@ -343,6 +343,40 @@ fn refused_primary(dir: &Path, name: &str, port: u16, key: &Path, flags: &[&str]
     p
 }
 
+/// A standby given `standby_flags` refuses a primary given `primary_flags`: the primary
+/// says so on its stderr with each of `says` and runs alone; the standby names `says[0]`,
+/// keeps waiting (it is killed here) and never ran the VM.
+fn refused_by_standby(
+    dir: &Path,
+    name: &str,
+    key: &Path,
+    primary_flags: &[&str],
+    standby_flags: &[&str],
+    says: &[&str],
+) {
+    let port = free_port();
+    let standby_serial = dir.join("standby.out");
+    let mut standby = start_standby_with(port, key, &standby_serial, standby_flags);
+    let guard = KillOnPanic::new(&standby);
+    let p = refused_primary(dir, name, port, key, primary_flags);
+    assert!(
+        p.stderr.contains("the standby refused the VM")
+            && says.iter().all(|w| p.stderr.contains(w))
+            && p.stderr.contains("runs alone"),
+        "{}",
+        p.explain()
+    );
+    assert!(
+        standby.child.try_wait().unwrap().is_none(),
+        "the standby ended"
+    );
+    guard.defuse();
+    standby.child.kill().unwrap();
+    let s = standby.finish(LIMIT);
+    assert!(s.stderr.contains(says[0]), "{}", s.explain());
+    assert!(!standby_serial.exists() || !read_text(&standby_serial).contains("probe"));
+}
+
 #[test]
 fn a_standby_whose_disk_copy_differs_in_size_or_content_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
@@ -353,31 +387,17 @@ fn a_standby_whose_disk_copy_differs_in_size_or_content_is_refused_by_name() {
     let other = temp_image(dir.path(), "other.img", DISK_BYTES);
     std::fs::write(&other, vec![1u8; DISK_BYTES]).unwrap();
     for (copy, why) in [(&short, "same size"), (&other, "differs from the primary")] {
-        let port = free_port();
-        let standby_serial = dir.path().join("standby.out");
         let copy_disk = format!("path={}", copy.display());
-        let mut standby = start_standby_with(port, &key, &standby_serial, &["--disk", &copy_disk]);
-        let guard = KillOnPanic::new(&standby);
         let name = format!("primary-{}", why.replace(' ', "-"));
-        let p = refused_primary(dir.path(), &name, port, &key, &["--disk", &primary_disk]);
         let named = copy.display().to_string();
-        assert!(
-            p.stderr.contains("the standby refused the VM")
-                && p.stderr.contains(&named)
-                && p.stderr.contains(why)
-                && p.stderr.contains("runs alone"),
-            "{}",
-            p.explain()
+        refused_by_standby(
+            dir.path(),
+            &name,
+            &key,
+            &["--disk", &primary_disk],
+            &["--disk", &copy_disk],
+            &[&named, why],
         );
-        assert!(
-            standby.child.try_wait().unwrap().is_none(),
-            "the standby ended"
-        );
-        guard.defuse();
-        standby.child.kill().unwrap();
-        let s = standby.finish(LIMIT);
-        assert!(s.stderr.contains(&named), "{}", s.explain());
-        assert!(!standby_serial.exists() || !read_text(&standby_serial).contains("probe"));
     }
 }
 
@@ -503,36 +523,16 @@ fn a_standby_whose_pmem_copy_differs_is_refused_naming_the_file() {
     let primary_pmem = format!("file={}", primary_file.display());
     let other = dir.path().join("other.pmem");
     std::fs::write(&other, vec![1u8; BYTES]).unwrap();
-    let port = free_port();
-    let standby_serial = dir.path().join("standby.out");
     let copy_pmem = format!("file={}", other.display());
-    let mut standby = start_standby_with(port, &key, &standby_serial, &["--pmem", &copy_pmem]);
-    let guard = KillOnPanic::new(&standby);
-    let p = refused_primary(
+    let named = format!("--pmem file={}", other.display());
+    refused_by_standby(
         dir.path(),
         "primary",
-        port,
         &key,
         &["--pmem", &primary_pmem],
+        &["--pmem", &copy_pmem],
+        &[&named, "differs from the primary"],
     );
-    let named = format!("--pmem file={}", other.display());
-    assert!(
-        p.stderr.contains("the standby refused the VM")
-            && p.stderr.contains(&named)
-            && p.stderr.contains("differs from the primary")
-            && p.stderr.contains("runs alone"),
-        "{}",
-        p.explain()
-    );
-    assert!(
-        standby.child.try_wait().unwrap().is_none(),
-        "the standby ended"
-    );
-    guard.defuse();
-    standby.child.kill().unwrap();
-    let s = standby.finish(LIMIT);
-    assert!(s.stderr.contains(&named), "{}", s.explain());
-    assert!(!standby_serial.exists() || !read_text(&standby_serial).contains("probe"));
     // Refused before anything was written: the copy is as it was given.
     assert_eq!(std::fs::read(&other).unwrap(), vec![1u8; BYTES]);
 }
