@@ -844,6 +844,26 @@ fn read_metrics(path: &Path) -> Result<Metrics, String> {
 /// has it write a file, work taken from the VM it times.
 const POLL: Duration = Duration::from_millis(10);
 
+/// Waits until the standby holds [`EPOCHS_BEFORE_KILL`] epochs and two past now (the epoch
+/// not yet acknowledged now has its checkpoint after what the guest printed so far, so the
+/// standby does not print it again); returns the epochs acknowledged then.
+fn epochs_past_now(primary: &Vm, metrics: &Path) -> Result<u64, String> {
+    let acked = |m: &Option<Metrics>| {
+        m.as_ref()
+            .and_then(|m| m.replication.as_ref())
+            .map_or(0, |r| r.epochs_acked)
+    };
+    let want = EPOCHS_BEFORE_KILL.max(acked(&metrics_now(primary, metrics)) + 2);
+    // `wait_until` asks a `Fn`: what the last look saw is kept in a cell.
+    let seen = std::cell::Cell::new(0);
+    wait_until(primary, "the standby's epochs", RUN_TIMEOUT, || {
+        std::thread::sleep(POLL);
+        seen.set(acked(&metrics_now(primary, metrics)));
+        seen.get() >= want
+    })?;
+    Ok(seen.get())
+}
+
 /// The primary's metrics as of now: SIGUSR1 has it write them.
 fn metrics_now(vm: &Vm, path: &Path) -> Option<Metrics> {
     let _ = std::fs::remove_file(path);
@@ -905,26 +925,11 @@ fn failover_run(
     let console = dir.join("primary.console");
     let metrics = dir.join("primary-metrics.json");
     primary.wait_for_line(&console, HELLO, BOOT_TIMEOUT)?;
-    // The epoch not yet acknowledged when hello was seen has its checkpoint after it, so
-    // the standby that holds two more does not print hello again.
-    let acked = |m: &Option<Metrics>| {
-        m.as_ref()
-            .and_then(|m| m.replication.as_ref())
-            .map_or(0, |r| r.epochs_acked)
-    };
-    let want = EPOCHS_BEFORE_KILL.max(acked(&metrics_now(&primary, &metrics)) + 2);
-    // `wait_until` asks a `Fn`: what the last look saw is kept in a cell.
-    let acked_before = std::cell::Cell::new(0);
-    let protected = wait_until(&primary, "the standby's epochs", RUN_TIMEOUT, || {
-        std::thread::sleep(POLL);
-        acked_before.set(acked(&metrics_now(&primary, &metrics)));
-        acked_before.get() >= want
-    });
     // A standby that took over from the live primary ends the protection waited for.
-    if let Err(e) = protected {
-        return early(&sb).ok_or(e);
-    }
-    let acked_before = acked_before.get();
+    let acked_before = match epochs_past_now(&primary, &metrics) {
+        Ok(a) => a,
+        Err(e) => return early(&sb).ok_or(e),
+    };
     std::thread::sleep(Duration::from_millis(delay_ms));
     if let Some(e) = early(&sb) {
         return Ok(e);
@@ -1044,22 +1049,10 @@ fn client_failover_run(
     if let Err(e) = answered {
         return early(&sb).map(Attempt::Early).ok_or(e);
     }
-    let acked = |m: &Option<Metrics>| {
-        m.as_ref()
-            .and_then(|m| m.replication.as_ref())
-            .map_or(0, |r| r.epochs_acked)
+    let acked_before = match epochs_past_now(&primary, &metrics) {
+        Ok(a) => a,
+        Err(e) => return early(&sb).map(Attempt::Early).ok_or(e),
     };
-    let want = EPOCHS_BEFORE_KILL.max(acked(&metrics_now(&primary, &metrics)) + 2);
-    let acked_before = std::cell::Cell::new(0);
-    let protected = wait_until(&primary, "the standby's epochs", RUN_TIMEOUT, || {
-        std::thread::sleep(POLL);
-        acked_before.set(acked(&metrics_now(&primary, &metrics)));
-        acked_before.get() >= want
-    });
-    if let Err(e) = protected {
-        return early(&sb).map(Attempt::Early).ok_or(e);
-    }
-    let acked_before = acked_before.get();
     std::thread::sleep(Duration::from_millis(delay_ms));
     if let Some(why) = early(&sb) {
         return Ok(Attempt::Early(why));
