@@ -128,9 +128,11 @@ pub fn fake_qemu(dir: &Path, body: &str) -> PathBuf {
 /// of `musubi/hot.ld` the same tree measured 1.55 to 1.83 MiB on a host whose kernel maps a
 /// file's large page-cache folios whole: where the folios fall moves with the binary's
 /// layout (a checkout's path is in its panic messages), and one stray function costs 256 to
-/// 384 KiB. Without the order it is 2.73 to 2.77 MiB, and a list missing start-up functions
-/// lands in between. A count, not a timing: the same run touches the same pages.
-pub const RSS_OVERHEAD_BOUND_MIB: f64 = 2.0;
+/// 384 KiB. The tree with replication's disks, memory storage and output commit measured
+/// 1.73 to 1.86 MiB in one checkout and 2.07 MiB in a fresh clone of the same commit, so the
+/// bound sits a stray function above that. Without the order it is 2.73 to 2.77 MiB, which
+/// this still catches. A count, not a timing: the same run touches the same pages.
+pub const RSS_OVERHEAD_BOUND_MIB: f64 = 2.25;
 
 pub struct BootCsv {
     pub t: CsvFile,
