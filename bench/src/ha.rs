@@ -1723,6 +1723,24 @@ udp-echo: the probe's own figures (64-byte request, its answer awaited before th
   and the rate falls with it.
 ";
 
+/// The failover goal's verdicts, on the median and the longest of `n` kills, each the time
+/// from the SIGKILL to `to`.
+fn judge_failover(v: &mut Verdicts, n: usize, to: &str, times: Option<Summary>) {
+    for (what, x) in [
+        ("median", times.map(|s| s.median)),
+        ("max", times.map(|s| s.max)),
+    ] {
+        v.judged(
+            format!("failover ({what} of {n}), SIGKILL to {to}, heartbeat {HEARTBEAT_MS} ms"),
+            x.map(|ns| ns / 1e6),
+            |x| format!("{x:.2} ms"),
+            format!("<= {GOAL_FAILOVER_MS} ms"),
+            GOAL_SOURCE,
+            |x| x <= GOAL_FAILOVER_MS,
+        );
+    }
+}
+
 /// The issue's goals, and Remus beside the failover.
 fn verdicts(
     f: &Found,
@@ -1766,22 +1784,7 @@ fn verdicts(
             |x| x <= GOAL_PAUSE_MS,
         );
     }
-    for (what, x) in [
-        ("median", k.failover.map(|s| s.median)),
-        ("max", k.failover.map(|s| s.max)),
-    ] {
-        v.judged(
-            format!(
-                "failover ({what} of {}), SIGKILL to standby's first KVM_RUN, heartbeat {HEARTBEAT_MS} ms",
-                k.n
-            ),
-            x.map(|ns| ns / 1e6),
-            |x| format!("{x:.2} ms"),
-            format!("<= {GOAL_FAILOVER_MS} ms"),
-            GOAL_SOURCE,
-            |x| x <= GOAL_FAILOVER_MS,
-        );
-    }
+    judge_failover(&mut v, k.n, "standby's first KVM_RUN", k.failover);
     v.judged(
         "failover (median), Musubi to first KVM_RUN beside Remus",
         k.failover.map(|s| s.median / 1e6),
@@ -1792,22 +1795,7 @@ fn verdicts(
     );
     match c {
         Some(c) => {
-            for (what, x) in [
-                ("median", c.to_answer.map(|s| s.median)),
-                ("max", c.to_answer.map(|s| s.max)),
-            ] {
-                v.judged(
-                    format!(
-                        "failover ({what} of {}), SIGKILL to the client's first answer, heartbeat {HEARTBEAT_MS} ms",
-                        c.n
-                    ),
-                    x.map(|ns| ns / 1e6),
-                    |x| format!("{x:.2} ms"),
-                    format!("<= {GOAL_FAILOVER_MS} ms"),
-                    GOAL_SOURCE,
-                    |x| x <= GOAL_FAILOVER_MS,
-                );
-            }
+            judge_failover(&mut v, c.n, "the client's first answer", c.to_answer);
             for (what, n) in [("repeated", c.repeated), ("skipped", c.skipped)] {
                 v.judged(
                     format!("udp-counter answers {what} over {} kills", c.n),

@@ -571,6 +571,22 @@ fn an_operators_pause_and_resume_wait_out_checkpoints_and_the_standby_still_ends
     assert_eq!(u(&f["result"]), fib_value(FIB_N), "{text}");
 }
 
+/// Waits for a primary that lost its standby to end its `fib` task on its own: exit 0 and
+/// the exact value. Returns how it ended, for what it said.
+fn ended_fib_alone(primary: Primary) -> Run {
+    let p = primary.vm.finish(LIMIT);
+    let text = read_text(&primary.serial);
+    assert_eq!(
+        p.code,
+        Some(0),
+        "primary: {}\nconsole:\n{text}",
+        p.explain()
+    );
+    let f = result_in(&text, "fib");
+    assert_eq!(u(&f["result"]), fib_value(FIB_N), "{text}");
+    p
+}
+
 #[test]
 fn a_primary_whose_standby_is_killed_ends_its_task_alone_and_says_so() {
     let dir = tempfile::tempdir().unwrap();
@@ -594,16 +610,8 @@ fn a_primary_whose_standby_is_killed_ends_its_task_alone_and_says_so() {
     assert_eq!(info["state"], "Running", "{info}");
     assert_eq!(info["replication"]["state"], "lost", "{info}");
     guard.defuse();
-    let p = primary.vm.finish(LIMIT);
-    let text = read_text(&primary.serial);
-    assert_eq!(
-        p.code,
-        Some(0),
-        "primary: {}\nconsole:\n{text}",
-        p.explain()
-    );
-    let f = result_in(&text, "fib");
-    assert_eq!(u(&f["result"]), fib_value(FIB_N), "{text}");
+    let metrics = primary.metrics.clone();
+    let p = ended_fib_alone(primary);
     assert!(
         p.stderr
             .contains(&format!("replication to 127.0.0.1:{port}"))
@@ -612,7 +620,7 @@ fn a_primary_whose_standby_is_killed_ends_its_task_alone_and_says_so() {
         "{}",
         p.explain()
     );
-    let m: Metrics = serde_json::from_str(&read_text(&primary.metrics)).unwrap();
+    let m: Metrics = serde_json::from_str(&read_text(&metrics)).unwrap();
     let r = m.replication.expect("replication metrics");
     assert_eq!(r.state, ReplicationState::Lost, "{r:?}");
     assert!(
@@ -713,16 +721,7 @@ fn a_primary_with_policy_stop_pauses_when_its_standby_is_killed_and_ends_its_tas
     let resumed = remote(&primary.socket, &["resume"]);
     assert_eq!(resumed.code, Some(0), "{}", resumed.explain());
     guard.defuse();
-    let p = primary.vm.finish(LIMIT);
-    let text = read_text(&primary.serial);
-    assert_eq!(
-        p.code,
-        Some(0),
-        "primary: {}\nconsole:\n{text}",
-        p.explain()
-    );
-    let f = result_in(&text, "fib");
-    assert_eq!(u(&f["result"]), fib_value(FIB_N), "{text}");
+    let p = ended_fib_alone(primary);
     assert!(
         p.stderr.contains("the standby was lost")
             && p.stderr
