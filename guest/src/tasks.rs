@@ -35,10 +35,13 @@ pub struct Opts {
     pub n: Option<u64>,
     /// `bytes=N` (`K`/`M`/`G` suffixes): how much `tcp-send` or `vsock-send` sends.
     pub bytes: Option<u64>,
+    /// `ms=N`: the least time `blk-fill` or `pmem-fill` takes, its pieces spread over it
+    /// (a fill that lasts long enough to be interrupted, however fast the machine).
+    pub ms: Option<u64>,
 }
 
 fn option_name(item: &[u8]) -> Option<&'static str> {
-    ["procs", "iters", "cpu", "n", "bytes"]
+    ["procs", "iters", "cpu", "n", "bytes", "ms"]
         .into_iter()
         .find(|o| item.len() > o.len() && item.starts_with(o.as_bytes()) && item[o.len()] == b'=')
 }
@@ -57,15 +60,21 @@ impl Opts {
             "procs" => &mut self.procs,
             "iters" => &mut self.iters,
             "n" => &mut self.n,
+            "ms" => &mut self.ms,
             _ => &mut self.cpu,
         };
-        *slot = Some(v.ok_or("procs=, iters=, cpu= and n= need a decimal number")?);
+        *slot = Some(v.ok_or("procs=, iters=, cpu=, n= and ms= need a decimal number")?);
         Ok(())
     }
 }
 
+/// What `blk-fill` and `pmem-fill` take.
+const FILL_USAGE: &str =
+    "blk-fill=SEED and pmem-fill=SEED need a decimal seed up to 4294967295, and ms=N up to 4294967295";
+
 /// Runs the tasks in order. The VM's status is the first non-zero task status. Items
-/// `procs=P`, `iters=N` and `cpu=K` are options of the task before them.
+/// `procs=P`, `iters=N`, `cpu=K`, `n=N`, `bytes=N` and `ms=N` are options of the task before
+/// them.
 pub fn run_all(info: &BootInfo) -> u8 {
     let list = info.param(b"probe.tasks").unwrap_or(b"hello");
     let mut status = 0;
@@ -85,7 +94,7 @@ pub fn run_all(info: &BootInfo) -> u8 {
         let s = if option_name(task).is_some() {
             bad_argument(
                 task,
-                "procs=, iters=, cpu=, n= and bytes= must follow the task they belong to",
+                "procs=, iters=, cpu=, n=, bytes= and ms= must follow the task they belong to",
             )
         } else if let Some(why) = bad {
             bad_argument(task, why)
@@ -160,6 +169,9 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
     if opts.bytes.is_some() && name != b"tcp-send" && name != b"vsock-send" {
         return bad_argument(task, "bytes=N applies to tcp-send and vsock-send only");
     }
+    if opts.ms.is_some() && name != b"blk-fill" && name != b"pmem-fill" {
+        return bad_argument(task, "ms=N applies to blk-fill and pmem-fill only");
+    }
     if let (b"fib", Some(p)) = (name, opts.procs) {
         return match num(arg) {
             Some(n) if n <= 100 && (1..=mtasks::MAX_PROCS).contains(&p) => {
@@ -186,9 +198,9 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
     }
     match (name, arg) {
         (b"pmem-crc", None) => run_user("pmem-crc", cpu, utasks::pmem_crc, 0),
-        (b"pmem-fill", a) => match num(a) {
-            Some(seed) => run_user("pmem-fill", cpu, utasks::pmem_fill, seed),
-            None => bad_argument(task, "pmem-fill=SEED needs a decimal seed"),
+        (b"pmem-fill", a) => match utasks::fill_param(num(a), opts.ms) {
+            Some(p) => run_user("pmem-fill", cpu, utasks::pmem_fill, p),
+            None => bad_argument(task, FILL_USAGE),
         },
         (b"hello", None) if cpu == 0 => hello(0) as u8,
         (b"hello", None) => {
@@ -233,9 +245,9 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         (b"user-hello", None) => run_user("user-hello", cpu, utasks::user_hello, 0),
         (b"blk-crc", None) => run_user("blk-crc", cpu, utasks::blk_crc, 0),
         (b"blk-id", None) => run_user("blk-id", cpu, utasks::blk_id, 0),
-        (b"blk-fill", a) => match num(a) {
-            Some(seed) => run_user("blk-fill", cpu, utasks::blk_fill, seed),
-            None => bad_argument(task, "blk-fill=SEED needs a decimal seed"),
+        (b"blk-fill", a) => match utasks::fill_param(num(a), opts.ms) {
+            Some(p) => run_user("blk-fill", cpu, utasks::blk_fill, p),
+            None => bad_argument(task, FILL_USAGE),
         },
         (b"fault", None) => run_user("fault", cpu, utasks::fault, 0),
         (b"rng", a) => match a

@@ -96,7 +96,28 @@ pub extern "C" fn blk_crc(buf: u64, buf_len: u64, _param: u64) -> ! {
     ulib::exit(status)
 }
 
-pub extern "C" fn blk_fill(buf: u64, buf_len: u64, seed: u64) -> ! {
+/// A fill's seed and least duration in ms (`ms=`, 0 for none) as one task parameter, or
+/// `None` when either is missing or too large to pack.
+pub fn fill_param(seed: Option<u64>, ms: Option<u64>) -> Option<u64> {
+    let (seed, ms) = (seed?, ms.unwrap_or(0));
+    (seed >> 32 == 0 && ms >> 32 == 0).then_some(seed | ms << 32)
+}
+
+/// Waits until the share of the fill's `ms` that `done` of `total` bytes stand for has
+/// passed since `t0`, so that a fill of `ms` lasts at least that long.
+fn pace(t0: u64, hz: u64, ms: u64, done: u64, total: u64) {
+    if ms == 0 || total == 0 {
+        return;
+    }
+    let share = ms as u128 * hz as u128 * done as u128 / (1000 * total as u128);
+    let due = t0.saturating_add(share as u64);
+    while ulib::rdtsc() < due {
+        core::hint::spin_loop();
+    }
+}
+
+pub extern "C" fn blk_fill(buf: u64, buf_len: u64, param: u64) -> ! {
+    let (seed, ms) = (param & 0xffff_ffff, param >> 32);
     let hz = ulib::tsc_hz();
     let step = chunk(buf_len);
     let mut l = Line::new();
@@ -119,6 +140,7 @@ pub extern "C" fn blk_fill(buf: u64, buf_len: u64, seed: u64) -> ! {
                 break;
             }
             off += n;
+            pace(t0, hz, ms, off, bytes);
         }
         if err.is_none() {
             if let Err(e) = ulib::blk_flush(i) {
@@ -286,8 +308,9 @@ pub extern "C" fn pmem_crc(_buf: u64, _len: u64, _param: u64) -> ! {
 /// Writes every byte of every region with the fill pattern at CPL3, then flushes. A region
 /// whose first word does not read back as written is read-only (the VMM drops the writes):
 /// it is reported and left alone.
-pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
+pub extern "C" fn pmem_fill(_buf: u64, _len: u64, param: u64) -> ! {
     const PIECE: u64 = 1 << 20;
+    let (seed, ms) = (param & 0xffff_ffff, param >> 32);
     let hz = ulib::tsc_hz();
     let mut regions = Line::new();
     let mut status = 0;
@@ -328,6 +351,7 @@ pub extern "C" fn pmem_fill(_buf: u64, _len: u64, seed: u64) -> ! {
                 unsafe { core::slice::from_raw_parts_mut((base + off) as *mut u8, n as usize) };
             workloads::fill(data, off, seed);
             off += n;
+            pace(t0, hz, ms, off, bytes);
         }
         let flush = match ulib::pmem_flush(i) {
             Ok(true) => "virtio",

@@ -141,6 +141,38 @@ fn blk_crc_matches_the_host_cache_none() {
     crc_matches_host("none", dir.path());
 }
 
+/// `ms=N` is a promise of the guest's own clock, not a measurement: the paced fill's pieces
+/// each wait for their share of N ms, so the fill reports at least N ms and still writes the
+/// pattern; on another task the option is refused by name and the next task runs.
+#[test]
+fn a_paced_fill_lasts_its_ms_and_the_option_is_refused_on_other_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 2 << 20;
+    let img = temp_image(dir.path(), "paced.img", size);
+    let disk = format!("path={}", img.display());
+    let r = run_probe("blk-fill=4,ms=300,hello,ms=5,hello", &["--disk", &disk]);
+    let fill = r.result("blk-fill");
+    let d = &fill["disks"][0];
+    assert_eq!(
+        (d["ok"].as_bool(), d["bytes"].as_u64()),
+        (Some(true), Some(size as u64)),
+        "{}",
+        r.explain()
+    );
+    assert!(d["ns"].as_u64().unwrap() >= 300_000_000, "{}", r.explain());
+    let data = std::fs::read(&img).unwrap();
+    assert!(data
+        .iter()
+        .enumerate()
+        .all(|(o, b)| *b == fill_byte(o as u64, 4)));
+    assert!(
+        r.stdout
+            .contains("ms=N applies to blk-fill and pmem-fill only"),
+        "{}",
+        r.explain()
+    );
+}
+
 #[test]
 fn readonly_disk_refuses_guest_writes_and_the_vmm_stays_up() {
     for mode in MODES {

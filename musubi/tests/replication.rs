@@ -276,11 +276,14 @@ fn mem_check_reads_back_every_byte_on_the_standby_after_the_primary_is_killed() 
     assert_mem_check(&text, ROUNDS);
 }
 
-/// The disk the blk tests fill, on each side: a fill of it outlasts the two epochs from the
-/// primary's resuming to its death even on a loaded machine (each epoch of the fill ships
-/// its writes), and it is small enough for two copies in a temporary directory.
+/// The disk the blk tests fill, on each side: small enough for two copies in a temporary
+/// directory.
 const DISK_BYTES: usize = 256 << 20;
 const FILL_SEED: u64 = 31;
+/// The least time a fill across a failover takes (the probe's `ms=`): the primary is killed
+/// two epochs after it resumes, which on a loaded machine with the fill's pages or writes in
+/// each epoch took over two seconds, longer than an unpaced fill of a memory region.
+const FILL_MS: u64 = 8_000;
 
 /// CRC-32 of a disk of `len` bytes after `blk-fill=seed`.
 fn fill_crc(len: usize, seed: u64) -> u32 {
@@ -401,10 +404,9 @@ fn a_standby_whose_disk_copy_differs_in_size_or_content_is_refused_by_name() {
     }
 }
 
-/// The memory-storage file the pmem test fills, on each side: a fill of it lasts over a
-/// second, longer replicated (each page's first store of an epoch faults for the dirty
-/// log), so many epochs.
-const PMEM_BYTES: usize = 1 << 30;
+/// The memory-storage file the pmem test fills, on each side: many pages, each of whose
+/// first store in an epoch faults for the dirty log.
+const PMEM_BYTES: usize = 256 << 20;
 
 /// CRC-32 of the file at `path`, read a piece at a time (the pmem files are large).
 fn file_crc(path: &Path) -> u32 {
@@ -454,7 +456,7 @@ fn filled_across_a_failover(s: Filled) {
     let primary_file = zero_file(dir.path(), "primary.img", s.bytes);
     let standby_file = zero_file(dir.path(), "standby.img", s.bytes);
     let (fill, crc) = (format!("{}-fill", s.tasks), format!("{}-crc", s.tasks));
-    let tasks = format!("hello,{fill}={FILL_SEED},{crc}");
+    let tasks = format!("hello,{fill}={FILL_SEED},ms={FILL_MS},{crc}");
     let primary_flag = format!("{}={}", s.key, primary_file.display());
     let standby_flag = format!("{}={}", s.key, standby_file.display());
     let (text, _) = taken_over_from(dir.path(), s.seed, &[s.flag, &standby_flag], |port, key| {
