@@ -24,7 +24,8 @@ use vmm_sys_util::timerfd::TimerFd;
 /// further guest REQUEST reset.
 pub const MAX_CONNS: usize = 64;
 /// Host programs that have connected but not yet sent their CONNECT line; past this the
-/// oldest is dropped, so silent clients cannot keep the others out.
+/// oldest silent one is dropped, so silent clients cannot keep the others out (one whose
+/// line may still be unread is not dropped; see `Muxer::accept`).
 pub const MAX_PENDING_CLIENTS: usize = 16;
 /// Longest CONNECT line, newline included.
 const MAX_LINE: usize = 32;
@@ -176,6 +177,9 @@ pub fn staging_path(path: &Path) -> PathBuf {
 struct Client {
     stream: UnixStream,
     line: Vec<u8>,
+    /// `Muxer::drains` when it was taken: once a later batch of events has collected every
+    /// ready one, a client still without its line is silent, not unread.
+    drained_at: u64,
 }
 
 enum Entry {
@@ -204,6 +208,11 @@ pub struct Muxer {
     rsts: VecDeque<Header>,
     next_token: u64,
     next_port: u32,
+    /// Batches of events that collected every ready one (fewer than a full batch).
+    drains: u64,
+    /// The listener reported new clients, or may hold more than `accept` took (it reports
+    /// no new edge for those): `accept` runs after the batch's clients are read.
+    backlog_left: bool,
 }
 
 fn socket_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> VsockError + 'a {
@@ -332,6 +341,8 @@ impl Muxer {
             rsts: VecDeque::new(),
             next_token: TIMER + 1,
             next_port: FIRST_LOCAL_PORT,
+            drains: 0,
+            backlog_left: false,
         })
     }
 
@@ -448,7 +459,10 @@ impl Muxer {
         self.rsts.push_back(r);
     }
 
-    /// Serves what the sockets reported since the last pass.
+    /// Serves what the sockets reported since the last pass. In each batch of events the
+    /// clients are read before the listener's new clients are taken, so that a client is
+    /// dropped for silence only after a batch that collected every ready event has shown it
+    /// had no line (see `Client::drained_at`).
     pub fn handle_events(&mut self) {
         while let Some(h) = self.connects.pop_front() {
             self.guest_connect(&h);
@@ -466,7 +480,7 @@ impl Muxer {
             for ev in &events[..n] {
                 let set = ev.event_set();
                 match ev.data() {
-                    LISTENER => self.accept(),
+                    LISTENER => self.backlog_left = true,
                     RESUME => {
                         let _ = self.resume.read();
                     }
@@ -474,7 +488,14 @@ impl Muxer {
                     token => self.socket_event(token, set),
                 }
             }
-            if n < events.len() {
+            let all = n < events.len();
+            if all {
+                self.drains += 1;
+            }
+            if std::mem::take(&mut self.backlog_left) {
+                self.accept();
+            }
+            if all {
                 return;
             }
         }
@@ -482,8 +503,31 @@ impl Muxer {
         self.kick();
     }
 
+    /// Takes new clients from the listener, up to a budget per pass. Whatever it leaves
+    /// there (budget spent, or every pending client still unread) is taken on a later pass:
+    /// the listener reports no new edge for it.
     fn accept(&mut self) {
         for _ in 0..ACCEPTS_PER_PASS {
+            let clients: Vec<(u64, u64)> = self
+                .entries
+                .iter()
+                .filter_map(|(t, e)| match e {
+                    Entry::Client(c) => Some((*t, c.drained_at)),
+                    Entry::Conn(_) => None,
+                })
+                .collect();
+            let mut pending = clients.len();
+            let silent = clients
+                .iter()
+                .filter(|(_, at)| *at < self.drains)
+                .min()
+                .map(|(t, _)| *t);
+            if pending >= MAX_PENDING_CLIENTS && silent.is_none() {
+                // Every pending client may have its line queued, unread: read them first.
+                self.backlog_left = true;
+                self.kick();
+                return;
+            }
             // SAFETY: plain system call on the listener's descriptor; the result is checked.
             let fd = unsafe {
                 libc::accept4(
@@ -510,19 +554,14 @@ impl Muxer {
             }
             // SAFETY: accept4 returned a new descriptor nothing else owns.
             let stream = UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) });
-            let clients: Vec<u64> = self
-                .entries
-                .iter()
-                .filter(|(_, e)| matches!(e, Entry::Client(_)))
-                .map(|(t, _)| *t)
-                .collect();
-            if clients.len() >= MAX_PENDING_CLIENTS {
-                if let Some(oldest) = clients.iter().min() {
+            if pending >= MAX_PENDING_CLIENTS {
+                if let Some(oldest) = silent {
                     debug!("vsock: too many clients without a CONNECT line; oldest dropped");
-                    self.entries.remove(oldest);
+                    self.entries.remove(&oldest);
+                    pending -= 1;
                 }
             }
-            if self.conns.len() + clients.len() >= MAX_CONNS {
+            if self.conns.len() + pending >= MAX_CONNS {
                 debug!("vsock: connection limit reached; host client refused");
                 continue;
             }
@@ -532,12 +571,14 @@ impl Muxer {
                 Entry::Client(Client {
                     stream,
                     line: Vec::new(),
+                    drained_at: self.drains,
                 }),
             ) {
                 debug!("vsock: watching a client: {e}");
             }
         }
         // More may wait; the listener will not report them again.
+        self.backlog_left = true;
         self.kick();
     }
 

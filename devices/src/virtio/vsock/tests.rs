@@ -367,6 +367,37 @@ fn host_clients_past_the_limits_are_refused() {
     assert!(g.d.t.stats().errors == 0);
 }
 
+/// A burst of host programs, more than one pass accepts and more than may wait without a
+/// line, all with their CONNECT line written before the device looks: each reaches the
+/// guest. (Once, those past the first pass's accepts waited for a later connection to wake
+/// the listener, and half of the first pass's were dropped as silent before being read.)
+#[test]
+fn a_burst_of_host_programs_past_one_pass_all_reach_the_guest() {
+    let mut g = Guest::new();
+    let burst = 2 * muxer::MAX_PENDING_CLIENTS + 8;
+    let clients: Vec<UnixStream> = (0..burst)
+        .map(|_| {
+            let mut c = client(&g);
+            c.write_all(b"CONNECT 52\n").unwrap();
+            c
+        })
+        .collect();
+    g.post_rx(QSIZE);
+    let mut ports = std::collections::BTreeSet::new();
+    while ports.len() < burst {
+        let (h, _) = g.expect();
+        assert_eq!((h.op, h.dst_port), (OP_REQUEST, 52), "{h:?}");
+        assert!(
+            ports.insert(h.src_port),
+            "REQUEST from port {} twice",
+            h.src_port
+        );
+        g.post_rx(1);
+    }
+    g.nothing();
+    drop(clients);
+}
+
 #[test]
 fn transport_reset_event_reaches_the_driver() {
     let mut g = Guest::new();
