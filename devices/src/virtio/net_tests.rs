@@ -144,11 +144,14 @@ fn identity_features_and_config() {
         VIRTIO_NET_F_GUEST_TSO6,
         VIRTIO_NET_F_HOST_TSO4,
         VIRTIO_NET_F_HOST_TSO6,
+        VIRTIO_NET_F_CTRL_VQ,
+        VIRTIO_NET_F_CTRL_RX,
     ] {
         assert_ne!(features & (1 << bit), 0, "feature {bit}");
     }
-    // Queue size as configured, on both queues and no third.
-    for (q, max) in [(0, 64), (1, 64), (2, 0)] {
+    assert_eq!(features & (1 << VIRTIO_NET_F_MQ), 0, "one pair: no MQ");
+    // Queue size as configured, on both queues and the control queue, and no fourth.
+    for (q, max) in [(0, 64), (1, 64), (2, 64), (3, 0)] {
         d.write(VIRTIO_MMIO_QUEUE_SEL, q);
         assert_eq!(d.read(VIRTIO_MMIO_QUEUE_NUM_MAX), max, "queue {q}");
     }
