@@ -238,6 +238,8 @@ fn bad_net_flags_are_refused_naming_the_flag() {
         ("fd=250", "descriptor 250 is not open"),
         ("tap=t,queue_size=3", "power of two"),
         ("tap=t0 --net tap=t0", "--net tap=t0 is given twice"),
+        ("tap=t,num_queues=3", "num_queues=3 must be an even number"),
+        ("fd=250,num_queues=4", "num_queues=4 with fd="),
     ] {
         let mut args = vec!["run", "--kernel", "probe"];
         for one in spec.split(" --net ") {
@@ -293,7 +295,22 @@ fn a_tap_that_vanishes_mid_run_costs_packets_not_the_vmm() {
 /// saved), and the served connection count goes on from where it was.
 #[test]
 fn a_snapshot_restores_the_network_device_with_its_mac() {
-    let ns = Netns::new("snap");
+    snapshot_restores_net("snap", "");
+}
+
+/// The same with a TAP of two queue pairs: the device's five queues are saved and
+/// restored, and the TAP is made again with as many queues.
+#[test]
+fn a_snapshot_restores_a_network_device_of_two_queue_pairs() {
+    let saved = snapshot_restores_net("snapmq", ",num_queues=4");
+    assert_eq!(saved["net"][0]["num_queues"], 4, "{saved}");
+}
+
+/// Runs, snapshots and restores a VM whose `--net` spec has `more` added; returns the
+/// saved configuration.
+fn snapshot_restores_net(tag: &str, more: &str) -> serde_json::Value {
+    let ns = Netns::new(tag);
+    let net = format!("tap=tap0,ip=10.0.0.1,mask=255.255.255.0{more}");
     let dir = tempfile::tempdir().unwrap();
     let (socket, serial) = (dir.path().join("api.sock"), dir.path().join("out"));
     let snap = dir.path().join("snap");
@@ -310,7 +327,7 @@ fn a_snapshot_restores_the_network_device_with_its_mac() {
             "--cmdline",
             &cmdline,
             "--net",
-            "tap=tap0,ip=10.0.0.1,mask=255.255.255.0",
+            &net,
             "--api-socket",
             socket.to_str().unwrap(),
             "--serial",
@@ -359,6 +376,7 @@ fn a_snapshot_restores_the_network_device_with_its_mac() {
         "one request before the snapshot, one after: {r}"
     );
     assert_eq!(r["mac"], mac.as_str(), "the guest's MAC is the saved one");
+    saved
 }
 
 /// How one connection of the flood ends.
