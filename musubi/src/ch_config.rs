@@ -694,7 +694,7 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
     let num_queues = n.u64("num_queues")?.unwrap_or(2);
     let num_queues = u16::try_from(num_queues)
         .ok()
-        .filter(|q| q % 2 == 0 && (2..=MAX_NUM_QUEUES).contains(q))
+        .filter(|q| q.is_multiple_of(2) && (2..=MAX_NUM_QUEUES).contains(q))
         .ok_or_else(|| ChConfigError::Unsupported {
             field: format!("{field}.num_queues"),
             value: num_queues.to_string(),
