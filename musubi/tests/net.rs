@@ -122,10 +122,17 @@ fn udp_echo_over_a_tap_on_the_user_exit_path() {
 
 /// A TAP of four queues under a driver that uses one pair (the probe's takes no MQ): the
 /// queues of the pairs not in use are detached, so the kernel sends every frame to the one
-/// the guest reads and nothing is lost.
+/// the guest reads and nothing is lost. The device's nine doorbells are ioeventfds here.
 #[test]
 fn udp_echo_over_a_multiqueue_tap_whose_guest_uses_one_pair() {
     udp_echo_runs_with("kernel", ",num_queues=8", "udpmq");
+}
+
+/// The same with every doorbell an MMIO exit served on the vCPU thread, the four TAP
+/// queues still watched by the I/O thread.
+#[test]
+fn udp_echo_over_a_multiqueue_tap_on_the_user_exit_path() {
+    udp_echo_runs_with("user", ",num_queues=8", "udpmqu");
 }
 
 /// GETs `paths` from the guest's HTTP server, from a thread in `ns`, once it listens.
