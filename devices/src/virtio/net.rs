@@ -1137,8 +1137,18 @@ impl VirtioDevice for Net {
             pairs: 1,
             filter: RxFilter::default(),
         });
-        self.filter = control.filter;
-        // A state file is checked as if the guest had written it.
+        // A state file is checked as if the guest had written it: tables longer than the
+        // device keeps take every address of their kind, the pairs are 1 to the device's.
+        let mut filter = control.filter;
+        let (unicast, multicast) = (
+            std::mem::take(&mut filter.unicast),
+            std::mem::take(&mut filter.multicast),
+        );
+        let (all_unicast, all_multicast) = (filter.all_unicast, filter.all_multicast);
+        filter.set_tables(unicast, multicast);
+        filter.all_unicast |= all_unicast;
+        filter.all_multicast |= all_multicast;
+        self.filter = filter;
         let pairs = usize::from(control.pairs).clamp(1, self.pairs.len());
         self.set_active_pairs(pairs);
     }

@@ -1363,6 +1363,28 @@ fn pairs_in_use_and_the_filter_survive_a_snapshot() {
     assert_eq!(s.received(1), Some(frame_to(MAC, 1)));
     assert_eq!(s.received(1), None);
     assert_eq!(t.net_counters().unwrap().rx_filtered, 1);
+    // A state file is not trusted: pairs beyond the device's are clamped, a table longer
+    // than the device keeps takes every address of its kind.
+    let mut hostile = t.state();
+    let mut json = serde_json::to_value(&hostile).unwrap();
+    json["device"]["net"]["control"]["pairs"] = 40.into();
+    let many = vec![[0x52, 0x54, 0, 7, 7, 7]; 1000];
+    json["device"]["net"]["control"]["filter"]["unicast"] = serde_json::to_value(&many).unwrap();
+    hostile = serde_json::from_value(json).unwrap();
+    let (net, peers) = mq_device(2);
+    let mut t = super::MmioTransport::new(Box::new(net), s.d.mem.clone(), s.d.irq.clone());
+    t.restore(&hostile).unwrap();
+    let saved = serde_json::to_value(t.state()).unwrap();
+    let control = &saved["device"]["net"]["control"];
+    assert_eq!(control["pairs"], 2, "{control}");
+    assert_eq!(control["filter"]["unicast"].as_array().unwrap().len(), 64);
+    assert_eq!(control["filter"]["all_unicast"], true);
+    s.post_rx(1, 1);
+    peers[1]
+        .send(&frame_to([0x52, 0x54, 0, 9, 9, 9], 2))
+        .unwrap();
+    t.process_event(2);
+    assert_eq!(s.received(1), Some(frame_to([0x52, 0x54, 0, 9, 9, 9], 2)));
     // A one-pair device cannot take the state of a two-pair one.
     let (b, _peer) = SocketBackend::pair();
     let net = Net::with_backend(Box::new(b), Some(MAC), 256, None, None).unwrap();
