@@ -66,7 +66,7 @@ enum RemoteCommand {
     /// Add a network device to a VM not running (PUT vm.add-net with Cloud Hypervisor's
     /// NetConfig); the spec is `run --net`'s.
     AddNet {
-        #[arg(value_name = "tap=NAME[,ip=ADDR,mask=MASK][,mac=MAC]", value_parser = from_str::<vmm::config::net::NetConfig>())]
+        #[arg(value_name = "tap=NAME[,ip=ADDR,mask=MASK][,mac=MAC][,num_queues=Q]", value_parser = from_str::<vmm::config::net::NetConfig>())]
         net: vmm::config::net::NetConfig,
         #[arg(long, value_name = "ID")]
         id: Option<String>,
