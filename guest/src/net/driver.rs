@@ -136,13 +136,36 @@ pub struct Rx {
     pub merged: bool,
     /// Further buffers of a merged packet still to be thrown away.
     skip: u16,
+    /// If not 0, IPv4 TCP and UDP frames to another port are dropped (`foreign`): a
+    /// frame of another copy's flow that the host put on this pair must not reach this
+    /// copy's stack, which would answer it with a reset.
+    pub only_port: u16,
     pub packets: u64,
     pub dropped: u64,
+    pub foreign: u64,
 }
 
 impl Rx {
     fn recycle(&mut self, id: u16) {
         self.ring.offer(id);
+    }
+
+    /// False for an IPv4 TCP or UDP frame at `at` whose destination port is not
+    /// `only_port`; everything else (ARP, ICMP, fragments) is ours.
+    fn ours(&self, at: u64, len: usize) -> bool {
+        if len < 14 + 20 || load::<u16>(at + 12) != 0x0008 {
+            return true;
+        }
+        let ip = at + 14;
+        let ihl = (load::<u8>(ip) & 0xf) as usize * 4;
+        let proto = load::<u8>(ip + 9);
+        let frag = u16::from_be(load::<u16>(ip + 6)) & 0x1fff;
+        if !(proto == 6 || proto == 17) || frag != 0 || len < 14 + ihl + 4 {
+            return true;
+        }
+        let port = ((load::<u8>(ip + ihl as u64 + 2) as u16) << 8)
+            | load::<u8>(ip + ihl as u64 + 3) as u16;
+        port == self.only_port
     }
 
     /// The next whole frame: (buffer, frame bytes). Frames spread over several buffers
@@ -167,8 +190,14 @@ impl Rx {
                 self.recycle(id);
                 continue;
             }
+            let frame = (len as u64 - HDR) as usize;
+            if self.only_port != 0 && !self.ours(buf + HDR, frame) {
+                self.foreign += 1;
+                self.recycle(id);
+                continue;
+            }
             self.packets += 1;
-            return Some((id, (len as u64 - HDR) as usize));
+            return Some((id, frame));
         }
     }
 }
@@ -205,28 +234,81 @@ pub struct VirtioNet {
     /// The task's deadline (TSC; 0: none) and how long to poll before waiting.
     pub deadline: u64,
     pub poll_us: u64,
+    /// The pair this driver runs (queues 2k and 2k+1), the pairs the device uses, its
+    /// `max_virtqueue_pairs` and what became of its control queue (`abi::NET_CTRL_*`).
+    pub pair: u32,
+    pub pairs: u32,
+    pub max_pairs: u32,
+    pub ctrl: u32,
+}
+
+/// Rings for `pairs` queue pairs, zeroed, ready for `VirtioNet::open`.
+pub fn carve_rings(mem: &mut Carve, pairs: u32) -> Result<u64, Error> {
+    let bytes = abi::NET_RING_BYTES * pairs.clamp(1, abi::NET_MAX_PAIRS) as u64;
+    let rings = mem.take(bytes).ok_or(Error::NoMemory)?;
+    // SAFETY: freshly carved from this task's arena, nothing else refers to it, and the
+    // device is not using it yet.
+    unsafe { core::ptr::write_bytes(rings as *mut u8, 0, bytes as usize) };
+    Ok(rings)
 }
 
 impl VirtioNet {
-    /// Carves rings and buffers from `mem`, has the kernel bring the device up on them and
-    /// posts every receive buffer.
-    pub fn open(mem: &mut Carve) -> Result<VirtioNet, Error> {
-        let rings = mem.take(abi::NET_RING_BYTES).ok_or(Error::NoMemory)?;
-        let qbytes = abi::NET_MAX_QUEUE as u64 * BUF;
-        let rx_bufs = mem.take(qbytes).ok_or(Error::NoMemory)?;
-        let tx_bufs = mem.take(qbytes).ok_or(Error::NoMemory)?;
-        // SAFETY: freshly carved from this task's arena, nothing else refers to it, and the
-        // device is not using it yet.
-        unsafe { core::ptr::write_bytes(rings as *mut u8, 0, abi::NET_RING_BYTES as usize) };
+    /// Carves rings for `pairs` queue pairs and the buffers of one from `mem`, has the
+    /// kernel bring the device up on them, and drives the calling CPU's pair.
+    pub fn open(mem: &mut Carve, pairs: u32) -> Result<VirtioNet, Error> {
+        let rings = carve_rings(mem, pairs)?;
         let mut b = NetOpen {
             rings,
             want_queue: abi::NET_MAX_QUEUE,
+            pairs: pairs.clamp(1, abi::NET_MAX_PAIRS),
+            pair: abi::NET_PAIR_ANY,
             ..NetOpen::default()
         };
+        let bufs = Self::carve_bufs(mem)?;
         ulib::net_open(&mut b)?;
+        Ok(Self::start(&b, bufs))
+    }
+
+    /// Brings the device up on `rings` (from `carve_rings`, room for `pairs`) and drives
+    /// pair `pair`, with buffers from `mem`; the task's other CPUs then `attach`.
+    pub fn open_on(rings: u64, pairs: u32, pair: u32, mem: &mut Carve) -> Result<VirtioNet, Error> {
+        let mut b = NetOpen {
+            rings,
+            want_queue: abi::NET_MAX_QUEUE,
+            pairs,
+            pair,
+            ..NetOpen::default()
+        };
+        let bufs = Self::carve_bufs(mem)?;
+        ulib::net_open(&mut b)?;
+        Ok(Self::start(&b, bufs))
+    }
+
+    /// Drives pair `pair` of the device another CPU of this task brought up on `rings`.
+    pub fn attach(rings: u64, pair: u32, mem: &mut Carve) -> Result<VirtioNet, Error> {
+        let mut b = NetOpen {
+            rings,
+            pair,
+            flags: abi::NET_OPEN_PAIR,
+            ..NetOpen::default()
+        };
+        let bufs = Self::carve_bufs(mem)?;
+        ulib::net_open(&mut b)?;
+        Ok(Self::start(&b, bufs))
+    }
+
+    fn carve_bufs(mem: &mut Carve) -> Result<(u64, u64), Error> {
+        let qbytes = abi::NET_MAX_QUEUE as u64 * BUF;
+        let rx_bufs = mem.take(qbytes).ok_or(Error::NoMemory)?;
+        let tx_bufs = mem.take(qbytes).ok_or(Error::NoMemory)?;
+        Ok((rx_bufs, tx_bufs))
+    }
+
+    /// Posts every receive buffer of the pair the kernel gave this CPU.
+    fn start(b: &NetOpen, (rx_bufs, tx_bufs): (u64, u64)) -> VirtioNet {
         let size = b.queue_size as u16;
         let ring = |queue: u32| Ring {
-            base: rings + queue as u64 * abi::NET_QUEUE_BYTES,
+            base: b.rings + queue as u64 * abi::NET_QUEUE_BYTES,
             size,
             queue,
             notify: b.notify,
@@ -236,15 +318,17 @@ impl VirtioNet {
             kicks: 0,
         };
         let mut rx = Rx {
-            ring: ring(0),
+            ring: ring(2 * b.pair),
             bufs: rx_bufs,
             merged: b.features & F_MRG_RXBUF != 0,
             skip: 0,
+            only_port: 0,
             packets: 0,
             dropped: 0,
+            foreign: 0,
         };
         let mut tx = Tx {
-            ring: ring(1),
+            ring: ring(2 * b.pair + 1),
             bufs: tx_bufs,
             free: [0; abi::NET_MAX_QUEUE as usize],
             nfree: size as usize,
@@ -261,14 +345,18 @@ impl VirtioNet {
         rx.ring.kick();
         let mut mac = [0; 6];
         mac.copy_from_slice(&b.mac[..6]);
-        Ok(VirtioNet {
+        VirtioNet {
             rx,
             tx,
             mac,
             waits: 0,
             deadline: b.deadline,
             poll_us: b.poll_us,
-        })
+            pair: b.pair,
+            pairs: b.pairs,
+            max_pairs: b.max_pairs,
+            ctrl: b.ctrl,
+        }
     }
 
     pub fn kicks(&self) -> u64 {

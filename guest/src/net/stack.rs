@@ -9,6 +9,7 @@ use smoltcp::wire::{EthernetAddress, IpCidr, Ipv4Address};
 
 use super::driver::VirtioNet;
 use super::Params;
+use crate::abi;
 use crate::ulib::{self, Line};
 
 /// The longest a task sleeps without looking at its own clock again.
@@ -109,5 +110,23 @@ impl<'a> Stack<'a> {
             self.dev.waits,
             ulib::net_interrupts() - self.irqs0
         );
+        let d = &self.dev;
+        let _ = write!(
+            l,
+            ",\"queue_pair\":{},\"queue_pairs\":{},\"max_queue_pairs\":{}",
+            d.pair, d.pairs, d.max_pairs
+        );
+        if d.rx.only_port != 0 {
+            let _ = write!(l, ",\"rx_foreign\":{}", d.rx.foreign);
+        }
+        let ctrl_error = match d.ctrl {
+            abi::NET_CTRL_ERR => "VQ_PAIRS_SET answered ERR",
+            abi::NET_CTRL_NO_ANSWER => "VQ_PAIRS_SET got no answer",
+            abi::NET_CTRL_UNUSABLE => "the control queue could not be set up",
+            _ => "",
+        };
+        if !ctrl_error.is_empty() {
+            let _ = write!(l, ",\"mq_error\":\"{}\"", ctrl_error);
+        }
     }
 }
