@@ -211,6 +211,77 @@ fn a_tcp_stream_from_the_guest_arrives_whole() {
     assert_eq!(run.result("tcp-send")["bytes"], bytes);
 }
 
+/// A TCP sink in `ns` on `port` that takes `conns` connections and reads each to its
+/// end at once; returns the bytes of each, in the order they were accepted.
+fn tcp_sink(ns: &Netns, port: u16, conns: usize) -> std::thread::JoinHandle<Vec<u64>> {
+    ns.spawn(move || {
+        let l = TcpListener::bind(("0.0.0.0", port)).unwrap();
+        l.set_nonblocking(true).unwrap();
+        let t0 = Instant::now();
+        let mut readers = Vec::new();
+        while readers.len() < conns {
+            match l.accept() {
+                Ok((mut s, _)) => readers.push(std::thread::spawn(move || {
+                    s.set_nonblocking(false).unwrap();
+                    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                    let (mut total, mut buf) = (0u64, vec![0u8; 65536]);
+                    loop {
+                        let n = s.read(&mut buf).expect("the stream ends with a close");
+                        if n == 0 {
+                            break total;
+                        }
+                        total += n as u64;
+                    }
+                })),
+                Err(_) if t0.elapsed() < LIMIT => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) => panic!(
+                    "the guest made {} of {conns} connections: {e}",
+                    readers.len()
+                ),
+            }
+        }
+        readers.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_tcp_stream_from_an_application_processor_uses_that_cpus_pair() {
+    let ns = Netns::new("tcpap");
+    let sink = tcp_sink(&ns, 9000, 1);
+    let bytes = 256 << 10;
+    let vm = run_in(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes={bytes},cpu=1"),
+        "kernel",
+        &["--cpus", "2"],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(sink.join().unwrap(), vec![bytes], "bytes the sink read");
+    let r = run.result("tcp-send");
+    assert_eq!(r["bytes"], bytes);
+    // A single-pair device (no VIRTIO_NET_F_MQ): CPU 1's pair is 1 mod 1.
+    assert_eq!(r["queue_pairs"], 1, "{r}");
+    assert_eq!(r["queue_pair"], 0, "{r}");
+}
+
+#[test]
+fn more_copies_than_the_device_has_pairs_are_refused_naming_the_pairs() {
+    let ns = Netns::new("tcpmq1");
+    let vm = run_in(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes=4096,procs=2"),
+        "kernel",
+        &["--cpus", "2"],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(7), "{}", run.explain());
+    let r = run.result("tcp-send");
+    assert_eq!(r["ok"], false, "{r}");
+    assert_eq!(r["queue_pairs"], 1, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("queue pairs"), "{r}");
+}
+
 #[test]
 fn bad_net_flags_are_refused_naming_the_flag() {
     for (spec, why) in [
