@@ -14,7 +14,7 @@ use core::sync::atomic::{AtomicU64, Ordering};
 
 use smoltcp::iface::SocketStorage;
 
-use super::driver::{carve_rings, VirtioNet};
+use super::driver::{carve_rings, FrameBox, VirtioNet};
 use super::stack::Stack;
 use super::tasks::{fail, local_port, mbit, params, send_flow, tcp_socket, TCP_TX_BYTES};
 use super::{Carve, Params};
@@ -60,9 +60,14 @@ struct Slot {
     rx_foreign: AtomicU64,
     kicks: AtomicU64,
     waits: AtomicU64,
+    /// ARP frames taken from what other copies received.
+    arp_in: AtomicU64,
+    /// Frames for it that another copy's pair received.
+    passed_in: AtomicU64,
 }
 
-/// The first page of the data area: what the workers need, and their slots.
+/// The first pages of the data area: what the workers need, the frames they hand each
+/// other, and their slots.
 #[repr(C)]
 struct Shared {
     /// The address of the task's `Params` (`user::run_task`).
@@ -70,13 +75,17 @@ struct Shared {
     rings: AtomicU64,
     regions: AtomicU64,
     base_port: AtomicU64,
+    arp: FrameBox,
+    inboxes: [FrameBox; MAX_COPIES],
     slots: [Slot; MAX_COPIES],
 }
 
-const _: () = assert!(core::mem::size_of::<Shared>() as u64 <= PAGE);
+/// The data area's pages that hold `Shared`.
+const SHARED_BYTES: u64 = 2 * PAGE;
+const _: () = assert!(core::mem::size_of::<Shared>() as u64 <= SHARED_BYTES);
 
-fn shared<'a>(buf: u64) -> &'a Shared {
-    // SAFETY: `buf` is the page-aligned data area, whose first page this task keeps for
+fn shared(buf: u64) -> &'static Shared {
+    // SAFETY: `buf` is the page-aligned data area, whose first pages this task keeps for
     // `Shared` (atomics only, valid for any bytes); every CPU uses it through shared
     // references.
     unsafe { &*(buf as *const Shared) }
@@ -91,12 +100,14 @@ fn region(sh: &Shared, i: usize) -> Carve {
 }
 
 /// Runs copy `i`'s flow on `dev` and records it in its slot.
-fn run_copy(sh: &Shared, i: usize, mut dev: VirtioNet, mem: &mut Carve, p: &Params) {
+fn run_copy(sh: &'static Shared, i: usize, mut dev: VirtioNet, mem: &mut Carve, p: &Params) {
+    let procs = p.procs as usize;
     let slot = &sh.slots[i];
     let port = sh.base_port.load(Ordering::SeqCst) as u16 + i as u16;
     slot.port.store(port as u64, Ordering::SeqCst);
     slot.pair.store(dev.pair as u64, Ordering::SeqCst);
     dev.rx.only_port = port;
+    dev.share(&sh.arp, &sh.inboxes[..procs], i as u16);
     let (Some(rx), Some(tx)) = (mem.slice(4096), mem.slice(TCP_TX_BYTES)) else {
         slot.error.store(
             error_index("no memory for socket buffers"),
@@ -117,6 +128,8 @@ fn run_copy(sh: &Shared, i: usize, mut dev: VirtioNet, mem: &mut Carve, p: &Para
     slot.rx_foreign.store(d.rx.foreign, Ordering::SeqCst);
     slot.kicks.store(d.kicks(), Ordering::SeqCst);
     slot.waits.store(d.waits, Ordering::SeqCst);
+    slot.arp_in.store(d.arp_in, Ordering::SeqCst);
+    slot.passed_in.store(d.passed_in, Ordering::SeqCst);
     slot.error
         .store(f.error.map_or(0, error_index), Ordering::SeqCst);
     slot.done.store(1, Ordering::SeqCst);
@@ -151,7 +164,7 @@ pub fn tcp_send_procs(buf: u64, len: u64, param: u64) -> ! {
         fail(NAME, "procs=P needs P CPUs online (at most 16)");
     }
     let sh = shared(buf);
-    let mut mem = Carve::new(buf + PAGE, len.saturating_sub(PAGE));
+    let mut mem = Carve::new(buf + SHARED_BYTES, len.saturating_sub(SHARED_BYTES));
     let room = (ncpus as u32).clamp(1, abi::NET_MAX_PAIRS);
     let (Ok(rings), Some(regions)) = (carve_rings(&mut mem, room), mem.take(procs as u64 * REGION))
     else {
@@ -161,6 +174,10 @@ pub fn tcp_send_procs(buf: u64, len: u64, param: u64) -> ! {
     sh.rings.store(rings, Ordering::SeqCst);
     sh.regions.store(regions, Ordering::SeqCst);
     sh.base_port.store(local_port() as u64, Ordering::SeqCst);
+    sh.arp.clear();
+    for b in &sh.inboxes {
+        b.clear();
+    }
     for s in &sh.slots {
         for f in [
             &s.done,
@@ -174,6 +191,8 @@ pub fn tcp_send_procs(buf: u64, len: u64, param: u64) -> ! {
             &s.rx_foreign,
             &s.kicks,
             &s.waits,
+            &s.arp_in,
+            &s.passed_in,
         ] {
             f.store(0, Ordering::SeqCst);
         }
@@ -239,7 +258,7 @@ pub fn tcp_send_procs(buf: u64, len: u64, param: u64) -> ! {
         l.item(i);
         let _ = write!(
             l,
-            "{{\"copy\":{},\"cpu\":{},\"queue_pair\":{},\"local_port\":{},\"ok\":{},\"bytes\":{},\"us\":{},\"mbit_per_s\":{}.{},\"tx_packets\":{},\"rx_packets\":{},\"rx_foreign\":{},\"kicks\":{},\"waits\":{}",
+            "{{\"copy\":{},\"cpu\":{},\"queue_pair\":{},\"local_port\":{},\"ok\":{},\"bytes\":{},\"us\":{},\"mbit_per_s\":{}.{},\"tx_packets\":{},\"rx_packets\":{},\"rx_foreign\":{},\"kicks\":{},\"waits\":{},\"arp_from_other_pairs\":{},\"frames_from_other_pairs\":{}",
             i,
             i,
             s.pair.load(Ordering::SeqCst),
@@ -254,6 +273,8 @@ pub fn tcp_send_procs(buf: u64, len: u64, param: u64) -> ! {
             s.rx_foreign.load(Ordering::SeqCst),
             s.kicks.load(Ordering::SeqCst),
             s.waits.load(Ordering::SeqCst),
+            s.arp_in.load(Ordering::SeqCst),
+            s.passed_in.load(Ordering::SeqCst),
         );
         if !copy_ok {
             let why = if done { ERRORS[err.min(8)] } else { "not run" };

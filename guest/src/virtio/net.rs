@@ -10,7 +10,7 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::transport::Reg;
 use crate::abi::{self, Error, NetOpen};
-use crate::arch::{mmio_read32, mmio_write32, rdtsc};
+use crate::arch::{mmio_read16, mmio_read32, mmio_write32, rdtsc};
 use crate::cpu::MAX_CPUS;
 use crate::global::Global;
 use crate::{paging, smp, timer, user};
@@ -293,7 +293,7 @@ fn init(base: u64, b: &NetOpen, room: u32, vsock: bool) -> Result<Up, ()> {
     }
     // `max_virtqueue_pairs`, a le16 at offset 8 of the configuration (1..=0x8000).
     let max_pairs = if features & F_MQ != 0 {
-        (mmio_read32(base + 0x108) & 0xffff).clamp(1, 0x8000)
+        (mmio_read16(base + 0x108) as u32).clamp(1, 0x8000)
     } else {
         1
     };
