@@ -8,7 +8,7 @@ use musubi_api::DeviceKind;
 use musubi_types::Counters;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
-use vmm::config::net::{MacAddr, NetConfig};
+use vmm::config::net::{MacAddr, NetConfig, MAX_NUM_QUEUES};
 use vmm::config::rng::RngConfig;
 use vmm::config::vsock::VsockConfig;
 use vmm::config::CacheMode;
@@ -677,7 +677,8 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
             return Err(ChConfigError::Unsupported {
                 field: format!("{field}.fds"),
                 value: other.to_string(),
-                why: "Musubi takes one TAP descriptor per device (one queue pair)",
+                why: "Musubi takes one TAP descriptor per device (one queue pair); for more \
+                      pairs give the TAP by name",
             })
         }
     };
@@ -690,11 +691,16 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
     n.default_only("iommu", &[json!(false)], VIRTIO_MMIO)?;
     n.default_only("pci_segment", &[json!(0)], VIRTIO_MMIO)?;
     n.default_only("pci_device_id", &[Value::Null], VIRTIO_MMIO)?;
-    n.default_only(
-        "num_queues",
-        &[json!(2)],
-        "Musubi's virtio-net has one queue pair (num_queues 2)",
-    )?;
+    let num_queues = n.u64("num_queues")?.unwrap_or(2);
+    let num_queues = u16::try_from(num_queues)
+        .ok()
+        .filter(|q| q % 2 == 0 && (2..=MAX_NUM_QUEUES).contains(q))
+        .ok_or_else(|| ChConfigError::Unsupported {
+            field: format!("{field}.num_queues"),
+            value: num_queues.to_string(),
+            why: "Musubi's virtio-net takes an even number of queues from 2 to 32 (a receive \
+                  and a transmit queue per pair)",
+        })?;
     const VHOST: &str = "Musubi serves its network devices itself (no vhost-user)";
     n.default_only("vhost_user", &[json!(false)], VHOST)?;
     n.default_only("vhost_socket", &[Value::Null], VHOST)?;
@@ -721,6 +727,7 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
         ip,
         mask,
         mac,
+        num_queues,
         queue_size,
         rate: None,
     };
@@ -732,7 +739,7 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
         ("mask", json!(config.mask)),
         ("mac", json!(config.mac)),
         ("iommu", json!(false)),
-        ("num_queues", json!(2)),
+        ("num_queues", json!(num_queues)),
         ("queue_size", json!(queue_size)),
         ("vhost_user", json!(false)),
         ("vhost_mode", json!("Client")),
@@ -1190,6 +1197,23 @@ mod tests {
         assert_eq!(vm.info["disks"][1]["id"], "mine");
         assert_eq!(vm.info["net"][0]["id"], "_net0");
         assert_eq!(vm.info["net"][0]["mac"], "12:34:56:78:9a:bc");
+        assert_eq!(vm.config.net[0].num_queues, 2);
+        assert_eq!(vm.info["net"][0]["num_queues"], 2);
+    }
+
+    #[test]
+    fn net_num_queues_map_to_queue_pairs() {
+        let (_d, k) = kernel();
+        let vm = parsed(
+            &k,
+            r#", "net": [{"tap": "tap7", "num_queues": 8}, {"tap": "tap8"}]"#,
+        )
+        .unwrap();
+        assert_eq!(vm.config.net[0].num_queues, 8);
+        assert_eq!(vm.config.net[0].queue_pairs(), 4);
+        assert_eq!(vm.info["net"][0]["num_queues"], 8);
+        assert_eq!(vm.config.net[1].num_queues, 2);
+        assert_eq!(vm.info["net"][1]["num_queues"], 2);
     }
 
     #[test]
@@ -1212,8 +1236,16 @@ mod tests {
                 "disks[0].num_queues 2",
             ),
             (
-                r#", "net": [{"tap": "t0", "num_queues": 4}]"#.into(),
-                "net[0].num_queues 4",
+                r#", "net": [{"tap": "t0", "num_queues": 3}]"#.into(),
+                "net[0].num_queues 3: not supported by Musubi: Musubi's virtio-net takes an even",
+            ),
+            (
+                r#", "net": [{"tap": "t0", "num_queues": 34}]"#.into(),
+                "net[0].num_queues 34",
+            ),
+            (
+                r#", "net": [{"fds": [7], "num_queues": 4}]"#.into(),
+                "num_queues=4 with fd=",
             ),
             (
                 r#", "net": [{"tap": "t0", "iommu": true}]"#.into(),

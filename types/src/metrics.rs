@@ -151,6 +151,17 @@ pub struct NetCounters {
     /// Gratuitous ARPs sent for the guest where its VM resumed (a failover, a migration).
     #[serde(default)]
     pub announcements: u64,
+    /// Frames from the network the guest's receive filter turned away (promiscuous mode
+    /// off, the destination neither the guest's nor in its tables).
+    #[serde(default)]
+    pub rx_filtered: u64,
+    /// Commands on the control queue, refused ones included.
+    #[serde(default)]
+    pub ctrl_commands: u64,
+    /// Of those, the ones answered VIRTIO_NET_ERR or dropped without an ack: unknown,
+    /// not negotiated, malformed.
+    #[serde(default)]
+    pub ctrl_errors: u64,
 }
 
 /// The entropy device's counters, in `--metrics` and `vm.counters` alike.

@@ -1,5 +1,5 @@
-//! Turns a `--net` into a virtio-net device: opens (or creates) its TAP, gives a created
-//! TAP's host end its address, and sets the rate limits.
+//! Turns a `--net` into a virtio-net device: opens (or creates) its TAP, one queue per
+//! queue pair, gives a created TAP's host end its address, and sets the rate limits.
 
 use crate::config::net::{NetConfig, RateLimit};
 use devices::net::rate_limiter::{RateLimit as Buckets, TokenBucketConfig};
@@ -21,8 +21,16 @@ pub fn open(n: &NetConfig) -> Result<Net, NetError> {
         name: n.name(),
         why,
     };
-    let tap = match (&n.tap, n.fd) {
-        (Some(name), _) => Tap::open_or_create(name).map_err(|e| err(e.to_string()))?,
+    let taps = match (&n.tap, n.fd) {
+        (Some(name), _) => {
+            Tap::open_queues(name, n.queue_pairs()).map_err(|e| err(e.to_string()))?
+        }
+        (None, Some(_)) if n.num_queues != 2 => {
+            return Err(err(format!(
+                "num_queues={}: a handed-over descriptor is one TAP queue, so one queue pair",
+                n.num_queues
+            )))
+        }
         (None, Some(fd)) => {
             // The descriptor must be open in this process: fstat says so without taking it.
             // SAFETY: fstat only writes the stat buffer it is given.
@@ -37,17 +45,18 @@ pub fn open(n: &NetConfig) -> Result<Net, NetError> {
             // SAFETY: the descriptor is open (checked above) and was handed to this process
             // for the device to own; nothing else in the VMM uses it.
             let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-            Tap::from_fd(owned).map_err(|e| err(e.to_string()))?
+            vec![Tap::from_fd(owned).map_err(|e| err(e.to_string()))?]
         }
         (None, None) => return Err(err("give tap=NAME or fd=N".into())),
     };
     if let Some(ip) = n.ip {
         let mask = n.mask.unwrap_or(std::net::Ipv4Addr::new(255, 255, 255, 0));
-        tap.set_up_with_address(ip, mask)
+        taps[0]
+            .set_up_with_address(ip, mask)
             .map_err(|e| err(e.to_string()))?;
     }
     Net::new(DeviceConfig {
-        tap,
+        taps,
         mac: n.mac.map(|m| m.0),
         queue_size: n.queue_size,
         rx_rate: n.rate.map(buckets),

@@ -1,11 +1,13 @@
 //! The host side of guest networking: the TAP interface frames go through, the rate
-//! limiter that keeps one guest from taking all of the host's bandwidth, and what a
+//! limiter that keeps one guest from taking all of the host's bandwidth, the control
+//! queue's commands and the receive filter they set, and what a
 //! replicated VM needs (the gate that holds its output, the announcement after failover).
 //!
 //! Kept apart from the virtio-net device so the device can run over any frame pipe (tests use
 //! a socketpair) and the VMM can open or hand over TAPs without knowing virtio.
 
 pub mod announce;
+pub mod control;
 pub mod output_gate;
 pub mod rate_limiter;
 pub mod tap;

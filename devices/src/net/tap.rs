@@ -5,6 +5,10 @@
 //! re-framing, and checksum and segmentation offload requests travel with them.
 //! The descriptor is non-blocking: the device is driven from an event loop and must never
 //! sleep in a read or write.
+//!
+//! A TAP opened for several queue pairs has `IFF_MULTI_QUEUE` and one descriptor per
+//! queue; the kernel spreads the frames it sends over the queues attached, and a queue the
+//! guest does not use is detached so no frame waits there unread.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice, Read, Write};
@@ -33,6 +37,8 @@ pub enum TapError {
         op: &'static str,
         source: io::Error,
     },
+    #[error("TAP {name}: {queues} queues asked for; a TAP has 1 to {MAX_TAP_QUEUES}")]
+    Queues { name: String, queues: usize },
     #[error(
         "TAP {name}: the descriptor is not a TAP with virtio-net headers (flags {flags:#x}; \
          it needs IFF_TAP, IFF_NO_PI and IFF_VNET_HDR)"
@@ -40,11 +46,16 @@ pub enum TapError {
     NotVnetTap { name: String, flags: i32 },
 }
 
+/// Queues a multiqueue TAP may have (Linux's `MAX_TAP_QUEUES`).
+pub const MAX_TAP_QUEUES: usize = 256;
+
 /// An open TAP queue.
 #[derive(Debug)]
 pub struct Tap {
     file: File,
     name: String,
+    /// Opened with `IFF_MULTI_QUEUE`, so the queue can be detached and attached again.
+    multi_queue: bool,
 }
 
 /// An `ifreq` naming `name`, everything else zero.
@@ -91,6 +102,34 @@ impl Tap {
     /// Opens TAP `name`, creating it if no interface has that name. Creating one needs
     /// CAP_NET_ADMIN; opening one the caller owns does not.
     pub fn open_or_create(name: &str) -> Result<Tap, TapError> {
+        Tap::open_queue(name, TAP_FLAGS)
+    }
+
+    /// Opens `queues` queues of TAP `name`, creating it if no interface has that name: one
+    /// queue is [`Tap::open_or_create`] exactly; more are a TAP with `IFF_MULTI_QUEUE`,
+    /// which an existing single-queue TAP of that name is not (the kernel refuses it).
+    pub fn open_queues(name: &str, queues: usize) -> Result<Vec<Tap>, TapError> {
+        if queues == 0 || queues > MAX_TAP_QUEUES {
+            return Err(TapError::Queues {
+                name: name.to_string(),
+                queues,
+            });
+        }
+        if queues == 1 {
+            return Ok(vec![Tap::open_or_create(name)?]);
+        }
+        let flags = TAP_FLAGS | libc::IFF_MULTI_QUEUE;
+        let first = Tap::open_queue(name, flags)?;
+        // A template name (`tap%d`) was resolved by the first open; the others join it.
+        let resolved = first.name.clone();
+        let mut taps = vec![first];
+        for _ in 1..queues {
+            taps.push(Tap::open_queue(&resolved, flags)?);
+        }
+        Ok(taps)
+    }
+
+    fn open_queue(name: &str, flags: libc::c_int) -> Result<Tap, TapError> {
         check_name(name)?;
         let os = |op| {
             let name = name.to_string();
@@ -103,15 +142,21 @@ impl Tap {
             .open(TUN_PATH)
             .map_err(os("opening /dev/net/tun"))?;
         let mut ifr = ifreq(name);
-        ifr.ifr_ifru.ifru_flags = TAP_FLAGS as libc::c_short;
+        ifr.ifr_ifru.ifru_flags = flags as libc::c_short;
         // SAFETY: TUNSETIFF reads and writes one ifreq, which `ifr` is and outlives the call.
         let r = unsafe { ioctl_with_mut_ref(&file, libc::TUNSETIFF as _, &mut ifr) };
         if r < 0 {
-            return Err(os("TUNSETIFF")(io::Error::last_os_error()));
+            let op = if flags & libc::IFF_MULTI_QUEUE != 0 {
+                "TUNSETIFF with IFF_MULTI_QUEUE"
+            } else {
+                "TUNSETIFF"
+            };
+            return Err(os(op)(io::Error::last_os_error()));
         }
         let tap = Tap {
             file,
             name: ifreq_name(&ifr),
+            multi_queue: flags & libc::IFF_MULTI_QUEUE != 0,
         };
         tap.set_vnet_hdr_size()?;
         Ok(tap)
@@ -139,7 +184,11 @@ impl Tap {
         if flags & TAP_FLAGS != TAP_FLAGS || flags & libc::IFF_TUN != 0 {
             return Err(TapError::NotVnetTap { name, flags });
         }
-        let tap = Tap { file, name };
+        let tap = Tap {
+            file,
+            name,
+            multi_queue: flags & libc::IFF_MULTI_QUEUE != 0,
+        };
         tap.set_nonblocking()?;
         tap.set_vnet_hdr_size()?;
         Ok(tap)
@@ -183,6 +232,32 @@ impl Tap {
         let r = unsafe { ioctl_with_val(&self.file, libc::TUNSETOFFLOAD as _, flags.into()) };
         if r < 0 {
             return Err(self.os_error("TUNSETOFFLOAD"));
+        }
+        Ok(())
+    }
+
+    /// Attaches the queue to its interface or detaches it (`TUNSETQUEUE`), so the kernel
+    /// sends frames only to queues someone reads. A single-queue TAP has nothing to detach
+    /// and ignores it.
+    pub fn set_queue_enabled(&self, on: bool) -> Result<(), TapError> {
+        if !self.multi_queue {
+            return Ok(());
+        }
+        let mut ifr = ifreq("");
+        let flags = if on {
+            libc::IFF_ATTACH_QUEUE
+        } else {
+            libc::IFF_DETACH_QUEUE
+        };
+        ifr.ifr_ifru.ifru_flags = flags as libc::c_short;
+        // SAFETY: TUNSETQUEUE reads one ifreq, which `ifr` is and outlives the call.
+        let r = unsafe { ioctl_with_mut_ref(&self.file, libc::TUNSETQUEUE as _, &mut ifr) };
+        if r < 0 {
+            return Err(self.os_error(if on {
+                "TUNSETQUEUE attaching the queue"
+            } else {
+                "TUNSETQUEUE detaching the queue"
+            }));
         }
         Ok(())
     }
@@ -396,5 +471,52 @@ mod tests {
         frame.extend_from_slice(&[0u8; 46]);
         let n = tap.write_vectored(&[IoSlice::new(&frame)]).unwrap();
         assert_eq!(n, frame.len());
+        // A single-queue TAP is not opened again as a multiqueue one.
+        let e = Tap::open_queues(tap.name(), 2).unwrap_err().to_string();
+        assert!(e.contains("TUNSETIFF with IFF_MULTI_QUEUE"), "{e}");
+        // Several queues of one interface, each a descriptor of its own, which can be
+        // detached and attached again; a detached queue takes no frames.
+        let queues = Tap::open_queues("mq%d", 3).unwrap();
+        assert_eq!(queues.len(), 3);
+        let name = queues[0].name().to_string();
+        assert!(name.starts_with("mq"), "{name}");
+        assert!(queues.iter().all(|q| q.name() == name));
+        queues[0]
+            .set_up_with_address(Ipv4Addr::new(10, 9, 7, 1), Ipv4Addr::new(255, 255, 255, 0))
+            .unwrap();
+        // Detached queues get none of the frames the host sends (here the ARP request a
+        // datagram to a neighbour brings), and still take frames to send.
+        for q in &queues[1..] {
+            q.set_queue_enabled(false).unwrap();
+        }
+        let udp = std::net::UdpSocket::bind("10.9.7.1:0").unwrap();
+        udp.send_to(b"hello", "10.9.7.2:9").unwrap();
+        let mut got = None;
+        for _ in 0..200 {
+            match queues[0].read(&mut buf) {
+                Ok(n) => {
+                    got = Some(n);
+                    break;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(std::time::Duration::from_millis(5))
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(got.is_some(), "no frame on the attached queue");
+        for q in &queues[1..] {
+            let e = q.read(&mut buf).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        }
+        queues[1].write_vectored(&[IoSlice::new(&frame)]).unwrap();
+        queues[1].set_queue_enabled(true).unwrap();
+        queues[1].write_vectored(&[IoSlice::new(&frame)]).unwrap();
+        let adopted = Tap::from_fd(OwnedFd::from(queues[2].file.try_clone().unwrap())).unwrap();
+        assert_eq!(adopted.name(), name);
+        for bad in [0, MAX_TAP_QUEUES + 1] {
+            let e = Tap::open_queues("mq%d", bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("{bad} queues asked for")), "{e}");
+        }
     }
 }

@@ -531,3 +531,99 @@ impl Driver {
         (rx, tx, ev)
     }
 }
+
+/// Where the rings of virtio-net's pairs past the first go: a page per ring part, four
+/// pages per ring, clear of every area above (and of the fuzzing memory's hole).
+pub const PAIR_RINGS: u64 = 0xd0_0000;
+
+/// A multiqueue virtio-net driver's rings: receive and transmit per pair, and control.
+pub struct NetRings {
+    pub rx: Vec<Ring>,
+    pub tx: Vec<Ring>,
+    pub ctrl: Ring,
+    /// The control queue's index: 2N with MQ negotiated, 2 without.
+    pub ctrl_queue: u32,
+}
+
+impl Driver {
+    /// Negotiates every offered feature but `drop_bits`, sets up `pairs` receive and
+    /// transmit queues (pair 0 where [`Driver::net_up`] puts it, the others from
+    /// PAIR_RINGS) and the control queue (at EVENT_RING), and sets DRIVER_OK. The control
+    /// queue is at 2 * `pairs` when MQ is kept, else at 2, as the spec lays it out.
+    pub fn net_up_pairs(&mut self, drop_bits: u64, pairs: u32) -> NetRings {
+        use virtio_bindings::virtio_net::VIRTIO_NET_F_MQ;
+        let ring_base = |q: u32| match q {
+            0 => RING,
+            1 => TX_RING,
+            q => PAIR_RINGS + 0x4000 * u64::from(q),
+        };
+        for q in 0..2 * pairs {
+            self.mem
+                .write_slice(&[0u8; 0x3000], GuestAddress(ring_base(q)))
+                .unwrap();
+        }
+        self.mem
+            .write_slice(&[0u8; 0x3000], GuestAddress(EVENT_RING))
+            .unwrap();
+        assert!(self.negotiate(drop_bits));
+        let mq = drop_bits & (1 << VIRTIO_NET_F_MQ) == 0 && pairs > 1;
+        let ctrl_queue = if mq { 2 * pairs } else { 2 };
+        let used_pairs = if mq { pairs } else { 1 };
+        let mut rings = NetRings {
+            rx: Vec::new(),
+            tx: Vec::new(),
+            ctrl: Ring::new(EVENT_RING),
+            ctrl_queue,
+        };
+        for k in 0..used_pairs {
+            let (rx, tx) = (Ring::new(ring_base(2 * k)), Ring::new(ring_base(2 * k + 1)));
+            self.setup_queue_on(2 * k, &rx, u32::from(QSIZE));
+            self.setup_queue_on(2 * k + 1, &tx, u32::from(QSIZE));
+            rings.rx.push(rx);
+            rings.tx.push(tx);
+        }
+        self.setup_queue_on(ctrl_queue, &rings.ctrl, u32::from(QSIZE));
+        self.driver_ok();
+        assert!(!self.needs_reset());
+        rings
+    }
+
+    /// Sends a control command as Linux's driver does (header, data if any, ack in
+    /// descriptors of their own, from descriptor `first`) and returns the ack and the used
+    /// length, or `None` if the device put nothing on the used ring.
+    pub fn control(
+        &mut self,
+        rings: &mut NetRings,
+        first: u16,
+        class: u8,
+        cmd: u8,
+        data: &[u8],
+    ) -> Option<(u8, u32)> {
+        self.mem
+            .write_slice(&[class, cmd], GuestAddress(HDR))
+            .unwrap();
+        self.mem.write_slice(data, GuestAddress(DATA)).unwrap();
+        let mut descs = vec![(HDR, 2, 0)];
+        if !data.is_empty() {
+            descs.push((DATA, data.len() as u32, 0));
+        }
+        descs.push((STATUS, 1, W));
+        self.control_chain(rings, first, &descs)
+    }
+
+    /// Publishes `descs` (linked in order from descriptor `first`) on the control queue
+    /// with 0xff at STATUS, notifies, and returns STATUS and the used length, if the device
+    /// used the chain.
+    pub fn control_chain(
+        &mut self,
+        rings: &mut NetRings,
+        first: u16,
+        descs: &[(u64, u32, u16)],
+    ) -> Option<(u8, u32)> {
+        self.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+        self.chain_on(&mut rings.ctrl, first, descs);
+        self.notify_queue(rings.ctrl_queue);
+        let (_, len) = self.next_used_on(&mut rings.ctrl)?;
+        Some((self.status_byte(), len))
+    }
+}

@@ -1,30 +1,40 @@
-//! virtio-net over a TAP (or any frame pipe with the same framing): one receive and one
-//! transmit queue, frames passing with their 12-byte virtio-net header untouched so the
-//! guest's checksum and segmentation offloads reach the host kernel.
+//! virtio-net over a TAP (or any frame pipe with the same framing): up to
+//! [`MAX_QUEUE_PAIRS`] receive and transmit queue pairs, each over a backend of its own (a
+//! queue of a multiqueue TAP), and a control queue; frames pass with their 12-byte
+//! virtio-net header untouched so the guest's checksum and segmentation offloads reach the
+//! host kernel.
+//!
+//! Queue layout (virtio 1.2, 5.1.2): receiveq(k) is queue 2k, transmitq(k) queue 2k+1, the
+//! control queue 2N with VIRTIO_NET_F_MQ (N pairs) and 2 without it. Until the driver sets
+//! the number of pairs with VQ_PAIRS_SET only pair 0 receives; the backends of the pairs
+//! not in use are disabled (a TAP queue detached), so the kernel does not queue frames
+//! where no guest reads them. Every transmit queue sends through its own pair's backend,
+//! in use or not (a detached TAP queue still takes frames to send).
 //!
 //! Frames are copied through device-side buffers rather than handed to the kernel as
 //! iovecs over guest memory: a guest cannot then change a frame while the kernel reads it,
 //! every guest buffer is checked once before it is touched, and a frame that does not fit
 //! the receive buffers the guest posted can be held without holding guest memory.
 //!
-//! Besides its two doorbells the device waits on the backend becoming readable, on the
-//! rate limiters' timers and on an eventfd of its own that it signals when it stopped early
-//! with work left (a bounded pass, or activation with frames already queued, or frames a
-//! replicated VM's output gate released); see
+//! Besides its doorbells the device waits on each pair's backend becoming readable, on the
+//! rate limiters' timers (shared by the pairs) and on an eventfd of its own that it signals
+//! when it stopped early with work left (a bounded pass, or activation with frames already
+//! queued, or frames a replicated VM's output gate released); see
 //! [`VirtioDevice::event_fds`]. These should be watched edge-triggered: while the guest
 //! posts no receive buffers the device leaves frames in the backend, which then stays
 //! readable.
 //!
 //! A replicated VM's device holds what the guest transmits until the replicator releases it
-//! (see [`crate::net::output_gate`]); it learns the guest's IPv4 address from the frames
-//! going out and announces it with a gratuitous ARP wherever the VM is restored (see
-//! [`crate::net::announce`]).
+//! (see [`crate::net::output_gate`]), in one ordered queue written through pair 0's
+//! backend; it learns the guest's IPv4 address from the frames going out and announces it
+//! with a gratuitous ARP wherever the VM is restored (see [`crate::net::announce`]).
 
 use super::{
-    available, corrupt, pop, read_config_bytes, DeviceState, QueueCorrupt, VirtioDevice,
-    VirtioStats, QUEUE_MAX_SIZE,
+    available, corrupt, pop, read_config_bytes, serve_available, DeviceState, QueueCorrupt,
+    VirtioDevice, VirtioStats, QUEUE_MAX_SIZE,
 };
 use crate::net::announce::{gratuitous_arp, sender_ipv4};
+use crate::net::control::{decode, Command, RxFilter};
 use crate::net::output_gate::{OutputGate, DEFAULT_HELD_BYTES};
 use crate::net::rate_limiter::{RateLimit, RateLimiter};
 use crate::net::tap::{offload_flags, Tap, TapError, VNET_HDR_LEN};
@@ -50,13 +60,21 @@ pub use musubi_types::NetCounters;
 /// Longest frame (after the virtio-net header) either way: a 64 KiB GSO frame plus its
 /// Ethernet and VLAN headers, as Linux's virtio-net driver sizes its big receive buffers.
 pub const MAX_FRAME_LEN: usize = 65_562;
-/// Queue the guest posts receive buffers on.
+/// Queue the guest posts receive buffers on (of pair 0; pair k's is 2k).
 pub const RX_QUEUE: u16 = 0;
-/// Queue the guest posts frames to send on.
+/// Queue the guest posts frames to send on (of pair 0; pair k's is 2k+1).
 pub const TX_QUEUE: u16 = 1;
+/// Queue pairs a device may have: each is a TAP queue (a descriptor) and two doorbells, and
+/// Linux's TAP takes 256 queues at most; 16 covers the vCPUs Musubi's guests have.
+pub const MAX_QUEUE_PAIRS: u16 = 16;
 /// Descriptors followed per chain at most. Direct chains are bounded by the ring already;
 /// an indirect table (followed whether or not it was offered) could otherwise be huge.
 pub const MAX_CHAIN_DESCRIPTORS: usize = 512;
+/// Longest control command (header and data) the device reads: two MAC tables of a
+/// thousand addresses and more, far more than it keeps (see [`MAC_TABLE_ENTRIES`]).
+///
+/// [`MAC_TABLE_ENTRIES`]: crate::net::control::MAC_TABLE_ENTRIES
+pub const CTRL_MAX_LEN: usize = 16 << 10;
 
 /// Passes over a ring before a notification handler yields (and signals its resume
 /// eventfd), so a guest refilling as fast as the device drains cannot keep it forever.
@@ -65,7 +83,7 @@ const CONFIG_LEN: usize = 10;
 /// Offset of `num_buffers` in `virtio_net_hdr_v1`.
 const NUM_BUFFERS_OFFSET: usize = 10;
 
-/// Feature bits offered.
+/// Feature bits offered by every device; a device of several pairs adds VIRTIO_NET_F_MQ.
 pub const NET_FEATURES: u64 = (1 << VIRTIO_F_VERSION_1)
     | (1 << VIRTIO_RING_F_EVENT_IDX)
     | (1 << VIRTIO_NET_F_MAC)
@@ -76,7 +94,12 @@ pub const NET_FEATURES: u64 = (1 << VIRTIO_F_VERSION_1)
     | (1 << VIRTIO_NET_F_GUEST_TSO4)
     | (1 << VIRTIO_NET_F_GUEST_TSO6)
     | (1 << VIRTIO_NET_F_HOST_TSO4)
-    | (1 << VIRTIO_NET_F_HOST_TSO6);
+    | (1 << VIRTIO_NET_F_HOST_TSO6)
+    | (1 << VIRTIO_NET_F_CTRL_VQ)
+    | (1 << VIRTIO_NET_F_CTRL_RX);
+
+const MQ: u64 = 1 << VIRTIO_NET_F_MQ;
+const CTRL_VQ: u64 = 1 << VIRTIO_NET_F_CTRL_VQ;
 
 /// Where frames go and come from. A trait so the device tests and the fuzz target can use a
 /// socketpair instead of a TAP, which needs privileges.
@@ -90,6 +113,12 @@ pub trait NetBackend: Send {
     fn raw_fd(&self) -> RawFd;
     /// Tells the backend which `TUN_F_*` offloads the guest takes on receive.
     fn set_offload(&mut self, flags: u32) -> io::Result<()>;
+    /// Whether the network should queue frames here: the queue pair it serves is in use.
+    /// Backends that cannot say so (one queue, a socket) ignore it.
+    fn set_enabled(&mut self, on: bool) -> io::Result<()> {
+        let _ = on;
+        Ok(())
+    }
 }
 
 impl NetBackend for Tap {
@@ -105,12 +134,16 @@ impl NetBackend for Tap {
     fn set_offload(&mut self, flags: u32) -> io::Result<()> {
         Tap::set_offload(self, flags).map_err(io::Error::other)
     }
+    fn set_enabled(&mut self, on: bool) -> io::Result<()> {
+        Tap::set_queue_enabled(self, on).map_err(io::Error::other)
+    }
 }
 
 /// What the VMM knows about a `--net`.
 #[derive(Debug)]
 pub struct NetConfig {
-    pub tap: Tap,
+    /// One TAP queue per queue pair, pair 0's first.
+    pub taps: Vec<Tap>,
     /// The guest's MAC; a locally administered one is made up when `None`.
     pub mac: Option<[u8; 6]>,
     /// Largest ring the guest may set up: a power of two up to [`QUEUE_MAX_SIZE`].
@@ -125,6 +158,8 @@ pub enum NetError {
     Tap(#[from] TapError),
     #[error("virtio-net: queue size {0} is not a power of two from 1 to {QUEUE_MAX_SIZE}")]
     QueueSize(u16),
+    #[error("virtio-net: {0} queue pairs; a device has 1 to {MAX_QUEUE_PAIRS}")]
+    QueuePairs(usize),
     #[error("virtio-net: MAC {0} is a multicast address; a NIC needs a unicast one")]
     MulticastMac(String),
     #[error("virtio-net: {what}: {source}")]
@@ -134,13 +169,24 @@ pub enum NetError {
     },
 }
 
-/// The fds the device waits on besides its doorbells, in `event_fds` order.
+/// The fds the device waits on besides its doorbells, in `event_fds` order: pair 0's
+/// backend, the resume eventfd and the timers keep the places they had before the device
+/// had several pairs, the other pairs' backends follow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Event {
-    Backend,
+    Backend(usize),
     Resume,
     RxTimer,
     TxTimer,
+}
+
+/// What a queue index is, given the features the driver accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Rx(usize),
+    Tx(usize),
+    Ctrl,
+    Unused,
 }
 
 /// What became of the frame waiting to be received.
@@ -155,38 +201,61 @@ enum Delivery {
 /// Why a chain was refused, for the debug log.
 type Fault = &'static str;
 
+/// What the driver set through the control queue, kept across a snapshot or a move.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ControlState {
+    /// Queue pairs in use (VQ_PAIRS_SET).
+    pub pairs: u16,
+    pub filter: RxFilter,
+}
+
 /// What the device keeps across a snapshot or a move besides its transport's registers.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetState {
     /// The guest's IPv4 address as its frames showed it, announced where the VM resumes.
     #[serde(default)]
     pub guest_ip: Option<Ipv4Addr>,
+    /// States written before the device had a control queue have none: the defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control: Option<ControlState>,
 }
 
-/// A virtio-net device.
-pub struct Net {
+/// One receive and transmit queue pair's host side.
+struct Pair {
     backend: Box<dyn NetBackend>,
-    config: [u8; CONFIG_LEN],
-    queue_size: u16,
-    acked: u64,
-    active: bool,
+    /// Whether the backend was last told to take frames (see [`NetBackend::set_enabled`]).
+    enabled: bool,
     /// A frame read from the backend, header included, not yet in guest buffers.
     rx_buf: Vec<u8>,
     /// Length of the frame in `rx_buf`; zero when there is none.
     rx_len: usize,
     /// Whether the rate limiter already counted the frame in `rx_buf`.
     rx_paid: bool,
-    rx_limiter: Option<RateLimiter>,
     tx_buf: Vec<u8>,
-    /// The backend refused a frame with `WouldBlock`: retry on its next event.
+    /// A backend refused a frame of this pair's transmit queue with `WouldBlock`: retry on
+    /// a backend's next event.
     tx_stalled: bool,
+}
+
+/// A virtio-net device.
+pub struct Net {
+    pairs: Vec<Pair>,
+    /// Pairs the driver uses; receive is served on these only.
+    active_pairs: usize,
+    filter: RxFilter,
+    config: [u8; CONFIG_LEN],
+    queue_size: u16,
+    acked: u64,
+    active: bool,
+    rx_limiter: Option<RateLimiter>,
     tx_limiter: Option<RateLimiter>,
     resume: EventFd,
     events: Vec<Event>,
     counters: NetCounters,
     /// Whether transmitted frames are held for output commit, and until when.
     gate: Arc<OutputGate>,
-    /// Frames held (header included), each with the epoch it was sent in, oldest first.
+    /// Frames held (header included), each with the epoch it was sent in, oldest first;
+    /// written through pair 0's backend.
     held: VecDeque<(u64, Vec<u8>)>,
     held_bytes: usize,
     /// Most bytes `held` may reach before the guest is made to wait.
@@ -213,18 +282,29 @@ fn limiter(rate: Option<RateLimit>, what: &'static str) -> Result<Option<RateLim
         .transpose()
 }
 
+/// Writes `frame` to `backend`, retrying a write a signal interrupted a few times.
+fn write_to(backend: &mut dyn NetBackend, frame: &[u8]) -> io::Result<usize> {
+    let mut result = Err(io::ErrorKind::Interrupted.into());
+    for _ in 0..8 {
+        result = backend.write_frame(&[IoSlice::new(frame)]);
+        if !matches!(&result, Err(e) if e.kind() == io::ErrorKind::Interrupted) {
+            break;
+        }
+    }
+    result
+}
+
 impl Net {
     pub fn new(cfg: NetConfig) -> Result<Net, NetError> {
-        Net::with_backend(
-            Box::new(cfg.tap),
-            cfg.mac,
-            cfg.queue_size,
-            cfg.rx_rate,
-            cfg.tx_rate,
-        )
+        let backends = cfg
+            .taps
+            .into_iter()
+            .map(|t| Box::new(t) as Box<dyn NetBackend>)
+            .collect();
+        Net::with_backends(backends, cfg.mac, cfg.queue_size, cfg.rx_rate, cfg.tx_rate)
     }
 
-    /// A device over any frame pipe with the TAP's framing.
+    /// A device of one queue pair over any frame pipe with the TAP's framing.
     pub fn with_backend(
         backend: Box<dyn NetBackend>,
         mac: Option<[u8; 6]>,
@@ -232,8 +312,23 @@ impl Net {
         rx_rate: Option<RateLimit>,
         tx_rate: Option<RateLimit>,
     ) -> Result<Net, NetError> {
+        Net::with_backends(vec![backend], mac, queue_size, rx_rate, tx_rate)
+    }
+
+    /// A device of one queue pair per backend, pair 0's first.
+    pub fn with_backends(
+        backends: Vec<Box<dyn NetBackend>>,
+        mac: Option<[u8; 6]>,
+        queue_size: u16,
+        rx_rate: Option<RateLimit>,
+        tx_rate: Option<RateLimit>,
+    ) -> Result<Net, NetError> {
         if queue_size == 0 || queue_size > QUEUE_MAX_SIZE || !queue_size.is_power_of_two() {
             return Err(NetError::QueueSize(queue_size));
+        }
+        let n = backends.len();
+        if n == 0 || n > usize::from(MAX_QUEUE_PAIRS) {
+            return Err(NetError::QueuePairs(n));
         }
         let mac = mac.unwrap_or_else(generated_mac);
         if mac[0] & 1 != 0 {
@@ -249,29 +344,39 @@ impl Net {
             what: "resume eventfd for the output gate",
             source,
         })?;
-        let mut events = vec![Event::Backend, Event::Resume];
+        let mut events = vec![Event::Backend(0), Event::Resume];
         if rx_limiter.is_some() {
             events.push(Event::RxTimer);
         }
         if tx_limiter.is_some() {
             events.push(Event::TxTimer);
         }
+        events.extend((1..n).map(Event::Backend));
         let mut config = [0u8; CONFIG_LEN];
         config[0..6].copy_from_slice(&mac);
         config[6..8].copy_from_slice(&(VIRTIO_NET_S_LINK_UP as u16).to_le_bytes());
-        config[8..10].copy_from_slice(&1u16.to_le_bytes());
-        Ok(Net {
-            backend,
+        config[8..10].copy_from_slice(&(n as u16).to_le_bytes());
+        let pairs = backends
+            .into_iter()
+            .map(|backend| Pair {
+                backend,
+                enabled: true,
+                rx_buf: vec![0; VNET_HDR_LEN + MAX_FRAME_LEN],
+                rx_len: 0,
+                rx_paid: false,
+                tx_buf: vec![0; VNET_HDR_LEN + MAX_FRAME_LEN],
+                tx_stalled: false,
+            })
+            .collect();
+        let mut net = Net {
+            pairs,
+            active_pairs: n,
+            filter: RxFilter::default(),
             config,
             queue_size,
             acked: 0,
             active: false,
-            rx_buf: vec![0; VNET_HDR_LEN + MAX_FRAME_LEN],
-            rx_len: 0,
-            rx_paid: false,
             rx_limiter,
-            tx_buf: vec![0; VNET_HDR_LEN + MAX_FRAME_LEN],
-            tx_stalled: false,
             tx_limiter,
             resume,
             events,
@@ -281,7 +386,9 @@ impl Net {
             held_bytes: 0,
             held_limit: DEFAULT_HELD_BYTES,
             guest_ip: None,
-        })
+        };
+        net.set_active_pairs(1);
+        Ok(net)
     }
 
     /// Sets how many bytes of held frames the device keeps at most (at least one frame is
@@ -305,8 +412,59 @@ impl Net {
         self.counters
     }
 
+    /// Queue pairs the device has.
+    pub fn max_pairs(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// Queue pairs the driver uses now.
+    pub fn active_pairs(&self) -> usize {
+        self.active_pairs
+    }
+
     fn mergeable(&self) -> bool {
         self.acked & (1 << VIRTIO_NET_F_MRG_RXBUF) != 0
+    }
+
+    /// What queue `index` is under the features the driver accepted.
+    fn role(&self, index: u16) -> Role {
+        let i = usize::from(index);
+        let ctrl = if self.acked & MQ != 0 {
+            2 * self.pairs.len()
+        } else {
+            2
+        };
+        if self.acked & CTRL_VQ != 0 && i == ctrl {
+            Role::Ctrl
+        } else if i < 2 * self.pairs.len() {
+            if i % 2 == 0 {
+                Role::Rx(i / 2)
+            } else {
+                Role::Tx(i / 2)
+            }
+        } else {
+            Role::Unused
+        }
+    }
+
+    /// Puts the first `n` pairs in use and the others out of it: their backends told so,
+    /// and a frame one of them held for the guest dropped.
+    fn set_active_pairs(&mut self, n: usize) {
+        for (k, pair) in self.pairs.iter_mut().enumerate() {
+            let on = k < n;
+            if !on && pair.rx_len != 0 {
+                pair.rx_len = 0;
+                pair.rx_paid = false;
+                self.counters.rx_drops += 1;
+            }
+            if pair.enabled != on {
+                if let Err(e) = pair.backend.set_enabled(on) {
+                    warn!("virtio-net: queue pair {k}: enabling {on}: {e}");
+                }
+                pair.enabled = on;
+            }
+        }
+        self.active_pairs = n;
     }
 
     /// Asks the owner to call `process_event(Resume)` soon.
@@ -316,21 +474,27 @@ impl Net {
         }
     }
 
-    /// Serves the transmit queue: each chain's frame goes to the backend or is dropped.
-    /// Returns how many chains were put on the used ring.
-    fn process_tx(&mut self, q: &mut Queue, mem: &GuestMemoryMmap) -> Result<usize, QueueCorrupt> {
-        self.tx_stalled = false;
+    /// Serves pair `k`'s transmit queue: each chain's frame goes to the backend or is
+    /// dropped. Returns how many chains were put on the used ring.
+    fn process_tx(
+        &mut self,
+        k: usize,
+        q: &mut Queue,
+        mem: &GuestMemoryMmap,
+    ) -> Result<usize, QueueCorrupt> {
+        let index = (2 * k + 1) as u16;
+        self.pairs[k].tx_stalled = false;
         self.flush_held();
         if !q.ready() {
             return Ok(0);
         }
         let mut used = 0;
         for _ in 0..TX_ROUNDS {
-            let (avail, pending) = available(TX_QUEUE, q, mem)?;
+            let (avail, pending) = available(index, q, mem)?;
             for _ in 0..pending {
-                let chain = pop(TX_QUEUE, q, mem)?;
+                let chain = pop(index, q, mem)?;
                 let head = chain.head_index();
-                if !self.transmit(chain, mem) {
+                if !self.transmit(k, chain, mem) {
                     // The frame stays available: the limiter's timer, the backend or the
                     // next doorbell brings the device back to it.
                     q.go_to_previous_position();
@@ -338,12 +502,12 @@ impl Net {
                     return Ok(used);
                 }
                 q.add_used(mem, head, 0)
-                    .map_err(|e| corrupt(TX_QUEUE, "writing used ring", e))?;
+                    .map_err(|e| corrupt(index, "writing used ring", e))?;
                 used += 1;
             }
             let more = q
                 .enable_notification(mem)
-                .map_err(|e| corrupt(TX_QUEUE, "re-enabling notifications", e))?;
+                .map_err(|e| corrupt(index, "re-enabling notifications", e))?;
             if !more {
                 return Ok(used);
             }
@@ -352,10 +516,12 @@ impl Net {
         Ok(used)
     }
 
-    /// Sends one chain's frame. False if it has to be tried again later (the chain is then
-    /// not used); a malformed chain or a frame the backend refuses counts as a drop.
+    /// Sends one chain's frame from pair `k`'s transmit queue. False if it has to be tried
+    /// again later (the chain is then not used); a malformed chain or a frame the backend
+    /// refuses counts as a drop.
     fn transmit(
         &mut self,
+        k: usize,
         chain: DescriptorChain<&GuestMemoryMmap>,
         mem: &GuestMemoryMmap,
     ) -> bool {
@@ -383,17 +549,21 @@ impl Net {
         }
         let mut at = 0;
         for (addr, n) in bufs {
-            if mem.read_slice(&mut self.tx_buf[at..at + n], addr).is_err() {
+            if mem
+                .read_slice(&mut self.pairs[k].tx_buf[at..at + n], addr)
+                .is_err()
+            {
                 return self.tx_drop("buffer unreadable");
             }
             at += n;
         }
-        if let Some(ip) = sender_ipv4(&self.tx_buf[VNET_HDR_LEN..len], &self.mac()) {
+        let mac = self.mac();
+        if let Some(ip) = sender_ipv4(&self.pairs[k].tx_buf[VNET_HDR_LEN..len], &mac) {
             self.guest_ip = Some(ip);
         }
         if hold {
             self.held
-                .push_back((self.gate.epoch(), self.tx_buf[..len].to_vec()));
+                .push_back((self.gate.epoch(), self.pairs[k].tx_buf[..len].to_vec()));
             self.held_bytes += len;
             self.counters.tx_held += 1;
             self.counters.tx_held_bytes += (len - VNET_HDR_LEN) as u64;
@@ -401,15 +571,8 @@ impl Net {
             self.flush_held();
             return true;
         }
-        let mut result = Err(io::ErrorKind::Interrupted.into());
-        for _ in 0..8 {
-            result = self
-                .backend
-                .write_frame(&[IoSlice::new(&self.tx_buf[..len])]);
-            if !matches!(&result, Err(e) if e.kind() == io::ErrorKind::Interrupted) {
-                break;
-            }
-        }
+        let pair = &mut self.pairs[k];
+        let result = write_to(pair.backend.as_mut(), &pair.tx_buf[..len]);
         match result {
             Ok(_) => {
                 self.counters.tx_packets += 1;
@@ -420,7 +583,7 @@ impl Net {
                 if let Some(l) = &mut self.tx_limiter {
                     l.refund((len - VNET_HDR_LEN) as u64);
                 }
-                self.tx_stalled = true;
+                self.pairs[k].tx_stalled = true;
                 false
             }
             Err(e) => {
@@ -431,29 +594,22 @@ impl Net {
         }
     }
 
-    /// Writes the held frames the gate released, oldest first, until one is not released
-    /// yet or the backend would block.
+    /// Writes the held frames the gate released, oldest first, through pair 0's backend,
+    /// until one is not released yet or the backend would block.
     fn flush_held(&mut self) {
         while let Some((epoch, frame)) = self.held.front() {
             if !self.gate.is_released(*epoch) {
                 return;
             }
             let len = frame.len();
-            let mut result = Err(io::ErrorKind::Interrupted.into());
-            for _ in 0..8 {
-                result = self.backend.write_frame(&[IoSlice::new(frame)]);
-                if !matches!(&result, Err(e) if e.kind() == io::ErrorKind::Interrupted) {
-                    break;
-                }
-            }
-            match result {
+            match write_to(self.pairs[0].backend.as_mut(), frame) {
                 Ok(_) => {
                     self.counters.tx_packets += 1;
                     self.counters.tx_bytes += (len - VNET_HDR_LEN) as u64;
                     self.counters.tx_released += 1;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    self.tx_stalled = true;
+                    self.pairs[0].tx_stalled = true;
                     return;
                 }
                 Err(e) => {
@@ -474,7 +630,7 @@ impl Net {
         // Header, then the ARP padded to Ethernet's shortest frame.
         let mut frame = [0u8; VNET_HDR_LEN + 60];
         frame[VNET_HDR_LEN..VNET_HDR_LEN + 42].copy_from_slice(&gratuitous_arp(&mac, ip));
-        match self.backend.write_frame(&[IoSlice::new(&frame)]) {
+        match self.pairs[0].backend.write_frame(&[IoSlice::new(&frame)]) {
             Ok(_) => self.counters.announcements += 1,
             Err(e) => warn!("virtio-net: announcing {ip} at {}: {e}", format_mac(&mac)),
         }
@@ -486,13 +642,19 @@ impl Net {
         true
     }
 
-    /// Moves frames from the backend into the guest's receive buffers until the backend has
-    /// none, the guest has no room, the limiter says wait, or the pass's budget is spent.
-    /// Returns how many chains were put on the used ring.
-    fn process_rx(&mut self, q: &mut Queue, mem: &GuestMemoryMmap) -> Result<usize, QueueCorrupt> {
-        if !q.ready() {
+    /// Moves frames from pair `k`'s backend into the guest's receive buffers on its receive
+    /// queue until the backend has none, the guest has no room, the limiter says wait, or
+    /// the pass's budget is spent. Returns how many chains were put on the used ring.
+    fn process_rx(
+        &mut self,
+        k: usize,
+        q: &mut Queue,
+        mem: &GuestMemoryMmap,
+    ) -> Result<usize, QueueCorrupt> {
+        if !q.ready() || k >= self.active_pairs {
             return Ok(0);
         }
+        let index = (2 * k) as u16;
         let mut used = 0;
         // While buffers are posted the TAP's readiness, not the driver, brings the device
         // here, so a refill needs no doorbell: each one is a VM exit. Doorbells are asked
@@ -502,25 +664,37 @@ impl Net {
         }
         // Two passes' worth of a full ring: bounded, yet enough to drain a burst.
         for _ in 0..2 * usize::from(q.size()).max(32) {
-            if self.rx_len == 0 && !self.read_frame() {
-                return Ok(used);
+            if self.pairs[k].rx_len == 0 {
+                if !self.read_frame(k) {
+                    return Ok(used);
+                }
+                let pair = &mut self.pairs[k];
+                let mac = self.config[0..6].try_into().unwrap_or([0; 6]);
+                if !self
+                    .filter
+                    .accepts(&mac, &pair.rx_buf[VNET_HDR_LEN..pair.rx_len])
+                {
+                    pair.rx_len = 0;
+                    self.counters.rx_filtered += 1;
+                    continue;
+                }
             }
-            if !self.rx_paid {
+            if !self.pairs[k].rx_paid {
                 if let Some(l) = &mut self.rx_limiter {
-                    if !l.consume((self.rx_len - VNET_HDR_LEN) as u64) {
+                    if !l.consume((self.pairs[k].rx_len - VNET_HDR_LEN) as u64) {
                         self.counters.rx_throttled += 1;
                         return Ok(used);
                     }
                 }
-                self.rx_paid = true;
+                self.pairs[k].rx_paid = true;
             }
             let before = q.next_used();
-            let outcome = self.deliver(q, mem)?;
+            let outcome = self.deliver(k, q, mem)?;
             used += usize::from(q.next_used().wrapping_sub(before));
             match outcome {
                 Delivery::Done | Delivery::Dropped => {
-                    self.rx_len = 0;
-                    self.rx_paid = false;
+                    self.pairs[k].rx_len = 0;
+                    self.pairs[k].rx_paid = false;
                 }
                 Delivery::Wait(seen) => {
                     // Ask for a doorbell on the next buffer, then look again in case one
@@ -529,7 +703,7 @@ impl Net {
                         set_no_notify(q, mem, false);
                     }
                     kick_on_next(q, mem, seen);
-                    let (avail, _) = available(RX_QUEUE, q, mem)?;
+                    let (avail, _) = available(index, q, mem)?;
                     if avail == seen {
                         return Ok(used);
                     }
@@ -540,21 +714,23 @@ impl Net {
         Ok(used)
     }
 
-    /// Reads the next frame from the backend into `rx_buf`; false if there is none now.
-    fn read_frame(&mut self) -> bool {
+    /// Reads the next frame from pair `k`'s backend into its `rx_buf`; false if there is
+    /// none now.
+    fn read_frame(&mut self, k: usize) -> bool {
         // Runts are dropped and the next frame read; bounded like everything else. An empty
         // read is a runt too, not the end: a datagram backend hands one over and still holds
         // the frames behind it, which no edge would report again.
         let mut empty = 0;
         for _ in 0..64 {
-            match self.backend.read_frame(&mut self.rx_buf) {
+            let pair = &mut self.pairs[k];
+            match pair.backend.read_frame(&mut pair.rx_buf) {
                 Ok(n) if n <= VNET_HDR_LEN => {
                     debug!(len = n, "virtio-net: frame from the backend without data");
                     self.counters.rx_drops += 1;
                     empty += usize::from(n == 0);
                 }
                 Ok(n) => {
-                    self.rx_len = n;
+                    pair.rx_len = n;
                     return true;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -573,11 +749,17 @@ impl Net {
         false
     }
 
-    /// Puts the frame in `rx_buf` into guest receive buffers: one chain, or with
+    /// Puts the frame in pair `k`'s `rx_buf` into guest receive buffers: one chain, or with
     /// MRG_RXBUF as many as it takes, `num_buffers` saying how many.
-    fn deliver(&mut self, q: &mut Queue, mem: &GuestMemoryMmap) -> Result<Delivery, QueueCorrupt> {
-        let frame_len = self.rx_len;
-        let (avail, pending) = available(RX_QUEUE, q, mem)?;
+    fn deliver(
+        &mut self,
+        k: usize,
+        q: &mut Queue,
+        mem: &GuestMemoryMmap,
+    ) -> Result<Delivery, QueueCorrupt> {
+        let index = (2 * k) as u16;
+        let frame_len = self.pairs[k].rx_len;
+        let (avail, pending) = available(index, q, mem)?;
         let mut taken: Vec<(u16, Vec<(GuestAddress, usize)>)> = Vec::new();
         let mut room = 0usize;
         let mut fault = None;
@@ -592,7 +774,7 @@ impl Net {
                 // A full ring that cannot hold the frame never will.
                 return Ok(self.rx_drop("frame larger than every posted buffer together"));
             }
-            let chain = pop(RX_QUEUE, q, mem)?;
+            let chain = pop(index, q, mem)?;
             let head = chain.head_index();
             match buffers(chain, mem, true) {
                 Ok((bufs, len)) if len >= VNET_HDR_LEN => {
@@ -620,22 +802,23 @@ impl Net {
             return Ok(self.rx_drop("frame larger than the receive chain"));
         }
         let num_buffers = taken.len() as u16;
-        self.rx_buf[NUM_BUFFERS_OFFSET..VNET_HDR_LEN].copy_from_slice(&num_buffers.to_le_bytes());
+        let rx_buf = &mut self.pairs[k].rx_buf;
+        rx_buf[NUM_BUFFERS_OFFSET..VNET_HDR_LEN].copy_from_slice(&num_buffers.to_le_bytes());
         let mut lens = vec![0u32; taken.len()];
         if fault.is_none() {
             let mut at = 0;
-            'chains: for (k, (_, bufs)) in taken.iter().enumerate() {
+            'chains: for (c, (_, bufs)) in taken.iter().enumerate() {
                 for &(addr, n) in bufs {
                     let n = n.min(frame_len - at);
                     if n == 0 {
                         break 'chains;
                     }
-                    if mem.write_slice(&self.rx_buf[at..at + n], addr).is_err() {
+                    if mem.write_slice(&rx_buf[at..at + n], addr).is_err() {
                         fault = Some("receive buffer unwritable");
                         break 'chains;
                     }
                     at += n;
-                    lens[k] += n as u32;
+                    lens[c] += n as u32;
                 }
             }
         }
@@ -644,7 +827,7 @@ impl Net {
         }
         for (&(head, _), &len) in taken.iter().zip(&lens) {
             q.add_used(mem, head, len)
-                .map_err(|e| corrupt(RX_QUEUE, "writing used ring", e))?;
+                .map_err(|e| corrupt(index, "writing used ring", e))?;
         }
         Ok(match fault {
             Some(why) => self.rx_drop(why),
@@ -661,6 +844,121 @@ impl Net {
         self.counters.rx_drops += 1;
         Delivery::Dropped
     }
+
+    /// Serves the control queue: each command is carried out or refused, and its ack
+    /// written. Returns how many chains were put on the used ring.
+    fn process_ctrl(
+        &mut self,
+        q: &mut Queue,
+        mem: &GuestMemoryMmap,
+    ) -> Result<usize, QueueCorrupt> {
+        let index = (2 * self.pairs.len()) as u16;
+        serve_available(index, q, mem, |chain| self.control(chain, mem))
+    }
+
+    /// Carries out one control command; returns the bytes written to the guest (the ack,
+    /// or nothing when the chain has nowhere to put one).
+    fn control(&mut self, chain: DescriptorChain<&GuestMemoryMmap>, mem: &GuestMemoryMmap) -> u32 {
+        self.counters.ctrl_commands += 1;
+        let (command, ack) = control_parts(chain, mem);
+        let outcome = match (command, ack) {
+            (Err(why), _) => Err(why),
+            (Ok(_), None) => Err("no device-writable byte for the ack"),
+            (Ok(bytes), Some(_)) => decode(&bytes, self.acked, self.pairs.len() as u16),
+        };
+        let status = match outcome {
+            Ok(command) => {
+                self.apply(command);
+                VIRTIO_NET_OK
+            }
+            Err(why) => {
+                debug!("virtio-net: control command refused: {why}");
+                self.counters.ctrl_errors += 1;
+                VIRTIO_NET_ERR
+            }
+        } as u8;
+        match ack {
+            Some(at) if mem.write_obj(status, at).is_ok() => 1,
+            _ => 0,
+        }
+    }
+
+    fn apply(&mut self, command: Command) {
+        match command {
+            Command::Promisc(on) => self.filter.promisc = on,
+            Command::AllMulti(on) => self.filter.allmulti = on,
+            Command::MacTable { unicast, multicast } => self.filter.set_tables(unicast, multicast),
+            Command::QueuePairs(n) => {
+                self.set_active_pairs(usize::from(n));
+                // Frames may wait in the backends just put in use; no new edge would say so.
+                self.yield_with_work_left();
+            }
+        }
+    }
+}
+
+/// The device-readable bytes of a control chain (class, command, data; at most
+/// [`CTRL_MAX_LEN`]) and where its ack goes: the first device-writable byte. The readable
+/// part comes first and the writable part after it, every buffer in guest memory; a chain
+/// that breaks that has its bytes refused, and still gets an ack if it has a place for one.
+fn control_parts(
+    chain: DescriptorChain<&GuestMemoryMmap>,
+    mem: &GuestMemoryMmap,
+) -> (Result<Vec<u8>, Fault>, Option<GuestAddress>) {
+    let mut readable: Vec<(GuestAddress, usize)> = Vec::new();
+    let mut total = 0usize;
+    let mut ack = None;
+    let mut fault = None;
+    let mut last_has_next = false;
+    for (k, d) in chain.enumerate() {
+        if k == MAX_CHAIN_DESCRIPTORS {
+            fault.get_or_insert("chain longer than 512 descriptors");
+            last_has_next = false;
+            break;
+        }
+        last_has_next = d.has_next();
+        let len = d.len() as usize;
+        let access = if d.is_write_only() {
+            Permissions::Write
+        } else {
+            Permissions::Read
+        };
+        if len == 0 {
+            fault.get_or_insert("zero-length descriptor");
+            continue;
+        }
+        if d.addr().0.checked_add(len as u64).is_none() || !mem.check_range(d.addr(), len, access) {
+            fault.get_or_insert("buffer outside guest memory");
+            continue;
+        }
+        if d.is_write_only() {
+            ack.get_or_insert(d.addr());
+        } else if ack.is_some() {
+            fault.get_or_insert("device-readable descriptor after a device-writable one");
+        } else {
+            total = total.saturating_add(len);
+            if total > CTRL_MAX_LEN {
+                fault.get_or_insert("command longer than 16 KiB");
+            } else {
+                readable.push((d.addr(), len));
+            }
+        }
+    }
+    if last_has_next {
+        fault.get_or_insert("broken or looping chain");
+    }
+    if let Some(why) = fault {
+        return (Err(why), ack);
+    }
+    let mut bytes = vec![0u8; total];
+    let mut at = 0;
+    for (addr, n) in readable {
+        if mem.read_slice(&mut bytes[at..at + n], addr).is_err() {
+            return (Err("command unreadable"), ack);
+        }
+        at += n;
+    }
+    (Ok(bytes), ack)
 }
 
 /// Without EVENT_IDX, sets or clears `VRING_USED_F_NO_NOTIFY` in the used ring's flags
@@ -742,8 +1040,9 @@ impl VirtioDevice for Net {
         VIRTIO_ID_NET
     }
 
+    /// Two per pair and the control queue.
     fn num_queues(&self) -> usize {
-        2
+        2 * self.pairs.len() + 1
     }
 
     fn queue_max_size(&self) -> u16 {
@@ -751,7 +1050,11 @@ impl VirtioDevice for Net {
     }
 
     fn features(&self) -> u64 {
-        NET_FEATURES
+        if self.pairs.len() > 1 {
+            NET_FEATURES | MQ
+        } else {
+            NET_FEATURES
+        }
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -761,23 +1064,31 @@ impl VirtioDevice for Net {
     fn activate(&mut self, acked_features: u64) {
         self.acked = acked_features;
         self.active = true;
-        if let Err(e) = self.backend.set_offload(offload_flags(acked_features)) {
-            warn!("virtio-net: passing the guest's offloads to the backend: {e}");
+        let flags = offload_flags(acked_features);
+        for pair in &mut self.pairs {
+            if let Err(e) = pair.backend.set_offload(flags) {
+                warn!("virtio-net: passing the guest's offloads to the backend: {e}");
+            }
         }
         // Frames may have queued before the driver was ready; no new edge would report them.
         self.yield_with_work_left();
     }
 
-    /// Held frames stay: the guest saw them sent.
+    /// Held frames stay: the guest saw them sent. The filter and the pairs in use go back
+    /// to their defaults.
     fn reset(&mut self) {
-        if self.rx_len != 0 {
-            self.counters.rx_drops += 1;
+        for pair in &mut self.pairs {
+            if pair.rx_len != 0 {
+                self.counters.rx_drops += 1;
+            }
+            pair.rx_len = 0;
+            pair.rx_paid = false;
+            pair.tx_stalled = false;
         }
         self.acked = 0;
         self.active = false;
-        self.rx_len = 0;
-        self.rx_paid = false;
-        self.tx_stalled = false;
+        self.filter = RxFilter::default();
+        self.set_active_pairs(1);
     }
 
     /// The VM resumes elsewhere (a standby taking over, a migration, a snapshot restored):
@@ -791,12 +1102,24 @@ impl VirtioDevice for Net {
         self.gate.seal();
         Some(DeviceState::Net(NetState {
             guest_ip: self.guest_ip,
+            control: Some(ControlState {
+                pairs: self.active_pairs as u16,
+                filter: self.filter.clone(),
+            }),
         }))
     }
 
     fn restore_state(&mut self, state: &DeviceState) {
         let DeviceState::Net(s) = state;
         self.guest_ip = s.guest_ip;
+        let control = s.control.clone().unwrap_or(ControlState {
+            pairs: 1,
+            filter: RxFilter::default(),
+        });
+        self.filter = control.filter;
+        // A state file is checked as if the guest had written it.
+        let pairs = usize::from(control.pairs).clamp(1, self.pairs.len());
+        self.set_active_pairs(pairs);
     }
 
     fn output_gate(&self) -> Option<Arc<OutputGate>> {
@@ -845,16 +1168,17 @@ impl VirtioDevice for Net {
         if !self.active {
             return Ok(0);
         }
-        match index {
-            RX_QUEUE => {
+        match self.role(index) {
+            Role::Rx(k) => {
                 self.counters.rx_notifications += 1;
-                self.process_rx(queue, mem)
+                self.process_rx(k, queue, mem)
             }
-            TX_QUEUE => {
+            Role::Tx(k) => {
                 self.counters.tx_notifications += 1;
-                self.process_tx(queue, mem)
+                self.process_tx(k, queue, mem)
             }
-            _ => Ok(0),
+            Role::Ctrl => self.process_ctrl(queue, mem),
+            Role::Unused => Ok(0),
         }
     }
 
@@ -862,7 +1186,7 @@ impl VirtioDevice for Net {
         self.events
             .iter()
             .filter_map(|e| match e {
-                Event::Backend => Some(self.backend.raw_fd()),
+                Event::Backend(k) => Some(self.pairs[*k].backend.raw_fd()),
                 Event::Resume => Some(self.resume.as_raw_fd()),
                 Event::RxTimer => self.rx_limiter.as_ref().map(|l| l.timer_fd()),
                 Event::TxTimer => self.tx_limiter.as_ref().map(|l| l.timer_fd()),
@@ -880,24 +1204,27 @@ impl VirtioDevice for Net {
             debug!(index, "virtio-net: event the device does not have");
             return Ok(Vec::new());
         };
-        let (rx, tx) = match event {
-            Event::Backend => (true, self.tx_stalled),
+        let n = self.pairs.len();
+        // Which pairs' receive queues to serve, and whether the transmit queues are served:
+        // all of them, or (`stalled`) those a full backend stopped.
+        let (rx, tx, stalled) = match event {
+            Event::Backend(k) => (k..k + 1, true, true),
             Event::Resume => {
                 // Non-blocking: nothing to read after a spurious wake-up, which is fine.
                 let _ = self.resume.read();
-                (true, true)
+                (0..n, true, false)
             }
             Event::RxTimer => {
                 if let Some(l) = &mut self.rx_limiter {
                     l.on_timer();
                 }
-                (true, false)
+                (0..n, false, false)
             }
             Event::TxTimer => {
                 if let Some(l) = &mut self.tx_limiter {
                     l.on_timer();
                 }
-                (false, true)
+                (0..0, true, false)
             }
         };
         let mut served = Vec::new();
@@ -906,14 +1233,26 @@ impl VirtioDevice for Net {
             self.flush_held();
             return Ok(served);
         }
-        let [rxq, txq] = queues else {
-            return Ok(served);
-        };
-        if rx && self.process_rx(rxq, mem)? > 0 {
-            served.push(RX_QUEUE);
+        for k in rx {
+            let Some(q) = queues.get_mut(2 * k) else {
+                break;
+            };
+            if self.role((2 * k) as u16) == Role::Rx(k) && self.process_rx(k, q, mem)? > 0 {
+                served.push((2 * k) as u16);
+            }
         }
-        if tx && self.process_tx(txq, mem)? > 0 {
-            served.push(TX_QUEUE);
+        if tx {
+            for k in 0..n {
+                if stalled && !self.pairs[k].tx_stalled {
+                    continue;
+                }
+                let Some(q) = queues.get_mut(2 * k + 1) else {
+                    break;
+                };
+                if self.process_tx(k, q, mem)? > 0 {
+                    served.push((2 * k + 1) as u16);
+                }
+            }
         }
         Ok(served)
     }

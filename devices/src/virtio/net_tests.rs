@@ -1,9 +1,11 @@
 //! virtio-net driven the way a guest driver would, over mock guest memory, with a datagram
 //! socketpair in place of the TAP.
 
-use super::driver::{Driver, Ring, SocketBackend, DATA, HDR, MEM_SIZE, N, QSIZE, RX_BUF, W};
+use super::driver::{
+    Driver, NetRings, Ring, SocketBackend, DATA, HDR, MEM_SIZE, N, QSIZE, RX_BUF, STATUS, W,
+};
 use super::net::{Net, MAX_FRAME_LEN, NET_FEATURES};
-use super::NetCounters;
+use super::{NetCounters, VirtioDevice};
 use crate::net::rate_limiter::{RateLimit, TokenBucketConfig};
 use crate::net::tap::VNET_HDR_LEN;
 use std::os::unix::net::UnixDatagram;
@@ -144,11 +146,14 @@ fn identity_features_and_config() {
         VIRTIO_NET_F_GUEST_TSO6,
         VIRTIO_NET_F_HOST_TSO4,
         VIRTIO_NET_F_HOST_TSO6,
+        VIRTIO_NET_F_CTRL_VQ,
+        VIRTIO_NET_F_CTRL_RX,
     ] {
         assert_ne!(features & (1 << bit), 0, "feature {bit}");
     }
-    // Queue size as configured, on both queues and no third.
-    for (q, max) in [(0, 64), (1, 64), (2, 0)] {
+    assert_eq!(features & (1 << VIRTIO_NET_F_MQ), 0, "one pair: no MQ");
+    // Queue size as configured, on both queues and the control queue, and no fourth.
+    for (q, max) in [(0, 64), (1, 64), (2, 64), (3, 0)] {
         d.write(VIRTIO_MMIO_QUEUE_SEL, q);
         assert_eq!(d.read(VIRTIO_MMIO_QUEUE_NUM_MAX), max, "queue {q}");
     }
@@ -919,4 +924,447 @@ fn virtio_net_survives_hostile_guests() {
         0x4E7,
         1500,
     );
+}
+
+// ---- queue pairs and the control queue ----
+
+const MQ: u64 = 1 << VIRTIO_NET_F_MQ;
+const CTRL_RX: u64 = 1 << VIRTIO_NET_F_CTRL_RX;
+const OK: u8 = VIRTIO_NET_OK as u8;
+const ERR: u8 = VIRTIO_NET_ERR as u8;
+const CLASS_RX: u8 = VIRTIO_NET_CTRL_RX as u8;
+const CLASS_MAC: u8 = VIRTIO_NET_CTRL_MAC as u8;
+const CLASS_MQ: u8 = VIRTIO_NET_CTRL_MQ as u8;
+const PROMISC: u8 = VIRTIO_NET_CTRL_RX_PROMISC as u8;
+const ALLMULTI: u8 = VIRTIO_NET_CTRL_RX_ALLMULTI as u8;
+const TABLE_SET: u8 = VIRTIO_NET_CTRL_MAC_TABLE_SET as u8;
+const PAIRS_SET: u8 = VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET as u8;
+
+/// A device of several pairs, each backend a socketpair of its own.
+struct Mq {
+    d: Driver,
+    r: NetRings,
+    peers: Vec<UnixDatagram>,
+    /// Index in `event_fds` of each pair's backend.
+    backend_event: Vec<usize>,
+}
+
+fn mq_device(pairs: usize) -> (Net, Vec<UnixDatagram>) {
+    let (backends, peers): (Vec<Box<dyn super::NetBackend>>, Vec<UnixDatagram>) = (0..pairs)
+        .map(|_| {
+            let (b, p) = SocketBackend::pair();
+            (Box::new(b) as Box<dyn super::NetBackend>, p)
+        })
+        .unzip();
+    let net = Net::with_backends(backends, Some(MAC), 256, None, None).unwrap();
+    (net, peers)
+}
+
+fn mq_setup(pairs: usize, drop_bits: u64) -> Mq {
+    let (net, peers) = mq_device(pairs);
+    let mut d = Driver::new(net);
+    let r = d.net_up_pairs(drop_bits, pairs as u32);
+    d.t.process_event(RESUME);
+    let backend_event = (0..pairs).map(|k| if k == 0 { 0 } else { k + 1 }).collect();
+    Mq {
+        d,
+        r,
+        peers,
+        backend_event,
+    }
+}
+
+impl Mq {
+    fn counters(&self) -> NetCounters {
+        self.d.t.net_counters().unwrap()
+    }
+
+    /// Posts `n` receive buffers of 2000 bytes on pair `k`'s queue, at RX_BUF + 0x10_000 *
+    /// pair + 0x1000 * buffer.
+    fn post_rx(&mut self, k: usize, n: u16) {
+        for i in 0..n {
+            let addr = RX_BUF + 0x1_0000 * k as u64 + 0x1000 * u64::from(i);
+            self.d.chain_on(&mut self.r.rx[k], i, &[(addr, 2000, W)]);
+        }
+    }
+
+    /// The next frame pair `k`'s receive queue got, `num_buffers` (1) cleared so it
+    /// compares with the frame sent.
+    fn received(&mut self, k: usize) -> Option<Vec<u8>> {
+        let (id, len) = self.d.next_used_on(&mut self.r.rx[k])?;
+        let addr = RX_BUF + 0x1_0000 * k as u64 + 0x1000 * u64::from(id);
+        let mut f = self.d.guest_bytes(addr, len as usize);
+        assert_eq!(f[10..12], [1, 0], "num_buffers");
+        f[10..12].fill(0);
+        Some(f)
+    }
+
+    fn send_on(&mut self, k: usize, f: &[u8]) {
+        self.d.mem.write_slice(f, GuestAddress(DATA)).unwrap();
+        self.d
+            .chain_on(&mut self.r.tx[k], 0, &[(DATA, f.len() as u32, 0)]);
+        self.d.notify_queue(2 * k as u32 + 1);
+    }
+
+    fn peer_frame(&self, k: usize) -> Option<Vec<u8>> {
+        let mut buf = vec![0u8; 70_000];
+        match self.peers[k].recv(&mut buf) {
+            Ok(n) => Some(buf[..n].to_vec()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+            Err(e) => panic!("peer recv: {e}"),
+        }
+    }
+
+    fn control(&mut self, class: u8, cmd: u8, data: &[u8]) -> Option<(u8, u32)> {
+        self.d.control(&mut self.r, 0, class, cmd, data)
+    }
+
+    fn pairs_set(&mut self, n: u16) -> u8 {
+        self.control(CLASS_MQ, PAIRS_SET, &n.to_le_bytes())
+            .expect("the command is used")
+            .0
+    }
+}
+
+/// A frame to `dest`: header, Ethernet header, payload.
+fn frame_to(dest: [u8; 6], seed: u8) -> Vec<u8> {
+    let mut f = frame(60, seed);
+    f[VNET_HDR_LEN..VNET_HDR_LEN + 6].copy_from_slice(&dest);
+    f
+}
+
+fn mac_tables(unicast: &[[u8; 6]], multicast: &[[u8; 6]]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for table in [unicast, multicast] {
+        v.extend_from_slice(&(table.len() as u32).to_le_bytes());
+        table.iter().for_each(|m| v.extend_from_slice(m));
+    }
+    v
+}
+
+#[test]
+fn a_device_of_two_pairs_offers_mq_five_queues_and_its_pairs_in_config() {
+    let (net, _peers) = mq_device(2);
+    assert_eq!(
+        net.event_fds().len(),
+        3,
+        "two backends and the resume eventfd"
+    );
+    let mut d = Driver::new(net);
+    let mut features = 0u64;
+    for sel in 0..2u32 {
+        d.write(VIRTIO_MMIO_DEVICE_FEATURES_SEL, sel);
+        features |= u64::from(d.read(VIRTIO_MMIO_DEVICE_FEATURES)) << (32 * sel);
+    }
+    assert_eq!(features, NET_FEATURES | MQ);
+    for (q, max) in [(0, 256), (3, 256), (4, 256), (5, 0)] {
+        d.write(VIRTIO_MMIO_QUEUE_SEL, q);
+        assert_eq!(d.read(VIRTIO_MMIO_QUEUE_NUM_MAX), max, "queue {q}");
+    }
+    assert_eq!(d.t.num_queues(), 5);
+    assert_eq!(
+        d.read(VIRTIO_MMIO_CONFIG + 8) & 0xffff,
+        2,
+        "max_virtqueue_pairs"
+    );
+    // Limiters' timers keep their places; the second pair's backend comes after them.
+    let (backends, _peers): (Vec<Box<dyn super::NetBackend>>, Vec<UnixDatagram>) = (0..3)
+        .map(|_| {
+            let (b, p) = SocketBackend::pair();
+            (Box::new(b) as Box<dyn super::NetBackend>, p)
+        })
+        .unzip();
+    let raw: Vec<i32> = backends.iter().map(|b| b.raw_fd()).collect();
+    let n =
+        Net::with_backends(backends, None, 256, one_frame_per_ms(), one_frame_per_ms()).unwrap();
+    let fds = n.event_fds();
+    assert_eq!(fds.len(), 6);
+    assert_eq!((fds[0], fds[4], fds[5]), (raw[0], raw[1], raw[2]));
+    // No pairs, or more than the bound, is no device.
+    for count in [0, usize::from(super::net::MAX_QUEUE_PAIRS) + 1] {
+        let backends = (0..count)
+            .map(|_| Box::new(SocketBackend::pair().0) as Box<dyn super::NetBackend>)
+            .collect();
+        let e = Net::with_backends(backends, None, 256, None, None)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(&format!("{count} queue pairs")), "{e}");
+    }
+}
+
+#[test]
+fn a_second_pair_receives_only_after_vq_pairs_set() {
+    let mut s = mq_setup(2, 0);
+    assert_eq!(s.r.ctrl_queue, 4);
+    s.post_rx(0, 4);
+    s.post_rx(1, 4);
+    let f1 = frame(100, 1);
+    s.peers[1].send(&f1).unwrap();
+    s.d.t.process_event(s.backend_event[1]);
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.received(1), None, "pair 1 is not in use yet");
+    assert_eq!(s.received(0), None, "nor does its frame go to pair 0");
+    // Pair 0 works meanwhile.
+    let f0 = frame(80, 0);
+    s.peers[0].send(&f0).unwrap();
+    s.d.t.process_event(s.backend_event[0]);
+    assert_eq!(s.received(0), Some(f0.clone()));
+    assert_eq!(s.pairs_set(2), OK);
+    // The device asked itself for a pass: the frame waiting on pair 1 arrives on queue 2.
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.received(1), Some(f1));
+    assert_eq!(s.received(0), None);
+    // From now on each backend's frames land on their own pair's queue.
+    let g1 = frame(90, 3);
+    s.peers[1].send(&g1).unwrap();
+    s.d.t.process_event(s.backend_event[1]);
+    assert_eq!(s.received(1), Some(g1));
+    s.peers[0].send(&f0).unwrap();
+    s.d.t.process_event(s.backend_event[0]);
+    assert_eq!(s.received(0), Some(f0));
+    let c = s.counters();
+    assert_eq!((c.rx_packets, c.ctrl_commands, c.ctrl_errors), (4, 1, 0));
+    // Back to one pair: pair 1's frames wait again.
+    assert_eq!(s.pairs_set(1), OK);
+    s.peers[1].send(&frame(70, 4)).unwrap();
+    s.d.t.process_event(s.backend_event[1]);
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.received(1), None);
+    assert!(!s.d.needs_reset());
+}
+
+#[test]
+fn each_transmit_queue_sends_through_its_own_pairs_backend() {
+    let mut s = mq_setup(2, 0);
+    let f = frame(100, 7);
+    // Served on any ready transmit queue, in use or not.
+    s.send_on(1, &f);
+    assert_eq!(s.peer_frame(1), Some(f.clone()));
+    assert_eq!(s.peer_frame(0), None);
+    assert_eq!(s.d.next_used_on(&mut s.r.tx[1]), Some((0, 0)));
+    assert_eq!(s.pairs_set(2), OK);
+    let g = frame(50, 8);
+    s.send_on(1, &g);
+    assert_eq!(s.peer_frame(1), Some(g));
+    s.send_on(0, &f);
+    assert_eq!(s.peer_frame(0), Some(f));
+    assert_eq!(s.peer_frame(1), None);
+    let c = s.counters();
+    assert_eq!((c.tx_packets, c.tx_notifications), (3, 3));
+}
+
+#[test]
+fn vq_pairs_set_outside_one_to_max_or_without_mq_is_refused() {
+    let mut s = mq_setup(2, 0);
+    for n in [0u16, 3, u16::MAX] {
+        assert_eq!(s.pairs_set(n), ERR, "{n} pairs");
+    }
+    // Short or long data, and MQ commands not offered.
+    assert_eq!(s.control(CLASS_MQ, PAIRS_SET, &[2]), Some((ERR, 1)));
+    assert_eq!(s.control(CLASS_MQ, PAIRS_SET, &[2, 0, 0]), Some((ERR, 1)));
+    assert_eq!(s.control(CLASS_MQ, 1, &[2, 0]), Some((ERR, 1)));
+    let c = s.counters();
+    assert_eq!((c.ctrl_commands, c.ctrl_errors), (6, 6));
+    // Still one pair in use.
+    s.post_rx(1, 1);
+    s.peers[1].send(&frame(40, 0)).unwrap();
+    s.d.t.process_event(RESUME);
+    assert_eq!(s.received(1), None);
+    // Without MQ the control queue is queue 2 and VQ_PAIRS_SET is refused.
+    let mut s = mq_setup(2, MQ);
+    assert_eq!(s.r.ctrl_queue, 2);
+    assert_eq!(s.pairs_set(1), ERR);
+    assert_eq!(s.pairs_set(2), ERR);
+    // Receive filter commands still work there.
+    assert_eq!(s.control(CLASS_RX, PROMISC, &[0]), Some((OK, 1)));
+}
+
+#[test]
+fn with_promiscuous_mode_off_only_frames_for_the_guest_are_received() {
+    let mut s = mq_setup(1, 0);
+    s.post_rx(0, 16);
+    let other = [0x52, 0x54, 0, 9, 9, 9];
+    let multi = [0x01, 0x00, 0x5e, 0, 0, 1];
+    let bcast = [0xff; 6];
+    // Promiscuous after reset: everything comes.
+    for (k, dest) in [MAC, other, multi, bcast].into_iter().enumerate() {
+        s.peers[0].send(&frame_to(dest, k as u8)).unwrap();
+    }
+    s.d.t.process_event(0);
+    for (k, dest) in [MAC, other, multi, bcast].into_iter().enumerate() {
+        assert_eq!(s.received(0), Some(frame_to(dest, k as u8)));
+    }
+    assert_eq!(s.control(CLASS_RX, PROMISC, &[0]), Some((OK, 1)));
+    let all = [MAC, other, multi, bcast];
+    let deliver = |s: &mut Mq| -> Vec<[u8; 6]> {
+        for (k, dest) in all.into_iter().enumerate() {
+            s.peers[0].send(&frame_to(dest, k as u8)).unwrap();
+        }
+        s.d.t.process_event(0);
+        let mut got = Vec::new();
+        while let Some(f) = s.received(0) {
+            got.push(f[VNET_HDR_LEN..VNET_HDR_LEN + 6].try_into().unwrap());
+        }
+        got
+    };
+    assert_eq!(deliver(&mut s), vec![MAC, bcast]);
+    assert_eq!(s.counters().rx_filtered, 2);
+    assert_eq!(s.control(CLASS_RX, ALLMULTI, &[1]), Some((OK, 1)));
+    assert_eq!(deliver(&mut s), vec![MAC, multi, bcast]);
+    assert_eq!(s.control(CLASS_RX, ALLMULTI, &[0]), Some((OK, 1)));
+    let tables = mac_tables(&[other], &[multi]);
+    assert_eq!(s.control(CLASS_MAC, TABLE_SET, &tables), Some((OK, 1)));
+    assert_eq!(deliver(&mut s), all.to_vec());
+    assert_eq!(
+        s.control(CLASS_MAC, TABLE_SET, &mac_tables(&[], &[])),
+        Some((OK, 1))
+    );
+    assert_eq!(deliver(&mut s), vec![MAC, bcast]);
+    let c = s.counters();
+    assert_eq!((c.rx_filtered, c.ctrl_commands, c.ctrl_errors), (5, 5, 0));
+    // Without CTRL_RX the commands are refused and everything is received.
+    let mut s = mq_setup(1, CTRL_RX);
+    assert_eq!(s.control(CLASS_RX, PROMISC, &[0]), Some((ERR, 1)));
+    s.post_rx(0, 16);
+    assert_eq!(deliver(&mut s).len(), 4);
+}
+
+#[test]
+fn hostile_control_chains_get_err_or_are_dropped_and_the_device_goes_on() {
+    let mut s = mq_setup(2, 0);
+    let ctrl = |s: &mut Mq, descs: &[(u64, u32, u16)]| s.d.control_chain(&mut s.r, 0, descs);
+    s.d.mem
+        .write_slice(&[CLASS_RX, PROMISC, 0], GuestAddress(HDR))
+        .unwrap();
+    // Header shorter than two bytes; no data for PROMISC.
+    assert_eq!(ctrl(&mut s, &[(HDR, 1, 0), (STATUS, 1, W)]), Some((ERR, 1)));
+    assert_eq!(ctrl(&mut s, &[(HDR, 2, 0), (STATUS, 1, W)]), Some((ERR, 1)));
+    // Nowhere to put the ack: used with nothing written, and not carried out.
+    assert_eq!(ctrl(&mut s, &[(HDR, 3, 0)]), Some((0xff, 0)));
+    // The header device-writable (the wrong way round): nothing to read, and the ack goes
+    // to the first writable byte, the header's.
+    assert_eq!(
+        ctrl(&mut s, &[(HDR, 3, W), (STATUS, 1, W)]),
+        Some((0xff, 1))
+    );
+    assert_eq!(s.d.guest_bytes(HDR, 1), [ERR]);
+    s.d.mem
+        .write_slice(&[CLASS_RX, PROMISC, 0], GuestAddress(HDR))
+        .unwrap();
+    // A readable part after the ack.
+    assert_eq!(ctrl(&mut s, &[(STATUS, 1, W), (HDR, 3, 0)]), Some((ERR, 1)));
+    // Outside guest memory, at its end or wrapping the address space.
+    let end = MEM_SIZE as u64;
+    assert_eq!(
+        ctrl(&mut s, &[(end - 1, 3, 0), (STATUS, 1, W)]),
+        Some((ERR, 1))
+    );
+    assert_eq!(
+        ctrl(&mut s, &[(u64::MAX - 1, 3, 0), (STATUS, 1, W)]),
+        Some((ERR, 1))
+    );
+    assert_eq!(ctrl(&mut s, &[(HDR, 3, 0), (end, 1, W)]), Some((0xff, 0)));
+    // Zero-length descriptors.
+    assert_eq!(ctrl(&mut s, &[(HDR, 0, 0), (STATUS, 1, W)]), Some((ERR, 1)));
+    // Huge: a table count no data backs, a command longer than the device reads.
+    let mut huge = vec![CLASS_MAC, TABLE_SET];
+    huge.extend_from_slice(&u32::MAX.to_le_bytes());
+    s.d.mem.write_slice(&huge, GuestAddress(DATA)).unwrap();
+    assert_eq!(
+        ctrl(&mut s, &[(DATA, 6, 0), (STATUS, 1, W)]),
+        Some((ERR, 1))
+    );
+    assert_eq!(
+        ctrl(&mut s, &[(DATA, 0x10_0000, 0), (STATUS, 1, W)]),
+        Some((ERR, 1))
+    );
+    // A table too long to keep, with the data there: taken as "every address".
+    let many = vec![[0x52, 0x54, 0, 7, 7, 7]; 1000];
+    let tables = mac_tables(&many, &[]);
+    assert_eq!(s.control(CLASS_MAC, TABLE_SET, &tables), Some((OK, 1)));
+    // Unknown classes and commands.
+    for (class, cmd) in [
+        (2u8, 0u8),
+        (3, 0),
+        (5, 0),
+        (6, 0),
+        (0xff, 0xff),
+        (CLASS_RX, 5),
+    ] {
+        assert_eq!(s.control(class, cmd, &[1]), Some((ERR, 1)), "{class}/{cmd}");
+    }
+    // A looping chain, and one whose next points past the table.
+    s.d.put_descs_on(&s.r.ctrl, 0, &[(HDR, 3, N, 1), (STATUS, 1, W | N, 0)]);
+    s.d.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+    s.d.publish_on(&mut s.r.ctrl, 0);
+    s.d.notify_queue(s.r.ctrl_queue);
+    assert!(s.d.next_used_on(&mut s.r.ctrl).is_some());
+    s.d.put_descs_on(&s.r.ctrl, 0, &[(HDR, 3, N, 0x7fff)]);
+    s.d.publish_on(&mut s.r.ctrl, 0);
+    s.d.notify_queue(s.r.ctrl_queue);
+    assert!(s.d.next_used_on(&mut s.r.ctrl).is_some());
+    assert!(!s.d.needs_reset());
+    let c = s.counters();
+    assert_eq!(
+        c.ctrl_commands - c.ctrl_errors,
+        1,
+        "only the long table was carried out"
+    );
+    // The device goes on: a well-formed command, then frames both ways on both pairs.
+    assert_eq!(s.pairs_set(2), OK);
+    assert_eq!(s.control(CLASS_RX, PROMISC, &[0]), Some((OK, 1)));
+    s.post_rx(1, 2);
+    s.peers[1].send(&frame_to(MAC, 1)).unwrap();
+    s.d.t.process_event(s.backend_event[1]);
+    assert_eq!(s.received(1), Some(frame_to(MAC, 1)));
+    s.send_on(1, &frame(40, 2));
+    assert_eq!(s.peer_frame(1), Some(frame(40, 2)));
+}
+
+#[test]
+fn a_reset_brings_back_one_pair_and_promiscuous_mode() {
+    let mut s = mq_setup(2, 0);
+    assert_eq!(s.pairs_set(2), OK);
+    assert_eq!(s.control(CLASS_RX, PROMISC, &[0]), Some((OK, 1)));
+    s.r = s.d.net_up_pairs(0, 2);
+    s.d.t.process_event(RESUME);
+    s.post_rx(0, 4);
+    s.post_rx(1, 4);
+    let other = frame_to([0x52, 0x54, 0, 9, 9, 9], 0);
+    s.peers[0].send(&other).unwrap();
+    s.peers[1].send(&frame(60, 1)).unwrap();
+    s.d.t.process_event(s.backend_event[0]);
+    s.d.t.process_event(s.backend_event[1]);
+    assert_eq!(s.received(0), Some(other), "promiscuous again");
+    assert_eq!(s.received(1), None, "one pair again");
+    assert_eq!(s.counters().rx_filtered, 0);
+}
+
+#[test]
+fn pairs_in_use_and_the_filter_survive_a_snapshot() {
+    let mut s = mq_setup(2, 0);
+    assert_eq!(s.pairs_set(2), OK);
+    assert_eq!(s.control(CLASS_RX, PROMISC, &[0]), Some((OK, 1)));
+    let state = s.d.t.state();
+    let (net, peers) = mq_device(2);
+    let mut t = super::MmioTransport::new(Box::new(net), s.d.mem.clone(), s.d.irq.clone());
+    t.restore(&state).unwrap();
+    assert_eq!(t.state(), state);
+    assert_eq!(t.num_queues(), 5);
+    s.post_rx(1, 2);
+    peers[1]
+        .send(&frame_to([0x52, 0x54, 0, 9, 9, 9], 0))
+        .unwrap();
+    peers[1].send(&frame_to(MAC, 1)).unwrap();
+    t.process_event(2);
+    assert_eq!(s.received(1), Some(frame_to(MAC, 1)));
+    assert_eq!(s.received(1), None);
+    assert_eq!(t.net_counters().unwrap().rx_filtered, 1);
+    // A one-pair device cannot take the state of a two-pair one.
+    let (b, _peer) = SocketBackend::pair();
+    let net = Net::with_backend(Box::new(b), Some(MAC), 256, None, None).unwrap();
+    let mut t = super::MmioTransport::new(Box::new(net), s.d.mem.clone(), s.d.irq.clone());
+    let e = t.restore(&state).unwrap_err().to_string();
+    assert!(e.contains("5 queues"), "{e}");
 }

@@ -8,12 +8,27 @@ use std::fmt;
 use std::net::Ipv4Addr;
 use std::str::FromStr;
 
-pub const NET_SYNTAX: &str = "tap=NAME|fd=N[,ip=ADDR,mask=MASK][,mac=MAC][,queue_size=N]\
-[,rate=BYTES_PER_S[/PACKETS_PER_S]]";
+pub const NET_SYNTAX: &str = "tap=NAME|fd=N[,ip=ADDR,mask=MASK][,mac=MAC][,num_queues=Q]\
+[,queue_size=N][,rate=BYTES_PER_S[/PACKETS_PER_S]]";
 
 /// Keys of `--net`; Cloud Hypervisor's own where it has them (`tap`, `ip`, `mask`, `mac`,
-/// `fd`, `queue_size`), so a command line carries over.
-const KEYS: [&str; 7] = ["tap", "ip", "mask", "mac", "fd", "queue_size", "rate"];
+/// `fd`, `num_queues`, `queue_size`), so a command line carries over.
+const KEYS: [&str; 8] = [
+    "tap",
+    "ip",
+    "mask",
+    "mac",
+    "fd",
+    "num_queues",
+    "queue_size",
+    "rate",
+];
+
+/// Queues when not given: one receive and one transmit queue, Cloud Hypervisor's default.
+pub const DEFAULT_NUM_QUEUES: u16 = 2;
+/// Most queues (receive and transmit together) a device takes: two per queue pair, up to
+/// the device's bound on pairs.
+pub const MAX_NUM_QUEUES: u16 = 2 * devices::virtio::net::MAX_QUEUE_PAIRS;
 
 /// Ring size when not given: Cloud Hypervisor's and Firecracker's default.
 pub const DEFAULT_QUEUE_SIZE: u16 = 256;
@@ -61,6 +76,16 @@ pub enum NetError {
     IpWithFd,
     #[error("queue_size={size} must be a power of two from 2 to {max}", max = devices::virtio::QUEUE_MAX_SIZE)]
     QueueSize { size: u16 },
+    #[error(
+        "num_queues={0} must be an even number from 2 to {MAX_NUM_QUEUES} (a receive and a \
+         transmit queue per pair)"
+    )]
+    NumQueues(u16),
+    #[error(
+        "num_queues={0} with fd=: a handed-over descriptor is one TAP queue, so one queue \
+         pair (num_queues=2); give tap=NAME for more"
+    )]
+    NumQueuesWithFd(u16),
     #[error("{0} is given twice; each network device needs a TAP of its own")]
     Twice(String),
     #[error("tap={0:?}: an interface name is 1 to 15 bytes")]
@@ -196,6 +221,10 @@ pub struct NetConfig {
     /// The guest's MAC; a locally administered one is made up when not given.
     #[serde(default)]
     pub mac: Option<MacAddr>,
+    /// Receive and transmit queues together, as Cloud Hypervisor counts them: twice the
+    /// queue pairs, each pair a queue of the TAP.
+    #[serde(default = "default_num_queues")]
+    pub num_queues: u16,
     #[serde(default = "default_queue_size")]
     pub queue_size: u16,
     #[serde(default)]
@@ -204,6 +233,10 @@ pub struct NetConfig {
 
 fn default_queue_size() -> u16 {
     DEFAULT_QUEUE_SIZE
+}
+
+fn default_num_queues() -> u16 {
+    DEFAULT_NUM_QUEUES
 }
 
 impl NetConfig {
@@ -226,7 +259,19 @@ impl NetConfig {
         if !(2..=devices::virtio::QUEUE_MAX_SIZE).contains(&q) || !q.is_power_of_two() {
             return Err(NetError::QueueSize { size: q });
         }
+        let n = self.num_queues;
+        if !(2..=MAX_NUM_QUEUES).contains(&n) || n % 2 != 0 {
+            return Err(NetError::NumQueues(n));
+        }
+        if self.fd.is_some() && n != 2 {
+            return Err(NetError::NumQueuesWithFd(n));
+        }
         Ok(())
+    }
+
+    /// Receive and transmit queue pairs: one TAP queue each.
+    pub fn queue_pairs(&self) -> usize {
+        usize::from(self.num_queues / 2)
     }
 
     /// How messages name this device: its TAP, or the descriptor it came as.
@@ -281,6 +326,7 @@ impl FromStr for NetConfig {
             ip: spec.value("ip")?,
             mask: spec.value("mask")?,
             mac: spec.value("mac")?,
+            num_queues: spec.value("num_queues")?.unwrap_or(DEFAULT_NUM_QUEUES),
             queue_size: spec.value("queue_size")?.unwrap_or(DEFAULT_QUEUE_SIZE),
             rate: spec.value("rate")?,
         };
@@ -308,6 +354,9 @@ impl fmt::Display for NetConfig {
         }
         if let Some(mac) = self.mac {
             pairs.push(("mac", mac.to_string()));
+        }
+        if self.num_queues != DEFAULT_NUM_QUEUES {
+            pairs.push(("num_queues", self.num_queues.to_string()));
         }
         if self.queue_size != DEFAULT_QUEUE_SIZE {
             pairs.push(("queue_size", self.queue_size.to_string()));
@@ -359,12 +408,29 @@ mod tests {
             "tap=tap0",
             "tap=t1,ip=10.0.0.1,mask=255.255.255.0,mac=52:54:00:12:34:56,queue_size=64,rate=1048576/100",
             "fd=7,rate=/20",
+            "tap=t2,mac=52:54:00:12:34:56,num_queues=8,queue_size=64",
         ] {
             let n: NetConfig = text.parse().unwrap();
             assert_eq!(n.to_string(), text);
         }
         let n: NetConfig = "queue_size=256,rate=1M,tap=t".parse().unwrap();
         assert_eq!(n.to_string(), "tap=t,rate=1048576");
+        let n: NetConfig = "num_queues=2,tap=t".parse().unwrap();
+        assert_eq!(n.to_string(), "tap=t");
+        let n: NetConfig = "num_queues=4,tap=t".parse().unwrap();
+        assert_eq!(n.to_string(), "tap=t,num_queues=4");
+        assert_eq!(n.queue_pairs(), 2);
+        // fd= is one TAP queue: the default of one pair may still be spelt out.
+        let n: NetConfig = "fd=9,num_queues=2".parse().unwrap();
+        assert_eq!((n.num_queues, n.queue_pairs()), (2, 1));
+        assert_eq!(n.to_string(), "fd=9");
+        let n: NetConfig = format!("tap=t,num_queues={MAX_NUM_QUEUES}")
+            .parse()
+            .unwrap();
+        assert_eq!(
+            n.queue_pairs(),
+            usize::from(devices::virtio::net::MAX_QUEUE_PAIRS)
+        );
         assert_eq!(n.to_string().parse::<NetConfig>().unwrap(), n);
     }
 
@@ -395,6 +461,21 @@ mod tests {
                 ),
                 ("tap=t,rate=1M/lots", "\"lots\" is not a whole number"),
                 ("tap=t,speed=1", "unknown key \"speed\""),
+                (
+                    "tap=t,num_queues=3",
+                    "num_queues=3 must be an even number from 2 to 32",
+                ),
+                ("tap=t,num_queues=1", "num_queues=1 must be an even number"),
+                ("tap=t,num_queues=0", "num_queues=0 must be an even number"),
+                (
+                    "tap=t,num_queues=34",
+                    "num_queues=34 must be an even number from 2 to 32",
+                ),
+                ("tap=t,num_queues=many", "num_queues=\"many\""),
+                (
+                    "fd=5,num_queues=4",
+                    "num_queues=4 with fd=: a handed-over descriptor",
+                ),
             ],
         );
     }
@@ -420,7 +501,16 @@ mod tests {
                 .unwrap();
         assert_eq!(n.mac, Some(MacAddr([0x52, 0x54, 0, 0, 0, 1])));
         assert_eq!(n.queue_size, DEFAULT_QUEUE_SIZE);
+        assert_eq!(n.num_queues, DEFAULT_NUM_QUEUES);
         assert!(n.check().is_ok());
+        let n: NetConfig = serde_json::from_str(r#"{"tap": "t0", "num_queues": 6}"#).unwrap();
+        assert_eq!(n.queue_pairs(), 3);
+        let n: NetConfig = serde_json::from_str(r#"{"fd": 5, "num_queues": 4}"#).unwrap();
+        assert!(n
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("num_queues=4 with fd="));
         let e = serde_json::from_str::<NetConfig>(r#"{"tap": "t0", "mac": "nope"}"#)
             .unwrap_err()
             .to_string();
