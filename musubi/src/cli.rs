@@ -49,8 +49,10 @@ pub struct VmArgs {
     pub pmem: Vec<PmemConfig>,
     /// A virtio-net device over a TAP interface; repeat for more. tap=NAME opens the TAP,
     /// creating it when missing (with ip= and mask= given to its host end); fd=N takes one
-    /// already opened with IFF_VNET_HDR. rate= limits each direction (token buckets a
-    /// second deep). The MAC is made up (locally administered) when not given.
+    /// already opened with IFF_VNET_HDR. num_queues= counts receive and transmit queues
+    /// (even, 2 to 32, default 2): a TAP queue per pair, with tap= only. rate= limits each
+    /// direction (token buckets a second deep). The MAC is made up (locally administered)
+    /// when not given.
     #[arg(long, value_name = config::net::NET_SYNTAX, value_parser = from_str::<NetConfig>())]
     pub net: Vec<NetConfig>,
     /// A virtio-rng device fed from the host's getrandom(2); bytes_per_sec= caps the bytes

@@ -279,6 +279,30 @@ mod tests {
     }
 
     #[test]
+    fn the_threads_that_serve_virtio_net_may_set_offloads_and_attach_tap_queues() {
+        assert_eq!(rules::TUNSETOFFLOAD, libc::TUNSETOFFLOAD as u64);
+        assert_eq!(rules::TUNSETQUEUE, libc::TUNSETQUEUE as u64);
+        // Doorbells (DRIVER_OK, the control queue's VQ_PAIRS_SET) are served on the I/O
+        // thread or a vCPU thread. On a descriptor that is not open the ioctl fails with
+        // EBADF when the filter lets it through; a refused one fails with EPERM.
+        for kind in [ThreadKind::Io, ThreadKind::Vcpu] {
+            let t = std::thread::spawn(move || {
+                apply(kind, SeccompMode::Enforce).unwrap();
+                [libc::TUNSETOFFLOAD, libc::TUNSETQUEUE].map(|request| {
+                    let mut ifr = [0u8; 40];
+                    // SAFETY: both requests read at most an ifreq (40 bytes) from the
+                    // buffer, which lives for the call; descriptor -1 is never open.
+                    let r = unsafe { libc::ioctl(-1, request as _, ifr.as_mut_ptr()) };
+                    (r, std::io::Error::last_os_error().raw_os_error())
+                })
+            });
+            for (r, errno) in t.join().unwrap() {
+                assert_eq!((r, errno), (-1, Some(libc::EBADF)), "{kind:?}");
+            }
+        }
+    }
+
+    #[test]
     fn a_sleep_the_kernel_interrupts_without_a_handler_is_resumed_under_every_filter() {
         // A stop and continue of the process (as a process-directed signal taken by
         // another thread can) wakes a sleeping thread with no handler to run; the kernel

@@ -182,13 +182,23 @@ fn kvm_ioctls_only() -> Result<Vec<SeccompRule>, BackendError> {
 /// doorbell) does. `_IOW('T', 208, unsigned int)`.
 pub const TUNSETOFFLOAD: u64 = 0x4004_54d0;
 
+/// `TUNSETQUEUE`: a virtio-net device of several queue pairs attaches and detaches its TAP
+/// queues as the driver's VQ_PAIRS_SET (a doorbell on its control queue) or a reset puts
+/// pairs in use or out of it. `_IOW('T', 217, int)`.
+pub const TUNSETQUEUE: u64 = 0x4004_54d9;
+
 fn net_device_ioctls() -> Result<Vec<SeccompRule>, BackendError> {
-    Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
-        1,
-        SeccompCmpArgLen::Dword,
-        SeccompCmpOp::Eq,
-        TUNSETOFFLOAD,
-    )?])?])
+    [TUNSETOFFLOAD, TUNSETQUEUE]
+        .into_iter()
+        .map(|request| {
+            SeccompRule::new(vec![SeccompCondition::new(
+                1,
+                SeccompCmpArgLen::Dword,
+                SeccompCmpOp::Eq,
+                request,
+            )?])
+        })
+        .collect()
 }
 
 /// `socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)` and nothing else: the
