@@ -21,7 +21,13 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 /// `musubi run` of the probe with a TAP named `tap0` in `ns`, its host end `10.0.0.1/24`.
 fn run_in(ns: &Netns, tasks: &str, exits: &str, extra: &[&str]) -> Started {
+    run_net_in(ns, tasks, exits, "", extra)
+}
+
+/// As `run_in`, with `net_extra` (`,num_queues=4`) appended to the `--net` value.
+fn run_net_in(ns: &Netns, tasks: &str, exits: &str, net_extra: &str, extra: &[&str]) -> Started {
     let cmdline = format!("probe.ip={GUEST}/24 probe.tasks={tasks}");
+    let net = format!("tap=tap0,ip=10.0.0.1,mask=255.255.255.0{net_extra}");
     let mut args = vec![
         "run",
         "--kernel",
@@ -33,7 +39,7 @@ fn run_in(ns: &Netns, tasks: &str, exits: &str, extra: &[&str]) -> Started {
         "--exits",
         exits,
         "--net",
-        "tap=tap0,ip=10.0.0.1,mask=255.255.255.0",
+        &net,
     ];
     args.extend_from_slice(extra);
     start_command(ns.command(MUSUBI), &args, None)
@@ -266,6 +272,27 @@ fn a_tcp_stream_from_an_application_processor_uses_that_cpus_pair() {
 }
 
 #[test]
+fn a_tcp_stream_from_cpu_1_uses_pair_1_of_a_multiqueue_device() {
+    let ns = Netns::new("tcpmqap");
+    let sink = tcp_sink(&ns, 9000, 1);
+    let bytes = 256 << 10;
+    let vm = run_net_in(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes={bytes},cpu=1"),
+        "kernel",
+        ",num_queues=4",
+        &["--cpus", "2"],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(sink.join().unwrap(), vec![bytes], "bytes the sink read");
+    let r = run.result("tcp-send");
+    assert_eq!(r["queue_pairs"], 2, "{r}");
+    assert_eq!(r["max_queue_pairs"], 2, "{r}");
+    assert_eq!(r["queue_pair"], 1, "{r}");
+}
+
+#[test]
 fn more_copies_than_the_device_has_pairs_are_refused_naming_the_pairs() {
     let ns = Netns::new("tcpmq1");
     let vm = run_in(
@@ -280,6 +307,49 @@ fn more_copies_than_the_device_has_pairs_are_refused_naming_the_pairs() {
     assert_eq!(r["ok"], false, "{r}");
     assert_eq!(r["queue_pairs"], 1, "{r}");
     assert!(r["error"].as_str().unwrap().contains("queue pairs"), "{r}");
+}
+
+#[test]
+fn two_tcp_streams_from_two_cpus_each_use_a_queue_pair_of_their_own() {
+    let ns = Netns::new("tcpmq2");
+    let sink = tcp_sink(&ns, 9000, 2);
+    let metrics = tempfile::NamedTempFile::new().unwrap();
+    let m = metrics.path().display().to_string();
+    let bytes = 1 << 20;
+    let vm = run_net_in(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes={bytes},procs=2"),
+        "kernel",
+        ",num_queues=4",
+        &["--cpus", "2", "--metrics", &m],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(
+        sink.join().unwrap(),
+        vec![bytes, bytes],
+        "bytes the sink read"
+    );
+    let r = run.result("tcp-send");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["queue_pairs"], 2, "VQ_PAIRS_SET(2) was taken: {r}");
+    assert_eq!(r["bytes"], 2 * bytes, "{r}");
+    let copies = r["copies"].as_array().unwrap();
+    assert_eq!(copies.len(), 2, "{r}");
+    for (i, c) in copies.iter().enumerate() {
+        assert_eq!(c["cpu"], i, "{r}");
+        assert_eq!(c["queue_pair"], i, "copy {i} drives pair {i}: {r}");
+        assert_eq!(c["bytes"], bytes, "{r}");
+        // Each copy's flow came back on its own pair: the host acknowledged its bytes there.
+        assert!(c["rx_packets"].as_u64().unwrap() > 0, "{r}");
+    }
+    assert_ne!(copies[0]["local_port"], copies[1]["local_port"], "{r}");
+    let net = &metrics_in(metrics.path()).net[0];
+    assert!(
+        net.ctrl_commands >= 1,
+        "the guest sent VQ_PAIRS_SET: {net:?}"
+    );
+    assert_eq!(net.ctrl_errors, 0, "{net:?}");
 }
 
 #[test]
