@@ -263,6 +263,8 @@ pub struct VirtioNet {
     pub pairs: u32,
     pub max_pairs: u32,
     pub ctrl: u32,
+    /// What the kernel answered to the open (for `take_pairs`).
+    open: NetOpen,
     /// The copies' shared ARP frame and this copy's own box (`share`), the last of each
     /// seen, a copy of one to hand to the stack, and how many were taken from there.
     arp: Option<(&'static FrameBox, &'static FrameBox)>,
@@ -298,19 +300,22 @@ impl VirtioNet {
         let bufs = Self::carve_bufs(mem)?;
         ulib::net_open(&mut b)?;
         let mut d = Self::start(&b, bufs);
-        d.take_all_pairs(&b, mem)?;
+        d.take_pairs(0, mem)?;
         Ok(d)
     }
 
-    /// Also takes the receive queues of the device's other pairs, with buffers from `mem`:
-    /// for the one driver of the device, whose transmit queue is its own pair's.
-    fn take_all_pairs(&mut self, b: &NetOpen, mem: &mut Carve) -> Result<(), Error> {
+    /// Also takes the receive queues of the device's pairs from `first` on but its own,
+    /// with buffers from `mem`: for a driver that is the only one of the device (`first`
+    /// 0), or that of copy 0 of a task whose copies leave the pairs from `first` on
+    /// unused. Its transmit queue stays its own pair's.
+    pub fn take_pairs(&mut self, first: u32, mem: &mut Carve) -> Result<(), Error> {
+        let b = self.open;
         let qbytes = abi::NET_MAX_QUEUE as u64 * BUF;
-        let mut slots = self.others.iter_mut();
-        for pair in (0..b.pairs.min(abi::NET_MAX_PAIRS)).filter(|&p| p != b.pair) {
+        let mut slots = self.others.iter_mut().filter(|r| r.is_none());
+        for pair in (first..b.pairs.min(abi::NET_MAX_PAIRS)).filter(|&p| p != b.pair) {
             let bufs = mem.take(qbytes).ok_or(Error::NoMemory)?;
             if let Some(slot) = slots.next() {
-                *slot = Some(Self::new_rx(b, 2 * pair, bufs));
+                *slot = Some(Self::new_rx(&b, 2 * pair, bufs));
             }
         }
         Ok(())
@@ -324,6 +329,10 @@ impl VirtioNet {
         self.inbox_seen = boxes[me as usize].seq.load(Ordering::Acquire);
         self.arp = Some((arp, &boxes[me as usize]));
         self.rx.forward = Some((boxes, me));
+        for r in self.others.iter_mut().flatten() {
+            r.only_port = self.rx.only_port;
+            r.forward = Some((boxes, me));
+        }
     }
 
     /// Frames taken from the other pairs' receive queues, and those dropped there.
@@ -446,6 +455,7 @@ impl VirtioNet {
             pairs: b.pairs,
             max_pairs: b.max_pairs,
             ctrl: b.ctrl,
+            open: *b,
             arp: None,
             arp_seen: 0,
             inbox_seen: 0,

@@ -28,6 +28,8 @@ const MAX_COPIES: usize = abi::NET_MAX_PAIRS as usize;
 /// for a worker, its user stack at the top.
 const REGION: u64 = 2 << 20;
 const WORKER_STACK: u64 = 256 * 1024;
+/// Receive buffers of a pair no copy drives, which copy 0 takes (`VirtioNet::take_pairs`).
+const UNOWNED_PAIR: u64 = abi::NET_MAX_QUEUE as u64 * 2048;
 
 /// Why a copy failed, by index (0: it did not).
 const ERRORS: [&str; 9] = [
@@ -166,8 +168,13 @@ pub fn tcp_send_procs(buf: u64, len: u64, param: u64) -> ! {
     let sh = shared(buf);
     let mut mem = Carve::new(buf + SHARED_BYTES, len.saturating_sub(SHARED_BYTES));
     let room = (ncpus as u32).clamp(1, abi::NET_MAX_PAIRS);
-    let (Ok(rings), Some(regions)) = (carve_rings(&mut mem, room), mem.take(procs as u64 * REGION))
-    else {
+    // Copy 0 also takes the receive queues of the pairs no copy drives (`unowned`).
+    let unowned_bytes = (room as u64).saturating_sub(procs as u64) * UNOWNED_PAIR;
+    let (Ok(rings), Some(regions), Some(unowned)) = (
+        carve_rings(&mut mem, room),
+        mem.take(procs as u64 * REGION),
+        mem.take(unowned_bytes),
+    ) else {
         fail(NAME, "the task arena is too small for procs=P")
     };
     sh.params.store(param, Ordering::SeqCst);
@@ -198,11 +205,12 @@ pub fn tcp_send_procs(buf: u64, len: u64, param: u64) -> ! {
         }
     }
     let mut mem0 = region(sh, 0);
-    let dev = match VirtioNet::open_on(rings, room, 0, &mut mem0) {
+    let mut dev = match VirtioNet::open_on(rings, room, 0, &mut mem0) {
         Ok(d) => d,
         Err(Error::NoDevice) => fail(NAME, "no usable virtio-net device"),
         Err(e) => fail(NAME, e.name()),
     };
+    let _ = dev.take_pairs(procs as u32, &mut Carve::new(unowned, unowned_bytes));
     let (pairs, max_pairs, ctrl) = (dev.pairs, dev.max_pairs, dev.ctrl);
     if (pairs as usize) < procs {
         let mut l = Line::new();
