@@ -153,8 +153,8 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         Some(k) => k as usize,
         None => 0,
     };
-    if opts.procs.is_some() && name != b"fib" && name != b"tcp-send" {
-        return bad_argument(task, "procs=P applies to fib and tcp-send only");
+    if opts.procs.is_some() && !matches!(name, b"fib" | b"tcp-send" | b"udp-echo") {
+        return bad_argument(task, "procs=P applies to fib, tcp-send and udp-echo only");
     }
     if opts.iters.is_some() && name != b"litmus" && name != b"mem-check" {
         return bad_argument(task, "iters=N applies to litmus and mem-check only");
@@ -320,8 +320,18 @@ fn mem_check(task: &[u8], mib: Option<u64>, rounds: Option<u64>) -> u8 {
 /// `bytes=`.
 const NET_DEFAULT_N: u64 = 100;
 const NET_DEFAULT_BYTES: u64 = 1 << 20;
-/// The most `tcp-send` copies (`procs=P`): one per queue pair the guest lays out.
+/// The most `tcp-send` or `udp-echo` copies (`procs=P`): one per queue pair the guest lays
+/// out.
 const NET_MAX_PROCS: u64 = crate::abi::NET_MAX_PAIRS as u64;
+const NET_PROCS_USAGE: &str =
+    "procs=P after tcp-send or udp-echo needs P in 1..=16 and no more than the CPUs online";
+
+/// `procs=P` of `tcp-send` or `udp-echo` (1 without it), if P is one they can run.
+fn net_procs(opts: Opts) -> Option<u32> {
+    let procs = opts.procs.unwrap_or(1);
+    (procs >= 1 && procs as usize <= smp::online() && procs <= NET_MAX_PROCS)
+        .then_some(procs as u32)
+}
 /// The most `udp-echo` rounds (their round-trip times are kept in the task buffer).
 const NET_MAX_ROUNDS: u64 = 1_000_000;
 
@@ -386,7 +396,10 @@ fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts, cpu: usize
                     "udp-echo=HOST:PORT[,n=N] needs an IPv4 address, a port and N in 1..=1000000",
                 );
             };
-            (p.peer, p.port, p.count) = (peer, port, n);
+            let Some(procs) = net_procs(opts) else {
+                return bad_argument(task, NET_PROCS_USAGE);
+            };
+            (p.peer, p.port, p.count, p.procs) = (peer, port, n, procs);
             ("udp-echo", net::udp_echo)
         }
         b"tcp-send" => {
@@ -399,14 +412,10 @@ fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts, cpu: usize
                     "tcp-send=HOST:PORT[,bytes=N] needs an IPv4 address, a port and N > 0",
                 );
             };
-            let procs = opts.procs.unwrap_or(1);
-            if procs == 0 || procs as usize > smp::online() || procs > NET_MAX_PROCS {
-                return bad_argument(
-                    task,
-                    "tcp-send procs=P needs P in 1..=16 and no more than the CPUs online",
-                );
-            }
-            (p.peer, p.port, p.count, p.procs) = (peer, port, n, procs as u32);
+            let Some(procs) = net_procs(opts) else {
+                return bad_argument(task, NET_PROCS_USAGE);
+            };
+            (p.peer, p.port, p.count, p.procs) = (peer, port, n, procs);
             ("tcp-send", net::tcp_send)
         }
         b"udp-counter" => {

@@ -272,6 +272,34 @@ fn a_tcp_stream_from_an_application_processor_uses_that_cpus_pair() {
 }
 
 #[test]
+fn two_udp_echo_copies_on_two_cpus_each_use_a_queue_pair_of_their_own() {
+    let ns = Netns::new("udpmq2");
+    let answered = Arc::new(AtomicU64::new(0));
+    let echo = udp_echo(&ns, 7777, answered);
+    let vm = run_net_in(
+        &ns,
+        &format!("udp-echo={HOST}:7777,n=100,procs=2"),
+        "kernel",
+        ",num_queues=4",
+        &["--cpus", "2"],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    let r = run.result("udp-echo");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["queue_pairs"], 2, "{r}");
+    assert_eq!(
+        r["answered"], 200,
+        "a TAP inside one host loses nothing: {r}"
+    );
+    for (i, c) in r["copies"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(c["queue_pair"], i, "copy {i} drives pair {i}: {r}");
+        assert_eq!(c["rounds"], 100, "{r}");
+    }
+    assert!(echo.join().unwrap() >= 200, "the echo answered both copies");
+}
+
+#[test]
 fn a_tcp_stream_from_cpu_1_uses_pair_1_of_a_multiqueue_device() {
     let ns = Netns::new("tcpmqap");
     let sink = tcp_sink(&ns, 9000, 1);

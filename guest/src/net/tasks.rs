@@ -146,7 +146,7 @@ fn udp_round(net: &mut Stack, h: SocketHandle, to: IpEndpoint, seq: u64, ms: u64
 }
 
 /// The value at fraction `pct`/100 of the sorted `v` (nearest rank).
-fn percentile(v: &[u32], pct: usize) -> u32 {
+pub(super) fn percentile(v: &[u32], pct: usize) -> u32 {
     if v.is_empty() {
         return 0;
     }
@@ -154,9 +154,65 @@ fn percentile(v: &[u32], pct: usize) -> u32 {
     v[rank - 1]
 }
 
+/// What `echo_rounds` did: rounds run, answered and lost, and their time.
+pub(super) struct Echo {
+    pub rounds: u64,
+    pub done: usize,
+    pub lost: u64,
+    pub ns: u64,
+}
+
+/// The untimed first exchange (up to `UDP_WARMUP_TRIES`), then `p.count` timed rounds on
+/// socket `h`, or fewer if the task's time runs out; the answered rounds' times (ns) go to
+/// the front of `rtts`, sorted. `None` if the first exchange got no answer.
+pub(super) fn echo_rounds(
+    net: &mut Stack,
+    h: SocketHandle,
+    p: &Params,
+    rtts: &mut [u32],
+) -> Option<Echo> {
+    let to = endpoint(p);
+    let warm = (0..UDP_WARMUP_TRIES)
+        .any(|i| udp_round(net, h, to, u64::MAX - i as u64, UDP_ROUND_MS).is_some());
+    if !warm {
+        return None;
+    }
+    let hz = net.hz;
+    let t0 = ulib::rdtsc();
+    let (mut done, mut lost) = (0usize, 0u64);
+    let mut rounds = 0;
+    while rounds < p.count && done < rtts.len() {
+        if net.out_of_time() {
+            break;
+        }
+        match udp_round(net, h, to, rounds, UDP_ROUND_MS) {
+            Some(c) => {
+                rtts[done] = (c as u128 * 1_000_000_000 / hz as u128).min(u32::MAX as u128) as u32;
+                done += 1;
+            }
+            None => lost += 1,
+        }
+        rounds += 1;
+    }
+    let ns = ulib::cycles_to_ns(ulib::rdtsc() - t0, hz).max(1);
+    rtts[..done].sort_unstable();
+    Some(Echo {
+        rounds,
+        done,
+        lost,
+        ns,
+    })
+}
+
+/// Bytes of each `udp-echo` socket buffer.
+pub(super) const UDP_BUFFER: usize = 16 * 1024;
+
 pub extern "C" fn udp_echo(buf: u64, len: u64, param: u64) -> ! {
     const NAME: &str = "udp-echo";
     let p = params(param);
+    if p.procs > 1 {
+        super::flows::udp_echo_procs(buf, len, param)
+    }
     let mut mem = Carve::new(buf, len);
     let dev = open(NAME, &mut mem, client_pairs());
     let Some(rtts) = mem.slice(p.count as usize * 4) else {
@@ -165,7 +221,7 @@ pub extern "C" fn udp_echo(buf: u64, len: u64, param: u64) -> ! {
     // SAFETY: `rtts` is 4-byte aligned (carved at a page boundary) and `count` u32s long.
     let rtts =
         unsafe { core::slice::from_raw_parts_mut(rtts.as_mut_ptr() as *mut u32, p.count as usize) };
-    let (Some(rx), Some(tx)) = (mem.slice(16 * 1024), mem.slice(16 * 1024)) else {
+    let (Some(rx), Some(tx)) = (mem.slice(UDP_BUFFER), mem.slice(UDP_BUFFER)) else {
         fail(NAME, "no memory for socket buffers")
     };
     let mut rx_meta = [udp::PacketMetadata::EMPTY; 16];
@@ -180,32 +236,16 @@ pub extern "C" fn udp_echo(buf: u64, len: u64, param: u64) -> ! {
         fail(NAME, "cannot bind a UDP port");
     }
     let h = net.sockets.add(sock);
-    let to = endpoint(&p);
-    let warm = (0..UDP_WARMUP_TRIES)
-        .any(|i| udp_round(&mut net, h, to, u64::MAX - i as u64, UDP_ROUND_MS).is_some());
-    if !warm {
-        fail_with(NAME, "no reply from the echo server", &net, "");
-    }
-    let hz = net.hz;
-    let t0 = ulib::rdtsc();
-    let (mut done, mut lost) = (0usize, 0u64);
-    let mut rounds = 0;
-    while rounds < p.count {
-        if net.out_of_time() {
-            break;
-        }
-        match udp_round(&mut net, h, to, rounds, UDP_ROUND_MS) {
-            Some(c) => {
-                rtts[done] = (c as u128 * 1_000_000_000 / hz as u128).min(u32::MAX as u128) as u32;
-                done += 1;
-            }
-            None => lost += 1,
-        }
-        rounds += 1;
-    }
-    let ns = ulib::cycles_to_ns(ulib::rdtsc() - t0, hz).max(1);
-    let rtts = &mut rtts[..done];
-    rtts.sort_unstable();
+    let Some(Echo {
+        rounds,
+        done,
+        lost,
+        ns,
+    }) = echo_rounds(&mut net, h, &p, rtts)
+    else {
+        fail_with(NAME, "no reply from the echo server", &net, "")
+    };
+    let rtts = &rtts[..done];
     let us = |v: u32| v / 1000;
     let mut l = Line::new();
     let ok = rounds == p.count && done > 0;
