@@ -356,7 +356,7 @@ fn host_port(v: &[u8]) -> Option<([u8; 4], u16)> {
     (v.port() != 0).then_some((v.ip().octets(), v.port()))
 }
 
-/// `udp-echo=HOST:PORT[,n=N]`, `tcp-send=HOST:PORT[,bytes=N][,procs=P]`,
+/// `udp-echo=HOST:PORT[,n=N][,procs=P]`, `tcp-send=HOST:PORT[,bytes=N][,procs=P]`,
 /// `http-serve=PORT[,n=N]`, `udp-counter=PORT[,n=N]`, each also with `cpu=K` (not with
 /// `procs=`): parses the task and the interface's address (`probe.ip=`, `probe.gw=`), then
 /// runs the task at CPL3 (`net::*`) on CPU `cpu`.

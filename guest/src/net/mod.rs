@@ -30,8 +30,8 @@ pub struct Params {
     pub port: u16,
     /// Rounds (`udp-echo`), bytes (`tcp-send`) or requests (`http-serve`, `udp-counter`).
     pub count: u64,
-    /// `procs=P` (`tcp-send`): P copies at once, copy i on CPU i and queue pair i; 0 or 1:
-    /// one copy, on the task's CPU.
+    /// `procs=P` (`tcp-send`, `udp-echo`): P copies at once, copy i on CPU i and queue
+    /// pair i; 0 or 1: one copy, on the task's CPU.
     pub procs: u32,
 }
 
