@@ -15,7 +15,7 @@ use crate::net::rate_limiter::{ManualClock, RateLimit, RateLimiter, TokenBucketC
 use crate::net::tap::VNET_HDR_LEN;
 use crate::virtio::block::{Block, BlockConfig, CacheMode, SECTOR_SIZE};
 use crate::virtio::driver::{
-    Desc, Driver, Ring, SocketBackend, DATA, HDR, INDIRECT, MEM_SIZE, QSIZE, RING, STATUS,
+    Desc, Driver, NetRings, Ring, SocketBackend, DATA, HDR, INDIRECT, MEM_SIZE, QSIZE, RING, STATUS,
 };
 use crate::virtio::mmio::{MMIO_MAGIC, MMIO_SIZE, MMIO_VERSION};
 use crate::virtio::net::{Net, MAX_FRAME_LEN};
@@ -25,7 +25,10 @@ use crate::GuestMemoryMmap;
 use dsm::rng::Rng;
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_mmio::*;
-use virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF;
+use virtio_bindings::virtio_net::{
+    VIRTIO_NET_CTRL_RX, VIRTIO_NET_CTRL_RX_PROMISC, VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF,
+    VIRTIO_NET_OK,
+};
 use virtio_bindings::virtio_ring::{
     VIRTIO_RING_F_EVENT_IDX, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
 };
@@ -103,6 +106,8 @@ pub enum Finding {
     BackendFull(#[source] std::io::Error),
     #[error("a frame from the host end after reset never reached the guest")]
     FrameLost,
+    #[error("a control command after reset was answered {0:?}, not VIRTIO_NET_OK")]
+    ControlAnswer(Option<(u8, u32)>),
     #[error("a 16-byte read after reset got {got:?} bytes, not {want}")]
     RngRead { got: Option<u32>, want: u32 },
     #[error(transparent)]
@@ -251,12 +256,14 @@ pub fn virtio_rng_samples() -> Vec<Vec<u8>> {
     vec![one, three, paced]
 }
 
-/// virtio-net from both ends: the guest posts receive buffers and frames to send in chains
-/// of any shape on either queue, the host end injects frames of any length (runts to
-/// over-long) and drains what the device sent, and the device's events (backend readable,
-/// resume) fire at any time. The first byte picks the features: bit 0 drops MRG_RXBUF,
-/// bit 1 drops EVENT_IDX. Every notification and event is checked on both queues; at the
-/// end, after a reset, a frame must go each way.
+/// virtio-net from both ends, over two queue pairs and the control queue: the guest posts
+/// receive buffers and frames to send in chains of any shape on any queue, sends control
+/// commands (well-formed or not), the host end injects frames of any length (runts to
+/// over-long) on either pair's backend and drains what the device sent, and the device's
+/// events (a backend readable, resume) fire at any time. The first byte picks the features:
+/// bit 0 drops MRG_RXBUF, bit 1 drops EVENT_IDX, bit 3 drops MQ (the control queue then is
+/// queue 2). Every notification and event is checked on every queue; at the end, after a
+/// reset, a frame must go each way and a control command be answered.
 pub fn virtio_net(data: &[u8]) -> Result<(), Finding> {
     let mut script = Script(data);
     let mode = script.byte();
@@ -267,10 +274,20 @@ pub fn virtio_net(data: &[u8]) -> Result<(), Finding> {
     if mode & 2 != 0 {
         drop_bits |= 1 << VIRTIO_RING_F_EVENT_IDX;
     }
+    if mode & 8 != 0 {
+        drop_bits |= 1 << VIRTIO_NET_F_MQ;
+    }
     let (backend, peer) = SocketBackend::pair();
-    let net = Net::with_backend(Box::new(backend), None, 256, None, None)?;
+    let (backend1, peer1) = SocketBackend::pair();
+    let net = Net::with_backends(
+        vec![Box::new(backend), Box::new(backend1)],
+        None,
+        256,
+        None,
+        None,
+    )?;
     let mut d = Driver::new_in(net, memory());
-    let (mut rx, mut tx) = d.net_up(drop_bits);
+    let mut rings = d.net_up_pairs(drop_bits, NET_PAIRS);
     // Mode bit 2: the VM is replicated, its output held from the start; the script's event
     // actions then also seal, release and open the gate.
     let gate = d.t.output_gate().expect("virtio-net has an output gate");
@@ -278,7 +295,7 @@ pub fn virtio_net(data: &[u8]) -> Result<(), Finding> {
     if held {
         gate.hold();
     }
-    play_net(&mut d, [&mut rx, &mut tx], &peer, held, &mut script)?;
+    play_net(&mut d, &mut rings, [&peer, &peer1], held, &mut script)?;
     finish(&mut d)?;
     // Replication over: what is held goes (the backend drained as it fills), then the
     // device must work as before.
@@ -288,6 +305,7 @@ pub fn virtio_net(data: &[u8]) -> Result<(), Finding> {
         d.t.flush_output();
         while peer.recv(&mut buf).is_ok() {}
     }
+    while peer1.recv(&mut buf).is_ok() {}
     let c = d.t.net_counters().unwrap_or_default();
     if c.tx_released > c.tx_held {
         return Err(Finding::HeldCount {
@@ -295,7 +313,8 @@ pub fn virtio_net(data: &[u8]) -> Result<(), Finding> {
             released: c.tx_released,
         });
     }
-    net_alive(&mut d, &peer)
+    net_alive(&mut d, &peer)?;
+    net_control_alive(&mut d)
 }
 
 /// virtio-vsock from both ends: the guest posts receive buffers and packets of any header
@@ -340,7 +359,8 @@ pub fn virtio_vsock_samples() -> Vec<Vec<u8>> {
 }
 
 /// Valid scripts for the smoke test: a frame sent, a frame received into one buffer, a
-/// frame received across three buffers, and a frame held until its checkpoint's release.
+/// frame received across three buffers, a frame held until its checkpoint's release, a
+/// frame each way on pair 1 after VQ_PAIRS_SET, and the receive filter set.
 pub fn virtio_net_samples() -> Vec<Vec<u8>> {
     // Action 7: chain on ring (0 rx, 1 tx) from descriptor k, one part: address (base 0 is
     // HDR, 1 DATA), length, flags (2 writable), next.
@@ -359,7 +379,26 @@ pub fn virtio_net_samples() -> Vec<Vec<u8>> {
     .concat();
     // Mode 4: the output held; a frame sent, a checkpoint, its release, the host reads.
     let held = [vec![4], chain(1, 0, 0, 60, 0), vec![9, 0, 3, 9, 0, 6, 9, 2]].concat();
-    vec![send, receive, merged, held]
+    // Action 9, kind 5: a control command (class, command, data length, data, first
+    // descriptor); kind 4: a frame on pair 1's backend. Both pairs put in use, a frame
+    // received on pair 1 and one sent on it; then promiscuous mode off and a MAC table.
+    let pairs = [
+        vec![0],
+        vec![9, 5, 4, 0, 2, 2, 0, 0],
+        chain(2, 0, 1, 200, 2),
+        vec![9, 4, 20],
+        chain(3, 0, 0, 60, 0),
+        vec![9, 2],
+    ]
+    .concat();
+    let filter = [
+        vec![0, 9, 5, 0, 0, 1, 0, 0],
+        vec![9, 5, 1, 0, 14, 1, 0, 0, 0, 2, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0],
+        chain(0, 0, 1, 200, 2),
+        vec![6, 20],
+    ]
+    .concat();
+    vec![send, receive, merged, held, pairs, filter]
 }
 
 /// Drives fuzz target `name` for CI without a fuzzer: first on each input that once found a
@@ -709,35 +748,69 @@ fn one_queue_action(d: &mut Driver, s: &mut Script, op: u8) -> Result<(), Findin
     Ok(())
 }
 
-/// Plays the script against a virtio-net device; `rings` are receive and transmit.
+/// Queue pairs of the virtio-net target's device.
+const NET_PAIRS: u32 = 2;
+/// Every queue of that device, checked after each event: two pairs and the control queue.
+const NET_QUEUES: [u32; 5] = [0, 1, 2, 3, 4];
+
+/// The queue of the virtio-net target a script byte names, as (ring, queue index): 0 and
+/// 1 are pair 0's receive and transmit queues (what they were when the device had one
+/// pair), 2 and 3 pair 1's, 4 and 5 the control queue.
+fn net_ring(r: &mut NetRings, b: u8) -> (&mut Ring, u32) {
+    match ((b >> 1) % 3, b & 1) {
+        (0, 0) => (&mut r.rx[0], 0),
+        (0, _) => (&mut r.tx[0], 1),
+        (1, 0) => (&mut r.rx[1], 2),
+        (1, _) => (&mut r.tx[1], 3),
+        _ => {
+            let q = r.ctrl_queue;
+            (&mut r.ctrl, q)
+        }
+    }
+}
+
+/// Plays the script against a virtio-net device of two pairs; `peers` are the host ends of
+/// the pairs' backends.
 fn play_net(
     d: &mut Driver,
-    rings: [&mut Ring; 2],
-    peer: &std::os::unix::net::UnixDatagram,
+    r: &mut NetRings,
+    peers: [&std::os::unix::net::UnixDatagram; 2],
     held: bool,
     s: &mut Script,
 ) -> Result<(), Finding> {
-    let [rx, tx] = rings;
-    // Until the gate first lets anything go, no frame may reach the backend.
+    // Until the gate first lets anything go, no frame may reach a backend.
     let mut released = !held;
+    // The host end sends a frame on pair `k` (the socket may refuse it when full), and
+    // the device hears of it.
+    let inject = |d: &mut Driver, s: &mut Script, k: usize| -> Result<(), Finding> {
+        let len = match s.byte() {
+            b if b < 0xf0 => usize::from(b) * 8,
+            _ => s.u32() as usize % (VNET_HDR_LEN + MAX_FRAME_LEN + 64),
+        };
+        let frame: Vec<u8> = (0..len).map(|i| i as u8).collect();
+        let _ = peers[k].send(&frame);
+        // Pair 0's backend is event 0, pair 1's comes after the resume eventfd.
+        checked(d, &NET_QUEUES, |d| {
+            d.t.process_event(if k == 0 { 0 } else { 2 })
+        })
+    };
     each_action(d, s, |d, s, op| {
         match op {
             3 => {
-                let table = match s.byte() % 3 {
-                    0 => rx.desc(),
-                    1 => tx.desc(),
-                    _ => INDIRECT,
+                let table = match s.byte() % 6 {
+                    0 => r.rx[0].desc(),
+                    1 => r.tx[0].desc(),
+                    2 => INDIRECT,
+                    3 => r.rx[1].desc(),
+                    4 => r.tx[1].desc(),
+                    _ => r.ctrl.desc(),
                 };
                 let index = u64::from(s.byte() % 32);
                 let desc = descriptor(s);
                 d.write_table(table + 16 * index, &[desc]);
             }
             4 => {
-                let ring = if s.byte() & 1 == 0 {
-                    &mut *rx
-                } else {
-                    &mut *tx
-                };
+                let (ring, _) = net_ring(r, s.byte());
                 let head = if s.byte() < 0xf0 {
                     u16::from(s.byte() % 32)
                 } else {
@@ -745,24 +818,9 @@ fn play_net(
                 };
                 d.publish_on(ring, head);
             }
-            6 => {
-                // The host end sends a frame (the socket may refuse it when full), and the
-                // device hears of it.
-                let len = match s.byte() {
-                    b if b < 0xf0 => usize::from(b) * 8,
-                    _ => s.u32() as usize % (VNET_HDR_LEN + MAX_FRAME_LEN + 64),
-                };
-                let frame: Vec<u8> = (0..len).map(|i| i as u8).collect();
-                let _ = peer.send(&frame);
-                checked(d, &[0, 1], |d| d.t.process_event(0))?;
-            }
+            6 => inject(d, s, 0)?,
             7 => {
-                let ring = if s.byte() & 1 == 0 {
-                    &mut *rx
-                } else {
-                    &mut *tx
-                };
-                let queue = if ring.base == RING { 0 } else { 1 };
+                let (ring, queue) = net_ring(r, s.byte());
                 let first = u16::from(s.byte() % 28);
                 let descs = chain_parts(s);
                 d.chain_on(ring, first, &descs);
@@ -772,17 +830,23 @@ fn play_net(
                 let drop_bits = if s.byte() & 1 == 0 { 0 } else { s.u64() };
                 let size = queue_size(s);
                 d.negotiate(drop_bits);
-                d.setup_queue_on(0, rx, size);
-                d.setup_queue_on(1, tx, size);
+                let mq = drop_bits & (1 << VIRTIO_NET_F_MQ) == 0;
+                r.ctrl_queue = if mq { 2 * NET_PAIRS } else { 2 };
+                let pairs = if mq { NET_PAIRS as usize } else { 1 };
+                for k in 0..pairs {
+                    d.setup_queue_on(2 * k as u32, &r.rx[k], size);
+                    d.setup_queue_on(2 * k as u32 + 1, &r.tx[k], size);
+                }
+                d.setup_queue_on(r.ctrl_queue, &r.ctrl, size);
                 d.driver_ok();
-                for ring in [&mut *rx, &mut *tx] {
+                for ring in r.rx.iter_mut().chain(&mut r.tx).chain([&mut r.ctrl]) {
                     ring.avail_idx = 0;
                     ring.used_seen = 0;
                 }
             }
-            _ => match s.byte() % 4 {
+            _ => match s.byte() % 6 {
                 0 | 1 => {
-                    // An event source fires (backend, resume, or one the device lacks).
+                    // An event source fires (a backend, resume, or one the device lacks).
                     let b = s.byte();
                     if held {
                         // The same byte steps the gate: a checkpoint (the device saved,
@@ -805,31 +869,56 @@ fn play_net(
                             _ => {}
                         }
                     }
-                    let index = usize::from(b % 3);
-                    checked(d, &[0, 1], |d| d.t.process_event(index))?;
+                    let index = usize::from(b % 4);
+                    checked(d, &NET_QUEUES, |d| d.t.process_event(index))?;
                 }
                 2 => {
                     // The host end reads what the device sent: whole frames, never longer
                     // than the device accepts.
                     let mut buf = vec![0u8; VNET_HDR_LEN + MAX_FRAME_LEN + 64];
-                    for _ in 0..64 {
-                        let Ok(n) = peer.recv(&mut buf) else { break };
-                        if n <= VNET_HDR_LEN || n > VNET_HDR_LEN + MAX_FRAME_LEN {
-                            return Err(Finding::FrameLength(n));
-                        }
-                        if !released {
-                            return Err(Finding::HeldFrameSent);
+                    for peer in peers {
+                        for _ in 0..64 {
+                            let Ok(n) = peer.recv(&mut buf) else { break };
+                            if n <= VNET_HDR_LEN || n > VNET_HDR_LEN + MAX_FRAME_LEN {
+                                return Err(Finding::FrameLength(n));
+                            }
+                            if !released {
+                                return Err(Finding::HeldFrameSent);
+                            }
                         }
                     }
                 }
-                _ => {
-                    let ring = if s.byte() & 1 == 0 { &*rx } else { &*tx };
+                3 => {
+                    let (ring, _) = net_ring(r, s.byte());
                     let at = if s.byte() & 1 == 0 {
                         ring.avail() + 2
                     } else {
                         ring.avail()
                     };
                     let _ = d.mem.write_obj(s.u16(), GuestAddress(at));
+                }
+                4 => inject(d, s, 1)?,
+                _ => {
+                    // A control command as a driver lays it out (header, data, ack), its
+                    // class, command and data the script's: mostly ones the device knows.
+                    let class = match s.byte() {
+                        b if b < 0xf0 => b % 6,
+                        _ => s.byte(),
+                    };
+                    let cmd = s.byte() % 4;
+                    let len = usize::from(s.byte() % 32);
+                    let data: Vec<u8> = (0..len).map(|_| s.byte()).collect();
+                    d.mem.write_slice(&[class, cmd], GuestAddress(HDR))?;
+                    d.mem.write_slice(&data, GuestAddress(DATA))?;
+                    let mut descs = vec![(HDR, 2, 0)];
+                    if len > 0 {
+                        descs.push((DATA, len as u32, 0));
+                    }
+                    descs.push((STATUS, 1, VRING_DESC_F_WRITE as u16));
+                    let first = u16::from(s.byte() % 13);
+                    d.chain_on(&mut r.ctrl, first, &descs);
+                    let queue = r.ctrl_queue;
+                    notify(d, queue)?;
                 }
             },
         }
@@ -1021,6 +1110,16 @@ fn vsock_alive(d: &mut Driver, path: &std::path::Path) -> Result<(), Finding> {
         }
     }
     Err(Finding::VsockRequestLost)
+}
+
+/// After a reset, a well-formed control command is carried out and acknowledged.
+fn net_control_alive(d: &mut Driver) -> Result<(), Finding> {
+    let mut rings = d.net_up_pairs(0, NET_PAIRS);
+    let (class, cmd) = (VIRTIO_NET_CTRL_RX as u8, VIRTIO_NET_CTRL_RX_PROMISC as u8);
+    match d.control(&mut rings, 0, class, cmd, &[1]) {
+        Some((ack, 1)) if ack == VIRTIO_NET_OK as u8 => Ok(()),
+        other => Err(Finding::ControlAnswer(other)),
+    }
 }
 
 /// After a reset, a frame sent by the guest reaches the host end and a frame from the host

@@ -240,7 +240,7 @@ pub fn disk_json(d: &DiskConfig) -> Value {
 pub fn net_json(n: &NetConfig) -> Value {
     json!({
         "tap": n.tap, "ip": n.ip, "mask": n.mask, "mac": n.mac,
-        "fds": n.fd.map(|fd| vec![fd]), "queue_size": n.queue_size,
+        "fds": n.fd.map(|fd| vec![fd]), "num_queues": n.num_queues, "queue_size": n.queue_size,
     })
 }
 
@@ -694,7 +694,7 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
     let num_queues = n.u64("num_queues")?.unwrap_or(2);
     let num_queues = u16::try_from(num_queues)
         .ok()
-        .filter(|q| q % 2 == 0 && (2..=MAX_NUM_QUEUES).contains(q))
+        .filter(|q| q.is_multiple_of(2) && (2..=MAX_NUM_QUEUES).contains(q))
         .ok_or_else(|| ChConfigError::Unsupported {
             field: format!("{field}.num_queues"),
             value: num_queues.to_string(),
@@ -1214,6 +1214,10 @@ mod tests {
         assert_eq!(vm.info["net"][0]["num_queues"], 8);
         assert_eq!(vm.config.net[1].num_queues, 2);
         assert_eq!(vm.info["net"][1]["num_queues"], 2);
+        // A VM built from elsewhere (a snapshot, a migration) shows them the same.
+        let again = ChVm::from_config(vm.config.clone());
+        assert_eq!(again.info["net"], vm.info["net"]);
+        assert_eq!(again.config.net, vm.config.net);
     }
 
     #[test]

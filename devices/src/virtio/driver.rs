@@ -536,7 +536,8 @@ impl Driver {
 /// pages per ring, clear of every area above (and of the fuzzing memory's hole).
 pub const PAIR_RINGS: u64 = 0xd0_0000;
 
-/// A multiqueue virtio-net driver's rings: receive and transmit per pair, and control.
+/// A multiqueue virtio-net driver's rings: receive and transmit per pair (set up only for
+/// the pairs the driver can use: pair 0 alone without MQ), and control.
 pub struct NetRings {
     pub rx: Vec<Ring>,
     pub tx: Vec<Ring>,
@@ -575,10 +576,12 @@ impl Driver {
             ctrl: Ring::new(EVENT_RING),
             ctrl_queue,
         };
-        for k in 0..used_pairs {
+        for k in 0..pairs {
             let (rx, tx) = (Ring::new(ring_base(2 * k)), Ring::new(ring_base(2 * k + 1)));
-            self.setup_queue_on(2 * k, &rx, u32::from(QSIZE));
-            self.setup_queue_on(2 * k + 1, &tx, u32::from(QSIZE));
+            if k < used_pairs {
+                self.setup_queue_on(2 * k, &rx, u32::from(QSIZE));
+                self.setup_queue_on(2 * k + 1, &tx, u32::from(QSIZE));
+            }
             rings.rx.push(rx);
             rings.tx.push(tx);
         }

@@ -429,12 +429,7 @@ impl Net {
     /// What queue `index` is under the features the driver accepted.
     fn role(&self, index: u16) -> Role {
         let i = usize::from(index);
-        let ctrl = if self.acked & MQ != 0 {
-            2 * self.pairs.len()
-        } else {
-            2
-        };
-        if self.acked & CTRL_VQ != 0 && i == ctrl {
+        if self.ctrl_queue() == Some(i) {
             Role::Ctrl
         } else if i < 2 * self.pairs.len() {
             if i % 2 == 0 {
@@ -668,8 +663,8 @@ impl Net {
                 if !self.read_frame(k) {
                     return Ok(used);
                 }
+                let mac = self.mac();
                 let pair = &mut self.pairs[k];
-                let mac = self.config[0..6].try_into().unwrap_or([0; 6]);
                 if !self
                     .filter
                     .accepts(&mac, &pair.rx_buf[VNET_HDR_LEN..pair.rx_len])
@@ -845,15 +840,41 @@ impl Net {
         Delivery::Dropped
     }
 
-    /// Serves the control queue: each command is carried out or refused, and its ack
-    /// written. Returns how many chains were put on the used ring.
+    /// Serves the control queue (queue `index`): each command is carried out or refused,
+    /// and its ack written. Returns how many chains were put on the used ring.
     fn process_ctrl(
         &mut self,
+        index: u16,
         q: &mut Queue,
         mem: &GuestMemoryMmap,
     ) -> Result<usize, QueueCorrupt> {
-        let index = (2 * self.pairs.len()) as u16;
-        serve_available(index, q, mem, |chain| self.control(chain, mem))
+        if !q.ready() {
+            return Ok(0);
+        }
+        let mut used = 0;
+        for _ in 0..TX_ROUNDS {
+            used += serve_available(index, q, mem, |chain| self.control(chain, mem))?;
+            // With EVENT_IDX the driver rings again only past the avail_event written here.
+            let more = q
+                .enable_notification(mem)
+                .map_err(|e| corrupt(index, "re-enabling notifications", e))?;
+            if !more {
+                return Ok(used);
+            }
+        }
+        self.yield_with_work_left();
+        Ok(used)
+    }
+
+    /// The control queue's index, if the driver took it.
+    fn ctrl_queue(&self) -> Option<usize> {
+        if self.acked & CTRL_VQ == 0 {
+            None
+        } else if self.acked & MQ != 0 {
+            Some(2 * self.pairs.len())
+        } else {
+            Some(2)
+        }
     }
 
     /// Carries out one control command; returns the bytes written to the guest (the ack,
@@ -1177,7 +1198,7 @@ impl VirtioDevice for Net {
                 self.counters.tx_notifications += 1;
                 self.process_tx(k, queue, mem)
             }
-            Role::Ctrl => self.process_ctrl(queue, mem),
+            Role::Ctrl => self.process_ctrl(index, queue, mem),
             Role::Unused => Ok(0),
         }
     }
@@ -1207,11 +1228,14 @@ impl VirtioDevice for Net {
         let n = self.pairs.len();
         // Which pairs' receive queues to serve, and whether the transmit queues are served:
         // all of them, or (`stalled`) those a full backend stopped.
+        let mut ctrl = None;
         let (rx, tx, stalled) = match event {
             Event::Backend(k) => (k..k + 1, true, true),
             Event::Resume => {
                 // Non-blocking: nothing to read after a spurious wake-up, which is fine.
                 let _ = self.resume.read();
+                // A control queue pass that stopped early continues here too.
+                ctrl = self.ctrl_queue();
                 (0..n, true, false)
             }
             Event::RxTimer => {
@@ -1251,6 +1275,13 @@ impl VirtioDevice for Net {
                 };
                 if self.process_tx(k, q, mem)? > 0 {
                     served.push((2 * k + 1) as u16);
+                }
+            }
+        }
+        if let Some(i) = ctrl {
+            if let Some(q) = queues.get_mut(i) {
+                if self.process_ctrl(i as u16, q, mem)? > 0 {
+                    served.push(i as u16);
                 }
             }
         }

@@ -1125,6 +1125,8 @@ fn a_second_pair_receives_only_after_vq_pairs_set() {
     assert_eq!(s.received(0), Some(f0));
     let c = s.counters();
     assert_eq!((c.rx_packets, c.ctrl_commands, c.ctrl_errors), (4, 1, 0));
+    // With EVENT_IDX the device asked for the doorbell of the next command.
+    assert_eq!(s.d.avail_event(&s.r.ctrl), s.r.ctrl.avail_idx);
     // Back to one pair: pair 1's frames wait again.
     assert_eq!(s.pairs_set(1), OK);
     s.peers[1].send(&frame(70, 4)).unwrap();

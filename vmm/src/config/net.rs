@@ -260,7 +260,7 @@ impl NetConfig {
             return Err(NetError::QueueSize { size: q });
         }
         let n = self.num_queues;
-        if !(2..=MAX_NUM_QUEUES).contains(&n) || n % 2 != 0 {
+        if !(2..=MAX_NUM_QUEUES).contains(&n) || !n.is_multiple_of(2) {
             return Err(NetError::NumQueues(n));
         }
         if self.fd.is_some() && n != 2 {
