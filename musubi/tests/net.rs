@@ -313,6 +313,32 @@ fn two_udp_echo_copies_on_two_cpus_each_use_a_queue_pair_of_their_own() {
 }
 
 #[test]
+fn a_refused_vq_pairs_set_leaves_the_guest_on_one_pair_and_says_so() {
+    let ns = Netns::new("tcpmqerr");
+    let sink = tcp_sink(&ns, 9000, 1);
+    let metrics = tempfile::NamedTempFile::new().unwrap();
+    let m = metrics.path().display().to_string();
+    let bytes = 256 << 10;
+    // Three pairs of a device that has two: the device must answer VIRTIO_NET_ERR.
+    let vm = run_with_net(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes={bytes},cpu=1 probe.net_pairs=3"),
+        "kernel",
+        ",num_queues=4",
+        &["--cpus", "2", "--metrics", &m],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(sink.join().unwrap(), vec![bytes], "bytes the sink read");
+    let r = run.result("tcp-send");
+    assert_eq!(r["queue_pairs"], 1, "{r}");
+    assert_eq!(r["queue_pair"], 0, "{r}");
+    assert_eq!(r["mq_error"], "VQ_PAIRS_SET answered ERR", "{r}");
+    let net = &metrics_in(metrics.path()).net[0];
+    assert_eq!(net.ctrl_errors, 1, "{net:?}");
+}
+
+#[test]
 fn a_tcp_stream_from_cpu_1_uses_pair_1_of_a_multiqueue_device() {
     let ns = Netns::new("tcpmqap");
     let sink = tcp_sink(&ns, 9000, 1);

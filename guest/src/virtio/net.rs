@@ -297,7 +297,10 @@ fn init(base: u64, b: &NetOpen, room: u32, vsock: bool) -> Result<Up, ()> {
     } else {
         1
     };
-    let pairs = max_pairs.min(room).min(smp::online().max(1) as u32);
+    // `probe.net_pairs=N` is sent as given, so a value the device lacks shows the fallback.
+    let asked = net_pairs_param();
+    let want = asked.map_or(smp::online().max(1) as u32, u32::from);
+    let pairs = max_pairs.min(room).min(want).max(1);
     let queues = if vsock { 3 } else { 2 * pairs };
     let mut q = b.want_queue.clamp(2, abi::NET_MAX_QUEUE);
     for i in 0..queues {
@@ -344,7 +347,7 @@ fn init(base: u64, b: &NetOpen, room: u32, vsock: bool) -> Result<Up, ()> {
                 ctrl_index,
                 CTRL_MQ,
                 CTRL_MQ_VQ_PAIRS_SET,
-                pairs as u16,
+                asked.unwrap_or(pairs as u16),
             );
         }
         if ctrl != abi::NET_CTRL_OK {
@@ -358,6 +361,14 @@ fn init(base: u64, b: &NetOpen, room: u32, vsock: bool) -> Result<Up, ()> {
         max_pairs,
         ctrl,
     })
+}
+
+/// `probe.net_pairs=N` (0..=65535), if given.
+fn net_pairs_param() -> Option<u16> {
+    crate::bootinfo::get()
+        .param(b"probe.net_pairs")
+        .and_then(|v| core::str::from_utf8(v).ok())
+        .and_then(|v| v.parse().ok())
 }
 
 /// Queue `i` with `size` entries: descriptor table, avail ring and used ring at `at`.
