@@ -43,13 +43,16 @@ pub const SYS_CPU_START: u64 = 24;
 /// `cpu`'s entry to end; returns its exit status, `CPU_FAULTED | vector` or `CPU_TIMED_OUT`.
 pub const SYS_CPU_WAIT: u64 = 25;
 /// `net_open(block, kind)`: resets the virtio-net (`DEV_NET`) or virtio-vsock
-/// (`DEV_VSOCK`) device, sets its queues (two; three for vsock) up on the rings the task
-/// named in its `NetOpen` block, brings it to DRIVER_OK and maps its register page for the
-/// task; fills in the rest of the block. The task drives the queues itself.
+/// (`DEV_VSOCK`) device, sets its queues (a pair per CPU the device and the rings allow;
+/// three for vsock) up on the rings the task named in its `NetOpen` block, brings it to
+/// DRIVER_OK and maps its register page for the task; fills in the rest of the block and
+/// makes the block's `pair` the calling CPU's. With `NET_OPEN_PAIR` it only attaches the
+/// calling CPU to a pair of the device already up. The task drives the queues itself.
 pub const SYS_NET_OPEN: u64 = 26;
-/// `net_wait(timeout_us, seen, kind)`: halts until the device's used rings move past `seen`
-/// (receive used index in bits 0..16; the transmit one in bits 16..32, looked at only with
-/// `NET_WAIT_TX`), an interrupt arrives or the time passes. Returns 1 if a ring moved.
+/// `net_wait(timeout_us, seen, kind)`: halts until the used rings of the calling CPU's pair
+/// move past `seen` (receive used index in bits 0..16; the transmit one in bits 16..32,
+/// looked at only with `NET_WAIT_TX`), an interrupt arrives or the time passes. Returns 1
+/// if a ring moved.
 pub const SYS_NET_WAIT: u64 = 27;
 pub const DEV_NET: u64 = 0;
 pub const DEV_VSOCK: u64 = 1;
@@ -88,8 +91,26 @@ pub const STAT_VSOCK_INTERRUPTS: u64 = 5;
 pub const NET_QUEUE_BYTES: u64 = 3 * 4096;
 pub const NET_AVAIL_OFF: u64 = 4096;
 pub const NET_USED_OFF: u64 = 8192;
-/// Queue 0 (receive) and queue 1 (transmit).
+/// One queue pair: receive queue 2k and transmit queue 2k+1. A task lays the pairs out
+/// one after another, pair k at `NetOpen::rings + k * NET_RING_BYTES`.
 pub const NET_RING_BYTES: u64 = 2 * NET_QUEUE_BYTES;
+/// The most queue pairs a task may lay rings out for (`NetOpen::pairs`).
+pub const NET_MAX_PAIRS: u32 = 16;
+/// `NetOpen::pair`: the pair of the calling CPU (its index modulo the pairs in use).
+pub const NET_PAIR_ANY: u32 = u32::MAX;
+/// `NetOpen::flags`: attach to a pair of the device another CPU of the same task brought
+/// up on the same rings, instead of bringing it up (the only open a worker CPU may make).
+pub const NET_OPEN_PAIR: u32 = 1;
+/// `NetOpen::ctrl`: what became of the control queue at bring-up.
+pub const NET_CTRL_NONE: u32 = 0;
+/// VQ_PAIRS_SET was answered OK (or the device has a control queue but no MQ).
+pub const NET_CTRL_OK: u32 = 1;
+/// VQ_PAIRS_SET was answered VIRTIO_NET_ERR: the device uses one pair.
+pub const NET_CTRL_ERR: u32 = 2;
+/// VQ_PAIRS_SET got no used entry in time: the device uses one pair.
+pub const NET_CTRL_NO_ANSWER: u32 = 3;
+/// The control queue could not be set up (too small, already live): one pair.
+pub const NET_CTRL_UNUSABLE: u32 = 4;
 /// virtio-vsock's receive, transmit and event queues.
 pub const VSOCK_RING_BYTES: u64 = 3 * NET_QUEUE_BYTES;
 pub const NET_MAX_QUEUE: u32 = 256;
@@ -97,13 +118,26 @@ pub const NET_MAX_QUEUE: u32 = 256;
 pub const NET_MAX_WAIT_US: u64 = 1_000_000;
 
 /// The block `net_open` works on, in the task's arena. The task fills `rings` (4 KiB
-/// aligned, `NET_RING_BYTES`, zeroed and with the receive buffers already posted if it
-/// likes) and `want_queue`; the kernel fills the rest.
+/// aligned, `pairs * NET_RING_BYTES` for virtio-net, zeroed and with the receive buffers
+/// already posted if it likes), `want_queue`, `pairs`, `pair` and `flags`; the kernel
+/// fills the rest.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct NetOpen {
     pub rings: u64,
     pub want_queue: u32,
+    /// In: queue pairs `rings` has room for (0 counts as 1). Out: pairs the device uses,
+    /// at most that, the device's `max_virtqueue_pairs` and the CPUs online.
+    pub pairs: u32,
+    /// In: the pair this CPU drives (`NET_PAIR_ANY`: its index modulo the pairs in use).
+    /// Out: the pair it got.
+    pub pair: u32,
+    /// `NET_OPEN_PAIR` or 0.
+    pub flags: u32,
+    /// Out: the device's `max_virtqueue_pairs` (1 without VIRTIO_NET_F_MQ).
+    pub max_pairs: u32,
+    /// Out: `NET_CTRL_*`.
+    pub ctrl: u32,
     /// Entries of each queue: a power of two, at most `want_queue` and the device's limit.
     pub queue_size: u32,
     /// Negotiated feature bits.

@@ -119,6 +119,13 @@ pub fn cpl() -> u16 {
 }
 
 #[inline(always)]
+/// A 16-bit read: a virtio configuration field whose neighbours may lie past the end of
+/// the device's configuration (QEMU reads a wider access beyond it as all ones).
+pub fn mmio_read16(addr: u64) -> u16 {
+    // SAFETY: as for `mmio_read32`, for a 2-byte field of a virtio-mmio window.
+    unsafe { core::ptr::read_volatile(addr as *const u16) }
+}
+
 pub fn mmio_read32(addr: u64) -> u32 {
     // SAFETY: callers pass a 4-byte register of a device the firmware or the command line
     // announced (LAPIC, IOAPIC, a virtio-mmio window), identity-mapped by the boot tables.

@@ -188,7 +188,8 @@ pub fn set_user_mmio(page: u64, user: bool) -> bool {
     if !(3 * GIB..4 * GIB).contains(&page) {
         return false;
     }
-    // SAFETY: BSP kernel path only (a system call of the running task or its end).
+    // SAFETY: the kernel path of the one task that is not a worker (a system call of it,
+    // on whichever CPU it runs, or its end on the BSP, which waits meanwhile), one at a time.
     let (pds, pt, split) = unsafe { (PDS.get(), MMIO_PT.get(), MMIO_SPLIT.get()) };
     if *split != big {
         if *split != 0 {

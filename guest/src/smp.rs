@@ -381,6 +381,14 @@ pub fn post_user(cpu: usize, job: Job) -> Result<(), PostError> {
     post(cpu, false, job)
 }
 
+/// Wakes CPU `cpu` from `hlt`: a CPU waiting for a device whose interrupt only the BSP
+/// takes is told by the BSP's handler (`virtio::net::irq`).
+pub fn wake(cpu: usize) {
+    if cpu < MAX_CPUS && CPU_UP[cpu].load(Ordering::Relaxed) {
+        apic::send_ipi(CPU_APIC[cpu].load(Ordering::Relaxed), WAKE_IPI);
+    }
+}
+
 /// True if this CPU runs a worker of a multi-CPU task: other CPUs run user code and system
 /// calls at the same time, so it gets only the system calls that touch no shared kernel
 /// state, and no demand-paged windows.

@@ -114,7 +114,7 @@ pub fn run_all(info: &BootInfo) -> u8 {
 }
 
 /// Tasks besides the workload tasks whose user code `cpu=K` may move to another CPU.
-const MOVABLE: [&[u8]; 9] = [
+const MOVABLE: [&[u8]; 13] = [
     b"hello",
     b"user-hello",
     b"blk-crc",
@@ -124,6 +124,10 @@ const MOVABLE: [&[u8]; 9] = [
     b"fault",
     b"pmem-crc",
     b"pmem-fill",
+    b"udp-echo",
+    b"tcp-send",
+    b"http-serve",
+    b"udp-counter",
 ];
 
 fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
@@ -141,7 +145,7 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         .is_some();
     let cpu = match opts.cpu {
         Some(_) if !(MOVABLE.contains(&name) || workload) || opts.procs.is_some() => {
-            return bad_argument(task, "cpu=K applies to hello, user-hello, blk-*, spin, fault, pmem-* and the workload tasks (fib without procs=)");
+            return bad_argument(task, "cpu=K applies to hello, user-hello, blk-*, spin, fault, pmem-*, the network tasks (without procs=) and the workload tasks (fib without procs=)");
         }
         Some(k) if k as usize >= smp::online() => {
             return bad_argument(task, "cpu=K needs K below the number of CPUs online");
@@ -149,8 +153,8 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         Some(k) => k as usize,
         None => 0,
     };
-    if opts.procs.is_some() && name != b"fib" {
-        return bad_argument(task, "procs=P applies to fib only");
+    if opts.procs.is_some() && !matches!(name, b"fib" | b"tcp-send" | b"udp-echo") {
+        return bad_argument(task, "procs=P applies to fib, tcp-send and udp-echo only");
     }
     if opts.iters.is_some() && name != b"litmus" && name != b"mem-check" {
         return bad_argument(task, "iters=N applies to litmus and mem-check only");
@@ -230,7 +234,7 @@ fn run_one(info: &BootInfo, task: &[u8], opts: Opts) -> u8 {
         }
         (b"mem-check", a) => mem_check(task, num(a), opts.iters),
         (b"udp-echo" | b"tcp-send" | b"http-serve" | b"udp-counter", a) => {
-            net_task(task, name, a, opts)
+            net_task(task, name, a, opts, cpu)
         }
         (b"vsock-echo" | b"vsock-send", a) => vsock_task(task, name, a, opts),
         (b"timer", None) => timer_task(),
@@ -316,6 +320,18 @@ fn mem_check(task: &[u8], mib: Option<u64>, rounds: Option<u64>) -> u8 {
 /// `bytes=`.
 const NET_DEFAULT_N: u64 = 100;
 const NET_DEFAULT_BYTES: u64 = 1 << 20;
+/// The most `tcp-send` or `udp-echo` copies (`procs=P`): one per queue pair the guest lays
+/// out.
+const NET_MAX_PROCS: u64 = crate::abi::NET_MAX_PAIRS as u64;
+const NET_PROCS_USAGE: &str =
+    "procs=P after tcp-send or udp-echo needs P in 1..=16 and no more than the CPUs online";
+
+/// `procs=P` of `tcp-send` or `udp-echo` (1 without it), if P is one they can run.
+fn net_procs(opts: Opts) -> Option<u32> {
+    let procs = opts.procs.unwrap_or(1);
+    (procs >= 1 && procs as usize <= smp::online() && procs <= NET_MAX_PROCS)
+        .then_some(procs as u32)
+}
 /// The most `udp-echo` rounds (their round-trip times are kept in the task buffer).
 const NET_MAX_ROUNDS: u64 = 1_000_000;
 
@@ -340,10 +356,11 @@ fn host_port(v: &[u8]) -> Option<([u8; 4], u16)> {
     (v.port() != 0).then_some((v.ip().octets(), v.port()))
 }
 
-/// `udp-echo=HOST:PORT[,n=N]`, `tcp-send=HOST:PORT[,bytes=N]`, `http-serve=PORT[,n=N]`,
-/// `udp-counter=PORT[,n=N]`: parses the task and the interface's address (`probe.ip=`, `probe.gw=`), then runs the
-/// task at CPL3 (`net::*`).
-fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts) -> u8 {
+/// `udp-echo=HOST:PORT[,n=N][,procs=P]`, `tcp-send=HOST:PORT[,bytes=N][,procs=P]`,
+/// `http-serve=PORT[,n=N]`, `udp-counter=PORT[,n=N]`, each also with `cpu=K` (not with
+/// `procs=`): parses the task and the interface's address (`probe.ip=`, `probe.gw=`), then
+/// runs the task at CPL3 (`net::*`) on CPU `cpu`.
+fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts, cpu: usize) -> u8 {
     let info = bootinfo::get();
     let Some(ip) = info.param(b"probe.ip") else {
         return bad_argument(
@@ -379,7 +396,10 @@ fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts) -> u8 {
                     "udp-echo=HOST:PORT[,n=N] needs an IPv4 address, a port and N in 1..=1000000",
                 );
             };
-            (p.peer, p.port, p.count) = (peer, port, n);
+            let Some(procs) = net_procs(opts) else {
+                return bad_argument(task, NET_PROCS_USAGE);
+            };
+            (p.peer, p.port, p.count, p.procs) = (peer, port, n, procs);
             ("udp-echo", net::udp_echo)
         }
         b"tcp-send" => {
@@ -392,7 +412,10 @@ fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts) -> u8 {
                     "tcp-send=HOST:PORT[,bytes=N] needs an IPv4 address, a port and N > 0",
                 );
             };
-            (p.peer, p.port, p.count) = (peer, port, n);
+            let Some(procs) = net_procs(opts) else {
+                return bad_argument(task, NET_PROCS_USAGE);
+            };
+            (p.peer, p.port, p.count, p.procs) = (peer, port, n, procs);
             ("tcp-send", net::tcp_send)
         }
         b"udp-counter" => {
@@ -422,7 +445,7 @@ fn net_task(task: &[u8], name: &[u8], arg: Option<&[u8]>, opts: Opts) -> u8 {
             ("http-serve", net::http_serve)
         }
     };
-    finish(label, 0, user::run_task(0, entry, &p, timeout()))
+    finish(label, cpu, user::run_task(cpu, entry, &p, timeout()))
 }
 
 /// `vsock-echo=PORT[,n=N]`, `vsock-send=PORT[,bytes=N]`: runs the task at CPL3

@@ -250,7 +250,9 @@ fn run_inner(cpu: usize, entry: UserEntry, param: u64, timeout_s: u64, reserved:
         0 => 0,
         d => d.saturating_add(AP_GRACE_S * timer::tsc_hz()),
     };
-    match smp::wait(cpu, until) {
+    let r = smp::wait(cpu, until);
+    virtio::net::close();
+    match r {
         Some(code) => outcome(cpu, code),
         None => Outcome::TimedOut,
     }
@@ -379,6 +381,11 @@ pub fn syscall(f: &mut TrapFrame) {
             | abi::SYS_GETPID
             | abi::SYS_CPU_COUNT
             | abi::SYS_CPU_NODE
+            // A worker attaches to its own queue pair only and waits on it; both read
+            // atomics that the task's bring-up wrote before it started any worker.
+            | abi::SYS_NET_OPEN
+            | abi::SYS_NET_WAIT
+            | abi::SYS_STATS
     );
     let result: Result<u64, Error> = match f.rax {
         _ if !shared_safe && smp::on_worker() => Err(Error::NoSuchCall),

@@ -237,6 +237,195 @@ fn a_tcp_stream_from_the_guest_arrives_whole() {
     assert_eq!(run.result("tcp-send")["bytes"], bytes);
 }
 
+/// A TCP sink in `ns` on `port` that takes `conns` connections and reads each to its
+/// end at once; returns the bytes of each, in the order they were accepted.
+fn tcp_sink(ns: &Netns, port: u16, conns: usize) -> std::thread::JoinHandle<Vec<u64>> {
+    ns.spawn(move || {
+        let l = TcpListener::bind(("0.0.0.0", port)).unwrap();
+        l.set_nonblocking(true).unwrap();
+        let t0 = Instant::now();
+        let mut readers = Vec::new();
+        while readers.len() < conns {
+            match l.accept() {
+                Ok((mut s, _)) => readers.push(std::thread::spawn(move || {
+                    s.set_nonblocking(false).unwrap();
+                    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                    let (mut total, mut buf) = (0u64, vec![0u8; 65536]);
+                    loop {
+                        let n = s.read(&mut buf).expect("the stream ends with a close");
+                        if n == 0 {
+                            break total;
+                        }
+                        total += n as u64;
+                    }
+                })),
+                Err(_) if t0.elapsed() < LIMIT => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) => panic!(
+                    "the guest made {} of {conns} connections: {e}",
+                    readers.len()
+                ),
+            }
+        }
+        readers.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_tcp_stream_from_an_application_processor_uses_that_cpus_pair() {
+    let ns = Netns::new("tcpap");
+    let sink = tcp_sink(&ns, 9000, 1);
+    let bytes = 256 << 10;
+    let vm = run_in(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes={bytes},cpu=1"),
+        "kernel",
+        &["--cpus", "2"],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(sink.join().unwrap(), vec![bytes], "bytes the sink read");
+    let r = run.result("tcp-send");
+    assert_eq!(r["bytes"], bytes);
+    // A single-pair device (no VIRTIO_NET_F_MQ): CPU 1's pair is 1 mod 1.
+    assert_eq!(r["queue_pairs"], 1, "{r}");
+    assert_eq!(r["queue_pair"], 0, "{r}");
+}
+
+#[test]
+fn two_udp_echo_copies_on_two_cpus_each_use_a_queue_pair_of_their_own() {
+    let ns = Netns::new("udpmq2");
+    let answered = Arc::new(AtomicU64::new(0));
+    let echo = udp_echo(&ns, 7777, answered);
+    let vm = run_with_net(
+        &ns,
+        &format!("udp-echo={HOST}:7777,n=100,procs=2"),
+        "kernel",
+        ",num_queues=4",
+        &["--cpus", "2"],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    let r = run.result("udp-echo");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["queue_pairs"], 2, "{r}");
+    assert_eq!(
+        r["answered"], 200,
+        "a TAP inside one host loses nothing: {r}"
+    );
+    for (i, c) in r["copies"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(c["queue_pair"], i, "copy {i} drives pair {i}: {r}");
+        assert_eq!(c["rounds"], 100, "{r}");
+    }
+    assert!(echo.join().unwrap() >= 200, "the echo answered both copies");
+}
+
+#[test]
+fn a_refused_vq_pairs_set_leaves_the_guest_on_one_pair_and_says_so() {
+    let ns = Netns::new("tcpmqerr");
+    let sink = tcp_sink(&ns, 9000, 1);
+    let metrics = tempfile::NamedTempFile::new().unwrap();
+    let m = metrics.path().display().to_string();
+    let bytes = 256 << 10;
+    // Three pairs of a device that has two: the device must answer VIRTIO_NET_ERR.
+    let vm = run_with_net(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes={bytes},cpu=1 probe.net_pairs=3"),
+        "kernel",
+        ",num_queues=4",
+        &["--cpus", "2", "--metrics", &m],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(sink.join().unwrap(), vec![bytes], "bytes the sink read");
+    let r = run.result("tcp-send");
+    assert_eq!(r["queue_pairs"], 1, "{r}");
+    assert_eq!(r["queue_pair"], 0, "{r}");
+    assert_eq!(r["mq_error"], "VQ_PAIRS_SET answered ERR", "{r}");
+    let net = &metrics_in(metrics.path()).net[0];
+    assert_eq!(net.ctrl_errors, 1, "{net:?}");
+}
+
+#[test]
+fn a_tcp_stream_from_cpu_1_uses_pair_1_of_a_multiqueue_device() {
+    let ns = Netns::new("tcpmqap");
+    let sink = tcp_sink(&ns, 9000, 1);
+    let bytes = 256 << 10;
+    let vm = run_with_net(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes={bytes},cpu=1"),
+        "kernel",
+        ",num_queues=4",
+        &["--cpus", "2"],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(sink.join().unwrap(), vec![bytes], "bytes the sink read");
+    let r = run.result("tcp-send");
+    assert_eq!(r["queue_pairs"], 2, "{r}");
+    assert_eq!(r["max_queue_pairs"], 2, "{r}");
+    assert_eq!(r["queue_pair"], 1, "{r}");
+}
+
+#[test]
+fn more_copies_than_the_device_has_pairs_are_refused_naming_the_pairs() {
+    let ns = Netns::new("tcpmq1");
+    let vm = run_in(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes=4096,procs=2"),
+        "kernel",
+        &["--cpus", "2"],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(7), "{}", run.explain());
+    let r = run.result("tcp-send");
+    assert_eq!(r["ok"], false, "{r}");
+    assert_eq!(r["queue_pairs"], 1, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("queue pairs"), "{r}");
+}
+
+#[test]
+fn two_tcp_streams_from_two_cpus_each_use_a_queue_pair_of_their_own() {
+    let ns = Netns::new("tcpmq2");
+    let sink = tcp_sink(&ns, 9000, 2);
+    let metrics = tempfile::NamedTempFile::new().unwrap();
+    let m = metrics.path().display().to_string();
+    let bytes = 1 << 20;
+    let vm = run_with_net(
+        &ns,
+        &format!("tcp-send={HOST}:9000,bytes={bytes},procs=2"),
+        "kernel",
+        ",num_queues=4",
+        &["--cpus", "2", "--metrics", &m],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(
+        sink.join().unwrap(),
+        vec![bytes, bytes],
+        "bytes the sink read"
+    );
+    let r = run.result("tcp-send");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["queue_pairs"], 2, "VQ_PAIRS_SET(2) was taken: {r}");
+    assert_eq!(r["bytes"], 2 * bytes, "{r}");
+    let copies = r["copies"].as_array().unwrap();
+    assert_eq!(copies.len(), 2, "{r}");
+    for (i, c) in copies.iter().enumerate() {
+        assert_eq!(c["cpu"], i, "{r}");
+        assert_eq!(c["queue_pair"], i, "copy {i} drives pair {i}: {r}");
+        assert_eq!(c["bytes"], bytes, "{r}");
+        // Each copy's flow came back on its own pair: the host acknowledged its bytes there.
+        assert!(c["rx_packets"].as_u64().unwrap() > 0, "{r}");
+    }
+    assert_ne!(copies[0]["local_port"], copies[1]["local_port"], "{r}");
+    let net = &metrics_in(metrics.path()).net[0];
+    assert!(
+        net.ctrl_commands >= 1,
+        "the guest sent VQ_PAIRS_SET: {net:?}"
+    );
+    assert_eq!(net.ctrl_errors, 0, "{net:?}");
+}
+
 #[test]
 fn bad_net_flags_are_refused_naming_the_flag() {
     for (spec, why) in [

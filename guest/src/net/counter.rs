@@ -20,7 +20,7 @@ pub extern "C" fn udp_counter(buf: u64, len: u64, param: u64) -> ! {
     const NAME: &str = "udp-counter";
     let p = params(param);
     let mut mem = Carve::new(buf, len);
-    let dev = open(NAME, &mut mem);
+    let dev = open(NAME, &mut mem, 1);
     let (Some(rx), Some(tx)) = (mem.slice(16 * 1024), mem.slice(16 * 1024)) else {
         fail(NAME, "no memory for socket buffers")
     };

@@ -1,10 +1,12 @@
 //! The network tasks: a virtio-net driver (`driver`), smoltcp on top of it (`stack`) and
-//! the tasks themselves (`tasks`, and `counter` for `udp-counter`), all at CPL3. The kernel
+//! the tasks themselves (`tasks`, `flows` for `tcp-send` with `procs=P`, and `counter` for
+//! `udp-counter`), all at CPL3. The kernel
 //! only opens the device for the task and halts it while there is nothing to do
 //! (`virtio::net`).
 
 mod counter;
 pub(crate) mod driver;
+mod flows;
 mod stack;
 mod tasks;
 
@@ -28,6 +30,9 @@ pub struct Params {
     pub port: u16,
     /// Rounds (`udp-echo`), bytes (`tcp-send`) or requests (`http-serve`, `udp-counter`).
     pub count: u64,
+    /// `procs=P` (`tcp-send`, `udp-echo`): P copies at once, copy i on CPU i and queue
+    /// pair i; 0 or 1: one copy, on the task's CPU.
+    pub procs: u32,
 }
 
 /// Hands out pieces of the task's buffer, front to back.

@@ -9,6 +9,7 @@ use smoltcp::wire::{EthernetAddress, IpCidr, Ipv4Address};
 
 use super::driver::VirtioNet;
 use super::Params;
+use crate::abi;
 use crate::ulib::{self, Line};
 
 /// The longest a task sleeps without looking at its own clock again.
@@ -64,11 +65,12 @@ impl<'a> Stack<'a> {
     /// Moves every packet that can move now, then notifies the device once for the lot.
     /// True if anything happened that the task should look at.
     pub fn poll(&mut self) -> bool {
-        let before = (self.dev.rx.packets, self.dev.tx.packets);
+        let before = (self.dev.rx_packets(), self.dev.tx.packets);
         let now = self.now();
         let r = self.iface.poll(now, &mut self.dev, &mut self.sockets);
         self.dev.flush();
-        r == PollResult::SocketStateChanged || before != (self.dev.rx.packets, self.dev.tx.packets)
+        r == PollResult::SocketStateChanged
+            || before != (self.dev.rx_packets(), self.dev.tx.packets)
     }
 
     /// Waits for the device, for at most what smoltcp's timers and `max_us` allow.
@@ -103,11 +105,37 @@ impl<'a> Stack<'a> {
             m[5],
             self.dev.rx.merged,
             self.dev.tx.packets,
-            self.dev.rx.packets,
-            self.dev.rx.dropped,
+            self.dev.rx_packets(),
+            self.dev.rx.dropped + self.dev.other_pairs_rx().1,
             self.dev.kicks(),
             self.dev.waits,
             ulib::net_interrupts() - self.irqs0
         );
+        let d = &self.dev;
+        let _ = write!(
+            l,
+            ",\"queue_pair\":{},\"queue_pairs\":{},\"max_queue_pairs\":{}",
+            d.pair, d.pairs, d.max_pairs
+        );
+        let (other_pairs, other_dropped) = d.other_pairs_rx();
+        if d.pairs > 1 && d.rx.only_port == 0 {
+            let _ = write!(
+                l,
+                ",\"rx_other_pairs\":{},\"rx_other_pairs_dropped\":{}",
+                other_pairs, other_dropped
+            );
+        }
+        if d.rx.only_port != 0 {
+            let _ = write!(l, ",\"rx_foreign\":{}", d.rx.foreign);
+        }
+        let ctrl_error = match d.ctrl {
+            abi::NET_CTRL_ERR => "VQ_PAIRS_SET answered ERR",
+            abi::NET_CTRL_NO_ANSWER => "VQ_PAIRS_SET got no answer",
+            abi::NET_CTRL_UNUSABLE => "the control queue could not be set up",
+            _ => "",
+        };
+        if !ctrl_error.is_empty() {
+            let _ = write!(l, ",\"mq_error\":\"{}\"", ctrl_error);
+        }
     }
 }

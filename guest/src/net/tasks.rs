@@ -12,7 +12,7 @@ use smoltcp::wire::{IpAddress, IpEndpoint, Ipv4Address};
 use super::driver::VirtioNet;
 use super::stack::Stack;
 use super::{Carve, Params};
-use crate::abi::STATUS_NET_FAILED;
+use crate::abi::{self, STATUS_NET_FAILED};
 use crate::ulib::{self, Line};
 
 /// Bytes of each `udp-echo` request (a sequence number, then a pattern).
@@ -69,8 +69,9 @@ pub(super) fn fail_with(name: &str, why: &str, net: &Stack, extra: &str) -> ! {
     ulib::exit(STATUS_NET_FAILED)
 }
 
-pub(super) fn open(name: &str, mem: &mut Carve) -> VirtioNet {
-    match VirtioNet::open(mem) {
+/// Brings the device up with room for `pairs` queue pairs and drives the calling CPU's.
+pub(super) fn open(name: &str, mem: &mut Carve, pairs: u32) -> VirtioNet {
+    match VirtioNet::open(mem, pairs) {
         Ok(d) => d,
         Err(crate::abi::Error::NoDevice) => fail(name, "no usable virtio-net device"),
         Err(e) => fail(name, e.name()),
@@ -83,9 +84,16 @@ fn endpoint(p: &Params) -> IpEndpoint {
 }
 
 /// An ephemeral port that differs from run to run, so a host still holding an old
-/// connection's state does not confuse a new one.
-fn local_port() -> u16 {
-    49152 + (ulib::rdtsc() % 16384) as u16
+/// connection's state does not confuse a new one; the next `MAX_PAIRS - 1` ports are free
+/// for the other copies of a `procs=P` task.
+pub(super) fn local_port() -> u16 {
+    49152 + (ulib::rdtsc() % (16384 - abi::NET_MAX_PAIRS as u64)) as u16
+}
+
+/// Pairs a client task lays rings out for: one per CPU, so the task uses its CPU's pair.
+/// Servers take one pair: the host's TAP puts a new connection on any queue.
+pub(super) fn client_pairs() -> u32 {
+    (ulib::cpu_count() as u32).clamp(1, abi::NET_MAX_PAIRS)
 }
 
 /// Polls and idles until `done` holds or `ms` pass; true if `done` held.
@@ -138,7 +146,7 @@ fn udp_round(net: &mut Stack, h: SocketHandle, to: IpEndpoint, seq: u64, ms: u64
 }
 
 /// The value at fraction `pct`/100 of the sorted `v` (nearest rank).
-fn percentile(v: &[u32], pct: usize) -> u32 {
+pub(super) fn percentile(v: &[u32], pct: usize) -> u32 {
     if v.is_empty() {
         return 0;
     }
@@ -146,18 +154,74 @@ fn percentile(v: &[u32], pct: usize) -> u32 {
     v[rank - 1]
 }
 
+/// What `echo_rounds` did: rounds run, answered and lost, and their time.
+pub(super) struct Echo {
+    pub rounds: u64,
+    pub done: usize,
+    pub lost: u64,
+    pub ns: u64,
+}
+
+/// The untimed first exchange (up to `UDP_WARMUP_TRIES`), then `p.count` timed rounds on
+/// socket `h`, or fewer if the task's time runs out; the answered rounds' times (ns) go to
+/// the front of `rtts`, sorted. `None` if the first exchange got no answer.
+pub(super) fn echo_rounds(
+    net: &mut Stack,
+    h: SocketHandle,
+    p: &Params,
+    rtts: &mut [u32],
+) -> Option<Echo> {
+    let to = endpoint(p);
+    let warm = (0..UDP_WARMUP_TRIES)
+        .any(|i| udp_round(net, h, to, u64::MAX - i as u64, UDP_ROUND_MS).is_some());
+    if !warm {
+        return None;
+    }
+    let hz = net.hz;
+    let t0 = ulib::rdtsc();
+    let (mut done, mut lost) = (0usize, 0u64);
+    let mut rounds = 0;
+    while rounds < p.count && done < rtts.len() {
+        if net.out_of_time() {
+            break;
+        }
+        match udp_round(net, h, to, rounds, UDP_ROUND_MS) {
+            Some(c) => {
+                rtts[done] = (c as u128 * 1_000_000_000 / hz as u128).min(u32::MAX as u128) as u32;
+                done += 1;
+            }
+            None => lost += 1,
+        }
+        rounds += 1;
+    }
+    let ns = ulib::cycles_to_ns(ulib::rdtsc() - t0, hz).max(1);
+    rtts[..done].sort_unstable();
+    Some(Echo {
+        rounds,
+        done,
+        lost,
+        ns,
+    })
+}
+
+/// Bytes of each `udp-echo` socket buffer.
+pub(super) const UDP_BUFFER: usize = 16 * 1024;
+
 pub extern "C" fn udp_echo(buf: u64, len: u64, param: u64) -> ! {
     const NAME: &str = "udp-echo";
     let p = params(param);
+    if p.procs > 1 {
+        super::flows::udp_echo_procs(buf, len, param)
+    }
     let mut mem = Carve::new(buf, len);
-    let dev = open(NAME, &mut mem);
+    let dev = open(NAME, &mut mem, client_pairs());
     let Some(rtts) = mem.slice(p.count as usize * 4) else {
         fail(NAME, "n=N does not fit the task buffer")
     };
     // SAFETY: `rtts` is 4-byte aligned (carved at a page boundary) and `count` u32s long.
     let rtts =
         unsafe { core::slice::from_raw_parts_mut(rtts.as_mut_ptr() as *mut u32, p.count as usize) };
-    let (Some(rx), Some(tx)) = (mem.slice(16 * 1024), mem.slice(16 * 1024)) else {
+    let (Some(rx), Some(tx)) = (mem.slice(UDP_BUFFER), mem.slice(UDP_BUFFER)) else {
         fail(NAME, "no memory for socket buffers")
     };
     let mut rx_meta = [udp::PacketMetadata::EMPTY; 16];
@@ -172,32 +236,16 @@ pub extern "C" fn udp_echo(buf: u64, len: u64, param: u64) -> ! {
         fail(NAME, "cannot bind a UDP port");
     }
     let h = net.sockets.add(sock);
-    let to = endpoint(&p);
-    let warm = (0..UDP_WARMUP_TRIES)
-        .any(|i| udp_round(&mut net, h, to, u64::MAX - i as u64, UDP_ROUND_MS).is_some());
-    if !warm {
-        fail_with(NAME, "no reply from the echo server", &net, "");
-    }
-    let hz = net.hz;
-    let t0 = ulib::rdtsc();
-    let (mut done, mut lost) = (0usize, 0u64);
-    let mut rounds = 0;
-    while rounds < p.count {
-        if net.out_of_time() {
-            break;
-        }
-        match udp_round(&mut net, h, to, rounds, UDP_ROUND_MS) {
-            Some(c) => {
-                rtts[done] = (c as u128 * 1_000_000_000 / hz as u128).min(u32::MAX as u128) as u32;
-                done += 1;
-            }
-            None => lost += 1,
-        }
-        rounds += 1;
-    }
-    let ns = ulib::cycles_to_ns(ulib::rdtsc() - t0, hz).max(1);
-    let rtts = &mut rtts[..done];
-    rtts.sort_unstable();
+    let Some(Echo {
+        rounds,
+        done,
+        lost,
+        ns,
+    }) = echo_rounds(&mut net, h, &p, rtts)
+    else {
+        fail_with(NAME, "no reply from the echo server", &net, "")
+    };
+    let rtts = &rtts[..done];
     let us = |v: u32| v / 1000;
     let mut l = Line::new();
     let ok = rounds == p.count && done > 0;
@@ -232,29 +280,31 @@ fn stream_bytes(b: &mut [u8], off: u64) {
     }
 }
 
-pub extern "C" fn tcp_send(buf: u64, len: u64, param: u64) -> ! {
-    const NAME: &str = "tcp-send";
-    let p = params(param);
-    let mut mem = Carve::new(buf, len);
-    let dev = open(NAME, &mut mem);
-    let (Some(rx), Some(tx)) = (mem.slice(4096), mem.slice(TCP_TX_BUFFER)) else {
-        fail(NAME, "no memory for socket buffers")
-    };
-    let mut storage = [SocketStorage::EMPTY; 1];
-    let mut net = Stack::new(dev, &p, &mut storage);
-    let h = net.sockets.add(tcp::Socket::new(
-        tcp::SocketBuffer::new(rx),
-        tcp::SocketBuffer::new(tx),
-    ));
+/// What one `tcp-send` flow did: bytes the host acknowledged, microseconds from connect
+/// to the end, and why it failed if it did.
+pub(super) struct Flow {
+    pub acked: u64,
+    pub us: u64,
+    pub error: Option<&'static str>,
+}
+
+/// Connects socket `h` from `port` to the peer, sends `p.count` bytes of the stream and
+/// closes; once the host has it all, goes on answering for a moment so the host closes
+/// cleanly too.
+pub(super) fn send_flow(net: &mut Stack, h: SocketHandle, p: &Params, port: u16) -> Flow {
     let t0 = ulib::rdtsc();
     let cx = net.iface.context();
     if net
         .sockets
         .get_mut::<tcp::Socket>(h)
-        .connect(cx, endpoint(&p), local_port())
+        .connect(cx, endpoint(p), port)
         .is_err()
     {
-        fail_with(NAME, "cannot connect", &net, "");
+        return Flow {
+            acked: 0,
+            us: 0,
+            error: Some("cannot connect"),
+        };
     }
     let total = p.count;
     let (mut sent, mut closing, mut established) = (0u64, false, false);
@@ -307,35 +357,66 @@ pub extern "C" fn tcp_send(buf: u64, len: u64, param: u64) -> ! {
     };
     let us = net.us_since(t0).max(1);
     let acked = sent - net.sockets.get_mut::<tcp::Socket>(h).send_queue() as u64;
-    if let Some(why) = error {
+    if error.is_none() {
+        // Acknowledge the host's FIN, so the host side closes cleanly too.
+        run_until(net, LINGER_MS, |net| {
+            net.sockets.get_mut::<tcp::Socket>(h).state() == State::TimeWait
+        });
+    }
+    Flow { acked, us, error }
+}
+
+/// A rate in Mbit/s with one decimal, as `(whole, tenths)`.
+pub(super) fn mbit(bytes: u64, us: u64) -> (u128, u128) {
+    let tenths = bytes as u128 * 80 / us.max(1) as u128;
+    (tenths / 10, tenths % 10)
+}
+
+pub extern "C" fn tcp_send(buf: u64, len: u64, param: u64) -> ! {
+    const NAME: &str = "tcp-send";
+    let p = params(param);
+    if p.procs > 1 {
+        super::flows::tcp_send_procs(buf, len, param)
+    }
+    let mut mem = Carve::new(buf, len);
+    let dev = open(NAME, &mut mem, client_pairs());
+    let (Some(rx), Some(tx)) = (mem.slice(4096), mem.slice(TCP_TX_BUFFER)) else {
+        fail(NAME, "no memory for socket buffers")
+    };
+    let mut storage = [SocketStorage::EMPTY; 1];
+    let mut net = Stack::new(dev, &p, &mut storage);
+    let h = net.sockets.add(tcp_socket(rx, tx));
+    let total = p.count;
+    let f = send_flow(&mut net, h, &p, local_port());
+    if let Some(why) = f.error {
         let mut extra = Line::new();
         let _ = write!(
             extra,
             "\"bytes\":{},\"acked\":{},\"us\":{},",
-            total, acked, us
+            total, f.acked, f.us
         );
         fail_with(NAME, why, &net, extra.as_str());
     }
-    // Acknowledge the host's FIN, so the host side closes cleanly too.
-    run_until(&mut net, LINGER_MS, |net| {
-        net.sockets.get_mut::<tcp::Socket>(h).state() == State::TimeWait
-    });
-    let tenths = total as u128 * 80 / us as u128;
+    let (whole, tenths) = mbit(total, f.us);
     let mut l = Line::new();
     let _ = write!(
         l,
         "{{\"probe\":\"{}\",\"ok\":true,\"bytes\":{},\"mbit_per_s\":{}.{},\"us\":{},",
-        NAME,
-        total,
-        tenths / 10,
-        tenths % 10,
-        us
+        NAME, total, whole, tenths, f.us
     );
     net.counters(&mut l);
     l.push("}\n");
     l.send();
     ulib::exit(0)
 }
+
+/// The `tcp-send` socket on `rx` and `tx` (its buffers).
+pub(super) fn tcp_socket(rx: &'static mut [u8], tx: &'static mut [u8]) -> tcp::Socket<'static> {
+    tcp::Socket::new(tcp::SocketBuffer::new(rx), tcp::SocketBuffer::new(tx))
+}
+
+/// Bytes of the `tcp-send` socket's transmit buffer.
+pub(super) const TCP_TX_BYTES: usize = TCP_TX_BUFFER;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Phase {
@@ -513,7 +594,7 @@ pub extern "C" fn http_serve(buf: u64, len: u64, param: u64) -> ! {
     const NAME: &str = "http-serve";
     let p = params(param);
     let mut mem = Carve::new(buf, len);
-    let dev = open(NAME, &mut mem);
+    let dev = open(NAME, &mut mem, 1);
     let mut storage = [SocketStorage::EMPTY; HTTP_SOCKETS];
     let mut net = Stack::new(dev, &p, &mut storage);
     let mut conns = [Conn {
