@@ -23,6 +23,7 @@ mod migrate;
 mod mint;
 mod net;
 mod net_ceiling;
+mod net_flows;
 mod peers;
 pub mod plot;
 mod probe;

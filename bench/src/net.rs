@@ -2,7 +2,8 @@
 //! and QEMU (no vhost), on the same probe guest: UDP request/response rate and latency, TCP
 //! stream throughput, and what each packet costs in doorbells, interrupts and exits; and
 //! the same loads with no VM (`no-vm`, a client on a veth: `net_ceiling`), the ceiling each
-//! VMM is read against.
+//! VMM is read against; then Musubi's two flows over two queue pairs beside one
+//! (`net_flows`).
 //!
 //! All traffic stays in a network namespace made for the run ([`Netns`]): a persistent TAP
 //! `tap0` (10.0.0.1/24) that every VMM opens in turn, and the host's ends (a UDP echo, a TCP
@@ -34,7 +35,7 @@ use std::time::{Duration, Instant};
 const HOST: &str = "10.0.0.1";
 const GUEST: &str = "10.0.0.2/24";
 const UDP_PORT: u16 = 7777;
-const TCP_PORT: u16 = 9000;
+pub(crate) const TCP_PORT: u16 = 9000;
 const TAP: &str = "tap0";
 /// Firecracker wants the guest's MAC; the others pick their own.
 const GUEST_MAC: &str = "06:00:0a:00:00:02";
@@ -45,9 +46,9 @@ const RUN_TIMEOUT: Duration = Duration::from_secs(120);
 /// shutdown lines to what it logged about the device.
 const LINES: usize = 10;
 
-/// The goals, each against the better of Firecracker and QEMU in the same run.
+/// Musubi's goals, each against the better of Firecracker and QEMU in the same run.
 const GOAL_RATE: f64 = 1.2;
-const GOAL_STREAM: f64 = 1.0;
+const GOAL_STREAM: f64 = 1.5;
 const GOAL_P50: f64 = 1.0;
 const GOAL_SOURCE: &str = "Musubi goal, same run";
 /// The aim for the kernel path's UDP rate as a fraction of the no-VM ceiling.
@@ -243,7 +244,16 @@ pub fn run(h: &Harness, args: &BenchArgs) -> Result<(), String> {
     let (title, panels) = chart(configs, &sums, &missing);
     let svg_path = Outputs::new(h).bars("net.svg", &title, &panels)?;
     println!();
-    println!("wrote {} and {}", csv_path.display(), svg_path.display());
+    let flows = crate::net_flows::measure(&ns, &exe, &elf, load.tcp_bytes, reps)?;
+    print!("{}", crate::net_flows::report(&flows, load.tcp_bytes));
+    let flows_path = Outputs::new(h).csv("net-flows.csv", &crate::net_flows::csv(&flows))?;
+    println!();
+    println!(
+        "wrote {}, {} and {}",
+        csv_path.display(),
+        svg_path.display(),
+        flows_path.display()
+    );
     Ok(())
 }
 
@@ -444,6 +454,16 @@ fn verdicts(configs: &[Vmm], sums: &[Sums]) -> Verdicts {
         vs(|s| s.mbit, f64::max),
         format!(">= {GOAL_STREAM:.2}x"),
         &|x| x >= GOAL_STREAM,
+    );
+    let user = find("musubi-user");
+    fig(
+        "TCP Mbit/s, musubi-kernel / musubi-user",
+        kernel
+            .and_then(|k| k.mbit)
+            .zip(user.and_then(|u| u.mbit))
+            .and_then(|(k, u)| ratio(k.median, u.median)),
+        ">= 1.00x".into(),
+        &|x| x >= 1.0,
     );
     fig(
         "UDP p50 latency, musubi-kernel / better peer",
@@ -790,6 +810,18 @@ fn udp_echo(stop: &AtomicBool, ready: &dyn Fn(), rounds: u64) -> Result<u64, Str
 /// Takes one connection and reads it to its end, checking the stream's pattern (byte i is
 /// i mod 251); for at most a run's time, and not beyond `bytes`.
 fn tcp_sink(stop: &AtomicBool, ready: &dyn Fn(), bytes: u64) -> Result<u64, String> {
+    Ok(tcp_sinks(stop, ready, bytes, 1)?[0])
+}
+
+/// The TCP sink for `conns` streams at once (`tcp-send procs=P`): takes them all, then reads
+/// and checks each on a thread of its own; each stream's byte count, in the order they
+/// connected.
+pub(crate) fn tcp_sinks(
+    stop: &AtomicBool,
+    ready: &dyn Fn(),
+    bytes: u64,
+    conns: usize,
+) -> Result<Vec<u64>, String> {
     let l = TcpListener::bind(("0.0.0.0", TCP_PORT))
         .map_err(|e| format!("the TCP sink cannot bind port {TCP_PORT}: {e}"))?;
     l.set_nonblocking(true)
@@ -797,13 +829,40 @@ fn tcp_sink(stop: &AtomicBool, ready: &dyn Fn(), bytes: u64) -> Result<u64, Stri
     ready();
     let t0 = Instant::now();
     let going = || !stop.load(Ordering::Relaxed) && t0.elapsed() < RUN_TIMEOUT;
-    let mut s = loop {
+    let mut streams = Vec::new();
+    while streams.len() < conns {
         match l.accept() {
-            Ok((s, _)) => break s,
+            Ok((s, _)) => streams.push(s),
             Err(_) if going() => std::thread::sleep(Duration::from_millis(5)),
-            Err(e) => return Err(format!("the guest never connected to the TCP sink: {e}")),
+            Err(e) => {
+                return Err(format!(
+                    "{} of {conns} guest streams connected to the TCP sink: {e}",
+                    streams.len()
+                ))
+            }
         }
-    };
+    }
+    std::thread::scope(|scope| {
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|s| scope.spawn(|| drain_checked(s, bytes, &going)))
+            .collect();
+        readers
+            .into_iter()
+            .map(|r| {
+                r.join()
+                    .unwrap_or_else(|_| Err("a TCP sink reader panicked".into()))
+            })
+            .collect()
+    })
+}
+
+/// Reads one guest stream to its end, checking every byte; its length.
+fn drain_checked(
+    mut s: std::net::TcpStream,
+    bytes: u64,
+    going: &dyn Fn() -> bool,
+) -> Result<u64, String> {
     s.set_nonblocking(false)
         .and_then(|()| s.set_read_timeout(Some(Duration::from_millis(100))))
         .map_err(|e| format!("the TCP sink: {e}"))?;
@@ -841,8 +900,8 @@ fn tcp_sink(stop: &AtomicBool, ready: &dyn Fn(), bytes: u64) -> Result<u64, Stri
 
 /// A network namespace of the benchmark's own, with the TAP every VMM opens. Dropping it
 /// deletes both; nothing of it is in the host's namespace.
-struct Netns {
-    name: String,
+pub(crate) struct Netns {
+    pub(crate) name: String,
 }
 
 impl Netns {
@@ -871,7 +930,7 @@ impl Netns {
     }
 
     /// `cmd` run inside the namespace (`ip netns exec` execs it, so the pid is the VMM's).
-    fn command(&self, cmd: &Command) -> Command {
+    pub(crate) fn command(&self, cmd: &Command) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.name])
             .arg(cmd.get_program())
@@ -881,7 +940,7 @@ impl Netns {
 
     /// Runs `f` on a thread that entered the namespace (that thread alone), so its sockets
     /// are the namespace's; returns once `f` calls its second argument (it has bound them).
-    fn spawn<T: Send + 'static>(
+    pub(crate) fn spawn<T: Send + 'static>(
         &self,
         f: impl FnOnce(&AtomicBool, &dyn Fn()) -> Result<T, String> + Send + 'static,
     ) -> Result<Server<T>, String> {
@@ -960,14 +1019,14 @@ extern "C" fn on_signal(sig: libc::c_int) {
 }
 
 /// A host-side server thread in the namespace.
-struct Server<T> {
+pub(crate) struct Server<T> {
     stop: Arc<AtomicBool>,
     thread: std::thread::JoinHandle<Result<T, String>>,
 }
 
 impl<T> Server<T> {
     /// Tells it to stop and takes its result.
-    fn finish(self) -> Result<T, String> {
+    pub(crate) fn finish(self) -> Result<T, String> {
         self.stop.store(true, Ordering::Relaxed);
         self.thread
             .join()

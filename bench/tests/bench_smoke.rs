@@ -720,6 +720,11 @@ fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
         "{}",
         r.explain()
     );
+    // Two flows over two queue pairs beside one: each flow on a pair of its own sent frames
+    // and every byte reached the sink (the bench fails otherwise).
+    let f = CsvFile::read(&out.path().join("net-flows.csv"));
+    assert_eq!(f.rows.len(), 1, "{}", f.text);
+    flows_positive(&f);
     // Its own namespace, by the name it printed: a `bench all` run of other tests may have
     // one of its own alive meanwhile.
     let made = r
@@ -738,6 +743,23 @@ fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
         !listed.split_whitespace().any(|n| n == made),
         "the benchmark's namespace {made} was left behind: {listed}"
     );
+}
+
+/// Every throughput and frame count of `net-flows.csv`'s rows is above zero.
+fn flows_positive(f: &CsvFile) {
+    for row in &f.rows {
+        f.assert_positive(
+            row,
+            &[
+                "one_flow_mbit_per_s",
+                "two_flows_mbit_per_s",
+                "pair0_mbit_per_s",
+                "pair1_mbit_per_s",
+                "pair0_tx_packets",
+                "pair1_tx_packets",
+            ],
+        );
+    }
 }
 
 /// `musubi bench vsock --quick`, Musubi's row (a Firecracker found on PATH may run too):
