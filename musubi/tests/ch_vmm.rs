@@ -185,8 +185,8 @@ fn wrong_states_and_configs_musubi_cannot_honour_are_refused_with_cloud_hypervis
         ),
         (
             "net",
-            serde_json::json!([{"tap": "tap0", "num_queues": 4}]),
-            "net[0].num_queues 4: not supported by Musubi",
+            serde_json::json!([{"tap": "tap0", "num_queues": 3}]),
+            "net[0].num_queues 3: not supported by Musubi",
         ),
         ("colour", serde_json::json!("red"), "colour: unknown field"),
         (
