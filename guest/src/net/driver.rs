@@ -58,6 +58,21 @@ pub(crate) struct Ring {
 }
 
 impl Ring {
+    /// Queue `queue` of a device whose rings start at `rings` (one `abi::NET_QUEUE_BYTES`
+    /// each), nothing posted yet.
+    pub(crate) fn at(rings: u64, queue: u32, size: u16, notify: u64) -> Ring {
+        Ring {
+            base: rings + queue as u64 * abi::NET_QUEUE_BYTES,
+            size,
+            queue,
+            notify,
+            avail_idx: 0,
+            used_seen: 0,
+            unkicked: 0,
+            kicks: 0,
+        }
+    }
+
     fn avail(&self) -> u64 {
         self.base + abi::NET_AVAIL_OFF
     }
@@ -387,16 +402,7 @@ impl VirtioNet {
     fn new_rx(b: &NetOpen, queue: u32, bufs: u64) -> Rx {
         let size = b.queue_size as u16;
         let mut rx = Rx {
-            ring: Ring {
-                base: b.rings + queue as u64 * abi::NET_QUEUE_BYTES,
-                size,
-                queue,
-                notify: b.notify,
-                avail_idx: 0,
-                used_seen: 0,
-                unkicked: 0,
-                kicks: 0,
-            },
+            ring: Ring::at(b.rings, queue, size, b.notify),
             bufs,
             merged: b.features & F_MRG_RXBUF != 0,
             skip: 0,
@@ -419,16 +425,7 @@ impl VirtioNet {
     /// Posts every receive buffer of the pair the kernel gave this CPU.
     fn start(b: &NetOpen, (rx_bufs, tx_bufs): (u64, u64)) -> VirtioNet {
         let size = b.queue_size as u16;
-        let ring = |queue: u32| Ring {
-            base: b.rings + queue as u64 * abi::NET_QUEUE_BYTES,
-            size,
-            queue,
-            notify: b.notify,
-            avail_idx: 0,
-            used_seen: 0,
-            unkicked: 0,
-            kicks: 0,
-        };
+        let ring = |queue: u32| Ring::at(b.rings, queue, size, b.notify);
         let rx = Self::new_rx(b, 2 * b.pair, rx_bufs);
         let mut tx = Tx {
             ring: ring(2 * b.pair + 1),

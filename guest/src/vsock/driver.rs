@@ -125,16 +125,7 @@ impl Vsock {
         };
         ulib::vsock_open(&mut b)?;
         let size = b.queue_size as u16;
-        let ring = |queue: u32| Ring {
-            base: rings + queue as u64 * abi::NET_QUEUE_BYTES,
-            size,
-            queue,
-            notify: b.notify,
-            avail_idx: 0,
-            used_seen: 0,
-            unkicked: 0,
-            kicks: 0,
-        };
+        let ring = |queue: u32| Ring::at(rings, queue, size, b.notify);
         let mut v = Vsock {
             cid: u64::from_le_bytes(b.mac),
             rx: ring(0),
