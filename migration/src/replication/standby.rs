@@ -474,27 +474,12 @@ impl Epochs<'_> {
     /// Writes the epoch's disk writes on the standby's copies and makes them durable, before
     /// the epoch is acknowledged (a guest's flush on the primary is covered by it too).
     fn commit_disk_writes(&mut self) -> Result<(), DiskCopyError> {
-        let mut touched = vec![false; self.disks.len()];
-        for (disk, offset, data) in self.writes.drain(..) {
-            let (path, file) = &self.disks[disk as usize];
-            file.write_all_at(&data, offset)
-                .map_err(|source| DiskCopyError::Io {
-                    kind: Kept::Disk,
-                    path: path.clone(),
-                    what: "writing an epoch's writes",
-                    source,
-                })?;
-            touched[disk as usize] = true;
-        }
-        for ((path, file), _) in self.disks.iter().zip(touched).filter(|(_, t)| *t) {
-            file.sync_data().map_err(|source| DiskCopyError::Io {
-                kind: Kept::Disk,
-                path: path.clone(),
-                what: "syncing an epoch's writes",
-                source,
-            })?;
-        }
-        Ok(())
+        write_durably(
+            &self.disks,
+            Kept::Disk,
+            self.writes.drain(..),
+            ("writing an epoch's writes", "syncing an epoch's writes"),
+        )
     }
 }
 
@@ -587,28 +572,43 @@ impl PmemCopies {
     /// epoch is acknowledged. The VM built on the copies maps them shared, so it sees the
     /// pages as written.
     fn commit(&mut self) -> Result<(), DiskCopyError> {
-        let mut touched = vec![false; self.files.len()];
-        for (region, offset, data) in self.held.drain(..) {
-            let (path, file) = &self.files[region as usize];
-            file.write_all_at(&data[..], offset)
-                .map_err(|source| DiskCopyError::Io {
-                    kind: Kept::Pmem,
-                    path: path.clone(),
-                    what: "writing an epoch's pages",
-                    source,
-                })?;
-            touched[region as usize] = true;
-        }
-        for ((path, file), _) in self.files.iter().zip(touched).filter(|(_, t)| *t) {
-            file.sync_data().map_err(|source| DiskCopyError::Io {
-                kind: Kept::Pmem,
-                path: path.clone(),
-                what: "syncing an epoch's pages",
-                source,
-            })?;
-        }
-        Ok(())
+        write_durably(
+            &self.files,
+            Kept::Pmem,
+            self.held
+                .drain(..)
+                .map(|(r, o, page)| (r, o, page as Box<[u8]>)),
+            ("writing an epoch's pages", "syncing an epoch's pages"),
+        )
     }
+}
+
+/// Writes each (file index, offset, bytes) of an epoch on the standby's copies, then syncs
+/// every copy written, so that what the epoch carried is durable before it is acknowledged.
+/// Indexes were checked against `files` when the items arrived.
+fn write_durably<D: AsRef<[u8]>>(
+    files: &[(PathBuf, File)],
+    kind: Kept,
+    items: impl Iterator<Item = (u32, u64, D)>,
+    (writing, syncing): (&'static str, &'static str),
+) -> Result<(), DiskCopyError> {
+    let io = |path: &PathBuf, what, source| DiskCopyError::Io {
+        kind,
+        path: path.clone(),
+        what,
+        source,
+    };
+    let mut touched = vec![false; files.len()];
+    for (index, offset, data) in items {
+        let (path, file) = &files[index as usize];
+        file.write_all_at(data.as_ref(), offset)
+            .map_err(|e| io(path, writing, e))?;
+        touched[index as usize] = true;
+    }
+    for ((path, file), _) in files.iter().zip(touched).filter(|(_, t)| *t) {
+        file.sync_data().map_err(|e| io(path, syncing, e))?;
+    }
+    Ok(())
 }
 
 /// Guest RAM of the standby's VM: private anonymous memory the standby writes epochs into
