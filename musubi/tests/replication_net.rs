@@ -8,7 +8,10 @@
 //! the frames went to the standby with the epoch, so a primary killed in between has the
 //! standby send them when it takes over, unless the primary said it had written them. What
 //! is left is a kill between the primary's writes and its saying so (microseconds), which
-//! would send them twice; the test allows neither a lost answer nor a repeated one.
+//! sends them twice: no protocol closes that window, since the TAP write and the message to
+//! the standby cannot be one act. So no answer may be lost, and one may come twice only as
+//! that window allows: a copy of the answer just before it, arriving after the kill, from a
+//! standby that says it sent frames for its primary.
 //!
 //! Every wait is bounded in time; the namespaces (and every interface in them) go when the
 //! test ends, however it ends.
@@ -236,7 +239,7 @@ fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
 }
 
 #[test]
-fn udp_counter_answers_go_on_from_the_standby_with_none_repeated_or_skipped_over_20_kills() {
+fn udp_counter_answers_go_on_from_the_standby_with_none_lost_over_20_kills() {
     let net = Net::new("uc");
     let dir = tempfile::tempdir().unwrap();
     let key = secret_file(dir.path(), "secret", 41);
@@ -250,6 +253,8 @@ fn udp_counter_answers_go_on_from_the_standby_with_none_repeated_or_skipped_over
     let mut failovers = Vec::new();
     // Per kill: frames the standby sent for its primary.
     let mut replayed: Vec<u64> = Vec::new();
+    // Per kill: answers that came twice.
+    let mut repeated: Vec<usize> = Vec::new();
     for round in 0..20u64 {
         // A MAC of its own per round, and a client that asks for it again, so nothing a
         // bridge learned in the round before sends this round's requests astray.
@@ -338,14 +343,28 @@ fn udp_counter_answers_go_on_from_the_standby_with_none_repeated_or_skipped_over
         };
         assert_eq!(values.first(), Some(&1), "{}", timeline());
         assert!(
-            values.windows(2).all(|w| w[1] > w[0]),
-            "a number repeated or went back: {}",
+            values.windows(2).all(|w| w[1] >= w[0]),
+            "a number went back: {}",
             timeline()
         );
-        // None lost either: the frames of the epoch the standby resumed from went out from
-        // the primary or, if it died before saying so, from the standby.
+        // A repeat is only the window the module's doc names: the primary wrote the frame
+        // and died before saying so, and the standby sent it again.
+        let repeats: Vec<&(Instant, u64)> = answers
+            .windows(2)
+            .filter(|w| w[1].1 == w[0].1)
+            .map(|w| &w[1])
+            .collect();
         assert!(
-            values.windows(2).all(|w| w[1] == w[0] + 1),
+            repeats.len() as u64 <= sent_for_primary && repeats.iter().all(|a| a.0 > killed),
+            "a number repeated other than by the standby sending the primary's last frames \
+             again ({sent_for_primary} sent for it): {}",
+            timeline()
+        );
+        repeated.push(repeats.len());
+        // None lost: the frames of the epoch the standby resumed from went out from the
+        // primary or, if it died before saying so, from the standby.
+        assert!(
+            values.windows(2).all(|w| w[1] <= w[0] + 1),
             "a number skipped ({sent_for_primary} frames sent for the primary): {}",
             timeline()
         );
@@ -363,8 +382,9 @@ fn udp_counter_answers_go_on_from_the_standby_with_none_repeated_or_skipped_over
     }
     failovers.sort();
     eprintln!(
-        "20 kills, no answer repeated or lost; the standby sent frames for its primary after {} kills ({replayed:?}); kill to first answer: median {:?}, max {:?}",
+        "20 kills, no answer lost; the standby sent frames for its primary after {} kills ({replayed:?}), an answer came twice after {} ({repeated:?}); kill to first answer: median {:?}, max {:?}",
         replayed.iter().filter(|&&n| n > 0).count(),
+        repeated.iter().filter(|&&n| n > 0).count(),
         failovers[failovers.len() / 2],
         failovers.last().unwrap()
     );
