@@ -86,6 +86,8 @@ enum Vmm {
         exe: PathBuf,
         elf: PathBuf,
         exits: &'static str,
+        /// `--io-poll`, when the row polls.
+        io_poll: Option<&'static str>,
     },
     Firecracker {
         micro: Micro,
@@ -99,7 +101,12 @@ enum Vmm {
 impl Contender for Vmm {
     fn name(&self) -> String {
         match self {
-            Vmm::Musubi { exits, .. } => format!("musubi-{exits}"),
+            Vmm::Musubi {
+                exits,
+                io_poll: None,
+                ..
+            } => format!("musubi-{exits}"),
+            Vmm::Musubi { exits, .. } => format!("musubi-{exits}-poll"),
             Vmm::Firecracker { .. } => "firecracker".into(),
             Vmm::Qemu(_) => "qemu".into(),
             Vmm::NoVm => NO_VM.into(),
@@ -116,7 +123,12 @@ impl Vmm {
     /// files in `dir` (Musubi's counters in `metrics.json`). Not yet inside the namespace.
     fn command(&self, cmdline: &str, dir: &Path) -> Result<Command, String> {
         Ok(match self {
-            Vmm::Musubi { exe, elf, exits } => {
+            Vmm::Musubi {
+                exe,
+                elf,
+                exits,
+                io_poll,
+            } => {
                 let mut cmd = Command::new(exe);
                 cmd.args(["run", "--kernel"])
                     .arg(elf)
@@ -125,6 +137,9 @@ impl Vmm {
                     .args(["--exits", exits, "--net", &format!("tap={TAP}")])
                     .arg("--metrics")
                     .arg(dir.join("metrics.json"));
+                if let Some(p) = io_poll {
+                    cmd.args(["--io-poll", p]);
+                }
                 cmd
             }
             Vmm::Firecracker { micro } => micro.firecracker_with(
@@ -156,6 +171,11 @@ struct VmmCounts {
     exits: f64,
     doorbell_exits: f64,
     packets: f64,
+    /// The I/O thread's CPU time, the part of it spent polling (`--io-poll`), and its
+    /// wake-ups from sleep, in ns and counts.
+    io_cpu_ns: f64,
+    io_poll_ns: f64,
+    io_wakeups: f64,
 }
 
 /// The guest driver's counts over one task.
@@ -268,6 +288,12 @@ fn vmms(
 ) -> Result<(Vec<Vmm>, Missing), String> {
     let mut configs = vec![Vmm::NoVm];
     configs.extend(musubi_paths(exe, elf));
+    configs.push(Vmm::Musubi {
+        exe: exe.to_path_buf(),
+        elf: elf.to_path_buf(),
+        exits: "kernel",
+        io_poll: Some(IO_POLL),
+    });
     let mut missing = Missing::new();
     if let Some(micro) = peers::firecracker_peer(args, listed, elf, &h.out, &mut missing) {
         configs.push(Vmm::Firecracker { micro });
@@ -330,6 +356,30 @@ fn csv(runs: &NetRuns, missing: &Missing) -> Csv {
             "tcp_doorbell_exits_per_packet",
             vmm(|s| s.tcp_vmm, |v| v.doorbell_exits),
         )
+        .measured(
+            "udp_io_cpu_us_per_packet",
+            vmm(|s| s.udp_vmm, |v| v.io_cpu_ns / 1e3),
+        )
+        .measured(
+            "udp_io_poll_us_per_packet",
+            vmm(|s| s.udp_vmm, |v| v.io_poll_ns / 1e3),
+        )
+        .measured(
+            "udp_io_wakeups_per_packet",
+            vmm(|s| s.udp_vmm, |v| v.io_wakeups),
+        )
+        .measured(
+            "tcp_io_cpu_us_per_packet",
+            vmm(|s| s.tcp_vmm, |v| v.io_cpu_ns / 1e3),
+        )
+        .measured(
+            "tcp_io_poll_us_per_packet",
+            vmm(|s| s.tcp_vmm, |v| v.io_poll_ns / 1e3),
+        )
+        .measured(
+            "tcp_io_wakeups_per_packet",
+            vmm(|s| s.tcp_vmm, |v| v.io_wakeups),
+        )
         .unavailable();
     cols.csv(contender_rows(runs, missing))
 }
@@ -351,6 +401,9 @@ fn print_table(configs: &[Vmm], sums: &[Sums]) {
         ">irqs/pkt (udp / tcp)",
         ">exits/pkt (udp / tcp)",
         ">doorbell exits/pkt (udp / tcp)",
+        ">I/O thread CPU us/pkt (udp / tcp)",
+        ">of it polling (udp / tcp)",
+        ">I/O wake-ups/pkt (udp / tcp)",
     ]);
     let ceiling = ceiling(configs, sums);
     for (c, s) in configs.iter().zip(sums) {
@@ -375,6 +428,9 @@ fn print_table(configs: &[Vmm], sums: &[Sums]) {
             pair(s.udp_irqs, s.tcp_irqs),
             pair(s.udp_exits, s.tcp_exits),
             pair(s.udp_doorbells, s.tcp_doorbells),
+            pair(s.udp_io_cpu, s.tcp_io_cpu),
+            pair(s.udp_io_poll, s.tcp_io_poll),
+            pair(s.udp_io_wakeups, s.tcp_io_wakeups),
         ]);
     }
     println!();
@@ -403,6 +459,11 @@ medians over the runs. rounds/s, p50 and p99: the guest's udp-echo (answered rou
   exits) per packet: Musubi's --metrics over the whole boot, boot included (n/a for
   the peers); it counts the exits that reach Musubi's user space, so a kick on the
   kernel path (an ioeventfd, served inside KVM) is a kick but not an exit here.
+  musubi-kernel-poll: the kernel path with `--io-poll 50us` (the I/O thread polls 50 us
+  after each event before it sleeps). I/O thread CPU: its CPU time per packet (user and
+  system, the TAP writes' host stack included); of it polling: the share of that time its
+  poll windows took (CPU that bought the saved wake-ups); I/O wake-ups: its sleeps in
+  epoll_wait that an event ended, per packet. Musubi only.
 ";
 
 /// Musubi's kernel path against the better peer, and its doorbell exits.
@@ -532,6 +593,12 @@ struct Sums {
     tcp_exits: Option<Summary>,
     udp_doorbells: Option<Summary>,
     tcp_doorbells: Option<Summary>,
+    udp_io_cpu: Option<Summary>,
+    tcp_io_cpu: Option<Summary>,
+    udp_io_poll: Option<Summary>,
+    tcp_io_poll: Option<Summary>,
+    udp_io_wakeups: Option<Summary>,
+    tcp_io_wakeups: Option<Summary>,
     max_udp_doorbells: Option<f64>,
     max_tcp_doorbells: Option<f64>,
 }
@@ -559,6 +626,12 @@ impl Sums {
             tcp_exits: sum(&|x| x.tcp_vmm.and_then(|v| ratio(v.exits, v.packets))),
             udp_doorbells: Summary::of(&udp_doorbells),
             tcp_doorbells: Summary::of(&tcp_doorbells),
+            udp_io_cpu: sum(&|x| x.udp_vmm.and_then(|v| ratio(v.io_cpu_ns / 1e3, v.packets))),
+            tcp_io_cpu: sum(&|x| x.tcp_vmm.and_then(|v| ratio(v.io_cpu_ns / 1e3, v.packets))),
+            udp_io_poll: sum(&|x| x.udp_vmm.and_then(|v| ratio(v.io_poll_ns, v.io_cpu_ns))),
+            tcp_io_poll: sum(&|x| x.tcp_vmm.and_then(|v| ratio(v.io_poll_ns, v.io_cpu_ns))),
+            udp_io_wakeups: sum(&|x| x.udp_vmm.and_then(|v| ratio(v.io_wakeups, v.packets))),
+            tcp_io_wakeups: sum(&|x| x.tcp_vmm.and_then(|v| ratio(v.io_wakeups, v.packets))),
             max_udp_doorbells: max(&udp_doorbells),
             max_tcp_doorbells: max(&tcp_doorbells),
         }
@@ -573,9 +646,14 @@ fn musubi_paths(exe: &Path, elf: &Path) -> Vec<Vmm> {
             exe: exe.to_path_buf(),
             elf: elf.to_path_buf(),
             exits,
+            io_poll: None,
         })
         .collect()
 }
+
+/// The poll window of the row `musubi-kernel-poll`: about two round trips of the kernel
+/// path, so the echo's answer and the guest's next request are caught polling.
+const IO_POLL: &str = "50us";
 
 /// What `bench composite`'s network row takes from one run of Musubi on one exit path:
 /// paper 002's question asked of a network device.
@@ -780,10 +858,16 @@ fn vmm_counts(path: &Path) -> Result<VmmCounts, String> {
         .net
         .first()
         .ok_or_else(|| format!("--metrics lacks a count: {m}"))?;
+    let io = m
+        .io_thread
+        .ok_or_else(|| format!("--metrics lacks the I/O thread's counts: {m}"))?;
     Ok(VmmCounts {
         exits: m.total_exits as f64,
         doorbell_exits: m.notifications.mmio_exit as f64,
         packets: (net.rx_packets + net.tx_packets) as f64,
+        io_cpu_ns: io.cpu_ns as f64,
+        io_poll_ns: io.poll_ns as f64,
+        io_wakeups: io.wakeups as f64,
     })
 }
 

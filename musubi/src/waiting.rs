@@ -521,6 +521,7 @@ pub fn run(
             capture_serial: false,
             timeout: None,
             seccomp,
+            io_poll: std::time::Duration::ZERO,
         },
         tx,
         generation: 0,

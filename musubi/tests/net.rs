@@ -196,9 +196,10 @@ fn a_vm_over_two_nodes_serves_http_from_its_io_node() {
     serves_http("http2", &["--nodes", "2", "--cpus", "2"]);
 }
 
-#[test]
-fn a_tcp_stream_from_the_guest_arrives_whole() {
-    let ns = Netns::new("tcp");
+/// `tcp-send` of `bytes` to a sink in a namespace of its own that checks every byte
+/// (byte i of the stream is i mod 251, as the probe sends it); the task's result line.
+fn tcp_stream_checked(tag: &str, exits: &str, cmdline_more: &str) -> serde_json::Value {
+    let ns = Netns::new(tag);
     let sink = ns.spawn(|| {
         let l = TcpListener::bind("0.0.0.0:9000").unwrap();
         l.set_nonblocking(true).unwrap();
@@ -212,29 +213,90 @@ fn a_tcp_stream_from_the_guest_arrives_whole() {
         };
         s.set_nonblocking(false).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        let (mut total, mut sum, mut buf) = (0u64, 0u64, vec![0u8; 65536]);
+        let (mut total, mut buf) = (0u64, vec![0u8; 65536]);
         loop {
             let n = s.read(&mut buf).expect("the stream ends with a close");
             if n == 0 {
                 break;
             }
-            sum = buf[..n].iter().fold(sum, |a, &b| a.wrapping_add(b as u64));
+            if let Some(i) = (0..n).find(|&i| buf[i] as u64 != (total + i as u64) % 251) {
+                panic!("the stream is corrupt at byte {}", total + i as u64);
+            }
             total += n as u64;
         }
-        (total, sum)
+        total
     });
-    let bytes = 1 << 20;
+    let bytes = 4 << 20;
     let vm = run_in(
         &ns,
-        &format!("tcp-send={HOST}:9000,bytes={bytes}"),
-        "kernel",
+        &format!("tcp-send={HOST}:9000,bytes={bytes}{cmdline_more}"),
+        exits,
         &[],
     );
     let run = vm.finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
-    let (total, _) = sink.join().unwrap();
+    let total = sink.join().unwrap();
     assert_eq!(total, bytes, "bytes the sink read");
-    assert_eq!(run.result("tcp-send")["bytes"], bytes);
+    let r = run.result("tcp-send");
+    assert_eq!(r["bytes"], bytes, "{r}");
+    r
+}
+
+#[test]
+fn a_tcp_stream_from_the_guest_arrives_whole_in_tso_frames() {
+    let r = tcp_stream_checked("tso", "kernel", "");
+    // Merged runs of segments went as one frame each (HOST_TSO4), most segments in them.
+    let (frames, segs) = (r["tso_frames"].as_u64(), r["tso_segments"].as_u64());
+    let (Some(frames), Some(segs)) = (frames, segs) else {
+        panic!("the guest sent no TSO frames: {r}")
+    };
+    let packets = r["tx_packets"].as_u64().unwrap();
+    assert!(
+        frames > 0 && segs >= 2 * frames && segs * 2 > packets,
+        "{frames} TSO frames of {segs} segments, {packets} segments in all: {r}"
+    );
+}
+
+#[test]
+fn a_tcp_stream_without_tso_arrives_whole_on_the_user_exit_path() {
+    let r = tcp_stream_checked("notso", "user", " probe.net_tso=0");
+    assert!(
+        r["tso_frames"].is_null(),
+        "probe.net_tso=0 took no TSO: {r}"
+    );
+}
+
+#[test]
+fn a_tcp_stream_in_tso_frames_arrives_whole_on_the_user_exit_path() {
+    let r = tcp_stream_checked("tsou", "user", "");
+    assert!(r["tso_frames"].as_u64() > Some(0), "{r}");
+}
+
+#[test]
+fn the_io_threads_poll_window_catches_the_echo_and_is_counted() {
+    let ns = Netns::new("poll");
+    let echo = udp_echo(&ns, 7777, Arc::default());
+    let metrics = tempfile::NamedTempFile::new().unwrap();
+    let m = metrics.path().display().to_string();
+    let vm = run_in(
+        &ns,
+        &format!("udp-echo={HOST}:7777,n=200"),
+        "kernel",
+        // Longer than a round trip on a loaded host, so most events are caught polling.
+        &["--metrics", &m, "--io-poll", "5ms"],
+    );
+    let run = vm.finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(run.result("udp-echo")["rounds"], 200);
+    assert!(echo.join().unwrap() >= 200);
+    let io = metrics_in(metrics.path())
+        .io_thread
+        .expect("the I/O thread's counts");
+    assert_eq!(io.poll_us, 5000, "{io:?}");
+    // 200 rounds are 400 events at least; a sleep ends only where a window ran out.
+    assert!(io.poll_hits >= 200 && io.poll_hits > io.wakeups, "{io:?}");
+    assert!(io.wakeups <= io.poll_misses + 1, "{io:?}");
+    assert!(io.poll_ns > 0 && io.cpu_ns > 0, "{io:?}");
 }
 
 /// A TCP sink in `ns` on `port` that takes `conns` connections and reads each to its

@@ -31,8 +31,8 @@ pub mod report;
 pub use counters::{BlockCounters, Counters, DeviceCounters, VcpuCounters};
 pub use metrics::{
     ClusterMetrics, Coherence, DemandPaging, ExitDetail, FaultStats, HotPage, Interrupts,
-    MemoryUse, Metrics, MigrationPaging, NetCounters, NodeMetrics, Notifications, PollStats,
-    ReplicationMetrics, ReplicationPolicy, ReplicationState, RngCounters, VcpuExits,
+    IoThreadCounters, MemoryUse, Metrics, MigrationPaging, NetCounters, NodeMetrics, Notifications,
+    PollStats, ReplicationMetrics, ReplicationPolicy, ReplicationState, RngCounters, VcpuExits,
 };
 pub use report::{ExitSummary, Outcome, RunReport};
 

@@ -21,6 +21,9 @@ pub struct Metrics {
     /// The entropy device (`--rng`), when the VM has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rng: Option<RngCounters>,
+    /// The I/O thread's waiting, when the VM has one (a doorbell or a TAP to serve).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io_thread: Option<IoThreadCounters>,
     pub memory: MemoryUse,
     /// Guest RAM restored on demand (`--restore-memory ondemand`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -179,6 +182,24 @@ pub struct RngCounters {
     pub errors: u64,
     /// Interrupts the device's transport raised.
     pub interrupts: u64,
+}
+
+/// How the I/O thread waited for work, so that what `run --io-poll` saves (wake-ups) is
+/// read beside what it costs (CPU while nothing came).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IoThreadCounters {
+    /// `--io-poll` in microseconds: how long it polls after an event before it sleeps.
+    pub poll_us: u64,
+    /// Sleeps in `epoll_wait` that an event ended: each a wake-up by the host's scheduler.
+    pub wakeups: u64,
+    /// Events a poll window found without sleeping.
+    pub poll_hits: u64,
+    /// Poll windows that ran out with nothing, after which the thread slept.
+    pub poll_misses: u64,
+    /// Time spent polling, in windows that found an event or not.
+    pub poll_ns: u64,
+    /// The thread's CPU time (user and system) up to its last sleep.
+    pub cpu_ns: u64,
 }
 
 /// What keeps guest RAM.

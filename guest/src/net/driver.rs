@@ -12,6 +12,7 @@ use core::sync::atomic::{compiler_fence, fence, AtomicU64, Ordering};
 use smoltcp::phy::{self, DeviceCapabilities, Medium};
 use smoltcp::time::Instant;
 
+use super::tso::{self, Took, Tso};
 use super::Carve;
 use crate::abi::{self, Error, NetOpen};
 use crate::ulib;
@@ -24,6 +25,7 @@ const HDR: u64 = 12;
 const MAX_FRAME: usize = 1514;
 
 const F_MRG_RXBUF: u64 = 1 << 15;
+const F_HOST_TSO4: u64 = 1 << 11;
 const AVAIL_F_NO_INTERRUPT: u16 = 1;
 const USED_F_NO_NOTIFY: u16 = 1;
 const D_WRITE: u16 = 2;
@@ -241,11 +243,16 @@ pub struct Tx {
     free: [u16; abi::NET_MAX_QUEUE as usize],
     nfree: usize,
     pub packets: u64,
+    /// Merges segments into TSO frames, when the device takes them (`HOST_TSO4`).
+    pub tso: Option<Tso>,
 }
 
 impl Tx {
     fn reclaim(&mut self) {
         while let Some((id, _)) = self.ring.take() {
+            if let Some(t) = &mut self.tso {
+                t.done(id);
+            }
             if self.nfree < self.free.len() {
                 self.free[self.nfree] = id;
                 self.nfree += 1;
@@ -253,9 +260,25 @@ impl Tx {
         }
     }
 
+    /// Offers the TSO frame under construction, if any.
+    fn flush_tso(&mut self) {
+        if let Some((id, at, len)) = self.tso.as_mut().and_then(|t| t.flush()) {
+            self.ring.set_desc(id, at, len, 0);
+            self.ring.offer(id);
+        }
+    }
+
     fn full(&self) -> bool {
         self.nfree == 0
     }
+}
+
+/// A driver's buffers: receive and transmit (one per descriptor), and the TSO frames'
+/// slots if there was room.
+struct Bufs {
+    rx: u64,
+    tx: u64,
+    tso: Option<u64>,
 }
 
 pub struct VirtioNet {
@@ -391,11 +414,13 @@ impl VirtioNet {
         Ok(Self::start(&b, bufs))
     }
 
-    fn carve_bufs(mem: &mut Carve) -> Result<(u64, u64), Error> {
+    fn carve_bufs(mem: &mut Carve) -> Result<Bufs, Error> {
         let qbytes = abi::NET_MAX_QUEUE as u64 * BUF;
-        let rx_bufs = mem.take(qbytes).ok_or(Error::NoMemory)?;
-        let tx_bufs = mem.take(qbytes).ok_or(Error::NoMemory)?;
-        Ok((rx_bufs, tx_bufs))
+        let rx = mem.take(qbytes).ok_or(Error::NoMemory)?;
+        let tx = mem.take(qbytes).ok_or(Error::NoMemory)?;
+        // Without room for them, segments go one by one.
+        let tso = mem.take(tso::SLOTS as u64 * tso::SLOT_BYTES);
+        Ok(Bufs { rx, tx, tso })
     }
 
     /// Receive queue `queue` on `bufs`, every buffer posted, interrupts off.
@@ -423,16 +448,20 @@ impl VirtioNet {
     }
 
     /// Posts every receive buffer of the pair the kernel gave this CPU.
-    fn start(b: &NetOpen, (rx_bufs, tx_bufs): (u64, u64)) -> VirtioNet {
+    fn start(b: &NetOpen, bufs: Bufs) -> VirtioNet {
         let size = b.queue_size as u16;
         let ring = |queue: u32| Ring::at(b.rings, queue, size, b.notify);
-        let rx = Self::new_rx(b, 2 * b.pair, rx_bufs);
+        let rx = Self::new_rx(b, 2 * b.pair, bufs.rx);
         let mut tx = Tx {
             ring: ring(2 * b.pair + 1),
-            bufs: tx_bufs,
+            bufs: bufs.tx,
             free: [0; abi::NET_MAX_QUEUE as usize],
             nfree: size as usize,
             packets: 0,
+            tso: bufs
+                .tso
+                .filter(|_| b.features & F_HOST_TSO4 != 0)
+                .map(Tso::new),
         };
         for id in 0..size {
             tx.free[id as usize] = size - 1 - id;
@@ -469,6 +498,7 @@ impl VirtioNet {
 
     /// Notifies the queues of what the last round of work offered.
     pub fn flush(&mut self) {
+        self.tx.flush_tso();
         self.rx.ring.kick();
         for r in self.others.iter_mut().flatten() {
             r.ring.kick();
@@ -654,9 +684,30 @@ impl phy::TxToken for TxToken<'_> {
         // SAFETY: buffer `id` of the transmit queue is free (the device gave it back, or
         // never had it), and `HDR + len` fits in `BUF`.
         let r = f(unsafe { core::slice::from_raw_parts_mut((buf + HDR) as *mut u8, len) });
+        tx.packets += 1;
+        if let Some(t) = &mut tx.tso {
+            // SAFETY: the frame `f` just wrote, in the buffer this token still owns.
+            let frame = unsafe { core::slice::from_raw_parts((buf + HDR) as *const u8, len) };
+            let mut took = t.take(id, frame);
+            if let Took::No = took {
+                if let Some((first, at, bytes)) = t.flush() {
+                    tx.ring.set_desc(first, at, bytes, 0);
+                    tx.ring.offer(first);
+                }
+                took = t.take(id, frame);
+            }
+            match took {
+                Took::Kept => {
+                    tx.free[tx.nfree] = id;
+                    tx.nfree += 1;
+                    return r;
+                }
+                Took::Started => return r,
+                Took::No => {}
+            }
+        }
         tx.ring.set_desc(id, buf, (HDR as usize + len) as u32, 0);
         tx.ring.offer(id);
-        tx.packets += 1;
         r
     }
 }

@@ -9,6 +9,7 @@ pub(crate) mod driver;
 mod flows;
 mod stack;
 mod tasks;
+mod tso;
 
 pub use counter::udp_counter;
 pub use tasks::{http_serve, tcp_send, udp_echo};

@@ -117,6 +117,20 @@ impl<'a> Stack<'a> {
             ",\"queue_pair\":{},\"queue_pairs\":{},\"max_queue_pairs\":{}",
             d.pair, d.pairs, d.max_pairs
         );
+        // TSO frames handed to the device and the segments merged into them (null: the
+        // device does not take them, or probe.net_tso=0).
+        match &d.tx.tso {
+            Some(t) => {
+                let _ = write!(
+                    l,
+                    ",\"tso_frames\":{},\"tso_segments\":{}",
+                    t.frames, t.merged
+                );
+            }
+            None => {
+                let _ = write!(l, ",\"tso_frames\":null,\"tso_segments\":null");
+            }
+        }
         let (other_pairs, other_dropped) = d.other_pairs_rx();
         if d.pairs > 1 && d.rx.only_port == 0 {
             let _ = write!(

@@ -26,10 +26,14 @@ const F_MRG_RXBUF: u64 = 1 << 15;
 const F_CTRL_VQ: u64 = 1 << 17;
 const F_MQ: u64 = 1 << 22;
 const F_VERSION_1: u64 = 1 << 32;
-/// Checksum and segmentation offloads are left off: every frame is a plain Ethernet frame
-/// of at most 1514 bytes, which keeps the user-mode driver simple. The control queue is
-/// taken for VIRTIO_NET_F_MQ alone (the only command sent is VQ_PAIRS_SET).
-const WANTED: u64 = F_VERSION_1 | F_MAC | F_MRG_RXBUF | F_CTRL_VQ | F_MQ;
+const F_CSUM: u64 = 1 << 0;
+const F_HOST_TSO4: u64 = 1 << 11;
+/// Received frames stay plain Ethernet frames of at most 1514 bytes (no GUEST_* offloads),
+/// which keeps the user-mode driver's receive side simple; on transmit it merges TCP
+/// segments into TSO frames where the device takes them (HOST_TSO4, which needs CSUM),
+/// unless `probe.net_tso=0`. The control queue is taken for VIRTIO_NET_F_MQ alone (the
+/// only command sent is VQ_PAIRS_SET).
+const WANTED: u64 = F_VERSION_1 | F_MAC | F_MRG_RXBUF | F_CTRL_VQ | F_MQ | F_CSUM | F_HOST_TSO4;
 /// virtio-vsock has no feature bits of its own that the task needs.
 const WANTED_VSOCK: u64 = F_VERSION_1;
 
@@ -279,6 +283,13 @@ fn init(base: u64, b: &NetOpen, room: u32, vsock: bool) -> Result<Up, ()> {
         return Err(());
     }
     let mut features = offered & if vsock { WANTED_VSOCK } else { WANTED };
+    if crate::bootinfo::get().param(b"probe.net_tso") == Some(b"0") {
+        features &= !(F_CSUM | F_HOST_TSO4);
+    }
+    // TSO frames need the device to finish their checksums (virtio 1.2, 5.1.3.1).
+    if features & F_CSUM == 0 {
+        features &= !F_HOST_TSO4;
+    }
     // MQ depends on the control queue (virtio 1.2, 5.1.3.1).
     if features & F_CTRL_VQ == 0 {
         features &= !F_MQ;

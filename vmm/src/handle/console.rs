@@ -67,6 +67,7 @@ impl Shared {
                 .transports
                 .iter()
                 .find_map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).rng_counters()),
+            io_thread: self.io_stats.as_ref().map(|s| s.counters()),
             memory: MemoryUse {
                 backend: backend_name(self.ram.backend()),
                 vcpu_threads: self.ram.vcpu_threads(),

@@ -37,6 +37,8 @@ pub(crate) struct Shared {
     pub(crate) irqs: Vec<Arc<dyn IrqLine>>,
     pub(crate) names: Arc<crate::device_manager::MmioNames>,
     pub(crate) ioeventfd_served: Arc<AtomicU64>,
+    /// How the I/O thread waited, when the VM has one.
+    pub(crate) io_stats: Option<Arc<crate::io_thread::IoThreadStats>>,
     /// The rest is what pause, resume and snapshots need.
     pub(crate) gate: Arc<PauseGate>,
     /// What the VM is saved from.

@@ -63,6 +63,9 @@ pub struct RunOptions {
     pub timeout: Option<Duration>,
     /// System-call filters on the vCPU and I/O threads.
     pub seccomp: SeccompMode,
+    /// How long the I/O thread polls for its next event after each one before it sleeps
+    /// (`run --io-poll`); zero sleeps at once.
+    pub io_poll: Duration,
 }
 
 /// Fills the `--metrics` sections the VM's embedder counts (demand paging, migration, a

@@ -42,6 +42,7 @@ impl Vm {
                     self.control.clone(),
                     self.opts.seccomp,
                     gate.clone(),
+                    self.opts.io_poll,
                 )
                 .map_err(|source| BuildError::Thread {
                     what: "virtio I/O",
@@ -62,6 +63,7 @@ impl Vm {
                 .as_ref()
                 .map(|t| t.served_counter())
                 .unwrap_or_default(),
+            io_stats: io_thread.as_ref().map(|t| t.stats()),
             gate: gate.clone(),
             parts: VmParts::new(
                 self.kvm.shared_fd(),
