@@ -93,7 +93,7 @@ pub fn probe_in_process(
         capture_serial: true,
         timeout: Some(timeout),
         seccomp: vmm::seccomp::SeccompMode::Enforce,
-        io_poll: std::time::Duration::ZERO,
+        io_poll: vmm::DEFAULT_IO_POLL,
     };
     let report = vmm::run_vm(config, &opts).map_err(|e| e.to_string())?;
     let console = String::from_utf8_lossy(&report.serial).into_owned();

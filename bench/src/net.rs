@@ -86,7 +86,7 @@ enum Vmm {
         exe: PathBuf,
         elf: PathBuf,
         exits: &'static str,
-        /// `--io-poll`, when the row polls.
+        /// `--io-poll`, when not the default.
         io_poll: Option<&'static str>,
     },
     Firecracker {
@@ -106,7 +106,7 @@ impl Contender for Vmm {
                 io_poll: None,
                 ..
             } => format!("musubi-{exits}"),
-            Vmm::Musubi { exits, .. } => format!("musubi-{exits}-poll"),
+            Vmm::Musubi { exits, .. } => format!("musubi-{exits}-nopoll"),
             Vmm::Firecracker { .. } => "firecracker".into(),
             Vmm::Qemu(_) => "qemu".into(),
             Vmm::NoVm => NO_VM.into(),
@@ -292,7 +292,7 @@ fn vmms(
         exe: exe.to_path_buf(),
         elf: elf.to_path_buf(),
         exits: "kernel",
-        io_poll: Some(IO_POLL),
+        io_poll: Some(NO_POLL),
     });
     let mut missing = Missing::new();
     if let Some(micro) = peers::firecracker_peer(args, listed, elf, &h.out, &mut missing) {
@@ -459,8 +459,9 @@ medians over the runs. rounds/s, p50 and p99: the guest's udp-echo (answered rou
   exits) per packet: Musubi's --metrics over the whole boot, boot included (n/a for
   the peers); it counts the exits that reach Musubi's user space, so a kick on the
   kernel path (an ioeventfd, served inside KVM) is a kick but not an exit here.
-  musubi-kernel-poll: the kernel path with `--io-poll 50us` (the I/O thread polls 50 us
-  after each event before it sleeps). I/O thread CPU: its CPU time per packet (user and
+  Musubi's rows run with the default `--io-poll 32us` (the I/O thread polls up to 32 us,
+  adapting, after each event before it sleeps); musubi-kernel-nopoll has `--io-poll 0`,
+  it never polls. I/O thread CPU: its CPU time per packet (user and
   system, the TAP writes' host stack included); of it polling: the share of that time its
   poll windows took (CPU that bought the saved wake-ups); I/O wake-ups: its sleeps in
   epoll_wait that an event ended, per packet. Musubi only.
@@ -651,9 +652,8 @@ fn musubi_paths(exe: &Path, elf: &Path) -> Vec<Vmm> {
         .collect()
 }
 
-/// The poll window of the row `musubi-kernel-poll`: about two round trips of the kernel
-/// path, so the echo's answer and the guest's next request are caught polling.
-const IO_POLL: &str = "50us";
+/// The row `musubi-kernel-nopoll`: the kernel path with its I/O thread never polling.
+const NO_POLL: &str = "0";
 
 /// What `bench composite`'s network row takes from one run of Musubi on one exit path:
 /// paper 002's question asked of a network device.

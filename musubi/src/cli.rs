@@ -299,10 +299,11 @@ pub struct RunFlags {
     /// (status 126), `log` only has the kernel log it, `false` installs none.
     #[arg(long, value_name = "true|false|log", default_value = "true")]
     pub seccomp: vmm::seccomp::SeccompMode,
-    /// After each doorbell or TAP event, the kernel path's I/O thread polls this long for
-    /// the next one before it sleeps (e.g. 50us; at most 10ms; default 0, off): wake-ups
-    /// saved for a CPU spent polling, both counted in --metrics (`io_thread`).
-    #[arg(long, value_name = "DURATION", default_value = "0", value_parser = Own(io_poll))]
+    /// After each doorbell or TAP event, the kernel path's I/O thread polls up to this long
+    /// for the next one before it sleeps (at most 10ms; 0: never). The window grows after
+    /// short sleeps and closes over long ones, so a quiet VM is not polled for. Wake-ups
+    /// saved and CPU spent are both in --metrics (`io_thread`).
+    #[arg(long, value_name = "DURATION", default_value = "32us", value_parser = Own(io_poll))]
     pub io_poll: Duration,
 }
 
@@ -644,6 +645,14 @@ mod tests {
 
     fn refusal(line: &[&str]) -> String {
         run(line).map(drop).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn io_poll_is_the_vmms_default_unless_given() {
+        assert_eq!(run(&[]).unwrap().run.io_poll, vmm::DEFAULT_IO_POLL);
+        let us = std::time::Duration::from_micros;
+        assert_eq!(run(&["--io-poll=0"]).unwrap().run.io_poll, us(0));
+        assert_eq!(run(&["--io-poll=1.5ms"]).unwrap().run.io_poll, us(1500));
     }
 
     #[test]

@@ -56,7 +56,7 @@ fn demo() -> Result<(), String> {
         capture_serial: true,
         timeout: Some(Duration::from_secs(300)),
         seccomp: vmm::seccomp::SeccompMode::Enforce,
-        io_poll: Duration::ZERO,
+        io_poll: vmm::DEFAULT_IO_POLL,
     };
     let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;
     let results = probe::results(&report.serial);

@@ -521,7 +521,7 @@ pub fn run(
             capture_serial: false,
             timeout: None,
             seccomp,
-            io_poll: std::time::Duration::ZERO,
+            io_poll: vmm::DEFAULT_IO_POLL,
         },
         tx,
         generation: 0,

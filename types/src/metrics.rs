@@ -188,7 +188,7 @@ pub struct RngCounters {
 /// read beside what it costs (CPU while nothing came).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IoThreadCounters {
-    /// `--io-poll` in microseconds: how long it polls after an event before it sleeps.
+    /// `--io-poll` in microseconds: the longest it polls after an event before it sleeps.
     pub poll_us: u64,
     /// Sleeps in `epoll_wait` that an event ended: each a wake-up by the host's scheduler.
     pub wakeups: u64,

@@ -4,9 +4,10 @@
 //!
 //! Between events the thread sleeps in `epoll_wait`, and each event then costs a wake-up
 //! by the host's scheduler. With a poll window (`run --io-poll`, vhost-net's `busy_poll`
-//! idea) it first polls for that long after each event it served: a request/response
-//! peer's next packet or the guest's next doorbell is then taken without a wake-up, at the
-//! price of a CPU while it polls. Both sides are counted ([`IoThreadStats`]).
+//! idea) it first polls after each event it served: a request/response peer's next packet
+//! or the guest's next doorbell is then taken without a wake-up, at the price of a CPU
+//! while it polls. The window adapts within the flag's bound ([`Window`]), and both sides
+//! are counted ([`IoThreadStats`]).
 
 use crate::control::{panic_message, Outcome, RunControl};
 use crate::seccomp::{SeccompMode, ThreadKind};
@@ -78,6 +79,10 @@ pub struct IoThread {
     served: Arc<AtomicU64>,
     stats: Arc<IoThreadStats>,
 }
+
+/// The poll window's bound when none is asked for: QEMU's IOThreads poll up to 32,768 ns
+/// by default, adapting within it as [`Window`] does; a VM that is quiet costs nothing.
+pub const DEFAULT_POLL: Duration = Duration::from_micros(32);
 
 /// How the thread waited, counted whether it polls or not, so that the wake-ups a poll
 /// window saves are read beside the CPU it spends.
@@ -280,7 +285,8 @@ fn serve(
     stats: &IoThreadStats,
 ) -> Result<(), IoThreadError> {
     let mut events = vec![EpollEvent::default(); notifiers.len() + device_events.len() + 2];
-    // Set after each event while polling is on: until then look without sleeping.
+    let mut window = Window::new(stats.poll);
+    // Set after each event while the window is open: until then look without sleeping.
     let mut poll_until: Option<Instant> = None;
     loop {
         let n = match poll_until.take() {
@@ -293,9 +299,11 @@ fn serve(
             }
             None => {
                 stats.note_cpu();
+                let slept = Instant::now();
                 match epoll.wait(-1, &mut events) {
                     Ok(n) => {
                         stats.wakeups.fetch_add(1, Ordering::Relaxed);
+                        window.after_sleep(slept.elapsed());
                         n
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -303,8 +311,8 @@ fn serve(
                 }
             }
         };
-        if !stats.poll.is_zero() {
-            poll_until = Some(Instant::now() + stats.poll);
+        if !window.now.is_zero() {
+            poll_until = Some(Instant::now() + window.now);
         }
         for ev in &events[..n] {
             let token = ev.data();
@@ -337,6 +345,35 @@ fn serve(
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(IoThreadError::Doorbell(e)),
+            }
+        }
+    }
+}
+
+/// The poll window, adapted within `--io-poll` as KVM adapts its halt polling for a halted
+/// vCPU: a sleep shorter than the longest window would have been saved by polling longer,
+/// so the window grows; a longer one would not, so it shrinks, and a quiet VM soon costs
+/// no polling at all.
+struct Window {
+    max: Duration,
+    now: Duration,
+}
+
+impl Window {
+    /// Where a closed window reopens.
+    const START: Duration = Duration::from_micros(10);
+
+    fn new(max: Duration) -> Window {
+        Window { max, now: max }
+    }
+
+    fn after_sleep(&mut self, slept: Duration) {
+        if slept < self.max {
+            self.now = (self.now * 2).max(Self::START).min(self.max);
+        } else {
+            self.now /= 2;
+            if self.now < Duration::from_micros(1) {
+                self.now = Duration::ZERO;
             }
         }
     }
@@ -446,6 +483,28 @@ mod tests {
         assert_eq!((c.wakeups, c.poll_hits, c.poll_misses), (1, 3, 0), "{c:?}");
         assert_eq!(c.poll_us, 600_000_000);
         assert!(c.poll_ns > 0 && c.cpu_ns > 0, "{c:?}");
+    }
+
+    #[test]
+    fn the_window_closes_over_long_sleeps_and_reopens_after_short_ones() {
+        let us = Duration::from_micros;
+        let mut w = Window::new(us(50));
+        w.after_sleep(Duration::from_secs(1));
+        assert_eq!(w.now, us(25));
+        for _ in 0..10 {
+            w.after_sleep(Duration::from_secs(1));
+        }
+        assert_eq!(w.now, Duration::ZERO, "a quiet VM is not polled for");
+        w.after_sleep(us(30));
+        assert_eq!(w.now, Window::START);
+        w.after_sleep(us(30));
+        w.after_sleep(us(30));
+        assert_eq!(w.now, us(40));
+        w.after_sleep(us(30));
+        assert_eq!(w.now, us(50), "never past --io-poll");
+        let mut off = Window::new(Duration::ZERO);
+        off.after_sleep(us(1));
+        assert_eq!(off.now, Duration::ZERO, "no --io-poll, no polling");
     }
 
     #[test]
