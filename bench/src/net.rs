@@ -311,6 +311,37 @@ fn vmms(
     Ok((configs, missing))
 }
 
+/// Musubi's counts of one load (`udp_vmm`, `tcp_vmm`), and one figure of them.
+type LoadCounts = fn(&Sample) -> Option<VmmCounts>;
+type Count = fn(&VmmCounts) -> f64;
+
+/// `net.csv`'s columns of the I/O thread's waiting, each per packet: its CPU and the time
+/// it polled in us, and its wake-ups.
+const IO_COLUMNS: [(&str, LoadCounts, Count); 6] = [
+    (
+        "udp_io_cpu_us_per_packet",
+        |s| s.udp_vmm,
+        |v| v.io_cpu_ns / 1e3,
+    ),
+    (
+        "udp_io_poll_us_per_packet",
+        |s| s.udp_vmm,
+        |v| v.io_poll_ns / 1e3,
+    ),
+    ("udp_io_wakeups_per_packet", |s| s.udp_vmm, |v| v.io_wakeups),
+    (
+        "tcp_io_cpu_us_per_packet",
+        |s| s.tcp_vmm,
+        |v| v.io_cpu_ns / 1e3,
+    ),
+    (
+        "tcp_io_poll_us_per_packet",
+        |s| s.tcp_vmm,
+        |v| v.io_poll_ns / 1e3,
+    ),
+    ("tcp_io_wakeups_per_packet", |s| s.tcp_vmm, |v| v.io_wakeups),
+];
+
 /// `net.csv`: a row per run made, and one per peer that never ran.
 fn csv(runs: &NetRuns, missing: &Missing) -> Csv {
     let f3 = |x: Option<f64>| cell(x.map(|v| format!("{v:.3}")));
@@ -320,7 +351,7 @@ fn csv(runs: &NetRuns, missing: &Missing) -> Csv {
     let vmm = |g: fn(&Sample) -> Option<VmmCounts>, count: fn(&VmmCounts) -> f64| {
         move |s: &Sample| f3(g(s).and_then(|v| ratio(count(&v), v.packets)))
     };
-    let cols = Columns::new()
+    let mut cols = Columns::new()
         .run_heads()
         .measured("udp_rounds", |s: &Sample| s.rounds.to_string())
         .measured("udp_lost", |s| s.lost.to_string())
@@ -355,33 +386,11 @@ fn csv(runs: &NetRuns, missing: &Missing) -> Csv {
         .measured(
             "tcp_doorbell_exits_per_packet",
             vmm(|s| s.tcp_vmm, |v| v.doorbell_exits),
-        )
-        .measured(
-            "udp_io_cpu_us_per_packet",
-            vmm(|s| s.udp_vmm, |v| v.io_cpu_ns / 1e3),
-        )
-        .measured(
-            "udp_io_poll_us_per_packet",
-            vmm(|s| s.udp_vmm, |v| v.io_poll_ns / 1e3),
-        )
-        .measured(
-            "udp_io_wakeups_per_packet",
-            vmm(|s| s.udp_vmm, |v| v.io_wakeups),
-        )
-        .measured(
-            "tcp_io_cpu_us_per_packet",
-            vmm(|s| s.tcp_vmm, |v| v.io_cpu_ns / 1e3),
-        )
-        .measured(
-            "tcp_io_poll_us_per_packet",
-            vmm(|s| s.tcp_vmm, |v| v.io_poll_ns / 1e3),
-        )
-        .measured(
-            "tcp_io_wakeups_per_packet",
-            vmm(|s| s.tcp_vmm, |v| v.io_wakeups),
-        )
-        .unavailable();
-    cols.csv(contender_rows(runs, missing))
+        );
+    for (name, load, count) in IO_COLUMNS {
+        cols = cols.measured(name, vmm(load, count));
+    }
+    cols.unavailable().csv(contender_rows(runs, missing))
 }
 
 /// Prints every VMM's medians and what they measure.
