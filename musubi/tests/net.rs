@@ -381,48 +381,51 @@ fn two_udp_echo_copies_on_two_cpus_each_use_a_queue_pair_of_their_own() {
     assert!(echo.join().unwrap() >= 200, "the echo answered both copies");
 }
 
-#[test]
-fn a_refused_vq_pairs_set_leaves_the_guest_on_one_pair_and_says_so() {
-    let ns = Netns::new("tcpmqerr");
-    let sink = tcp_sink(&ns, 9000, 1);
+/// `tcp-send` of `bytes` with the task's further words `more` (`cpu=`, `procs=`, other
+/// `probe.` words) in a 2-vCPU VM whose device has two queue pairs, to a sink taking
+/// `conns` connections; it must end cleanly. The result line, the bytes the sink read on
+/// each connection and the device's counters.
+fn mq_tcp_send(
+    tag: &str,
+    bytes: u64,
+    more: &str,
+    conns: usize,
+) -> (serde_json::Value, Vec<u64>, musubi_types::NetCounters) {
+    let ns = Netns::new(tag);
+    let sink = tcp_sink(&ns, 9000, conns);
     let metrics = tempfile::NamedTempFile::new().unwrap();
     let m = metrics.path().display().to_string();
-    let bytes = 256 << 10;
-    // Three pairs of a device that has two: the device must answer VIRTIO_NET_ERR.
     let vm = run_with_net(
         &ns,
-        &format!("tcp-send={HOST}:9000,bytes={bytes},cpu=1 probe.net_pairs=3"),
+        &format!("tcp-send={HOST}:9000,bytes={bytes}{more}"),
         "kernel",
         ",num_queues=4",
         &["--cpus", "2", "--metrics", &m],
     );
     let run = vm.finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
-    assert_eq!(sink.join().unwrap(), vec![bytes], "bytes the sink read");
-    let r = run.result("tcp-send");
+    let read = sink.join().unwrap();
+    let net = metrics_in(metrics.path()).net[0];
+    (run.result("tcp-send"), read, net)
+}
+
+#[test]
+fn a_refused_vq_pairs_set_leaves_the_guest_on_one_pair_and_says_so() {
+    let bytes = 256 << 10;
+    // Three pairs of a device that has two: the device must answer VIRTIO_NET_ERR.
+    let (r, read, net) = mq_tcp_send("tcpmqerr", bytes, ",cpu=1 probe.net_pairs=3", 1);
+    assert_eq!(read, vec![bytes], "bytes the sink read");
     assert_eq!(r["queue_pairs"], 1, "{r}");
     assert_eq!(r["queue_pair"], 0, "{r}");
     assert_eq!(r["mq_error"], "VQ_PAIRS_SET answered ERR", "{r}");
-    let net = &metrics_in(metrics.path()).net[0];
     assert_eq!(net.ctrl_errors, 1, "{net:?}");
 }
 
 #[test]
 fn a_tcp_stream_from_cpu_1_uses_pair_1_of_a_multiqueue_device() {
-    let ns = Netns::new("tcpmqap");
-    let sink = tcp_sink(&ns, 9000, 1);
     let bytes = 256 << 10;
-    let vm = run_with_net(
-        &ns,
-        &format!("tcp-send={HOST}:9000,bytes={bytes},cpu=1"),
-        "kernel",
-        ",num_queues=4",
-        &["--cpus", "2"],
-    );
-    let run = vm.finish(LIMIT);
-    assert_eq!(run.code, Some(0), "{}", run.explain());
-    assert_eq!(sink.join().unwrap(), vec![bytes], "bytes the sink read");
-    let r = run.result("tcp-send");
+    let (r, read, _) = mq_tcp_send("tcpmqap", bytes, ",cpu=1", 1);
+    assert_eq!(read, vec![bytes], "bytes the sink read");
     assert_eq!(r["queue_pairs"], 2, "{r}");
     assert_eq!(r["max_queue_pairs"], 2, "{r}");
     assert_eq!(r["queue_pair"], 1, "{r}");
@@ -447,26 +450,9 @@ fn more_copies_than_the_device_has_pairs_are_refused_naming_the_pairs() {
 
 #[test]
 fn two_tcp_streams_from_two_cpus_each_use_a_queue_pair_of_their_own() {
-    let ns = Netns::new("tcpmq2");
-    let sink = tcp_sink(&ns, 9000, 2);
-    let metrics = tempfile::NamedTempFile::new().unwrap();
-    let m = metrics.path().display().to_string();
     let bytes = 1 << 20;
-    let vm = run_with_net(
-        &ns,
-        &format!("tcp-send={HOST}:9000,bytes={bytes},procs=2"),
-        "kernel",
-        ",num_queues=4",
-        &["--cpus", "2", "--metrics", &m],
-    );
-    let run = vm.finish(LIMIT);
-    assert_eq!(run.code, Some(0), "{}", run.explain());
-    assert_eq!(
-        sink.join().unwrap(),
-        vec![bytes, bytes],
-        "bytes the sink read"
-    );
-    let r = run.result("tcp-send");
+    let (r, read, net) = mq_tcp_send("tcpmq2", bytes, ",procs=2", 2);
+    assert_eq!(read, vec![bytes, bytes], "bytes the sink read");
     assert_eq!(r["ok"], true, "{r}");
     assert_eq!(r["queue_pairs"], 2, "VQ_PAIRS_SET(2) was taken: {r}");
     assert_eq!(r["bytes"], 2 * bytes, "{r}");
@@ -480,7 +466,6 @@ fn two_tcp_streams_from_two_cpus_each_use_a_queue_pair_of_their_own() {
         assert!(c["rx_packets"].as_u64().unwrap() > 0, "{r}");
     }
     assert_ne!(copies[0]["local_port"], copies[1]["local_port"], "{r}");
-    let net = &metrics_in(metrics.path()).net[0];
     assert!(
         net.ctrl_commands >= 1,
         "the guest sent VQ_PAIRS_SET: {net:?}"

@@ -167,23 +167,30 @@ fn epochs_reach_the_standby_and_a_vm_that_ends_is_not_taken_over() {
     assert_left_running(&vm);
 }
 
+/// The first steps of a standby driven by hand: takes the primary's connection on `l`,
+/// reads the VM's configuration and answers that it stands by (100 ms heartbeats).
+fn stand_by_by_hand(l: &TcpListener) -> (dsm_host::link::LinkReader, dsm_host::link::LinkWriter) {
+    let (stream, _) = l.accept().unwrap();
+    let link = dsm_host::Link::handshake(
+        stream,
+        dsm_host::Role::Listener,
+        None,
+        &opts().params(crate::DESTINATION),
+    )
+    .unwrap();
+    let (mut r, mut w) = (link.reader, link.writer);
+    let first = crate::recv(&mut r).unwrap();
+    crate::recv_blob(&mut r, Blob::Config, first).unwrap();
+    send(&mut w, &Msg::Standing { heartbeat_ms: 100 }).unwrap();
+    (r, w)
+}
+
 /// A standby driven by hand: it acknowledges two epochs and goes.
 fn standby_for_two_epochs() -> (String, std::thread::JoinHandle<()>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let st = std::thread::spawn(move || {
-        let (stream, _) = l.accept().unwrap();
-        let link = dsm_host::Link::handshake(
-            stream,
-            dsm_host::Role::Listener,
-            None,
-            &opts().params(crate::DESTINATION),
-        )
-        .unwrap();
-        let (mut r, mut w) = (link.reader, link.writer);
-        let first = crate::recv(&mut r).unwrap();
-        crate::recv_blob(&mut r, Blob::Config, first).unwrap();
-        send(&mut w, &Msg::Standing { heartbeat_ms: 100 }).unwrap();
+        let (mut r, mut w) = stand_by_by_hand(&l);
         let mut acked = 0;
         while acked < 2 {
             if let Msg::Commit { epoch, .. } = crate::recv(&mut r).unwrap() {
@@ -527,18 +534,7 @@ fn an_epochs_frames_go_with_it_and_are_said_released_once_written() {
     let st = {
         let vm = vm.clone();
         std::thread::spawn(move || {
-            let (stream, _) = l.accept().unwrap();
-            let link = dsm_host::Link::handshake(
-                stream,
-                dsm_host::Role::Listener,
-                None,
-                &opts().params(crate::DESTINATION),
-            )
-            .unwrap();
-            let (mut r, mut w) = (link.reader, link.writer);
-            let first = crate::recv(&mut r).unwrap();
-            crate::recv_blob(&mut r, Blob::Config, first).unwrap();
-            send(&mut w, &Msg::Standing { heartbeat_ms: 100 }).unwrap();
+            let (mut r, mut w) = stand_by_by_hand(&l);
             // Per epoch: the frames it carried, and what came after its acknowledgement.
             let mut epochs = Vec::new();
             let mut frames = Vec::new();
