@@ -309,7 +309,7 @@ pub struct RunFlags {
 
 /// The longest `--io-poll`: polling covers the gaps between the packets of one exchange,
 /// microseconds; beyond this it is a CPU spent for nothing.
-pub const MAX_IO_POLL: Duration = Duration::from_millis(10);
+const MAX_IO_POLL: Duration = Duration::from_millis(10);
 
 /// `--io-poll`: 0, or a duration with its unit up to [`MAX_IO_POLL`].
 fn io_poll(text: &str) -> Result<Duration, String> {

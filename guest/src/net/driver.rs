@@ -260,6 +260,29 @@ impl Tx {
         }
     }
 
+    /// Hands the frame in descriptor `id` to the TSO merger: true if it kept it, false if
+    /// it must go as it is (after the frame under construction, which then goes first).
+    fn merge(&mut self, id: u16, frame: &[u8]) -> bool {
+        let took = match self.tso.as_mut().map(|t| t.take(id, frame)) {
+            None => return false,
+            // Not a continuation: what was being built goes, and this may start anew.
+            Some(Took::No) => {
+                self.flush_tso();
+                self.tso.as_mut().map_or(Took::No, |t| t.take(id, frame))
+            }
+            Some(took) => took,
+        };
+        match took {
+            Took::Kept => {
+                self.free[self.nfree] = id;
+                self.nfree += 1;
+                true
+            }
+            Took::Started => true,
+            Took::No => false,
+        }
+    }
+
     /// Offers the TSO frame under construction, if any.
     fn flush_tso(&mut self) {
         if let Some((id, at, len)) = self.tso.as_mut().and_then(|t| t.flush()) {
@@ -685,26 +708,10 @@ impl phy::TxToken for TxToken<'_> {
         // never had it), and `HDR + len` fits in `BUF`.
         let r = f(unsafe { core::slice::from_raw_parts_mut((buf + HDR) as *mut u8, len) });
         tx.packets += 1;
-        if let Some(t) = &mut tx.tso {
-            // SAFETY: the frame `f` just wrote, in the buffer this token still owns.
-            let frame = unsafe { core::slice::from_raw_parts((buf + HDR) as *const u8, len) };
-            let mut took = t.take(id, frame);
-            if let Took::No = took {
-                if let Some((first, at, bytes)) = t.flush() {
-                    tx.ring.set_desc(first, at, bytes, 0);
-                    tx.ring.offer(first);
-                }
-                took = t.take(id, frame);
-            }
-            match took {
-                Took::Kept => {
-                    tx.free[tx.nfree] = id;
-                    tx.nfree += 1;
-                    return r;
-                }
-                Took::Started => return r,
-                Took::No => {}
-            }
+        // SAFETY: the frame `f` just wrote, in the buffer this token still owns.
+        let frame = unsafe { core::slice::from_raw_parts((buf + HDR) as *const u8, len) };
+        if tx.merge(id, frame) {
+            return r;
         }
         tx.ring.set_desc(id, buf, (HDR as usize + len) as u32, 0);
         tx.ring.offer(id);

@@ -12,6 +12,8 @@
 //! and the virtio-net header asks the device to finish it (`NEEDS_CSUM`, `GSO_TCPV4`,
 //! `gso_size` the segments' payload). A single segment goes as smoltcp made it.
 
+use smoltcp::wire::{Ipv4Address, Ipv4Packet, TcpPacket};
+
 use super::driver::{load, store};
 
 /// `virtio_net_hdr_v1` bytes before each frame.
@@ -159,14 +161,15 @@ impl Tso {
         let at = self.slot(o.slot);
         let frame = at + HDR as u64;
         if o.segs > 1 {
-            let tcp_len = o.len - TCP;
-            put16(frame + IP as u64 + 2, (o.len - IP) as u16);
-            put16(frame + IP as u64 + 10, 0);
-            let ip_sum = !fold(sum(frame + IP as u64, 20));
-            put16(frame + IP as u64 + 10, ip_sum);
-            // The pseudo-header's sum, not inverted: the device adds the segment's.
-            let pseudo = sum(frame + IP as u64 + 12, 8) + 6 + tcp_len as u32;
-            put16(frame + TCP as u64 + 16, fold(pseudo));
+            // SAFETY: the slot is this frame's and not yet with the device, and its `len`
+            // bytes were written by `take`.
+            let f = unsafe { core::slice::from_raw_parts_mut(frame as *mut u8, o.len) };
+            let mut ip = Ipv4Packet::new_unchecked(&mut f[IP..]);
+            ip.set_total_len((o.len - IP) as u16);
+            ip.fill_checksum();
+            let (src, dst) = (ip.src_addr(), ip.dst_addr());
+            let pseudo = pseudo_header_sum(src, dst, o.len - TCP);
+            TcpPacket::new_unchecked(&mut f[TCP..]).set_checksum(pseudo);
             store(at, HDR_F_NEEDS_CSUM);
             store(at + 1, HDR_GSO_TCPV4);
             store(at + 2, ((TCP + o.thl) as u16).to_le());
@@ -214,28 +217,27 @@ impl Segment {
     }
 }
 
+/// The one's-complement sum of TCP's IPv4 pseudo-header, folded and not inverted: the
+/// device adds the segment's to it and inverts (smoltcp keeps its own to itself).
+fn pseudo_header_sum(src: Ipv4Address, dst: Ipv4Address, tcp_len: usize) -> u16 {
+    let [a, b, c, d] = src.octets();
+    let [e, f, g, h] = dst.octets();
+    let mut s = [[a, b], [c, d], [e, f], [g, h]]
+        .iter()
+        .map(|w| u16::from_be_bytes(*w) as u32)
+        .sum::<u32>()
+        + 6
+        + tcp_len as u32;
+    while s > 0xffff {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    s as u16
+}
+
 /// Copies `bytes` into a slot at `at`, which the device does not hold.
 fn copy_to(at: u64, bytes: &[u8]) {
     // SAFETY: `at` lies in a slot this driver carved for itself, not with the device (its
     // `busy` entry is this frame's, not yet offered), with room for `bytes` (checked
     // against `MAX_FRAME` by the callers); `bytes` is smoltcp's frame in another buffer.
     unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), at as *mut u8, bytes.len()) }
-}
-
-fn put16(addr: u64, v: u16) {
-    store(addr, v.to_be());
-}
-
-/// One's-complement sum of `len` bytes (even) at `addr` as big-endian words, unfolded.
-fn sum(addr: u64, len: usize) -> u32 {
-    (0..len / 2)
-        .map(|i| u16::from_be(load::<u16>(addr + 2 * i as u64)) as u32)
-        .sum()
-}
-
-fn fold(mut s: u32) -> u16 {
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    s as u16
 }
