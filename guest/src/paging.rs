@@ -25,10 +25,11 @@ const MIB2: u64 = 1 << 21;
 #[repr(C, align(4096))]
 pub struct Table(pub [u64; 512]);
 
-/// PDs for RAM above 4 GiB when the CPU has no 1 GiB pages: covers RAM up to 32 GiB (the
-/// image must end below 2 MiB, and each CPU's page of its own and each device driver take
-/// room too); RAM past that goes unmapped, and the memory map the tasks see ends there.
-const POOL_PDS: usize = 28;
+/// PDs for RAM above 4 GiB when the CPU has no 1 GiB pages: covers RAM up to 20 GiB (the
+/// image must end below 2 MiB, and each CPU's page of its own, each device driver and
+/// smoltcp's segmentation offload, which needs its IPv6 too, take room); RAM past that goes
+/// unmapped, and the memory map the tasks see ends there.
+const POOL_PDS: usize = 16;
 
 #[link_section = ".noinit.pml4"]
 pub static PML4: Global<Table> = Global::new(Table([0; 512]));

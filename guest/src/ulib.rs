@@ -1,6 +1,6 @@
-//! Library for code that runs at CPL3: system-call stubs, a line buffer, JSON escaping and
-//! CRC-32. Nothing here touches kernel statics (user tasks cannot read them); the kernel
-//! also uses the pure helpers.
+//! Library for code that runs at CPL3: system-call stubs, a line buffer, JSON escaping,
+//! CRC-32 and the test streams' bytes. Nothing here touches kernel statics (user tasks
+//! cannot read them); the kernel also uses the pure helpers.
 
 use core::fmt;
 
@@ -338,4 +338,22 @@ pub fn vsock_wait(timeout_us: u64, seen_rx: u16, seen_tx: Option<u16>) -> bool {
 /// Interrupts the virtio-net device has raised since boot.
 pub fn net_interrupts() -> u64 {
     syscall(abi::SYS_STATS, abi::STAT_NET_INTERRUPTS, 0, 0, 0)
+}
+
+/// Writes the bytes of `tcp-send`'s and `vsock-send`'s stream from offset `off` into `b`
+/// (byte i is i mod 251, which the host's checks expect): one period computed, the rest
+/// copied from it, so the sender's own work stays small beside the path it measures.
+pub fn stream_bytes(b: &mut [u8], off: u64) {
+    const PERIOD: usize = 251;
+    let first = b.len().min(PERIOD);
+    for (i, x) in b[..first].iter_mut().enumerate() {
+        *x = ((off + i as u64) % PERIOD as u64) as u8;
+    }
+    // `have` stays a multiple of the period, so each copy continues the stream.
+    let mut have = first;
+    while have < b.len() {
+        let n = have.min(b.len() - have);
+        b.copy_within(..n, have);
+        have += n;
+    }
 }

@@ -6,6 +6,7 @@
 //! (`tcp`), slow-loris clients of a UNIX socket (`slow`) and a host program's side of a
 //! VM's hybrid vsock (`vsock`).
 
+mod ethtool;
 mod fake;
 pub mod netns;
 mod probe;

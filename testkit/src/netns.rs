@@ -3,6 +3,7 @@
 //! (also while a test panics) deletes it, and with it every interface inside. iproute2's
 //! `ip` does the work, as a program.
 
+use crate::ethtool;
 use std::ffi::{c_char, CString};
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -149,6 +150,22 @@ impl Netns {
     /// Whether the namespace has an interface named `name`.
     pub fn has_link(&self, name: &str) -> bool {
         try_ip(&["-n", &self.name, "link", "show", name]).is_ok()
+    }
+
+    /// Turns checksum offload off on interface `dev`, both ways, and with it segmentation
+    /// offload: a large TCP frame that leaves through it is then cut into segments and each
+    /// checksummed by the kernel in software, and one that arrives is checked. (`ethtool
+    /// -K dev tx off rx off`, without the program.)
+    pub fn checksum_in_software(&self, dev: &str) -> std::io::Result<()> {
+        let dev = dev.to_string();
+        self.spawn(move || {
+            for cmd in [ethtool::STXCSUM, ethtool::SRXCSUM, ethtool::STSO] {
+                ethtool::set(&dev, cmd, 0)?;
+            }
+            Ok(())
+        })
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("the ethtool thread panicked")))
     }
 }
 

@@ -11,10 +11,13 @@
 //! where no guest reads them. Every transmit queue sends through its own pair's backend,
 //! in use or not (a detached TAP queue still takes frames to send).
 //!
-//! Frames are copied through device-side buffers rather than handed to the kernel as
-//! iovecs over guest memory: a guest cannot then change a frame while the kernel reads it,
-//! every guest buffer is checked once before it is touched, and a frame that does not fit
-//! the receive buffers the guest posted can be held without holding guest memory.
+//! A received frame is read into a device-side buffer first: one that does not fit the
+//! receive buffers the guest posted can then be held without holding guest memory. A
+//! transmitted frame goes from guest memory to the backend without a copy of the device's
+//! (a TAP gets the guest's buffers as the iovecs of one `writev`, as QEMU's and vhost-net's
+//! transmit paths hand them over): the kernel copies it once, so a guest that changes it
+//! meanwhile garbles only its own frame, and every buffer was checked to lie in guest
+//! memory first. A frame held for output commit is copied, as it must outlive the chain.
 //!
 //! Besides its doorbells the device waits on each pair's backend becoming readable, on the
 //! rate limiters' timers (shared by the pairs) and on an eventfd of its own that it signals
@@ -51,7 +54,8 @@ use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
 use virtio_bindings::virtio_net::*;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VRING_USED_F_NO_NOTIFY};
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions};
+use vm_memory::bitmap::{AtomicBitmap, BS};
+use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions, VolatileSlice};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// The device's counters; `interrupts` is the transport's to fill.
@@ -109,6 +113,16 @@ pub trait NetBackend: Send {
     fn read_frame(&mut self, buf: &mut [u8]) -> io::Result<usize>;
     /// Writes one frame, header first, whole; `WouldBlock` when it cannot be taken now.
     fn write_frame(&mut self, iovs: &[IoSlice<'_>]) -> io::Result<usize>;
+    /// Writes one frame that lies in guest memory, as `write_frame`. The default copies it
+    /// out first.
+    fn write_guest(&mut self, parts: &[GuestSlice<'_>]) -> io::Result<usize> {
+        let mut frame = vec![0; parts.iter().map(|p| p.len()).sum()];
+        let mut at = 0;
+        for p in parts {
+            at += p.copy_to(&mut frame[at..]);
+        }
+        self.write_frame(&[IoSlice::new(&frame)])
+    }
     /// The descriptor that becomes readable when a frame is queued.
     fn raw_fd(&self) -> RawFd;
     /// Tells the backend which `TUN_F_*` offloads the guest takes on receive.
@@ -127,6 +141,9 @@ impl NetBackend for Tap {
     }
     fn write_frame(&mut self, iovs: &[IoSlice<'_>]) -> io::Result<usize> {
         self.write_vectored(iovs)
+    }
+    fn write_guest(&mut self, parts: &[GuestSlice<'_>]) -> io::Result<usize> {
+        writev_guest(self.as_raw_fd(), parts)
     }
     fn raw_fd(&self) -> RawFd {
         self.as_raw_fd()
@@ -201,6 +218,9 @@ enum Delivery {
 /// Why a chain was refused, for the debug log.
 type Fault = &'static str;
 
+/// A stretch of guest memory a frame lies in.
+pub type GuestSlice<'a> = VolatileSlice<'a, BS<'a, AtomicBitmap>>;
+
 /// What the driver set through the control queue, kept across a snapshot or a move.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ControlState {
@@ -231,7 +251,6 @@ struct Pair {
     rx_len: usize,
     /// Whether the rate limiter already counted the frame in `rx_buf`.
     rx_paid: bool,
-    tx_buf: Vec<u8>,
     /// A backend refused a frame of this pair's transmit queue with `WouldBlock`: retry on
     /// a backend's next event.
     tx_stalled: bool,
@@ -282,16 +301,78 @@ fn limiter(rate: Option<RateLimit>, what: &'static str) -> Result<Option<RateLim
         .transpose()
 }
 
-/// Writes `frame` to `backend`, retrying a write a signal interrupted a few times.
-fn write_to(backend: &mut dyn NetBackend, frame: &[u8]) -> io::Result<usize> {
+/// Writes a frame that lies in guest memory to descriptor `fd` with one `writev`: the
+/// guest's buffers go to the kernel as they are, which copies them once.
+pub(crate) fn writev_guest(fd: RawFd, parts: &[GuestSlice<'_>]) -> io::Result<usize> {
+    let guards: Vec<_> = parts.iter().map(|p| p.ptr_guard()).collect();
+    let iovs: Vec<libc::iovec> = guards
+        .iter()
+        .zip(parts)
+        .map(|(g, p)| libc::iovec {
+            iov_base: g.as_ptr() as *mut libc::c_void,
+            iov_len: p.len(),
+        })
+        .collect();
+    let count = libc::c_int::try_from(iovs.len())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: each iovec covers one slice of guest memory that stays mapped while `guards`
+    // lives (past the call); the kernel only reads it, and Rust holds no reference to it,
+    // so the guest changing it meanwhile is no data race of ours.
+    let n = unsafe { libc::writev(fd, iovs.as_ptr(), count) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Runs `write`, again if a signal interrupted it, a few times at most.
+fn retry_interrupted(mut write: impl FnMut() -> io::Result<usize>) -> io::Result<usize> {
     let mut result = Err(io::ErrorKind::Interrupted.into());
     for _ in 0..8 {
-        result = backend.write_frame(&[IoSlice::new(frame)]);
+        result = write();
         if !matches!(&result, Err(e) if e.kind() == io::ErrorKind::Interrupted) {
             break;
         }
     }
     result
+}
+
+/// Writes `frame` to `backend` (see [`retry_interrupted`]).
+fn write_to(backend: &mut dyn NetBackend, frame: &[u8]) -> io::Result<usize> {
+    retry_interrupted(|| backend.write_frame(&[IoSlice::new(frame)]))
+}
+
+/// Bytes of a frame read to learn the guest's address from: an Ethernet header and an
+/// ARP body, more than an IPv4 header's first 16.
+const SENDER_BYTES: usize = 14 + 28;
+
+/// Copies the first `out.len()` bytes of the chain's buffers `bufs` into `out`.
+fn gather(mem: &GuestMemoryMmap, bufs: &[(GuestAddress, usize)], out: &mut [u8]) -> Result<(), ()> {
+    let mut at = 0;
+    for &(addr, n) in bufs {
+        let n = n.min(out.len() - at);
+        if n == 0 {
+            break;
+        }
+        mem.read_slice(&mut out[at..at + n], addr).map_err(|_| ())?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// The guest memory the chain's buffers `bufs` cover, in order (a buffer that crosses
+/// from one memory region into the next is two); `None` if any of it is not there.
+fn guest_slices<'m>(
+    mem: &'m GuestMemoryMmap,
+    bufs: &[(GuestAddress, usize)],
+) -> Option<Vec<GuestSlice<'m>>> {
+    let mut parts = Vec::with_capacity(bufs.len());
+    for &(addr, n) in bufs {
+        for s in mem.get_slices(addr, n, Permissions::Read).ok()? {
+            parts.push(s.ok()?);
+        }
+    }
+    Some(parts)
 }
 
 impl Net {
@@ -364,7 +445,6 @@ impl Net {
                 rx_buf: vec![0; VNET_HDR_LEN + MAX_FRAME_LEN],
                 rx_len: 0,
                 rx_paid: false,
-                tx_buf: vec![0; VNET_HDR_LEN + MAX_FRAME_LEN],
                 tx_stalled: false,
             })
             .collect();
@@ -542,23 +622,21 @@ impl Net {
                 return false;
             }
         }
-        let mut at = 0;
-        for (addr, n) in bufs {
-            if mem
-                .read_slice(&mut self.pairs[k].tx_buf[at..at + n], addr)
-                .is_err()
-            {
-                return self.tx_drop("buffer unreadable");
-            }
-            at += n;
+        let mut head = [0u8; VNET_HDR_LEN + SENDER_BYTES];
+        let head_len = len.min(head.len());
+        if gather(mem, &bufs, &mut head[..head_len]).is_err() {
+            return self.tx_drop("buffer unreadable");
         }
         let mac = self.mac();
-        if let Some(ip) = sender_ipv4(&self.pairs[k].tx_buf[VNET_HDR_LEN..len], &mac) {
+        if let Some(ip) = sender_ipv4(&head[VNET_HDR_LEN..head_len], &mac) {
             self.guest_ip = Some(ip);
         }
         if hold {
-            self.held
-                .push_back((self.gate.epoch(), self.pairs[k].tx_buf[..len].to_vec()));
+            let mut frame = vec![0; len];
+            if gather(mem, &bufs, &mut frame).is_err() {
+                return self.tx_drop("buffer unreadable");
+            }
+            self.held.push_back((self.gate.epoch(), frame));
             self.held_bytes += len;
             self.counters.tx_held += 1;
             self.counters.tx_held_bytes += (len - VNET_HDR_LEN) as u64;
@@ -566,8 +644,11 @@ impl Net {
             self.flush_held();
             return true;
         }
-        let pair = &mut self.pairs[k];
-        let result = write_to(pair.backend.as_mut(), &pair.tx_buf[..len]);
+        let Some(parts) = guest_slices(mem, &bufs) else {
+            return self.tx_drop("buffer unreadable");
+        };
+        let backend = self.pairs[k].backend.as_mut();
+        let result = retry_interrupted(|| backend.write_guest(&parts));
         match result {
             Ok(_) => {
                 self.counters.tx_packets += 1;

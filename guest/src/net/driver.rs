@@ -9,10 +9,10 @@
 
 use core::sync::atomic::{compiler_fence, fence, AtomicU64, Ordering};
 
-use smoltcp::phy::{self, DeviceCapabilities, Medium};
+use smoltcp::phy::{self, Checksum, DeviceCapabilities, Medium, PacketMeta};
 use smoltcp::time::Instant;
 
-use super::tso::{self, Took, Tso};
+use super::tso::{self, Tso};
 use super::Carve;
 use crate::abi::{self, Error, NetOpen};
 use crate::ulib;
@@ -243,7 +243,8 @@ pub struct Tx {
     free: [u16; abi::NET_MAX_QUEUE as usize],
     nfree: usize,
     pub packets: u64,
-    /// Merges segments into TSO frames, when the device takes them (`HOST_TSO4`).
+    /// Large frames' slots and the headers that leave checksums and segmentation to the
+    /// device, when it takes them (`HOST_TSO4`).
     pub tso: Option<Tso>,
 }
 
@@ -260,39 +261,10 @@ impl Tx {
         }
     }
 
-    /// Hands the frame in descriptor `id` to the TSO merger: true if it kept it, false if
-    /// it must go as it is (after the frame under construction, which then goes first).
-    fn merge(&mut self, id: u16, frame: &[u8]) -> bool {
-        let took = match self.tso.as_mut().map(|t| t.take(id, frame)) {
-            None => return false,
-            // Not a continuation: what was being built goes, and this may start anew.
-            Some(Took::No) => {
-                self.flush_tso();
-                self.tso.as_mut().map_or(Took::No, |t| t.take(id, frame))
-            }
-            Some(took) => took,
-        };
-        match took {
-            Took::Kept => {
-                self.free[self.nfree] = id;
-                self.nfree += 1;
-                true
-            }
-            Took::Started => true,
-            Took::No => false,
-        }
-    }
-
-    /// Offers the TSO frame under construction, if any.
-    fn flush_tso(&mut self) {
-        if let Some((id, at, len)) = self.tso.as_mut().and_then(|t| t.flush()) {
-            self.ring.set_desc(id, at, len, 0);
-            self.ring.offer(id);
-        }
-    }
-
+    /// True unless every buffer, or with TSO every large frame's slot, is with the device:
+    /// a token is handed out only when the frame it makes has somewhere to go.
     fn full(&self) -> bool {
-        self.nfree == 0
+        self.nfree == 0 || self.tso.as_ref().is_some_and(|t| !t.has_room())
     }
 }
 
@@ -521,7 +493,6 @@ impl VirtioNet {
 
     /// Notifies the queues of what the last round of work offered.
     pub fn flush(&mut self) {
-        self.tx.flush_tso();
         self.rx.ring.kick();
         for r in self.others.iter_mut().flatten() {
             r.ring.kick();
@@ -692,30 +663,43 @@ impl FrameBox {
 
 pub struct TxToken<'a> {
     tx: &'a mut Tx,
+    /// The MSS smoltcp asks the device to cut this frame at (`segmentation-offload`).
+    mss: Option<u16>,
 }
 
 impl phy::TxToken for TxToken<'_> {
     fn consume<R, F: FnOnce(&mut [u8]) -> R>(self, len: usize, f: F) -> R {
         let tx = self.tx;
-        // A token is made only with a buffer free (`receive`, `transmit`).
+        // A token is made only with a buffer free, and with TSO a slot too (`Tx::full`).
         tx.nfree -= 1;
         let id = tx.free[tx.nfree];
-        let buf = tx.bufs + id as u64 * BUF;
-        let len = len.min(MAX_FRAME);
-        store(buf, 0u64);
-        store(buf + 8, 0u32);
-        // SAFETY: buffer `id` of the transmit queue is free (the device gave it back, or
-        // never had it), and `HDR + len` fits in `BUF`.
-        let r = f(unsafe { core::slice::from_raw_parts_mut((buf + HDR) as *mut u8, len) });
-        tx.packets += 1;
-        // SAFETY: the frame `f` just wrote, in the buffer this token still owns.
-        let frame = unsafe { core::slice::from_raw_parts((buf + HDR) as *const u8, len) };
-        if tx.merge(id, frame) {
-            return r;
+        let small = tx.bufs + id as u64 * BUF;
+        // A frame longer than the buffer goes in a slot (`Tx::full` kept one free).
+        let slot = tx.tso.as_mut().filter(|_| len > MAX_FRAME);
+        let (hdr, room) = match slot.and_then(|t| t.claim(id)) {
+            Some(at) => (at, tso::MAX_FRAME),
+            None => (small, MAX_FRAME),
+        };
+        let len = len.min(room);
+        // SAFETY: buffer `id` of the transmit queue, or the slot just claimed for it, is
+        // free (the device gave it back, or never had it), and `HDR + len` fits in it.
+        let frame = unsafe { core::slice::from_raw_parts_mut((hdr + HDR) as *mut u8, len) };
+        let r = f(frame);
+        match &mut tx.tso {
+            Some(t) => t.header(hdr, frame, self.mss),
+            None => {
+                store(hdr, 0u64);
+                store(hdr + 8, 0u32);
+            }
         }
-        tx.ring.set_desc(id, buf, (HDR as usize + len) as u32, 0);
+        tx.packets += 1;
+        tx.ring.set_desc(id, hdr, (HDR as usize + len) as u32, 0);
         tx.ring.offer(id);
         r
+    }
+
+    fn set_meta(&mut self, meta: PacketMeta) {
+        self.mss = meta.segmentation_offload_size.map(|m| m.get());
     }
 }
 
@@ -744,7 +728,10 @@ impl phy::Device for VirtioNet {
             if let Some(len) = got {
                 return Some((
                     RxToken::Shared(&self.arp_frame[..len]),
-                    TxToken { tx: &mut self.tx },
+                    TxToken {
+                        tx: &mut self.tx,
+                        mss: None,
+                    },
                 ));
             }
         }
@@ -763,7 +750,13 @@ impl phy::Device for VirtioNet {
                 arp.publish(self.pair, at, len);
             }
         }
-        Some((RxToken::Ring { rx, id, len }, TxToken { tx: &mut self.tx }))
+        Some((
+            RxToken::Ring { rx, id, len },
+            TxToken {
+                tx: &mut self.tx,
+                mss: None,
+            },
+        ))
     }
 
     fn transmit(&mut self, _: Instant) -> Option<TxToken<'_>> {
@@ -772,13 +765,22 @@ impl phy::Device for VirtioNet {
             self.tx.ring.kick();
             return None;
         }
-        Some(TxToken { tx: &mut self.tx })
+        Some(TxToken {
+            tx: &mut self.tx,
+            mss: None,
+        })
     }
 
+    /// With TSO, smoltcp builds segments of up to 64 KiB and leaves every TCP checksum
+    /// to the device (`tso`).
     fn capabilities(&self) -> DeviceCapabilities {
         let mut c = DeviceCapabilities::default();
         c.medium = Medium::Ethernet;
         c.max_transmission_unit = MAX_FRAME;
+        if self.tx.tso.is_some() {
+            c.checksum.tcp = Checksum::Rx;
+            c.segmentation.tcpv4 = core::num::NonZeroUsize::new(tso::MAX_FRAME);
+        }
         c
     }
 }

@@ -117,14 +117,14 @@ impl<'a> Stack<'a> {
             ",\"queue_pair\":{},\"queue_pairs\":{},\"max_queue_pairs\":{}",
             d.pair, d.pairs, d.max_pairs
         );
-        // TSO frames handed to the device and the segments merged into them (null: the
+        // Frames the device was asked to cut and the segments it makes of them (null: the
         // device does not take them, or probe.net_tso=0).
         match &d.tx.tso {
             Some(t) => {
                 let _ = write!(
                     l,
                     ",\"tso_frames\":{},\"tso_segments\":{}",
-                    t.frames, t.merged
+                    t.frames, t.segments
                 );
             }
             None => {

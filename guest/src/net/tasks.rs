@@ -273,13 +273,6 @@ pub extern "C" fn udp_echo(buf: u64, len: u64, param: u64) -> ! {
     ulib::exit(if ok { 0 } else { STATUS_NET_FAILED })
 }
 
-/// Writes the `tcp-send` stream's bytes from offset `off` into `b`.
-fn stream_bytes(b: &mut [u8], off: u64) {
-    for (i, x) in b.iter_mut().enumerate() {
-        *x = ((off + i as u64) % 251) as u8;
-    }
-}
-
 /// What one `tcp-send` flow did: bytes the host acknowledged, microseconds from connect
 /// to the end, and why it failed if it did.
 pub(super) struct Flow {
@@ -319,7 +312,7 @@ pub(super) fn send_flow(net: &mut Stack, h: SocketHandle, p: &Params, port: u16)
             let n = s
                 .send(|b| {
                     let n = b.len().min(want);
-                    stream_bytes(&mut b[..n], sent);
+                    ulib::stream_bytes(&mut b[..n], sent);
                     (n, n)
                 })
                 .unwrap_or(0);

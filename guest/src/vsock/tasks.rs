@@ -234,13 +234,6 @@ pub extern "C" fn vsock_echo(buf: u64, len: u64, param: u64) -> ! {
     ulib::exit(0)
 }
 
-/// The `vsock-send` stream's bytes from offset `off` (`tcp-send`'s pattern).
-fn stream_bytes(b: &mut [u8], off: u64) {
-    for (i, x) in b.iter_mut().enumerate() {
-        *x = ((off + i as u64) % 251) as u8;
-    }
-}
-
 pub extern "C" fn vsock_send(buf: u64, len: u64, param: u64) -> ! {
     const NAME: &str = "vsock-send";
     let p = params(param);
@@ -305,7 +298,7 @@ pub extern "C" fn vsock_send(buf: u64, len: u64, param: u64) -> ! {
                 h.op = OP_RW;
                 let off = sent;
                 dev.send(h, n, |b| {
-                    stream_bytes(b, off);
+                    ulib::stream_bytes(b, off);
                     crc = workloads::crc32::crc32_update(crc, b);
                 });
                 sent += n as u64;
