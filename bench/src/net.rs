@@ -551,6 +551,21 @@ fn verdicts(configs: &[Vmm], sums: &[Sums]) -> Verdicts {
         format!(">= {AIM_CEILING_RATE:.2}x (aim)"),
         &|x| x >= AIM_CEILING_RATE,
     );
+    // How far above the better peer the host's own stack goes without a VM: no VMM's TCP
+    // can be a given multiple of the peer's where the ceiling is not.
+    let room = ceiling(configs, sums)
+        .and_then(|c| c.mbit)
+        .zip(better(|s| s.mbit, f64::max))
+        .and_then(|(c, p)| ratio(c.median, p));
+    v.push(Figure {
+        what: "TCP Mbit/s, no-vm / better peer (room for the TCP goal)".into(),
+        ours: room
+            .map(|x| format!("{x:.2}x"))
+            .unwrap_or_else(|| "not measured".into()),
+        reference: format!("the goal's {GOAL_STREAM:.2}x"),
+        source: "same run".into(),
+        met: None,
+    });
     let doorbells = kernel.and_then(|k| max(&[k.max_udp_doorbells?, k.max_tcp_doorbells?]));
     v.push(Figure {
         what: "doorbell exits per packet, musubi-kernel (max of runs)".into(),
