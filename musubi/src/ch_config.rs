@@ -8,7 +8,7 @@ use musubi_api::DeviceKind;
 use musubi_types::Counters;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
-use vmm::config::net::{MacAddr, NetConfig, MAX_NUM_QUEUES};
+use vmm::config::net::{Fds, MacAddr, NetConfig, MAX_NUM_QUEUES};
 use vmm::config::rng::RngConfig;
 use vmm::config::vsock::VsockConfig;
 use vmm::config::CacheMode;
@@ -240,7 +240,8 @@ pub fn disk_json(d: &DiskConfig) -> Value {
 pub fn net_json(n: &NetConfig) -> Value {
     json!({
         "tap": n.tap, "ip": n.ip, "mask": n.mask, "mac": n.mac,
-        "fds": n.fd.map(|fd| vec![fd]), "num_queues": n.num_queues, "queue_size": n.queue_size,
+        "fds": n.fd.as_ref().map(|f| f.0.clone()), "num_queues": n.num_queues,
+        "queue_size": n.queue_size,
     })
 }
 
@@ -670,15 +671,22 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
     };
     let fd = match n.take("fds") {
         None | Some(Value::Null) => None,
-        Some(Value::Array(fds)) if fds.len() == 1 && fds[0].as_i64().is_some() => {
-            Some(fds[0].as_i64().unwrap_or_default() as i32)
+        Some(Value::Array(fds))
+            if !fds.is_empty()
+                && fds
+                    .iter()
+                    .all(|f| f.as_i64().and_then(|x| i32::try_from(x).ok()).is_some()) =>
+        {
+            Some(Fds(fds
+                .iter()
+                .filter_map(|f| f.as_i64().and_then(|x| i32::try_from(x).ok()))
+                .collect()))
         }
         Some(other) => {
-            return Err(ChConfigError::Unsupported {
+            return Err(ChConfigError::Type {
                 field: format!("{field}.fds"),
                 value: other.to_string(),
-                why: "Musubi takes one TAP descriptor per device (one queue pair); for more \
-                      pairs give the TAP by name",
+                expected: "a list of TAP queue descriptors, one per queue pair",
             })
         }
     };
@@ -1221,6 +1229,17 @@ mod tests {
     }
 
     #[test]
+    fn net_fds_are_one_tap_queue_per_pair() {
+        let (_d, k) = kernel();
+        let vm = parsed(&k, r#", "net": [{"fds": [7, 8, 9], "num_queues": 6}]"#).unwrap();
+        assert_eq!(vm.config.net[0].fd, Some(Fds(vec![7, 8, 9])));
+        assert_eq!(vm.config.net[0].queue_pairs(), 3);
+        assert_eq!(vm.info["net"][0]["fds"], json!([7, 8, 9]));
+        let again = ChVm::from_config(vm.config.clone());
+        assert_eq!(again.info["net"], vm.info["net"]);
+    }
+
+    #[test]
     fn what_musubi_cannot_honour_is_refused_naming_field_and_value() {
         let (d, k) = kernel();
         let img = d.path().join("a.img");
@@ -1249,8 +1268,17 @@ mod tests {
             ),
             (
                 r#", "net": [{"fds": [7], "num_queues": 4}]"#.into(),
-                "num_queues=4 with fd=",
+                "num_queues=4 with fd=7",
             ),
+            (
+                r#", "net": [{"fds": [7, 8]}]"#.into(),
+                "num_queues=2 with fd=7:8",
+            ),
+            (
+                r#", "net": [{"fds": [7, "eight"], "num_queues": 4}]"#.into(),
+                "net[0].fds [7,\"eight\"]: expected a list of TAP queue descriptors",
+            ),
+            (r#", "net": [{"fds": []}]"#.into(), "net[0].fds []"),
             (
                 r#", "net": [{"tap": "t0", "iommu": true}]"#.into(),
                 "net[0].iommu true",

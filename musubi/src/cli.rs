@@ -49,8 +49,9 @@ pub struct VmArgs {
     pub pmem: Vec<PmemConfig>,
     /// A virtio-net device over a TAP interface; repeat for more. tap=NAME opens the TAP,
     /// creating it when missing (with ip= and mask= given to its host end); fd=N takes one
-    /// already opened with IFF_VNET_HDR. num_queues= counts receive and transmit queues
-    /// (even, 2 to 32, default 2): a TAP queue per pair, with tap= only. rate= limits each
+    /// already opened with IFF_VNET_HDR, fd=A:B:... several queues of one multiqueue TAP.
+    /// num_queues= counts receive and transmit queues (even, 2 to 32, default 2, with fd=
+    /// twice the descriptors): a TAP queue per pair. rate= limits each
     /// direction (token buckets a second deep). The MAC is made up (locally administered)
     /// when not given.
     #[arg(long, value_name = config::net::NET_SYNTAX, value_parser = from_str::<NetConfig>())]

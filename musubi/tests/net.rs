@@ -496,6 +496,75 @@ fn a_tcp_stream_from_cpu_1_uses_pair_1_of_a_multiqueue_device() {
     assert_eq!(r["queue_pair"], 1, "{r}");
 }
 
+/// As an orchestrator does (Cloud Hypervisor's `fds`, QEMU's `fds=`): the test opens two
+/// queues of a multiqueue TAP and hands them down as `fd=A:B`; each of the guest's two
+/// streams goes out through the pair, and so the descriptor, of its own.
+#[test]
+fn two_streams_go_out_through_two_handed_over_tap_queues() {
+    use std::os::unix::process::CommandExt;
+    let ns = Netns::new("mqfd");
+    let taps = ns
+        .spawn(|| devices::net::tap::Tap::open_queues("mqfd0", 2))
+        .join()
+        .unwrap()
+        .expect("a multiqueue TAP of two queues");
+    for args in [
+        ["addr", "add", "10.0.0.1/24", "dev", "mqfd0"].as_slice(),
+        ["link", "set", "mqfd0", "up"].as_slice(),
+    ] {
+        let mut a = vec!["-n", ns.name.as_str()];
+        a.extend_from_slice(args);
+        common::netns::ip(&a);
+    }
+    let fds: Vec<i32> = taps.iter().map(|t| t.as_raw_fd()).collect();
+    let bytes = 1u64 << 20;
+    let sink = tcp_sink(&ns, 9000, 2);
+    let cmdline =
+        format!("probe.ip={GUEST}/24 probe.tasks=tcp-send={HOST}:9000,bytes={bytes},procs=2");
+    let net = format!("fd={}:{}", fds[0], fds[1]);
+    let mut cmd = ns.command(MUSUBI);
+    // SAFETY: the closure runs in the child between fork and exec and calls only fcntl,
+    // which is async-signal-safe, on descriptors the parent holds open.
+    unsafe {
+        cmd.pre_exec(move || {
+            for &fd in &fds {
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let args = [
+        "run",
+        "--kernel",
+        "probe",
+        "--cpus",
+        "2",
+        "--memory",
+        "128M",
+        "--cmdline",
+        &cmdline,
+        "--net",
+        &net,
+    ];
+    let run = start_command(cmd, &args, None).finish(LIMIT);
+    assert_eq!(run.code, Some(0), "{}", run.explain());
+    assert_eq!(
+        sink.join().unwrap(),
+        vec![bytes, bytes],
+        "bytes the sink read"
+    );
+    let r = run.result("tcp-send");
+    assert_eq!(r["queue_pairs"], 2, "{r}");
+    let copies = r["copies"].as_array().unwrap();
+    for (i, c) in copies.iter().enumerate() {
+        assert_eq!(c["queue_pair"], i, "copy {i} drives pair {i}: {r}");
+        assert_eq!(c["bytes"], bytes, "{r}");
+    }
+    drop(taps);
+}
+
 #[test]
 fn more_copies_than_the_device_has_pairs_are_refused_naming_the_pairs() {
     let ns = Netns::new("tcpmq1");

@@ -21,31 +21,26 @@ pub fn open(n: &NetConfig) -> Result<Net, NetError> {
         name: n.name(),
         why,
     };
-    let taps = match (&n.tap, n.fd) {
+    let taps = match (&n.tap, &n.fd) {
         (Some(name), _) => {
             Tap::open_queues(name, n.queue_pairs()).map_err(|e| err(e.to_string()))?
         }
-        (None, Some(_)) if n.num_queues != 2 => {
+        (None, Some(fds)) if usize::from(n.num_queues) != 2 * fds.0.len() => {
             return Err(err(format!(
-                "num_queues={}: a handed-over descriptor is one TAP queue, so one queue pair",
+                "num_queues={}: each handed-over descriptor is one TAP queue, so one queue pair",
                 n.num_queues
             )))
         }
-        (None, Some(fd)) => {
-            // The descriptor must be open in this process: fstat says so without taking it.
-            // SAFETY: fstat only writes the stat buffer it is given.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            // SAFETY: as above; a closed descriptor makes it fail with EBADF.
-            if unsafe { libc::fstat(fd, &mut st) } != 0 {
-                return Err(err(format!(
-                    "descriptor {fd} is not open in this process: {}",
-                    std::io::Error::last_os_error()
-                )));
+        (None, Some(fds)) => {
+            let taps = fds
+                .0
+                .iter()
+                .map(|&fd| handed_over(fd).map_err(&err))
+                .collect::<Result<Vec<_>, _>>()?;
+            if let Some(why) = not_one_multiqueue_tap(&taps) {
+                return Err(err(why));
             }
-            // SAFETY: the descriptor is open (checked above) and was handed to this process
-            // for the device to own; nothing else in the VMM uses it.
-            let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-            vec![Tap::from_fd(owned).map_err(|e| err(e.to_string()))?]
+            taps
         }
         (None, None) => return Err(err("give tap=NAME or fd=N".into())),
     };
@@ -63,6 +58,45 @@ pub fn open(n: &NetConfig) -> Result<Net, NetError> {
         tx_rate: n.rate.map(buckets),
     })
     .map_err(|e| err(e.to_string()))
+}
+
+/// The TAP queue descriptor `fd` this process was handed, owned from here on.
+fn handed_over(fd: i32) -> Result<Tap, String> {
+    // The descriptor must be open in this process: fstat says so without taking it.
+    // SAFETY: fstat only writes the stat buffer it is given.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; a closed descriptor makes it fail with EBADF.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(format!(
+            "descriptor {fd} is not open in this process: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: the descriptor is open (checked above) and was handed to this process for the
+    // device to own; nothing else in the VMM uses it (`check_distinct` refused a second
+    // device on it).
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    Tap::from_fd(owned).map_err(|e| e.to_string())
+}
+
+/// Why several handed-over queues cannot be one device's pairs, if they cannot: each must
+/// be a queue of one multiqueue TAP, or the guest's flows would leave by different
+/// interfaces.
+fn not_one_multiqueue_tap(taps: &[Tap]) -> Option<String> {
+    let first = taps.first()?;
+    if taps.len() > 1 && !first.is_multi_queue() {
+        return Some(format!(
+            "{} is not a multiqueue TAP (IFF_MULTI_QUEUE), so it has one queue to hand over",
+            first.name()
+        ));
+    }
+    taps.iter().find(|t| t.name() != first.name()).map(|t| {
+        format!(
+            "the descriptors are queues of {} and {}; a device's queues must be one TAP's",
+            first.name(),
+            t.name()
+        )
+    })
 }
 
 /// A limit of so much a second as two token buckets a second deep.

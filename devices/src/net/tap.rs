@@ -194,6 +194,11 @@ impl Tap {
         Ok(tap)
     }
 
+    /// Whether this is a queue of a TAP made with `IFF_MULTI_QUEUE`.
+    pub fn is_multi_queue(&self) -> bool {
+        self.multi_queue
+    }
+
     /// The interface name as the kernel reports it.
     pub fn name(&self) -> &str {
         &self.name

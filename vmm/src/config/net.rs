@@ -8,8 +8,8 @@ use std::fmt;
 use std::net::Ipv4Addr;
 use std::str::FromStr;
 
-pub const NET_SYNTAX: &str = "tap=NAME|fd=N[,ip=ADDR,mask=MASK][,mac=MAC][,num_queues=Q]\
-[,queue_size=N][,rate=BYTES_PER_S[/PACKETS_PER_S]]";
+pub const NET_SYNTAX: &str = "tap=NAME|fd=N[:N...][,ip=ADDR,mask=MASK][,mac=MAC]\
+[,num_queues=Q][,queue_size=N][,rate=BYTES_PER_S[/PACKETS_PER_S]]";
 
 /// Keys of `--net`; Cloud Hypervisor's own where it has them (`tap`, `ip`, `mask`, `mac`,
 /// `fd`, `num_queues`, `queue_size`), so a command line carries over.
@@ -64,6 +64,8 @@ pub enum RateError {
 pub enum NetError {
     #[error("give tap=NAME or fd=N")]
     NoTap,
+    #[error("fd={0}: descriptor {1} is given twice")]
+    FdTwice(Fds, i32),
     #[error("tap= and fd= name the TAP twice; give one")]
     TapTwice,
     #[error("fd={0} is standard input, output or error, not a TAP")]
@@ -82,16 +84,66 @@ pub enum NetError {
     )]
     NumQueues(u16),
     #[error(
-        "num_queues={0} with fd=: a handed-over descriptor is one TAP queue, so one queue \
-         pair (num_queues=2); give tap=NAME for more"
+        "num_queues={n} with fd={fds}: each handed-over descriptor is one TAP queue, so one \
+         queue pair (num_queues={want})",
+        want = 2 * fds.0.len()
     )]
-    NumQueuesWithFd(u16),
+    NumQueuesWithFd { n: u16, fds: Fds },
     #[error("{0} is given twice; each network device needs a TAP of its own")]
     Twice(String),
     #[error("tap={0:?}: an interface name is 1 to 15 bytes")]
     IfnameLength(String),
     #[error("tap={0:?}: an interface name has no '/', ':' or white space and is not . or ..")]
     IfnameChars(String),
+}
+
+/// TAP queues an orchestrator opened and handed down, one per queue pair, written
+/// `3:4:5` (as QEMU's `fds=`); the JSON config takes a number or a list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fds(pub Vec<i32>);
+
+impl FromStr for Fds {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        s.split(':')
+            .map(|d| {
+                d.parse::<i32>()
+                    .map_err(|_| format!("{d:?} is not a descriptor number"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Fds)
+    }
+}
+
+impl fmt::Display for Fds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = self.0.iter().map(i32::to_string).collect();
+        f.write_str(&parts.join(":"))
+    }
+}
+
+impl Serialize for Fds {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0.as_slice() {
+            [one] => s.serialize_i32(*one),
+            many => many.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Fds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(i32),
+            Many(Vec<i32>),
+        }
+        Ok(Fds(match OneOrMany::deserialize(d)? {
+            OneOrMany::One(fd) => vec![fd],
+            OneOrMany::Many(fds) => fds,
+        }))
+    }
 }
 
 /// A MAC address, written `52:54:00:12:34:56`.
@@ -210,9 +262,10 @@ pub struct NetConfig {
     /// The TAP interface: opened if it exists, created if not.
     #[serde(default)]
     pub tap: Option<String>,
-    /// A TAP an orchestrator already opened and passed down (`IFF_VNET_HDR` set).
+    /// The queues of a TAP an orchestrator already opened and passed down (`IFF_VNET_HDR`
+    /// set; several must be queues of one `IFF_MULTI_QUEUE` TAP), one per queue pair.
     #[serde(default)]
-    pub fd: Option<i32>,
+    pub fd: Option<Fds>,
     /// The host end's address, given to a TAP Musubi creates.
     #[serde(default)]
     pub ip: Option<Ipv4Addr>,
@@ -242,12 +295,20 @@ fn default_num_queues() -> u16 {
 impl NetConfig {
     /// The refusals that need no spec text: what the JSON form must obey as well.
     pub fn check(&self) -> Result<(), NetError> {
-        match (&self.tap, self.fd) {
+        match (&self.tap, &self.fd) {
             (None, None) => return Err(NetError::NoTap),
             (Some(_), Some(_)) => return Err(NetError::TapTwice),
             (Some(t), None) => check_ifname(t)?,
-            (None, Some(fd)) if fd < 3 => return Err(NetError::StdFd(fd)),
-            _ => {}
+            (None, Some(fds)) => {
+                for (i, &fd) in fds.0.iter().enumerate() {
+                    if fd < 3 {
+                        return Err(NetError::StdFd(fd));
+                    }
+                    if fds.0[..i].contains(&fd) {
+                        return Err(NetError::FdTwice(fds.clone(), fd));
+                    }
+                }
+            }
         }
         if self.mask.is_some() && self.ip.is_none() {
             return Err(NetError::MaskWithoutIp);
@@ -263,8 +324,13 @@ impl NetConfig {
         if !(2..=MAX_NUM_QUEUES).contains(&n) || !n.is_multiple_of(2) {
             return Err(NetError::NumQueues(n));
         }
-        if self.fd.is_some() && n != 2 {
-            return Err(NetError::NumQueuesWithFd(n));
+        if let Some(fds) = &self.fd {
+            if usize::from(n) != 2 * fds.0.len() {
+                return Err(NetError::NumQueuesWithFd {
+                    n,
+                    fds: fds.clone(),
+                });
+            }
         }
         Ok(())
     }
@@ -276,9 +342,9 @@ impl NetConfig {
 
     /// How messages name this device: its TAP, or the descriptor it came as.
     pub fn name(&self) -> String {
-        match (&self.tap, self.fd) {
+        match (&self.tap, &self.fd) {
             (Some(t), _) => format!("--net tap={t}"),
-            (None, Some(fd)) => format!("--net fd={fd}"),
+            (None, Some(fds)) => format!("--net fd={fds}"),
             (None, None) => "--net".into(),
         }
     }
@@ -290,7 +356,10 @@ pub fn check_distinct(nets: &[NetConfig]) -> Result<(), NetError> {
     for (i, a) in nets.iter().enumerate() {
         for b in &nets[..i] {
             let same_tap = a.tap.is_some() && a.tap == b.tap;
-            let same_fd = a.fd.is_some() && a.fd == b.fd;
+            let same_fd = match (&a.fd, &b.fd) {
+                (Some(x), Some(y)) => x.0.iter().any(|fd| y.0.contains(fd)),
+                _ => false,
+            };
             if same_tap || same_fd {
                 return Err(NetError::Twice(a.name()));
             }
@@ -320,13 +389,21 @@ impl FromStr for NetConfig {
 
     fn from_str(text: &str) -> Result<Self, ConfigError> {
         let spec = Spec::parse("--net", NET_SYNTAX, text, &KEYS)?;
+        let fd: Option<Fds> = spec.value("fd")?;
+        // Handed-over queues say how many pairs there are; num_queues= may still say it.
+        let fd_queues = fd
+            .as_ref()
+            .map(|f| u16::try_from(2 * f.0.len()).unwrap_or(u16::MAX));
         let c = NetConfig {
             tap: spec.get("tap").map(str::to_string),
-            fd: spec.value("fd")?,
+            fd,
             ip: spec.value("ip")?,
             mask: spec.value("mask")?,
             mac: spec.value("mac")?,
-            num_queues: spec.value("num_queues")?.unwrap_or(DEFAULT_NUM_QUEUES),
+            num_queues: spec
+                .value("num_queues")?
+                .or(fd_queues)
+                .unwrap_or(DEFAULT_NUM_QUEUES),
             queue_size: spec.value("queue_size")?.unwrap_or(DEFAULT_QUEUE_SIZE),
             rate: spec.value("rate")?,
         };
@@ -343,8 +420,8 @@ impl fmt::Display for NetConfig {
         if let Some(t) = &self.tap {
             pairs.push(("tap", t.clone()));
         }
-        if let Some(fd) = self.fd {
-            pairs.push(("fd", fd.to_string()));
+        if let Some(fds) = &self.fd {
+            pairs.push(("fd", fds.to_string()));
         }
         if let Some(ip) = self.ip {
             pairs.push(("ip", ip.to_string()));
@@ -355,7 +432,12 @@ impl fmt::Display for NetConfig {
         if let Some(mac) = self.mac {
             pairs.push(("mac", mac.to_string()));
         }
-        if self.num_queues != DEFAULT_NUM_QUEUES {
+        // Handed-over queues imply their count, as parsing assumes.
+        let implied = self
+            .fd
+            .as_ref()
+            .map_or(DEFAULT_NUM_QUEUES, |f| (2 * f.0.len()) as u16);
+        if self.num_queues != implied {
             pairs.push(("num_queues", self.num_queues.to_string()));
         }
         if self.queue_size != DEFAULT_QUEUE_SIZE {
@@ -388,7 +470,7 @@ mod tests {
         assert_eq!(n.queue_size, DEFAULT_QUEUE_SIZE);
         assert_eq!(n.mac.unwrap().to_string(), "52:54:00:12:34:56");
         let n: NetConfig = "fd=7,queue_size=64,rate=10M/5000".parse().unwrap();
-        assert_eq!(n.fd, Some(7));
+        assert_eq!(n.fd, Some(Fds(vec![7])));
         assert_eq!(n.queue_size, 64);
         assert_eq!(
             n.rate,
@@ -424,6 +506,13 @@ mod tests {
         let n: NetConfig = "fd=9,num_queues=2".parse().unwrap();
         assert_eq!((n.num_queues, n.queue_pairs()), (2, 1));
         assert_eq!(n.to_string(), "fd=9");
+        // Several handed-over queues: a pair each, the count implied.
+        let n: NetConfig = "fd=9:10:11,mac=52:54:00:12:34:56".parse().unwrap();
+        assert_eq!((n.num_queues, n.queue_pairs()), (6, 3));
+        assert_eq!(n.to_string(), "fd=9:10:11,mac=52:54:00:12:34:56");
+        assert_eq!(n.name(), "--net fd=9:10:11");
+        let n: NetConfig = "fd=9:10,num_queues=4".parse().unwrap();
+        assert_eq!(n.to_string(), "fd=9:10");
         let n: NetConfig = format!("tap=t,num_queues={MAX_NUM_QUEUES}")
             .parse()
             .unwrap();
@@ -474,8 +563,13 @@ mod tests {
                 ("tap=t,num_queues=many", "num_queues=\"many\""),
                 (
                     "fd=5,num_queues=4",
-                    "num_queues=4 with fd=: a handed-over descriptor",
+                    "num_queues=4 with fd=5: each handed-over descriptor is one TAP queue, so \
+                     one queue pair (num_queues=2)",
                 ),
+                ("fd=5:6,num_queues=2", "num_queues=2 with fd=5:6"),
+                ("fd=5:6:5", "fd=5:6:5: descriptor 5 is given twice"),
+                ("fd=5:2", "fd=2 is standard input"),
+                ("fd=5:", "\"\" is not a descriptor number"),
             ],
         );
     }
@@ -492,6 +586,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--net fd=5 is given twice"), "{e}");
+        // One queue in two devices' lists is the same TAP queue twice.
+        let e = check_distinct(&[n("fd=5:6"), n("fd=7:6")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--net fd=7:6 is given twice"), "{e}");
     }
 
     #[test]
@@ -510,7 +609,14 @@ mod tests {
             .check()
             .unwrap_err()
             .to_string()
-            .contains("num_queues=4 with fd="));
+            .contains("num_queues=4 with fd=5"));
+        // A list, a pair per descriptor; written back as it came.
+        let n: NetConfig = serde_json::from_str(r#"{"fd": [5, 6], "num_queues": 4}"#).unwrap();
+        assert!(n.check().is_ok());
+        assert_eq!(n.fd, Some(Fds(vec![5, 6])));
+        let back = serde_json::to_string(&n).unwrap();
+        assert!(back.contains(r#""fd":[5,6]"#), "{back}");
+        assert_eq!(serde_json::from_str::<NetConfig>(&back).unwrap(), n);
         let e = serde_json::from_str::<NetConfig>(r#"{"tap": "t0", "mac": "nope"}"#)
             .unwrap_err()
             .to_string();

@@ -317,9 +317,9 @@ impl SavedConfig {
             let names = |list: &[crate::config::net::NetConfig]| {
                 let v: Vec<String> = list
                     .iter()
-                    .map(|n| match (&n.tap, n.fd) {
+                    .map(|n| match (&n.tap, &n.fd) {
                         (Some(t), _) => format!("tap={t}"),
-                        (None, Some(fd)) => format!("fd={fd}"),
+                        (None, Some(fds)) => format!("fd={fds}"),
                         (None, None) => "a TAP of its own".to_string(),
                     })
                     .collect();
