@@ -288,6 +288,9 @@ fn serve(
     let mut window = Window::new(stats.poll);
     // Set after each event while the window is open: until then look without sleeping.
     let mut poll_until: Option<Instant> = None;
+    // When the thread last ran out of work: its idle time is the window it polled and the
+    // sleep after it, together.
+    let mut idle_since = Instant::now();
     loop {
         let n = match poll_until.take() {
             Some(until) => {
@@ -299,11 +302,10 @@ fn serve(
             }
             None => {
                 stats.note_cpu();
-                let slept = Instant::now();
                 match epoll.wait(-1, &mut events) {
                     Ok(n) => {
                         stats.wakeups.fetch_add(1, Ordering::Relaxed);
-                        window.after_sleep(slept.elapsed());
+                        window.after_idle(idle_since.elapsed());
                         n
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -311,9 +313,6 @@ fn serve(
                 }
             }
         };
-        if !window.now.is_zero() {
-            poll_until = Some(Instant::now() + window.now);
-        }
         for ev in &events[..n] {
             let token = ev.data();
             if token == stop_token {
@@ -347,13 +346,18 @@ fn serve(
                 Err(e) => return Err(IoThreadError::Doorbell(e)),
             }
         }
+        idle_since = Instant::now();
+        if !window.now.is_zero() {
+            poll_until = Some(idle_since + window.now);
+        }
     }
 }
 
 /// The poll window, adapted within `--io-poll` as KVM adapts its halt polling for a halted
-/// vCPU: a sleep shorter than the longest window would have been saved by polling longer,
-/// so the window grows; a longer one would not, so it shrinks, and a quiet VM soon costs
-/// no polling at all.
+/// vCPU: an idle spell (the window polled in vain and the sleep after it) shorter than the
+/// longest window would have been saved by polling longer, so the window grows; a longer
+/// one would not, so it shrinks, and a quiet VM, or a stream whose frames come further
+/// apart than the bound, soon costs no polling at all.
 struct Window {
     max: Duration,
     now: Duration,
@@ -367,8 +371,8 @@ impl Window {
         Window { max, now: max }
     }
 
-    fn after_sleep(&mut self, slept: Duration) {
-        if slept < self.max {
+    fn after_idle(&mut self, idle: Duration) {
+        if idle < self.max {
             self.now = (self.now * 2).max(Self::START).min(self.max);
         } else {
             self.now /= 2;
@@ -489,21 +493,21 @@ mod tests {
     fn the_window_closes_over_long_sleeps_and_reopens_after_short_ones() {
         let us = Duration::from_micros;
         let mut w = Window::new(us(50));
-        w.after_sleep(Duration::from_secs(1));
+        w.after_idle(Duration::from_secs(1));
         assert_eq!(w.now, us(25));
         for _ in 0..10 {
-            w.after_sleep(Duration::from_secs(1));
+            w.after_idle(Duration::from_secs(1));
         }
         assert_eq!(w.now, Duration::ZERO, "a quiet VM is not polled for");
-        w.after_sleep(us(30));
+        w.after_idle(us(30));
         assert_eq!(w.now, Window::START);
-        w.after_sleep(us(30));
-        w.after_sleep(us(30));
+        w.after_idle(us(30));
+        w.after_idle(us(30));
         assert_eq!(w.now, us(40));
-        w.after_sleep(us(30));
+        w.after_idle(us(30));
         assert_eq!(w.now, us(50), "never past --io-poll");
         let mut off = Window::new(Duration::ZERO);
-        off.after_sleep(us(1));
+        off.after_idle(us(1));
         assert_eq!(off.now, Duration::ZERO, "no --io-poll, no polling");
     }
 
