@@ -2,8 +2,9 @@
 //! QueueNotify register all live where the task can reach them (`SYS_NET_OPEN` set that
 //! up), so a packet costs no system call and, while traffic flows, no interrupt.
 //!
-//! Descriptor i of a queue always points at buffer i of that queue (2 KiB each), so the
-//! rings carry nothing but indices. Interrupts stay suppressed (`VIRTQ_AVAIL_F_NO_INTERRUPT`)
+//! Descriptor i of a queue points at buffer i of that queue (2 KiB each), but for a large
+//! TCP frame, which gets a slot of `tso`'s; so what the device hands back is an index and
+//! nothing else. Interrupts stay suppressed (`VIRTQ_AVAIL_F_NO_INTERRUPT`)
 //! except around `SYS_NET_WAIT`, and a queue is notified once per batch and only when the
 //! device has not said it is polling anyway (`VIRTQ_USED_F_NO_NOTIFY`).
 
