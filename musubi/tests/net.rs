@@ -28,21 +28,27 @@ fn run_in(ns: &Netns, tasks: &str, exits: &str, extra: &[&str]) -> Started {
 fn run_with_net(ns: &Netns, tasks: &str, exits: &str, more: &str, extra: &[&str]) -> Started {
     let net = format!("tap=tap0,ip=10.0.0.1,mask=255.255.255.0{more}");
     let cmdline = format!("probe.ip={GUEST}/24 probe.tasks={tasks}");
+    let mut args = vec!["--exits", exits];
+    args.extend_from_slice(extra);
+    run_probe(ns.command(MUSUBI), &cmdline, &net, &args)
+}
+
+/// `cmd` (`musubi`, wherever it runs) running the probe of 128 MiB with `cmdline` and
+/// `--net net`, and `extra` flags.
+fn run_probe(cmd: std::process::Command, cmdline: &str, net: &str, extra: &[&str]) -> Started {
     let mut args = vec![
         "run",
         "--kernel",
         "probe",
         "--cmdline",
-        &cmdline,
+        cmdline,
         "--memory",
         "128M",
-        "--exits",
-        exits,
         "--net",
-        &net,
+        net,
     ];
     args.extend_from_slice(extra);
-    start_command(ns.command(MUSUBI), &args, None)
+    start_command(cmd, &args, None)
 }
 
 /// A UDP echo server in `ns` that answers until the guest has been quiet for 5 s after
@@ -283,18 +289,7 @@ fn large_frames_cut_and_checksummed_by_the_host_arrive_whole_and_verified() {
         testkit::replica_net::GUEST,
         testkit::replica_net::CLIENT
     );
-    let args = [
-        "run",
-        "--kernel",
-        "probe",
-        "--cmdline",
-        &cmdline,
-        "--memory",
-        "128M",
-        "--net",
-        "tap=tap0",
-    ];
-    let run = start_command(net.primary.command(MUSUBI), &args, None).finish(LIMIT);
+    let run = run_probe(net.primary.command(MUSUBI), &cmdline, "tap=tap0", &[]).finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
     assert_eq!(sink.join().unwrap(), CHECKED_BYTES, "bytes the client read");
     let r = run.result("tcp-send");
@@ -535,20 +530,7 @@ fn two_streams_go_out_through_two_handed_over_tap_queues() {
             Ok(())
         });
     }
-    let args = [
-        "run",
-        "--kernel",
-        "probe",
-        "--cpus",
-        "2",
-        "--memory",
-        "128M",
-        "--cmdline",
-        &cmdline,
-        "--net",
-        &net,
-    ];
-    let run = start_command(cmd, &args, None).finish(LIMIT);
+    let run = run_probe(cmd, &cmdline, &net, &["--cpus", "2"]).finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
     assert_eq!(
         sink.join().unwrap(),
