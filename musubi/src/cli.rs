@@ -302,8 +302,9 @@ pub struct RunFlags {
     pub seccomp: vmm::seccomp::SeccompMode,
     /// After each doorbell or TAP event, the kernel path's I/O thread polls up to this long
     /// for the next one before it sleeps (at most 10ms; 0: never). The window grows after
-    /// short sleeps and closes over long ones, so a quiet VM is not polled for. Wake-ups
-    /// saved and CPU spent are both in --metrics (`io_thread`).
+    /// short idle spells and closes over long ones, so a quiet VM is not polled for. Wake-ups
+    /// saved and CPU spent are both in --metrics (`io_thread`). Polling takes a CPU other
+    /// threads may need: on a host with few CPUs a VM that streams goes faster with 0.
     #[arg(long, value_name = "DURATION", default_value = "32us", value_parser = Own(io_poll))]
     pub io_poll: Duration,
 }
