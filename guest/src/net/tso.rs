@@ -105,7 +105,7 @@ impl Tso {
 }
 
 /// The IPv4 header's and the TCP segment's lengths of a TCP/IPv4 frame that is not a
-/// fragment; `None` for anything else.
+/// fragment (the packet checked to fit the frame); `None` for anything else.
 fn tcp_ipv4(f: &[u8]) -> Option<(usize, usize)> {
     if f.len() < ETH + 20 || f[12..14] != [0x08, 0x00] {
         return None;
@@ -118,7 +118,8 @@ fn tcp_ipv4(f: &[u8]) -> Option<(usize, usize)> {
         return None;
     }
     let ip_len = ip.header_len() as usize;
-    let tcp_len = f.len() - ETH - ip_len;
+    // By the IPv4 length, not the frame's: padding after the packet is not the segment's.
+    let tcp_len = (ip.total_len() as usize).saturating_sub(ip_len);
     (tcp_len >= 20).then_some((ip_len, tcp_len))
 }
 
