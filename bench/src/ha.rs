@@ -671,13 +671,11 @@ fn overhead_run(
     vm.wait_for_line(&console, "{\"probe\":\"console-echo\"", LISTEN_TIMEOUT)?;
     let t0 = monotonic_ns();
     let pid = vm.child.id();
-    let queued_at_start = vcpu_queued_ns(pid);
+    let queued = QueuedSampler::start(pid);
     let marker = format!("{{\"probe\":\"{}\"", c.work.name());
     vm.wait_for_line(&console, &marker, RUN_TIMEOUT)?;
     let wall_ns = monotonic_ns() - t0;
-    let queued_ns = queued_at_start
-        .zip(vcpu_queued_ns(pid))
-        .map(|(a, b)| b.saturating_sub(a));
+    let queued_ns = queued.since_start();
     if !vm.wait_exit(RUN_TIMEOUT) {
         return Err(format!(
             "the primary did not end within {} s of its task",
@@ -816,6 +814,61 @@ impl Drop for EchoPeer {
         if self.thread.is_some() {
             let _ = self.finish_inner();
         }
+    }
+}
+
+/// Follows how long `vcpu0` waits for a CPU through a task. The guest powers off right
+/// after the line that ends the task, so the thread may be gone by the time the bench has
+/// read that line; then the last sample (at most [`POLL`] old) stands for the end.
+struct QueuedSampler {
+    start: Option<u64>,
+    last: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    pid: u32,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl QueuedSampler {
+    fn start(pid: u32) -> QueuedSampler {
+        let start = vcpu_queued_ns(pid);
+        let last = Arc::new(AtomicU64::new(start.unwrap_or(0)));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (last, stop) = (last.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match vcpu_queued_ns(pid) {
+                        Some(q) => last.store(q, Ordering::Relaxed),
+                        None => return,
+                    }
+                    std::thread::sleep(POLL);
+                }
+            })
+        };
+        QueuedSampler {
+            start,
+            last,
+            stop,
+            pid,
+            thread: Some(thread),
+        }
+    }
+
+    /// The vCPU's wait since `start`, from a fresh reading if the thread is still there.
+    fn since_start(mut self) -> Option<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let end = vcpu_queued_ns(self.pid).unwrap_or(self.last.load(Ordering::Relaxed));
+        self.start.map(|a| end.saturating_sub(a))
+    }
+}
+
+impl Drop for QueuedSampler {
+    /// A task that failed leaves no sampler behind.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
