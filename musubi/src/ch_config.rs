@@ -671,23 +671,17 @@ fn net(i: usize, v: &Value, ids: &mut Vec<String>) -> Result<(NetConfig, Value)>
     };
     let fd = match n.take("fds") {
         None | Some(Value::Null) => None,
-        Some(Value::Array(fds))
-            if !fds.is_empty()
-                && fds
-                    .iter()
-                    .all(|f| f.as_i64().and_then(|x| i32::try_from(x).ok()).is_some()) =>
-        {
-            Some(Fds(fds
-                .iter()
-                .filter_map(|f| f.as_i64().and_then(|x| i32::try_from(x).ok()))
-                .collect()))
-        }
-        Some(other) => {
-            return Err(ChConfigError::Type {
+        Some(v) => {
+            let fds = v.as_array().filter(|a| !a.is_empty()).and_then(|a| {
+                a.iter()
+                    .map(|f| f.as_i64().and_then(|x| i32::try_from(x).ok()))
+                    .collect::<Option<Vec<i32>>>()
+            });
+            Some(Fds(fds.ok_or_else(|| ChConfigError::Type {
                 field: format!("{field}.fds"),
-                value: other.to_string(),
+                value: v.to_string(),
                 expected: "a list of TAP queue descriptors, one per queue pair",
-            })
+            })?))
         }
     };
     let queue_size = n.u64("queue_size")?.unwrap_or(256);

@@ -25,7 +25,7 @@ pub fn open(n: &NetConfig) -> Result<Net, NetError> {
         (Some(name), _) => {
             Tap::open_queues(name, n.queue_pairs()).map_err(|e| err(e.to_string()))?
         }
-        (None, Some(fds)) if usize::from(n.num_queues) != 2 * fds.0.len() => {
+        (None, Some(fds)) if n.num_queues != fds.queues() => {
             return Err(err(format!(
                 "num_queues={}: each handed-over descriptor is one TAP queue, so one queue pair",
                 n.num_queues

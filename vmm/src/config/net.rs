@@ -86,7 +86,7 @@ pub enum NetError {
     #[error(
         "num_queues={n} with fd={fds}: each handed-over descriptor is one TAP queue, so one \
          queue pair (num_queues={want})",
-        want = 2 * fds.0.len()
+        want = fds.queues()
     )]
     NumQueuesWithFd { n: u16, fds: Fds },
     #[error("{0} is given twice; each network device needs a TAP of its own")]
@@ -101,6 +101,13 @@ pub enum NetError {
 /// `3:4:5` (as QEMU's `fds=`); the JSON config takes a number or a list.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fds(pub Vec<i32>);
+
+impl Fds {
+    /// The receive and transmit queues these make (`num_queues`): a pair per descriptor.
+    pub fn queues(&self) -> u16 {
+        u16::try_from(2 * self.0.len()).unwrap_or(u16::MAX)
+    }
+}
 
 impl FromStr for Fds {
     type Err = String;
@@ -325,7 +332,7 @@ impl NetConfig {
             return Err(NetError::NumQueues(n));
         }
         if let Some(fds) = &self.fd {
-            if usize::from(n) != 2 * fds.0.len() {
+            if n != fds.queues() {
                 return Err(NetError::NumQueuesWithFd {
                     n,
                     fds: fds.clone(),
@@ -391,9 +398,7 @@ impl FromStr for NetConfig {
         let spec = Spec::parse("--net", NET_SYNTAX, text, &KEYS)?;
         let fd: Option<Fds> = spec.value("fd")?;
         // Handed-over queues say how many pairs there are; num_queues= may still say it.
-        let fd_queues = fd
-            .as_ref()
-            .map(|f| u16::try_from(2 * f.0.len()).unwrap_or(u16::MAX));
+        let fd_queues = fd.as_ref().map(Fds::queues);
         let c = NetConfig {
             tap: spec.get("tap").map(str::to_string),
             fd,
@@ -433,10 +438,7 @@ impl fmt::Display for NetConfig {
             pairs.push(("mac", mac.to_string()));
         }
         // Handed-over queues imply their count, as parsing assumes.
-        let implied = self
-            .fd
-            .as_ref()
-            .map_or(DEFAULT_NUM_QUEUES, |f| (2 * f.0.len()) as u16);
+        let implied = self.fd.as_ref().map_or(DEFAULT_NUM_QUEUES, Fds::queues);
         if self.num_queues != implied {
             pairs.push(("num_queues", self.num_queues.to_string()));
         }
