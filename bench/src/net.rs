@@ -965,6 +965,20 @@ pub(crate) fn tcp_sinks(
     })
 }
 
+/// Whether `a` and `b` hold the same bytes. Slice equality calls the C library's
+/// `memcmp`, which the static (musl) build does a byte at a time, 4.5 GB/s here: the sink's
+/// check, not the VMM, then bounded a stream at about 18 Gbit/s. Eight bytes at a time
+/// compares 35 GB/s.
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let (wa, wb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tails_match = wa.remainder() == wb.remainder();
+    let word = |w: &[u8]| u64::from_ne_bytes(w.try_into().expect("chunks of 8"));
+    tails_match && wa.zip(wb).all(|(x, y)| word(x) == word(y))
+}
+
 /// Reads one guest stream to its end, checking every byte; its length.
 fn drain_checked(
     mut s: std::net::TcpStream,
@@ -975,7 +989,7 @@ fn drain_checked(
         .and_then(|()| s.set_read_timeout(Some(Duration::from_millis(100))))
         .map_err(|e| format!("the TCP sink: {e}"))?;
     const BUF: usize = 1 << 16;
-    // The stream as it must be from any offset: a slice compare per read (memcmp), so the
+    // The stream as it must be from any offset: one compare per read against it, so the
     // check takes little of a core the VMM competes for.
     let pattern: Vec<u8> = (0..BUF + 251).map(|i| (i % 251) as u8).collect();
     let (mut total, mut buf) = (0u64, vec![0u8; BUF]);
@@ -984,7 +998,7 @@ fn drain_checked(
             Ok(0) => return Ok(total),
             Ok(n) => {
                 let at = (total % 251) as usize;
-                if buf[..n] != pattern[at..at + n] {
+                if !same_bytes(&buf[..n], &pattern[at..at + n]) {
                     let i = (0..n).find(|&i| buf[i] != pattern[at + i]).unwrap_or(0);
                     return Err(format!(
                         "the TCP stream is corrupt at byte {}",
@@ -1147,4 +1161,22 @@ fn ip(args: &[&str]) -> Result<(), String> {
     testkit::netns::try_ip(args)
         .map(drop)
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_bytes;
+
+    #[test]
+    fn same_bytes_finds_a_difference_in_any_word_and_in_the_tail() {
+        let a: Vec<u8> = (0..1003).map(|i| (i % 251) as u8).collect();
+        assert!(same_bytes(&a, &a.clone()));
+        for at in [0, 7, 8, 500, 999, 1000, 1002] {
+            let mut b = a.clone();
+            b[at] ^= 0x40;
+            assert!(!same_bytes(&a, &b), "a difference at byte {at}");
+        }
+        assert!(!same_bytes(&a, &a[..1002]), "a shorter slice");
+        assert!(same_bytes(&[], &[]));
+    }
 }
