@@ -304,7 +304,8 @@ pub struct RunFlags {
     /// for the next one before it sleeps (at most 10ms; 0: never). The window grows after
     /// short idle spells and closes over long ones, so a quiet VM is not polled for. Wake-ups
     /// saved and CPU spent are both in --metrics (`io_thread`). Polling takes a CPU other
-    /// threads may need: on a host with few CPUs a VM that streams goes faster with 0.
+    /// threads may need: on a host with few CPUs, a VM streaming to a receiver that is
+    /// short of CPU there can go faster with 0.
     #[arg(long, value_name = "DURATION", default_value = "32us", value_parser = Own(io_poll))]
     pub io_poll: Duration,
 }
