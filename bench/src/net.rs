@@ -465,13 +465,13 @@ medians over the runs. rounds/s, p50 and p99: the guest's udp-echo (answered rou
   sets them: GSO/TSO on a veth; for TCP no ceiling: its one client thread also runs the
   receiver's stack, which a VM's stream leaves to the VMM's I/O thread); \"of no-vm\":
   each row's median rate and throughput over no-vm's. kicks and irqs per packet: the
-  guest driver's doorbell writes and interrupts over its packets (every VMM); exits and doorbell exits (QueueNotify MMIO
-  exits) per packet: Musubi's --metrics over the whole boot, boot included (n/a for
-  the peers); it counts the exits that reach Musubi's user space, so a kick on the
-  kernel path (an ioeventfd, served inside KVM) is a kick but not an exit here.
-  Musubi's rows run with the default `--io-poll 32us` (the I/O thread polls up to 32 us,
-  adapting, after each event before it sleeps); musubi-kernel-nopoll has `--io-poll 0`,
-  it never polls. I/O thread CPU: its CPU time per packet (user and
+  guest driver's doorbell writes and interrupts over its packets (every VMM); exits and
+  doorbell exits (QueueNotify MMIO exits) per packet: Musubi's --metrics over the whole
+  boot, boot included (n/a for the peers); it counts the exits that reach Musubi's user
+  space, so a kick on the kernel path (an ioeventfd, served inside KVM) is a kick but not
+  an exit here. Musubi's rows run with the default `--io-poll 32us` (the I/O thread polls
+  up to 32 us, adapting, after each event before it sleeps); musubi-kernel-nopoll has
+  `--io-poll 0`, it never polls. I/O thread CPU: its CPU time per packet (user and
   system, the TAP writes' host stack included); of it polling: the share of that time its
   poll windows took (CPU that bought the saved wake-ups); I/O wake-ups: its sleeps in
   epoll_wait that an event ended, per packet. Musubi only.
@@ -556,13 +556,13 @@ fn verdicts(configs: &[Vmm], sums: &[Sums]) -> Verdicts {
     // the no-VM client's one thread runs the sender's stack and, through the veth, the
     // receiver's too, where a VM's stream spreads that work over its vCPU and the VMM's
     // I/O thread.
-    let room = ceiling(configs, sums)
+    let no_vm_tcp = ceiling(configs, sums)
         .and_then(|c| c.mbit)
         .zip(better(|s| s.mbit, f64::max))
         .and_then(|(c, p)| ratio(c.median, p));
     v.push(Figure {
         what: "TCP Mbit/s, no-vm / better peer".into(),
-        ours: room
+        ours: no_vm_tcp
             .map(|x| format!("{x:.2}x"))
             .unwrap_or_else(|| "not measured".into()),
         reference: "-".into(),
