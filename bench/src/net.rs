@@ -507,9 +507,7 @@ fn verdicts(configs: &[Vmm], sums: &[Sums]) -> Verdicts {
     let mut fig = |what: &str, r: Option<f64>, reference: String, met: &dyn Fn(f64) -> bool| {
         v.push(Figure {
             what: what.into(),
-            ours: r
-                .map(|x| format!("{x:.2}x"))
-                .unwrap_or_else(|| "not measured".into()),
+            ours: shown_ratio(r),
             reference,
             source: GOAL_SOURCE.into(),
             met: r.map(met),
@@ -543,8 +541,9 @@ fn verdicts(configs: &[Vmm], sums: &[Sums]) -> Verdicts {
         format!("<= {GOAL_P50:.2}x"),
         &|x| x <= GOAL_P50,
     );
+    let no_vm = ceiling(configs, sums);
     let of_ceiling = kernel
-        .zip(ceiling(configs, sums))
+        .zip(no_vm)
         .and_then(|(k, c)| ratio(k.rate?.median, c.rate?.median));
     fig(
         "UDP rounds/s, musubi-kernel / no-vm",
@@ -556,15 +555,13 @@ fn verdicts(configs: &[Vmm], sums: &[Sums]) -> Verdicts {
     // the no-VM client's one thread runs the sender's stack and, through the veth, the
     // receiver's too, where a VM's stream spreads that work over its vCPU and the VMM's
     // I/O thread.
-    let no_vm_tcp = ceiling(configs, sums)
+    let no_vm_tcp = no_vm
         .and_then(|c| c.mbit)
         .zip(better(|s| s.mbit, f64::max))
         .and_then(|(c, p)| ratio(c.median, p));
     v.push(Figure {
         what: "TCP Mbit/s, no-vm / better peer".into(),
-        ours: no_vm_tcp
-            .map(|x| format!("{x:.2}x"))
-            .unwrap_or_else(|| "not measured".into()),
+        ours: shown_ratio(no_vm_tcp),
         reference: "-".into(),
         source: "same run".into(),
         met: None,
@@ -580,6 +577,12 @@ fn verdicts(configs: &[Vmm], sums: &[Sums]) -> Verdicts {
         met: doorbells.map(|d| d == 0.0),
     });
     v
+}
+
+/// A ratio as the verdicts print it.
+fn shown_ratio(r: Option<f64>) -> String {
+    r.map(|x| format!("{x:.2}x"))
+        .unwrap_or_else(|| "not measured".into())
 }
 
 /// The chart's title and panels: each bar a VMM's median, its minimum marked. A peer
