@@ -259,8 +259,9 @@ pub fn virtio_rng_samples() -> Vec<Vec<u8>> {
 /// virtio-net from both ends, over two queue pairs and the control queue: the guest posts
 /// receive buffers and frames to send in chains of any shape on any queue, sends control
 /// commands (well-formed or not), the host end injects frames of any length (runts to
-/// over-long) on either pair's backend and drains what the device sent, and the device's
-/// events (a backend readable, resume) fire at any time. The first byte picks the features:
+/// over-long) on either pair's backend and drains what the device sent, the device's
+/// events (a backend readable, resume) fire at any time, and the VMM's poller turns the
+/// transmit queues' doorbells off and on and looks at them. The first byte picks the features:
 /// bit 0 drops MRG_RXBUF, bit 1 drops EVENT_IDX, bit 3 drops MQ (the control queue then is
 /// queue 2). Every notification and event is checked on every queue; at the end, after a
 /// reset, a frame must go each way and a control command be answered.
@@ -780,6 +781,7 @@ fn play_net(
 ) -> Result<(), Finding> {
     // Until the gate first lets anything go, no frame may reach a backend.
     let mut released = !held;
+    let mut polled = false;
     // The host end sends a frame on pair `k` (the socket may refuse it when full), and
     // the device hears of it.
     let inject = |d: &mut Driver, s: &mut Script, k: usize| -> Result<(), Finding> {
@@ -871,6 +873,17 @@ fn play_net(
                     }
                     let index = usize::from(b % 4);
                     checked(d, &NET_QUEUES, |d| d.t.process_event(index))?;
+                    if index == 3 {
+                        // The VMM's poller starts or ends polling the transmit queues, and
+                        // looks at them as it would between events.
+                        polled = !polled;
+                        checked(d, &NET_QUEUES, |d| {
+                            for queue in [1, 3] {
+                                d.t.set_polled(queue, polled);
+                                d.t.poll_queue(queue);
+                            }
+                        })?;
+                    }
                 }
                 2 => {
                     // The host end reads what the device sent: whole frames, never longer

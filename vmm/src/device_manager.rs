@@ -305,8 +305,12 @@ impl Wiring<'_> {
             });
         }
         if self.mode == ExitsMode::Kernel {
-            let queues = t.lock().unwrap_or_else(|e| e.into_inner()).num_queues();
-            for q in 0..queues {
+            let transport = t.lock().unwrap_or_else(|e| e.into_inner());
+            let polled: Vec<bool> = (0..transport.num_queues())
+                .map(|q| transport.pollable(q as u16))
+                .collect();
+            drop(transport);
+            for (q, polled) in polled.into_iter().enumerate() {
                 let eventfd = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceError::EventFd)?;
                 self.vm
                     .register_ioevent(&eventfd, base + VIRTIO_MMIO_QUEUE_NOTIFY, q as u32)?;
@@ -314,6 +318,7 @@ impl Wiring<'_> {
                     eventfd,
                     server: t.clone(),
                     queue: q as u16,
+                    polled,
                 });
             }
         }

@@ -7,7 +7,10 @@
 //! idea) it first polls after each event it served: a request/response peer's next packet
 //! or the guest's next doorbell is then taken without a wake-up, at the price of a CPU
 //! while it polls. The window adapts within the flag's bound ([`Window`]), and both sides
-//! are counted ([`IoThreadStats`]).
+//! are counted ([`IoThreadStats`]). While the window is open the queues a guest fills in
+//! streams (transmit queues) have their doorbells off and the thread looks at their rings
+//! itself, as vhost-net's busy polling does: a guest that sends again within the window
+//! sends without a VM exit.
 
 use crate::control::{panic_message, Outcome, RunControl};
 use crate::seccomp::{SeccompMode, ThreadKind};
@@ -37,6 +40,16 @@ pub trait QueueServer: Send + Sync {
 
     /// The device's own event source `index` (see [`DeviceEvent`]) became ready.
     fn serve_event(&self, _index: usize) {}
+
+    /// Serves `queue` if its driver made chains available without ringing; true if the
+    /// pass took any (see [`MmioTransport::poll_queue`]).
+    fn poll(&self, _queue: u16) -> bool {
+        false
+    }
+
+    /// Turns `queue`'s doorbells off for polling, or back on (see
+    /// [`MmioTransport::set_polled`]).
+    fn set_polled(&self, _queue: u16, _on: bool) {}
 }
 
 impl QueueServer for Mutex<MmioTransport> {
@@ -50,6 +63,18 @@ impl QueueServer for Mutex<MmioTransport> {
         self.lock()
             .unwrap_or_else(|e| e.into_inner())
             .process_event(index);
+    }
+
+    fn poll(&self, queue: u16) -> bool {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .poll_queue(queue)
+    }
+
+    fn set_polled(&self, queue: u16, on: bool) {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_polled(queue, on);
     }
 }
 
@@ -68,6 +93,9 @@ pub struct Notifier {
     pub eventfd: EventFd,
     pub server: Arc<dyn QueueServer>,
     pub queue: u16,
+    /// Whether the thread looks at the queue itself in its poll window, with the doorbell
+    /// off (see [`QueueServer::poll`]).
+    pub polled: bool,
 }
 
 /// Started per VM in the kernel exit mode; stopped through `stop`.
@@ -92,6 +120,7 @@ pub struct IoThreadStats {
     wakeups: AtomicU64,
     poll_hits: AtomicU64,
     poll_misses: AtomicU64,
+    ring_hits: AtomicU64,
     poll_ns: AtomicU64,
     cpu_ns: AtomicU64,
 }
@@ -104,6 +133,7 @@ impl IoThreadStats {
             wakeups: get(&self.wakeups),
             poll_hits: get(&self.poll_hits),
             poll_misses: get(&self.poll_misses),
+            ring_hits: get(&self.ring_hits),
             poll_ns: get(&self.poll_ns),
             cpu_ns: get(&self.cpu_ns),
         }
@@ -291,16 +321,27 @@ fn serve(
     // When the thread last ran out of work: its idle time is the window it polled and the
     // sleep after it, together.
     let mut idle_since = Instant::now();
+    let mut rings = Rings {
+        polled: notifiers.iter().filter(|n| n.polled).collect(),
+        doorbells_off: false,
+    };
     loop {
         let n = match poll_until.take() {
             Some(until) => {
-                let n = poll(epoll, &mut events, until, stats)?;
-                if n == 0 {
-                    continue;
+                rings.doorbells(false);
+                match poll(epoll, &mut events, until, &rings.polled, stats)? {
+                    Found::Events(n) => n,
+                    // Served where they were found; the window opens again below.
+                    Found::Chains => 0,
+                    Found::Nothing => {
+                        rings.doorbells(true);
+                        continue;
+                    }
                 }
-                n
             }
             None => {
+                // A sleeping thread polls nothing: every doorbell must ring.
+                rings.doorbells(true);
                 stats.note_cpu();
                 match epoll.wait(-1, &mut events) {
                     Ok(n) => {
@@ -316,10 +357,14 @@ fn serve(
         for ev in &events[..n] {
             let token = ev.data();
             if token == stop_token {
+                rings.doorbells(true);
                 return Ok(());
             }
             if token == stop_token + 1 {
-                // Parked between two requests: every queue pass has finished.
+                // Parked between two requests: every queue pass has finished. The doorbells
+                // go back on first: a snapshot or a move of the VM must not find a ring the
+                // driver was told not to ring for a poller that is not there.
+                rings.doorbells(true);
                 let _ = parking.eventfd.read();
                 if parking.gate.asked() {
                     parking.gate.park_io(&parking.control);
@@ -353,6 +398,36 @@ fn serve(
     }
 }
 
+/// The queues the thread polls in its window, and whether their doorbells are off now.
+struct Rings<'a> {
+    polled: Vec<&'a Notifier>,
+    doorbells_off: bool,
+}
+
+impl Rings<'_> {
+    /// Turns the polled queues' doorbells on or off, if they are not so already.
+    fn doorbells(&mut self, on: bool) {
+        let off = !on;
+        if self.doorbells_off == off {
+            return;
+        }
+        for n in &self.polled {
+            n.server.set_polled(n.queue, off);
+        }
+        self.doorbells_off = off;
+    }
+}
+
+/// What a poll window found.
+enum Found {
+    /// This many epoll events, to be served.
+    Events(usize),
+    /// Chains on a polled queue, served already.
+    Chains,
+    /// Nothing before the window ran out.
+    Nothing,
+}
+
 /// The poll window, adapted within `--io-poll` as KVM adapts its halt polling for a halted
 /// vCPU: an idle spell (the window polled in vain and the sleep after it) shorter than the
 /// longest window would have been saved by polling longer, so the window grows; a longer
@@ -383,31 +458,43 @@ impl Window {
     }
 }
 
-/// Looks for events without sleeping until `until`; 0 when none came in time.
+/// Looks for events, and for chains on the `polled` queues, without sleeping until `until`.
 fn poll(
     epoll: &Epoll,
     events: &mut [EpollEvent],
     until: Instant,
+    polled: &[&Notifier],
     stats: &IoThreadStats,
-) -> Result<usize, IoThreadError> {
+) -> Result<Found, IoThreadError> {
     let started = Instant::now();
-    let n = loop {
+    let found = loop {
         match epoll.wait(0, events) {
-            Ok(0) if Instant::now() < until => std::hint::spin_loop(),
-            Ok(n) => break n,
+            Ok(0) => {}
+            Ok(n) => break Found::Events(n),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(IoThreadError::Wait(e)),
         }
+        // Every polled queue gets its look, so one busy queue does not starve the others.
+        let took = polled
+            .iter()
+            .fold(false, |took, n| n.server.poll(n.queue) | took);
+        if took {
+            stats.ring_hits.fetch_add(1, Ordering::Relaxed);
+            break Found::Chains;
+        }
+        if Instant::now() >= until {
+            break Found::Nothing;
+        }
+        std::hint::spin_loop();
     };
     let spent = started.elapsed().as_nanos() as u64;
     stats.poll_ns.fetch_add(spent, Ordering::Relaxed);
-    let counter = if n == 0 {
-        &stats.poll_misses
-    } else {
-        &stats.poll_hits
+    let counter = match found {
+        Found::Nothing => &stats.poll_misses,
+        _ => &stats.poll_hits,
     };
     counter.fetch_add(1, Ordering::Relaxed);
-    Ok(n)
+    Ok(found)
 }
 
 #[cfg(test)]
@@ -429,7 +516,32 @@ mod tests {
         }
     }
 
-    fn doorbell(server: Arc<dyn QueueServer>) -> (Notifier, EventFd) {
+    /// A queue with `chains` offered that a poll takes one at a time; it records each time
+    /// its doorbells were turned on or off.
+    #[derive(Default)]
+    struct Offered {
+        chains: AtomicU64,
+        taken: AtomicU64,
+        doorbells: Mutex<Vec<bool>>,
+    }
+    impl QueueServer for Offered {
+        fn serve(&self, _: u16) {}
+        fn poll(&self, _: u16) -> bool {
+            let took = self
+                .chains
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_sub(1))
+                .is_ok();
+            if took {
+                self.taken.fetch_add(1, Ordering::SeqCst);
+            }
+            took
+        }
+        fn set_polled(&self, _: u16, on: bool) {
+            self.doorbells.lock().unwrap().push(!on);
+        }
+    }
+
+    fn doorbell(server: Arc<dyn QueueServer>, polled: bool) -> (Notifier, EventFd) {
         let eventfd = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let ring = eventfd.try_clone().unwrap();
         (
@@ -437,6 +549,7 @@ mod tests {
                 eventfd,
                 server,
                 queue: 1,
+                polled,
             },
             ring,
         )
@@ -449,7 +562,17 @@ mod tests {
         control: &Arc<RunControl>,
         poll: Duration,
     ) -> (IoThread, EventFd) {
-        let (n, ring) = doorbell(server);
+        serving_polled(server, false, control, poll)
+    }
+
+    /// As `serving`, with the queue polled in the window if `polled`.
+    fn serving_polled(
+        server: Arc<dyn QueueServer>,
+        polled: bool,
+        control: &Arc<RunControl>,
+        poll: Duration,
+    ) -> (IoThread, EventFd) {
+        let (n, ring) = doorbell(server, polled);
         let t = IoThread::start(
             vec![n],
             Vec::new(),
@@ -487,6 +610,45 @@ mod tests {
         assert_eq!((c.wakeups, c.poll_hits, c.poll_misses), (1, 3, 0), "{c:?}");
         assert_eq!(c.poll_us, 600_000_000);
         assert!(c.poll_ns > 0 && c.cpu_ns > 0, "{c:?}");
+    }
+
+    #[test]
+    fn chains_on_a_polled_queue_are_taken_with_its_doorbell_off_until_the_thread_sleeps() {
+        let control = Arc::new(RunControl::default());
+        let offered = Arc::new(Offered::default());
+        offered.chains.store(3, Ordering::SeqCst);
+        let (mut t, ring) =
+            serving_polled(offered.clone(), true, &control, Duration::from_micros(200));
+        ring.write(1).unwrap();
+        until(|| t.stats().counters().poll_misses == 1);
+        assert_eq!(offered.taken.load(Ordering::SeqCst), 3);
+        assert_eq!(
+            *offered.doorbells.lock().unwrap(),
+            [false, true],
+            "off for the window, on again before the sleep"
+        );
+        t.stop();
+        let c = t.stats().counters();
+        assert_eq!(
+            (c.ring_hits, c.poll_hits, c.poll_misses),
+            (3, 3, 1),
+            "{c:?}"
+        );
+        assert_eq!(offered.doorbells.lock().unwrap().len(), 2, "stopped asleep");
+    }
+
+    #[test]
+    fn a_thread_stopped_while_it_polls_turns_the_doorbells_back_on() {
+        let control = Arc::new(RunControl::default());
+        let offered = Arc::new(Offered::default());
+        offered.chains.store(1, Ordering::SeqCst);
+        let (mut t, ring) =
+            serving_polled(offered.clone(), true, &control, Duration::from_secs(600));
+        ring.write(1).unwrap();
+        until(|| offered.taken.load(Ordering::SeqCst) == 1);
+        t.stop();
+        assert_eq!(*offered.doorbells.lock().unwrap(), [false, true]);
+        assert_eq!(t.stats().counters().ring_hits, 1);
     }
 
     #[test]

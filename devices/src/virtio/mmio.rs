@@ -331,10 +331,7 @@ impl MmioTransport {
             debug!(index, "notify of a queue the device does not have");
             return;
         }
-        if self.needs_reset
-            || self.status & VIRTIO_CONFIG_S_DRIVER_OK == 0
-            || !self.queues[i].ready()
-        {
+        if !self.live(i) {
             debug!(
                 index,
                 status = self.status,
@@ -353,6 +350,64 @@ impl MmioTransport {
             warn!(index, "virtio queue unusable, device needs reset: {e}");
             self.mark_needs_reset();
         }
+    }
+
+    /// See [`VirtioDevice::pollable`].
+    pub fn pollable(&self, index: u16) -> bool {
+        usize::from(index) < self.queues.len() && self.device.pollable(index)
+    }
+
+    fn live(&self, i: usize) -> bool {
+        !self.needs_reset
+            && self.status & VIRTIO_CONFIG_S_DRIVER_OK != 0
+            && self.queues.get(i).is_some_and(|q| q.ready())
+    }
+
+    /// Starts or ends polling queue `index` (see [`VirtioDevice::set_polled`]): the driver's
+    /// doorbells go off while it is polled. Ending it turns them back on and then serves what
+    /// the driver made available before it could see that, which no doorbell will announce.
+    pub fn set_polled(&mut self, index: u16, on: bool) {
+        if !self.pollable(index) {
+            return;
+        }
+        self.device.set_polled(index, on);
+        let i = usize::from(index);
+        if !self.live(i) {
+            return;
+        }
+        let result = if on {
+            self.queues[i]
+                .disable_notification(&self.mem)
+                .map(|_| false)
+        } else {
+            self.queues[i].enable_notification(&self.mem)
+        };
+        match result {
+            Ok(false) => {}
+            Ok(true) => self.process_queue(index),
+            Err(e) => {
+                warn!(index, "virtio queue unusable, device needs reset: {e}");
+                self.mark_needs_reset();
+            }
+        }
+    }
+
+    /// Serves queue `index` if the driver made chains available since the last pass, as
+    /// its doorbell would have; true if the pass took any. A chain the device leaves on the
+    /// ring (its backend full) counts as nothing taken, so a stalled queue is no reason to
+    /// poll on.
+    pub fn poll_queue(&mut self, index: u16) -> bool {
+        let i = usize::from(index);
+        if !self.live(i) {
+            return false;
+        }
+        let before = self.queues[i].next_avail();
+        match self.queues[i].avail_idx(&self.mem, std::sync::atomic::Ordering::Acquire) {
+            Ok(avail) if avail.0 != before => {}
+            _ => return false,
+        }
+        self.process_queue(index);
+        self.queues[i].next_avail() != before
     }
 
     /// Interrupts the driver for new used entries on queue `i` unless it asked not to be:

@@ -139,6 +139,18 @@ pub trait VirtioDevice {
         mem: &GuestMemoryMmap,
     ) -> Result<usize, QueueCorrupt>;
 
+    /// Whether the VMM may look for new chains on queue `index` itself, with the driver's
+    /// doorbells off, while it has just served and expects more (a transmit queue a stream
+    /// fills): each doorbell it saves is a VM exit. Fixed for the device's life.
+    fn pollable(&self, _index: u16) -> bool {
+        false
+    }
+
+    /// While `on`, a pass over queue `index` ends with the driver's doorbells left off, for
+    /// whoever polls the queue finds its new chains; the transport turns them off and back
+    /// on around the polling.
+    fn set_polled(&mut self, _index: u16, _on: bool) {}
+
     /// Makes everything the guest has written durable.
     fn flush(&mut self) -> io::Result<()> {
         Ok(())

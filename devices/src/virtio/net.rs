@@ -254,6 +254,9 @@ struct Pair {
     /// A backend refused a frame of this pair's transmit queue with `WouldBlock`: retry on
     /// a backend's next event.
     tx_stalled: bool,
+    /// The VMM polls this pair's transmit queue (see [`VirtioDevice::set_polled`]): a pass
+    /// leaves the driver's doorbells off.
+    tx_polled: bool,
 }
 
 /// A virtio-net device.
@@ -446,6 +449,7 @@ impl Net {
                 rx_len: 0,
                 rx_paid: false,
                 tx_stalled: false,
+                tx_polled: false,
             })
             .collect();
         let mut net = Net {
@@ -580,9 +584,12 @@ impl Net {
                     .map_err(|e| corrupt(index, "writing used ring", e))?;
                 used += 1;
             }
-            let more = q
-                .enable_notification(mem)
-                .map_err(|e| corrupt(index, "re-enabling notifications", e))?;
+            let more = if self.pairs[k].tx_polled {
+                available(index, q, mem)?.1 != 0
+            } else {
+                q.enable_notification(mem)
+                    .map_err(|e| corrupt(index, "re-enabling notifications", e))?
+            };
             if !more {
                 return Ok(used);
             }
@@ -1291,6 +1298,16 @@ impl VirtioDevice for Net {
             }
             Role::Ctrl => self.process_ctrl(index, queue, mem),
             Role::Unused => Ok(0),
+        }
+    }
+
+    fn pollable(&self, index: u16) -> bool {
+        matches!(self.role(index), Role::Tx(_))
+    }
+
+    fn set_polled(&mut self, index: u16, on: bool) {
+        if let Role::Tx(k) = self.role(index) {
+            self.pairs[k].tx_polled = on;
         }
     }
 

@@ -82,6 +82,12 @@ impl Setup {
     /// Puts `f` in guest memory at HDR (header) and DATA (the rest) and sends it as a chain
     /// of those two descriptors from descriptor `first`.
     fn send(&mut self, first: u16, f: &[u8]) {
+        self.offer(first, f);
+        self.d.notify_queue(1);
+    }
+
+    /// As `send`, without the doorbell.
+    fn offer(&mut self, first: u16, f: &[u8]) {
         self.d.mem.write_slice(&f[..12], GuestAddress(HDR)).unwrap();
         self.d
             .mem
@@ -90,7 +96,6 @@ impl Setup {
         let len = (f.len() - 12) as u32;
         self.d
             .chain_on(&mut self.tx, first, &[(HDR, HDR_LEN, 0), (DATA, len, 0)]);
-        self.d.notify_queue(1);
     }
 
     /// Posts receive chains of one writable buffer each, `lens[k]` bytes at
@@ -339,6 +344,62 @@ fn a_full_backend_leaves_frames_on_the_ring_until_the_next_doorbell() {
     }
     assert_eq!(got + rest, usize::from(QSIZE));
     assert_eq!(s.d.used_idx_on(&s.tx), QSIZE);
+}
+
+#[test]
+fn a_polled_transmit_queue_is_served_without_doorbells_which_come_back_on_after() {
+    // Without EVENT_IDX, so the doorbells' state is one flag to read.
+    let mut s = setup(EVENT_IDX);
+    let flags = |s: &Setup| -> u16 { s.d.mem.read_obj(GuestAddress(s.tx.used())).unwrap() };
+    assert!(s.d.t.pollable(1), "a transmit queue");
+    assert!(
+        !s.d.t.pollable(0),
+        "a receive queue is refilled without doorbells anyway"
+    );
+    s.d.t.set_polled(1, true);
+    assert_eq!(flags(&s), VRING_USED_F_NO_NOTIFY as u16, "off while polled");
+    assert!(!s.d.t.poll_queue(1), "nothing offered yet");
+    let f = frame(100, 1);
+    s.offer(0, &f);
+    assert!(s.d.t.poll_queue(1), "found without a doorbell");
+    assert_eq!(s.peer_frame(), Some(f));
+    assert_eq!(
+        flags(&s),
+        VRING_USED_F_NO_NOTIFY as u16,
+        "a pass leaves them off"
+    );
+    assert!(!s.d.t.poll_queue(1), "nothing more");
+    // Offered while the poller is giving up: ending the polling serves it, as no
+    // doorbell will.
+    let f = frame(80, 2);
+    s.offer(2, &f);
+    s.d.t.set_polled(1, false);
+    assert_eq!(s.peer_frame(), Some(f));
+    assert_eq!(flags(&s), 0, "the doorbells are back on");
+    assert_eq!(s.d.used_idx_on(&s.tx), 2);
+    let c = s.counters();
+    assert_eq!((c.tx_packets, c.tx_notifications), (2, 2));
+}
+
+#[test]
+fn polling_a_stalled_transmit_queue_finds_nothing_to_poll_on_for() {
+    let mut s = setup(0);
+    s.d.t.set_polled(1, true);
+    // More than the socket's send buffer (about 200 KiB) takes.
+    for k in 0..QSIZE {
+        let f = frame(60_000, k as u8);
+        let at = HDR + 0x1_0000 * u64::from(k);
+        s.d.mem.write_slice(&f, GuestAddress(at)).unwrap();
+        s.d.chain_on(&mut s.tx, k, &[(at, f.len() as u32, 0)]);
+    }
+    assert!(s.d.t.poll_queue(1), "the first frames went");
+    let sent = s.d.used_idx_on(&s.tx);
+    assert!(sent < QSIZE, "{sent} frames went");
+    assert!(!s.d.t.poll_queue(1), "a full backend takes nothing more");
+    assert_eq!(s.d.used_idx_on(&s.tx), sent);
+    while s.peer_frame().is_some() {}
+    assert!(s.d.t.poll_queue(1), "room again");
+    assert!(s.d.used_idx_on(&s.tx) > sent);
 }
 
 // ---- receive ----
