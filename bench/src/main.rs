@@ -24,6 +24,7 @@ mod mint;
 mod net;
 mod net_ceiling;
 mod net_flows;
+mod ns_cpu;
 mod peers;
 pub mod plot;
 mod probe;

@@ -14,6 +14,7 @@ use super::driver::{
     chart_title, contender_rows, measure_contenders, measured_per_config, print_dropped,
     summary_bars, warm_up, Columns, Contender, ContenderRuns, Missing, Outputs, Verdicts,
 };
+use super::ns_cpu::{Busy, Mark};
 use super::peers::{self, Micro};
 use super::probe::Ending;
 use super::qemu::{self, Peer, Qemu};
@@ -211,6 +212,9 @@ struct Sample {
     mbit_per_s: f64,
     tcp_guest: GuestCounts,
     tcp_vmm: Option<VmmCounts>,
+    /// How busy the VMM's vCPU threads and its other threads kept the CPUs during the
+    /// stream (none for no-vm).
+    tcp_busy: Option<Busy>,
 }
 
 /// The runs of every VMM; a peer's may have failed or not been made.
@@ -386,7 +390,9 @@ fn csv(runs: &NetRuns, missing: &Missing) -> Csv {
         .measured(
             "tcp_doorbell_exits_per_packet",
             vmm(|s| s.tcp_vmm, |v| v.doorbell_exits),
-        );
+        )
+        .measured("tcp_vcpu_busy", move |s| f3(s.tcp_busy.map(|b| b.vcpu)))
+        .measured("tcp_other_busy", move |s| f3(s.tcp_busy.map(|b| b.other)));
     for (name, load, count) in IO_COLUMNS {
         cols = cols.measured(name, vmm(load, count));
     }
@@ -413,6 +419,7 @@ fn print_table(configs: &[Vmm], sums: &[Sums]) {
         ">I/O thread CPU us/pkt (udp / tcp)",
         ">of it polling (udp / tcp)",
         ">I/O wake-ups/pkt (udp / tcp)",
+        ">CPUs busy in tcp (vCPU / other)",
     ]);
     let ceiling = ceiling(configs, sums);
     for (c, s) in configs.iter().zip(sums) {
@@ -440,6 +447,7 @@ fn print_table(configs: &[Vmm], sums: &[Sums]) {
             pair(s.udp_io_cpu, s.tcp_io_cpu),
             pair(s.udp_io_poll, s.tcp_io_poll),
             pair(s.udp_io_wakeups, s.tcp_io_wakeups),
+            pair(s.tcp_vcpu_busy, s.tcp_other_busy),
         ]);
     }
     println!();
@@ -474,7 +482,10 @@ medians over the runs. rounds/s, p50 and p99: the guest's udp-echo (answered rou
   `--io-poll 0`, it never polls. I/O thread CPU: its CPU time per packet (user and
   system, the TAP writes' host stack included); of it polling: the share of that time its
   poll windows took (CPU that bought the saved wake-ups); I/O wake-ups: its sleeps in
-  epoll_wait that an event ended, per packet. Musubi only.
+  epoll_wait that an event ended, per packet. Musubi only. CPUs busy in tcp: the CPU
+  time of the VMM's vCPU threads and of its other threads (any VMM, read from /proc) from
+  the stream's connection to its last byte, over that time; a row whose vCPU threads
+  were busy throughout was bound by its guest, which every VMM runs alike.
 ";
 
 /// Musubi's kernel path against the better peer, and its doorbell exits.
@@ -630,6 +641,8 @@ struct Sums {
     tcp_io_poll: Option<Summary>,
     udp_io_wakeups: Option<Summary>,
     tcp_io_wakeups: Option<Summary>,
+    tcp_vcpu_busy: Option<Summary>,
+    tcp_other_busy: Option<Summary>,
     max_udp_doorbells: Option<f64>,
     max_tcp_doorbells: Option<f64>,
 }
@@ -663,6 +676,8 @@ impl Sums {
             tcp_io_poll: sum(&|x| x.tcp_vmm.and_then(|v| ratio(v.io_poll_ns, v.io_cpu_ns))),
             udp_io_wakeups: sum(&|x| x.udp_vmm.and_then(|v| ratio(v.io_wakeups, v.packets))),
             tcp_io_wakeups: sum(&|x| x.tcp_vmm.and_then(|v| ratio(v.io_wakeups, v.packets))),
+            tcp_vcpu_busy: sum(&|x| x.tcp_busy.map(|b| b.vcpu)),
+            tcp_other_busy: sum(&|x| x.tcp_busy.map(|b| b.other)),
             max_udp_doorbells: max(&udp_doorbells),
             max_tcp_doorbells: max(&tcp_doorbells),
         }
@@ -779,7 +794,7 @@ fn one_run(c: &Vmm, ns: &Netns, load: Load) -> Result<Sample, String> {
     );
     let counted = sink.finish();
     let tcp = tcp?;
-    let counted = counted?;
+    let (counted, tcp_busy) = counted?;
     let sent = num(&tcp, "bytes")? as u64;
     if sent != bytes || counted != bytes {
         return Err(format!(
@@ -799,6 +814,7 @@ fn one_run(c: &Vmm, ns: &Netns, load: Load) -> Result<Sample, String> {
         mbit_per_s: num(&tcp, "mbit_per_s")?,
         tcp_guest: GuestCounts::of(&tcp)?,
         tcp_vmm: tcp_vmm?,
+        tcp_busy: Some(tcp_busy),
     })
 }
 
@@ -820,7 +836,8 @@ fn no_vm_run(ns: &Netns, load: Load) -> Result<Sample, String> {
     let mbit = crate::net_ceiling::tcp(&ns.name, TCP_PORT, bytes);
     let counted = sink.finish();
     let mbit = mbit?;
-    let counted = counted?;
+    // The client is a thread of this program, which the sink does not count.
+    let (counted, _) = counted?;
     if counted != bytes {
         return Err(format!(
             "the no-VM client sent {bytes} bytes, the sink counted {counted}"
@@ -845,6 +862,7 @@ fn no_vm_run(ns: &Netns, load: Load) -> Result<Sample, String> {
         mbit_per_s: mbit,
         tcp_guest: none,
         tcp_vmm: None,
+        tcp_busy: None,
     })
 }
 
@@ -923,19 +941,20 @@ fn udp_echo(stop: &AtomicBool, ready: &dyn Fn(), rounds: u64) -> Result<u64, Str
 
 /// Takes one connection and reads it to its end, checking the stream's pattern (byte i is
 /// i mod 251); for at most a run's time, and not beyond `bytes`.
-fn tcp_sink(stop: &AtomicBool, ready: &dyn Fn(), bytes: u64) -> Result<u64, String> {
-    Ok(tcp_sinks(stop, ready, bytes, 1)?[0])
+fn tcp_sink(stop: &AtomicBool, ready: &dyn Fn(), bytes: u64) -> Result<(u64, Busy), String> {
+    let (counted, busy) = tcp_sinks(stop, ready, bytes, 1)?;
+    Ok((counted[0], busy))
 }
 
 /// The TCP sink for `conns` streams at once (`tcp-send procs=P`): takes them all, then reads
 /// and checks each on a thread of its own; each stream's byte count, in the order they
-/// connected.
+/// connected, and how busy the VMM kept the CPUs from the last connection to the last byte.
 pub(crate) fn tcp_sinks(
     stop: &AtomicBool,
     ready: &dyn Fn(),
     bytes: u64,
     conns: usize,
-) -> Result<Vec<u64>, String> {
+) -> Result<(Vec<u64>, Busy), String> {
     let l = TcpListener::bind(("0.0.0.0", TCP_PORT))
         .map_err(|e| format!("the TCP sink cannot bind port {TCP_PORT}: {e}"))?;
     l.set_nonblocking(true)
@@ -956,7 +975,8 @@ pub(crate) fn tcp_sinks(
             }
         }
     }
-    std::thread::scope(|scope| {
+    let mark = Mark::now();
+    let counted = std::thread::scope(|scope| {
         let readers: Vec<_> = streams
             .into_iter()
             .map(|s| scope.spawn(|| drain_checked(s, bytes, &going)))
@@ -967,8 +987,9 @@ pub(crate) fn tcp_sinks(
                 r.join()
                     .unwrap_or_else(|_| Err("a TCP sink reader panicked".into()))
             })
-            .collect()
-    })
+            .collect::<Result<Vec<u64>, String>>()
+    })?;
+    Ok((counted, mark.since()))
 }
 
 /// Whether `a` and `b` hold the same bytes. Slice equality calls the C library's

@@ -6,6 +6,7 @@
 //! num_queues=4`); it goes with the VM. The sink takes both streams and checks each byte.
 
 use super::net::{tcp_sinks, Netns, TCP_PORT};
+use super::ns_cpu::Busy;
 use super::probe::{task_result, Ending};
 use super::report::Csv;
 use super::stats::{median, ratio};
@@ -28,6 +29,9 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 pub(crate) struct FlowsRun {
     pub(crate) one: f64,
     pub(crate) two: f64,
+    /// How busy the VM's vCPU threads and its other threads kept the CPUs in each.
+    pub(crate) one_busy: Busy,
+    pub(crate) two_busy: Busy,
     /// Per copy of the two-flow run: (pair, Mbit/s, frames sent).
     pub(crate) copies: Vec<(u64, f64, u64)>,
 }
@@ -42,8 +46,8 @@ pub(crate) fn measure(
 ) -> Result<Vec<FlowsRun>, String> {
     (0..reps)
         .map(|_| {
-            let one = boot(ns, exe, elf, bytes, 1)?;
-            let two = boot(ns, exe, elf, bytes, FLOWS)?;
+            let (one, one_busy) = boot(ns, exe, elf, bytes, 1)?;
+            let (two, two_busy) = boot(ns, exe, elf, bytes, FLOWS)?;
             let mbit = |v: &Value| {
                 v["mbit_per_s"]
                     .as_f64()
@@ -70,6 +74,8 @@ pub(crate) fn measure(
             Ok(FlowsRun {
                 one: mbit(&one)?,
                 two: mbit(&two)?,
+                one_busy,
+                two_busy,
                 copies,
             })
         })
@@ -77,8 +83,15 @@ pub(crate) fn measure(
 }
 
 /// Boots the VM with `tcp-send` of `procs` copies, `bytes` each, against a sink taking
-/// `procs` streams; the task's result once every byte reached the sink.
-fn boot(ns: &Netns, exe: &Path, elf: &Path, bytes: u64, procs: u32) -> Result<Value, String> {
+/// `procs` streams; the task's result once every byte reached the sink, and how busy the VM
+/// kept the CPUs meanwhile.
+fn boot(
+    ns: &Netns,
+    exe: &Path,
+    elf: &Path,
+    bytes: u64,
+    procs: u32,
+) -> Result<(Value, Busy), String> {
     let sink = ns.spawn(move |stop, ready| tcp_sinks(stop, ready, bytes, procs as usize))?;
     let procs_opt = if procs > 1 {
         format!(",procs={procs}")
@@ -106,13 +119,13 @@ fn boot(ns: &Netns, exe: &Path, elf: &Path, bytes: u64, procs: u32) -> Result<Va
     );
     let counted = sink.finish();
     let result = result?;
-    let counted = counted?;
+    let (counted, busy) = counted?;
     if counted.iter().any(|&c| c != bytes) {
         return Err(format!(
             "{name}: the sink counted {counted:?} bytes, each flow sent {bytes}"
         ));
     }
-    Ok(result)
+    Ok((result, busy))
 }
 
 /// The printed lines: medians of one flow and of two, and their ratio.
@@ -130,15 +143,28 @@ pub(crate) fn report(runs: &[FlowsRun], bytes: u64) -> String {
         median(&xs).unwrap_or(f64::NAN)
     };
     let x = ratio(two, one).map_or("n/a".into(), |r| format!("{r:.2}x"));
+    let busy = |g: fn(&FlowsRun) -> Busy| {
+        let of = |part: fn(&Busy) -> f64| {
+            let xs: Vec<f64> = runs.iter().map(|r| part(&g(r))).collect();
+            median(&xs).unwrap_or(f64::NAN)
+        };
+        format!(
+            "CPUs busy: vCPU threads {:.2}, other threads {:.2}",
+            of(|b| b.vcpu),
+            of(|b| b.other)
+        )
+    };
     format!(
         "flows: musubi kernel path, 2 vCPUs, --net num_queues={NUM_QUEUES} (2 queue pairs), \
          tcp-send {} MiB per flow, {} run(s), medians:\n\
-         \x20 one flow            {one:>8.0} Mbit/s\n\
-         \x20 two flows at once   {two:>8.0} Mbit/s aggregate (pair 0 {:.0}, pair 1 {:.0}): {x} one flow\n",
+         \x20 one flow            {one:>8.0} Mbit/s; {}\n\
+         \x20 two flows at once   {two:>8.0} Mbit/s aggregate (pair 0 {:.0}, pair 1 {:.0}): {x} one flow; {}\n",
         bytes >> 20,
         runs.len(),
+        busy(|r| r.one_busy),
         per_pair(0),
         per_pair(1),
+        busy(|r| r.two_busy),
     )
 }
 
@@ -152,6 +178,10 @@ pub(crate) fn csv(runs: &[FlowsRun]) -> Csv {
         "pair1_mbit_per_s",
         "pair0_tx_packets",
         "pair1_tx_packets",
+        "one_flow_vcpu_busy",
+        "one_flow_other_busy",
+        "two_flows_vcpu_busy",
+        "two_flows_other_busy",
     ]);
     for (i, r) in runs.iter().enumerate() {
         let of = |pair: u64| r.copies.iter().find(|c| c.0 == pair);
@@ -164,6 +194,10 @@ pub(crate) fn csv(runs: &[FlowsRun]) -> Csv {
             p1.map_or(String::new(), |c| format!("{:.1}", c.1)),
             p0.map_or(String::new(), |c| c.2.to_string()),
             p1.map_or(String::new(), |c| c.2.to_string()),
+            format!("{:.3}", r.one_busy.vcpu),
+            format!("{:.3}", r.one_busy.other),
+            format!("{:.3}", r.two_busy.vcpu),
+            format!("{:.3}", r.two_busy.other),
         ]);
     }
     c
