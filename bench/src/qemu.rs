@@ -60,7 +60,8 @@ pub struct Qemu {
 impl Qemu {
     /// The start of every QEMU command line here: KVM with the probed machine and CPU model,
     /// one vCPU, no default devices, user configuration or display, the console on stdout,
-    /// the probe guest booted with `append`, and the exit port it ends through.
+    /// the probe guest booted with `append`, and the exit port it ends through. Its threads
+    /// are named for what they run (`CPU 0/KVM`), so their CPU time can be read apart.
     pub fn command(&self, memory_mib: u64, append: &str) -> Command {
         let mut cmd = Command::new(&self.exe);
         cmd.args(["-M", self.machine, "-enable-kvm"]);
@@ -75,7 +76,8 @@ impl Qemu {
             .arg(&self.elf)
             .arg("-append")
             .arg(append)
-            .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"]);
+            .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
+            .args(["-name", "probe,debug-threads=on"]);
         cmd
     }
 

@@ -301,9 +301,11 @@ pub struct RunFlags {
     #[arg(long, value_name = "true|false|log", default_value = "true")]
     pub seccomp: vmm::seccomp::SeccompMode,
     /// After each doorbell or TAP event, the kernel path's I/O thread polls up to this long
-    /// for the next one before it sleeps (at most 10ms; 0: never). The window grows after
-    /// short idle spells and closes over long ones, so a quiet VM is not polled for. Wake-ups
-    /// saved and CPU spent are both in --metrics (`io_thread`). Polling takes a CPU other
+    /// for the next one before it sleeps (at most 10ms; 0: never), with the transmit queues'
+    /// doorbells off meanwhile: it finds the guest's frames on their rings, without a VM
+    /// exit. The window grows after short idle spells and closes over long ones, so a quiet
+    /// VM is not polled for. Wake-ups and doorbells saved and CPU spent are all in --metrics
+    /// (`io_thread`). Polling takes a CPU other
     /// threads may need: on a host with few CPUs, a VM streaming to a receiver that is
     /// short of CPU there can go faster with 0.
     #[arg(long, value_name = "DURATION", default_value = "32us", value_parser = Own(io_poll))]
