@@ -589,6 +589,17 @@ mod tests {
         (t, ring)
     }
 
+    /// An I/O thread polling, in windows of `poll`, a queue with `chains` offered on it,
+    /// woken once by its doorbell.
+    fn rung_with_chains(chains: u64, poll: Duration) -> (IoThread, Arc<Offered>) {
+        let control = Arc::new(RunControl::default());
+        let offered = Arc::new(Offered::default());
+        offered.chains.store(chains, Ordering::SeqCst);
+        let (t, ring) = serving_polled(offered.clone(), true, &control, poll);
+        ring.write(1).unwrap();
+        (t, offered)
+    }
+
     /// Waits (10 s at most) until `cond`.
     fn until(mut cond: impl FnMut() -> bool) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -618,12 +629,7 @@ mod tests {
 
     #[test]
     fn chains_on_a_polled_queue_are_taken_with_its_doorbell_off_until_the_thread_sleeps() {
-        let control = Arc::new(RunControl::default());
-        let offered = Arc::new(Offered::default());
-        offered.chains.store(3, Ordering::SeqCst);
-        let (mut t, ring) =
-            serving_polled(offered.clone(), true, &control, Duration::from_micros(200));
-        ring.write(1).unwrap();
+        let (mut t, offered) = rung_with_chains(3, Duration::from_micros(200));
         until(|| t.stats().counters().poll_misses == 1);
         assert_eq!(offered.taken.load(Ordering::SeqCst), 3);
         assert_eq!(
@@ -643,12 +649,7 @@ mod tests {
 
     #[test]
     fn a_thread_stopped_while_it_polls_turns_the_doorbells_back_on() {
-        let control = Arc::new(RunControl::default());
-        let offered = Arc::new(Offered::default());
-        offered.chains.store(1, Ordering::SeqCst);
-        let (mut t, ring) =
-            serving_polled(offered.clone(), true, &control, Duration::from_secs(600));
-        ring.write(1).unwrap();
+        let (mut t, offered) = rung_with_chains(1, Duration::from_secs(600));
         until(|| offered.taken.load(Ordering::SeqCst) == 1);
         t.stop();
         assert_eq!(*offered.doorbells.lock().unwrap(), [false, true]);
