@@ -346,6 +346,17 @@ impl Verdicts {
         });
     }
 
+    /// A figure shown beside the others for comparison, judged against nothing.
+    pub fn compared(&mut self, what: impl Into<String>, ours: String) {
+        self.push(Figure {
+            what: what.into(),
+            ours,
+            reference: "(comparison)".into(),
+            source: "same run".into(),
+            met: None,
+        });
+    }
+
     pub fn table(&self) -> String {
         figures_table(&self.0)
     }

@@ -1812,15 +1812,11 @@ fn verdicts(
         |r| r <= GOAL_FIB_RATIO,
     );
     let wall = fib20.and_then(|s| f.wall_slowdown(s));
-    v.push(Figure {
-        what: "fib task time as measured (vCPU's waits for a CPU in it), 20 ms epoch".into(),
-        ours: wall
-            .map(|r| format!("{r:.3}x"))
+    v.compared(
+        "fib task time as measured (vCPU's waits for a CPU in it), 20 ms epoch",
+        wall.map(|r| format!("{r:.3}x"))
             .unwrap_or_else(|| "n/a".into()),
-        reference: "(comparison)".into(),
-        source: "same run".into(),
-        met: None,
-    });
+    );
     for (what, g) in [
         (
             "median",

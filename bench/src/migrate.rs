@@ -605,19 +605,15 @@ fn verdicts(f: &Found, sizes: &[u64], listed: &[&str]) -> Verdicts {
                     .and_then(g)
                     .zip(pre.and_then(g))
                     .and_then(|(a, b)| ratio(b.median, a.median));
-                v.push(Figure {
-                    what: format!(
+                v.compared(
+                    format!(
                         "{what}, pre-copy / post-copy, {}, {}",
                         ram_size(mib),
                         work.name()
                     ),
-                    ours: r
-                        .map(|x| format!("{x:.2}x"))
+                    r.map(|x| format!("{x:.2}x"))
                         .unwrap_or_else(|| "n/a".into()),
-                    reference: "(comparison)".into(),
-                    source: "same run".into(),
-                    met: None,
-                });
+                );
             }
         }
     }

@@ -570,13 +570,7 @@ fn verdicts(configs: &[Vmm], sums: &[Sums]) -> Verdicts {
         .and_then(|c| c.mbit)
         .zip(better(|s| s.mbit, f64::max))
         .and_then(|(c, p)| ratio(c.median, p));
-    v.push(Figure {
-        what: "TCP Mbit/s, no-vm / better peer".into(),
-        ours: shown_ratio(no_vm_tcp),
-        reference: "-".into(),
-        source: "same run".into(),
-        met: None,
-    });
+    v.compared("TCP Mbit/s, no-vm / better peer", shown_ratio(no_vm_tcp));
     let doorbells = kernel.and_then(|k| max(&[k.max_udp_doorbells?, k.max_tcp_doorbells?]));
     v.push(Figure {
         what: "doorbell exits per packet, musubi-kernel (max of runs)".into(),

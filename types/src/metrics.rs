@@ -132,7 +132,8 @@ pub struct NetCounters {
     pub tx_bytes: u64,
     /// Transmit chains dropped as malformed or refused by the backend.
     pub tx_drops: u64,
-    /// Transmit queue doorbells.
+    /// Passes over the transmit queues: one per doorbell, and one per poll of the I/O
+    /// thread's that found frames there (`io_thread.ring_hits`) or served them as it ended.
     pub tx_notifications: u64,
     /// Times the transmit rate limiter held a frame back.
     pub tx_throttled: u64,
