@@ -333,10 +333,8 @@ fn serve(
                     Found::Events(n) => n,
                     // Served where they were found; the window opens again below.
                     Found::Chains => 0,
-                    Found::Nothing => {
-                        rings.doorbells(true);
-                        continue;
-                    }
+                    // To sleep, below, which turns the doorbells back on.
+                    Found::Nothing => continue,
                 }
             }
             None => {
@@ -477,6 +475,7 @@ fn poll(
             Err(e) => return Err(IoThreadError::Wait(e)),
         }
         // Every polled queue gets its look, so one busy queue does not starve the others.
+        // One clock read a turn: it dates the look and bounds the window.
         let look = Instant::now();
         let took = polled
             .iter()
@@ -486,7 +485,7 @@ fn poll(
             stats.ring_hits.fetch_add(1, Ordering::Relaxed);
             break Found::Chains;
         }
-        if Instant::now() >= until {
+        if look >= until {
             break Found::Nothing;
         }
         std::hint::spin_loop();
