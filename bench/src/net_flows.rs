@@ -1,6 +1,8 @@
 //! `bench net`'s flows rows: one Musubi VM of two vCPUs with a virtio-net of two queue pairs
 //! streams TCP on one flow, then on two at once (`tcp-send procs=2`: copy i on vCPU i and
-//! pair i), so the aggregate of two flows reads beside one flow of the same VM.
+//! pair i), both with one I/O thread, and on two at once again with an I/O thread per pair
+//! (`--io-threads 2`), so the aggregate of two flows reads beside one flow of the same VM,
+//! and a thread per pair beside one for both.
 //!
 //! The VM makes its own multiqueue TAP in the bench's namespace (`--net tap=NAME,ip=..,
 //! num_queues=4`); it goes with the VM. The sink takes both streams and checks each byte.
@@ -32,6 +34,9 @@ pub(crate) struct FlowsRun {
     /// How busy the VM's vCPU threads and its other threads kept the CPUs in each.
     pub(crate) one_busy: Busy,
     pub(crate) two_busy: Busy,
+    /// Two flows with an I/O thread per pair: aggregate Mbit/s, and how busy.
+    pub(crate) two_threads: f64,
+    pub(crate) two_threads_busy: Busy,
     /// Per copy of the two-flow run: (pair, Mbit/s, frames sent).
     pub(crate) copies: Vec<(u64, f64, u64)>,
 }
@@ -46,8 +51,9 @@ pub(crate) fn measure(
 ) -> Result<Vec<FlowsRun>, String> {
     (0..reps)
         .map(|_| {
-            let (one, one_busy) = boot(ns, exe, elf, bytes, 1)?;
-            let (two, two_busy) = boot(ns, exe, elf, bytes, FLOWS)?;
+            let (one, one_busy) = boot(ns, exe, elf, bytes, 1, 1)?;
+            let (two, two_busy) = boot(ns, exe, elf, bytes, FLOWS, 1)?;
+            let (threads, two_threads_busy) = boot(ns, exe, elf, bytes, FLOWS, FLOWS)?;
             let mbit = |v: &Value| {
                 v["mbit_per_s"]
                     .as_f64()
@@ -76,21 +82,24 @@ pub(crate) fn measure(
                 two: mbit(&two)?,
                 one_busy,
                 two_busy,
+                two_threads: mbit(&threads)?,
+                two_threads_busy,
                 copies,
             })
         })
         .collect()
 }
 
-/// Boots the VM with `tcp-send` of `procs` copies, `bytes` each, against a sink taking
-/// `procs` streams; the task's result once every byte reached the sink, and how busy the VM
-/// kept the CPUs meanwhile.
+/// Boots the VM with `io_threads` I/O threads and `tcp-send` of `procs` copies, `bytes`
+/// each, against a sink taking `procs` streams; the task's result once every byte reached
+/// the sink, and how busy the VM kept the CPUs meanwhile.
 fn boot(
     ns: &Netns,
     exe: &Path,
     elf: &Path,
     bytes: u64,
     procs: u32,
+    io_threads: u32,
 ) -> Result<(Value, Busy), String> {
     let sink = ns.spawn(move |stop, ready| tcp_sinks(stop, ready, bytes, procs as usize))?;
     let procs_opt = if procs > 1 {
@@ -104,11 +113,12 @@ fn boot(
     cmd.args(["run", "--kernel"])
         .arg(elf)
         .args(["--cmdline", &cmdline, "--memory", "128M", "--cpus", "2"])
-        .args(["--exits", "kernel", "--net"])
+        .args(["--exits", "kernel", "--io-threads", &io_threads.to_string()])
+        .arg("--net")
         .arg(format!(
             "tap={TAP},ip={HOST},mask=255.255.255.0,num_queues={NUM_QUEUES}"
         ));
-    let name = format!("musubi-kernel {procs} flow(s)");
+    let name = format!("musubi-kernel {procs} flow(s), {io_threads} I/O thread(s)");
     let result = task_result(
         &name,
         ns.command(&cmd),
@@ -132,7 +142,9 @@ fn boot(
 pub(crate) fn report(runs: &[FlowsRun], bytes: u64) -> String {
     let one: Vec<f64> = runs.iter().map(|r| r.one).collect();
     let two: Vec<f64> = runs.iter().map(|r| r.two).collect();
-    let (Some(one), Some(two)) = (median(&one), median(&two)) else {
+    let threads: Vec<f64> = runs.iter().map(|r| r.two_threads).collect();
+    let (Some(one), Some(two), Some(threads)) = (median(&one), median(&two), median(&threads))
+    else {
         return "flows: no run\n".into();
     };
     let per_pair = |pair: u64| {
@@ -142,7 +154,7 @@ pub(crate) fn report(runs: &[FlowsRun], bytes: u64) -> String {
             .collect();
         median(&xs).unwrap_or(f64::NAN)
     };
-    let x = ratio(two, one).map_or("n/a".into(), |r| format!("{r:.2}x"));
+    let x = |a, b| ratio(a, b).map_or("n/a".into(), |r| format!("{r:.2}x"));
     let busy = |g: fn(&FlowsRun) -> Busy| {
         let of = |part: fn(&Busy) -> f64| {
             let xs: Vec<f64> = runs.iter().map(|r| part(&g(r))).collect();
@@ -157,14 +169,19 @@ pub(crate) fn report(runs: &[FlowsRun], bytes: u64) -> String {
     format!(
         "flows: musubi kernel path, 2 vCPUs, --net num_queues={NUM_QUEUES} (2 queue pairs), \
          tcp-send {} MiB per flow, {} run(s), medians:\n\
-         \x20 one flow            {one:>8.0} Mbit/s; {}\n\
-         \x20 two flows at once   {two:>8.0} Mbit/s aggregate (pair 0 {:.0}, pair 1 {:.0}): {x} one flow; {}\n",
+         \x20 one flow, one I/O thread              {one:>8.0} Mbit/s; {}\n\
+         \x20 two flows at once, one I/O thread     {two:>8.0} Mbit/s aggregate (pair 0 {:.0}, pair 1 {:.0}): {} one flow; {}\n\
+         \x20 two flows at once, a thread per pair  {threads:>8.0} Mbit/s aggregate: {} one flow, {} one thread; {}\n",
         bytes >> 20,
         runs.len(),
         busy(|r| r.one_busy),
         per_pair(0),
         per_pair(1),
+        x(two, one),
         busy(|r| r.two_busy),
+        x(threads, one),
+        x(threads, two),
+        busy(|r| r.two_threads_busy),
     )
 }
 
@@ -182,6 +199,9 @@ pub(crate) fn csv(runs: &[FlowsRun]) -> Csv {
         "one_flow_other_busy",
         "two_flows_vcpu_busy",
         "two_flows_other_busy",
+        "two_flows_two_threads_mbit_per_s",
+        "two_flows_two_threads_vcpu_busy",
+        "two_flows_two_threads_other_busy",
     ]);
     for (i, r) in runs.iter().enumerate() {
         let of = |pair: u64| r.copies.iter().find(|c| c.0 == pair);
@@ -198,6 +218,9 @@ pub(crate) fn csv(runs: &[FlowsRun]) -> Csv {
             format!("{:.3}", r.one_busy.other),
             format!("{:.3}", r.two_busy.vcpu),
             format!("{:.3}", r.two_busy.other),
+            format!("{:.1}", r.two_threads),
+            format!("{:.3}", r.two_threads_busy.vcpu),
+            format!("{:.3}", r.two_threads_busy.other),
         ]);
     }
     c

@@ -310,6 +310,14 @@ pub struct RunFlags {
     /// short of CPU there can go faster with 0.
     #[arg(long, value_name = "DURATION", default_value = "32us", value_parser = Own(io_poll))]
     pub io_poll: Duration,
+    /// I/O threads: `auto` or a number. A net device's queue pair k is served by thread k
+    /// modulo the threads (its doorbells and its TAP queue), everything else by the first;
+    /// each thread waits, wakes and polls on its own, and their passes over one device's
+    /// rings take turns. `auto` gives one per queue pair as far as the host has CPUs
+    /// this process may use beyond the VM's vCPUs, and at least one: a thread that polls
+    /// needs a CPU of its own. Each thread's counters are in --metrics (`io_threads`).
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = Own(io_threads))]
+    pub io_threads: vmm::IoThreadCount,
 }
 
 /// The longest `--io-poll`: polling covers the gaps between the packets of one exchange,
@@ -327,6 +335,22 @@ fn io_poll(text: &str) -> Result<Duration, String> {
         _ => Err(bad()),
     }
 }
+
+/// `--io-threads`: `auto` or a count from 1 to [`MAX_IO_THREADS`].
+fn io_threads(text: &str) -> Result<vmm::IoThreadCount, String> {
+    if text.trim() == "auto" {
+        return Ok(vmm::IoThreadCount::Auto);
+    }
+    match text.trim().parse::<std::num::NonZeroUsize>() {
+        Ok(n) if n.get() <= MAX_IO_THREADS => Ok(vmm::IoThreadCount::Fixed(n)),
+        _ => Err(format!(
+            "--io-threads {text}: expected auto or a number from 1 to {MAX_IO_THREADS}"
+        )),
+    }
+}
+
+/// The most `--io-threads`: one per queue pair a net device may have.
+const MAX_IO_THREADS: usize = vmm::config::net::MAX_NUM_QUEUES as usize / 2;
 
 /// `--timeout`: a positive, finite number of seconds.
 fn seconds(text: &str) -> Result<Duration, String> {
@@ -355,6 +379,7 @@ impl RunFlags {
             timeout: self.timeout,
             seccomp: self.seccomp,
             io_poll: self.io_poll,
+            io_threads: self.io_threads,
         }
     }
 }
@@ -650,6 +675,22 @@ mod tests {
 
     fn refusal(line: &[&str]) -> String {
         run(line).map(drop).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn io_threads_are_auto_unless_given_and_bad_counts_are_refused() {
+        assert_eq!(run(&[]).unwrap().run.io_threads, vmm::IoThreadCount::Auto);
+        let two = std::num::NonZeroUsize::new(2).unwrap();
+        assert_eq!(
+            run(&["--io-threads", "2"]).unwrap().run.io_threads,
+            vmm::IoThreadCount::Fixed(two)
+        );
+        for bad in ["0", "17", "many", "-1"] {
+            let e = run(&[&format!("--io-threads={bad}")])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("--io-threads {bad}")), "{e}");
+        }
     }
 
     #[test]

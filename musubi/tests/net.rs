@@ -458,22 +458,35 @@ fn mq_tcp_send(
     more: &str,
     conns: usize,
 ) -> (serde_json::Value, Vec<u64>, musubi_types::NetCounters) {
+    let (r, read, metrics) = mq_tcp_send_with(tag, bytes, more, conns, &[]);
+    (r, read, metrics.net[0])
+}
+
+/// As [`mq_tcp_send`], with `extra` flags for `run`; the whole `--metrics`.
+fn mq_tcp_send_with(
+    tag: &str,
+    bytes: u64,
+    more: &str,
+    conns: usize,
+    extra: &[&str],
+) -> (serde_json::Value, Vec<u64>, Metrics) {
     let ns = Netns::new(tag);
     let sink = tcp_sink(&ns, 9000, conns);
     let metrics = tempfile::NamedTempFile::new().unwrap();
     let m = metrics.path().display().to_string();
+    let mut flags = vec!["--cpus", "2", "--metrics", &m];
+    flags.extend_from_slice(extra);
     let vm = run_with_net(
         &ns,
         &format!("tcp-send={HOST}:9000,bytes={bytes}{more}"),
         "kernel",
         ",num_queues=4",
-        &["--cpus", "2", "--metrics", &m],
+        &flags,
     );
     let run = vm.finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
     let read = sink.join().unwrap();
-    let net = metrics_in(metrics.path()).net[0];
-    (run.result("tcp-send"), read, net)
+    (run.result("tcp-send"), read, metrics_in(metrics.path()))
 }
 
 #[test]
@@ -594,6 +607,30 @@ fn two_tcp_streams_from_two_cpus_each_use_a_queue_pair_of_their_own() {
         "the guest sent VQ_PAIRS_SET: {net:?}"
     );
     assert_eq!(net.ctrl_errors, 0, "{net:?}");
+}
+
+#[test]
+fn two_tcp_streams_on_two_io_threads_are_each_served_by_their_pairs_thread() {
+    let bytes = 1 << 20;
+    let (r, read, m) = mq_tcp_send_with("tcpio2", bytes, ",procs=2", 2, &["--io-threads", "2"]);
+    assert_eq!(read, vec![bytes, bytes], "bytes the sink read");
+    assert_eq!(r["queue_pairs"], 2, "{r}");
+    let threads = &m.io_threads;
+    assert_eq!(threads.len(), 2, "a thread per pair: {threads:?}");
+    for (k, t) in threads.iter().enumerate() {
+        // Thread 1 has nothing but pair 1's doorbells and TAP queue: anything it took
+        // was that pair's.
+        assert!(
+            t.wakeups + t.poll_hits > 0,
+            "thread {k} served nothing: {threads:?}"
+        );
+        assert!(t.cpu_ns > 0, "{threads:?}");
+    }
+    let total = m.io_thread.expect("the threads' sum");
+    assert_eq!(
+        total.wakeups,
+        threads.iter().map(|t| t.wakeups).sum::<u64>()
+    );
 }
 
 #[test]

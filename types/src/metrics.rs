@@ -21,9 +21,13 @@ pub struct Metrics {
     /// The entropy device (`--rng`), when the VM has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rng: Option<RngCounters>,
-    /// The I/O thread's waiting, when the VM has one (a doorbell or a TAP to serve).
+    /// The I/O threads' waiting, when the VM has any (a doorbell or a TAP to serve).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io_thread: Option<IoThreadCounters>,
+    /// Each I/O thread's own, when there are several (`run --io-threads`); `io_thread`
+    /// adds them up.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub io_threads: Vec<IoThreadCounters>,
     pub memory: MemoryUse,
     /// Guest RAM restored on demand (`--restore-memory ondemand`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

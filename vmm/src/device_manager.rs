@@ -18,6 +18,7 @@ use devices::virtio::block::{Block, BlockConfig};
 use devices::virtio::{MmioTransport, VirtioDevice};
 use devices::GuestMemoryMmap;
 use devices::{EventFdIrq, Irq};
+use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex};
 use vm_device::bus::{MmioAddress, MmioRange, PioAddress, PioRange};
 use vm_device::device_manager::{IoManager, MmioManager, PioManager};
@@ -296,21 +297,24 @@ impl Wiring<'_> {
                 t.clone(),
             )
             .map_err(DeviceError::Bus)?;
-        let event_fds = t.lock().unwrap_or_else(|e| e.into_inner()).event_fds();
-        for (index, fd) in event_fds.into_iter().enumerate() {
+        let transport = t.lock().unwrap_or_else(|e| e.into_inner());
+        let events: Vec<(RawFd, usize)> = (transport.event_fds().into_iter().enumerate())
+            .map(|(index, fd)| (fd, transport.event_lane(index)))
+            .collect();
+        let queues: Vec<(bool, usize)> = (0..transport.num_queues() as u16)
+            .map(|q| (transport.pollable(q), transport.queue_lane(q)))
+            .collect();
+        drop(transport);
+        for (index, (fd, lane)) in events.into_iter().enumerate() {
             self.device_events.push(DeviceEvent {
                 fd,
                 server: t.clone(),
                 index,
+                lane,
             });
         }
         if self.mode == ExitsMode::Kernel {
-            let transport = t.lock().unwrap_or_else(|e| e.into_inner());
-            let polled: Vec<bool> = (0..transport.num_queues())
-                .map(|q| transport.pollable(q as u16))
-                .collect();
-            drop(transport);
-            for (q, polled) in polled.into_iter().enumerate() {
+            for (q, (polled, lane)) in queues.into_iter().enumerate() {
                 let eventfd = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceError::EventFd)?;
                 self.vm
                     .register_ioevent(&eventfd, base + VIRTIO_MMIO_QUEUE_NOTIFY, q as u32)?;
@@ -319,6 +323,7 @@ impl Wiring<'_> {
                     server: t.clone(),
                     queue: q as u16,
                     polled,
+                    lane,
                 });
             }
         }

@@ -1,6 +1,7 @@
 //! Serves virtio queue notifications that KVM signals through ioeventfds, and the devices'
-//! own event sources (a TAP with frames to read), on a thread of its own, so a notifying
-//! vCPU never returns to user space.
+//! own event sources (a TAP with frames to read), on threads of their own, so a notifying
+//! vCPU never returns to user space. Each thread serves a [`Lane`]: one thread serves
+//! everything, or a net device's queue pairs are spread over several (`run --io-threads`).
 //!
 //! Between events the thread sleeps in `epoll_wait`, and each event then costs a wake-up
 //! by the host's scheduler. With a poll window (`run --io-poll`, vhost-net's `busy_poll`
@@ -65,10 +66,16 @@ impl QueueServer for Mutex<MmioTransport> {
             .process_event(index);
     }
 
+    /// A device another thread is serving (another lane's pair, a vCPU's register access)
+    /// is not waited for: this look finds nothing and the poller looks again, where
+    /// waiting would put it to sleep on the lock in the middle of its window.
     fn poll(&self, queue: u16) -> bool {
-        self.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .poll_queue(queue)
+        let mut device = match self.try_lock() {
+            Ok(d) => d,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        device.poll_queue(queue)
     }
 
     fn set_polled(&self, queue: u16, on: bool) {
@@ -86,6 +93,8 @@ pub struct DeviceEvent {
     pub fd: RawFd,
     pub server: Arc<dyn QueueServer>,
     pub index: usize,
+    /// The thread that watches it, modulo the threads there are (see [`Lane`]).
+    pub lane: usize,
 }
 
 /// One queue's doorbell: KVM writes `eventfd` when the guest notifies queue `queue`.
@@ -96,16 +105,90 @@ pub struct Notifier {
     /// Whether the thread looks at the queue itself in its poll window, with the doorbell
     /// off (see [`QueueServer::poll`]).
     pub polled: bool,
+    /// The thread that serves it, modulo the threads there are (see [`Lane`]).
+    pub lane: usize,
 }
 
-/// Started per VM in the kernel exit mode; stopped through `stop`.
-pub struct IoThread {
-    stop: EventFd,
+/// The doorbells and device events one I/O thread serves. A net device's queue pair k,
+/// its doorbells and its backend, asks for lane k, everything else for lane 0 (see
+/// `VirtioDevice::queue_lane`): with a thread per lane, each pair's thread waits, wakes
+/// and polls on its own. Serving still takes the device's lock, which the pairs share, so
+/// their passes over the rings take turns; a pass is short beside the guest's work on a
+/// frame, and a lane's waiting and polling were what one thread could not do for two
+/// pairs at once.
+#[derive(Default)]
+pub struct Lane {
+    pub notifiers: Vec<Notifier>,
+    pub events: Vec<DeviceEvent>,
+}
+
+impl Lane {
+    /// Deals `notifiers` and `events` out over `threads` lanes by the lane each asks for,
+    /// modulo `threads`; lanes left with nothing are dropped.
+    pub fn deal(notifiers: Vec<Notifier>, events: Vec<DeviceEvent>, threads: usize) -> Vec<Lane> {
+        let n = threads.max(1);
+        let mut lanes: Vec<Lane> = (0..n).map(|_| Lane::default()).collect();
+        for x in notifiers {
+            lanes[x.lane % n].notifiers.push(x);
+        }
+        for e in events {
+            lanes[e.lane % n].events.push(e);
+        }
+        lanes.retain(|l| !l.notifiers.is_empty() || !l.events.is_empty());
+        lanes
+    }
+
+    /// Lanes asked for: one more than the highest.
+    pub fn wanted(notifiers: &[Notifier], events: &[DeviceEvent]) -> usize {
+        let doorbells = notifiers.iter().map(|n| n.lane);
+        doorbells
+            .chain(events.iter().map(|e| e.lane))
+            .max()
+            .map_or(0, |l| l + 1)
+    }
+}
+
+/// How many I/O threads a VM gets (`run --io-threads`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum IoThreadCount {
+    /// One per lane asked for, as far as the host has CPUs this process may run on beyond
+    /// the VM's vCPUs, and at least one: a thread that polls needs a CPU of its own, and
+    /// on a host with no CPU to spare more threads only take turns with the vCPUs.
+    #[default]
+    Auto,
+    /// This many at most (never more than the lanes asked for).
+    Fixed(std::num::NonZeroUsize),
+}
+
+impl IoThreadCount {
+    /// Threads for `lanes` lanes asked for, on a VM of `vcpus` vCPUs.
+    pub fn threads(self, lanes: usize, vcpus: usize) -> usize {
+        let most = match self {
+            IoThreadCount::Fixed(n) => n.get(),
+            IoThreadCount::Auto => std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .saturating_sub(vcpus),
+        };
+        most.min(lanes).max(1)
+    }
+}
+
+/// One thread of [`IoThreads`].
+struct Member {
     /// Written to make the thread park at the VM's pause gate.
     park: Arc<EventFd>,
     handle: Option<std::thread::JoinHandle<()>>,
-    served: Arc<AtomicU64>,
     stats: Arc<IoThreadStats>,
+}
+
+/// Started per VM when it has doorbells or device events to serve, a thread per [`Lane`];
+/// stopped through `stop`.
+pub struct IoThreads {
+    /// One eventfd in every thread's epoll set: a thread that sees it leaves it set, so
+    /// each of them sees it.
+    stop: EventFd,
+    members: Vec<Member>,
+    served: Arc<AtomicU64>,
 }
 
 /// The poll window's bound when none is asked for: QEMU's IOThreads poll up to 32,768 ns
@@ -126,6 +209,22 @@ pub struct IoThreadStats {
 }
 
 impl IoThreadStats {
+    /// The threads' counters added up (the bound, `poll_us`, is the same for each).
+    pub fn total(stats: &[Arc<IoThreadStats>]) -> Option<musubi_types::IoThreadCounters> {
+        stats
+            .iter()
+            .map(|s| s.counters())
+            .reduce(|a, b| musubi_types::IoThreadCounters {
+                poll_us: a.poll_us.max(b.poll_us),
+                wakeups: a.wakeups + b.wakeups,
+                poll_hits: a.poll_hits + b.poll_hits,
+                poll_misses: a.poll_misses + b.poll_misses,
+                ring_hits: a.ring_hits + b.ring_hits,
+                poll_ns: a.poll_ns + b.poll_ns,
+                cpu_ns: a.cpu_ns + b.cpu_ns,
+            })
+    }
+
     pub fn counters(&self) -> musubi_types::IoThreadCounters {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         musubi_types::IoThreadCounters {
@@ -155,25 +254,48 @@ impl IoThreadStats {
     }
 }
 
-impl IoThread {
-    /// Starts serving `notifiers`. If the thread fails (an epoll error, a device that
-    /// panics), it ends the VM through `control` with a VMM error: doorbells nobody serves
-    /// would otherwise leave the guest waiting forever.
+impl IoThreads {
+    /// Starts a thread per lane. If one fails (an epoll error, a device that panics), it
+    /// ends the VM through `control` with a VMM error: doorbells nobody serves would
+    /// otherwise leave the guest waiting forever.
     pub fn start(
-        notifiers: Vec<Notifier>,
-        device_events: Vec<DeviceEvent>,
+        lanes: Vec<Lane>,
         control: Arc<RunControl>,
         seccomp: SeccompMode,
         gate: Arc<PauseGate>,
         poll: Duration,
     ) -> std::io::Result<Self> {
-        let stop = EventFd::new(libc::EFD_NONBLOCK)?;
+        let mut threads = IoThreads {
+            stop: EventFd::new(libc::EFD_NONBLOCK)?,
+            members: Vec::with_capacity(lanes.len()),
+            served: Arc::new(AtomicU64::new(0)),
+        };
+        for (k, lane) in lanes.into_iter().enumerate() {
+            let member = threads.spawn(k, lane, &control, seccomp, &gate, poll)?;
+            threads.members.push(member);
+        }
+        Ok(threads)
+    }
+
+    fn spawn(
+        &self,
+        k: usize,
+        lane: Lane,
+        control: &Arc<RunControl>,
+        seccomp: SeccompMode,
+        gate: &Arc<PauseGate>,
+        poll: Duration,
+    ) -> std::io::Result<Member> {
+        let Lane {
+            notifiers,
+            events: device_events,
+        } = lane;
         let park = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
         let epoll = Epoll::new()?;
         let stop_token = notifiers.len() as u64;
         epoll.ctl(
             ControlOperation::Add,
-            stop.as_raw_fd(),
+            self.stop.as_raw_fd(),
             EpollEvent::new(EventSet::IN, stop_token),
         )?;
         epoll.ctl(
@@ -198,8 +320,7 @@ impl IoThread {
                 ),
             )?;
         }
-        let served = Arc::new(AtomicU64::new(0));
-        let count = served.clone();
+        let count = self.served.clone();
         let stats = Arc::new(IoThreadStats {
             poll,
             ..Default::default()
@@ -207,91 +328,99 @@ impl IoThread {
         let waits = stats.clone();
         let parking = Parking {
             eventfd: park.clone(),
-            gate,
+            gate: gate.clone(),
             control: control.clone(),
         };
-        let handle = std::thread::Builder::new()
-            .name("virtio-io".into())
-            .spawn(move || {
-                crate::seccomp::block_process_signals(&[]);
-                if let Err(e) = crate::seccomp::apply(ThreadKind::Io, seccomp) {
-                    control.finish(Outcome::VmmError(e.to_string()));
-                    return;
-                }
-                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    let result = serve(
-                        &epoll,
-                        &notifiers,
-                        &device_events,
-                        stop_token,
-                        &count,
-                        &parking,
-                        &waits,
-                    );
-                    waits.note_cpu();
-                    result
-                }));
-                let failure = match result {
-                    Ok(Ok(())) => return,
-                    Ok(Err(e)) => e,
-                    Err(panic) => IoThreadError::Panicked(panic_message(&*panic)),
-                };
-                control.finish(Outcome::VmmError(format!(
-                    "the virtio I/O thread failed, so queue notifications would go unserved: {failure}"
-                )));
-            })?;
-        Ok(Self {
-            stop,
+        let control = control.clone();
+        // Thread names are 15 bytes at most; the first keeps the name it always had.
+        let name = match k {
+            0 => "virtio-io".to_string(),
+            k => format!("virtio-io-{k}"),
+        };
+        let handle = std::thread::Builder::new().name(name).spawn(move || {
+            crate::seccomp::block_process_signals(&[]);
+            if let Err(e) = crate::seccomp::apply(ThreadKind::Io, seccomp) {
+                control.finish(Outcome::VmmError(e.to_string()));
+                return;
+            }
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let result = serve(
+                    &epoll,
+                    &notifiers,
+                    &device_events,
+                    stop_token,
+                    &count,
+                    &parking,
+                    &waits,
+                );
+                waits.note_cpu();
+                result
+            }));
+            let failure = match result {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => e,
+                Err(panic) => IoThreadError::Panicked(panic_message(&*panic)),
+            };
+            control.finish(Outcome::VmmError(format!(
+                "the virtio I/O thread failed, so queue notifications would go unserved: {failure}"
+            )));
+        })?;
+        Ok(Member {
             park,
             handle: Some(handle),
-            served,
             stats,
         })
     }
 
-    /// How the thread waited; outlives the thread.
-    pub fn stats(&self) -> Arc<IoThreadStats> {
-        self.stats.clone()
+    /// How each thread waited; outlives the threads.
+    pub fn stats(&self) -> Vec<Arc<IoThreadStats>> {
+        self.members.iter().map(|m| m.stats.clone()).collect()
     }
 
-    /// What to write to have the thread park at the pause gate.
-    pub fn park_bell(&self) -> Arc<EventFd> {
-        self.park.clone()
+    /// What to write to have each thread park at the pause gate.
+    pub fn park_bells(&self) -> Vec<Arc<EventFd>> {
+        self.members.iter().map(|m| m.park.clone()).collect()
     }
 
-    /// A counter of notifications served that outlives the thread.
+    /// A counter of notifications served, by every thread, that outlives them.
     pub fn served_counter(&self) -> Arc<AtomicU64> {
         self.served.clone()
     }
 
     pub fn stop(&mut self) {
         let _ = self.stop.write(1);
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
+        for m in &mut self.members {
+            if let Some(h) = m.handle.take() {
+                let _ = h.join();
+            }
         }
     }
 
-    /// As [`IoThread::stop`], waiting at most `limit`: false if the thread is still busy
-    /// then (a device waiting on guest memory that will never come), and it is left to end
-    /// with the process.
+    /// As [`IoThreads::stop`], waiting at most `limit` in all: false if a thread is still
+    /// busy then (a device waiting on guest memory that will never come), and it is left
+    /// to end with the process.
     pub fn stop_within(&mut self, limit: std::time::Duration) -> bool {
         let _ = self.stop.write(1);
-        let Some(h) = self.handle.take() else {
-            return true;
-        };
         let deadline = std::time::Instant::now() + limit;
-        while !h.is_finished() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(5));
+        let mut all = true;
+        for m in &mut self.members {
+            let Some(h) = m.handle.take() else {
+                continue;
+            };
+            while !h.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            } else {
+                all = false;
+            }
         }
-        if !h.is_finished() {
-            return false;
-        }
-        let _ = h.join();
-        true
+        all
     }
 }
 
-impl Drop for IoThread {
+impl Drop for IoThreads {
     fn drop(&mut self) {
         self.stop();
     }
@@ -553,9 +682,15 @@ mod tests {
                 server,
                 queue: 1,
                 polled,
+                lane: 0,
             },
             ring,
         )
+    }
+
+    /// The threads' counters added up.
+    fn counters(t: &IoThreads) -> musubi_types::IoThreadCounters {
+        IoThreadStats::total(&t.stats()).unwrap()
     }
 
     /// An I/O thread serving one doorbell with `server`, polling `poll` after each event,
@@ -564,7 +699,7 @@ mod tests {
         server: Arc<dyn QueueServer>,
         control: &Arc<RunControl>,
         poll: Duration,
-    ) -> (IoThread, EventFd) {
+    ) -> (IoThreads, EventFd) {
         serving_polled(server, false, control, poll)
     }
 
@@ -574,14 +709,13 @@ mod tests {
         polled: bool,
         control: &Arc<RunControl>,
         poll: Duration,
-    ) -> (IoThread, EventFd) {
+    ) -> (IoThreads, EventFd) {
         let (n, ring) = doorbell(server, polled);
-        let t = IoThread::start(
-            vec![n],
-            Vec::new(),
+        let t = IoThreads::start(
+            Lane::deal(vec![n], Vec::new(), 1),
             control.clone(),
             SeccompMode::Off,
-            Arc::new(PauseGate::new(0, true)),
+            Arc::new(PauseGate::new(0, 1)),
             poll,
         )
         .unwrap();
@@ -590,7 +724,7 @@ mod tests {
 
     /// An I/O thread polling, in windows of `poll`, a queue with `chains` offered on it,
     /// woken once by its doorbell.
-    fn rung_with_chains(chains: u64, poll: Duration) -> (IoThread, Arc<Offered>) {
+    fn rung_with_chains(chains: u64, poll: Duration) -> (IoThreads, Arc<Offered>) {
         let control = Arc::new(RunControl::default());
         let offered = Arc::new(Offered::default());
         offered.chains.store(chains, Ordering::SeqCst);
@@ -618,7 +752,7 @@ mod tests {
             until(|| counting.0.load(Ordering::SeqCst) == k);
         }
         t.stop();
-        let c = t.stats().counters();
+        let c = counters(&t);
         assert_eq!(counting.0.load(Ordering::SeqCst), 3);
         // The first doorbell woke it; the two others and the stop were found polling.
         assert_eq!((c.wakeups, c.poll_hits, c.poll_misses), (1, 3, 0), "{c:?}");
@@ -629,7 +763,7 @@ mod tests {
     #[test]
     fn chains_on_a_polled_queue_are_taken_with_its_doorbell_off_until_the_thread_sleeps() {
         let (mut t, offered) = rung_with_chains(3, Duration::from_micros(200));
-        until(|| t.stats().counters().poll_misses == 1);
+        until(|| counters(&t).poll_misses == 1);
         assert_eq!(offered.taken.load(Ordering::SeqCst), 3);
         assert_eq!(
             *offered.doorbells.lock().unwrap(),
@@ -637,7 +771,7 @@ mod tests {
             "off for the window, on again before the sleep"
         );
         t.stop();
-        let c = t.stats().counters();
+        let c = counters(&t);
         assert_eq!(
             (c.ring_hits, c.poll_hits, c.poll_misses),
             (3, 3, 1),
@@ -652,7 +786,111 @@ mod tests {
         until(|| offered.taken.load(Ordering::SeqCst) == 1);
         t.stop();
         assert_eq!(*offered.doorbells.lock().unwrap(), [false, true]);
-        assert_eq!(t.stats().counters().ring_hits, 1);
+        assert_eq!(counters(&t).ring_hits, 1);
+    }
+
+    /// Blocks its pass until `release` is set, then counts it.
+    #[derive(Default)]
+    struct Held {
+        release: std::sync::atomic::AtomicBool,
+        served: AtomicU64,
+    }
+    impl QueueServer for Held {
+        fn serve(&self, _: u16) {
+            until(|| self.release.load(Ordering::SeqCst));
+            self.served.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn on_lane(lane: usize, server: Arc<dyn QueueServer>) -> (Notifier, EventFd) {
+        let (mut n, ring) = doorbell(server, false);
+        n.lane = lane;
+        (n, ring)
+    }
+
+    #[test]
+    fn doorbells_are_dealt_to_lanes_modulo_the_threads() {
+        let counting: Arc<dyn QueueServer> = Arc::new(Counting(AtomicU64::new(0)));
+        let four = || {
+            (0..4)
+                .map(|l| on_lane(l, counting.clone()).0)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(Lane::wanted(&four(), &[]), 4);
+        assert_eq!(Lane::wanted(&[], &[]), 0);
+        let lanes = Lane::deal(four(), Vec::new(), 2);
+        let asked: Vec<Vec<usize>> = lanes
+            .iter()
+            .map(|l| l.notifiers.iter().map(|n| n.lane).collect())
+            .collect();
+        assert_eq!(asked, [[0, 2], [1, 3]]);
+        assert_eq!(Lane::deal(four(), Vec::new(), 1).len(), 1);
+        assert!(
+            Lane::deal(Vec::new(), Vec::new(), 3).is_empty(),
+            "nothing to serve"
+        );
+        let one = vec![on_lane(0, counting.clone()).0];
+        assert_eq!(
+            Lane::deal(one, Vec::new(), 4).len(),
+            1,
+            "no thread for no lane"
+        );
+    }
+
+    #[test]
+    fn the_thread_count_is_bounded_by_the_lanes_and_the_spare_cpus() {
+        let fixed = |n| IoThreadCount::Fixed(std::num::NonZeroUsize::new(n).unwrap());
+        assert_eq!(fixed(4).threads(2, 1), 2, "never more than lanes");
+        assert_eq!(fixed(1).threads(4, 1), 1);
+        assert_eq!(
+            fixed(3).threads(4, 1000),
+            3,
+            "a count given is a count taken"
+        );
+        assert_eq!(
+            IoThreadCount::Auto.threads(4, 100_000),
+            1,
+            "no spare CPU: one"
+        );
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(IoThreadCount::Auto.threads(64, 0), cpus.min(64));
+        assert_eq!(IoThreadCount::Auto.threads(0, 0), 1);
+    }
+
+    #[test]
+    fn a_lane_is_served_while_another_lanes_pass_is_held() {
+        let control = Arc::new(RunControl::default());
+        let held = Arc::new(Held::default());
+        let counting = Arc::new(Counting(AtomicU64::new(0)));
+        let (slow, ring0) = on_lane(0, held.clone());
+        let (fast, ring1) = on_lane(1, counting.clone());
+        let mut t = IoThreads::start(
+            Lane::deal(vec![slow, fast], Vec::new(), 2),
+            control.clone(),
+            SeccompMode::Off,
+            Arc::new(PauseGate::new(0, 2)),
+            Duration::ZERO,
+        )
+        .unwrap();
+        assert_eq!(t.stats().len(), 2);
+        ring0.write(1).unwrap();
+        ring1.write(1).unwrap();
+        until(|| counting.0.load(Ordering::SeqCst) == 1);
+        assert_eq!(
+            counting.0.load(Ordering::SeqCst),
+            1,
+            "lane 1 waits for nobody"
+        );
+        assert_eq!(held.served.load(Ordering::SeqCst), 0, "lane 0 still held");
+        held.release.store(true, Ordering::SeqCst);
+        until(|| held.served.load(Ordering::SeqCst) == 1);
+        t.stop();
+        assert_eq!(held.served.load(Ordering::SeqCst), 1);
+        assert_eq!(t.served_counter().load(Ordering::SeqCst), 2, "both counted");
+        let each: Vec<u64> = t.stats().iter().map(|s| s.counters().wakeups).collect();
+        assert_eq!(each, [2, 2], "each woken by its doorbell and the stop");
+        assert_eq!(counters(&t).wakeups, 4);
+        assert!(!control.is_finished());
     }
 
     #[test]
@@ -683,9 +921,9 @@ mod tests {
         let counting = Arc::new(Counting(AtomicU64::new(0)));
         let (mut t, ring) = serving(counting.clone(), &control, Duration::from_micros(200));
         ring.write(1).unwrap();
-        until(|| t.stats().counters().poll_misses == 1);
+        until(|| counters(&t).poll_misses == 1);
         t.stop();
-        let c = t.stats().counters();
+        let c = counters(&t);
         assert_eq!(counting.0.load(Ordering::SeqCst), 1);
         // Woken by the doorbell, polled in vain, woken again by the stop.
         assert_eq!((c.wakeups, c.poll_hits, c.poll_misses), (2, 0, 1), "{c:?}");
@@ -703,7 +941,7 @@ mod tests {
         assert_eq!(t.served_counter().load(Ordering::SeqCst), 1);
         t.stop();
         assert!(!control.is_finished(), "a clean stop is no failure");
-        let c = t.stats().counters();
+        let c = counters(&t);
         assert_eq!(
             (c.wakeups, c.poll_hits, c.poll_misses, c.poll_ns),
             (2, 0, 0, 0)

@@ -51,6 +51,7 @@ pub use handle::{
     ControlError, DirtyLogError, JournalError, PmemLogError, RamReadError, SnapshotReport,
     StorageError, VmHandle,
 };
+pub use io_thread::IoThreadCount;
 pub use io_thread::DEFAULT_POLL as DEFAULT_IO_POLL;
 pub use metrics::MmioTarget;
 pub use persist::VcpuState;

@@ -8,7 +8,7 @@ use crate::config::VmConfig;
 use crate::control::Outcome;
 use crate::handle::{Shared, VmHandle};
 use crate::idle::IdleCheck;
-use crate::io_thread::IoThread;
+use crate::io_thread::IoThreads;
 use crate::metrics::{summarize, ExitSummary};
 use crate::vm::{BuildError, RunOptions, Vm};
 use crate::vstate::vcpu::{kick_signal, VcpuStatus};
@@ -89,7 +89,7 @@ pub struct RunningVm {
     pub(crate) shared: Arc<Shared>,
     pub(crate) statuses: Vec<Arc<VcpuStatus>>,
     pub(crate) request: Arc<AtomicU64>,
-    pub(crate) io_thread: Option<IoThread>,
+    pub(crate) io_threads: IoThreads,
     pub(crate) first_run: Arc<OnceLock<(Instant, u64)>>,
 }
 
@@ -154,10 +154,7 @@ impl RunningVm {
         );
         self.shared.gate.resume();
         let vcpus_left = stop_vcpus(threads, &self.shared.vcpu_ids);
-        let io_left = match self.io_thread.as_mut() {
-            Some(t) => !t.stop_within(STOP_LIMIT),
-            None => false,
-        };
+        let io_left = !self.io_threads.stop_within(STOP_LIMIT);
         let mut flush_errors = Vec::new();
         if vcpus_left.is_empty() && !io_left {
             flush_errors = self.vm.after_stop();

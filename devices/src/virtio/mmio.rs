@@ -352,6 +352,16 @@ impl MmioTransport {
         }
     }
 
+    /// See [`VirtioDevice::queue_lane`].
+    pub fn queue_lane(&self, index: u16) -> usize {
+        self.device.queue_lane(index)
+    }
+
+    /// See [`VirtioDevice::event_lane`].
+    pub fn event_lane(&self, index: usize) -> usize {
+        self.device.event_lane(index)
+    }
+
     /// See [`VirtioDevice::pollable`].
     pub fn pollable(&self, index: u16) -> bool {
         usize::from(index) < self.queues.len() && self.device.pollable(index)

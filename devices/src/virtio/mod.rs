@@ -151,6 +151,19 @@ pub trait VirtioDevice {
     /// on around the polling.
     fn set_polled(&mut self, _index: u16, _on: bool) {}
 
+    /// Which of the VMM's I/O threads should serve queue `index`'s doorbell, as a number
+    /// the VMM takes modulo the threads it has: queues whose work is unrelated (a net
+    /// device's queue pairs) then wait, wake and poll on threads of their own. Fixed for the
+    /// device's life.
+    fn queue_lane(&self, _index: u16) -> usize {
+        0
+    }
+
+    /// As [`VirtioDevice::queue_lane`], for event source `index` of `event_fds`.
+    fn event_lane(&self, _index: usize) -> usize {
+        0
+    }
+
     /// Makes everything the guest has written durable.
     fn flush(&mut self) -> io::Result<()> {
         Ok(())

@@ -1311,6 +1311,24 @@ impl VirtioDevice for Net {
         }
     }
 
+    /// Pair k's queues, and its backend below, go to lane k; the control queue and the
+    /// device-wide events (its resume eventfd, the limiters' timers) to lane 0.
+    fn queue_lane(&self, index: u16) -> usize {
+        let i = usize::from(index);
+        if i < 2 * self.pairs.len() {
+            i / 2
+        } else {
+            0
+        }
+    }
+
+    fn event_lane(&self, index: usize) -> usize {
+        match self.events.get(index) {
+            Some(Event::Backend(k)) => *k,
+            _ => 0,
+        }
+    }
+
     fn event_fds(&self) -> Vec<RawFd> {
         self.events
             .iter()

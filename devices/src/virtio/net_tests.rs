@@ -1155,6 +1155,21 @@ fn a_device_of_two_pairs_offers_mq_five_queues_and_its_pairs_in_config() {
 }
 
 #[test]
+fn each_pairs_doorbells_and_backend_ask_for_the_lane_of_that_pair() {
+    let (net, _peers) = mq_device(3);
+    let queues: Vec<usize> = (0..7).map(|q| net.queue_lane(q)).collect();
+    assert_eq!(
+        queues,
+        [0, 0, 1, 1, 2, 2, 0],
+        "pairs 0 to 2, then the control queue"
+    );
+    // Pair 0's backend, the resume eventfd, then pairs 1 and 2's backends.
+    let events: Vec<usize> = (0..4).map(|i| net.event_lane(i)).collect();
+    assert_eq!(events, [0, 0, 1, 2]);
+    assert_eq!(net.event_lane(9), 0, "no such event");
+}
+
+#[test]
 fn a_second_pair_receives_only_after_vq_pairs_set() {
     let mut s = mq_setup(2, 0);
     assert_eq!(s.r.ctrl_queue, 4);

@@ -67,7 +67,11 @@ impl Shared {
                 .transports
                 .iter()
                 .find_map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).rng_counters()),
-            io_thread: self.io_stats.as_ref().map(|s| s.counters()),
+            io_thread: crate::io_thread::IoThreadStats::total(&self.io_stats),
+            io_threads: match self.io_stats.len() {
+                0 | 1 => Vec::new(),
+                _ => self.io_stats.iter().map(|s| s.counters()).collect(),
+            },
             memory: MemoryUse {
                 backend: backend_name(self.ram.backend()),
                 vcpu_threads: self.ram.vcpu_threads(),

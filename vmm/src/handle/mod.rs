@@ -37,15 +37,15 @@ pub(crate) struct Shared {
     pub(crate) irqs: Vec<Arc<dyn IrqLine>>,
     pub(crate) names: Arc<crate::device_manager::MmioNames>,
     pub(crate) ioeventfd_served: Arc<AtomicU64>,
-    /// How the I/O thread waited, when the VM has one.
-    pub(crate) io_stats: Option<Arc<crate::io_thread::IoThreadStats>>,
+    /// How each I/O thread waited (none when the VM has nothing for one to serve).
+    pub(crate) io_stats: Vec<Arc<crate::io_thread::IoThreadStats>>,
     /// The rest is what pause, resume and snapshots need.
     pub(crate) gate: Arc<PauseGate>,
     /// What the VM is saved from.
     pub(crate) parts: VmParts,
     /// The vCPU threads: kicked to pause, taken out to be joined when the VM ends.
     pub(crate) vcpu_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
-    pub(crate) io_park: Option<Arc<vmm_sys_util::eventfd::EventFd>>,
+    pub(crate) io_park: Vec<Arc<vmm_sys_util::eventfd::EventFd>>,
     /// The KVM clock and each vCPU's TSC when the VM paused, set back on resume.
     pub(crate) paused_at: Mutex<Option<PausedAt>>,
     /// The network devices among the transports, in `--net` order.
@@ -122,7 +122,7 @@ impl Shared {
         for t in threads.iter() {
             let _ = t.kill(kick_signal());
         }
-        if let Some(bell) = &self.io_park {
+        for bell in &self.io_park {
             let _ = bell.write(1);
         }
     }

@@ -66,6 +66,8 @@ pub struct RunOptions {
     /// How long the I/O thread polls for its next event after each one before it sleeps
     /// (`run --io-poll`); zero sleeps at once.
     pub io_poll: Duration,
+    /// How many I/O threads serve the doorbells and device events (`run --io-threads`).
+    pub io_threads: crate::io_thread::IoThreadCount,
 }
 
 /// Fills the `--metrics` sections the VM's embedder counts (demand paging, migration, a

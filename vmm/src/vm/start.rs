@@ -2,7 +2,7 @@
 
 use super::Vm;
 use crate::handle::{PausedAt, Shared};
-use crate::io_thread::IoThread;
+use crate::io_thread::{IoThreads, Lane};
 use crate::persist::{Clock, Persist, PersistError, VmParts};
 use crate::running::RunningVm;
 use crate::vm::BuildError;
@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 impl Vm {
-    /// Starts the I/O thread (kernel exit path) and one thread per vCPU.
+    /// Starts the I/O threads (doorbells on the kernel exit path, device events on either)
+    /// and one thread per vCPU.
     pub fn start(mut self) -> Result<RunningVm, BuildError> {
         if self.awaits_state {
             return Err(PersistError::NoStateApplied.into());
@@ -23,33 +24,30 @@ impl Vm {
             .map_err(crate::device_manager::DeviceError::from)?;
         let notifiers = std::mem::take(&mut self.devices.notifiers);
         let device_events = std::mem::take(&mut self.devices.device_events);
-        // Device event sources (a TAP) need the thread on either exit path: only doorbells
+        // Device event sources (a TAP) need the threads on either exit path: only doorbells
         // move to the vCPU threads on the user path.
-        let needs_io = !notifiers.is_empty() || !device_events.is_empty();
-        let gate = Arc::new(PauseGate::new(self.vcpus.len(), needs_io));
+        let threads = self
+            .opts
+            .io_threads
+            .threads(Lane::wanted(&notifiers, &device_events), self.vcpus.len());
+        let lanes = Lane::deal(notifiers, device_events, threads);
+        let gate = Arc::new(PauseGate::new(self.vcpus.len(), lanes.len()));
         for (i, v) in self.vcpus.iter().enumerate() {
             if self.standby.contains(&v.id) {
                 gate.set_standby(i, true);
             }
         }
-        let io_thread = if !needs_io {
-            None
-        } else {
-            Some(
-                IoThread::start(
-                    notifiers,
-                    device_events,
-                    self.control.clone(),
-                    self.opts.seccomp,
-                    gate.clone(),
-                    self.opts.io_poll,
-                )
-                .map_err(|source| BuildError::Thread {
-                    what: "virtio I/O",
-                    source,
-                })?,
-            )
-        };
+        let io_threads = IoThreads::start(
+            lanes,
+            self.control.clone(),
+            self.opts.seccomp,
+            gate.clone(),
+            self.opts.io_poll,
+        )
+        .map_err(|source| BuildError::Thread {
+            what: "virtio I/O",
+            source,
+        })?;
         let shared = Arc::new(Shared {
             exits: self.exits,
             vcpu_ids: self.vcpus.iter().map(|v| v.id).collect(),
@@ -59,11 +57,8 @@ impl Vm {
             metrics: self.vcpus.iter().map(|_| Arc::default()).collect(),
             irqs: self.devices.irqs.clone(),
             names: self.devices.mmio_names.clone(),
-            ioeventfd_served: io_thread
-                .as_ref()
-                .map(|t| t.served_counter())
-                .unwrap_or_default(),
-            io_stats: io_thread.as_ref().map(|t| t.stats()),
+            ioeventfd_served: io_threads.served_counter(),
+            io_stats: io_threads.stats(),
             gate: gate.clone(),
             parts: VmParts::new(
                 self.kvm.shared_fd(),
@@ -72,7 +67,7 @@ impl Vm {
                 &self.layout,
             ),
             vcpu_threads: Mutex::new(Vec::new()),
-            io_park: io_thread.as_ref().map(|t| t.park_bell()),
+            io_park: io_threads.park_bells(),
             paused_at: Mutex::new(None),
             nets: self.devices.nets.clone(),
             journals: self.devices.journals.clone(),
@@ -138,7 +133,7 @@ impl Vm {
             shared,
             statuses,
             request,
-            io_thread,
+            io_threads,
             first_run,
         })
     }

@@ -55,7 +55,7 @@ pub enum PauseError {
 }
 
 impl PauseGate {
-    pub fn new(vcpus: usize, io_thread: bool) -> PauseGate {
+    pub fn new(vcpus: usize, io_threads: usize) -> PauseGate {
         PauseGate {
             state: Mutex::new(State {
                 jobs: (0..vcpus).map(|_| None).collect(),
@@ -63,7 +63,7 @@ impl PauseGate {
             }),
             changed: Condvar::new(),
             asked: AtomicBool::new(false),
-            members: vcpus + usize::from(io_thread),
+            members: vcpus + io_threads,
             standby: (0..vcpus).map(|_| AtomicBool::new(false)).collect(),
         }
     }
@@ -316,7 +316,7 @@ mod tests {
 
     #[test]
     fn a_pause_with_nobody_parking_times_out_and_is_taken_back() {
-        let gate = PauseGate::new(0, true);
+        let gate = PauseGate::new(0, 1);
         let control = RunControl::default();
         let e = gate
             .pause(&control, Duration::from_millis(30), || {})
@@ -337,7 +337,7 @@ mod tests {
 
     #[test]
     fn an_io_thread_parks_until_resumed() {
-        let gate = Arc::new(PauseGate::new(0, true));
+        let gate = Arc::new(PauseGate::new(0, 1));
         let control = Arc::new(RunControl::default());
         let (g, c) = (gate.clone(), control.clone());
         let io = std::thread::spawn(move || {
