@@ -698,20 +698,22 @@ fn a_tap_that_vanishes_mid_run_costs_packets_not_the_vmm() {
 /// saved), and the served connection count goes on from where it was.
 #[test]
 fn a_snapshot_restores_the_network_device_with_its_mac() {
-    snapshot_restores_net("snap", "");
+    snapshot_restores_net("snap", "", &[]);
 }
 
 /// The same with a TAP of two queue pairs: the device's five queues are saved and
 /// restored, and the TAP is made again with as many queues.
 #[test]
 fn a_snapshot_restores_a_network_device_of_two_queue_pairs() {
-    let saved = snapshot_restores_net("snapmq", ",num_queues=4");
+    // A thread per pair: the snapshot's pause parks both.
+    let saved = snapshot_restores_net("snapmq", ",num_queues=4", &["--io-threads", "2"]);
     assert_eq!(saved["net"][0]["num_queues"], 4, "{saved}");
 }
 
 /// Runs, snapshots and restores a VM whose `--net` spec has `more` added; returns the
 /// saved configuration.
-fn snapshot_restores_net(tag: &str, more: &str) -> serde_json::Value {
+/// With `extra` flags for both `run`s.
+fn snapshot_restores_net(tag: &str, more: &str, extra: &[&str]) -> serde_json::Value {
     let ns = Netns::new(tag);
     let net = format!("tap=tap0,ip=10.0.0.1,mask=255.255.255.0{more}");
     let dir = tempfile::tempdir().unwrap();
@@ -719,25 +721,23 @@ fn snapshot_restores_net(tag: &str, more: &str) -> serde_json::Value {
     let snap = dir.path().join("snap");
     let serial_arg = format!("file={}", serial.display());
     let cmdline = format!("probe.ip={GUEST}/24 probe.tasks=http-serve=8080,n=2");
-    let vm = start_command(
-        ns.command(MUSUBI),
-        &[
-            "run",
-            "--kernel",
-            "probe",
-            "--memory",
-            "128M",
-            "--cmdline",
-            &cmdline,
-            "--net",
-            &net,
-            "--api-socket",
-            socket.to_str().unwrap(),
-            "--serial",
-            &serial_arg,
-        ],
-        None,
-    );
+    let mut args = vec![
+        "run",
+        "--kernel",
+        "probe",
+        "--memory",
+        "128M",
+        "--cmdline",
+        &cmdline,
+        "--net",
+        &net,
+        "--api-socket",
+        socket.to_str().unwrap(),
+        "--serial",
+        &serial_arg,
+    ];
+    args.extend_from_slice(extra);
+    let vm = start_command(ns.command(MUSUBI), &args, None);
     let guard = KillOnPanic::new(&vm);
     let before = http_get_all(&ns, &["/before"]);
     assert!(before[0].1.contains("musubi probe: /before"), "{before:?}");
@@ -755,17 +755,15 @@ fn snapshot_restores_net(tag: &str, more: &str) -> serde_json::Value {
 
     let serial2 = dir.path().join("out2");
     let serial2_arg = format!("file={}", serial2.display());
-    let restored = start_command(
-        ns.command(MUSUBI),
-        &[
-            "run",
-            "--restore",
-            snap.to_str().unwrap(),
-            "--serial",
-            &serial2_arg,
-        ],
-        None,
-    );
+    let mut args = vec![
+        "run",
+        "--restore",
+        snap.to_str().unwrap(),
+        "--serial",
+        &serial2_arg,
+    ];
+    args.extend_from_slice(extra);
+    let restored = start_command(ns.command(MUSUBI), &args, None);
     let guard = KillOnPanic::new(&restored);
     let after = http_get_all(&ns, &["/after"]);
     let run = restored.finish(LIMIT);

@@ -894,6 +894,28 @@ mod tests {
     }
 
     #[test]
+    fn a_ring_poll_does_not_wait_for_a_device_another_thread_is_serving() {
+        use devices::virtio::rng::Rng;
+        use vm_memory::GuestAddress;
+        let mem = devices::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let irq = Arc::new(devices::EventFdIrq::new().unwrap());
+        let device = Box::new(Rng::new(None).unwrap());
+        let transport = Arc::new(Mutex::new(MmioTransport::new(device, mem, irq)));
+        let serving = transport.lock().unwrap();
+        let (done, answer) = std::sync::mpsc::channel();
+        let poller = transport.clone();
+        let t = std::thread::spawn(move || done.send(QueueServer::poll(&*poller, 0)).unwrap());
+        let took = answer.recv_timeout(Duration::from_secs(10));
+        drop(serving);
+        t.join().unwrap();
+        assert_eq!(
+            took,
+            Ok(false),
+            "answered while the lock was held, nothing taken"
+        );
+    }
+
+    #[test]
     fn the_window_closes_over_long_sleeps_and_reopens_after_short_ones() {
         let us = Duration::from_micros;
         let mut w = Window::new(us(50));
