@@ -112,10 +112,9 @@ pub struct Notifier {
 /// The doorbells and device events one I/O thread serves. A net device's queue pair k,
 /// its doorbells and its backend, asks for lane k, everything else for lane 0 (see
 /// `VirtioDevice::queue_lane`): with a thread per lane, each pair's thread waits, wakes
-/// and polls on its own. Serving still takes the device's lock, which the pairs share, so
-/// their passes over the rings take turns; a pass is short beside the guest's work on a
-/// frame, and a lane's waiting and polling were what one thread could not do for two
-/// pairs at once.
+/// and polls on its own, which one thread cannot do for two pairs at once. Serving still
+/// takes the device's lock, which the pairs share, so their passes over the rings take
+/// turns; a pass is short beside the guest's work on a frame.
 #[derive(Default)]
 pub struct Lane {
     pub notifiers: Vec<Notifier>,
