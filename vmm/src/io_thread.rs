@@ -160,8 +160,13 @@ pub enum IoThreadCount {
 }
 
 impl IoThreadCount {
-    /// Threads for `lanes` lanes asked for, on a VM of `vcpus` vCPUs.
+    /// Threads for `lanes` lanes asked for, on a VM of `vcpus` vCPUs. One lane or none
+    /// needs one thread whatever the host has, and is answered without asking the host
+    /// (its affinity and cgroup files), which every VM start would otherwise do.
     pub fn threads(self, lanes: usize, vcpus: usize) -> usize {
+        if lanes <= 1 {
+            return 1;
+        }
         let most = match self {
             IoThreadCount::Fixed(n) => n.get(),
             IoThreadCount::Auto => std::thread::available_parallelism()
