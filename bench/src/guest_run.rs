@@ -94,6 +94,7 @@ pub fn probe_in_process(
         timeout: Some(timeout),
         seccomp: vmm::seccomp::SeccompMode::Enforce,
         io_poll: vmm::DEFAULT_IO_POLL,
+        io_poll_hold: false,
         io_threads: vmm::IoThreadCount::Auto,
     };
     let report = vmm::run_vm(config, &opts).map_err(|e| e.to_string())?;

@@ -185,6 +185,10 @@ struct GuestCounts {
     packets: f64,
     kicks: f64,
     interrupts: f64,
+    /// The share of the task the guest's driver spent polling its rings or halted for the
+    /// device (its `spin_us` and `wait_us` over `us`): a vCPU thread that is busy throughout
+    /// may still be waiting for the host most of that time.
+    waiting: Option<f64>,
 }
 
 impl GuestCounts {
@@ -194,6 +198,14 @@ impl GuestCounts {
             packets: n("tx_packets")? + n("rx_packets")?,
             kicks: n("kicks")?,
             interrupts: n("interrupts")?,
+            // udp-echo gives its length in ns, tcp-send in us.
+            waiting: ratio(
+                n("spin_us")? + n("wait_us")?,
+                r["us"]
+                    .as_f64()
+                    .or_else(|| Some(r["ns"].as_f64()? / 1e3))
+                    .ok_or_else(|| format!("no us or ns in {r}"))?,
+            ),
         })
     }
 }
@@ -392,7 +404,8 @@ fn csv(runs: &NetRuns, missing: &Missing) -> Csv {
             vmm(|s| s.tcp_vmm, |v| v.doorbell_exits),
         )
         .measured("tcp_vcpu_busy", move |s| f3(s.tcp_busy.map(|b| b.vcpu)))
-        .measured("tcp_other_busy", move |s| f3(s.tcp_busy.map(|b| b.other)));
+        .measured("tcp_other_busy", move |s| f3(s.tcp_busy.map(|b| b.other)))
+        .measured("tcp_guest_waiting", move |s| f3(s.tcp_guest.waiting));
     for (name, load, count) in IO_COLUMNS {
         cols = cols.measured(name, vmm(load, count));
     }
@@ -420,6 +433,7 @@ fn print_table(configs: &[Vmm], sums: &[Sums]) {
         ">of it polling (udp / tcp)",
         ">I/O wake-ups/pkt (udp / tcp)",
         ">CPUs busy in tcp (vCPU / other)",
+        ">guest waiting in tcp",
     ]);
     let ceiling = ceiling(configs, sums);
     for (c, s) in configs.iter().zip(sums) {
@@ -448,6 +462,7 @@ fn print_table(configs: &[Vmm], sums: &[Sums]) {
             pair(s.udp_io_poll, s.tcp_io_poll),
             pair(s.udp_io_wakeups, s.tcp_io_wakeups),
             pair(s.tcp_vcpu_busy, s.tcp_other_busy),
+            med(s.tcp_guest_waiting, 2),
         ]);
     }
     println!();
@@ -484,8 +499,10 @@ medians over the runs. rounds/s, p50 and p99: the guest's udp-echo (answered rou
   poll windows took (CPU that bought the saved wake-ups); I/O wake-ups: its sleeps in
   epoll_wait that an event ended, per packet. Musubi only. CPUs busy in tcp: the CPU
   time of the VMM's vCPU threads and of its other threads (any VMM, read from /proc) from
-  the stream's connection to its last byte, over that time; a row whose vCPU threads
-  were busy throughout was bound by its guest, which every VMM runs alike.
+  the stream's connection to its last byte, over that time. guest waiting: the share of
+  the stream the guest's driver spent polling its rings or halted for the device (the
+  guest's own clock); the driver polls before it halts, so a vCPU thread busy throughout
+  whose guest waited most of the time was bound by the host side, not by its guest.
 ";
 
 /// Musubi's kernel path against the better peer, and its doorbell exits.
@@ -637,6 +654,7 @@ struct Sums {
     tcp_io_wakeups: Option<Summary>,
     tcp_vcpu_busy: Option<Summary>,
     tcp_other_busy: Option<Summary>,
+    tcp_guest_waiting: Option<Summary>,
     max_udp_doorbells: Option<f64>,
     max_tcp_doorbells: Option<f64>,
 }
@@ -672,6 +690,7 @@ impl Sums {
             tcp_io_wakeups: sum(&|x| x.tcp_vmm.and_then(|v| ratio(v.io_wakeups, v.packets))),
             tcp_vcpu_busy: sum(&|x| x.tcp_busy.map(|b| b.vcpu)),
             tcp_other_busy: sum(&|x| x.tcp_busy.map(|b| b.other)),
+            tcp_guest_waiting: sum(&|x| x.tcp_guest.waiting),
             max_udp_doorbells: max(&udp_doorbells),
             max_tcp_doorbells: max(&tcp_doorbells),
         }
@@ -842,6 +861,7 @@ fn no_vm_run(ns: &Netns, load: Load) -> Result<Sample, String> {
         packets: 0.0,
         kicks: 0.0,
         interrupts: 0.0,
+        waiting: None,
     };
     Ok(Sample {
         rounds: udp.rounds,

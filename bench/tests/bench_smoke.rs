@@ -707,6 +707,11 @@ fn bench_net_quick_runs_musubi_on_both_exit_paths_in_a_namespace_of_its_own() {
             let busy = value(col);
             assert!(busy.is_finite() && busy >= 0.0, "{col} {busy}: {row:?}");
         }
+        let waiting = value("tcp_guest_waiting");
+        assert!(
+            (0.0..=1.0).contains(&waiting),
+            "tcp_guest_waiting {waiting}: {row:?}"
+        );
         if path == "musubi-kernel" {
             assert_eq!(value("udp_doorbell_exits_per_packet"), 0.0, "{row:?}");
             assert_eq!(value("tcp_doorbell_exits_per_packet"), 0.0, "{row:?}");

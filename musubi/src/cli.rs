@@ -304,12 +304,16 @@ pub struct RunFlags {
     /// for the next one before it sleeps (at most 10ms; 0: never), with the transmit queues'
     /// doorbells off meanwhile: it finds the guest's frames on their rings, without a VM
     /// exit. The window grows after short idle spells and closes over long ones, so a quiet
-    /// VM is not polled for. Wake-ups and doorbells saved and CPU spent are all in --metrics
-    /// (`io_thread`). Polling takes a CPU other
-    /// threads may need: on a host with few CPUs, a VM streaming to a receiver that is
-    /// short of CPU there can go faster with 0.
+    /// VM is not polled for. A window also ends as soon as more tasks are runnable than the
+    /// host has CPUs (one waits for the CPU the poll holds), unless --io-poll-hold. Wake-ups
+    /// and doorbells saved, windows given up and CPU spent are all in --metrics
+    /// (`io_thread`).
     #[arg(long, value_name = "DURATION", default_value = "32us", value_parser = Own(io_poll))]
     pub io_poll: Duration,
+    /// Poll each --io-poll window to its end even while other tasks wait for a CPU: for a
+    /// host whose CPUs the VM has to itself, where a task that waits is one of its own.
+    #[arg(long)]
+    pub io_poll_hold: bool,
     /// I/O threads: `auto` or a number. A net device's queue pair k is served by thread k
     /// modulo the threads (its doorbells and its TAP queue), everything else by the first;
     /// each thread waits, wakes and polls on its own, and their passes over one device's
@@ -379,6 +383,7 @@ impl RunFlags {
             timeout: self.timeout,
             seccomp: self.seccomp,
             io_poll: self.io_poll,
+            io_poll_hold: self.io_poll_hold,
             io_threads: self.io_threads,
         }
     }
@@ -699,6 +704,8 @@ mod tests {
         let us = std::time::Duration::from_micros;
         assert_eq!(run(&["--io-poll=0"]).unwrap().run.io_poll, us(0));
         assert_eq!(run(&["--io-poll=1.5ms"]).unwrap().run.io_poll, us(1500));
+        assert!(!run(&[]).unwrap().run.io_poll_hold);
+        assert!(run(&["--io-poll-hold"]).unwrap().run.io_poll_hold);
     }
 
     #[test]

@@ -57,6 +57,7 @@ fn demo() -> Result<(), String> {
         timeout: Some(Duration::from_secs(300)),
         seccomp: vmm::seccomp::SeccompMode::Enforce,
         io_poll: vmm::DEFAULT_IO_POLL,
+        io_poll_hold: false,
         io_threads: vmm::IoThreadCount::Auto,
     };
     let report = vmm::run_vm(&config, &opts).map_err(|e| e.to_string())?;

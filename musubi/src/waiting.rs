@@ -522,6 +522,7 @@ pub fn run(
             timeout: None,
             seccomp,
             io_poll: vmm::DEFAULT_IO_POLL,
+            io_poll_hold: false,
             io_threads: vmm::IoThreadCount::Auto,
         },
         tx,

@@ -342,8 +342,9 @@ fn the_io_threads_poll_window_catches_the_echo_and_its_requests_without_doorbell
         &ns,
         &format!("udp-echo={HOST}:7777,n=200"),
         "kernel",
-        // Longer than a round trip on a loaded host, so most events are caught polling.
-        &["--metrics", &m, "--io-poll", "5ms"],
+        // Longer than a round trip on a loaded host, so most events are caught polling, and
+        // held to its end while the tests running beside this one wait for a CPU.
+        &["--metrics", &m, "--io-poll", "5ms", "--io-poll-hold"],
     );
     let run = vm.finish(LIMIT);
     assert_eq!(run.code, Some(0), "{}", run.explain());
@@ -357,6 +358,7 @@ fn the_io_threads_poll_window_catches_the_echo_and_its_requests_without_doorbell
     assert!(io.poll_hits >= 200 && io.poll_hits > io.wakeups, "{io:?}");
     assert!(io.wakeups <= io.poll_misses + 1, "{io:?}");
     assert!(io.poll_ns > 0 && io.cpu_ns > 0, "{io:?}");
+    assert_eq!(io.poll_yields, 0, "a held window gives up nothing: {io:?}");
     // The requests are found on the transmit ring, with its doorbell off while the thread
     // polls: most rounds cost the guest no doorbell, and no exit.
     let kicks = run.result("udp-echo")["kicks"].as_u64().unwrap();

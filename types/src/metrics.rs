@@ -205,6 +205,11 @@ pub struct IoThreadCounters {
     /// off: each saved the guest a doorbell, a VM exit.
     #[serde(default)]
     pub ring_hits: u64,
+    /// Of the misses, windows ended early because more tasks were runnable than the host
+    /// has CPUs: one waited for a CPU while the thread polled (`run --io-poll-hold` keeps
+    /// polling instead).
+    #[serde(default)]
+    pub poll_yields: u64,
     /// Time spent polling, in windows that found an event or not.
     pub poll_ns: u64,
     /// The thread's CPU time (user and system) up to its last sleep.

@@ -14,10 +14,12 @@
 //! sends without a VM exit.
 
 use crate::control::{panic_message, Outcome, RunControl};
+use crate::host_load::{self, HostLoad};
 use crate::seccomp::{SeccompMode, ThreadKind};
 use crate::vstate::pause::PauseGate;
 use devices::virtio::MmioTransport;
 use std::os::fd::{AsRawFd, RawFd};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -195,6 +197,28 @@ pub struct IoThreads {
     served: Arc<AtomicU64>,
 }
 
+/// How the threads poll after each event.
+#[derive(Clone, Debug)]
+pub struct Polling {
+    /// The window's bound (`--io-poll`; zero: never poll).
+    pub window: Duration,
+    /// The load file whose runnable count, above the CPUs online, ends a window early;
+    /// `None` (`--io-poll-hold`), or a file that does not read as one, polls each window
+    /// to its end.
+    pub load: Option<PathBuf>,
+}
+
+impl Polling {
+    /// Windows of up to `window`, ended early while another task waits for a CPU unless
+    /// `hold`.
+    pub fn new(window: Duration, hold: bool) -> Polling {
+        Polling {
+            window,
+            load: (!hold).then(|| host_load::HOST.into()),
+        }
+    }
+}
+
 /// The poll window's bound when none is asked for: QEMU's IOThreads poll up to 32,768 ns
 /// by default, adapting within it as [`Window`] does; a VM that is quiet costs nothing.
 pub const DEFAULT_POLL: Duration = Duration::from_micros(32);
@@ -208,6 +232,7 @@ pub struct IoThreadStats {
     poll_hits: AtomicU64,
     poll_misses: AtomicU64,
     ring_hits: AtomicU64,
+    poll_yields: AtomicU64,
     poll_ns: AtomicU64,
     cpu_ns: AtomicU64,
 }
@@ -224,6 +249,7 @@ impl IoThreadStats {
                 poll_hits: a.poll_hits + b.poll_hits,
                 poll_misses: a.poll_misses + b.poll_misses,
                 ring_hits: a.ring_hits + b.ring_hits,
+                poll_yields: a.poll_yields + b.poll_yields,
                 poll_ns: a.poll_ns + b.poll_ns,
                 cpu_ns: a.cpu_ns + b.cpu_ns,
             })
@@ -237,6 +263,7 @@ impl IoThreadStats {
             poll_hits: get(&self.poll_hits),
             poll_misses: get(&self.poll_misses),
             ring_hits: get(&self.ring_hits),
+            poll_yields: get(&self.poll_yields),
             poll_ns: get(&self.poll_ns),
             cpu_ns: get(&self.cpu_ns),
         }
@@ -267,7 +294,7 @@ impl IoThreads {
         control: Arc<RunControl>,
         seccomp: SeccompMode,
         gate: Arc<PauseGate>,
-        poll: Duration,
+        polling: Polling,
     ) -> std::io::Result<Self> {
         let mut threads = IoThreads {
             stop: EventFd::new(libc::EFD_NONBLOCK)?,
@@ -275,7 +302,7 @@ impl IoThreads {
             served: Arc::new(AtomicU64::new(0)),
         };
         for (k, lane) in lanes.into_iter().enumerate() {
-            let member = threads.spawn(k, lane, &control, seccomp, &gate, poll)?;
+            let member = threads.spawn(k, lane, &control, seccomp, &gate, &polling)?;
             threads.members.push(member);
         }
         Ok(threads)
@@ -288,12 +315,19 @@ impl IoThreads {
         control: &Arc<RunControl>,
         seccomp: SeccompMode,
         gate: &Arc<PauseGate>,
-        poll: Duration,
+        polling: &Polling,
     ) -> std::io::Result<Member> {
+        let poll = polling.window;
+        // Opened here: the thread's system-call filter lets it read a file, not open one.
+        let load = polling
+            .load
+            .as_deref()
+            .filter(|_| !poll.is_zero())
+            .and_then(HostLoad::open);
         let Lane {
             notifiers,
             events: device_events,
-        } = lane;
+        } = &lane;
         let park = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
         let epoll = Epoll::new()?;
         let stop_token = notifiers.len() as u64;
@@ -350,11 +384,11 @@ impl IoThreads {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let result = serve(
                     &epoll,
-                    &notifiers,
-                    &device_events,
+                    &lane,
                     stop_token,
                     &count,
                     &parking,
+                    Window::new(poll, load),
                     &waits,
                 );
                 waits.note_cpu();
@@ -440,15 +474,18 @@ struct Parking {
 /// Serves doorbells until the stop token fires; an error ends the thread.
 fn serve(
     epoll: &Epoll,
-    notifiers: &[Notifier],
-    device_events: &[DeviceEvent],
+    lane: &Lane,
     stop_token: u64,
     served: &AtomicU64,
     parking: &Parking,
+    mut window: Window,
     stats: &IoThreadStats,
 ) -> Result<(), IoThreadError> {
+    let Lane {
+        notifiers,
+        events: device_events,
+    } = lane;
     let mut events = vec![EpollEvent::default(); notifiers.len() + device_events.len() + 2];
-    let mut window = Window::new(stats.poll);
     // Set after each event while the window is open: until then look without sleeping.
     let mut poll_until: Option<Instant> = None;
     // When the thread last ran out of work: its idle time is the window it polled and the
@@ -462,7 +499,14 @@ fn serve(
         let n = match poll_until.take() {
             Some(until) => {
                 rings.doorbells(false);
-                match poll(epoll, &mut events, until, &rings.polled, stats)? {
+                match poll(
+                    epoll,
+                    &mut events,
+                    until,
+                    &rings.polled,
+                    &mut window.load,
+                    stats,
+                )? {
                     Found::Events(n) => n,
                     // Served where they were found; the window opens again below.
                     Found::Chains => 0,
@@ -567,14 +611,20 @@ enum Found {
 struct Window {
     max: Duration,
     now: Duration,
+    /// The host's runnable tasks, which end a window early (`poll`).
+    load: Option<HostLoad>,
 }
 
 impl Window {
     /// Where a closed window reopens.
     const START: Duration = Duration::from_micros(10);
 
-    fn new(max: Duration) -> Window {
-        Window { max, now: max }
+    fn new(max: Duration, load: Option<HostLoad>) -> Window {
+        Window {
+            max,
+            now: max,
+            load,
+        }
     }
 
     fn after_idle(&mut self, idle: Duration) {
@@ -590,11 +640,21 @@ impl Window {
 }
 
 /// Looks for events, and for chains on the `polled` queues, without sleeping until `until`.
+///
+/// With `load`, the window also ends, and the thread sleeps, as soon as more tasks are
+/// runnable than the host has CPUs: vhost-net ends its busy poll when another task needs
+/// the CPU (`need_resched`), which a user thread cannot see; the host's runnable count is
+/// the nearest it can read. Without it a window keeps the CPU from the very task the last
+/// write woke (the reader of a TCP stream, whose reads send the acknowledgements the guest
+/// waits for), and a stream on a host with no CPU to spare went slower polling than not.
+/// Yielding the CPU between looks instead hands it to a vCPU that spins in its guest for a
+/// whole time slice, and with no CPU to spare the thread then waits that long for its turn.
 fn poll(
     epoll: &Epoll,
     events: &mut [EpollEvent],
     until: Instant,
     polled: &[&Notifier],
+    load: &mut Option<HostLoad>,
     stats: &IoThreadStats,
 ) -> Result<Found, IoThreadError> {
     let started = Instant::now();
@@ -619,6 +679,10 @@ fn poll(
             break Found::Chains;
         }
         if look >= until {
+            break Found::Nothing;
+        }
+        if load.as_mut().is_some_and(HostLoad::oversubscribed) {
+            stats.poll_yields.fetch_add(1, Ordering::Relaxed);
             break Found::Nothing;
         }
         std::hint::spin_loop();
@@ -720,7 +784,7 @@ mod tests {
             control.clone(),
             SeccompMode::Off,
             Arc::new(PauseGate::new(0, 1)),
-            poll,
+            Polling::new(poll, true),
         )
         .unwrap();
         (t, ring)
@@ -873,7 +937,7 @@ mod tests {
             control.clone(),
             SeccompMode::Off,
             Arc::new(PauseGate::new(0, 2)),
-            Duration::ZERO,
+            Polling::new(Duration::ZERO, true),
         )
         .unwrap();
         assert_eq!(t.stats().len(), 2);
@@ -922,7 +986,7 @@ mod tests {
     #[test]
     fn the_window_closes_over_long_sleeps_and_reopens_after_short_ones() {
         let us = Duration::from_micros;
-        let mut w = Window::new(us(50));
+        let mut w = Window::new(us(50), None);
         w.after_idle(Duration::from_secs(1));
         assert_eq!(w.now, us(25));
         for _ in 0..10 {
@@ -936,7 +1000,7 @@ mod tests {
         assert_eq!(w.now, us(40));
         w.after_idle(us(30));
         assert_eq!(w.now, us(50), "never past --io-poll");
-        let mut off = Window::new(Duration::ZERO);
+        let mut off = Window::new(Duration::ZERO, None);
         off.after_idle(us(1));
         assert_eq!(off.now, Duration::ZERO, "no --io-poll, no polling");
     }
@@ -954,6 +1018,39 @@ mod tests {
         // Woken by the doorbell, polled in vain, woken again by the stop.
         assert_eq!((c.wakeups, c.poll_hits, c.poll_misses), (2, 0, 1), "{c:?}");
         assert!(c.poll_ns > 0, "{c:?}");
+    }
+
+    #[test]
+    fn a_window_ends_at_once_while_more_tasks_are_runnable_than_cpus() {
+        let dir = tempfile::tempdir().unwrap();
+        let load = dir.path().join("loadavg");
+        // More runnable tasks than any host has CPUs.
+        std::fs::write(&load, "9.00 9.00 9.00 100000/100000 7\n").unwrap();
+        let control = Arc::new(RunControl::default());
+        let counting = Arc::new(Counting(AtomicU64::new(0)));
+        let (n, ring) = doorbell(counting.clone(), false);
+        let mut t = IoThreads::start(
+            Lane::deal(vec![n], Vec::new(), 1),
+            control,
+            SeccompMode::Off,
+            Arc::new(PauseGate::new(0, 1)),
+            Polling {
+                window: Duration::from_secs(5),
+                load: Some(load),
+            },
+        )
+        .unwrap();
+        ring.write(1).unwrap();
+        // A window of 5 s that ran its course would outlast this wait.
+        until(|| counters(&t).poll_yields == 1);
+        t.stop();
+        let c = counters(&t);
+        assert_eq!(counting.0.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            (c.poll_misses, c.poll_yields, c.wakeups),
+            (1, 1, 2),
+            "{c:?}"
+        );
     }
 
     #[test]

@@ -25,6 +25,7 @@ mod exit;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod handle;
+mod host_load;
 mod idle;
 mod io_thread;
 mod irq;

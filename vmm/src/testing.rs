@@ -171,6 +171,7 @@ pub fn tiny_opts(capture_serial: bool) -> crate::RunOptions {
         timeout: Some(std::time::Duration::from_secs(60)),
         seccomp: crate::seccomp::SeccompMode::Enforce,
         io_poll: std::time::Duration::ZERO,
+        io_poll_hold: false,
         io_threads: crate::IoThreadCount::Auto,
     }
 }

@@ -288,6 +288,10 @@ pub struct VirtioNet {
     pub mac: [u8; 6],
     /// `SYS_NET_WAIT` calls.
     pub waits: u64,
+    /// TSC cycles spent polling the rings in `idle` and halted in `SYS_NET_WAIT`: what
+    /// of the task's time went to waiting for the host rather than to its own work.
+    pub spin_cycles: u64,
+    pub wait_cycles: u64,
     /// The task's deadline (TSC; 0: none) and how long to poll before waiting.
     pub deadline: u64,
     pub poll_us: u64,
@@ -471,6 +475,8 @@ impl VirtioNet {
             tx,
             mac,
             waits: 0,
+            spin_cycles: 0,
+            wait_cycles: 0,
             deadline: b.deadline,
             poll_us: b.poll_us,
             pair: b.pair,
@@ -528,10 +534,13 @@ impl VirtioNet {
         let spin = self.poll_us.min(max_us) * hz / 1_000_000;
         while ulib::rdtsc() - t0 < spin {
             if self.ready() {
+                self.spin_cycles += ulib::rdtsc() - t0;
                 return;
             }
             core::hint::spin_loop();
         }
+        let t1 = ulib::rdtsc();
+        self.spin_cycles += t1 - t0;
         self.tx.reclaim();
         let watch_tx = self.tx.full();
         // The kernel watches this pair's rings; an interrupt from another pair's receive
@@ -549,6 +558,7 @@ impl VirtioNet {
                 self.rx.ring.used_seen,
                 watch_tx.then_some(self.tx.ring.used_seen),
             );
+            self.wait_cycles += ulib::rdtsc() - t1;
         }
         self.set_rx_interrupts(false);
         self.tx.ring.set_interrupts(false);

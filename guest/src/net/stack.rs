@@ -112,6 +112,13 @@ impl<'a> Stack<'a> {
             ulib::net_interrupts() - self.irqs0
         );
         let d = &self.dev;
+        let us = |cycles: u64| (cycles as u128 * 1_000_000 / self.hz as u128) as u64;
+        let _ = write!(
+            l,
+            ",\"spin_us\":{},\"wait_us\":{}",
+            us(d.spin_cycles),
+            us(d.wait_cycles)
+        );
         let _ = write!(
             l,
             ",\"queue_pair\":{},\"queue_pairs\":{},\"max_queue_pairs\":{}",

@@ -66,6 +66,9 @@ pub struct RunOptions {
     /// How long the I/O thread polls for its next event after each one before it sleeps
     /// (`run --io-poll`); zero sleeps at once.
     pub io_poll: Duration,
+    /// Poll each window to its end even while another task waits for a CPU
+    /// (`run --io-poll-hold`).
+    pub io_poll_hold: bool,
     /// How many I/O threads serve the doorbells and device events (`run --io-threads`).
     pub io_threads: crate::io_thread::IoThreadCount,
 }

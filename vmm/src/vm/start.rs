@@ -2,7 +2,7 @@
 
 use super::Vm;
 use crate::handle::{PausedAt, Shared};
-use crate::io_thread::{IoThreads, Lane};
+use crate::io_thread::{IoThreads, Lane, Polling};
 use crate::persist::{Clock, Persist, PersistError, VmParts};
 use crate::running::RunningVm;
 use crate::vm::BuildError;
@@ -42,7 +42,7 @@ impl Vm {
             self.control.clone(),
             self.opts.seccomp,
             gate.clone(),
-            self.opts.io_poll,
+            Polling::new(self.opts.io_poll, self.opts.io_poll_hold),
         )
         .map_err(|source| BuildError::Thread {
             what: "virtio I/O",
