@@ -305,8 +305,8 @@ pub struct RunFlags {
     /// doorbells off meanwhile: it finds the guest's frames on their rings, without a VM
     /// exit. The window grows after short idle spells and closes over long ones, so a quiet
     /// VM is not polled for. A window also ends as soon as more tasks are runnable than the
-    /// host has CPUs (one waits for the CPU the poll holds), unless --io-poll-hold. Wake-ups
-    /// and doorbells saved, windows given up and CPU spent are all in --metrics
+    /// host has CPUs (one waits, perhaps for the CPU the poll holds), unless --io-poll-hold.
+    /// Wake-ups and doorbells saved, windows given up and CPU spent are all in --metrics
     /// (`io_thread`).
     #[arg(long, value_name = "DURATION", default_value = "32us", value_parser = Own(io_poll))]
     pub io_poll: Duration,

@@ -1041,7 +1041,7 @@ mod tests {
         )
         .unwrap();
         ring.write(1).unwrap();
-        // A window of 5 s that ran its course would outlast this wait.
+        // A window that ran its course would have ended as a miss with no yield counted.
         until(|| counters(&t).poll_yields == 1);
         t.stop();
         let c = counters(&t);
