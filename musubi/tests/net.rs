@@ -712,9 +712,8 @@ fn a_snapshot_restores_a_network_device_of_two_queue_pairs() {
     assert_eq!(saved["net"][0]["num_queues"], 4, "{saved}");
 }
 
-/// Runs, snapshots and restores a VM whose `--net` spec has `more` added; returns the
-/// saved configuration.
-/// With `extra` flags for both `run`s.
+/// Runs, snapshots and restores a VM whose `--net` spec has `more` added, with `extra`
+/// flags for both `run`s; returns the saved configuration.
 fn snapshot_restores_net(tag: &str, more: &str, extra: &[&str]) -> serde_json::Value {
     let ns = Netns::new(tag);
     let net = format!("tap=tap0,ip=10.0.0.1,mask=255.255.255.0{more}");

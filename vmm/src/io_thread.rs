@@ -778,13 +778,23 @@ mod tests {
         control: &Arc<RunControl>,
         poll: Duration,
     ) -> (IoThreads, EventFd) {
+        serving_with(server, polled, control, Polling::new(poll, true))
+    }
+
+    /// As `serving_polled`, polling as `polling` says.
+    fn serving_with(
+        server: Arc<dyn QueueServer>,
+        polled: bool,
+        control: &Arc<RunControl>,
+        polling: Polling,
+    ) -> (IoThreads, EventFd) {
         let (n, ring) = doorbell(server, polled);
         let t = IoThreads::start(
             Lane::deal(vec![n], Vec::new(), 1),
             control.clone(),
             SeccompMode::Off,
             Arc::new(PauseGate::new(0, 1)),
-            Polling::new(poll, true),
+            polling,
         )
         .unwrap();
         (t, ring)
@@ -1028,18 +1038,11 @@ mod tests {
         std::fs::write(&load, "9.00 9.00 9.00 100000/100000 7\n").unwrap();
         let control = Arc::new(RunControl::default());
         let counting = Arc::new(Counting(AtomicU64::new(0)));
-        let (n, ring) = doorbell(counting.clone(), false);
-        let mut t = IoThreads::start(
-            Lane::deal(vec![n], Vec::new(), 1),
-            control,
-            SeccompMode::Off,
-            Arc::new(PauseGate::new(0, 1)),
-            Polling {
-                window: Duration::from_secs(5),
-                load: Some(load),
-            },
-        )
-        .unwrap();
+        let polling = Polling {
+            window: Duration::from_secs(5),
+            load: Some(load),
+        };
+        let (mut t, ring) = serving_with(counting.clone(), false, &control, polling);
         ring.write(1).unwrap();
         // A window that ran its course would have ended as a miss with no yield counted.
         until(|| counters(&t).poll_yields == 1);
