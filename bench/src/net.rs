@@ -185,9 +185,9 @@ struct GuestCounts {
     packets: f64,
     kicks: f64,
     interrupts: f64,
-    /// The share of the task the guest's driver spent polling its rings or halted for the
-    /// device (its `spin_us` and `wait_us` over `us`): a vCPU thread that is busy throughout
-    /// may still be waiting for the host most of that time.
+    /// The share of the stream the guest's driver spent polling its rings or halted for
+    /// the device (`tcp-send`'s `waited_us` over `us`; none for other tasks): a vCPU thread
+    /// that is busy throughout may still be waiting for the host most of that time.
     waiting: Option<f64>,
 }
 
@@ -198,14 +198,10 @@ impl GuestCounts {
             packets: n("tx_packets")? + n("rx_packets")?,
             kicks: n("kicks")?,
             interrupts: n("interrupts")?,
-            // udp-echo gives its length in ns, tcp-send in us.
-            waiting: ratio(
-                n("spin_us")? + n("wait_us")?,
-                r["us"]
-                    .as_f64()
-                    .or_else(|| Some(r["ns"].as_f64()? / 1e3))
-                    .ok_or_else(|| format!("no us or ns in {r}"))?,
-            ),
+            waiting: r["waited_us"]
+                .as_f64()
+                .zip(r["us"].as_f64())
+                .and_then(|(waited, us)| ratio(waited, us)),
         })
     }
 }

@@ -493,6 +493,11 @@ impl VirtioNet {
         }
     }
 
+    /// TSC cycles polled or halted for the device so far (`spin_cycles`, `wait_cycles`).
+    pub fn waited_cycles(&self) -> u64 {
+        self.spin_cycles + self.wait_cycles
+    }
+
     pub fn kicks(&self) -> u64 {
         let others: u64 = self.others.iter().flatten().map(|r| r.ring.kicks).sum();
         self.rx.ring.kicks + self.tx.ring.kicks + others

@@ -59,7 +59,12 @@ impl<'a> Stack<'a> {
     }
 
     pub fn us_since(&self, tsc: u64) -> u64 {
-        ((ulib::rdtsc() - tsc) as u128 * 1_000_000 / self.hz as u128) as u64
+        self.us_of(ulib::rdtsc() - tsc)
+    }
+
+    /// `cycles` of the TSC in microseconds.
+    pub fn us_of(&self, cycles: u64) -> u64 {
+        (cycles as u128 * 1_000_000 / self.hz as u128) as u64
     }
 
     /// Moves every packet that can move now, then notifies the device once for the lot.
@@ -112,12 +117,11 @@ impl<'a> Stack<'a> {
             ulib::net_interrupts() - self.irqs0
         );
         let d = &self.dev;
-        let us = |cycles: u64| (cycles as u128 * 1_000_000 / self.hz as u128) as u64;
         let _ = write!(
             l,
             ",\"spin_us\":{},\"wait_us\":{}",
-            us(d.spin_cycles),
-            us(d.wait_cycles)
+            self.us_of(d.spin_cycles),
+            self.us_of(d.wait_cycles)
         );
         let _ = write!(
             l,

@@ -278,6 +278,8 @@ pub extern "C" fn udp_echo(buf: u64, len: u64, param: u64) -> ! {
 pub(super) struct Flow {
     pub acked: u64,
     pub us: u64,
+    /// Of `us`, the time the driver polled its rings or was halted for the device.
+    pub waited_us: u64,
     pub error: Option<&'static str>,
 }
 
@@ -286,6 +288,7 @@ pub(super) struct Flow {
 /// cleanly too.
 pub(super) fn send_flow(net: &mut Stack, h: SocketHandle, p: &Params, port: u16) -> Flow {
     let t0 = ulib::rdtsc();
+    let waited0 = net.dev.waited_cycles();
     let cx = net.iface.context();
     if net
         .sockets
@@ -296,6 +299,7 @@ pub(super) fn send_flow(net: &mut Stack, h: SocketHandle, p: &Params, port: u16)
         return Flow {
             acked: 0,
             us: 0,
+            waited_us: 0,
             error: Some("cannot connect"),
         };
     }
@@ -349,6 +353,7 @@ pub(super) fn send_flow(net: &mut Stack, h: SocketHandle, p: &Params, port: u16)
         net.idle(TCP_STALL_MS * 1000);
     };
     let us = net.us_since(t0).max(1);
+    let waited_us = net.us_of(net.dev.waited_cycles() - waited0);
     let acked = sent - net.sockets.get_mut::<tcp::Socket>(h).send_queue() as u64;
     if error.is_none() {
         // Acknowledge the host's FIN, so the host side closes cleanly too.
@@ -356,7 +361,12 @@ pub(super) fn send_flow(net: &mut Stack, h: SocketHandle, p: &Params, port: u16)
             net.sockets.get_mut::<tcp::Socket>(h).state() == State::TimeWait
         });
     }
-    Flow { acked, us, error }
+    Flow {
+        acked,
+        us,
+        waited_us,
+        error,
+    }
 }
 
 /// A rate in Mbit/s with one decimal, as `(whole, tenths)`.
@@ -394,8 +404,8 @@ pub extern "C" fn tcp_send(buf: u64, len: u64, param: u64) -> ! {
     let mut l = Line::new();
     let _ = write!(
         l,
-        "{{\"probe\":\"{}\",\"ok\":true,\"bytes\":{},\"mbit_per_s\":{}.{},\"us\":{},",
-        NAME, total, whole, tenths, f.us
+        "{{\"probe\":\"{}\",\"ok\":true,\"bytes\":{},\"mbit_per_s\":{}.{},\"us\":{},\"waited_us\":{},",
+        NAME, total, whole, tenths, f.us, f.waited_us
     );
     net.counters(&mut l);
     l.push("}\n");
